@@ -1,0 +1,59 @@
+"""`kvwatt` command line. Each command lives in its own module exposing add_arguments(parser) and
+main(args) -> exit status; this file only wires them. Bad input anywhere: one line on stderr, exit 2."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from exporter import __version__
+from exporter.config import ConfigError
+
+# command path -> (module, one-line help). Sub-commands of "baseline" are "baseline idle" etc.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "run": ("exporter.daemon", "run the daemon: sample vLLM, NVML and RAPL and serve /metrics"),
+    "check-config": ("exporter.checkconfig", "validate a configuration file (exit 2 on the first problem)"),
+    "baseline idle": ("exporter.energy.idle_command", "measure the idle power baseline now and persist it"),
+    "baseline record": ("exporter.offload.record_command",
+                        "record an OFF-condition profile (J/token, tokens/s by KV-pressure band)"),
+    "replay": ("exporter.replay.command", "replay agentic traces against an OpenAI-compatible server"),
+    "experiment": ("exporter.experiment.command", "run a paired ON/OFF experiment plan and write its report"),
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit 2 (argparse prints usage too; keep it short)
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="kvwatt", description=__doc__.split("\n")[0])
+    parser.add_argument("--version", action="version", version=f"kvwatt {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    groups: dict[str, argparse._SubParsersAction] = {}
+    for path, (module_name, help_) in COMMANDS.items():
+        head, _, tail = path.partition(" ")
+        if tail:
+            if head not in groups:
+                g = sub.add_parser(head, help=f"{head} commands")
+                groups[head] = g.add_subparsers(dest=f"{head}_command", required=True, parser_class=_Parser)
+            p = groups[head].add_parser(tail, help=help_, description=help_)
+        else:
+            p = sub.add_parser(head, help=help_, description=help_)
+        module = importlib.import_module(module_name)
+        module.add_arguments(p)
+        p.set_defaults(_main=module.main)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args._main(args) or 0)
+    except ConfigError as e:
+        print(f"kvwatt: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130

@@ -1,0 +1,353 @@
+"""Configuration: YAML file, then environment, then flags (each overrides the one before).
+
+Every key is validated; a bad one raises ConfigError whose message names the key and the problem, and the
+CLI turns that into one line on stderr and exit status 2. docs/configuration.md lists every key; a test keeps
+that page in step with ``KEYS`` below.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field, replace
+from typing import Any
+from urllib.parse import urlparse
+
+import yaml
+
+DEFAULT_SERVER_URL = "http://127.0.0.1:8000"
+DEFAULT_LISTEN = "0.0.0.0:8492"
+
+
+class ConfigError(ValueError):
+    """Bad configuration or bad command-line input: one line, exit status 2."""
+
+
+_DURATION_RE = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m|h)?$")
+_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
+
+
+def parse_duration(value: Any, key: str) -> float:
+    """'90s', '5m', '1.5h', 30 -> seconds. Raises ConfigError naming ``key``."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{key}: expected a duration like 30s or 5m, got {value!r}")
+    if isinstance(value, (int, float)):
+        seconds = float(value)
+    else:
+        m = _DURATION_RE.match(str(value).strip())
+        if not m:
+            raise ConfigError(f"{key}: expected a duration like 30s or 5m, got {value!r}")
+        seconds = float(m.group(1)) * _UNITS[m.group(2)]
+    if not seconds > 0:
+        raise ConfigError(f"{key}: must be greater than zero, got {value!r}")
+    return seconds
+
+
+def format_window(seconds: float) -> str:
+    """Label value for a window: 60 -> '1m', 300 -> '5m', 90 -> '90s'."""
+    s = int(round(seconds))
+    if s % 3600 == 0:
+        return f"{s // 3600}h"
+    if s % 60 == 0:
+        return f"{s // 60}m"
+    return f"{s}s"
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    name: str
+    url: str
+    gpus: tuple[str, ...] = ()  # GPU indices or UUIDs; empty = all GPUs when this is the only server
+    reference_local_compute_share: float | None = None
+    model_config_path: str | None = None  # HF config.json for kappa_crit / break-even
+    model: dict[str, float] = field(default_factory=dict)  # layers, kv_heads, head_dim, dtype_bytes, ...
+    hardware: dict[str, float] = field(default_factory=dict)  # flops_per_second, host_device_bytes_per_second
+    pair_off_server: str | None = None  # paired dE%: the OFF twin of this (ON) server
+    recorded_baseline_path: str | None = None  # OFF profile from `kvwatt baseline record`
+
+
+@dataclass(frozen=True)
+class Config:
+    servers: tuple[ServerConfig, ...] = ()
+    listen: str = DEFAULT_LISTEN
+    interval_seconds: float = 1.0
+    windows_seconds: tuple[float, ...] = (60.0, 300.0)
+    kv_pressure_threshold_ratio: float = 0.90
+    preemption_onset_per_minute: float = 0.5
+    http_timeout_seconds: float = 2.0
+    max_body_bytes: int = 8 * 1024 * 1024
+    state_dir: str = "/var/lib/kvwatt"
+    powercap_root: str = "/sys/class/powercap"
+    nvml_enabled: bool = True
+    idle_settle_seconds: float = 30.0
+    idle_min_seconds: float = 30.0
+    min_load_seconds: float = 30.0
+    idle_power_watts: dict[str, float] = field(default_factory=dict)  # device id -> W (override)
+    p99_tool_latency_seconds: float = 20.0
+    buffer_headroom: float = 1.5
+    collapse_throughput_drop_ratio: float = 0.2
+    collapse_power_near_idle_ratio: float = 1.25
+    collapse_reference_seconds: float = 600.0
+    load_to_compute_cost_ratio: float = 0.1
+
+    @property
+    def host(self) -> str:
+        return self.listen.rsplit(":", 1)[0]
+
+    @property
+    def port(self) -> int:
+        return int(self.listen.rsplit(":", 1)[1])
+
+    def server(self, name: str) -> ServerConfig:
+        for s in self.servers:
+            if s.name == name:
+                return s
+        raise KeyError(name)
+
+
+# key -> (field name, parser). Parsers take (value, key) and raise ConfigError.
+def _float_range(lo: float, hi: float | None = None, lo_open: bool = False):
+    def parse(value: Any, key: str) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
+        v = float(value)
+        if v != v or (v <= lo if lo_open else v < lo) or (hi is not None and v > hi):
+            bound = f"> {lo}" if lo_open else f">= {lo}"
+            rng = f"{bound}" + (f" and <= {hi}" if hi is not None else "")
+            raise ConfigError(f"{key}: must be {rng}, got {value!r}")
+        return v
+    return parse
+
+
+def _int_pos(value: Any, key: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"{key}: expected a positive integer, got {value!r}")
+    return value
+
+
+def _bool(value: Any, key: str) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{key}: expected true or false, got {value!r}")
+    return value
+
+
+def _str(value: Any, key: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{key}: expected a non-empty string, got {value!r}")
+    return value
+
+
+def parse_listen(value: Any, key: str) -> str:
+    text = _str(value, key)
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"{key}: expected HOST:PORT with a port in 1-65535, got {value!r}")
+    return text
+
+
+def parse_url(value: Any, key: str) -> str:
+    text = _str(value, key)
+    u = urlparse(text)
+    if u.scheme not in ("http", "https") or not u.netloc:
+        raise ConfigError(f"{key}: expected an http(s) URL of the vLLM server root, got {value!r}")
+    return text.rstrip("/")
+
+
+def _windows(value: Any, key: str) -> tuple[float, ...]:
+    if not isinstance(value, list) or not value:
+        raise ConfigError(f"{key}: expected a list of durations like [1m, 5m], got {value!r}")
+    out = tuple(parse_duration(v, f"{key}[{i}]") for i, v in enumerate(value))
+    if len({format_window(w) for w in out}) != len(out):
+        raise ConfigError(f"{key}: windows must be distinct, got {value!r}")
+    return out
+
+
+def _watts_map(value: Any, key: str) -> dict[str, float]:
+    if not isinstance(value, dict):
+        raise ConfigError(f"{key}: expected a mapping of device to watts, got {value!r}")
+    return {str(k): _float_range(0.0)(v, f"{key}.{k}") for k, v in value.items()}
+
+
+KEYS: dict[str, tuple[str, Any]] = {
+    "listen": ("listen", parse_listen),
+    "interval": ("interval_seconds", lambda v, k: _checked_interval(parse_duration(v, k), k)),
+    "windows": ("windows_seconds", _windows),
+    "kv_pressure_threshold": ("kv_pressure_threshold_ratio", _float_range(0.0, 1.0, lo_open=True)),
+    "preemption_onset_per_minute": ("preemption_onset_per_minute", _float_range(0.0, lo_open=True)),
+    "http_timeout": ("http_timeout_seconds", parse_duration),
+    "max_body_bytes": ("max_body_bytes", _int_pos),
+    "state_dir": ("state_dir", _str),
+    "powercap_root": ("powercap_root", _str),
+    "nvml": ("nvml_enabled", _bool),
+    "idle_settle": ("idle_settle_seconds", parse_duration),
+    "idle_min_duration": ("idle_min_seconds", parse_duration),
+    "min_load_duration": ("min_load_seconds", parse_duration),
+    "idle_power_watts": ("idle_power_watts", _watts_map),
+    "p99_tool_latency": ("p99_tool_latency_seconds", parse_duration),
+    "buffer_headroom": ("buffer_headroom", _float_range(1.0)),
+    "collapse_throughput_drop_ratio": ("collapse_throughput_drop_ratio", _float_range(0.0, 1.0, lo_open=True)),
+    "collapse_power_near_idle_ratio": ("collapse_power_near_idle_ratio", _float_range(1.0)),
+    "collapse_reference_window": ("collapse_reference_seconds", parse_duration),
+    "load_to_compute_cost_ratio": ("load_to_compute_cost_ratio", _float_range(0.0)),
+    "servers": ("servers", None),  # parsed by _servers
+}
+
+SERVER_KEYS = {
+    "name": "name",
+    "url": "url",
+    "gpus": "gpus",
+    "reference_local_compute_share": "reference_local_compute_share",
+    "model_config": "model_config_path",
+    "model": "model",
+    "hardware": "hardware",
+    "pair_off_server": "pair_off_server",
+    "recorded_baseline": "recorded_baseline_path",
+}
+
+MODEL_KEYS = ("layers", "kv_heads", "head_dim", "dtype_bytes", "active_parameters", "hidden_size")
+HARDWARE_KEYS = ("flops_per_second", "host_device_bytes_per_second", "gpu_model")
+
+
+def _checked_interval(seconds: float, key: str) -> float:
+    if seconds < 0.05 or seconds > 60:
+        raise ConfigError(f"{key}: must be between 50ms and 60s, got {seconds}s")
+    return seconds
+
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9_.:-]+$")
+
+
+def _server(item: Any, key: str) -> ServerConfig:
+    if not isinstance(item, dict):
+        raise ConfigError(f"{key}: expected a mapping with name and url, got {item!r}")
+    for k in item:
+        if k not in SERVER_KEYS:
+            raise ConfigError(f"{key}.{k}: unknown key (known: {', '.join(SERVER_KEYS)})")
+    for required in ("name", "url"):
+        if required not in item:
+            raise ConfigError(f"{key}.{required}: missing")
+    name = _str(item["name"], f"{key}.name")
+    if not _NAME_RE.match(name):
+        raise ConfigError(f"{key}.name: use letters, digits, '_', '-', '.', ':' only, got {name!r}")
+    kw: dict[str, Any] = {"name": name, "url": parse_url(item["url"], f"{key}.url")}
+    if "gpus" in item:
+        gpus = item["gpus"]
+        if not isinstance(gpus, list) or not all(isinstance(g, (int, str)) and not isinstance(g, bool) for g in gpus):
+            raise ConfigError(f"{key}.gpus: expected a list of GPU indices or UUIDs, got {gpus!r}")
+        kw["gpus"] = tuple(str(g) for g in gpus)
+    if "reference_local_compute_share" in item:
+        kw["reference_local_compute_share"] = _float_range(0.0, 1.0)(
+            item["reference_local_compute_share"], f"{key}.reference_local_compute_share")
+    for k in ("model_config", "pair_off_server", "recorded_baseline"):
+        if k in item:
+            kw[SERVER_KEYS[k]] = _str(item[k], f"{key}.{k}")
+    kw["model"] = _numbers(item.get("model", {}), f"{key}.model", MODEL_KEYS)
+    kw["hardware"] = _numbers(item.get("hardware", {}), f"{key}.hardware", HARDWARE_KEYS)
+    return ServerConfig(**kw)
+
+
+def _numbers(value: Any, key: str, allowed: tuple[str, ...]) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+    out: dict[str, Any] = {}
+    for k, v in value.items():
+        if k not in allowed:
+            raise ConfigError(f"{key}.{k}: unknown key (known: {', '.join(allowed)})")
+        if k == "gpu_model":
+            out[k] = _str(v, f"{key}.{k}")
+        else:
+            out[k] = _float_range(0.0, lo_open=True)(v, f"{key}.{k}")
+    return out
+
+
+def _servers(value: Any, key: str = "servers") -> tuple[ServerConfig, ...]:
+    if not isinstance(value, list):
+        raise ConfigError(f"{key}: expected a list of servers, got {value!r}")
+    servers = tuple(_server(item, f"{key}[{i}]") for i, item in enumerate(value))
+    names = [s.name for s in servers]
+    dup = {n for n in names if names.count(n) > 1}
+    if dup:
+        raise ConfigError(f"{key}: duplicate server name {sorted(dup)[0]!r}")
+    for i, s in enumerate(servers):
+        if s.pair_off_server and s.pair_off_server not in names:
+            raise ConfigError(f"{key}[{i}].pair_off_server: no server named {s.pair_off_server!r}")
+    return servers
+
+
+def from_mapping(data: Any, base: Config | None = None) -> Config:
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"(top level): expected a mapping of keys, got {type(data).__name__}")
+    kw: dict[str, Any] = {}
+    for key, value in data.items():
+        if key not in KEYS:
+            raise ConfigError(f"{key}: unknown key (known: {', '.join(KEYS)})")
+        field_name, parser = KEYS[key]
+        kw[field_name] = _servers(value) if key == "servers" else parser(value, key)
+    return replace(base or Config(), **kw)
+
+
+def load_file(path: str) -> Config:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read ({e.strerror})") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        raise ConfigError(f"{path}:{where} not valid YAML ({getattr(e, 'problem', e)})") from None
+    return from_mapping(data)
+
+
+def parse_server_flag(text: str, key: str = "--server") -> ServerConfig:
+    name, sep, url = text.partition("=")
+    if not sep or not name:
+        raise ConfigError(f"{key}: expected NAME=URL, got {text!r}")
+    return _server({"name": name, "url": url}, f"{key} {name}")
+
+
+def apply_environment(cfg: Config, env: dict[str, str] | None = None) -> Config:
+    """KVWATT_LISTEN, KVWATT_INTERVAL, KVWATT_SERVERS ("a=URL,b=URL"), KVWATT_STATE_DIR, KVWATT_POWERCAP_ROOT."""
+    env = os.environ if env is None else env
+    kw: dict[str, Any] = {}
+    if env.get("KVWATT_LISTEN"):
+        kw["listen"] = parse_listen(env["KVWATT_LISTEN"], "KVWATT_LISTEN")
+    if env.get("KVWATT_INTERVAL"):
+        kw["interval_seconds"] = _checked_interval(parse_duration(env["KVWATT_INTERVAL"], "KVWATT_INTERVAL"),
+                                                   "KVWATT_INTERVAL")
+    if env.get("KVWATT_SERVERS"):
+        kw["servers"] = _servers([{"name": n, "url": u} for n, u in
+                                  (p.partition("=")[::2] for p in env["KVWATT_SERVERS"].split(","))],
+                                 "KVWATT_SERVERS")
+    if env.get("KVWATT_STATE_DIR"):
+        kw["state_dir"] = env["KVWATT_STATE_DIR"]
+    if env.get("KVWATT_POWERCAP_ROOT"):
+        kw["powercap_root"] = env["KVWATT_POWERCAP_ROOT"]
+    return replace(cfg, **kw)
+
+
+def resolve(config_path: str | None, servers: list[str] | None = None, listen: str | None = None,
+            interval: str | None = None, env: dict[str, str] | None = None, **overrides: Any) -> Config:
+    """File < environment < flags. With no server anywhere, watch DEFAULT_SERVER_URL as 'default'."""
+    env = os.environ if env is None else env
+    path = config_path or env.get("KVWATT_CONFIG")
+    cfg = load_file(path) if path else Config()
+    cfg = apply_environment(cfg, env)
+    kw: dict[str, Any] = {k: v for k, v in overrides.items() if v is not None}
+    if servers:
+        kw["servers"] = _servers([{"name": s.name, "url": s.url} for s in map(parse_server_flag, servers)],
+                                 "--server")
+        # keep per-server settings from the file for servers named the same
+        by_name = {s.name: s for s in cfg.servers}
+        kw["servers"] = tuple(replace(by_name[s.name], url=s.url) if s.name in by_name else s
+                              for s in kw["servers"])
+    if listen:
+        kw["listen"] = parse_listen(listen, "--listen")
+    if interval:
+        kw["interval_seconds"] = _checked_interval(parse_duration(interval, "--interval"), "--interval")
+    cfg = replace(cfg, **kw)
+    if not cfg.servers:
+        cfg = replace(cfg, servers=(ServerConfig(name="default", url=DEFAULT_SERVER_URL),))
+    return cfg

@@ -1,0 +1,87 @@
+"""What sources produce and what the window store keeps. Plain data, no behaviour.
+
+Time is one monotonic clock: every source of a tick is read at the same tick time ``t`` (the daemon reads
+them back to back), so a vLLM interval and the energy of the same interval cover the same span.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SourceStatus:
+    """Health of one source read. ``reason`` is a short machine-friendly word plus detail, '' when up."""
+
+    source: str  # "vllm" | "nvml" | "rapl"
+    server: str  # server name for vllm, "" for host-wide sources
+    up: bool
+    reason: str = ""
+    duration_seconds: float = 0.0
+    state: str = "ok"  # ok | down | degraded
+
+
+@dataclass(frozen=True)
+class VllmInfo:
+    """Slow-changing facts about a server, from vllm:cache_config_info and friends."""
+
+    model_name: str = ""
+    offload_enabled: bool | None = None  # None = cannot tell (no cache_config_info, no offload series)
+    offload_buffer_bytes: float | None = None
+    offload_backend: str = ""
+    num_gpu_blocks: float | None = None
+    block_size: float | None = None
+    has_token_sources: bool = False  # vllm:prompt_tokens_by_source_total present (>= 0.16)
+    has_mfu: bool = False
+    process_start_time_seconds: float | None = None
+
+
+@dataclass(frozen=True)
+class VllmReading:
+    """One successful read of a server: cumulative counters (summed over engines) and gauges."""
+
+    counters: dict[str, float]
+    gauges: dict[str, float]
+    info: VllmInfo
+
+
+@dataclass(frozen=True)
+class DeviceReading:
+    """One energy device (a GPU or a RAPL zone) at one tick.
+
+    ``joules_total`` is the source's corrected cumulative energy since kvwatt started watching this device
+    (wraps added back, resets re-based), or None when it could not be read this tick. ``continuous`` is False
+    when the step from the previous reading must not be used (reset, several wraps, implausible power):
+    that interval then has no energy sample rather than a wrong one (energy-measurement.md rules 3-4).
+    """
+
+    device: str  # stable id: "gpu:<uuid>" or "rapl:<zone>:<domain>"
+    kind: str  # "gpu" | "host"
+    labels: dict[str, str]
+    joules_total: float | None
+    continuous: bool = True
+    power_watts: float | None = None
+    method: str = ""  # gpu: counter | power_integration; host: rapl
+    temperature_celsius: float | None = None
+
+
+@dataclass(frozen=True)
+class Interval:
+    """What happened on one server between two successful reads ``t0`` < ``t1``.
+
+    ``deltas`` are counter increases (reset-corrected). ``gauges`` are the values read at ``t1``.
+    ``energy_joules`` maps scope ("gpu", "host") to the energy of the server's devices over exactly
+    (t0, t1], or is missing a scope when any of those devices lacked a sample in the span.
+    ``idle_joules`` is P_idle * dt for the same devices when every one has a baseline.
+    """
+
+    t0: float
+    t1: float
+    deltas: dict[str, float]
+    gauges: dict[str, float]
+    energy_joules: dict[str, float] = field(default_factory=dict)
+    idle_joules: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def seconds(self) -> float:
+        return self.t1 - self.t0

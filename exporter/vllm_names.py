@@ -1,0 +1,78 @@
+"""The vLLM series kvwatt reads, by version (../shared/docs/vllm-metrics.md, copied to docs/vllm-metrics.md).
+
+``WIRE_SERIES`` is what a real server puts on the wire (counters with ``_total``, histograms as
+``_bucket``/``_sum``/``_count``). Alert and dashboard tests use it to refuse a query naming a series vLLM
+never exports (the llm-d ``vllm:num_preemptions`` bug). ``RENAMES`` maps old names to the 0.33 ones.
+"""
+
+from __future__ import annotations
+
+# old base name -> current base name (without the "vllm:" prefix)
+RENAMES: dict[str, str] = {
+    "gpu_cache_usage_perc": "kv_cache_usage_perc",  # renamed in 0.9.2, gone in 0.12
+    "gpu_prefix_cache_queries": "prefix_cache_queries",
+    "gpu_prefix_cache_hits": "prefix_cache_hits",
+    "time_per_output_token_seconds": "inter_token_latency_seconds",  # before 0.10.2
+}
+
+GAUGES = (
+    "kv_cache_usage_perc",
+    "num_requests_running",
+    "num_requests_waiting",
+    "num_requests_waiting_by_reason",
+    "kv_offload_cpu_cache_usage_perc",
+    "cache_config_info",
+    "kv_offload_config_info",
+)
+
+COUNTERS = (
+    "num_preemptions",
+    "prompt_tokens",
+    "generation_tokens",
+    "prompt_tokens_by_source",
+    "prompt_tokens_cached_by_source",
+    "prefix_cache_queries",
+    "prefix_cache_hits",
+    "external_prefix_cache_queries",
+    "external_prefix_cache_hits",
+    "estimated_flops_per_gpu",
+    "estimated_read_bytes_per_gpu",
+    "estimated_write_bytes_per_gpu",
+    "request_success",
+    "kv_offload_total_bytes",
+    "kv_offload_total_time",
+    "kv_offload_load_bytes",
+    "kv_offload_load_time",
+    "kv_offload_store_bytes",
+    "kv_offload_store_time",
+    "kv_offload_stores_skipped",
+    "kv_offload_allocation_failure",
+)
+
+HISTOGRAMS = (
+    "time_to_first_token_seconds",
+    "inter_token_latency_seconds",
+    "e2e_request_latency_seconds",
+    "request_queue_time_seconds",
+    "request_prefill_time_seconds",
+    "request_decode_time_seconds",
+    "iteration_tokens_total",
+    "request_num_preemptions",
+    "request_prompt_tokens",
+    "request_generation_tokens",
+    "kv_offload_size",
+    "kv_offload_load_size",
+    "kv_offload_store_size",
+)
+
+
+def _wire() -> frozenset[str]:
+    names = {f"vllm:{g}" for g in GAUGES}
+    for c in COUNTERS:
+        names |= {f"vllm:{c}_total", f"vllm:{c}_created"}
+    for h in HISTOGRAMS:
+        names |= {f"vllm:{h}_bucket", f"vllm:{h}_sum", f"vllm:{h}_count", f"vllm:{h}_created"}
+    return frozenset(names)
+
+
+WIRE_SERIES: frozenset[str] = _wire()
