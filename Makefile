@@ -1,0 +1,27 @@
+# Quick start: `make run` starts the daemon (watching http://127.0.0.1:8000 unless configured),
+# `make test` installs everything the tests need and runs the whole suite.
+ARGS ?=
+
+.PHONY: run test bench generate check
+
+run: .venv/.kvwatt-installed
+	.venv/bin/kvwatt run $(ARGS)
+
+.venv/.kvwatt-installed: pyproject.toml
+	[ -x .venv/bin/python ] || python3 -m venv .venv
+	scripts/install-kvwatt.sh .venv/bin/pip . -e
+	touch $@
+
+test:
+	scripts/test.sh
+
+bench: .venv/.kvwatt-installed
+	.venv/bin/python bench/run_all.py
+
+generate: .venv/.kvwatt-installed
+	.venv/bin/python alerts/generate.py
+	.venv/bin/python dashboards/generate.py
+
+check: .venv/.kvwatt-installed
+	.venv/bin/python alerts/generate.py --check
+	.venv/bin/python dashboards/generate.py --check

