@@ -60,17 +60,20 @@ class SourceError(Exception):
 def _canonical(exp: Exposition) -> dict[str, dict]:
     """Series keyed by base name: strip 'vllm:', '_total'; apply renames. Newer names win over old ones."""
     out: dict[str, dict] = {}
+    from_old_name: set[str] = set()
     for name, samples in exp.series.items():
         base = name[5:]
-        if base.endswith("_total") and not base.startswith("iteration_tokens_total"):
+        if base.endswith("_total"):
             base = base[:-6]
         if base in RENAMES:
-            if RENAMES[base] in out:
-                continue
             base = RENAMES[base]
-        elif base in out:  # e.g. both "x" and "x_total" on the wire: keep the first, they are the same counter
-            continue
-        out[base] = samples
+            if base not in out:
+                out[base] = samples
+                from_old_name.add(base)
+        elif base not in out or base in from_old_name:  # the current name wins over an old one
+            out[base] = samples
+            from_old_name.discard(base)
+        # else: both "x" and "x_total" on the wire, the same counter: keep the first
     return out
 
 
@@ -184,10 +187,15 @@ class VllmSource:
             async with session.get(self.metrics_url, timeout=self.timeout) as resp:
                 if resp.status != 200:
                     raise SourceError(f"http_{resp.status}", self.metrics_url)
-                body = await resp.content.read(self.max_body_bytes + 1)
-                if len(body) > self.max_body_bytes:
+                if (resp.content_length or 0) > self.max_body_bytes:
                     raise SourceError("body_too_large", f"more than {self.max_body_bytes} bytes")
-                return body.decode("utf-8", errors="replace")
+                chunks, size = [], 0
+                async for chunk in resp.content.iter_chunked(1 << 16):
+                    size += len(chunk)
+                    if size > self.max_body_bytes:  # chunked bodies announce no length: count as we go
+                        raise SourceError("body_too_large", f"more than {self.max_body_bytes} bytes")
+                    chunks.append(chunk)
+                return b"".join(chunks).decode("utf-8", errors="replace")
         except asyncio.TimeoutError:
             raise SourceError("timeout", self.metrics_url) from None
         except aiohttp.ClientConnectorError as e:

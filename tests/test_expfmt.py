@@ -1,0 +1,54 @@
+"""The exposition parser: robustness on malformed input and agreement with prometheus_client's parser."""
+
+import math
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from exporter.expfmt import parse
+from tests.conftest import FIXTURES
+
+
+def test_labels_in_any_order_are_the_same_series():
+    exp = parse('vllm:x_total{b="2",a="1"} 3\nvllm:x_total{a="1",b="2"} 4\n')
+    assert exp.get("vllm:x_total") == {(("a", "1"), ("b", "2")): 3.0}
+    assert exp.duplicates == 1
+
+
+def test_escaped_quotes_commas_and_braces_in_label_values():
+    exp = parse('vllm:info{a="x\\"y,}{z",b="new\\nline"} 1\n')
+    (labels,) = exp.get("vllm:info")
+    assert dict(labels) == {"a": 'x"y,}{z', "b": "new\nline"}
+
+
+def test_nan_and_inf_values_and_timestamps():
+    exp = parse("vllm:a NaN\nvllm:b +Inf\nvllm:c -Inf\nvllm:d 2.5 1700000000000\n")
+    assert math.isnan(exp.get("vllm:a")[()])
+    assert exp.get("vllm:b")[()] == math.inf and exp.get("vllm:c")[()] == -math.inf
+    assert exp.get("vllm:d")[()] == 2.5
+
+
+def test_malformed_lines_are_counted_and_skipped_not_fatal():
+    text = ('vllm:good 1\nvllm:bad{a="1" 2\nvllm:worse{a=1} 3\nvllm:novalue\nvllm:text abc\n'
+            'vllm:toomany 1 2 3\nvllm:also_good{a="x"} 7\n')
+    exp = parse(text)
+    assert exp.get("vllm:good") == {(): 1.0}
+    assert exp.get("vllm:also_good") == {(("a", "x"),): 7.0}
+    assert exp.errors == 5
+
+
+def test_buckets_created_and_foreign_series_skipped():
+    exp = parse('vllm:h_bucket{le="1"} 2\nvllm:c_created 1.7e9\nprocess_cpu_seconds_total 3\nvllm:h_sum 4\n')
+    assert set(exp.series) == {"vllm:h_sum"}
+
+
+def test_agrees_with_prometheus_client_on_real_expositions():
+    for path in sorted(FIXTURES.glob("*/*.prom")):
+        text = path.read_text()
+        ours = parse(text)
+        theirs = {}
+        for fam in text_string_to_metric_families(text):
+            for s in fam.samples:
+                if s.name.startswith("vllm:") and not s.name.endswith(("_bucket", "_created")):
+                    theirs.setdefault(s.name, {})[tuple(sorted(s.labels.items()))] = s.value
+        assert ours.errors == 0, path
+        assert ours.series == theirs, path

@@ -1,0 +1,70 @@
+"""Window store: counter resets, restarts mid-window, gap-free energy attribution, bounded history."""
+
+from exporter.samples import DeviceReading, VllmInfo, VllmReading
+from exporter.store import DeviceTracker, ServerHistory, counter_deltas
+
+
+def reading(counters, gauges=None, start=None):
+    return VllmReading(dict(counters), dict(gauges or {}), VllmInfo(process_start_time_seconds=start))
+
+
+def test_counter_reset_gives_the_new_value_never_a_negative_delta():
+    assert counter_deltas({"g": 1000}, {"g": 30}, restarted=False) == {"g": 30}
+    assert counter_deltas({"g": 1000}, {"g": 1010}, restarted=False) == {"g": 10}
+
+
+def test_a_counter_seen_for_the_first_time_has_no_delta_yet():
+    assert counter_deltas({}, {"g": 5}, restarted=False) == {}
+
+
+def test_server_restart_mid_window_is_detected_by_process_start_even_when_counters_climbed_back():
+    h = ServerHistory(max_age_seconds=600)
+    h.add_reading(0.0, reading({"g": 100}, start=1000.0))
+    h.add_reading(1.0, reading({"g": 150}, start=1000.0))
+    iv = h.add_reading(2.0, reading({"g": 170}, start=2000.0))  # restarted and already produced 170
+    assert iv.deltas["g"] == 170
+    assert [i.deltas["g"] for i in h.window(2.0, 60)] == [50, 170]
+    assert h.restarts == 1
+
+
+def test_window_selects_recent_intervals_and_history_is_bounded_by_age():
+    h = ServerHistory(max_age_seconds=10)
+    for t in range(0, 30):
+        h.add_reading(float(t), reading({"g": t * 10.0}, {"kv_usage": t / 100}))
+    assert len(h.window(29.0, 5)) == 5
+    assert all(iv.t1 >= 19.0 for iv in h.intervals)  # older than max age dropped
+
+
+def test_an_outage_interval_is_not_stretched_into_a_short_window():
+    h = ServerHistory(max_age_seconds=600)
+    h.add_reading(0.0, reading({"g": 0}))
+    iv = h.add_reading(100.0, reading({"g": 50}))  # 100 s without a successful read
+    assert iv.seconds == 100.0
+    assert h.window(100.0, 60) == []  # started before the window: excluded, not prorated
+
+
+def test_energy_accumulates_across_missed_reads_and_a_gap_voids_the_scope():
+    h = ServerHistory(max_age_seconds=600)
+    h.add_reading(0.0, reading({"g": 0}))
+    h.add_energy("gpu", 100.0, 60.0)
+    h.add_energy("gpu", 110.0, 60.0)  # the server's read failed on this tick: energy carried over
+    h.add_energy("host", 20.0, None)
+    iv = h.add_reading(2.0, reading({"g": 10}))
+    assert iv.energy_joules == {"gpu": 210.0, "host": 20.0}
+    assert iv.idle_joules == {"gpu": 120.0}
+    h.add_energy("gpu", 100.0, 60.0)
+    h.add_energy("gpu", None, None)  # one tick without a GPU sample: the whole span is unknown
+    iv = h.add_reading(4.0, reading({"g": 20}))
+    assert "gpu" not in iv.energy_joules
+
+
+def test_device_tracker_drops_discontinuities_and_rebases_after_a_missing_read():
+    tr = DeviceTracker()
+    mk = lambda j, cont=True: [DeviceReading("gpu:a", "gpu", {}, j, cont)]
+    assert tr.deltas(mk(10.0)) == {"gpu:a": None}  # first sight
+    assert tr.deltas(mk(15.0)) == {"gpu:a": 5.0}
+    assert tr.deltas(mk(None)) == {"gpu:a": None}
+    assert tr.deltas(mk(40.0)) == {"gpu:a": None}  # no catch-up delta over the missing tick
+    assert tr.deltas(mk(42.0)) == {"gpu:a": 2.0}
+    assert tr.deltas(mk(50.0, cont=False)) == {"gpu:a": None}
+    assert tr.deltas(mk(49.0)) == {"gpu:a": None}  # a decrease is a reset, never negative

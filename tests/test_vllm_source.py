@@ -1,0 +1,151 @@
+"""The vLLM source: extraction from real and constructed expositions, and HTTP failure modes."""
+
+import asyncio
+import socket
+import threading
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from exporter.expfmt import parse
+from exporter.sources.vllm import GIB, VllmSource, extract
+from tests.conftest import FIXTURES
+
+
+def reading_of(text):
+    return extract(parse(text))
+
+
+def test_real_low_pressure_exposition():
+    r = reading_of((FIXTURES / "low-pressure" / "005.prom").read_text())
+    assert r.counters["prompt_local_compute"] == 8280
+    assert r.counters["prompt_local_cache_hit"] == 30720
+    assert r.counters["prompt_external_kv_transfer"] == 0
+    assert r.counters["generation_tokens"] == 12000
+    assert r.counters["preemptions"] == 0
+    assert r.gauges["running"] == 0 and r.gauges["kv_usage"] == 0
+    assert r.info.model_name == "tiny"
+    assert r.info.offload_enabled is False and r.info.offload_buffer_bytes is None
+    assert r.info.has_token_sources and r.info.has_mfu
+    assert r.info.num_gpu_blocks == 2000
+
+
+def test_engines_are_summed_and_kv_usage_takes_the_fullest_engine():
+    text = "\n".join([
+        'vllm:generation_tokens_total{engine="0",model_name="m"} 10',
+        'vllm:generation_tokens_total{model_name="m",engine="1"} 32',
+        'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.5',
+        'vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.97',
+        'vllm:num_requests_waiting{engine="0",model_name="m"} 2',
+        'vllm:num_requests_waiting{engine="1",model_name="m"} 3',
+    ])
+    r = reading_of(text)
+    assert r.counters["generation_tokens"] == 42
+    assert r.gauges["kv_usage"] == 0.97
+    assert r.gauges["waiting"] == 5
+
+
+def test_old_names_are_renamed_and_new_names_win():
+    old = reading_of('vllm:gpu_cache_usage_perc{model_name="m"} 0.4\nvllm:num_preemptions_total{model_name="m"} 3')
+    assert old.gauges["kv_usage"] == 0.4 and old.counters["preemptions"] == 3
+    both = reading_of('vllm:gpu_cache_usage_perc{model_name="m"} 0.4\nvllm:kv_cache_usage_perc{model_name="m"} 0.6')
+    assert both.gauges["kv_usage"] == 0.6
+
+
+def test_nan_counter_values_are_ignored_not_summed():
+    r = reading_of('vllm:generation_tokens_total{engine="0"} NaN\nvllm:generation_tokens_total{engine="1"} 5')
+    assert r.counters["generation_tokens"] == 5
+
+
+def test_offload_detected_from_cache_config_info_and_both_store_spellings():
+    base = 'vllm:cache_config_info{engine="0",kv_offloading_backend="native",kv_offloading_size="64",num_gpu_blocks="100"} 1\n'
+    deprecated = base + 'vllm:kv_offload_total_bytes_total{engine="0",transfer_type="GPU_to_CPU"} 1000\n' \
+                        'vllm:kv_offload_total_bytes_total{engine="0",transfer_type="CPU_to_GPU"} 400\n'
+    r = reading_of(deprecated)
+    assert r.info.offload_enabled is True and r.info.offload_buffer_bytes == 64 * GIB
+    assert r.info.offload_backend == "native"
+    assert r.counters["offload_store_bytes"] == 1000 and r.counters["offload_load_bytes"] == 400
+    flat = deprecated + 'vllm:kv_offload_store_bytes_total{engine="0"} 1500\n'
+    assert reading_of(flat).counters["offload_store_bytes"] == 1500  # the flat 0.24+ series wins
+
+
+def test_offload_off_reads_native_backend_as_off():
+    r = reading_of('vllm:cache_config_info{engine="0",kv_offloading_backend="native",kv_offloading_size="None"} 1')
+    assert r.info.offload_enabled is False and r.info.offload_backend == "none"
+
+
+def test_kv_offload_config_info_gives_the_buffer_in_bytes():
+    r = reading_of('vllm:kv_offload_config_info{engine="0",cpu_kv_cache_size_bytes="8589934592"} 1')
+    assert r.info.offload_enabled is True and r.info.offload_buffer_bytes == 8 * GIB
+
+
+def test_without_cache_config_offload_is_unknown_not_off():
+    assert reading_of('vllm:generation_tokens_total 1').info.offload_enabled is None
+
+
+# --- HTTP failure modes, over real loopback sockets ------------------------------------------------------
+
+def _serve(handler):
+    """Run an aiohttp app on a free loopback port in a thread; returns (url, stop)."""
+    loop = asyncio.new_event_loop()
+    app = web.Application()
+    app.router.add_get("/metrics", handler)
+    runner = web.AppRunner(app)
+    loop.run_until_complete(runner.setup())
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    loop.run_until_complete(site.start())
+    port = site._server.sockets[0].getsockname()[1]
+    t = threading.Thread(target=loop.run_forever, daemon=True)
+    t.start()
+
+    def stop():
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(5)
+        loop.call_soon_threadsafe(loop.stop)
+        t.join(5)
+    return f"http://127.0.0.1:{port}", stop
+
+
+def _read(url, timeout=0.5, max_body=1_000_000):
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            return await VllmSource("s", url, timeout, max_body).read(s)
+    return asyncio.run(go())
+
+
+@pytest.mark.parametrize("case,reason", [("slow", "timeout"), ("500", "http_500"), ("big", "body_too_large"),
+                                         ("empty", "parse_error")])
+def test_failures_become_reasons(case, reason):
+    async def handler(_req):
+        if case == "slow":
+            await asyncio.sleep(3)
+        if case == "500":
+            return web.Response(status=500)
+        if case == "big":
+            return web.Response(text="vllm:x 1\n" * 200_000)
+        return web.Response(text="# nothing here\n")
+    url, stop = _serve(handler)
+    try:
+        status, reading = _read(url)
+    finally:
+        stop()
+    assert reading is None and status.up is False and status.reason == reason
+
+
+def test_a_server_that_accepts_but_never_answers_times_out():
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(1)
+    try:
+        status, reading = _read(f"http://127.0.0.1:{sock.getsockname()[1]}", timeout=0.3)
+    finally:
+        sock.close()
+    assert reading is None and status.reason == "timeout"
+
+
+def test_refused_connection_is_unreachable():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    status, reading = _read(f"http://127.0.0.1:{port}")
+    assert reading is None and status.reason == "unreachable"
