@@ -17,6 +17,7 @@ from exporter.config import Config, ServerConfig, resolve
 from exporter.derive.recompute import ReferenceShare, token_counts
 from exporter.derive.pressure import kv_usage_quantile
 from exporter.derive.window import covered_seconds
+from exporter.energy.runtime import EnergyRuntime
 from exporter.samples import SourceStatus, VllmInfo
 from exporter.sources.vllm import VllmSource
 from exporter.store import ServerHistory
@@ -46,7 +47,7 @@ class Daemon:
                         SourceStatus("vllm", s.name, False, "not_read_yet", 0.0, "down"))
             for s in cfg.servers
         ]
-        self.energy = None  # exporter.energy.runtime.EnergyRuntime, when the energy sources are wired in
+        self.energy = EnergyRuntime(cfg)  # NVML + RAPL, attribution, idle baselines (docs/energy.md)
         self.last_tick_t: float | None = None
         self.ticks = 0
         self._stop = asyncio.Event()

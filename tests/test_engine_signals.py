@@ -31,7 +31,7 @@ def run_condition(model_dir, blocks, reference=None):
         server = {"url": engine.url}
         if reference is not None:
             server["reference_local_compute_share"] = reference
-        with KvwattDaemon(servers={"local": server}, interval="500ms", config={"windows": ["10m"]}) as d:
+        with KvwattDaemon(servers={"local": server}, interval="250ms", config={"windows": ["10m"]}) as d:
             d.wait_for(lambda d: d.value("kvwatt_window_covered_seconds", server="local", window="10m"),
                        what="first interval")
             before = counters(engine)
@@ -64,8 +64,11 @@ def large(model_dir):
 
 @pytest.fixture(scope="module")
 def small(model_dir, large):
+    # 128 blocks (4,096 tokens): two late-turn requests (61 blocks each) fill it, so usage stays pinned while
+    # the working set (~610 blocks) cannot survive between turns. At 96 blocks only one late-turn request
+    # fits and p95 swung between 0.59 and 0.95 from run to run (packing, not pressure).
     # the large-cache run is this workload's low-pressure reference (methods.md s4)
-    return run_condition(model_dir, 96, reference=large[0]["shares"]["local_compute"])
+    return run_condition(model_dir, 128, reference=large[0]["shares"]["local_compute"])
 
 
 def direct_share(delta):
@@ -111,10 +114,10 @@ def test_report_figures(large, small):
                   "local_compute_share": m["shares"]["local_compute"], "tax": m["kvwatt_recompute_tax_ratio"],
                   "flops_per_token": m["kvwatt_estimated_flops_per_generated_token"],
                   "local_compute_tokens": d["prompt_local_compute"], "prompt_tokens": d["prompt_tokens"]}
-           for name, (m, d) in (("blocks_2000", large), ("blocks_96", small))}
+           for name, (m, d) in (("blocks_2000", large), ("blocks_128", small))}
     path = os.environ.get("KVWATT_REPORT_DIR")
     if path:
         with open(os.path.join(path, "engine_signals.json"), "w") as f:
             json.dump(out, f, indent=2)
     print(json.dumps(out, indent=2))
-    assert out["blocks_96"]["preemptions"] > out["blocks_2000"]["preemptions"]
+    assert out["blocks_128"]["preemptions"] > out["blocks_2000"]["preemptions"]

@@ -1,0 +1,97 @@
+"""Energy per token over a window (methods.md s1) and the prompt-token attribution model.
+
+    marginal J/token = (E - P_idle * dt) / N_output        total J/token = E / N_output
+
+Gap-free (energy-measurement.md rule 10): E, P_idle*dt, N and dt are summed over exactly the intervals that
+carry an energy sample for the scope, so a missing sample never pairs one span's energy with another span's
+tokens. No figure (None, exported as absent) when those intervals hold < ``min_load_seconds`` of load or no
+generated tokens (rule 9: the counters are noise over short windows).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from exporter.derive.recompute import token_counts
+from exporter.samples import Interval
+
+TOKENS_KEY = "generation_tokens"
+RUNNING_KEY = "running"
+
+
+def is_loaded(iv: Interval) -> bool:
+    """Tokens were generated in the interval, or requests were running at its end."""
+    return (iv.deltas.get(TOKENS_KEY) or 0.0) > 0 or (iv.gauges.get(RUNNING_KEY) or 0.0) > 0
+
+
+@dataclass(frozen=True)
+class EnergyPerToken:
+    scope: str
+    energy_joules: float
+    idle_joules: float | None  # None when some interval lacked P_idle (no baseline for a device)
+    tokens: float
+    seconds: float
+    loaded_seconds: float
+
+    @property
+    def joules_per_token(self) -> float:
+        return self.energy_joules / self.tokens
+
+    @property
+    def marginal_joules_per_token(self) -> float | None:
+        """May be negative when P_idle is stale (above today's idle power): reported, not clamped."""
+        if self.idle_joules is None:
+            return None
+        return (self.energy_joules - self.idle_joules) / self.tokens
+
+
+def window_energy(intervals: Sequence[Interval], scope: str) -> EnergyPerToken | None:
+    """Sums over the intervals with an energy sample for ``scope``; None when there is none."""
+    used = [iv for iv in intervals if scope in iv.energy_joules]
+    if not used:
+        return None
+    idle = None
+    if all(scope in iv.idle_joules for iv in used):
+        idle = sum(iv.idle_joules[scope] for iv in used)
+    return EnergyPerToken(
+        scope=scope,
+        energy_joules=sum(iv.energy_joules[scope] for iv in used),
+        idle_joules=idle,
+        tokens=sum(iv.deltas.get(TOKENS_KEY) or 0.0 for iv in used),
+        seconds=sum(iv.seconds for iv in used),
+        loaded_seconds=sum(iv.seconds for iv in used if is_loaded(iv)),
+    )
+
+
+def per_token(intervals: Sequence[Interval], scope: str, min_load_seconds: float) -> EnergyPerToken | None:
+    """The window's figure for ``scope`` ("gpu" | "host"), or None without enough load or tokens."""
+    w = window_energy(intervals, scope)
+    if w is None or w.tokens <= 0 or w.loaded_seconds < min_load_seconds:
+        return None
+    return w
+
+
+def prompt_attribution(intervals: Sequence[Interval], min_load_seconds: float,
+                       load_to_compute_cost_ratio: float) -> dict[str, float] | None:
+    """ATTRIBUTION MODEL, not a measurement: marginal GPU joules per prompt token by token source.
+
+    The window's marginal GPU energy E - P_idle*dt is shared over work units where a generated token and a
+    freshly computed prompt token (local_compute) each count 1 (one forward pass of the model's weights,
+    ~2*N_active FLOPs), a token reloaded from the offload tier (external_kv_transfer) counts
+    ``load_to_compute_cost_ratio`` (configured, default 0.1), and a local prefix-cache hit counts 0.
+    Returns {"local_compute": u, "external_kv_transfer": r*u} with u = marginal / units, or None without
+    a marginal figure or without prompt tokens by source.
+    """
+    used = [iv for iv in intervals if "gpu" in iv.energy_joules]
+    w = per_token(used, "gpu", min_load_seconds)
+    if w is None or w.marginal_joules_per_token is None:
+        return None
+    counts = token_counts(used)
+    if not counts:
+        return None
+    units = w.tokens + counts["local_compute"] + load_to_compute_cost_ratio * counts["external_kv_transfer"]
+    if units <= 0:
+        return None
+    unit = (w.energy_joules - w.idle_joules) / units
+    return {"local_compute": unit, "external_kv_transfer": load_to_compute_cost_ratio * unit}

@@ -1,0 +1,395 @@
+"""GPU energy through NVML (nvidia-ml-py, module ``pynvml``), each GPU isolated from the others.
+
+Rules applied (docs/energy-measurement.md):
+- rule 1: the total-energy counter (mJ since the driver loaded) differenced, never an averaged power.
+- rule 2: a GPU without the counter gets ``NVML_FI_DEV_POWER_INSTANT`` sampled at >= 10 Hz by a background
+  thread and integrated here (``nvmlDeviceGetPowerUsage`` is a 1 s trailing average: a gauge only).
+- rule 6: every field value's ``nvmlReturn`` is checked and the union member ``valueType`` names is read.
+- rules 3-5: lost / unknown / reset-required marks that GPU down (no sample, counter frozen, retried by UUID
+  with back-off) while the others go on; a counter that went down is a reset (re-based, continuous=False).
+- no NVML at all (module missing, library not found, driver not loaded): ``SourceStatus(up=False)`` with the
+  reason, retried now and then; the daemon runs on.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from exporter.samples import DeviceReading, SourceStatus
+
+log = logging.getLogger("kvwatt.nvml")
+
+SAMPLE_HZ = 20.0  # instant-power sampling for GPUs without the counter (rule 2: >= 10 Hz)
+MAX_SAMPLE_GAP_SECONDS = 0.5  # a longer gap between power samples breaks the integral (no guessing)
+MAX_PLAUSIBLE_WATTS = 3000.0  # above any board today (GB200 superchip ~2.7 kW): a larger step is a glitch
+RETRY_INITIAL_SECONDS = 1.0
+RETRY_MAX_SECONDS = 60.0
+REINIT_SECONDS = 60.0  # NVML unavailable: try nvmlInit again this often
+RESCAN_SECONDS = 60.0  # look for GPUs that appeared
+LOST_ERRORS = ("NVMLError_GpuIsLost", "NVMLError_Unknown", "NVMLError_ResetRequired")
+
+
+class PowerIntegrator:
+    """Sample-and-hold integral of instant power on one monotonic clock, safe across threads.
+
+    Each sample's power holds until the next sample, so the integral at any instant is exact for the
+    sampled step function and never decreases. A gap longer than ``max_gap_seconds`` between samples is
+    not bridged: ``segment`` increments and the reader re-bases (rule 3: no guessed energy).
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic,
+                 max_gap_seconds: float = MAX_SAMPLE_GAP_SECONDS) -> None:
+        self.clock = clock
+        self.max_gap_seconds = max_gap_seconds
+        self._lock = threading.Lock()
+        self._joules = 0.0
+        self._last_t: float | None = None
+        self._last_watts = 0.0
+        self.segment = 0
+        self.samples = 0
+        self.error: Exception | None = None  # a lost-GPU error seen by the sampler, for read() to act on
+        self.failure = ""  # last per-field failure (nvmlReturn), for the status reason
+
+    def add(self, watts: float) -> None:
+        with self._lock:
+            t = self.clock()
+            if self._last_t is not None:
+                dt = t - self._last_t
+                if dt <= self.max_gap_seconds:
+                    self._joules += self._last_watts * dt
+                else:
+                    self.segment += 1
+            self._last_t, self._last_watts = t, watts
+            self.samples += 1
+            self.failure = ""
+
+    def fail(self, reason: str) -> None:
+        """A sample could not be taken: the hold stops here; the next good sample opens a new segment."""
+        with self._lock:
+            if self._last_t is not None:
+                self.segment += 1
+            self._last_t = None
+            self.failure = reason
+
+    def joules_now(self) -> tuple[float | None, int]:
+        """(integral up to now, segment), or (None, segment) when the last sample is too old."""
+        with self._lock:
+            if self._last_t is None:
+                return None, self.segment
+            dt = self.clock() - self._last_t
+            if dt > self.max_gap_seconds:
+                return None, self.segment
+            return self._joules + self._last_watts * max(dt, 0.0), self.segment
+
+
+@dataclass
+class _Gpu:
+    uuid: str
+    index: int
+    handle: Any
+    method: str  # counter | power_integration
+    total_joules: float = 0.0
+    prev_raw: float | None = None  # counter: mJ; power_integration: integrator joules
+    prev_segment: int = 0
+    prev_t: float | None = None
+    down: str = ""  # reason while the GPU is marked down
+    retry_at: float = 0.0
+    backoff_seconds: float = RETRY_INITIAL_SECONDS
+    integrator: PowerIntegrator | None = None
+    labels: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def device(self) -> str:
+        return f"gpu:{self.uuid}"
+
+    def describe(self) -> str:
+        return f"{self.uuid} (gpu {self.index})"
+
+
+class NvmlSource:
+    """``read(t)`` returns one DeviceReading per known GPU. ``t`` is the daemon's monotonic tick time
+    (time.monotonic(); the integration thread uses the same clock). ``module`` injects a pynvml-compatible
+    module (tests use the double in tests/support/fake_nvml); by default ``pynvml`` is imported."""
+
+    name = "nvml"
+
+    def __init__(self, enabled: bool = True, module: Any = None, sample_hz: float = SAMPLE_HZ,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.enabled = enabled
+        self.sample_hz = sample_hz
+        self.clock = clock
+        self.nvml = module
+        self._gpus: dict[str, _Gpu] = {}
+        self._unavailable = "disabled: nvml: false in the configuration" if not enabled else ""
+        self._init_at: float | None = None
+        self._scan_at: float | None = None
+        self._initialized = False
+        self._sampler: _Sampler | None = None
+        self._lock = threading.Lock()
+
+    # --- NVML lifecycle ---------------------------------------------------------------------------------
+    def _try_init(self, t: float) -> bool:
+        if self._initialized:
+            return True
+        if not self.enabled or (self._init_at is not None and t - self._init_at < REINIT_SECONDS):
+            return False
+        self._init_at = t
+        try:
+            if self.nvml is None:
+                self.nvml = importlib.import_module("pynvml")
+            self.nvml.nvmlInit()
+        except ImportError:
+            self._unavailable = "absent: the pynvml module (nvidia-ml-py) is not installed"
+            return False
+        except Exception as e:  # NVMLError subclasses; the module's own class, so matched by name
+            self._unavailable = _unavailable_reason(e)
+            return False
+        self._initialized, self._unavailable = True, ""
+        return True
+
+    def close(self) -> None:
+        if self._sampler:
+            self._sampler.stop()
+            self._sampler = None
+        if self._initialized:
+            try:
+                self.nvml.nvmlShutdown()
+            except Exception:  # shutting down: nothing useful to do with an error
+                pass
+            self._initialized = False
+
+    # --- discovery --------------------------------------------------------------------------------------
+    def _scan(self, t: float) -> None:
+        self._scan_at = t
+        nv = self.nvml
+        try:
+            count = nv.nvmlDeviceGetCount()
+        except Exception as e:
+            log.warning("nvml: cannot count GPUs: %s", e)
+            return
+        for index in range(count):
+            try:
+                handle = nv.nvmlDeviceGetHandleByIndex(index)
+                uuid = _text(nv.nvmlDeviceGetUUID(handle))
+            except Exception:
+                continue  # a lost GPU at discovery; picked up by a later scan once it is back
+            if uuid in self._gpus:
+                continue
+            gpu = _Gpu(uuid, index, handle, self._method(handle), labels={"gpu": str(index), "uuid": uuid})
+            if gpu.method == "power_integration":
+                gpu.integrator = PowerIntegrator(self.clock)
+                sample_power(nv, gpu)  # one sample now, so the first read already has a hold value
+            with self._lock:
+                self._gpus[uuid] = gpu
+            log.info("nvml: GPU %s measured by %s", gpu.describe(), gpu.method)
+        self._start_sampler()
+
+    def _method(self, handle: Any) -> str:
+        try:
+            self.nvml.nvmlDeviceGetTotalEnergyConsumption(handle)
+            return "counter"
+        except Exception as e:
+            if type(e).__name__ in ("NVMLError_NotSupported", "NVMLError_FunctionNotFound"):
+                return "power_integration"
+            return "counter"  # lost or transient: the counter is tried again at each read
+
+    def _start_sampler(self) -> None:
+        if self._sampler is None and any(g.integrator for g in self._gpus.values()):
+            self._sampler = _Sampler(self, 1.0 / self.sample_hz)
+            self._sampler.start()
+
+    def integrating(self) -> list[_Gpu]:
+        with self._lock:
+            return [g for g in self._gpus.values() if g.integrator is not None and not g.down]
+
+    # --- reading ----------------------------------------------------------------------------------------
+    def read(self, t: float) -> tuple[SourceStatus, list[DeviceReading]]:
+        started = time.perf_counter()
+        if not self._try_init(t):
+            return SourceStatus("nvml", "", False, self._unavailable, time.perf_counter() - started, "down"), []
+        if self._scan_at is None or t - self._scan_at >= RESCAN_SECONDS:
+            self._scan(t)
+        readings, failures = [], []
+        for gpu in list(self._gpus.values()):
+            reading, failure = self._read_gpu(gpu, t)
+            readings.append(reading)
+            if failure:
+                failures.append(failure)
+        return _status(readings, failures, time.perf_counter() - started), readings
+
+    def _read_gpu(self, gpu: _Gpu, t: float) -> tuple[DeviceReading, str]:
+        if gpu.down and not self._recover(gpu, t):
+            return self._no_sample(gpu), f"gpu lost: {gpu.describe()}: {gpu.down}"
+        try:
+            joules, continuous = self._energy(gpu, t)
+            watts = self._optional(self.nvml.nvmlDeviceGetPowerUsage, gpu.handle)
+            temp = self._optional(self.nvml.nvmlDeviceGetTemperature, gpu.handle, _temp_sensor(self.nvml))
+        except Exception as e:
+            if type(e).__name__ in LOST_ERRORS:
+                self._mark_down(gpu, t, str(e) or type(e).__name__)
+                return self._no_sample(gpu), f"gpu lost: {gpu.describe()}: {gpu.down}"
+            gpu.prev_raw = None  # transient error: no sample now, re-base on the next read
+            return self._no_sample(gpu), f"error: {gpu.describe()}: {e or type(e).__name__}"
+        if joules is None:
+            failure = (gpu.integrator.failure if gpu.integrator else "") or "no recent power sample"
+            return self._no_sample(gpu), f"error: {gpu.describe()}: {failure}"
+        return DeviceReading(gpu.device, "gpu", dict(gpu.labels), gpu.total_joules, continuous,
+                             None if watts is None else watts / 1000.0, gpu.method,
+                             None if temp is None else float(temp)), ""
+
+    def _energy(self, gpu: _Gpu, t: float) -> tuple[float | None, bool]:
+        """Advance the GPU's corrected total; (total or None, continuous)."""
+        if gpu.integrator is not None:
+            if gpu.integrator.error is not None:
+                err, gpu.integrator.error = gpu.integrator.error, None
+                raise err
+            raw, segment = gpu.integrator.joules_now()
+            if raw is None:
+                gpu.prev_raw = None
+                return None, False
+            raw_joules, same_run = raw, segment == gpu.prev_segment
+            gpu.prev_segment = segment
+        else:
+            raw_joules, same_run = self.nvml.nvmlDeviceGetTotalEnergyConsumption(gpu.handle) / 1000.0, True
+        continuous = self._step(gpu, raw_joules, t, same_run)
+        return gpu.total_joules, continuous
+
+    def _step(self, gpu: _Gpu, raw_joules: float, t: float, same_run: bool) -> bool:
+        prev, prev_t = gpu.prev_raw, gpu.prev_t
+        gpu.prev_raw, gpu.prev_t = raw_joules, t
+        if prev is None or not same_run or raw_joules < prev:
+            return False  # first read, a re-base, or a counter reset by a driver reload (rule 4)
+        step = raw_joules - prev
+        if prev_t is not None and t > prev_t and step / (t - prev_t) > MAX_PLAUSIBLE_WATTS:
+            return False  # implausible power: dropped and re-based (rule 4)
+        gpu.total_joules += step
+        return True
+
+    def _optional(self, fn: Callable, *args: Any) -> Any:
+        """A gauge that may be unsupported on this GPU: None then; lost-GPU errors still propagate."""
+        try:
+            return fn(*args)
+        except Exception as e:
+            if type(e).__name__ in LOST_ERRORS:
+                raise
+            return None
+
+    def _mark_down(self, gpu: _Gpu, t: float, reason: str) -> None:
+        if not gpu.down:
+            log.warning("nvml: GPU %s is down (%s); retrying by UUID with back-off", gpu.describe(), reason)
+            gpu.backoff_seconds = RETRY_INITIAL_SECONDS
+        else:
+            gpu.backoff_seconds = min(gpu.backoff_seconds * 2, RETRY_MAX_SECONDS)
+        gpu.down, gpu.retry_at, gpu.prev_raw = reason, t + gpu.backoff_seconds, None
+
+    def _recover(self, gpu: _Gpu, t: float) -> bool:
+        if t < gpu.retry_at:
+            return False
+        try:
+            handle = self.nvml.nvmlDeviceGetHandleByUUID(gpu.uuid)
+            if gpu.method == "counter":
+                self.nvml.nvmlDeviceGetTotalEnergyConsumption(handle)
+        except Exception as e:
+            self._mark_down(gpu, t, str(e) or type(e).__name__)
+            return False
+        log.info("nvml: GPU %s is back", gpu.describe())
+        gpu.handle, gpu.down, gpu.prev_raw = handle, "", None  # re-based: the counter stayed frozen
+        if gpu.integrator is not None:
+            gpu.integrator.fail("recovered")
+            sample_power(self.nvml, gpu)  # a new segment starts here; the frozen total is kept
+        return True
+
+    def _no_sample(self, gpu: _Gpu) -> DeviceReading:
+        # rule 3: no sample, never a 0 J delta; the total stays frozen for when the GPU returns
+        return DeviceReading(gpu.device, "gpu", dict(gpu.labels), None, False, None, gpu.method)
+
+
+class _Sampler(threading.Thread):
+    """Polls NVML_FI_DEV_POWER_INSTANT for every GPU without the counter, at ``period`` seconds."""
+
+    def __init__(self, source: NvmlSource, period_seconds: float) -> None:
+        super().__init__(name="kvwatt-nvml-power", daemon=True)
+        self.source, self.period_seconds = source, period_seconds
+        self._stop_event = threading.Event()
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        self.join(timeout=2.0)
+
+    def run(self) -> None:
+        next_t = time.monotonic()
+        while not self._stop_event.is_set():
+            for gpu in self.source.integrating():
+                sample_power(self.source.nvml, gpu)
+            next_t += self.period_seconds
+            delay = next_t - time.monotonic()
+            if delay < 0:  # fell behind: skip, never burst (the gap check decides if the integral holds)
+                next_t, delay = time.monotonic(), 0.0
+            self._stop_event.wait(delay)
+
+
+def sample_power(nv: Any, gpu: _Gpu) -> None:
+    """One instant-power sample into the GPU's integrator (rule 6: check nvmlReturn, read valueType's member)."""
+    try:
+        entry = nv.nvmlDeviceGetFieldValues(gpu.handle, [nv.NVML_FI_DEV_POWER_INSTANT])[0]
+    except Exception as e:
+        if type(e).__name__ in LOST_ERRORS:
+            gpu.integrator.error = e
+        gpu.integrator.fail(f"nvmlDeviceGetFieldValues: {e or type(e).__name__}")
+        return
+    if entry.nvmlReturn != nv.NVML_SUCCESS:
+        gpu.integrator.fail(f"POWER_INSTANT nvmlReturn={entry.nvmlReturn}")
+        return
+    milliwatts = field_value(nv, entry)
+    if milliwatts is None or not 0 <= milliwatts / 1000.0 <= MAX_PLAUSIBLE_WATTS:
+        gpu.integrator.fail(f"POWER_INSTANT value {milliwatts!r} mW out of range")
+        return
+    gpu.integrator.add(milliwatts / 1000.0)
+
+
+_UNION_MEMBERS = (("NVML_VALUE_TYPE_DOUBLE", "dVal"), ("NVML_VALUE_TYPE_UNSIGNED_INT", "uiVal"),
+                  ("NVML_VALUE_TYPE_UNSIGNED_LONG", "ulVal"), ("NVML_VALUE_TYPE_UNSIGNED_LONG_LONG", "ullVal"),
+                  ("NVML_VALUE_TYPE_SIGNED_LONG_LONG", "sllVal"), ("NVML_VALUE_TYPE_SIGNED_INT", "siVal"),
+                  ("NVML_VALUE_TYPE_UNSIGNED_SHORT", "usVal"))
+
+
+def field_value(nv: Any, entry: Any) -> float | None:
+    """The value of a c_nvmlFieldValue_t, from the union member its valueType names (None if unknown type)."""
+    for const, member in _UNION_MEMBERS:
+        if entry.valueType == getattr(nv, const, -1):
+            return float(getattr(entry.value, member))
+    return None
+
+
+def _temp_sensor(nv: Any) -> int:
+    return getattr(nv, "NVML_TEMPERATURE_GPU", 0)
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _unavailable_reason(e: Exception) -> str:
+    name = type(e).__name__
+    if name == "NVMLError_LibraryNotFound":
+        return "absent: NVML library (libnvidia-ml.so.1) not found"
+    if name == "NVMLError_DriverNotLoaded":
+        return "absent: NVIDIA driver not loaded"
+    if name == "NVMLError_NoPermission":
+        return f"permission: {e}"
+    return f"error: nvmlInit failed: {e or name}"
+
+
+def _status(readings: list[DeviceReading], failures: list[str], seconds: float) -> SourceStatus:
+    if not readings:
+        return SourceStatus("nvml", "", False, "absent: NVML reports no GPU", seconds, "down")
+    ok = sum(r.joules_total is not None for r in readings)
+    reason = "; ".join(failures)
+    if ok == 0:
+        return SourceStatus("nvml", "", False, reason, seconds, "down")
+    return SourceStatus("nvml", "", True, reason, seconds, "degraded" if failures else "ok")

@@ -1,0 +1,168 @@
+"""Idle baseline: the learner state machine (driven without time passing) and its persistence."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+from exporter.energy.baseline import STATE_FILE, BaselineBook, IdleEstimate, IdleLearner
+
+REPO = Path(__file__).resolve().parents[1]
+G, H = "gpu:GPU-a", "rapl:package-0:package"
+
+
+def run(learner, start, end, idle, watts=None, temps=None, step=1.0):
+    """Feed one tick per ``step`` seconds over (start, end]; returns every estimate handed out."""
+    out, t = [], start
+    watts = watts or {G: 60.0, H: 40.0}
+    while t < end - 1e-9:
+        t += step
+        joules = {d: (None if w is None else w * step) for d, w in watts.items()}
+        out += learner.feed(t, idle, joules, temps)
+    return out
+
+
+def test_learns_after_settle_and_min_duration():
+    lr = IdleLearner(settle_seconds=30, min_seconds=30)
+    assert run(lr, 0, 10, idle=False, watts={G: 400.0, H: 150.0}) == []
+    assert run(lr, 10, 69, idle=True) == []  # 30 s settle (10..40), then only 29 s of samples
+    assert lr.state == "measuring"
+    got = run(lr, 69, 70, idle=True)
+    assert {e.device: (e.watts, e.duration_seconds) for e in got} == {G: (60.0, 30.0), H: (40.0, 30.0)}
+
+
+def test_settle_excludes_the_high_clocks_after_work():
+    lr = IdleLearner(settle_seconds=30, min_seconds=30)
+    run(lr, 0, 1, idle=False)
+    run(lr, 1, 31, idle=True, watts={G: 200.0, H: 40.0})  # clocks still high: must not count
+    got = run(lr, 31, 61, idle=True)
+    assert [e.watts for e in got if e.device == G] == [60.0]
+
+
+def test_interrupted_stretch_commits_nothing_and_settles_again():
+    lr = IdleLearner(settle_seconds=10, min_seconds=30)
+    run(lr, 0, 1, idle=False)
+    assert run(lr, 1, 30, idle=True) == []  # 10 s settle + 19 s measured
+    assert run(lr, 30, 31, idle=False) == []  # a request came: too short, discarded
+    assert lr.state == "busy" and lr.acc == {}
+    assert run(lr, 31, 70, idle=True) == []  # settle again (31..41), then 29 s
+    assert len(run(lr, 70, 71, idle=True)) == 2
+
+
+def test_device_without_sample_does_not_count_those_seconds():
+    lr = IdleLearner(settle_seconds=0, min_seconds=30)
+    run(lr, 0, 1, idle=False)
+    got = run(lr, 1, 31, idle=True, watts={G: 60.0, H: None})  # RAPL unreadable: unknown, not 0 W
+    assert [e.device for e in got] == [G]
+    got = run(lr, 31, 61, idle=True)
+    assert [(e.device, e.watts, e.duration_seconds) for e in got] == [(H, 40.0, 30.0)]
+
+
+def test_long_stretch_refreshes_and_commits_at_its_end():
+    lr = IdleLearner(settle_seconds=0, min_seconds=30, refresh_seconds=100)
+    run(lr, 0, 1, idle=False)
+    got = run(lr, 1, 31, idle=True, watts={G: 60.0})
+    assert [e.duration_seconds for e in got] == [30.0]
+    got = run(lr, 31, 131, idle=True, watts={G: 60.0})
+    assert [e.duration_seconds for e in got] == [130.0]
+    run(lr, 131, 151, idle=True, watts={G: 66.0})
+    got = run(lr, 151, 152, idle=False)  # end of stretch: what grew since the last estimate
+    assert [(e.duration_seconds, round(e.watts, 6)) for e in got] == [(150.0, round((130 * 60 + 20 * 66) / 150, 6))]
+
+
+def test_temperature_is_averaged():
+    lr = IdleLearner(settle_seconds=0, min_seconds=3)
+    run(lr, 0, 1, idle=False)
+    lr.feed(2, True, {G: 60.0}, {G: 30.0})
+    lr.feed(3, True, {G: 60.0}, {G: 32.0})
+    (e,) = lr.feed(4, True, {G: 60.0}, {G: 34.0})
+    assert e.temperature_celsius == 32.0
+
+
+# --- the book -------------------------------------------------------------------------------------------
+def test_persisted_with_time_duration_temperature_method_and_age(tmp_path):
+    now = [1_700_000_000.0]
+    book = BaselineBook(str(tmp_path), wall_clock=lambda: now[0])
+    book.load()
+    book.record([IdleEstimate(G, 61.5, 45.0, 33.0)], "learned")
+    data = json.loads((tmp_path / STATE_FILE).read_text())
+    assert data == {"version": 1, "devices": {G: {"watts": 61.5, "method": "learned", "measured_at": now[0],
+                                                  "duration_seconds": 45.0, "temperature_celsius": 33.0}}}
+    now[0] += 3600
+    again = BaselineBook(str(tmp_path), wall_clock=lambda: now[0])  # a restart
+    again.load()
+    b = again.get(G)
+    assert (b.watts, b.method, b.duration_seconds, b.temperature_celsius) == (61.5, "learned", 45.0, 33.0)
+    assert b.age_seconds(now[0]) == 3600.0
+
+
+def test_configured_override_wins_by_device_index_or_uuid(tmp_path):
+    book = BaselineBook(str(tmp_path), {"gpu:1": 70.0, "GPU-b": 80.0, H: 35.0})
+    book.load()
+    book.record([IdleEstimate(G, 61.5, 45.0)], "measured")
+    assert book.get(G, {"gpu": "0", "uuid": "GPU-a"}).method == "measured"
+    assert book.get("gpu:GPU-c", {"gpu": "1", "uuid": "GPU-c"}).watts == 70.0
+    assert book.get("gpu:GPU-b", {"gpu": "2", "uuid": "GPU-b"}).watts == 80.0
+    b = book.get(H, {"zone": "package-0", "domain": "package"})
+    assert (b.watts, b.method, b.age_seconds(time.time())) == (35.0, "configured", None)
+
+
+def test_concurrent_command_result_is_kept_and_reloaded(tmp_path):
+    daemon_book = BaselineBook(str(tmp_path), wall_clock=lambda: 1000.0)
+    daemon_book.load()
+    daemon_book.record([IdleEstimate(G, 60.0, 30.0)], "learned")
+    command_book = BaselineBook(str(tmp_path), wall_clock=lambda: 2000.0)
+    command_book.load()
+    command_book.record([IdleEstimate(H, 41.0, 30.0)], "measured")
+    assert daemon_book.refresh_if_changed() and daemon_book.get(H).watts == 41.0
+    daemon_book.record([IdleEstimate(G, 62.0, 30.0)], "learned")  # must not drop the command's H
+    final = BaselineBook(str(tmp_path))
+    final.load()
+    assert final.get(H).watts == 41.0 and final.get(G).watts == 62.0
+
+
+def test_corrupt_or_foreign_file_is_ignored_not_fatal(tmp_path):
+    (tmp_path / STATE_FILE).write_text("{not json")
+    book = BaselineBook(str(tmp_path))
+    book.load()
+    assert book.stored() == {} and "ignored" in book.load_error
+    (tmp_path / STATE_FILE).write_text(json.dumps({"version": 99, "devices": {}}))
+    book.load()
+    assert "unknown version" in book.load_error
+
+
+WRITER = """
+import sys
+sys.path.insert(0, {repo!r})
+from exporter.energy.baseline import BaselineBook, IdleEstimate
+book = BaselineBook({state!r})
+book.load()
+i = 0
+print("ready", flush=True)
+while True:
+    i += 1
+    book.record([IdleEstimate(f"gpu:GPU-{{n}}", 50.0 + i % 7, float(i), 30.0) for n in range(200)], "learned")
+"""
+
+
+def test_kill_9_mid_write_leaves_a_parsable_file(tmp_path):
+    state = tmp_path / "state"
+    path = state / STATE_FILE
+    for attempt in range(12):
+        proc = subprocess.Popen([sys.executable, "-c", WRITER.format(repo=str(REPO), state=str(state))],
+                                stdout=subprocess.PIPE, text=True)
+        assert proc.stdout.readline().strip() == "ready"
+        time.sleep(0.05 + 0.037 * attempt)  # land the kill at different points of the write cycle
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        data = json.loads(path.read_text())  # never half a file
+        assert len(data["devices"]) == 200
+        book = BaselineBook(str(state))
+        book.load()
+        assert book.load_error == "" and len(book.stored()) == 200

@@ -1,0 +1,140 @@
+"""`kvwatt baseline idle`: a real subprocess against a stub vLLM /metrics, the NVML double and a powercap tree
+whose counters a thread advances at a known power."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from exporter.energy.baseline import STATE_FILE
+from tests.support.fake_gpus import FakeGpus
+from tests.support.powercap import PowercapTree
+
+REPO = Path(__file__).resolve().parents[1]
+A = "GPU-aaaa-idle"
+
+
+class StubVllm:
+    """Serves a minimal vLLM exposition; ``running`` and ``tokens`` can change while it runs."""
+
+    def __init__(self):
+        self.running, self.tokens = 0, 1000
+        stub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):
+                body = (f'vllm:num_requests_running{{model_name="m",engine="0"}} {stub.running}\n'
+                        f'vllm:num_requests_waiting{{model_name="m",engine="0"}} 0\n'
+                        f'vllm:generation_tokens_total{{model_name="m",engine="0"}} {stub.tokens}\n'
+                        f'vllm:prompt_tokens_total{{model_name="m",engine="0"}} 5000\n').encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+
+
+class HostLoad(threading.Thread):
+    """Advances a RAPL zone at ``watts`` in 50 ms steps until stopped."""
+
+    def __init__(self, tree, zone, watts):
+        super().__init__(daemon=True)
+        self.tree, self.zone, self.watts, self.stop = tree, zone, watts, threading.Event()
+
+    def run(self):
+        last = time.monotonic()
+        while not self.stop.wait(0.05):
+            now = time.monotonic()
+            self.tree.advance(self.zone, self.watts * (now - last))
+            last = now
+
+
+@pytest.fixture
+def rig(tmp_path):
+    vllm = StubVllm()
+    gpus = FakeGpus(tmp_path / "gpus.json")
+    gpus.add(A, energy_mj=0, power_mw=75_000, counter_follows_power=True, t0=time.monotonic(), temperature_c=31)
+    tree = PowercapTree(tmp_path / "host")
+    zone = tree.add_zone("package-0")
+    load = HostLoad(tree, zone, 40.0)
+    load.start()
+    yield vllm, gpus, tree, tmp_path / "state"
+    load.stop.set()
+    vllm.close()
+
+
+def kvwatt(args, gpus, timeout=60):
+    env = {**os.environ, **gpus.env()}
+    env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], str(REPO)])
+    return subprocess.run([sys.executable, "-m", "exporter", "baseline", "idle", *args], env=env,
+                          capture_output=True, text=True, timeout=timeout, cwd=REPO)
+
+
+def test_measures_persists_and_prints(rig):
+    vllm, gpus, tree, state = rig
+    out = kvwatt(["--duration", "3s", "--settle", "0", "--interval", "0.5s", "--server", f"a={vllm.url}",
+                  "--state-dir", str(state), "--powercap-root", tree.root], gpus)
+    assert out.returncode == 0, out.stderr
+    assert f"gpu:{A}" in out.stdout and "rapl:package-0:package" in out.stdout and "saved to" in out.stdout
+    data = json.loads((state / STATE_FILE).read_text())["devices"]
+    g, h = data[f"gpu:{A}"], data["rapl:package-0:package"]
+    assert g["watts"] == pytest.approx(75.0, rel=0.02) and g["method"] == "measured"
+    assert g["temperature_celsius"] == 31.0 and g["duration_seconds"] == pytest.approx(3.0, abs=0.3)
+    assert h["watts"] == pytest.approx(40.0, rel=0.05)
+    assert abs(g["measured_at"] - time.time()) < 60
+
+
+def test_busy_server_saves_nothing(rig):
+    vllm, gpus, tree, state = rig
+    vllm.running = 2
+    out = kvwatt(["--duration", "1s", "--settle", "0", "--server", f"a={vllm.url}", "--state-dir", str(state),
+                  "--powercap-root", tree.root], gpus)
+    assert out.returncode == 1 and "not idle" in out.stderr
+    assert not (state / STATE_FILE).exists()
+
+
+def test_server_getting_busy_midway_voids_the_measurement(rig):
+    vllm, gpus, tree, state = rig
+    timer = threading.Timer(1.0, lambda: setattr(vllm, "tokens", vllm.tokens + 10))
+    timer.start()
+    out = kvwatt(["--duration", "3s", "--settle", "0", "--interval", "0.25s", "--server", f"a={vllm.url}",
+                  "--state-dir", str(state), "--powercap-root", tree.root], gpus)
+    timer.cancel()
+    assert out.returncode == 1 and "served tokens" in out.stderr
+    assert not (state / STATE_FILE).exists()
+
+
+def test_unreachable_server_and_unknown_name(rig, tmp_path):
+    _, gpus, tree, state = rig
+    out = kvwatt(["--duration", "1s", "--settle", "0", "--server", "a=http://127.0.0.1:9",
+                  "--state-dir", str(state), "--powercap-root", tree.root], gpus)
+    assert out.returncode == 1 and "not answering" in out.stderr and "--no-server-check" in out.stderr
+    out = kvwatt(["--duration", "1s", "--server", "nosuch", "--state-dir", str(state)], gpus)
+    assert out.returncode == 2 and "no configured server named 'nosuch'" in out.stderr
+    out = kvwatt(["--duration", "soon", "--no-server-check"], gpus)
+    assert out.returncode == 2 and "--duration" in out.stderr
+
+
+def test_no_energy_source_exits_1(tmp_path):
+    gpus = FakeGpus(tmp_path / "gpus.json", library_found=False)
+    out = kvwatt(["--duration", "1s", "--settle", "0", "--no-server-check", "--state-dir", str(tmp_path / "s"),
+                  "--powercap-root", str(tmp_path / "none")], gpus)
+    assert out.returncode == 1 and "not measured" in out.stderr and "absent" in out.stderr
