@@ -21,7 +21,9 @@ bench: .venv/.kvwatt-installed
 generate: .venv/.kvwatt-installed
 	.venv/bin/python alerts/generate.py
 	.venv/bin/python dashboards/generate.py
+	.venv/bin/python deploy/kubernetes/generate.py
 
 check: .venv/.kvwatt-installed
 	.venv/bin/python alerts/generate.py --check
 	.venv/bin/python dashboards/generate.py --check
+	.venv/bin/python deploy/kubernetes/generate.py --check
