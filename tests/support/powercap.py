@@ -104,8 +104,13 @@ class PowercapTree:
         return int(self.path(dir_id).read_text())
 
     def set_energy(self, dir_id: str, energy_uj: int) -> None:
-        """Write the counter the way sysfs shows it (decimal and a newline). Not atomic: sysfs is not either."""
-        self.path(dir_id).write_text(f"{int(energy_uj)}\n")
+        """Write the counter the way sysfs shows it (decimal and a newline), atomically: a read of a real
+        energy_uj always returns a whole value (the kernel formats it per read), while truncate-then-write
+        on a regular file lets a concurrent reader see it empty, which kvwatt rightly reports as masked."""
+        target = self.path(dir_id)
+        tmp = target.with_name(f".{target.name}.tmp")
+        tmp.write_text(f"{int(energy_uj)}\n")
+        os.replace(tmp, target)
 
     def advance(self, dir_id: str, joules: float) -> None:
         """Add ``joules`` to the zone's counter, wrapping at max_energy_range_uj like the hardware."""

@@ -1,0 +1,665 @@
+#!/usr/bin/env python3
+"""Generate kvwatt's Grafana dashboards from this one Python definition.
+
+    python dashboards/generate.py            # write dashboards/kvwatt-*.json
+    python dashboards/generate.py --check    # exit 1 when a committed JSON file is stale
+
+The committed JSON is the provisioned copy (``editable: false``) and is also what the UI import takes: it has
+no ``__inputs``; every panel and query uses the ``${datasource}`` variable. Builder choice, label design and
+provisioning paths: dashboards/README.md.
+
+Selectors are built by ``kv()`` (kvwatt series) and ``vl()`` (vLLM series), which look the name up in
+``exporter.catalog`` / ``exporter.vllm_names`` and add exactly the matchers that series' labels allow, so a
+query cannot filter on a label its series does not carry.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+from exporter.catalog import BY_NAME  # noqa: E402
+from exporter.vllm_names import WIRE_SERIES  # noqa: E402
+
+SCHEMA_VERSION = 42
+DS: dict[str, str] = {"type": "prometheus", "uid": "${datasource}"}
+PROVISIONED_DS_UID = "kvwatt-prometheus"  # dashboards/provisioning/datasource.yaml
+PROVISIONED_DS_NAME = "kvwatt Prometheus"
+TAGS = ["kvwatt", "vllm", "kv-offload"]
+SERIES_RE = re.compile(r"\b(?:kvwatt_[a-z0-9_]+|vllm:[a-z0-9_:]+)")
+SERVER_VARS = ("server", "server_on", "server_off")
+
+
+# --- selectors ---------------------------------------------------------------------------------------------
+
+def _matchers(pairs: list[tuple[str, str, str]]) -> str:
+    return "{" + ", ".join(f'{k}{op}"{v}"' for k, op, v in pairs) + "}"
+
+
+def kv(name: str, server: str = "server", **eq: str) -> str:
+    """Selector of a kvwatt series: job always; server and window where the series has those labels.
+
+    ``server`` names the dashboard variable the server label follows (server, server_on, server_off); ``eq``
+    adds exact matchers (e.g. scope="gpu").
+    """
+    labels = BY_NAME[name].labels  # KeyError: not a kvwatt series
+    pairs = [("job", "=~", "$job")]
+    if "server" in labels:
+        pairs.append(("server", "=~", f"${server}"))
+    if "window" in labels:
+        pairs.append(("window", "=~", "$window"))
+    for k, v in eq.items():
+        if k not in labels:
+            raise ValueError(f"{name} has no label {k!r}")
+        pairs.append((k, "=", v))
+    return name + _matchers(pairs)
+
+
+VLLM_LABELS = frozenset({"job", "instance", "model_name", "engine", "le", "source", "reason", "transfer_type"})
+
+
+def vl(name: str, **eq: str) -> str:
+    """Selector of a vLLM series on the wire: job, model_name and instance (vLLM series carry no server)."""
+    if name not in WIRE_SERIES:
+        raise KeyError(f"{name} is not a vLLM series on the wire")
+    pairs = [("job", "=~", "$job"), ("model_name", "=~", "$model_name"), ("instance", "=~", "$instance")]
+    for k, v in eq.items():
+        if k not in VLLM_LABELS:
+            raise ValueError(f"{name}: unexpected label {k!r}")
+        pairs.append((k, "=", v))
+    return name + _matchers(pairs)
+
+
+def rate(selector: str) -> str:
+    return f"rate({selector}[$__rate_interval])"
+
+
+def quantile(q: float, bucket_selector: str, by: str = "model_name, instance") -> str:
+    return f"histogram_quantile({q}, sum by (le, {by}) ({rate(bucket_selector)}))"
+
+
+# --- typed panel model -------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Target:
+    expr: str
+    legend: str = ""
+    table: bool = False  # instant query formatted as a table
+
+
+@dataclass(frozen=True)
+class Mapping:
+    value: str
+    text: str
+    color: str
+
+
+@dataclass(frozen=True)
+class Panel:
+    title: str
+    description: str
+    unit: str
+    targets: tuple[Target, ...] = ()
+    kind: str = "timeseries"  # timeseries | stat | state-timeline | table | text
+    w: int = 8
+    h: int = 8
+    stacked: bool = False
+    min: float | None = None
+    max: float | None = None
+    log: bool = False
+    axis_label: str = ""
+    threshold_line: float | None = None  # a dashed reference line (display only; see description)
+    mappings: tuple[Mapping, ...] = ()
+    dashed_refids: tuple[str, ...] = ()  # targets drawn as dashed reference lines
+    repeat: str | None = None  # one panel per selected value of this variable
+    content: str = ""  # text panels
+
+
+@dataclass(frozen=True)
+class Row:
+    title: str
+    panels: tuple[Panel, ...]
+
+
+@dataclass(frozen=True)
+class Variable:
+    name: str
+    label: str
+    query: str = ""  # label_values(...) for query variables
+    kind: str = "query"  # query | datasource
+    multi: bool = True
+    current: str | None = None  # single-value default; multi variables default to All
+    description: str = ""
+
+
+@dataclass(frozen=True)
+class Link:
+    title: str
+    uid: str
+    tooltip: str
+
+
+@dataclass(frozen=True)
+class Dashboard:
+    uid: str
+    title: str
+    description: str
+    variables: tuple[Variable, ...]
+    rows: tuple[Row, ...]
+    links: tuple[Link, ...] = field(default=())
+
+
+# --- JSON rendering ----------------------------------------------------------------------------------------
+
+REFIDS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+PALETTE = {"ok": "green", "warn": "orange", "bad": "red", "off": "transparent"}
+
+
+def series_in(panel: Panel) -> list[str]:
+    """kvwatt_/vllm: series a panel's queries read, in order of appearance."""
+    seen: dict[str, None] = {}
+    for t in panel.targets:
+        for name in SERIES_RE.findall(t.expr):
+            seen.setdefault(name, None)
+    return list(seen)
+
+
+def described(panel: Panel) -> str:
+    names = series_in(panel)
+    if any("ALERTS" in t.expr for t in panel.targets):
+        names.append("ALERTS")
+    if not names:
+        return panel.description
+    return panel.description + "\n\nSource series: " + ", ".join(f"`{n}`" for n in names) + "."
+
+
+def _target(t: Target, refid: str) -> dict[str, Any]:
+    out: dict[str, Any] = {"datasource": DS, "editorMode": "code", "expr": t.expr, "legendFormat": t.legend,
+                           "refId": refid}
+    if t.table:
+        out.update({"format": "table", "instant": True, "range": False})
+    else:
+        out.update({"instant": False, "range": True})
+    return out
+
+
+def _thresholds(panel: Panel) -> dict[str, Any]:
+    steps: list[dict[str, Any]] = [{"color": "green", "value": None}]
+    if panel.threshold_line is not None:
+        steps.append({"color": "red", "value": panel.threshold_line})
+    return {"mode": "absolute", "steps": steps}
+
+
+def _mappings(panel: Panel) -> list[dict[str, Any]]:
+    if not panel.mappings:
+        return []
+    return [{"type": "value", "options": {m.value: {"text": m.text, "color": PALETTE[m.color], "index": i}
+                                          for i, m in enumerate(panel.mappings)}}]
+
+
+def _field_defaults(panel: Panel) -> dict[str, Any]:
+    d: dict[str, Any] = {"unit": panel.unit, "thresholds": _thresholds(panel), "mappings": _mappings(panel)}
+    if panel.min is not None:
+        d["min"] = panel.min
+    if panel.max is not None:
+        d["max"] = panel.max
+    if panel.kind == "timeseries":
+        d["color"] = {"mode": "palette-classic"}
+        d["custom"] = {
+            "drawStyle": "line", "lineInterpolation": "linear", "lineWidth": 1, "showPoints": "never",
+            "fillOpacity": 60 if panel.stacked else 10, "spanNulls": False, "axisLabel": panel.axis_label,
+            "axisPlacement": "auto",
+            "scaleDistribution": {"type": "log", "log": 10} if panel.log else {"type": "linear"},
+            "stacking": {"mode": "normal" if panel.stacked else "none", "group": "A"},
+            "thresholdsStyle": {"mode": "dashed" if panel.threshold_line is not None else "off"},
+        }
+    elif panel.kind == "state-timeline":
+        d["color"] = {"mode": "thresholds"}
+        d["custom"] = {"fillOpacity": 80, "lineWidth": 0}
+    elif panel.kind == "stat":
+        d["color"] = {"mode": "thresholds"}
+    elif panel.kind == "table":
+        d["custom"] = {"align": "auto", "cellOptions": {"type": "auto"}}
+    return d
+
+
+def _overrides(panel: Panel) -> list[dict[str, Any]]:
+    return [{"matcher": {"id": "byFrameRefID", "options": ref},
+             "properties": [{"id": "custom.lineStyle", "value": {"fill": "dash", "dash": [10, 10]}},
+                            {"id": "custom.stacking", "value": {"mode": "none", "group": "A"}}]}
+            for ref in panel.dashed_refids]
+
+
+def _options(panel: Panel) -> dict[str, Any]:
+    legend = {"displayMode": "table", "placement": "bottom", "showLegend": True, "calcs": ["lastNotNull", "max"]}
+    if panel.kind == "timeseries":
+        return {"legend": legend, "tooltip": {"mode": "multi", "sort": "desc"}}
+    if panel.kind == "state-timeline":
+        return {"showValue": "auto", "mergeValues": True, "alignValue": "left", "rowHeight": 0.9,
+                "legend": {"displayMode": "list", "placement": "bottom", "showLegend": False},
+                "tooltip": {"mode": "single", "sort": "none"}}
+    if panel.kind == "stat":
+        return {"reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
+                "colorMode": "background", "graphMode": "none", "justifyMode": "auto", "orientation": "auto",
+                "textMode": "value_and_name", "wideLayout": True, "showPercentChange": False}
+    if panel.kind == "table":
+        return {"showHeader": True, "cellHeight": "sm", "footer": {"show": False, "reducer": ["sum"]}}
+    if panel.kind == "text":
+        return {"mode": "markdown", "content": panel.content}
+    raise ValueError(panel.kind)
+
+
+def _panel(panel: Panel, pid: int, x: int, y: int) -> dict[str, Any]:
+    out: dict[str, Any] = {"id": pid, "type": panel.kind, "title": panel.title, "description": described(panel),
+                           "gridPos": {"h": panel.h, "w": panel.w, "x": x, "y": y}}
+    if panel.kind != "text":
+        out["datasource"] = DS
+        out["targets"] = [_target(t, REFIDS[i]) for i, t in enumerate(panel.targets)]
+    out["fieldConfig"] = {"defaults": _field_defaults(panel) if panel.kind != "text" else {"unit": panel.unit},
+                          "overrides": _overrides(panel)}
+    out["options"] = _options(panel)
+    if panel.kind == "table":
+        out["transformations"] = [{"id": "organize", "options": {"excludeByName": {"Time": True, "Value": True},
+                                                                  "renameByName": {}}}]
+    if panel.repeat:
+        out.update({"repeat": panel.repeat, "repeatDirection": "h", "maxPerRow": 3})
+    return out
+
+
+def _layout(rows: tuple[Row, ...]) -> list[dict[str, Any]]:
+    """Rows one under another; panels flow left to right, wrapping at 24 columns."""
+    out: list[dict[str, Any]] = []
+    pid, y = 1, 0
+    for row in rows:
+        out.append({"id": pid, "type": "row", "title": row.title, "collapsed": False, "panels": [],
+                    "gridPos": {"h": 1, "w": 24, "x": 0, "y": y}})
+        pid, y = pid + 1, y + 1
+        x, line_h = 0, 0
+        for p in row.panels:
+            if x + p.w > 24:
+                x, y, line_h = 0, y + line_h, 0
+            out.append(_panel(p, pid, x, y))
+            pid, x, line_h = pid + 1, x + p.w, max(line_h, p.h)
+        y += line_h
+    return out
+
+
+def _variable(v: Variable) -> dict[str, Any]:
+    if v.kind == "datasource":
+        return {"name": v.name, "label": v.label, "type": "datasource", "query": "prometheus", "regex": "",
+                "hide": 0, "multi": False, "includeAll": False, "refresh": 1, "options": [],
+                "current": {"selected": False, "text": PROVISIONED_DS_NAME, "value": PROVISIONED_DS_UID},
+                "description": v.description}
+    out: dict[str, Any] = {"name": v.name, "label": v.label, "type": "query", "datasource": DS,
+                           "query": v.query, "definition": v.query, "refresh": 2, "regex": "", "sort": 1,
+                           "hide": 0, "options": [], "multi": v.multi, "includeAll": v.multi,
+                           "description": v.description}
+    if v.multi:
+        out["allValue"] = ".+"
+        out["current"] = {"selected": True, "text": ["All"], "value": ["$__all"]}
+    else:
+        out["current"] = {"selected": False, "text": v.current or "", "value": v.current or ""}
+    return out
+
+
+def _link(link: Link) -> dict[str, Any]:
+    return {"title": link.title, "type": "link", "url": f"/d/{link.uid}", "tooltip": link.tooltip, "icon": "dashboard",
+            "includeVars": True, "keepTime": True, "targetBlank": False, "asDropdown": False, "tags": []}
+
+
+def render(d: Dashboard) -> dict[str, Any]:
+    links = [_link(link) for link in d.links]
+    links.append({"title": "kvwatt dashboards", "type": "dashboards", "tags": ["kvwatt"], "asDropdown": True,
+                  "includeVars": True, "keepTime": True, "targetBlank": False, "icon": "external link",
+                  "tooltip": "", "url": ""})
+    return {
+        "id": None,
+        "uid": d.uid,
+        "title": d.title,
+        "description": d.description,
+        "tags": TAGS,
+        "editable": False,  # provisioned copy; the UI import takes the same file (README)
+        "graphTooltip": 1,
+        "timezone": "browser",
+        "fiscalYearStartMonth": 0,
+        "liveNow": False,
+        "refresh": "30s",
+        "schemaVersion": SCHEMA_VERSION,
+        "version": 1,
+        "time": {"from": "now-1h", "to": "now"},
+        "timepicker": {"refresh_intervals": ["10s", "30s", "1m", "5m", "15m"]},
+        "annotations": {"list": [{"builtIn": 1, "datasource": {"type": "grafana", "uid": "-- Grafana --"},
+                                  "enable": True, "hide": True, "iconColor": "rgba(0, 211, 255, 1)",
+                                  "name": "Annotations & Alerts", "type": "dashboard"}]},
+        "links": links,
+        "templating": {"list": [_variable(v) for v in d.variables]},
+        "panels": _layout(d.rows),
+    }
+
+
+# --- variables ---------------------------------------------------------------------------------------------
+
+DATASOURCE = Variable("datasource", "Data source", kind="datasource", multi=False,
+                      description="Prometheus that scrapes kvwatt and the vLLM servers.")
+JOB = Variable("job", "Job", 'label_values({__name__=~"kvwatt_server_info|vllm:num_requests_running"}, job)',
+               description="Scrape jobs of kvwatt and of the vLLM servers (both kinds of series carry job).")
+SERVER = Variable("server", "Server", 'label_values(kvwatt_server_info{job=~"$job"}, server)',
+                  description="vLLM server by its kvwatt-configured name (kvwatt_* series only).")
+MODEL = Variable("model_name", "Model name", 'label_values(vllm:num_requests_running{job=~"$job"}, model_name)',
+                 description="Served model (vllm:* series only; kvwatt_* series carry server instead).")
+INSTANCE = Variable("instance", "Instance",
+                    'label_values(vllm:num_requests_running{job=~"$job", model_name=~"$model_name"}, instance)',
+                    description="vLLM scrape target (instance of vllm:* series); kvwatt panels follow server.")
+WINDOW = Variable("window", "Window", 'label_values(kvwatt_kv_cache_usage_p95_ratio{job=~"$job"}, window)',
+                  multi=False, current="5m",
+                  description="kvwatt's evaluation window (configured windows, default 1m and 5m).")
+SERVER_ON = Variable("server_on", "Server ON", 'label_values(kvwatt_server_info{job=~"$job"}, server)',
+                     multi=False, description="The server with KV offloading ON.")
+SERVER_OFF = Variable("server_off", "Server OFF", 'label_values(kvwatt_server_info{job=~"$job"}, server)',
+                      multi=False, description="Its OFF twin (same node, model and workload).")
+
+
+# --- overview ----------------------------------------------------------------------------------------------
+
+def _by(by: str, selector: str) -> str:
+    return f"max by ({by}) ({selector})"
+
+
+ACTIVE = (Mapping("0", "inactive", "ok"), Mapping("1", "ACTIVE", "bad"))
+
+REGIME = Row("Regime", (
+    Panel("Regime now", "Per server: is the window's p95 KV usage above the regime threshold? Above it, "
+          "offloading pays (14-32 % less energy per token in the study); below it, savings are within noise.",
+          "none", (Target(_by("server", kv("kvwatt_kv_pressure_above_threshold")), "{{server}}"),), kind="stat",
+          w=6, mappings=(Mapping("0", "below threshold", "ok"), Mapping("1", "above threshold", "warn"))),
+    Panel("Failure signatures", "1 while a signature holds: throughput collapse (offloading on, zero preemptions, "
+          "throughput collapsed, power near idle, requests pending), sustained preemption onset, and an offload "
+          "buffer too small for the p99 tool-call latency (or failing stores).", "none",
+          (Target(_by("server", kv("kvwatt_collapse_signature")), "{{server}} collapse"),
+           Target(_by("server", kv("kvwatt_preemption_onset")), "{{server}} preemption onset"),
+           Target(_by("server", kv("kvwatt_offload_buffer_undersized")), "{{server}} buffer undersized")),
+          kind="state-timeline", w=10, mappings=ACTIVE),
+    Panel("Firing kvwatt alerts", "kvwatt alerts firing now (alertname KV* or Kvwatt*). Alerts without a server "
+          "label (host-wide sources) are shown whatever server is selected.", "none",
+          (Target('sum by (alertname, severity, server) (ALERTS{alertname=~"KV.*|Kvwatt.*", alertstate="firing", '
+                  'server=~"$server|"})', table=True),),
+          kind="table", w=8),
+    Panel("Collapse conditions", "Each condition of the collapse signature on its own (methods.md s5); the "
+          "signature fires only when all hold at once.", "none",
+          (Target(_by("server, condition", kv("kvwatt_collapse_condition")), "{{server}} {{condition}}"),),
+          kind="state-timeline", w=12, mappings=(Mapping("0", "no", "off"), Mapping("1", "yes", "warn"))),
+    Panel("Source health", "1 when kvwatt's last read of a source (vllm per server, nvml, rapl) succeeded; the "
+          "reason for a failure is in kvwatt_source_info.", "none",
+          (Target(_by("source, server", kv("kvwatt_source_up", server="server|")), "{{source}} {{server}}"),),
+          kind="state-timeline", w=12, mappings=(Mapping("0", "down", "bad"), Mapping("1", "up", "ok"))),
+))
+
+ENERGY = Row("Energy", (
+    Panel("Marginal energy per token", "(E - P_idle*dt) / generated tokens over the window, for GPU and host "
+          "(RAPL) scope (methods.md s1). Absent without 30 s of load or without tokens.", "joule",
+          (Target(_by("server, scope", kv("kvwatt_marginal_energy_per_token_joules")), "{{server}} {{scope}}"),),
+          w=8, min=0),
+    Panel("Total energy per token", "E / generated tokens over the window, idle power included, for GPU and "
+          "host scope.", "joule",
+          (Target(_by("server, scope", kv("kvwatt_energy_per_token_joules")), "{{server}} {{scope}}"),), w=8, min=0),
+    Panel("Energy saving dE by baseline", "dE = (J/tok OFF - J/tok ON) / J/tok OFF; positive means offloading "
+          "saves. baseline: paired = a live OFF twin, recorded = an OFF profile from `kvwatt baseline record`, "
+          "estimated = a model estimate (least trustworthy).", "percentunit",
+          (Target(_by("server, baseline", kv("kvwatt_energy_saving_ratio")), "{{server}} dE ({{baseline}})"),), w=8),
+    Panel("GPU power vs idle baseline", "Board power, the rate of the GPU energy counter, and the idle baseline "
+          "P_idle that marginal J/token subtracts.", "watt",
+          (Target(f"max by (instance, gpu) ({kv('kvwatt_gpu_power_watts')})", "{{instance}} GPU {{gpu}} power"),
+           Target(f"sum by (instance, gpu) ({rate(kv('kvwatt_gpu_energy_joules_total'))})",
+                  "{{instance}} GPU {{gpu}} energy rate"),
+           Target(f"max by (instance, gpu) ({kv('kvwatt_gpu_idle_power_watts')})", "{{instance}} GPU {{gpu}} idle")),
+          w=8, min=0, dashed_refids=("C",)),
+    Panel("Host power (RAPL) vs idle baseline", "CPU package and DRAM power from the rate of the RAPL energy "
+          "counters, against their idle baselines.", "watt",
+          (Target(f"sum by (instance, zone, domain) ({rate(kv('kvwatt_host_energy_joules_total'))})",
+                  "{{instance}} {{zone}} {{domain}}"),
+           Target(f"max by (instance, zone, domain) ({kv('kvwatt_host_idle_power_watts')})",
+                  "{{instance}} {{zone}} {{domain}} idle")),
+          w=8, min=0, dashed_refids=("B",)),
+    Panel("Generation throughput", "Generated tokens per second: kvwatt's window figure per server and the rate "
+          "of vLLM's own counter per instance.", "short",
+          (Target(_by("server", kv("kvwatt_generation_tokens_per_second")), "{{server}} (kvwatt window)"),
+           Target(f"sum by (instance) ({rate(vl('vllm:generation_tokens_total'))})", "{{instance}} (vLLM counter)")),
+          w=8, min=0, axis_label="tokens/s"),
+))
+
+RECOMPUTE = Row("Recomputation", (
+    Panel("Prompt-token share by source: $server", "Where prompt tokens come from over the window: computed locally, "
+          "hit in the GPU prefix cache, or loaded from the offload tier (stacked, sums to 1). One panel per "
+          "selected server. First prefills only (vLLM counters): re-prefill after preemption is not counted.",
+          "percentunit",
+          (Target(_by("source", kv("kvwatt_prompt_token_share_ratio")), "{{source}}"),),
+          w=24, stacked=True, min=0, max=1, repeat="server"),
+    Panel("Prompt tokens by source (vLLM counters)", "Rate of vLLM's prompt-token counter by source, per "
+          "instance (stacked).", "short",
+          (Target(f"sum by (instance, source) ({rate(vl('vllm:prompt_tokens_by_source_total'))})",
+                  "{{instance}} {{source}}"),),
+          w=6, stacked=True, min=0, axis_label="tokens/s"),
+    Panel("Recompute tax", "local_compute share minus this server's low-pressure reference share (methods.md "
+          "s4): the prompt work that pressure forces the GPU to redo. Dashed: the reference share.", "percentunit",
+          (Target(_by("server", kv("kvwatt_recompute_tax_ratio")), "{{server}} tax"),
+           Target(_by("server", kv("kvwatt_recompute_reference_share_ratio")), "{{server}} reference share")),
+          w=6, dashed_refids=("B",)),
+    Panel("Preemptions per minute", "Preemptions per minute from kvwatt's dense samples and from the rate of "
+          "vLLM's counter. Dashed line: the default onset rate 0.5/min (preemption_onset_per_minute).", "cpm",
+          (Target(_by("server", kv("kvwatt_preemptions_per_minute")), "{{server}} (kvwatt window)"),
+           Target(f"sum by (instance) ({rate(vl('vllm:num_preemptions_total'))}) * 60",
+                  "{{instance}} (vLLM counter)")),
+          w=6, min=0, threshold_line=0.5),
+    Panel("Estimated FLOPs per generated token", "vLLM's MFU estimate of FLOPs per generated token "
+          "(--enable-mfu-metrics): rises with every kind of recomputation, re-prefill after preemption included, "
+          "which the token counters miss.", "short",
+          (Target(_by("server", kv("kvwatt_estimated_flops_per_generated_token")), "{{server}}"),),
+          w=6, min=0, axis_label="FLOP/token"),
+))
+
+PRESSURE = Row("KV pressure", (
+    Panel("KV cache usage vs threshold", "p95 and max of KV usage over the window from kvwatt's 1 s samples, the "
+          "configured regime threshold (dashed), and the scraped vLLM gauge, which misses the peaks.",
+          "percentunit",
+          (Target(_by("server", kv("kvwatt_kv_cache_usage_p95_ratio")), "{{server}} p95"),
+           Target(_by("server", kv("kvwatt_kv_cache_usage_max_ratio")), "{{server}} max"),
+           Target(_by("server", kv("kvwatt_kv_pressure_threshold_ratio")), "{{server}} threshold"),
+           Target(f"max by (instance) ({vl('vllm:kv_cache_usage_perc')})", "{{instance}} scraped")),
+          w=8, min=0, max=1, dashed_refids=("C",)),
+    Panel("Requests running and waiting", "vLLM's scheduler gauges summed over engines: running, and waiting by "
+          "reason (capacity = no KV room, deferred).", "short",
+          (Target(f"sum by (instance) ({vl('vllm:num_requests_running')})", "{{instance}} running"),
+           Target(f"sum by (instance, reason) ({vl('vllm:num_requests_waiting_by_reason')})",
+                  "{{instance}} waiting ({{reason}})")),
+          w=8, min=0, axis_label="requests"),
+    Panel("Offload buffer residency", "How long an offloaded block survives: buffer bytes / write rate "
+          "(methods.md s6). It should exceed the workload's p99 tool-call latency (dashed: the default "
+          "p99_tool_latency 20 s); kvwatt_offload_buffer_undersized compares against the configured value.", "s",
+          (Target(_by("server", kv("kvwatt_offload_buffer_residency_seconds")), "{{server}} residency"),),
+          w=8, min=0, threshold_line=20),
+    Panel("Offload buffer: configured vs recommended", "The configured host offload buffer and the size that "
+          "keeps residency above the p99 tool-call latency with the configured headroom.", "bytes",
+          (Target(_by("server", kv("kvwatt_offload_buffer_bytes")), "{{server}} configured"),
+           Target(_by("server", kv("kvwatt_offload_recommended_buffer_bytes")), "{{server}} recommended")),
+          w=8, min=0, dashed_refids=("B",)),
+    Panel("Offload bandwidth", "Store (GPU to host) and load (host to GPU) rates: kvwatt's window figures per "
+          "server and the rate of vLLM's offload byte counters per instance.", "Bps",
+          (Target(_by("server", kv("kvwatt_offload_write_bytes_per_second")), "{{server}} store"),
+           Target(_by("server", kv("kvwatt_offload_read_bytes_per_second")), "{{server}} load"),
+           Target(f"sum by (instance) ({rate(vl('vllm:kv_offload_store_bytes_total'))})",
+                  "{{instance}} store (vLLM counter)"),
+           Target(f"sum by (instance) ({rate(vl('vllm:kv_offload_load_bytes_total'))})",
+                  "{{instance}} load (vLLM counter)")),
+          w=16, min=0),
+))
+
+LATENCY = Row("Latency", (
+    Panel("Time to first token", "TTFT quantiles from vLLM's histogram, per instance.", "s",
+          tuple(Target(quantile(q, vl("vllm:time_to_first_token_seconds_bucket"), "instance"), f"{{{{instance}}}} p{p}")
+                for q, p in ((0.5, 50), (0.95, 95), (0.99, 99))),
+          w=12, min=0),
+    Panel("Inter-token latency", "Inter-token latency (time per output token) quantiles from vLLM's histogram, "
+          "per instance.", "s",
+          tuple(Target(quantile(q, vl("vllm:inter_token_latency_seconds_bucket"), "instance"), f"{{{{instance}}}} p{p}")
+                for q, p in ((0.5, 50), (0.95, 95), (0.99, 99))),
+          w=12, min=0),
+))
+
+ANALYSIS = Row("Analysis", (
+    Panel("Cached-to-prefill ratio vs critical", "kappa observed = external_kv_transfer / local_compute prompt "
+          "tokens over the window, against kappa_crit (dashed, roofline form, methods.md s7): above it, "
+          "execution turns transfer-bound.", "short",
+          (Target(_by("server", kv("kvwatt_cached_to_prefill_ratio")), "{{server}} kappa"),
+           Target(_by("server", kv("kvwatt_critical_cached_to_prefill_ratio")), "{{server}} kappa_crit")),
+          w=10, log=True, dashed_refids=("B",), axis_label="tokens loaded per token computed"),
+    Panel("Recompute break-even length", "Sequence length above which reloading KV beats recomputing it "
+          "(Tetris form with GQA width, methods.md s7).", "short",
+          (Target(_by("server", kv("kvwatt_recompute_breakeven_tokens")), "{{server}}"),), kind="stat", w=4),
+    Panel("Prompt energy per token by source", "Attribution model, not a measurement: marginal GPU joules per "
+          "prompt token by source, reloaded tokens priced at load_to_compute_cost_ratio.", "joule",
+          (Target(_by("server, source", kv("kvwatt_prompt_energy_per_token_joules")), "{{server}} {{source}}"),),
+          w=10, min=0),
+))
+
+OVERVIEW = Dashboard(
+    uid="kvwatt-overview",
+    title="kvwatt / Overview",
+    description="Per vLLM server: KV-pressure regime, cost of a token, where prompt tokens come from, failure "
+                "signatures. Generated by dashboards/generate.py; do not edit by hand.",
+    variables=(DATASOURCE, JOB, SERVER, MODEL, INSTANCE, WINDOW),
+    rows=(REGIME, ENERGY, RECOMPUTE, PRESSURE, LATENCY, ANALYSIS),
+    links=(Link("Experiment: ON vs OFF", "kvwatt-experiment", "Paired comparison of an offloading ON/OFF pair"),),
+)
+
+
+# --- experiment --------------------------------------------------------------------------------------------
+
+def _on_off(title: str, description: str, unit: str, metric: str, **kw: Any) -> Panel:
+    legend = "{{server}} {{scope}}" if "scope" in BY_NAME[metric].labels else "{{server}}"
+    by = "server, scope" if "scope" in BY_NAME[metric].labels else "server"
+    return Panel(title, description + " ON: $server_on; OFF: $server_off.", unit,
+                 (Target(_by(by, kv(metric, server="server_on")), "ON " + legend),
+                  Target(_by(by, kv(metric, server="server_off")), "OFF " + legend)), **kw)
+
+
+REPORT_TEXT = """\
+**Offline experiment results.** `kvwatt experiment` runs a paired ON/OFF plan (n >= 3 runs per condition,
+shuffled order, idle baseline, warm-up, measurement, cool-down; methods.md s2) and writes its results as files
+in the output directory it is given: per-run rows (CSV/JSON) and a report (Markdown, with HTML and PNG
+figures) holding n, the means, dE% and dTPS% with their standard errors. Read the report there; this dashboard
+shows the *live* comparison kvwatt computes while both servers run (`kvwatt_energy_saving_ratio` and friends)
+and the two servers side by side. See dashboards/README.md."""
+
+COMPARISON = Row("Live comparison", (
+    Panel("Energy saving dE ($server_on)", "dE of the ON server against each baseline kind (paired = its live "
+          "OFF twin, recorded = an OFF profile, estimated = a model). Positive means offloading saves.",
+          "percentunit",
+          (Target(_by("baseline", kv("kvwatt_energy_saving_ratio", server="server_on")), "dE {{baseline}}"),),
+          kind="stat", w=8),
+    Panel("Standard error of dE ($server_on)", "Standard error of dE by the delta method (methods.md s2), "
+          "where the comparison has repeats.", "percentunit",
+          (Target(_by("baseline", kv("kvwatt_energy_saving_stderr_ratio", server="server_on")),
+                  "SE {{baseline}}"),),
+          kind="stat", w=6),
+    Panel("Throughput gain dTPS ($server_on)", "dTPS = (TPS ON - TPS OFF) / TPS OFF against each baseline "
+          "kind.", "percentunit",
+          (Target(_by("baseline", kv("kvwatt_throughput_gain_ratio", server="server_on")), "dTPS {{baseline}}"),),
+          kind="stat", w=6),
+    Panel("Comparison windows ($server_on)", "How many windows the dE/dTPS comparison rests on.", "short",
+          (Target(_by("baseline", kv("kvwatt_comparison_windows", server="server_on")), "{{baseline}}"),),
+          kind="stat", w=4),
+    Panel("dE and dTPS over time", "Energy saving and throughput gain of every selected server that has a "
+          "comparison, by baseline kind; dashed: one standard error of dE.", "percentunit",
+          (Target(_by("server, baseline", kv("kvwatt_energy_saving_ratio")), "{{server}} dE ({{baseline}})"),
+           Target(_by("server, baseline", kv("kvwatt_throughput_gain_ratio")), "{{server}} dTPS ({{baseline}})"),
+           Target(_by("server, baseline", kv("kvwatt_energy_saving_stderr_ratio")), "{{server}} SE dE ({{baseline}})"),
+           Target(_by("server, baseline", kv("kvwatt_throughput_gain_stderr_ratio")),
+                  "{{server}} SE dTPS ({{baseline}})")),
+          w=24, dashed_refids=("C", "D")),
+))
+
+SIDE_BY_SIDE = Row("Side by side: ON vs OFF", (
+    _on_off("Marginal J/token: ON vs OFF", "Marginal energy per generated token of both servers (GPU and host).",
+            "joule", "kvwatt_marginal_energy_per_token_joules", w=8, min=0),
+    _on_off("Generated tokens/s: ON vs OFF", "Generation throughput of both servers over the window.", "short",
+            "kvwatt_generation_tokens_per_second", w=8, min=0, axis_label="tokens/s"),
+    _on_off("KV usage p95: ON vs OFF", "p95 KV usage of both servers from dense samples: the comparison is "
+            "only meaningful where both run the same pressure.", "percentunit",
+            "kvwatt_kv_cache_usage_p95_ratio", w=8, min=0, max=1),
+    _on_off("Preemptions per minute: ON vs OFF", "Preemptions per minute of both servers; offloading should "
+            "bring them down (zero preemptions with collapsed throughput is the collapse signature).", "cpm",
+            "kvwatt_preemptions_per_minute", w=8, min=0),
+    Panel("Prompt-token share: ON vs OFF", "Prompt-token shares by source of both servers: offloading moves "
+          "the recompute tax from local_compute into external_kv_transfer. ON: $server_on; OFF: $server_off.",
+          "percentunit",
+          (Target(_by("server, source", kv("kvwatt_prompt_token_share_ratio", server="server_on")),
+                  "ON {{server}} {{source}}"),
+           Target(_by("server, source", kv("kvwatt_prompt_token_share_ratio", server="server_off")),
+                  "OFF {{server}} {{source}}")),
+          w=8, min=0, max=1),
+    Panel("TTFT p95 by instance", "p95 time to first token from vLLM's histogram per instance; pick the ON and "
+          "OFF servers' instances in the Instance variable.", "s",
+          (Target(quantile(0.95, vl("vllm:time_to_first_token_seconds_bucket"), "instance"), "{{instance}} p95"),),
+          w=8, min=0),
+))
+
+REPORTS = Row("Offline results", (
+    Panel("Where the experiment report is", "How to read the offline ON/OFF results that `kvwatt experiment` "
+          "writes as files.", "none", kind="text", w=24, h=6, content=REPORT_TEXT),
+))
+
+EXPERIMENT = Dashboard(
+    uid="kvwatt-experiment",
+    title="kvwatt / Experiment: offloading ON vs OFF",
+    description="Live paired comparison of an offloading ON server with its OFF twin: dE, dTPS with standard "
+                "errors, and the two servers side by side. Generated by dashboards/generate.py.",
+    variables=(DATASOURCE, JOB, SERVER, MODEL, INSTANCE, WINDOW, SERVER_ON, SERVER_OFF),
+    rows=(COMPARISON, SIDE_BY_SIDE, REPORTS),
+    links=(Link("Overview", "kvwatt-overview", "Regime, energy, recomputation and pressure of every server"),),
+)
+
+DASHBOARDS: dict[str, Dashboard] = {"kvwatt-overview.json": OVERVIEW, "kvwatt-experiment.json": EXPERIMENT}
+
+
+# --- command line ------------------------------------------------------------------------------------------
+
+def dumps(d: Dashboard) -> str:
+    return json.dumps(render(d), indent=2, ensure_ascii=False) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--check", action="store_true", help="exit 1 if the committed JSON is stale")
+    parser.add_argument("--dir", type=Path, default=HERE, help="where the JSON files live (default: %(default)s)")
+    args = parser.parse_args(argv)
+    stale: list[str] = []
+    for filename, dashboard in DASHBOARDS.items():
+        path = args.dir / filename
+        text = dumps(dashboard)
+        if args.check:
+            current = path.read_text(encoding="utf-8") if path.exists() else ""
+            if current != text:
+                stale.append(filename)
+                diff = difflib.unified_diff(current.splitlines(), text.splitlines(), f"{path} (committed)",
+                                            f"{path} (generated)", lineterm="", n=1)
+                print("\n".join(list(diff)[:40]), file=sys.stderr)
+        else:
+            path.write_text(text, encoding="utf-8")
+            print(f"wrote {path}")
+    if stale:
+        print(f"stale: {', '.join(stale)}; run: python dashboards/generate.py", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

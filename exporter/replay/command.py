@@ -1,0 +1,187 @@
+"""`kvwatt replay TRACE`: replay agentic traces against an OpenAI-compatible server (docs/replay.md).
+
+Exit status: 0 every request succeeded; 1 some failed after retries, or the server could not be reached;
+2 bad input; 130/143 stopped by SIGINT/SIGTERM (records and summary written so far are complete).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import signal
+import sys
+from urllib.parse import urlparse
+
+import aiohttp
+
+from exporter.config import DEFAULT_SERVER_URL, ConfigError, parse_duration
+from exporter.replay.client import CompletionClient
+from exporter.replay.progress import show_progress
+from exporter.replay.records import RecordSink, summary_line, write_summary
+from exporter.replay.runner import Replay, ReplayOptions, playable_sessions
+from exporter.replay.tokens import DEFAULT_TOKEN_ID_RANGE, TokenSource
+from exporter.replay.traces import FORMATS, load_sessions, scale_session, scale_tokens
+
+_EXIT_BY_SIGNAL = {signal.SIGINT: 130, signal.SIGTERM: 143}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("trace", help="trace file: Applied Compute JSONL or kvwatt sessions JSONL")
+    p.add_argument("--format", default="auto", choices=FORMATS, help="trace format (default: per line)")
+    p.add_argument("--url", default=DEFAULT_SERVER_URL, help=f"server base URL (default {DEFAULT_SERVER_URL})")
+    p.add_argument("--model", help="model name to send (default: the first of GET /v1/models)")
+    loop = p.add_argument_group("load")
+    loop.add_argument("--concurrency", type=int, metavar="N", help="closed loop: N sessions at once (default 1)")
+    loop.add_argument("--rate", type=float, metavar="PER_SECOND", help="open loop: Poisson session arrivals/s")
+    loop.add_argument("--duration", metavar="DURATION", help="start no turn after this (30s, 5m); sessions cycle")
+    loop.add_argument("--max-sessions", type=int, metavar="N", help="at most N sessions (default: each once)")
+    shape = p.add_argument_group("shape")
+    shape.add_argument("--seed", type=int, default=0, metavar="N", help="content, order, arrivals (default 0)")
+    shape.add_argument("--system-prompt-tokens", type=int, default=1024, metavar="N",
+                       help="shared system prompt length (default 1024)")
+    shape.add_argument("--length-scale", type=float, default=1.0, metavar="X", help="multiply every token length")
+    shape.add_argument("--latency-scale", type=float, default=1.0, metavar="X", help="multiply every tool latency")
+    shape.add_argument("--max-context", type=int, metavar="TOKENS",
+                       help="end a session before a turn whose prompt + output exceeds TOKENS")
+    shape.add_argument("--token-id-range", metavar="LOW:HIGH", default="%d:%d" % DEFAULT_TOKEN_ID_RANGE,
+                       help="synthetic ids from LOW (inclusive) to HIGH (exclusive); default %(default)s")
+    requests = p.add_argument_group("requests")
+    requests.add_argument("--retries", type=int, default=2, metavar="N", help="retries of a transient failure")
+    requests.add_argument("--retry-backoff", type=float, default=0.5, metavar="SECONDS",
+                          help="first retry wait, doubling (default 0.5)")
+    requests.add_argument("--request-timeout", type=float, default=600.0, metavar="SECONDS",
+                          help="per-request timeout (default 600)")
+    out = p.add_argument_group("output")
+    out.add_argument("--records", metavar="FILE", help="one JSON line per turn, flushed as it ends")
+    out.add_argument("--summary", metavar="FILE", help="the summary as JSON")
+    out.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                     help="live progress bar on stderr (default: when stderr is a terminal)")
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def _finite(value: float) -> bool:
+    return value is not None and math.isfinite(value)
+
+
+def build_options(args: argparse.Namespace) -> ReplayOptions:
+    _check(not (args.rate is not None and args.concurrency is not None), "--rate and --concurrency: choose one")
+    _check(args.concurrency is None or args.concurrency >= 1,
+           f"--concurrency: must be >= 1, got {args.concurrency}")
+    url = urlparse(args.url)
+    _check(url.scheme in ("http", "https") and bool(url.netloc),
+           f"--url: expected http(s)://HOST:PORT, got {args.url!r}")
+    _check(args.rate is None or (_finite(args.rate) and args.rate > 0), f"--rate: must be > 0, got {args.rate}")
+    _check(_finite(args.length_scale) and args.length_scale > 0,
+           f"--length-scale: must be > 0, got {args.length_scale}")
+    _check(_finite(args.latency_scale) and args.latency_scale >= 0,
+           f"--latency-scale: must be >= 0, got {args.latency_scale}")
+    _check(args.system_prompt_tokens >= 0,
+           f"--system-prompt-tokens: must be >= 0, got {args.system_prompt_tokens}")
+    _check(args.max_context is None or args.max_context >= 1, f"--max-context: must be >= 1, got {args.max_context}")
+    _check(args.max_sessions is None or args.max_sessions >= 1,
+           f"--max-sessions: must be >= 1, got {args.max_sessions}")
+    _check(args.retries >= 0, f"--retries: must be >= 0, got {args.retries}")
+    _check(_finite(args.retry_backoff) and args.retry_backoff >= 0,
+           f"--retry-backoff: must be >= 0, got {args.retry_backoff}")
+    _check(_finite(args.request_timeout) and args.request_timeout > 0,
+           f"--request-timeout: must be > 0, got {args.request_timeout}")
+    return ReplayOptions(
+        concurrency=None if args.rate is not None else (args.concurrency or 1),
+        rate_sessions_per_second=args.rate, seed=args.seed,
+        system_prompt_tokens=scale_tokens(args.system_prompt_tokens, args.length_scale),
+        latency_scale=args.latency_scale, max_context_tokens=args.max_context,
+        duration_seconds=parse_duration(args.duration, "--duration") if args.duration is not None else None,
+        max_sessions=args.max_sessions, retries=args.retries, retry_backoff_seconds=args.retry_backoff)
+
+
+def parse_token_id_range(text: str) -> tuple[int, int]:
+    low, sep, high = text.partition(":")
+    try:
+        low_id, high_id = int(low), int(high)
+    except ValueError:
+        raise ConfigError(f"--token-id-range: expected LOW:HIGH, got {text!r}") from None
+    _check(bool(sep) and 0 <= low_id < high_id, f"--token-id-range: expected 0 <= LOW < HIGH, got {text!r}")
+    return low_id, high_id
+
+
+def main(args: argparse.Namespace) -> int:
+    options = build_options(args)
+    low_id, high_id = parse_token_id_range(args.token_id_range)
+    sessions = [scale_session(s, args.length_scale) for s in load_sessions(args.trace, args.format)]
+    playable_sessions(sessions, options)  # fail now, before any file or connection, if nothing fits
+    try:
+        sink = RecordSink(args.records)
+    except OSError as e:
+        raise ConfigError(f"--records: cannot write {args.records} ({e.strerror})") from None
+    progress = sys.stderr.isatty() if args.progress is None else args.progress
+    tokens = TokenSource(options.seed, low_id, high_id)
+    try:
+        summary, exit_code = asyncio.run(_replay(args, options, sessions, sink, tokens, progress))
+    except _Unreachable as e:
+        print(f"kvwatt: error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        sink.close()
+    summary.update(trace=args.trace, url=args.url, length_scale=args.length_scale, latency_scale=args.latency_scale,
+                   system_prompt_tokens=options.system_prompt_tokens, max_context_tokens=options.max_context_tokens)
+    if args.summary:
+        write_summary(args.summary, summary)
+    print(summary_line(summary), flush=True)
+    return exit_code or (1 if summary["failed"] else 0)
+
+
+class _Unreachable(Exception):
+    pass
+
+
+async def _replay(args, options, sessions, sink, tokens, progress: bool) -> tuple[dict, int]:
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector) as http:
+        model = args.model or await _first_model(http, args.url)
+        replay = Replay(sessions, options, CompletionClient(http, args.url, model, args.request_timeout), sink,
+                        tokens)
+        received: list[int] = []
+        _install_signal_handlers(replay, received)
+        bar = asyncio.create_task(show_progress(replay)) if progress else None
+        try:
+            summary = await replay.run()
+        finally:
+            _remove_signal_handlers()
+            if bar is not None:
+                bar.cancel()
+                await asyncio.gather(bar, return_exceptions=True)
+    return summary, _EXIT_BY_SIGNAL.get(received[0], 0) if received else 0
+
+
+async def _first_model(http: aiohttp.ClientSession, base_url: str) -> str:
+    url = base_url.rstrip("/") + "/v1/models"
+    try:
+        async with http.get(url, timeout=aiohttp.ClientTimeout(total=30)) as resp:
+            body = await resp.json(content_type=None)
+        return body["data"][0]["id"]
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, IndexError, TypeError) as e:
+        raise _Unreachable(f"cannot list models at {url} ({type(e).__name__}: {e}); pass --model") from None
+
+
+def _install_signal_handlers(replay: Replay, received: list[int]) -> None:
+    """The first SIGINT/SIGTERM stops the replay cleanly; a second one gets the default behaviour."""
+    loop = asyncio.get_running_loop()
+
+    def handle(sig: int) -> None:
+        received.append(sig)
+        _remove_signal_handlers()
+        replay.request_stop(interrupt=True)
+
+    for sig in _EXIT_BY_SIGNAL:
+        loop.add_signal_handler(sig, handle, sig)
+
+
+def _remove_signal_handlers() -> None:
+    loop = asyncio.get_running_loop()
+    for sig in _EXIT_BY_SIGNAL:
+        loop.remove_signal_handler(sig)

@@ -1,0 +1,166 @@
+"""Trace files: the Applied Compute agentic-trace JSONL and kvwatt's per-session turns JSONL (docs/replay.md).
+
+Both load into the same shape: a ``Session`` is a list of ``Turn``s, each turn appending ``input_tokens`` new
+tokens (the user prompt on turn 0, the previous tool call's output after that), asking for exactly
+``output_tokens``, then waiting ``tool_latency_seconds`` before the next turn. Any problem raises ConfigError
+naming the file and line.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from exporter.config import ConfigError
+
+FORMATS = ("auto", "applied-compute", "sessions")
+_AC_KEYS = ("num_turns", "input_prompt_length", "assistant_response_length", "tool_call_output_length",
+            "tool_call_latency", "final_assistant_response_length")
+
+
+@dataclass(frozen=True)
+class Turn:
+    input_tokens: int
+    output_tokens: int
+    tool_latency_seconds: float = 0.0  # wait after this turn's response, before the next turn
+
+
+@dataclass(frozen=True)
+class Session:
+    session_id: str
+    turns: tuple[Turn, ...]
+    system_prompt_tokens: int | None = None  # None: the replay's shared --system-prompt-tokens
+
+
+def load_sessions(path: str | Path, trace_format: str = "auto") -> list[Session]:
+    """Every session in ``path`` (blank lines skipped). Raises ConfigError on the first bad line."""
+    if trace_format not in FORMATS:
+        raise ConfigError(f"--format: expected one of {', '.join(FORMATS)}, got {trace_format!r}")
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"trace file {p}: cannot read ({getattr(e, 'strerror', None) or e})") from None
+    sessions = []
+    for line_number, line in enumerate(text.splitlines(), start=1):
+        if line.strip():
+            sessions.append(_parse_line(line, trace_format, f"{p} line {line_number}", line_number))
+    if not sessions:
+        raise ConfigError(f"trace file {p}: no sessions")
+    _check_unique_ids(sessions, p)
+    return sessions
+
+
+def _parse_line(line: str, trace_format: str, where: str, line_number: int) -> Session:
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+    if not isinstance(obj, dict):
+        raise ConfigError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+    kind = trace_format if trace_format != "auto" else _detect(obj, where)
+    if kind == "applied-compute":
+        return _applied_compute(obj, where, f"trace-{line_number}")
+    return _sessions_line(obj, where)
+
+
+def _detect(obj: dict, where: str) -> str:
+    if "num_turns" in obj:
+        return "applied-compute"
+    if "turns" in obj:
+        return "sessions"
+    raise ConfigError(f"{where}: neither an Applied Compute trace (num_turns) nor a session (turns)")
+
+
+def _applied_compute(obj: dict, where: str, session_id: str) -> Session:
+    missing = [k for k in _AC_KEYS if k not in obj]
+    if missing:
+        raise ConfigError(f"{where}: missing {', '.join(missing)}")
+    n = _count(obj["num_turns"], f"{where}: num_turns", minimum=0)
+    responses = _list(obj, "assistant_response_length", n, where)
+    tool_outputs = _list(obj, "tool_call_output_length", n, where)
+    latencies = _list(obj, "tool_call_latency", n, where)
+    inputs = [_count(obj["input_prompt_length"], f"{where}: input_prompt_length", 1)]
+    inputs += [_count(v, f"{where}: tool_call_output_length[{i}]", 0) for i, v in enumerate(tool_outputs)]
+    outputs = [_count(v, f"{where}: assistant_response_length[{i}]", 1) for i, v in enumerate(responses)]
+    outputs.append(_count(obj["final_assistant_response_length"], f"{where}: final_assistant_response_length", 1))
+    waits = [_seconds(v, f"{where}: tool_call_latency[{i}]") for i, v in enumerate(latencies)] + [0.0]
+    return Session(session_id, tuple(Turn(i, o, w) for i, o, w in zip(inputs, outputs, waits)))
+
+
+def _sessions_line(obj: dict, where: str) -> Session:
+    session_id = obj.get("session")
+    if not isinstance(session_id, (str, int)) or isinstance(session_id, bool) or str(session_id) == "":
+        raise ConfigError(f"{where}: session: expected a non-empty string")
+    system = obj.get("system_prompt_tokens")
+    if system is not None:
+        system = _count(system, f"{where}: system_prompt_tokens", 0)
+    turns = obj.get("turns")
+    if not isinstance(turns, list) or not turns:
+        raise ConfigError(f"{where}: turns: expected a non-empty list")
+    parsed = tuple(_turn(t, f"{where}: turns[{i}]") for i, t in enumerate(turns))
+    return Session(str(session_id), parsed, system)
+
+
+def _turn(obj: Any, where: str) -> Turn:
+    if not isinstance(obj, dict):
+        raise ConfigError(f"{where}: expected an object")
+    unknown = set(obj) - {"input_tokens", "output_tokens", "tool_latency_seconds"}
+    if unknown:
+        raise ConfigError(f"{where}: unknown key {sorted(unknown)[0]!r}")
+    for key in ("input_tokens", "output_tokens"):
+        if key not in obj:
+            raise ConfigError(f"{where}: missing {key}")
+    return Turn(_count(obj["input_tokens"], f"{where}.input_tokens", 0),
+                _count(obj["output_tokens"], f"{where}.output_tokens", 1),
+                _seconds(obj.get("tool_latency_seconds", 0.0), f"{where}.tool_latency_seconds"))
+
+
+def _list(obj: dict, key: str, length: int, where: str) -> list:
+    value = obj[key]
+    if not isinstance(value, list):
+        raise ConfigError(f"{where}: {key}: expected a list")
+    if len(value) != length:
+        raise ConfigError(f"{where}: {key}: has {len(value)} entries, num_turns is {length}")
+    return value
+
+
+def _count(value: Any, what: str, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"{what}: expected an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _seconds(value: Any, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ConfigError(f"{what}: expected seconds >= 0, got {value!r}")
+    return float(value)
+
+
+def _check_unique_ids(sessions: list[Session], path: Path) -> None:
+    seen: set[str] = set()
+    for s in sessions:
+        if s.session_id in seen:
+            raise ConfigError(f"trace file {path}: session {s.session_id!r} appears twice")
+        seen.add(s.session_id)
+
+
+def scale_tokens(count_tokens: int, length_scale: float, minimum: int = 0) -> int:
+    """``count_tokens * length_scale`` rounded; a non-zero length stays >= 1, and never below ``minimum``."""
+    if count_tokens == 0:
+        return max(0, minimum)
+    return max(1, minimum, round(count_tokens * length_scale))
+
+
+def scale_session(session: Session, length_scale: float) -> Session:
+    """Every token length times ``length_scale`` (outputs stay >= 1); latencies untouched."""
+    if length_scale == 1.0:
+        return session
+    turns = tuple(Turn(scale_tokens(t.input_tokens, length_scale), scale_tokens(t.output_tokens, length_scale, 1),
+                       t.tool_latency_seconds) for t in session.turns)
+    system = None if session.system_prompt_tokens is None else scale_tokens(session.system_prompt_tokens,
+                                                                            length_scale)
+    return replace(session, turns=turns, system_prompt_tokens=system)

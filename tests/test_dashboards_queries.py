@@ -1,0 +1,233 @@
+"""Every dashboard query returns data on a real Prometheus that scraped a real kvwatt daemon.
+
+The stack, all on loopback:
+- two simulated vLLM servers (tests/support/fakevllm.py over vllm_sim.py, in wall-clock time): ``on``
+  offloads with an undersized buffer under high pressure (preemptions, failing stores, external KV transfers),
+  ``off`` is its high-pressure OFF twin;
+- the NVML test double (GPU 0 follows the ON scenario's power, GPU 1 the OFF server's) and a RAPL powercap
+  tree whose counters a thread advances, with configured idle baselines;
+- a real ``kvwatt run`` watching both servers (``on`` paired with ``off``, model and hardware configured);
+- the Debian ``prometheus`` (tests/support/prom.py) scraping kvwatt (job ``kvwatt``) and both servers (job
+  ``vllm``) every second, with kvwatt's alert rules loaded plus one probe alert: kvwatt's own alerts wait
+  minutes in ``for:``, so without it the alerts table would be legitimately empty here.
+
+Then, as Grafana would: each query variable is resolved by its own ``label_values`` query (a variable without
+options fails), multi variables are substituted as All (``.+``) and, in a second pass, as a user's selection
+(both jobs: ``(kvwatt|vllm)``; the ON server and its instance, regex-escaped), single variables take their
+default or first option, ``$__rate_interval`` is 4 x the scrape interval; time-series targets run as range
+queries over the last 30 s, table targets as instant queries. Every target must return at least one series,
+and every ``{{label}}`` of its legend must be a label of what it returns. Failures name the dashboard, the
+panel title and the refId, and say whether the series is missing from Prometheus altogether.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import pytest
+import yaml
+
+from tests.support import powercap, prom, vllm_sim
+from tests.support.daemon import KvwattDaemon
+from tests.support.fake_gpus import FakeGpus
+from tests.support.fakevllm import FakeVllm
+from tests.support.grafana import ROOT, expand, format_value, load_dashboards, targets, variables
+
+pytestmark = pytest.mark.prom
+
+SCRAPE_SECONDS = 1
+# Grafana: $__rate_interval = max($__interval + scrape interval, 4 x scrape interval); $__interval is never
+# below the datasource's scrape interval (jsonData.timeInterval), so with a short range it is 4 x scrape.
+RATE_INTERVAL = f"{4 * SCRAPE_SECONDS}s"
+RANGE_SECONDS = 30  # the panel time range the range queries cover (ending now)
+DEADLINE_SECONDS = 100  # from the stack's start: windows fill, min load duration passes, rates get 2 samples
+LABEL_VALUES = re.compile(r"^label_values\((.*),\s*(\w+)\)$")
+LEGEND_LABEL = re.compile(r"\{\{\s*(\w+)\s*\}\}")
+SERIES = re.compile(r"\b(?:kvwatt_[a-z0-9_]+|vllm:[a-z0-9_:]+|ALERTS)\b")
+GPU_ON, GPU_OFF = "GPU-00000000-kvwatt-on", "GPU-11111111-kvwatt-off"
+PROBE_RULES = {"groups": [{"name": "kvwatt-dashboard-test", "rules": [{
+    "alert": "KVWattDashboardProbe", "expr": "kvwatt_server_info", "for": "0s",
+    "labels": {"severity": "info"}, "annotations": {"summary": "Dashboard query test probe."}}]}]}
+
+
+# --- the stack ---------------------------------------------------------------------------------------------
+
+class RaplTicker:
+    """Advances the powercap tree's package and dram counters as a loaded two-socket host would."""
+
+    WATTS = {"intel-rapl:0": 120.0, "intel-rapl:1": 95.0, "intel-rapl:0:1": 12.0, "intel-rapl:1:1": 10.0}
+    IDLE_WATTS = {"rapl:package-0:package": 40.0, "rapl:package-1:package": 35.0,
+                  "rapl:package-0:dram": 4.0, "rapl:package-1:dram": 3.0}
+
+    def __init__(self, tree: powercap.PowercapTree):
+        self.tree = tree
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        last = time.monotonic()
+        while not self.stop.wait(0.1):
+            now = time.monotonic()
+            for zone, watts in self.WATTS.items():
+                self.tree.advance(zone, joules=watts * (now - last))
+            last = now
+
+
+@dataclass
+class Stack:
+    prometheus: prom.Prometheus
+    daemon: KvwattDaemon
+    on: FakeVllm
+    off: FakeVllm
+    started: float
+
+    @property
+    def on_instance(self) -> str:
+        return self.on.url.removeprefix("http://")
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    prom.require_binaries()
+    tmp = tmp_path_factory.mktemp("dashboards-queries")
+    gpus = FakeGpus(tmp / "gpus.json")
+    tree = powercap.intel_two_socket(tmp / "rapl", psys=False, mmio=False)
+    ticker = RaplTicker(tree)
+    model = {"layers": 32, "kv_heads": 8, "head_dim": 128, "dtype_bytes": 2, "active_parameters": 8.03e9,
+             "hidden_size": 4096}
+    hardware = {"flops_per_second": 4.0e14, "host_device_bytes_per_second": 5.0e10}
+    rules = tmp / "probe-rules.yml"
+    rules.write_text(yaml.safe_dump(PROBE_RULES), encoding="utf-8")
+    rule_files = [rules, *sorted((ROOT / "alerts").glob("kvwatt-rules.y*ml"))]
+    with FakeVllm(vllm_sim.undersized_buffer_on()) as on, FakeVllm(vllm_sim.high_pressure_off()) as off:
+        # GPU 0 follows the ON scenario's power; GPU 1 (OFF) burns a constant 540 W. One writer only: two
+        # FakeVllm tickers rewriting the same NVML state file would race on its temporary file.
+        gpus.add(GPU_OFF, power_mw=540_000, counter_follows_power=True, t0=time.monotonic())
+        on.attach_gpu(gpus, GPU_ON)
+        servers = {
+            "on": {"url": on.url, "gpus": [GPU_ON], "pair_off_server": "off", "reference_local_compute_share": 0.04,
+                   "model": model, "hardware": hardware},
+            "off": {"url": off.url, "gpus": [GPU_OFF], "reference_local_compute_share": 0.04, "model": model,
+                    "hardware": hardware},
+        }
+        config = {"windows": ["10s", "30s"], "powercap_root": tree.root, "min_load_duration": "3s",
+                  "idle_power_watts": {GPU_ON: vllm_sim.IDLE_WATTS, GPU_OFF: vllm_sim.IDLE_WATTS,
+                                       **RaplTicker.IDLE_WATTS}}
+        ticker.thread.start()
+        try:
+            with KvwattDaemon(servers=servers, config=config, env=gpus.env()) as daemon, \
+                    prom.Prometheus(tmp, {"kvwatt": [daemon.url.removeprefix("http://")],
+                                          "vllm": [u.removeprefix("http://") for u in (on.url, off.url)]},
+                                    rule_files=rule_files, interval=f"{SCRAPE_SECONDS}s") as p:
+                yield Stack(p, daemon, on, off, time.monotonic())
+        finally:
+            ticker.stop.set()
+
+
+# --- Grafana's side ----------------------------------------------------------------------------------------
+
+DASHBOARDS = load_dashboards()
+
+
+Picks = dict[str, "str | list[str]"]
+
+
+def resolve_variables(p: prom.Prometheus, dashboard: dict[str, Any], picks: Picks, all_multi: bool,
+                      problems: list[str]) -> dict[str, str]:
+    """Variable -> its text in a query, as Grafana substitutes it. Multi variables are All (``all_multi``) or
+    the user's pick from ``picks`` (else the first option); single variables take the pick, else their default
+    when it is an option, else the first option (Grafana's behaviour on load)."""
+    values = {"__rate_interval": RATE_INTERVAL}
+    for v in variables(dashboard):
+        if v["type"] != "query":
+            continue
+        m = LABEL_VALUES.match(v["query"])
+        assert m, f"unexpected variable query {v['query']!r}"
+        selector, label = expand(m.group(1), values), m.group(2)
+        now = time.time()
+        found = p.api("series", **{"match[]": selector, "start": now - RANGE_SECONDS, "end": now})
+        options = sorted({s[label] for s in found if s.get(label)})
+        if not options:
+            problems.append(f"variable {v['name']!r}: no values from {selector}")
+            values[v["name"]] = "no-value-for-" + v["name"]
+            continue
+        if v.get("multi") and all_multi:
+            chosen = None
+        else:
+            pick = picks.get(v["name"]) or (None if v.get("multi") else (v.get("current") or {}).get("value"))
+            wanted = [pick] if isinstance(pick, str) else list(pick or [])
+            chosen = [w for w in wanted if w in options] or options[:1]
+        values[v["name"]] = format_value(v, chosen)
+    return values
+
+
+def run_target(p: prom.Prometheus, target: dict[str, Any], values: dict[str, str]) -> list[dict[str, Any]]:
+    """A table target as an instant query, a time-series target as a range query over the panel's range."""
+    expr = expand(target["expr"], values)
+    if target.get("instant") or target.get("format") == "table":
+        return p.query(expr)
+    now = time.time()
+    result = p.api("query_range", query=expr, start=now - RANGE_SECONDS, end=now, step=SCRAPE_SECONDS)["result"]
+    return [s for s in result if s.get("values")]
+
+
+def _hint(p: prom.Prometheus, expr: str) -> str:
+    """Tell a dashboard bug from a series kvwatt/vLLM does not export at all."""
+    absent = [n for n in SERIES.findall(expr) if not p.query(f'count({{__name__="{n}"}})')]
+    if absent:
+        return f" [not in Prometheus at all: {', '.join(absent)}]"
+    return " [series exist, not with these labels]"
+
+
+def problems_of(p: prom.Prometheus, picks: Picks, all_multi: bool) -> list[str]:
+    problems: list[str] = []
+    for filename, dashboard in DASHBOARDS.items():
+        var_problems: list[str] = []
+        values = resolve_variables(p, dashboard, picks, all_multi, var_problems)
+        problems += [f"{filename}: {problem}" for problem in var_problems]
+        for panel, target in targets(dashboard):
+            at = f"{filename}: panel {panel['title']!r} target {target['refId']}"
+            try:
+                result = run_target(p, target, values)
+            except AssertionError as e:
+                problems.append(f"{at}: query failed: {e}")
+                continue
+            if not result:
+                expr = expand(target["expr"], values)
+                problems.append(f"{at}: no series for {expr}{_hint(p, expr)}")
+                continue
+            labels = set().union(*(s["metric"] for s in result))
+            missing = set(LEGEND_LABEL.findall(target.get("legendFormat", ""))) - labels
+            if missing:
+                problems.append(f"{at}: legend uses {sorted(missing)} but the result only has {sorted(labels)}")
+    return problems
+
+
+def wait_for_data(stack: Stack, picks: Picks, all_multi: bool) -> list[str]:
+    """Re-run everything until nothing is missing or the deadline passes; return what is still missing."""
+    while True:
+        problems = problems_of(stack.prometheus, picks, all_multi)
+        if not problems or time.monotonic() - stack.started > DEADLINE_SECONDS:
+            return problems
+        time.sleep(3)
+
+
+PAIR: Picks = {"server_on": "on", "server_off": "off"}  # the experiment's two single-value variables
+
+
+def test_every_query_returns_data_with_all_selected(stack: Stack):
+    problems = wait_for_data(stack, PAIR, all_multi=True)
+    assert not problems, f"{len(problems)} dashboard query problems:\n" + "\n".join(problems) + \
+        f"\n--- kvwatt log ---\n{stack.daemon.log()}"
+
+
+def test_every_query_returns_data_for_one_server(stack: Stack):
+    """A user looking at the offloading server: both jobs (kvwatt's and vLLM's: multi-value regex), server=on,
+    its vLLM instance, the ON/OFF pair."""
+    picks: Picks = {**PAIR, "job": ["kvwatt", "vllm"], "server": "on", "instance": stack.on_instance}
+    problems = wait_for_data(stack, picks, all_multi=False)
+    assert not problems, f"{len(problems)} dashboard query problems:\n" + "\n".join(problems)
