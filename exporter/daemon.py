@@ -18,6 +18,7 @@ from exporter.derive.recompute import ReferenceShare, token_counts
 from exporter.derive.pressure import kv_usage_quantile
 from exporter.derive.window import covered_seconds
 from exporter.energy.runtime import EnergyRuntime
+from exporter.offload.runtime import OffloadRuntime
 from exporter.samples import SourceStatus, VllmInfo
 from exporter.sources.vllm import VllmSource
 from exporter.store import ServerHistory
@@ -48,6 +49,7 @@ class Daemon:
             for s in cfg.servers
         ]
         self.energy = EnergyRuntime(cfg)  # NVML + RAPL, attribution, idle baselines (docs/energy.md)
+        self.offload = OffloadRuntime(cfg)  # collapse, buffer, kappa, dE (reads config.json/profile files)
         self.last_tick_t: float | None = None
         self.ticks = 0
         self._stop = asyncio.Event()
@@ -65,6 +67,7 @@ class Daemon:
             state.info = reading.info
             if state.history.add_reading(t, reading) is not None:
                 self._learn(state, t)
+                self.offload.observe(state, t)
         if self.energy:
             self.energy.after_tick(t, self.servers)
         self.last_tick_t, self.ticks = t, self.ticks + 1
@@ -78,15 +81,15 @@ class Daemon:
     async def run_loop(self) -> None:
         interval = self.cfg.interval_seconds
         async with aiohttp.ClientSession() as session:
-            next_t = time.monotonic()
             while not self._stop.is_set():
-                await self.tick(session, time.monotonic())
-                next_t += interval
-                now = time.monotonic()
-                if next_t < now:  # fell behind (slow server): skip missed ticks, never burst
-                    next_t = now + interval - ((now - next_t) % interval)
+                t = time.monotonic()
+                await self.tick(session, t)
+                # schedule from this tick's real start, not from a fixed grid: after a late wake-up (a
+                # starved process) a grid would put the next tick a few ms later, and a few ms of energy is
+                # noise (energy-measurement.md rule 9). Ticks are >= one interval apart; missed ones skipped.
+                delay = max(t + interval - time.monotonic(), 0.0)
                 try:
-                    await asyncio.wait_for(self._stop.wait(), timeout=next_t - now)
+                    await asyncio.wait_for(self._stop.wait(), timeout=delay)
                 except asyncio.TimeoutError:
                     pass
 
@@ -97,10 +100,12 @@ class Daemon:
     def views(self, now: float | None = None) -> list[ServerView]:
         now = time.monotonic() if now is None else now
         out = []
+        by_name = {s.cfg.name: s for s in self.servers}
         for s in self.servers:
             v = server_view(s.cfg, s.history, s.status, s.info, s.reference, now, self.cfg)
             if self.energy:
                 self.energy.extend_view(v, s, now, self.cfg)
+            self.offload.extend_view(v, s, now, self.cfg, by_name)
             out.append(v)
         return out
 

@@ -147,7 +147,13 @@ class EnergyRuntime:
         for w in view.windows:
             ivs = state.history.window(now, w.seconds)
             series = w.extra.setdefault("series", [])
+            status = w.extra.setdefault("status", {}).setdefault("energy", {})
             for scope in SCOPES:
+                basis = derive_energy.window_energy(ivs, scope)
+                if basis is not None:  # what the figure rests on, for /api/status
+                    status[scope] = {"joules": basis.energy_joules, "idle_joules": basis.idle_joules,
+                                     "generated_tokens": basis.tokens, "seconds": basis.seconds,
+                                     "loaded_seconds": basis.loaded_seconds}
                 fig = derive_energy.per_token(ivs, scope, cfg.min_load_seconds)
                 if fig is None:
                     continue

@@ -13,6 +13,7 @@ Rules applied (../shared/docs/energy-measurement.md, copied to docs/energy-measu
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import re
 import time
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 
 from exporter.samples import DeviceReading, SourceStatus
 
+log = logging.getLogger("kvwatt.rapl")
 DEFAULT_ROOT = "/sys/class/powercap"
 # No CPU socket or its DRAM draws 1 kW today; a delta implying more is a glitch (Scaphandre once showed 53 kW).
 MAX_PLAUSIBLE_WATTS = 1000.0
@@ -222,6 +224,8 @@ class RaplSource:
             step = step_joules(z.prev_uj, cur, z.max_range_uj, t - z.prev_t, self.max_plausible_watts)
             if step is None:
                 continuous = False  # dropped and re-based (rule 4)
+                log.warning("rapl %s: step dropped as implausible: %.1f J in %.3f s (counter %d -> %d)",
+                            z.device, (cur - z.prev_uj) / 1e6, t - z.prev_t, z.prev_uj, cur)
             else:
                 z.total_joules += step
         else:

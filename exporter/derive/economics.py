@@ -1,0 +1,294 @@
+"""Energy saving and throughput gain of offloading (methods.md s2), three ways. docs/offload.md "dE kinds".
+
+    dE   = (J/tok_OFF - J/tok_ON) / J/tok_OFF         (ratio; positive = offloading saves energy)
+    dTPS = (TPS_ON - TPS_OFF) / TPS_OFF
+    SE   = (x_ON/x_OFF) * sqrt((SE_ON/x_ON)^2 + (SE_OFF/x_OFF)^2)   delta method, ratio of independent means
+
+The repeat unit is a non-overlapping window (``window_stats``) on a grid aligned to the shared monotonic
+clock, so two servers read by the same daemon tick have the same windows. J/token is the marginal GPU figure
+of methods.md s1 by default. Every result carries the number of windows it rests on; SE is None without
+repeats (fewer than two windows on a side).
+
+- paired:    ON and OFF servers on one node serving the same traffic, compared over the same windows, only
+             windows where both carry load.
+- recorded:  the live ON server against an OFF profile (`kvwatt baseline record`), band by band of KV p95;
+             bands are combined weighted by the ON windows in each.
+- estimated: no OFF reference. A MODEL, not a measurement: tokens reloaded from the offload tier would
+             have been recomputed without it, each priced at the measured J per computed prompt token, minus
+             the cost of loading them. No dTPS.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from exporter.derive.pressure import quantile
+from exporter.samples import Interval
+
+DEFAULT_BANDS: tuple[tuple[float, float], ...] = ((0.0, 0.8), (0.8, 0.9), (0.9, 0.95), (0.95, 1.0))
+MIN_COVERAGE_RATIO = 0.9  # a window counts when samples cover 90 % of it
+
+
+@dataclass(frozen=True)
+class WindowStat:
+    """One non-overlapping window of one server."""
+
+    t0: float
+    t1: float
+    covered_seconds: float
+    generated_tokens: float
+    joules: float | None                 # scope energy (marginal: minus P_idle*dt), None if any sample missing
+    kv_p95: float | None
+    computed_prompt_tokens: float | None  # local_compute
+    loaded_prompt_tokens: float | None    # external_kv_transfer
+    loaded: bool                          # covered, and generated tokens in it
+
+    @property
+    def joules_per_token(self) -> float | None:
+        if self.joules is None or self.generated_tokens <= 0:
+            return None
+        return self.joules / self.generated_tokens
+
+    @property
+    def tokens_per_second(self) -> float | None:
+        return self.generated_tokens / self.covered_seconds if self.covered_seconds > 0 else None
+
+
+@dataclass(frozen=True)
+class Estimate:
+    value: float | None
+    stderr: float | None
+    windows: int                 # windows (paired: pairs) the value rests on
+    reference_windows: int = 0   # OFF windows (paired: = windows; recorded: profile windows used)
+    kind: str = ""
+    note: str = ""
+    bands: dict[str, dict] = field(default_factory=dict)
+
+
+def _sum(intervals: Sequence[Interval], key: str) -> float | None:
+    vals = [iv.deltas[key] for iv in intervals if key in iv.deltas]
+    return sum(vals) if vals else None
+
+
+def window_stats(intervals: Sequence[Interval], window_seconds: float, scope: str = "gpu", marginal: bool = True,
+                 start: float | None = None, end: float | None = None, anchor: float = 0.0) -> list[WindowStat]:
+    """Split intervals (by their end time) into windows [anchor + k*W, anchor + (k+1)*W) of the shared clock,
+    keeping the windows wholly inside [start, end]. The daemon anchors at "now", so the last window ends at
+    the latest tick; two servers read at the same ticks get the same windows. Energy is known only when
+    every interval of the window has it."""
+    buckets: dict[int, list[Interval]] = {}
+    for iv in intervals:
+        k = math.floor((iv.t1 - anchor - 1e-9) / window_seconds)
+        buckets.setdefault(k, []).append(iv)
+    out = []
+    for k in sorted(buckets):
+        t0, t1 = anchor + k * window_seconds, anchor + (k + 1) * window_seconds
+        if (start is not None and t0 < start - 1e-9) or (end is not None and t1 > end + 1e-9):
+            continue
+        ivs = buckets[k]
+        covered = sum(iv.seconds for iv in ivs)
+        gen = _sum(ivs, "generation_tokens") or 0.0
+        joules = None
+        if all(scope in iv.energy_joules for iv in ivs):
+            joules = sum(iv.energy_joules[scope] for iv in ivs)
+            if marginal:
+                joules = (joules - sum(iv.idle_joules[scope] for iv in ivs)
+                          if all(scope in iv.idle_joules for iv in ivs) else None)
+        kv = quantile([iv.gauges["kv_usage"] for iv in ivs if "kv_usage" in iv.gauges], 0.95)
+        out.append(WindowStat(t0, t1, covered, gen, joules, kv, _sum(ivs, "prompt_local_compute"),
+                              _sum(ivs, "prompt_external_kv_transfer"),
+                              covered >= MIN_COVERAGE_RATIO * window_seconds and gen > 0))
+    return out
+
+
+def mean_and_stderr(values: Sequence[float]) -> tuple[float | None, float | None]:
+    n = len(values)
+    if n == 0:
+        return None, None
+    m = sum(values) / n
+    if n < 2:
+        return m, None
+    var = sum((v - m) ** 2 for v in values) / (n - 1)
+    return m, math.sqrt(var / n)
+
+
+def ratio_stderr(x_on: float, se_on: float | None, x_off: float, se_off: float | None) -> float | None:
+    """Delta method SE of x_ON/x_OFF for independent means (also the SE of dE and of dTPS)."""
+    if se_on is None or se_off is None or x_on == 0 or x_off == 0:
+        return None
+    return abs(x_on / x_off) * math.sqrt((se_on / x_on) ** 2 + (se_off / x_off) ** 2)
+
+
+def saving(x_on: float, se_on: float | None, x_off: float, se_off: float | None) -> tuple[float, float | None]:
+    """dE = 1 - x_ON/x_OFF (x = J/token) and its SE."""
+    return 1.0 - x_on / x_off, ratio_stderr(x_on, se_on, x_off, se_off)
+
+
+def gain(x_on: float, se_on: float | None, x_off: float, se_off: float | None) -> tuple[float, float | None]:
+    """dTPS = x_ON/x_OFF - 1 (x = tokens/s) and its SE."""
+    return x_on / x_off - 1.0, ratio_stderr(x_on, se_on, x_off, se_off)
+
+
+def _compare(on: Sequence[float], off: Sequence[float], fn, kind: str, note: str = "") -> Estimate:
+    m_on, se_on = mean_and_stderr(on)
+    m_off, se_off = mean_and_stderr(off)
+    if m_on is None or m_off is None or m_off == 0:
+        return Estimate(None, None, len(on), len(off), kind, note or "no comparable windows")
+    value, se = fn(m_on, se_on, m_off, se_off)
+    return Estimate(value, se, len(on), len(off), kind, note)
+
+
+# --------------------------------------------------------------------------------------------------------
+# paired
+# --------------------------------------------------------------------------------------------------------
+def paired(on: Sequence[WindowStat], off: Sequence[WindowStat]) -> tuple[Estimate, Estimate]:
+    """(dE, dTPS) over the windows both servers have and in which both carry load."""
+    off_by_t0 = {round(w.t0, 6): w for w in off}
+    pairs = [(w, off_by_t0[round(w.t0, 6)]) for w in on if round(w.t0, 6) in off_by_t0]
+    pairs = [(a, b) for a, b in pairs if a.loaded and b.loaded]
+    e_pairs = [(a.joules_per_token, b.joules_per_token) for a, b in pairs
+               if a.joules_per_token is not None and b.joules_per_token is not None]
+    energy = _compare([a for a, _ in e_pairs], [b for _, b in e_pairs], saving, "paired")
+    tput = _compare([a.tokens_per_second for a, _ in pairs], [b.tokens_per_second for _, b in pairs], gain,
+                    "paired")
+    return energy, tput
+
+
+# --------------------------------------------------------------------------------------------------------
+# recorded (profile bands)
+# --------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class BandProfile:
+    """One KV-pressure band of an OFF profile: means and SEs of per-window J/token and tokens/s."""
+
+    lo: float
+    hi: float
+    windows: int
+    joules_per_token: float | None
+    joules_per_token_stderr: float | None
+    tokens_per_second: float | None
+    tokens_per_second_stderr: float | None
+
+    @property
+    def label(self) -> str:
+        return f"{self.lo:g}-{self.hi:g}"
+
+    def contains(self, kv: float) -> bool:
+        return self.lo <= kv < self.hi or (self.hi >= 1.0 and kv >= self.hi)
+
+
+def band_of(bands: Sequence[BandProfile | tuple[float, float]], kv: float | None) -> int | None:
+    if kv is None:
+        return None
+    for i, b in enumerate(bands):
+        lo, hi = (b.lo, b.hi) if isinstance(b, BandProfile) else b
+        if lo <= kv < hi or (hi >= 1.0 and kv >= hi):
+            return i
+    return None
+
+
+def build_bands(windows: Sequence[WindowStat], bands: Sequence[tuple[float, float]] = DEFAULT_BANDS
+                ) -> list[BandProfile]:
+    """Aggregate loaded windows into per-band means (what `kvwatt baseline record` stores)."""
+    out = []
+    for i, (lo, hi) in enumerate(bands):
+        ws = [w for w in windows if w.loaded and band_of(bands, w.kv_p95) == i]
+        j, j_se = mean_and_stderr([w.joules_per_token for w in ws if w.joules_per_token is not None])
+        t, t_se = mean_and_stderr([w.tokens_per_second for w in ws])
+        out.append(BandProfile(lo, hi, len(ws), j, j_se, t, t_se))
+    return out
+
+
+def _combine(per_band: list[tuple[int, float, float | None]]) -> tuple[float | None, float | None]:
+    """Weighted by ON windows per band: value = sum w_b v_b; SE = sqrt(sum w_b^2 SE_b^2) (bands independent)."""
+    n = sum(k for k, _, _ in per_band)
+    if n == 0:
+        return None, None
+    value = sum(k * v for k, v, _ in per_band) / n
+    if any(se is None for _, _, se in per_band):
+        return value, None
+    return value, math.sqrt(sum((k / n) ** 2 * se ** 2 for k, _, se in per_band))
+
+
+def recorded(on: Sequence[WindowStat], profile: Sequence[BandProfile]) -> tuple[Estimate, Estimate]:
+    """(dE, dTPS) of the live ON windows against the OFF profile, band by band of the ON window's KV p95.
+    A band without profile data is skipped (and named in ``note``)."""
+    results = {}
+    for what, get_on, get_off, fn in (
+            ("energy", lambda w: w.joules_per_token, lambda b: (b.joules_per_token, b.joules_per_token_stderr),
+             saving),
+            ("throughput", lambda w: w.tokens_per_second,
+             lambda b: (b.tokens_per_second, b.tokens_per_second_stderr), gain)):
+        per_band, bands, skipped, ref = [], {}, [], 0
+        for i, b in enumerate(profile):
+            vals = [get_on(w) for w in on if w.loaded and band_of(profile, w.kv_p95) == i]
+            vals = [v for v in vals if v is not None]
+            if not vals:
+                continue
+            x_off, se_off = get_off(b)
+            if x_off is None or x_off == 0:
+                skipped.append(b.label)
+                continue
+            m_on, se_on = mean_and_stderr(vals)
+            v, se = fn(m_on, se_on, x_off, se_off)
+            per_band.append((len(vals), v, se))
+            ref += b.windows
+            bands[b.label] = {"value": v, "stderr": se, "windows": len(vals), "reference_windows": b.windows}
+        value, se = _combine(per_band)
+        note = f"no OFF profile data for band(s) {', '.join(skipped)}" if skipped else ""
+        if value is None and not note:
+            note = "no comparable windows"
+        results[what] = Estimate(value, se, sum(k for k, _, _ in per_band), ref, "recorded", note, bands)
+    return results["energy"], results["throughput"]
+
+
+# --------------------------------------------------------------------------------------------------------
+# estimated (token-source model)
+# --------------------------------------------------------------------------------------------------------
+def estimated(on: Sequence[WindowStat], price: float | Callable[[WindowStat], float | None] | None,
+              load_to_compute_cost_ratio: float) -> Estimate:
+    """ESTIMATE. Per loaded window: saved = loaded tokens x J_c x (1 - load/compute cost ratio);
+    J/tok_OFF(est) = (E_ON + saved) / generated; dE_w = saved / (E_ON + saved). ``price`` is J_c, the J per
+    computed prompt token, as a number or per window (price_from_roofline). Value and SE are the mean and
+    standard error of dE_w over the windows (ON and estimated OFF share their windows, so the
+    independent-means delta method does not apply). Assumptions in docs/offload.md."""
+    if price is None:
+        return Estimate(None, None, 0, 0, "estimated", "no J per computed prompt token (needs GPU energy and "
+                        "P_idle)")
+    vals = []
+    for w in on:
+        if not w.loaded or w.joules is None or w.loaded_prompt_tokens is None or w.joules <= 0:
+            continue
+        j_c = price(w) if callable(price) else price
+        if j_c is None:
+            continue
+        saved = w.loaded_prompt_tokens * j_c * (1.0 - load_to_compute_cost_ratio)
+        vals.append(saved / (w.joules + saved))
+    m, se = mean_and_stderr(vals)
+    return Estimate(m, se, len(vals), 0, "estimated",
+                    "model estimate: reloaded tokens priced as recomputation" if vals else "no comparable windows")
+
+
+def price_from_roofline(active_parameters: float, flops_per_second: float) -> Callable[[WindowStat], float | None]:
+    """J_c per window = (2 * N_act / F) x the window's marginal GPU power: the time the GPU would spend
+    recomputing one prompt token at its achieved FLOP rate, at the power it draws above idle while busy.
+    Prefill runs near the achieved FLOP rate, so this prices recomputation as compute-bound work, far below
+    a decode token's J (docs/offload.md "estimated")."""
+    seconds_per_token = 2.0 * active_parameters / flops_per_second
+
+    def price(w: WindowStat) -> float | None:
+        if w.joules is None or w.covered_seconds <= 0:
+            return None
+        return seconds_per_token * (w.joules / w.covered_seconds)
+    return price
+
+
+def price_from_flops(marginal_joules: float, flops: float, active_parameters: float) -> float | None:
+    """J per computed prompt token by FLOP share: marginal J / estimated FLOPs x 2*N_act. The MFU counters
+    count decode FLOPs too, and decode burns more J per FLOP than prefill, so this leans high (overstates
+    the saving); price_from_roofline is preferred when model and hardware parameters are known."""
+    if flops <= 0 or marginal_joules <= 0:
+        return None
+    return marginal_joules / flops * 2.0 * active_parameters

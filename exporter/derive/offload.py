@@ -1,0 +1,85 @@
+"""Offload buffer sizing (methods.md s6).
+
+    write rate  = offload_store_bytes increase / covered seconds      (GPU -> host tier)
+    read rate   = offload_load_bytes increase / covered seconds       (host tier -> GPU)
+    residency   = buffer bytes / write rate                           (how long an offloaded block survives)
+    undersized  = residency < p99 tool-call latency  OR  allocation failures / skipped stores rose
+    recommended = write rate x p99 tool-call latency x headroom
+
+The store counter is vllm:kv_offload_store_bytes_total (0.24+) or, before that, the deprecated
+vllm:kv_offload_total_bytes_total{transfer_type="GPU_to_CPU"}; sources/vllm.py maps both to
+``offload_store_bytes``. Unknown stays None: no offload series -> no rate; no buffer size -> no residency.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+from exporter.derive.pressure import rate_per_second
+from exporter.derive.window import sum_delta
+from exporter.samples import Interval
+
+FAILURE_KEYS = ("offload_allocation_failures", "offload_stores_skipped")
+
+
+@dataclass(frozen=True)
+class TransferRates:
+    write_bytes_per_second: float | None
+    read_bytes_per_second: float | None
+
+
+def transfer_rates(intervals: Sequence[Interval]) -> TransferRates:
+    return TransferRates(rate_per_second(intervals, "offload_store_bytes"),
+                         rate_per_second(intervals, "offload_load_bytes"))
+
+
+def residency(buffer_bytes: float | None, write_bytes_per_second: float | None) -> float | None:
+    """Residency in seconds: buffer bytes / write bytes per second. None when either is unknown, or when
+    nothing is written (residency unbounded: exported as absent rather than +Inf)."""
+    if buffer_bytes is None or write_bytes_per_second is None or write_bytes_per_second <= 0:
+        return None
+    return buffer_bytes / write_bytes_per_second
+
+
+def store_failures(intervals: Sequence[Interval]) -> float | None:
+    """Allocation failures (0.26+) plus skipped stores (0.24+) in the window; None when neither is exported."""
+    parts = [sum_delta(intervals, k) for k in FAILURE_KEYS]
+    known = [p for p in parts if p is not None]
+    return sum(known) if known else None
+
+
+def undersized(residency: float | None, write_bytes_per_second: float | None, failures: float | None,
+               p99_tool_latency_seconds: float) -> bool | None:
+    """True when residency < p99 tool-call latency or stores failed in the window; False when every known
+    part says no; None when neither part is known.
+
+    The residency part is False when nothing is written (no pressure on the buffer) and unknown without a
+    buffer size or write rate. The failure part is unknown before 0.24 (no counters): then the residency
+    alone decides, rather than the whole answer becoming unknown."""
+    if residency is not None:
+        short: bool | None = residency < p99_tool_latency_seconds
+    elif write_bytes_per_second is not None and write_bytes_per_second <= 0:
+        short = False
+    else:
+        short = None
+    failing = None if failures is None else failures > 0
+    known = [x for x in (short, failing) if x is not None]
+    if not known:
+        return None
+    return any(known)
+
+
+def recommended_buffer(write_bytes_per_second: float | None, p99_tool_latency_seconds: float,
+                       headroom: float) -> float | None:
+    """Bytes: the buffer that keeps residency >= headroom x p99 tool-call latency at this write rate. Feed
+    it the highest write rate over the configured windows (size for the busy minute, not the average)."""
+    if write_bytes_per_second is None or write_bytes_per_second <= 0:
+        return None
+    return write_bytes_per_second * p99_tool_latency_seconds * headroom
+
+
+def gib_ceil(n_bytes: float | None) -> int | None:
+    """Round up to the whole GiB that --kv-offloading-size takes."""
+    return None if n_bytes is None else int(math.ceil(n_bytes / 2 ** 30))

@@ -1,0 +1,119 @@
+"""The recorded OFF-condition profile (`kvwatt baseline record`, read by the `recorded` dE kind).
+
+JSON, versioned, written atomically (exporter.atomic). Example:
+
+    {"format": "kvwatt-offload-profile", "version": 1,
+     "server": "llama-off", "model_name": "meta-llama/Llama-3.1-8B-Instruct", "offload_enabled": false,
+     "recorded_at": "2026-01-31T12:00:00Z", "duration_seconds": 1800.0, "window_seconds": 60.0,
+     "scope": "gpu", "energy": "marginal",
+     "bands": [{"lo": 0.0, "hi": 0.8, "windows": 12, "joules_per_token": 0.151,
+                "joules_per_token_stderr": 0.004, "tokens_per_second": 1985.0,
+                "tokens_per_second_stderr": 21.0}, ...]}
+
+Bands are KV-usage p95 ranges [lo, hi) (the last one includes 1.0); a band with no windows has nulls.
+Loading validates everything and raises ConfigError naming the file and the problem (exit status 2).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from exporter import atomic
+from exporter.config import ConfigError
+from exporter.derive.economics import BandProfile
+
+FORMAT = "kvwatt-offload-profile"
+VERSION = 1
+
+
+@dataclass(frozen=True)
+class Profile:
+    server: str
+    model_name: str
+    offload_enabled: bool | None
+    recorded_at: str
+    duration_seconds: float
+    window_seconds: float
+    bands: tuple[BandProfile, ...]
+    scope: str = "gpu"
+    energy: str = "marginal"
+
+    @property
+    def windows(self) -> int:
+        return sum(b.windows for b in self.bands)
+
+
+def to_json(p: Profile) -> dict[str, Any]:
+    return {"format": FORMAT, "version": VERSION, "server": p.server, "model_name": p.model_name,
+            "offload_enabled": p.offload_enabled, "recorded_at": p.recorded_at,
+            "duration_seconds": p.duration_seconds, "window_seconds": p.window_seconds, "scope": p.scope,
+            "energy": p.energy,
+            "bands": [{"lo": b.lo, "hi": b.hi, "windows": b.windows, "joules_per_token": b.joules_per_token,
+                       "joules_per_token_stderr": b.joules_per_token_stderr,
+                       "tokens_per_second": b.tokens_per_second,
+                       "tokens_per_second_stderr": b.tokens_per_second_stderr} for b in p.bands]}
+
+
+def write(path: str, p: Profile) -> None:
+    atomic.write_json(path, to_json(p))
+
+
+def _num(d: dict, key: str, where: str, optional: bool = False, minimum: float = 0.0) -> float | None:
+    v = d.get(key)
+    if v is None and optional:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < minimum:
+        raise ConfigError(f"{where}.{key}: expected a finite number >= {minimum:g}, got {v!r}")
+    return float(v)
+
+
+def from_json(data: Any, where: str) -> Profile:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: expected a JSON object")
+    if data.get("format") != FORMAT:
+        raise ConfigError(f"{where}: not a kvwatt offload profile (format {data.get('format')!r})")
+    if data.get("version") != VERSION:
+        raise ConfigError(f"{where}: unsupported profile version {data.get('version')!r} (this kvwatt reads {VERSION})")
+    if data.get("scope") not in ("gpu", "host") or data.get("energy") not in ("marginal", "total"):
+        raise ConfigError(f"{where}: scope must be gpu|host and energy marginal|total")
+    if data.get("offload_enabled") is True:
+        raise ConfigError(f"{where}: recorded with offloading ON; an OFF profile is needed")
+    raw = data.get("bands")
+    if not isinstance(raw, list) or not raw:
+        raise ConfigError(f"{where}.bands: expected a non-empty list")
+    bands, prev_hi = [], None
+    for i, b in enumerate(raw):
+        w = f"{where}.bands[{i}]"
+        if not isinstance(b, dict):
+            raise ConfigError(f"{w}: expected an object")
+        lo, hi = _num(b, "lo", w), _num(b, "hi", w)
+        if not lo < hi <= 1.0 or (prev_hi is not None and abs(lo - prev_hi) > 1e-9):
+            raise ConfigError(f"{w}: bands must be contiguous ranges within [0, 1], got [{lo}, {hi})")
+        n = b.get("windows")
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ConfigError(f"{w}.windows: expected a count, got {n!r}")
+        vals = [_num(b, k, w, optional=True) for k in ("joules_per_token", "joules_per_token_stderr",
+                                                         "tokens_per_second", "tokens_per_second_stderr")]
+        if n > 0 and vals[2] is None:
+            raise ConfigError(f"{w}: {n} windows but no tokens_per_second")
+        bands.append(BandProfile(lo, hi, n, *vals))
+        prev_hi = hi
+    return Profile(server=str(data.get("server", "")), model_name=str(data.get("model_name", "")),
+                   offload_enabled=data.get("offload_enabled"), recorded_at=str(data.get("recorded_at", "")),
+                   duration_seconds=_num(data, "duration_seconds", where),
+                   window_seconds=_num(data, "window_seconds", where, minimum=1.0), bands=tuple(bands),
+                   scope=data["scope"], energy=data["energy"])
+
+
+def load(path: str) -> Profile:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read ({e.strerror})") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON (line {e.lineno}: {e.msg})") from None
+    return from_json(data, path)

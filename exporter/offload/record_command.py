@@ -1,0 +1,141 @@
+"""`kvwatt baseline record --server NAME --duration D --out FILE`: record an OFF-condition profile.
+
+Samples one vLLM server (offloading OFF) and its GPUs' energy every ``interval`` for ``duration``, the way
+the daemon does (sources.vllm, energy.runtime, store.ServerHistory), cuts the samples into non-overlapping
+``window`` windows and writes J/token and tokens/s per KV-pressure band (exporter/offload/profile.py).
+The daemon then compares a live ON server to it (``servers[].recorded_baseline``, the `recorded` dE kind).
+
+J/token is marginal (idle-subtracted) when every GPU of the server has an idle baseline (`kvwatt baseline
+idle`, or idle_power_watts in the config), else total, and the profile says which; without GPU energy the
+profile holds tokens/s only. Exit 0 written, 1 nothing usable recorded (no loaded window), 2 bad input
+(including a server that offloads: an OFF profile must come from an OFF server).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import sys
+import time
+from dataclasses import replace
+from types import SimpleNamespace
+
+import aiohttp
+
+from exporter.config import Config, ConfigError, ServerConfig, format_window, parse_duration, parse_server_flag, \
+    resolve
+from exporter.derive.economics import DEFAULT_BANDS, build_bands, window_stats
+from exporter.offload import profile as profile_mod
+from exporter.sources.vllm import VllmSource
+from exporter.store import ServerHistory
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--server", required=True, metavar="NAME[=URL]",
+                   help="the OFF server to record (a configured name, or NAME=URL)")
+    p.add_argument("--duration", required=True, metavar="DURATION", help="how long to record (e.g. 30m)")
+    p.add_argument("--out", required=True, metavar="FILE", help="profile file to write (JSON, atomic)")
+    p.add_argument("--config", metavar="FILE", help="YAML configuration file (also $KVWATT_CONFIG)")
+    p.add_argument("--window", default="60s", metavar="DURATION",
+                   help="repeat window (default 60s; >= 30s for energy figures)")
+    p.add_argument("--interval", metavar="DURATION", help="sampling interval (default: the config's, 1s)")
+    p.add_argument("--state-dir", metavar="DIR", help="where idle baselines are persisted")
+    p.add_argument("--powercap-root", metavar="DIR", help="powercap tree for RAPL")
+
+
+def _config(args: argparse.Namespace) -> tuple[Config, ServerConfig]:
+    flag = [args.server] if "=" in args.server else None
+    cfg = resolve(args.config, servers=flag, interval=args.interval, state_dir=args.state_dir,
+                  powercap_root=args.powercap_root)
+    if flag:
+        return cfg, parse_server_flag(args.server)
+    try:
+        return cfg, cfg.server(args.server)
+    except KeyError:
+        known = ", ".join(s.name for s in cfg.servers)
+        raise ConfigError(f"--server: no configured server named {args.server!r} (known: {known})") from None
+
+
+def _energy_runtime(cfg: Config):
+    """The daemon's energy side (NVML + RAPL); None if it cannot even be built (no energy then)."""
+    try:
+        from exporter.energy.runtime import EnergyRuntime
+        return EnergyRuntime(cfg)
+    except Exception as e:  # an energy failure must not stop a throughput-only recording
+        print(f"kvwatt: warning: no energy sources ({type(e).__name__}: {e}); recording tokens/s only",
+              file=sys.stderr)
+        return None
+
+
+async def sample(cfg: Config, server: ServerConfig, duration_seconds: float, energy=None):
+    """Read the server (and energy) every cfg.interval_seconds for duration_seconds.
+    Returns (intervals, last VllmInfo or None, last vLLM status)."""
+    source = VllmSource(server.name, server.url, cfg.http_timeout_seconds, cfg.max_body_bytes)
+    state = SimpleNamespace(cfg=server, history=ServerHistory(duration_seconds + 3600.0))
+    info, status = None, None
+    start = time.monotonic()
+    async with aiohttp.ClientSession() as session:
+        next_t = start
+        while True:
+            t = time.monotonic()
+            tick = energy.read(t) if energy is not None else None
+            status, reading = await source.read(session)
+            if energy is not None and tick is not None:
+                energy.attribute(state, tick)
+            if reading is not None:
+                if reading.info.offload_enabled:
+                    raise ConfigError(f"--server {server.name}: the server offloads KV "
+                                      "(kv_offloading_size is set); record the OFF twin")
+                info = reading.info
+                state.history.add_reading(t, reading)
+            if t - start >= duration_seconds:
+                break
+            next_t += cfg.interval_seconds
+            await asyncio.sleep(max(0.0, next_t - time.monotonic()))
+    return list(state.history.intervals), info, status
+
+
+def build_profile(intervals, info, server: ServerConfig, duration_seconds: float, window_seconds: float
+                  ) -> profile_mod.Profile:
+    with_energy = [iv for iv in intervals if "gpu" in iv.energy_joules]
+    marginal = bool(with_energy) and all("gpu" in iv.idle_joules for iv in with_energy)
+    windows = window_stats(intervals, window_seconds, "gpu", marginal=marginal)
+    return profile_mod.Profile(
+        server=server.name, model_name=info.model_name if info else "",
+        offload_enabled=info.offload_enabled if info else None,
+        recorded_at=dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        duration_seconds=duration_seconds, window_seconds=window_seconds,
+        bands=tuple(build_bands(windows, DEFAULT_BANDS)), scope="gpu",
+        energy="marginal" if marginal else "total")
+
+
+def main(args: argparse.Namespace) -> int:
+    cfg, server = _config(args)
+    duration = parse_duration(args.duration, "--duration")
+    window = parse_duration(args.window, "--window")
+    if window > duration:
+        raise ConfigError(f"--window: {args.window} is longer than --duration {args.duration}")
+    if args.out.endswith("/"):
+        raise ConfigError(f"--out: expected a file path, got a directory {args.out!r}")
+    cfg = replace(cfg, servers=(server,))
+    energy = _energy_runtime(cfg)
+    try:
+        intervals, info, status = asyncio.run(sample(cfg, server, duration, energy))
+    finally:
+        if energy is not None:
+            energy.close()
+    prof = build_profile(intervals, info, server, duration, window)
+    if prof.windows == 0:
+        why = f"vLLM {status.reason}" if status is not None and not status.up else "no window carried load"
+        print(f"kvwatt: nothing recorded for {server.name} ({why}); {args.out} not written", file=sys.stderr)
+        return 1
+    profile_mod.write(args.out, prof)
+    has_energy = any(b.joules_per_token is not None for b in prof.bands)
+    print(f"recorded {prof.windows} windows of {format_window(window)} from {server.name} "
+          f"({prof.energy} GPU J/token{'' if has_energy else ': none, no GPU energy'}) -> {args.out}")
+    for b in prof.bands:
+        if b.windows:
+            jpt = "-" if b.joules_per_token is None else f"{b.joules_per_token:.4f} J/token"
+            print(f"  KV p95 {b.label}: {b.windows} windows, {b.tokens_per_second:.1f} tokens/s, {jpt}")
+    return 0

@@ -1,0 +1,202 @@
+"""Collapse signature (methods.md s5): hand-computed conditions, then the detector over every scenario."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from exporter.derive import collapse as C
+from exporter.expfmt import parse
+from exporter.samples import Interval
+from exporter.sources.vllm import extract
+from exporter.store import ServerHistory
+from tests.support import vllm_sim as sim
+from tests.support.fakevllm import FakeVllm
+
+TH = C.CollapseThresholds(throughput_drop_ratio=0.2, power_near_idle_ratio=1.25, reference_seconds=600,
+                          recent_seconds=60)
+
+
+def ivs(spec, idle_watts=150.0, energy=True):
+    """spec: list of (seconds, tokens/s, preemptions/s, watts, running, waiting); 1 s intervals from t=0."""
+    out, t = [], 0.0
+    for seconds, tps, pps, watts, running, waiting in spec:
+        for _ in range(int(seconds)):
+            e = {"gpu": watts} if energy and watts is not None else {}
+            i = {"gpu": idle_watts} if energy and idle_watts is not None else {}
+            out.append(Interval(t, t + 1, {"generation_tokens": tps, "preemptions": pps},
+                                {"running": running, "waiting": waiting, "kv_usage": 0.99}, e, i))
+            t += 1
+    return out
+
+
+def test_all_five_hold_hand_computed():
+    # 600 s at 2000 tok/s (every 1-minute bucket 2000 -> p90 reference 2000), then 60 s stalled at 100 tok/s
+    data = ivs([(660, 2000, 0, 500, 20, 5)])[:600] + ivs([(60, 100, 0, 180, 20, 5)])
+    data = [Interval(i, i + 1, iv.deltas, iv.gauges, iv.energy_joules, iv.idle_joules) for i, iv in enumerate(data)]
+    r = C.evaluate(data, 660.0, True, TH)
+    assert r.reference_tokens_per_second == 2000
+    assert r.recent_tokens_per_second == 100          # 100 < 0.2 * 2000 = 400
+    assert r.gpu_power_watts == 180 and r.gpu_idle_power_watts == 150  # 180 <= 1.25 * 150 = 187.5
+    assert r.conditions == dict.fromkeys(C.CONDITIONS, True)
+    assert r.signature is True
+
+
+@pytest.mark.parametrize("recent_tps,watts,expect", [
+    (399.9, 187.5, True),    # just under the drop ratio, exactly at the power ratio
+    (400.0, 180.0, False),   # 400 is not < 0.2 * 2000
+    (100.0, 188.0, False),   # 188 W > 187.5 W
+])
+def test_threshold_edges(recent_tps, watts, expect):
+    data = ivs([(600, 2000, 0, 500, 20, 5), (60, recent_tps, 0, watts, 20, 5)])
+    assert C.evaluate(data, 660.0, True, TH).signature is expect
+
+
+def test_each_condition_can_veto():
+    base = [(600, 2000, 0, 500, 20, 5)]
+    assert C.evaluate(ivs(base + [(60, 100, 0, 180, 20, 5)]), 660, False, TH).signature is False
+    r = C.evaluate(ivs(base + [(59, 100, 0, 180, 20, 5), (1, 100, 1, 180, 20, 5)]), 660, True, TH)
+    assert r.conditions["zero_preemptions"] is False and r.signature is False
+    r = C.evaluate(ivs(base + [(59, 100, 0, 180, 20, 5), (1, 100, 0, 180, 0, 0)]), 660, True, TH)
+    assert r.conditions["requests_pending"] is False and r.signature is False  # one idle sample suffices
+    assert "requests_pending" in r.reason
+
+
+def test_reference_is_the_90th_percentile_of_minute_buckets():
+    # ten reference buckets: nine idle minutes and one at 1000 tok/s -> sorted [0]*9 + [1000];
+    # rank 0.9 * 9 = 8.1 -> 0 + 0.1 * (1000 - 0) = 100
+    data = ivs([(540, 0, 0, 150, 0, 0), (60, 1000, 0, 450, 8, 0), (60, 10, 0, 160, 3, 0)])
+    r = C.evaluate(data, 660.0, True, TH)
+    assert r.reference_tokens_per_second == pytest.approx(100.0)
+    assert r.conditions["throughput_collapsed"] is True  # 10 < 20
+
+
+def test_unknown_power_makes_the_signature_unknown_not_false():
+    data = ivs([(600, 2000, 0, 500, 20, 5), (60, 100, 0, 180, 20, 5)], energy=False)
+    r = C.evaluate(data, 660.0, True, TH)
+    assert r.conditions["power_near_idle"] is None and r.signature is None
+    assert r.reason.startswith("unknown: power_near_idle")
+    # ... but a False condition still denies it (Kleene AND)
+    data = ivs([(600, 2000, 0, 500, 20, 5), (60, 2000, 0, 500, 20, 5)], energy=False)
+    assert C.evaluate(data, 660.0, True, TH).signature is False
+    # no idle baseline: energy but no idle joules
+    data = ivs([(600, 2000, 0, 500, 20, 5), (60, 100, 0, 180, 20, 5)], idle_watts=None)
+    assert C.evaluate(data, 660.0, True, TH).conditions["power_near_idle"] is None
+
+
+def test_no_history_no_reference():
+    r = C.evaluate(ivs([(60, 100, 0, 180, 20, 5)]), 60.0, True, TH)
+    assert r.conditions["throughput_collapsed"] is None and r.signature is None
+    assert "no reference level" in r.details["throughput_collapsed"]
+
+
+def test_sparse_recent_window_is_unknown():
+    data = ivs([(600, 2000, 0, 500, 20, 5), (20, 100, 0, 180, 20, 5)])  # only 20 s of the last 60
+    r = C.evaluate(data, 660.0, True, TH)
+    assert r.conditions["throughput_collapsed"] is None and r.conditions["zero_preemptions"] is None
+
+
+def test_reference_is_latched_while_the_signature_holds():
+    stall = ivs([(600, 2000, 0, 500, 20, 5), (1200, 100, 0, 180, 20, 5)])
+    prev = None
+    for t in range(660, 1801, 10):
+        prev = C.evaluate(stall, float(t), True, TH, prev)
+        assert prev.signature is True, t
+    # by t=1800 the unlatched reference is the stalled level itself: without the latch it would clear
+    assert C.evaluate(stall, 1800.0, True, TH).signature is False
+    assert prev.reference_tokens_per_second == 2000
+
+
+def test_offload_unknown_is_reported():
+    data = ivs([(600, 2000, 0, 500, 20, 5), (60, 100, 0, 180, 20, 5)])
+    r = C.evaluate(data, 660.0, None, TH)
+    assert r.signature is None and "offload_enabled" in r.reason
+    assert r.as_status()["conditions"]["offload_enabled"] is None
+
+
+# --- scenarios: the detector flags exactly the collapsed runs -----------------------------------------------
+CLEAR_LAG = 20.0    # recovery shows within 20 s (1-minute mean above 20 % of the reference after ~12 s)
+DETECT_LAG = 70.0   # onset needs the 1-minute mean power near idle: a full window plus an evaluation step
+
+
+def sweep(scn, seconds=1200, step=5, **kw):
+    data = sim.simulate_intervals(scn, seconds, 1.0, **kw)
+    prev, out = None, []
+    for t in range(60, int(seconds) + 1, step):
+        sub = [iv for iv in data if iv.t1 <= t]
+        prev = C.evaluate(sub, float(t), scn.offload_enabled, TH, prev)
+        out.append((float(t), prev))
+    return out
+
+
+def check_exact(scn, results):
+    spans = scn.collapsed_spans()
+    for t, r in results:
+        inside = any(a <= t <= b + CLEAR_LAG for a, b, _ in spans)
+        settled = any(a + DETECT_LAG <= t <= b for a, b, _ in spans)
+        if r.signature:
+            assert inside, f"{scn.name}: false collapse at t={t}: {r.reason}"
+        if settled:
+            assert r.signature is True, f"{scn.name}: missed collapse at t={t}: {r.reason}"
+
+
+@pytest.mark.parametrize("name", sim.ALL_DETECTOR_SCENARIOS)
+def test_detector_flags_exactly_the_collapsed_runs(name):
+    scn = sim.build(name)
+    results = sweep(scn)
+    check_exact(scn, results)
+    flagged = any(r.signature for _, r in results)
+    assert flagged == bool(scn.collapsed_spans())
+
+
+@pytest.mark.parametrize("version", ["0.24", "0.16"])
+def test_detector_on_older_versions(version):
+    scn = sim.recovering_on(version=version)
+    check_exact(scn, sweep(scn))
+
+
+def test_recovering_run_clears_when_throughput_returns():
+    scn = sim.recovering_on(steady_seconds=300, collapse_seconds=180)
+    results = dict(sweep(scn, seconds=700))
+    assert results[480.0].signature is True
+    assert results[495.0].signature is False and results[495.0].conditions["throughput_collapsed"] is False
+
+
+def test_without_gpu_energy_collapse_is_unknown_never_asserted():
+    scn = sim.collapsing_on()
+    results = sweep(scn, seconds=700, with_gpu_energy=False)
+    assert not any(r.signature for _, r in results)
+    assert results[-1][1].signature is None
+    # once a reference exists (t >= 120), healthy throughput denies the signature even without power
+    assert all(r.signature is False for t, r in results if 120 <= t < 300)
+
+
+def test_pipeline_through_http_store_and_restart():
+    """fakevllm -> sources.vllm -> store.ServerHistory -> collapse, across an outage and a restart, with the
+    energy accumulated tick by tick as the daemon does (an interval spanning the outage carries its energy)."""
+    import requests
+
+    from exporter.sources.vllm import _process_start
+
+    scn = sim.restarting_on(steady_seconds=120, down_seconds=20, quiet_seconds=60)
+    hist = ServerHistory(2000)
+    prev, seen_down = None, 0
+    with FakeVllm(scn, auto=False) as fv:
+        e_prev = fv.gpu_energy_joules()
+        for t in range(1, 400):
+            fv.step(1.0)
+            e = fv.gpu_energy_joules()
+            hist.add_energy("gpu", e - e_prev, scn.gpu_idle_watts * 1.0)
+            e_prev = e
+            try:
+                text = requests.get(fv.url + "/metrics", timeout=2).text
+            except requests.ConnectionError:
+                seen_down += 1
+                continue
+            reading = extract(parse(text), _process_start(text))
+            hist.add_reading(float(t), reading)
+            prev = C.evaluate(list(hist.intervals), float(t), reading.info.offload_enabled, TH, prev)
+            assert prev.signature is not True, (t, fv.phase, prev.reason)
+    assert seen_down >= 15 and hist.restarts == 1
+    assert prev.signature is False  # load is back, healthy

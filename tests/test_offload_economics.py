@@ -1,0 +1,158 @@
+"""dE and dTPS (methods.md s2): hand-computed formulas, window cutting, the three kinds, and the nine Table 1
+conditions as synthetic ON/OFF pairs (tests/support/vllm_sim.py TABLE1, table1_pair)."""
+
+from __future__ import annotations
+
+import math
+import random
+import zlib
+
+import pytest
+
+from exporter.derive import economics as E
+from exporter.samples import Interval
+from tests.support import vllm_sim as sim
+
+
+def test_delta_method_hand_computed():
+    # x_ON = 0.8 +- 0.01, x_OFF = 1.0 +- 0.02: dE = 0.2; SE = 0.8 sqrt((0.01/0.8)^2 + 0.02^2) = 0.018868
+    de, se = E.saving(0.8, 0.01, 1.0, 0.02)
+    assert de == pytest.approx(0.2) and se == pytest.approx(0.8 * math.sqrt(0.0125 ** 2 + 0.02 ** 2))
+    assert se == pytest.approx(0.018868, abs=1e-6)
+    # dTPS: 1.1 +- 0.011 over 1.0 +- 0.01: 0.1; SE = 1.1 sqrt(0.01^2 + 0.01^2) = 0.015556
+    dt, se = E.gain(1.1, 0.011, 1.0, 0.01)
+    assert dt == pytest.approx(0.1) and se == pytest.approx(0.015556, abs=1e-6)
+    assert E.saving(0.8, None, 1.0, 0.02)[1] is None
+
+
+def test_mean_and_stderr():
+    assert E.mean_and_stderr([1.0, 2.0, 3.0]) == (2.0, pytest.approx(1.0 / math.sqrt(3)))
+    assert E.mean_and_stderr([5.0]) == (5.0, None)
+    assert E.mean_and_stderr([]) == (None, None)
+
+
+def _iv(t0, t1, gen, joules, idle=100.0, kv=0.9, **more):
+    return Interval(t0, t1, {"generation_tokens": gen, **more}, {"kv_usage": kv},
+                    {"gpu": joules} if joules is not None else {}, {"gpu": idle} if idle is not None else {})
+
+
+def test_window_stats_hand_computed():
+    # 10 s intervals on a 30 s grid: window [0,30) has t1 = 10, 20, 30 -> t1=30 belongs to [0,30)
+    ivs = [_iv(0, 10, 100, 500), _iv(10, 20, 100, 500), _iv(20, 30, 100, 500), _iv(30, 40, 50, 300, kv=0.97),
+           _iv(40, 50, 50, None), _iv(50, 60, 50, 300)]
+    w = E.window_stats(ivs, 30.0)
+    assert [(x.t0, x.t1) for x in w] == [(0, 30), (30, 60)]
+    assert w[0].joules == 1500 - 300 and w[0].joules_per_token == pytest.approx(1200 / 300)
+    assert w[0].tokens_per_second == 10 and w[0].loaded
+    assert w[1].joules is None and w[1].joules_per_token is None  # one interval lacked energy
+    total = E.window_stats(ivs, 30.0, marginal=False)
+    assert total[0].joules_per_token == 5.0
+    assert E.window_stats(ivs[:2], 30.0)[0].loaded is False  # 20 of 30 s covered
+
+
+def test_paired_uses_only_windows_where_both_carry_load():
+    on = [E.WindowStat(k * 60, k * 60 + 60, 60, 1000, 80.0, 0.9, 10, 100, True) for k in range(4)]
+    off = [E.WindowStat(k * 60, k * 60 + 60, 60, 800, 100.0, 0.9, 50, 0, True) for k in range(3)]
+    off.append(E.WindowStat(180, 240, 60, 0, 0.0, 0.9, 0, 0, False))  # OFF idle in the 4th window
+    de, dt = E.paired(on, off)
+    assert de.windows == 3 and dt.windows == 3
+    # J/tok ON 0.08, OFF 0.125 -> dE = 1 - 0.64 = 0.36; TPS 1000/800 -> +25 %
+    assert de.value == pytest.approx(0.36) and dt.value == pytest.approx(0.25)
+    assert de.stderr == 0.0  # identical repeats: zero spread
+
+
+def test_recorded_band_by_band_hand_computed():
+    profile = [E.BandProfile(0.0, 0.9, 5, 0.10, 0.002, 1000.0, 10.0),
+               E.BandProfile(0.9, 1.0, 5, 0.20, 0.004, 800.0, 8.0)]
+    on = ([E.WindowStat(k, k + 1, 1, 900, 0.09 * 900, 0.85, 0, 0, True) for k in range(3)] +
+          [E.WindowStat(k, k + 1, 1, 1000, 0.12 * 1000, 0.95, 0, 0, True) for k in range(3, 4)])
+    de, dt = E.recorded(on, profile)
+    # band 1: dE 0.1 (3 windows), band 2: dE 0.4 (1 window) -> weighted (3*0.1 + 1*0.4)/4 = 0.175
+    assert de.value == pytest.approx(0.175) and de.windows == 4 and de.reference_windows == 10
+    # TPS: band 1 900/1000 - 1 = -0.1; band 2 1000/800 - 1 = 0.25 -> (3*-0.1 + 0.25)/4 = -0.0125
+    assert dt.value == pytest.approx(-0.0125)
+    assert de.stderr is None  # band 2 has a single ON window: no SE there, so none overall
+    assert set(de.bands) == {"0-0.9", "0.9-1"}
+
+
+def test_recorded_skips_bands_without_profile_data():
+    profile = [E.BandProfile(0.0, 0.95, 5, 0.1, 0.001, 1000.0, 5.0), E.BandProfile(0.95, 1.0, 0, None, None, None, None)]
+    on = [E.WindowStat(k, k + 1, 1, 900, 90.0, 0.97, 0, 0, True) for k in range(3)]
+    de, _ = E.recorded(on, profile)
+    assert de.value is None and de.windows == 0 and "0.95-1" in de.note
+
+
+def test_estimated_hand_computed():
+    # marginal 100 J, 1000 loaded tokens x 0.05 J x (1 - 0.1) = 45 J saved -> dE = 45 / 145
+    w = E.WindowStat(0, 60, 60, 500, 100.0, 0.9, 30, 1000, True)
+    est = E.estimated([w, w], 0.05, 0.1)
+    assert est.value == pytest.approx(45 / 145) and est.stderr == 0.0 and est.windows == 2
+    assert est.kind == "estimated" and "estimate" in est.note
+    assert E.estimated([w], None, 0.1).value is None
+    assert E.price_from_flops(1000.0, 1e15, 8e9) == pytest.approx(1000 / 1e15 * 1.6e10)
+
+
+def test_estimated_from_the_simulated_on_server():
+    """Stable ON run: 16.5 % of 24k prompt tok/s reloaded; priced at a known J per computed token."""
+    ivs = sim.simulate_intervals(sim.stable_high_pressure_on(), 300)
+    ws = E.window_stats(ivs, 60)
+    est = E.estimated(ws, 0.02, 0.1)
+    # per second: 500 W - 150 W idle = 350 J marginal; saved 0.165 x 24,000 x 0.02 J x 0.9 = 71.3 J
+    saved = 0.165 * 24000 * 0.02 * 0.9
+    assert est.value == pytest.approx(saved / (350 + saved), rel=0.03)
+    assert est.windows >= 4
+
+
+# --- Table 1 -----------------------------------------------------------------------------------------------
+def _table1_windows(cond, seed=None):
+    on, off = sim.table1_pair(cond, seed=seed)
+    seconds = sim.TABLE1_WINDOWS * 60
+    return (E.window_stats(sim.simulate_intervals(on, seconds), 60),
+            E.window_stats(sim.simulate_intervals(off, seconds), 60))
+
+
+@pytest.mark.parametrize("cond", sim.TABLE1, ids=[c.name for c in sim.TABLE1])
+def test_table1_paired_lands_within_the_stated_uncertainty(cond):
+    on, off = _table1_windows(cond)
+    de, dt = E.paired(on, off)
+    assert de.windows == dt.windows == sim.TABLE1_WINDOWS
+    assert abs(de.value * 100 - cond.dE_pct) <= 2 * cond.dE_se_pct, (de, cond)
+    assert abs(dt.value * 100 - cond.dTPS_pct) <= 2 * cond.dTPS_se_pct, (dt, cond)
+    # and the SE it reports is the uncertainty the condition states (sample SDs of 12 windows: +-35 %)
+    assert 0.6 <= de.stderr * 100 / cond.dE_se_pct <= 1.6
+    assert 0.6 <= dt.stderr * 100 / cond.dTPS_se_pct <= 1.6
+
+
+@pytest.mark.parametrize("cond", sim.TABLE1, ids=[c.name for c in sim.TABLE1])
+def test_table1_recorded_against_an_off_profile(cond):
+    _, off_profile_run = _table1_windows(cond, seed=zlib.crc32(cond.name.encode()) % 1000 + 5000)  # a separate OFF run
+    profile = E.build_bands(off_profile_run, [(0.0, 1.0)])  # one band: the synthetic J/token has no KV slope
+    on, _ = _table1_windows(cond)
+    de, dt = E.recorded(on, profile)
+    assert abs(de.value * 100 - cond.dE_pct) <= 3 * cond.dE_se_pct
+    assert abs(dt.value * 100 - cond.dTPS_pct) <= 3 * cond.dTPS_se_pct
+
+
+def test_table1_paired_is_unbiased_and_calibrated():
+    """Monte Carlo over the sim's noise model (J and TPS x (1 + N(0, cv)) per window): the mean of 400
+    estimates sits on the encoded value and the +-1.96 SE interval covers it ~95 % of the time."""
+    cond = sim.TABLE1[4]  # office c=4: the noisiest of the study's conditions
+    cv_e, cv_t = sim.table1_noise_ratio(cond)
+    rng = random.Random(0)
+    n, est, covered = sim.TABLE1_WINDOWS, [], 0
+    for _ in range(400):
+        def windows(j, tps):
+            return [E.WindowStat(k, k + 1, 1.0, tps * (1 + rng.gauss(0, cv_t)),
+                                 None, 0.9, 0, 0, True) for k in range(n)], [j * (1 + rng.gauss(0, cv_e)) for _ in range(n)]
+        on, j_on = windows(0.15 * (1 - cond.dE_pct / 100), 2000 * (1 + cond.dTPS_pct / 100))
+        off, j_off = windows(0.15, 2000.0)
+        on = [E.WindowStat(w.t0, w.t1, 1.0, w.generated_tokens, j * w.generated_tokens, 0.9, 0, 0, True)
+              for w, j in zip(on, j_on)]
+        off = [E.WindowStat(w.t0, w.t1, 1.0, w.generated_tokens, j * w.generated_tokens, 0.9, 0, 0, True)
+               for w, j in zip(off, j_off)]
+        de, _ = E.paired(on, off)
+        est.append(de.value)
+        covered += abs(de.value - cond.dE_pct / 100) <= 1.96 * de.stderr
+    mean = sum(est) / len(est)
+    assert mean * 100 == pytest.approx(cond.dE_pct, abs=3 * cond.dE_se_pct / math.sqrt(400) + 0.2)
+    assert 0.88 <= covered / 400 <= 0.98

@@ -1,0 +1,193 @@
+"""exporter/offload/runtime.py inside the real Daemon: fakevllm servers, the NVML double driven by the
+scenarios' power, ticks on a simulated clock (1 tick = 1 simulated second), views rendered by the collector.
+(tests/test_offload_e2e.py does the same through a `kvwatt run` subprocess once the daemon calls the runtime.)"""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import pytest
+import yaml
+
+from exporter import catalog
+from exporter.collector import Families, render_server
+from exporter.config import ConfigError, from_mapping
+from exporter.daemon import Daemon
+from exporter.derive import economics as E
+from exporter.energy.runtime import EnergyRuntime
+from exporter.offload import profile as P
+from exporter.offload.record_command import build_profile
+from exporter.offload.runtime import OffloadRuntime
+from exporter.sources.nvml import NvmlSource
+from exporter.web import status_json
+from tests.support import vllm_sim as sim
+from tests.support.fake_gpus import FakeGpus, load_fake_nvml
+from tests.support.fakevllm import FakeVllm, push_gpus
+from tests.test_offload_kappa import LLAMA_8B
+
+
+class Harness:
+    """Servers name -> (scenario, extra server keys). Each server gets GPU-<name> driven by its scenario."""
+
+    def __init__(self, tmp_path, servers: dict, **config):
+        self.gpus = FakeGpus(tmp_path / "gpus.json")
+        self.fakes = {n: FakeVllm(scn, auto=False) for n, (scn, _) in servers.items()}
+        for f in self.fakes.values():
+            f.start()
+        for n, f in self.fakes.items():
+            f.attach_gpu(self.gpus, f"GPU-{n}")
+        mapping = {"servers": [{"name": n, "url": self.fakes[n].url, "gpus": [f"GPU-{n}"], **extra}
+                               for n, (_, extra) in servers.items()],
+                   "idle_power_watts": {f"GPU-{n}": sim.IDLE_WATTS for n in servers},
+                   "state_dir": str(tmp_path / "state"), "powercap_root": str(tmp_path / "none"), **config}
+        self.cfg = from_mapping(mapping)
+        self.daemon = Daemon(self.cfg)
+        self.daemon.energy.close()
+        self.daemon.energy = EnergyRuntime(self.cfg, nvml=NvmlSource(module=load_fake_nvml(self.gpus.path)))
+        self.offload = OffloadRuntime(self.cfg)
+        self.t = 0.0
+
+    async def _run(self, seconds: int, every: int, on_view):
+        async with aiohttp.ClientSession() as session:
+            for _ in range(seconds):
+                for f in self.fakes.values():
+                    f.step(1.0, push_gpus=False)
+                push_gpus(*self.fakes.values())
+                self.t += 1.0
+                await self.daemon.tick(session, self.t)
+                for s in self.daemon.servers:
+                    self.offload.observe(s, self.t)
+                if on_view and int(self.t) % every == 0:
+                    on_view(self.t, self.views())
+
+    def run(self, seconds: int, every: int = 10, on_view=None):
+        asyncio.run(self._run(seconds, every, on_view))
+
+    def views(self):
+        states = {s.cfg.name: s for s in self.daemon.servers}
+        views = self.daemon.views(now=self.t)
+        for v, s in zip(views, self.daemon.servers):
+            self.offload.extend_view(v, s, self.t, self.cfg, states)
+        return views
+
+    def metrics(self, views) -> dict:
+        f = Families()
+        for v in views:
+            render_server(f, v)  # KeyError here = a series missing from the catalog
+        out = {}
+        for fam in f:
+            for smp in fam.samples:
+                out[(smp.name, tuple(sorted(smp.labels.items())))] = smp.value
+        return out
+
+    def close(self):
+        self.daemon.energy.close()
+        for f in self.fakes.values():
+            f.close()
+
+
+def value(metrics, name, **labels):
+    hits = [v for (n, lab), v in metrics.items() if n == name and set(labels.items()) <= set(lab)]
+    assert len(hits) <= 1, (name, labels, hits)
+    return hits[0] if hits else None
+
+
+@pytest.fixture
+def harness(tmp_path):
+    made = []
+
+    def make(servers, **config):
+        h = Harness(tmp_path, servers, **config)
+        made.append(h)
+        return h
+    yield make
+    for h in made:
+        h.close()
+
+
+def test_collapse_signature_only_during_the_collapse(harness):
+    h = harness({"on": (sim.recovering_on(steady_seconds=240, collapse_seconds=180), {})}, windows=["1m", "5m"])
+    seen = []
+
+    def check(t, views):
+        m = h.metrics(views)
+        sig = value(m, "kvwatt_collapse_signature", server="on")
+        seen.append((t, sig))
+        if sig == 1:
+            assert 240 <= t <= 420 + 20, t
+            assert views[0].extra["signatures"]["collapse"] is True
+            assert any("Collapse signature" in r for r in views[0].extra["recommendations"])
+        if 240 + 70 <= t <= 420:
+            assert sig == 1, (t, views[0].extra["status"]["collapse"])
+        if t > 420 + 20:
+            assert sig == 0
+    h.run(600, every=10, on_view=check)
+    assert any(s == 1 for _, s in seen)
+    m = h.metrics(h.views())
+    for cond in ("offload_enabled", "zero_preemptions", "throughput_collapsed", "power_near_idle",
+                 "requests_pending"):
+        assert value(m, "kvwatt_collapse_condition", server="on", condition=cond) is not None
+    js = status_json(h.views())["servers"][0]
+    assert js["collapse"]["signature"] is False and js["signatures"] == {"collapse": False}
+
+
+def test_offload_series_and_undersized_buffer(harness):
+    h = harness({"on": (sim.undersized_buffer_on(), {})}, windows=["1m"])
+    h.run(90)
+    views = h.views()
+    m = h.metrics(views)
+    gib = 2 ** 30
+    assert value(m, "kvwatt_offload_write_bytes_per_second", window="1m") == pytest.approx(0.9 * gib, rel=0.02)
+    assert value(m, "kvwatt_offload_buffer_residency_seconds", window="1m") == pytest.approx(8 / 0.9, rel=0.02)
+    assert value(m, "kvwatt_offload_buffer_undersized", server="on") == 1
+    assert value(m, "kvwatt_offload_recommended_buffer_bytes") == pytest.approx(27 * gib, rel=0.02)
+    assert any("--kv-offloading-size 2" in r for r in views[0].extra["recommendations"])
+    assert value(m, "kvwatt_cached_to_prefill_ratio", window="1m") == pytest.approx(0.03 / 0.15, rel=0.02)
+    assert value(m, "kvwatt_collapse_signature") == 0  # preemptions alive: not a collapse
+    assert value(m, "kvwatt_critical_cached_to_prefill_ratio") is None  # no model configured: absent
+
+
+def test_kappa_crit_from_config_json(harness, tmp_path):
+    cfg_json = tmp_path / "config.json"
+    cfg_json.write_text(__import__("json").dumps(LLAMA_8B))
+    h = harness({"on": (sim.stable_high_pressure_on(), {"model_config": str(cfg_json),
+                                                         "hardware": {"gpu_model": "H100-SXM"}})}, windows=["1m"])
+    h.run(5)
+    m = h.metrics(h.views())
+    assert value(m, "kvwatt_critical_cached_to_prefill_ratio") == pytest.approx(12.383, abs=0.001)
+    assert value(m, "kvwatt_recompute_breakeven_tokens") == 0.0
+
+
+def test_bad_model_config_is_a_config_error(tmp_path):
+    cfg = from_mapping({"servers": [{"name": "a", "url": "http://127.0.0.1:1",
+                                     "model_config": str(tmp_path / "missing.json")}]})
+    with pytest.raises(ConfigError, match="cannot read"):
+        OffloadRuntime(cfg)
+
+
+@pytest.mark.parametrize("cond", [sim.TABLE1[5], sim.TABLE1[4], sim.TABLE1[7]], ids=lambda c: c.name)
+def test_table1_paired_and_recorded_through_the_daemon(harness, tmp_path, cond):
+    # 12 repeats of 30 s (min_load_duration), the noise blocks aligned on them
+    on, off = sim.table1_pair(cond, window_seconds=30.0)
+    seconds = sim.TABLE1_WINDOWS * 30
+    # a separate OFF run recorded as the profile (what `kvwatt baseline record` writes)
+    off_rec = sim.table1_pair(cond, window_seconds=30.0, seed=777)[1]
+    rec_ivs = sim.simulate_intervals(off_rec, seconds)
+    prof = build_profile(rec_ivs, None, type("S", (), {"name": "off"})(), float(seconds), 30.0)
+    prof_path = str(tmp_path / "profile.json")
+    P.write(prof_path, prof)
+    h = harness({"on": (on, {"pair_off_server": "off", "recorded_baseline": prof_path}), "off": (off, {})},
+                windows=["6m"], min_load_duration="30s")
+    h.run(seconds)
+    m = h.metrics(h.views())
+    de = value(m, "kvwatt_energy_saving_ratio", server="on", baseline="paired")
+    se = value(m, "kvwatt_energy_saving_stderr_ratio", server="on", baseline="paired")
+    dt = value(m, "kvwatt_throughput_gain_ratio", server="on", baseline="paired")
+    n = value(m, "kvwatt_comparison_windows", server="on", baseline="paired")
+    assert n == sim.TABLE1_WINDOWS - 1 or n == sim.TABLE1_WINDOWS  # the first window lacks its first tick
+    assert abs(de * 100 - cond.dE_pct) <= 2 * cond.dE_se_pct, (de, se, cond)
+    assert abs(dt * 100 - cond.dTPS_pct) <= 2 * cond.dTPS_se_pct, (dt, cond)
+    rde = value(m, "kvwatt_energy_saving_ratio", server="on", baseline="recorded")
+    assert abs(rde * 100 - cond.dE_pct) <= 3 * cond.dE_se_pct, (rde, cond)
+    assert value(m, "kvwatt_energy_saving_ratio", server="off", baseline="paired") is None  # OFF side: none
