@@ -7,6 +7,7 @@ that page in step with ``KEYS`` below.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from dataclasses import dataclass, field, replace
@@ -288,17 +289,32 @@ def from_mapping(data: Any, base: Config | None = None) -> Config:
     return replace(base or Config(), **kw)
 
 
-def load_file(path: str) -> Config:
+def read_yaml(path: str) -> Any:
+    """A YAML file's data, or ConfigError with one line naming the file and the problem."""
     try:
         with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
+            return yaml.safe_load(f)
     except OSError as e:
         raise ConfigError(f"{path}: cannot read ({e.strerror})") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark else ""
         raise ConfigError(f"{path}:{where} not valid YAML ({getattr(e, 'problem', e)})") from None
-    return from_mapping(data)
+
+
+def read_json(path: str) -> Any:
+    """A JSON file's data, or ConfigError with one line naming the file and the problem."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read ({e.strerror})") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON (line {e.lineno}: {e.msg})") from None
+
+
+def load_file(path: str) -> Config:
+    return from_mapping(read_yaml(path))
 
 
 def parse_server_flag(text: str, key: str = "--server") -> ServerConfig:

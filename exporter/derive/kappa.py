@@ -15,12 +15,11 @@ Negative K: reloading beats recomputing at every length; the exported gauge is c
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from exporter.config import ConfigError
+from exporter.config import ConfigError, read_json
 from exporter.derive.window import sum_delta
 from exporter.samples import Interval
 
@@ -114,13 +113,7 @@ def from_hf_config(cfg: Mapping[str, Any], source: str = "config.json") -> Model
 
 
 def load_hf_config(path: str) -> ModelParams:
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except OSError as e:
-        raise ConfigError(f"{path}: cannot read ({e.strerror})") from None
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path}: not valid JSON (line {e.lineno}: {e.msg})") from None
+    data = read_json(path)
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a JSON object")
     return from_hf_config(data, path)

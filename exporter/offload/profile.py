@@ -16,13 +16,12 @@ Loading validates everything and raises ConfigError naming the file and the prob
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from typing import Any
 
 from exporter import atomic
-from exporter.config import ConfigError
+from exporter.config import ConfigError, read_json
 from exporter.derive.economics import BandProfile
 
 FORMAT = "kvwatt-offload-profile"
@@ -109,11 +108,4 @@ def from_json(data: Any, where: str) -> Profile:
 
 
 def load(path: str) -> Profile:
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except OSError as e:
-        raise ConfigError(f"{path}: cannot read ({e.strerror})") from None
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path}: not valid JSON (line {e.lineno}: {e.msg})") from None
-    return from_json(data, path)
+    return from_json(read_json(path), path)
