@@ -87,7 +87,7 @@ class Config:
     p99_tool_latency_seconds: float = 20.0
     buffer_headroom: float = 1.5
     collapse_throughput_drop_ratio: float = 0.2
-    collapse_power_near_idle_ratio: float = 1.25
+    collapse_power_near_idle_ratio: float = 1.5
     collapse_reference_seconds: float = 600.0
     load_to_compute_cost_ratio: float = 0.1
 

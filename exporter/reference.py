@@ -37,7 +37,7 @@ CONFIG_DOCS: dict[str, tuple[str, str]] = {
     "p99_tool_latency": ("`20s`", "the workload's p99 tool-call latency, for buffer sizing (methods.md s6)"),
     "buffer_headroom": ("`1.5`", "factor on the recommended buffer size"),
     "collapse_throughput_drop_ratio": ("`0.2`", "throughput below this share of its recent level = collapsed"),
-    "collapse_power_near_idle_ratio": ("`1.25`", "GPU power below this multiple of P_idle = near idle"),
+    "collapse_power_near_idle_ratio": ("`1.5`", "GPU power below this multiple of P_idle = near idle"),
     "collapse_reference_window": ("`10m`", "how far back the recent throughput level is taken"),
     "load_to_compute_cost_ratio": ("`0.1`", "energy of reloading a token vs recomputing it (attribution model)"),
 }

@@ -30,6 +30,7 @@ COUNTERS = (
     "prompt_tokens",
     "generation_tokens",
     "prompt_tokens_by_source",
+    "prompt_tokens_cached",
     "prompt_tokens_cached_by_source",
     "prefix_cache_queries",
     "prefix_cache_hits",

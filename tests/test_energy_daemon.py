@@ -13,7 +13,7 @@ import pytest
 from tests.support.daemon import KvwattDaemon
 from tests.support.fake_gpus import FakeGpus
 from tests.support.httpserver import MetricsServer
-from tests.support.powercap import PowercapTree
+from tests.support.powercap import ConstantPower, PowercapTree
 
 A, B = "GPU-aaaa-e2e", "GPU-bbbb-e2e"
 TOKENS_PER_SECOND = 500.0
@@ -29,26 +29,13 @@ def exposition(start: float) -> str:
             f'vllm:prompt_tokens_total{{model_name="m",engine="0"}} {tokens * 3}\n')
 
 
-class HostPower(threading.Thread):
-    def __init__(self, tree, zone, watts):
-        super().__init__(daemon=True)
-        self.tree, self.zone, self.watts, self.stop = tree, zone, watts, threading.Event()
-
-    def run(self):
-        last = time.monotonic()
-        while not self.stop.wait(0.05):
-            now = time.monotonic()
-            self.tree.advance(self.zone, self.watts * (now - last))
-            last = now
-
-
 def test_daemon_exports_energy_and_isolates_a_lost_gpu(tmp_path):
     t0 = time.monotonic()
     gpus = FakeGpus(tmp_path / "gpus.json")
     gpus.add(A, power_mw=GPU_WATTS * 1000, counter_follows_power=True, t0=t0)
     gpus.add(B, power_mw=100_000, counter_follows_power=True, t0=t0)
     tree = PowercapTree(tmp_path / "host")
-    host = HostPower(tree, tree.add_zone("package-0"), 80.0)
+    host = ConstantPower(tree, tree.add_zone("package-0"), 80.0)
     host.start()
     config = {"powercap_root": tree.root, "windows": ["30s"], "min_load_duration": "3s",
               "idle_power_watts": {f"gpu:{A}": 50.0}}

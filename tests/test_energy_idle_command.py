@@ -9,62 +9,35 @@ import subprocess
 import sys
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 
 from exporter.energy.baseline import STATE_FILE
 from tests.support.fake_gpus import FakeGpus
-from tests.support.powercap import PowercapTree
+from tests.support.httpserver import MetricsServer
+from tests.support.powercap import ConstantPower, PowercapTree
 
 REPO = Path(__file__).resolve().parents[1]
 A = "GPU-aaaa-idle"
 
 
 class StubVllm:
-    """Serves a minimal vLLM exposition; ``running`` and ``tokens`` can change while it runs."""
+    """A minimal vLLM exposition whose ``running`` and ``tokens`` the test changes while it is served."""
 
     def __init__(self):
         self.running, self.tokens = 0, 1000
-        stub = self
+        self.server = MetricsServer(self.exposition).__enter__()
+        self.url = self.server.url
 
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self):
-                body = (f'vllm:num_requests_running{{model_name="m",engine="0"}} {stub.running}\n'
-                        f'vllm:num_requests_waiting{{model_name="m",engine="0"}} 0\n'
-                        f'vllm:generation_tokens_total{{model_name="m",engine="0"}} {stub.tokens}\n'
-                        f'vllm:prompt_tokens_total{{model_name="m",engine="0"}} 5000\n').encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "text/plain")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args):
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+    def exposition(self):
+        return (f'vllm:num_requests_running{{model_name="m",engine="0"}} {self.running}\n'
+                f'vllm:num_requests_waiting{{model_name="m",engine="0"}} 0\n'
+                f'vllm:generation_tokens_total{{model_name="m",engine="0"}} {self.tokens}\n'
+                f'vllm:prompt_tokens_total{{model_name="m",engine="0"}} 5000\n')
 
     def close(self):
-        self.httpd.shutdown()
-
-
-class HostLoad(threading.Thread):
-    """Advances a RAPL zone at ``watts`` in 50 ms steps until stopped."""
-
-    def __init__(self, tree, zone, watts):
-        super().__init__(daemon=True)
-        self.tree, self.zone, self.watts, self.stop = tree, zone, watts, threading.Event()
-
-    def run(self):
-        last = time.monotonic()
-        while not self.stop.wait(0.05):
-            now = time.monotonic()
-            self.tree.advance(self.zone, self.watts * (now - last))
-            last = now
+        self.server.__exit__(None, None, None)
 
 
 @pytest.fixture
@@ -74,7 +47,7 @@ def rig(tmp_path):
     gpus.add(A, energy_mj=0, power_mw=75_000, counter_follows_power=True, t0=time.monotonic(), temperature_c=31)
     tree = PowercapTree(tmp_path / "host")
     zone = tree.add_zone("package-0")
-    load = HostLoad(tree, zone, 40.0)
+    load = ConstantPower(tree, zone, 40.0)
     load.start()
     yield vllm, gpus, tree, tmp_path / "state"
     load.stop.set()

@@ -39,7 +39,7 @@ REFERENCE_QUANTILE = 0.9
 @dataclass(frozen=True)
 class CollapseThresholds:
     throughput_drop_ratio: float = 0.2      # Config.collapse_throughput_drop_ratio
-    power_near_idle_ratio: float = 1.25     # Config.collapse_power_near_idle_ratio
+    power_near_idle_ratio: float = 1.5     # Config.collapse_power_near_idle_ratio
     reference_seconds: float = 600.0        # Config.collapse_reference_seconds
     recent_seconds: float = 60.0            # the shortest configured window
 

@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -169,3 +171,18 @@ def amd(base: str | os.PathLike, sockets: int = 1, energy_uj: int = 1_000_000) -
         pkg = tree.add_zone(f"package-{socket}", energy_uj=energy_uj, max_energy_range_uj=AMD_MAX_ENERGY_RANGE_UJ)
         tree.add_zone("core", parent=pkg, energy_uj=energy_uj // 8, max_energy_range_uj=AMD_MAX_ENERGY_RANGE_UJ)
     return tree
+
+
+class ConstantPower(threading.Thread):
+    """Advances one zone at ``watts`` in 50 ms steps until ``stop`` is set (a host at constant power)."""
+
+    def __init__(self, tree: PowercapTree, zone: str, watts: float) -> None:
+        super().__init__(daemon=True)
+        self.tree, self.zone, self.watts, self.stop = tree, zone, watts, threading.Event()
+
+    def run(self) -> None:
+        last = time.monotonic()
+        while not self.stop.wait(0.05):
+            now = time.monotonic()
+            self.tree.advance(self.zone, self.watts * (now - last))
+            last = now

@@ -1,0 +1,188 @@
+"""Measurement of one run with the daemon's own machinery and arithmetic.
+
+``RunSampler`` IS the daemon (exporter.daemon.Daemon) watching one server: every tick reads NVML, RAPL and
+the server's /metrics back to back on one monotonic clock, turns device counters into per-tick joules
+(DeviceTracker), attributes them to the server (EnergyRuntime) and appends an Interval to its
+ServerHistory. On top it keeps the whole run (no trimming), measures the idle baseline P_idle per device
+over the idle phase and records it in the runtime's BaselineBook (method "measured"), so every later
+Interval carries P_idle * dt exactly as in the daemon. The daemon's idle learner is switched off: a
+baseline learned in a lull of the measurement would change P_idle halfway through the window.
+
+``window_figures`` derives the run's figures from the measurement window's Intervals with exporter.derive
+(the functions behind the daemon's gauges).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from exporter.config import Config, ServerConfig
+from exporter.daemon import Daemon
+from exporter.derive import energy as derive_energy
+from exporter.derive.pressure import kv_usage_quantile, rate_per_second
+from exporter.derive.recompute import mfu_view, token_counts, token_shares
+from exporter.derive.window import covered_seconds, gauge_values, sum_delta
+from exporter.energy.baseline import IdleEstimate
+from exporter.energy.runtime import SCOPES, is_idle
+from exporter.experiment.plan import Plan
+from exporter.samples import Interval
+
+SERVER_NAME = "server"
+
+
+@dataclass
+class IdleMeter:
+    """Per-device joules and seconds over the idle phase (the arithmetic of `kvwatt baseline idle`)."""
+
+    joules: dict[str, float] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)
+    temperatures: dict[str, list[float]] = field(default_factory=dict)
+    missing: set[str] = field(default_factory=set)
+    busy_seconds: float = 0.0
+    total_seconds: float = 0.0
+
+    def add(self, seconds: float, idle: bool, deltas: dict[str, float | None], temps: dict) -> None:
+        self.total_seconds += seconds
+        if not idle:
+            self.busy_seconds += seconds  # requests or tokens during the idle phase: reported, not measured
+            return
+        for device, joules in deltas.items():
+            if joules is None:
+                self.missing.add(device)
+                continue
+            self.joules[device] = self.joules.get(device, 0.0) + joules
+            self.seconds[device] = self.seconds.get(device, 0.0) + seconds
+            if temps.get(device) is not None:
+                self.temperatures.setdefault(device, []).append(temps[device])
+
+    def estimates(self) -> list[IdleEstimate]:
+        out = []
+        for d in sorted(self.joules):
+            if d in self.missing or self.seconds[d] <= 0:
+                continue  # a gap: no baseline rather than a wrong one (energy-measurement.md rule 3)
+            temps = self.temperatures.get(d)
+            out.append(IdleEstimate(d, self.joules[d] / self.seconds[d], self.seconds[d],
+                                    sum(temps) / len(temps) if temps else None))
+        return out
+
+
+class RunSampler(Daemon):
+    def __init__(self, plan: Plan, url: str, state_dir: str):
+        cfg = Config(servers=(ServerConfig(SERVER_NAME, url, gpus=plan.energy.gpus),),
+                     interval_seconds=plan.sample_interval_seconds, windows_seconds=(plan.phases.measure_seconds,),
+                     kv_pressure_threshold_ratio=plan.kv_pressure_threshold, state_dir=state_dir,
+                     powercap_root=plan.energy.powercap_root, nvml_enabled=plan.energy.nvml,
+                     idle_min_seconds=math.inf, min_load_seconds=plan.energy.min_load_seconds)
+        super().__init__(cfg)
+        self.server = self.servers[0]
+        self.server.history.max_age_seconds = math.inf  # keep the whole run
+        self.idle_meter: IdleMeter | None = None
+        self.last_ok_t: float | None = None
+        self.ticked = asyncio.Event()
+
+    async def tick(self, session, t: float) -> None:
+        await super().tick(session, t)
+        if self.server.status.up:
+            self.last_ok_t = t
+        if self.idle_meter is not None:
+            self._meter_idle(t)
+        self.ticked.set()
+
+    def _meter_idle(self, t: float) -> None:
+        tick = self.energy.last_tick
+        if tick is None or tick.t != t or not tick.seconds:
+            return
+        history = self.server.history
+        interval = history.intervals[-1] if history.intervals else None
+        devices = [d for d, r in self.energy.readings.items() if r.kind == "host"]
+        devices += list(self.energy.assignment.by_server.get(SERVER_NAME, ()))
+        temps = {d: r.temperature_celsius for d, r in self.energy.readings.items()}
+        self.idle_meter.add(tick.seconds, is_idle(self.server.status, interval, t),
+                            {d: tick.deltas.get(d) for d in devices}, temps)
+
+    # --- phases -----------------------------------------------------------------------------------------
+    def begin_idle(self) -> None:
+        self.idle_meter = IdleMeter()
+
+    def end_idle(self) -> dict:
+        """Commit the idle baseline; what was measured, for the run's record."""
+        meter, self.idle_meter = self.idle_meter or IdleMeter(), None
+        estimates = meter.estimates()
+        self.energy.book.record(estimates, "measured")
+        return {"seconds": round(meter.total_seconds, 3), "busy_seconds": round(meter.busy_seconds, 3),
+                "watts": {e.device: e.watts for e in estimates},
+                "unmeasured": sorted((set(meter.joules) | meter.missing) - {e.device for e in estimates}),
+                "sources": {s.source: (s.reason or "ok") for s in self.energy.statuses}}
+
+    async def wait_tick_after(self, t: float, timeout_seconds: float) -> None:
+        """Return once a tick at or after monotonic time ``t`` has been recorded."""
+        deadline = time.monotonic() + timeout_seconds
+        while (self.last_tick_t is None or self.last_tick_t < t) and time.monotonic() < deadline:
+            self.ticked.clear()
+            try:
+                await asyncio.wait_for(self.ticked.wait(), timeout=max(deadline - time.monotonic(), 0.01))
+            except asyncio.TimeoutError:
+                break
+
+    def seconds_without_reading(self, now: float) -> float:
+        since = self.last_ok_t
+        return 0.0 if since is None else now - since
+
+    def intervals_between(self, t0: float, t1: float) -> list[Interval]:
+        return [iv for iv in self.server.history.intervals if iv.t0 >= t0 and iv.t1 <= t1]
+
+    def server_facts(self) -> dict:
+        info = self.server.info
+        if info is None:
+            return {}
+        return {"model_name": info.model_name, "num_gpu_blocks": info.num_gpu_blocks, "block_size": info.block_size,
+                "offload_enabled": info.offload_enabled, "offload_buffer_bytes": info.offload_buffer_bytes,
+                "offload_backend": info.offload_backend, "restarts": self.server.history.restarts}
+
+
+# ------------------------------------------------------------------------------------------------------
+# figures of a window
+# ------------------------------------------------------------------------------------------------------
+def energy_figures(intervals: Sequence[Interval], scope: str, min_load_seconds: float) -> dict | None:
+    w = derive_energy.window_energy(intervals, scope)
+    if w is None:
+        return None
+    figure = derive_energy.per_token(intervals, scope, min_load_seconds)
+    note = "" if figure is not None else (
+        "no generated tokens" if w.tokens <= 0 else f"only {w.loaded_seconds:.1f} s of load (< min_load)")
+    return {"energy_joules": w.energy_joules, "idle_joules": w.idle_joules, "tokens": w.tokens,
+            "seconds": w.seconds, "loaded_seconds": w.loaded_seconds,
+            "joules_per_token": figure.joules_per_token if figure else None,
+            "marginal_joules_per_token": figure.marginal_joules_per_token if figure else None,
+            "note": note}
+
+
+def window_figures(intervals: Sequence[Interval], min_load_seconds: float) -> dict:
+    covered = covered_seconds(intervals)
+    generated = sum_delta(intervals, "generation_tokens")
+    preemptions = sum_delta(intervals, "preemptions")
+    counts = token_counts(intervals)
+    kv = gauge_values(intervals, "kv_usage")
+    flops_per_second, flops_per_token = mfu_view(intervals, generated)
+    return {
+        "covered_seconds": covered, "intervals": len(intervals),
+        "kv_usage_p95_ratio": kv_usage_quantile(intervals, 0.95), "kv_usage_max_ratio": max(kv) if kv else None,
+        "kv_samples": len(kv),
+        "preemptions": preemptions,
+        "preemptions_per_minute": None if preemptions is None or covered <= 0 else preemptions / covered * 60,
+        "generation_tokens": generated, "prompt_tokens": sum_delta(intervals, "prompt_tokens"),
+        "tokens_per_second": rate_per_second(intervals, "generation_tokens"),
+        "prompt_tokens_by_source": counts, "prompt_token_shares": token_shares(counts),
+        "flops_per_generated_token": flops_per_token,
+        "energy": {s: f for s in SCOPES if (f := energy_figures(intervals, s, min_load_seconds)) is not None},
+    }
+
+
+def interval_rows(intervals: Sequence[Interval]) -> list[dict]:
+    """The run's Intervals as plain rows (intervals.jsonl), for auditing or re-deriving the figures."""
+    return [{"t0": iv.t0, "t1": iv.t1, "deltas": iv.deltas, "gauges": iv.gauges,
+             "energy_joules": iv.energy_joules, "idle_joules": iv.idle_joules} for iv in intervals]

@@ -1,0 +1,466 @@
+"""Experiment plans (YAML), validated key by key: any problem is a ConfigError naming the key (exit 2).
+
+The format is documented in docs/experiment.md; examples/experiment-offload.yaml is a full example.
+Everything a run needs is resolved here (paths made absolute, templates checked against the placeholders
+each condition can use, the trace file loaded), so a plan that loads runs without input errors later.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import re
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable
+
+import yaml
+
+from exporter.config import ConfigError, parse_duration, parse_url
+from exporter.experiment import template
+from exporter.replay.runner import ReplayOptions, playable_sessions
+from exporter.replay.traces import FORMATS, load_sessions, scale_session, scale_tokens
+
+TOP_KEYS = ("name", "seed", "repeats", "out", "sample_interval", "kv_pressure_threshold", "vars", "phases",
+            "server", "workload", "energy", "conditions")
+PHASE_KEYS = ("settle", "idle", "warmup", "measure", "cooldown")
+SERVER_KEYS = ("command", "url", "port", "env", "model", "startup_timeout", "stop_timeout", "unresponsive_timeout")
+WORKLOAD_KEYS = ("trace", "format", "concurrency", "length_scale", "latency_scale", "max_context", "seed",
+                 "system_prompt_tokens", "retries", "request_timeout")
+ENERGY_KEYS = ("nvml", "powercap_root", "gpus", "min_load", "scope", "basis")
+CONDITION_KEYS = ("name", "baseline", "args", "env", "vars", "workload")
+BUILTINS = ("port", "condition", "run", "repeat", "run_dir", "plan_dir")
+SCOPES = ("auto", "gpu", "host")
+BASES = ("marginal", "total")
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+@dataclass(frozen=True)
+class Phases:
+    settle_seconds: float = 5.0      # after /health, before the idle baseline (start-up work settles)
+    idle_seconds: float = 30.0       # idle baseline P_idle, model loaded, no requests
+    warmup_seconds: float = 60.0     # load runs, not measured
+    measure_seconds: float = 300.0   # the measurement window
+    cooldown_seconds: float = 45.0   # after the server is stopped, before the next run
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    command: tuple[str, ...]
+    url: str = "http://127.0.0.1:{port}"
+    port: int | None = 8000          # None: a free port is picked for each run ("auto")
+    env: dict[str, str] = field(default_factory=dict)
+    model: str | None = None         # None: the first of GET /v1/models
+    startup_timeout_seconds: float = 900.0
+    stop_timeout_seconds: float = 30.0
+    unresponsive_timeout_seconds: float = 60.0
+
+
+@dataclass(frozen=True)
+class Workload:
+    trace: str
+    format: str = "auto"
+    concurrency: int = 1
+    length_scale: float = 1.0
+    latency_scale: float = 1.0
+    max_context: int | None = None
+    seed: int = 0
+    system_prompt_tokens: int = 1024
+    retries: int = 2
+    request_timeout_seconds: float = 600.0
+
+    def replay_options(self, duration_seconds: float) -> ReplayOptions:
+        return ReplayOptions(concurrency=self.concurrency, seed=self.seed,
+                             system_prompt_tokens=scale_tokens(self.system_prompt_tokens, self.length_scale),
+                             latency_scale=self.latency_scale, max_context_tokens=self.max_context,
+                             duration_seconds=duration_seconds, retries=self.retries)
+
+
+@dataclass(frozen=True)
+class EnergySpec:
+    nvml: bool = True
+    powercap_root: str = "/sys/class/powercap"
+    gpus: tuple[str, ...] = ()       # the server's GPUs (indices or UUIDs); empty: every GPU
+    min_load_seconds: float = 30.0   # J/token needs this much load in the window (energy-measurement rule 9)
+    scope: str = "auto"              # energy used for dE: auto (gpu when measured, else host), gpu, host
+    basis: str = "marginal"          # marginal (idle-subtracted, methods.md s1) or total J/token
+
+
+@dataclass(frozen=True)
+class Condition:
+    name: str
+    baseline: str | None             # the OFF condition this (ON) condition is compared with
+    args: tuple[str, ...]            # appended to server.command
+    env: dict[str, str]
+    vars: dict[str, str]
+    workload: Workload
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    run_id: str
+    condition: str
+    repeat: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    path: str
+    name: str
+    seed: int
+    repeats: int
+    out_dir: str
+    sample_interval_seconds: float
+    kv_pressure_threshold: float
+    vars: dict[str, str]
+    phases: Phases
+    server: ServerSpec
+    energy: EnergySpec
+    conditions: tuple[Condition, ...]
+
+    @property
+    def plan_dir(self) -> str:
+        return str(Path(self.path).parent)
+
+    def condition(self, name: str) -> Condition:
+        return next(c for c in self.conditions if c.name == name)
+
+    def to_json(self) -> dict:
+        """Everything that defines the experiment (not where its results go)."""
+        d = asdict(self)
+        d.pop("out_dir")
+        return d
+
+    def fingerprints(self) -> dict:
+        """Hashes of what makes results comparable: the protocol (order, phases, energy, the list of
+        conditions) and, per condition, what its runs execute (command, arguments, environment, workload).
+        Timeouts and the name are left out: changing them changes no measurement."""
+        d = self.to_json()
+        server = {k: v for k, v in d["server"].items() if not k.endswith("_timeout_seconds")}
+        protocol = {k: d[k] for k in ("seed", "repeats", "sample_interval_seconds", "kv_pressure_threshold",
+                                      "phases", "energy")}
+        protocol["conditions"] = [(c["name"], c["baseline"]) for c in d["conditions"]]
+        return {"protocol": _hash(protocol),
+                "conditions": {c["name"]: _hash({"server": server, "vars": d["vars"], "condition": c})
+                               for c in d["conditions"]}}
+
+
+def _hash(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
+
+
+def run_order(plan: Plan) -> list[RunSpec]:
+    """Blocked randomisation: repeat r holds every condition once, in an order shuffled by the plan's seed,
+    so ON and OFF runs of one repeat sit close in time whatever the drift over the experiment."""
+    rng = random.Random(f"kvwatt-experiment:{plan.seed}")
+    order: list[RunSpec] = []
+    for repeat in range(1, plan.repeats + 1):
+        block = [c.name for c in plan.conditions]
+        rng.shuffle(block)
+        order += [RunSpec(f"{name}-r{repeat}", name, repeat) for name in block]
+    return order
+
+
+def template_values(plan: Plan, condition: Condition, run: RunSpec, port: int, run_dir: str) -> dict[str, str]:
+    return {**plan.vars, **condition.vars, "port": str(port), "condition": condition.name, "run": run.run_id,
+            "repeat": str(run.repeat), "run_dir": run_dir, "plan_dir": plan.plan_dir}
+
+
+# ------------------------------------------------------------------------------------------------------
+# loading
+# ------------------------------------------------------------------------------------------------------
+def load_plan(path: str) -> Plan:
+    data = _read_yaml(path)
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of plan keys at the top level")
+    _known(data, TOP_KEYS, "")
+    plan_dir = Path(path).resolve().parent
+    for required in ("server", "workload", "conditions"):
+        if required not in data:
+            raise ConfigError(f"{required}: missing")
+    plan_vars = _vars(data.get("vars", {}), "vars")
+    server = _server(data["server"])
+    workload = _workload(data["workload"], "workload", plan_dir, None)
+    conditions = _conditions(data["conditions"], workload, plan_dir)
+    plan = Plan(
+        path=str(Path(path).resolve()), name=_str(data.get("name", Path(path).stem), "name"),
+        seed=_int(data.get("seed", 0), "seed", 0), repeats=_int(data.get("repeats", 3), "repeats", 1),
+        out_dir=str(plan_dir / _str(data.get("out", f"{Path(path).stem}-results"), "out")),
+        sample_interval_seconds=_interval(data.get("sample_interval", "1s")),
+        kv_pressure_threshold=_ratio(data.get("kv_pressure_threshold", 0.90), "kv_pressure_threshold"),
+        vars=plan_vars, phases=_phases(data.get("phases", {})), server=server,
+        energy=_energy(data.get("energy", {})), conditions=conditions)
+    _check_templates(plan)
+    _check_traces(plan, workload)
+    return plan
+
+
+def _read_yaml(path: str) -> Any:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return yaml.safe_load(f)
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read ({e.strerror})") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        raise ConfigError(f"{path}:{where} not valid YAML ({getattr(e, 'problem', e)})") from None
+
+
+def _key(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _known(data: dict, allowed: tuple[str, ...], prefix: str) -> None:
+    for k in data:
+        if k not in allowed:
+            raise ConfigError(f"{_key(prefix, str(k))}: unknown key (known: {', '.join(allowed)})")
+
+
+def _mapping(value: Any, key: str) -> dict:
+    if not isinstance(value, dict):
+        raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+    return value
+
+
+def _str(value: Any, key: str) -> str:
+    if isinstance(value, bool):
+        raise ConfigError(f"{key}: expected a string, got {value!r} (YAML reads on/off/yes/no as booleans: "
+                          "quote it)")
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{key}: expected a non-empty string, got {value!r}")
+    return value
+
+
+def _int(value: Any, key: str, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{key}: expected an integer, got {value!r}")
+    if value < minimum:
+        raise ConfigError(f"{key}: must be >= {minimum}, got {value}")
+    return value
+
+
+def _number(value: Any, key: str, minimum: float, open_below: bool) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        raise ConfigError(f"{key}: expected a number, got {value!r}")
+    if value < minimum or (open_below and value == minimum):
+        raise ConfigError(f"{key}: must be {'>' if open_below else '>='} {minimum:g}, got {value!r}")
+    return float(value)
+
+
+def _ratio(value: Any, key: str) -> float:
+    v = _number(value, key, 0.0, True)
+    if v > 1.0:
+        raise ConfigError(f"{key}: must be <= 1, got {value!r}")
+    return v
+
+
+def _duration(value: Any, key: str, zero_ok: bool = False) -> float:
+    if zero_ok and not isinstance(value, bool) and (value == 0 or str(value).strip() in ("0", "0s")):
+        return 0.0
+    return parse_duration(value, key)
+
+
+def _interval(value: Any) -> float:
+    seconds = _duration(value, "sample_interval")
+    if not 0.05 <= seconds <= 60:
+        raise ConfigError(f"sample_interval: must be between 50ms and 60s, got {value!r}")
+    return seconds
+
+
+def _vars(value: Any, key: str) -> dict[str, str]:
+    out = {}
+    for name, v in _mapping(value, key).items():
+        k = f"{key}.{name}"
+        if not isinstance(name, str) or not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", name):
+            raise ConfigError(f"{k}: placeholder names are letters, digits and '_'")
+        if name in BUILTINS:
+            raise ConfigError(f"{k}: reserved placeholder name (built in: {', '.join(BUILTINS)})")
+        if isinstance(v, bool) or not isinstance(v, (str, int, float)):
+            raise ConfigError(f"{k}: expected a string or a number, got {v!r}")
+        out[name] = str(v)
+    return out
+
+
+def _string_map(value: Any, key: str) -> dict[str, str]:
+    out = {}
+    for name, v in _mapping(value, key).items():
+        if isinstance(v, bool) or not isinstance(v, (str, int, float)):
+            raise ConfigError(f"{key}.{name}: expected a string or a number, got {v!r}")
+        out[str(name)] = str(v)
+    return out
+
+
+def _argv(value: Any, key: str, allow_empty: bool) -> tuple[str, ...]:
+    if isinstance(value, str):
+        raise ConfigError(f"{key}: expected a list of argv strings (run without a shell), got a string")
+    if not isinstance(value, list) or (not value and not allow_empty):
+        raise ConfigError(f"{key}: expected a non-empty list of argv strings, got {value!r}")
+    out = []
+    for i, item in enumerate(value):
+        if isinstance(item, bool) or not isinstance(item, (str, int, float)) or item == "":
+            raise ConfigError(f"{key}[{i}]: expected a non-empty string, got {item!r}")
+        out.append(str(item))
+    return tuple(out)
+
+
+def _phases(value: Any) -> Phases:
+    data = _mapping(value, "phases")
+    _known(data, PHASE_KEYS, "phases")
+    kw = {}
+    for name in PHASE_KEYS:
+        if name in data:
+            zero_ok = name in ("settle", "warmup", "cooldown")
+            kw[f"{name}_seconds"] = _duration(data[name], f"phases.{name}", zero_ok)
+    return Phases(**kw)
+
+
+def _server(value: Any) -> ServerSpec:
+    data = _mapping(value, "server")
+    _known(data, SERVER_KEYS, "server")
+    if "command" not in data:
+        raise ConfigError("server.command: missing (the server's argv as a list)")
+    kw: dict[str, Any] = {"command": _argv(data["command"], "server.command", False)}
+    if "url" in data:
+        kw["url"] = _str(data["url"], "server.url")
+    if "port" in data:
+        port = data["port"]
+        if port != "auto" and (isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536):
+            raise ConfigError(f"server.port: expected a port 1-65535 or auto, got {port!r}")
+        kw["port"] = None if port == "auto" else port
+    if "env" in data:
+        kw["env"] = _string_map(data["env"], "server.env")
+    if "model" in data:
+        kw["model"] = _str(data["model"], "server.model")
+    for name in ("startup_timeout", "stop_timeout", "unresponsive_timeout"):
+        if name in data:
+            kw[f"{name}_seconds"] = _duration(data[name], f"server.{name}")
+    return ServerSpec(**kw)
+
+
+_WORKLOAD_PARSERS: dict[str, tuple[str, Callable[[Any, str], Any]]] = {
+    "format": ("format", lambda v, k: _choice(v, k, FORMATS)),
+    "concurrency": ("concurrency", lambda v, k: _int(v, k, 1)),
+    "length_scale": ("length_scale", lambda v, k: _number(v, k, 0.0, True)),
+    "latency_scale": ("latency_scale", lambda v, k: _number(v, k, 0.0, False)),
+    "max_context": ("max_context", lambda v, k: _int(v, k, 1)),
+    "seed": ("seed", lambda v, k: _int(v, k, 0)),
+    "system_prompt_tokens": ("system_prompt_tokens", lambda v, k: _int(v, k, 0)),
+    "retries": ("retries", lambda v, k: _int(v, k, 0)),
+    "request_timeout": ("request_timeout_seconds", _duration),
+}
+
+
+def _choice(value: Any, key: str, allowed: tuple[str, ...]) -> str:
+    if value not in allowed:
+        raise ConfigError(f"{key}: expected one of {', '.join(allowed)}, got {value!r}")
+    return value
+
+
+def _workload(value: Any, key: str, plan_dir: Path, base: Workload | None) -> Workload:
+    data = _mapping(value, key)
+    _known(data, WORKLOAD_KEYS, key)
+    kw: dict[str, Any] = {}
+    if "trace" in data:
+        kw["trace"] = str(plan_dir / _str(data["trace"], f"{key}.trace"))
+    elif base is None:
+        raise ConfigError(f"{key}.trace: missing (an Applied Compute or kvwatt sessions JSONL file)")
+    for name, (attr, parse) in _WORKLOAD_PARSERS.items():
+        if name in data:
+            kw[attr] = parse(data[name], f"{key}.{name}")
+    return replace(base, **kw) if base is not None else Workload(**kw)
+
+
+def _energy(value: Any) -> EnergySpec:
+    data = _mapping(value, "energy")
+    _known(data, ENERGY_KEYS, "energy")
+    kw: dict[str, Any] = {}
+    if "nvml" in data:
+        if not isinstance(data["nvml"], bool):
+            raise ConfigError(f"energy.nvml: expected true or false, got {data['nvml']!r}")
+        kw["nvml"] = data["nvml"]
+    if "powercap_root" in data:
+        kw["powercap_root"] = _str(data["powercap_root"], "energy.powercap_root")
+    if "gpus" in data:
+        gpus = data["gpus"]
+        if not isinstance(gpus, list) or any(isinstance(g, bool) or not isinstance(g, (int, str)) for g in gpus):
+            raise ConfigError(f"energy.gpus: expected a list of GPU indices or UUIDs, got {gpus!r}")
+        kw["gpus"] = tuple(str(g) for g in gpus)
+    if "min_load" in data:
+        kw["min_load_seconds"] = _duration(data["min_load"], "energy.min_load")
+    if "scope" in data:
+        kw["scope"] = _choice(data["scope"], "energy.scope", SCOPES)
+    if "basis" in data:
+        kw["basis"] = _choice(data["basis"], "energy.basis", BASES)
+    return EnergySpec(**kw)
+
+
+def _conditions(value: Any, workload: Workload, plan_dir: Path) -> tuple[Condition, ...]:
+    if not isinstance(value, list) or not value:
+        raise ConfigError("conditions: expected a non-empty list of conditions")
+    out = [_condition(item, f"conditions[{i}]", workload, plan_dir) for i, item in enumerate(value)]
+    names = [c.name for c in out]
+    for i, c in enumerate(out):
+        if names.index(c.name) != i:
+            raise ConfigError(f"conditions[{i}].name: duplicate condition name {c.name!r}")
+        if c.baseline is None:
+            continue
+        if c.baseline not in names or c.baseline == c.name:
+            raise ConfigError(f"conditions[{i}].baseline: no other condition named {c.baseline!r}")
+        if out[names.index(c.baseline)].baseline is not None:
+            raise ConfigError(f"conditions[{i}].baseline: {c.baseline!r} has a baseline itself; "
+                              "a baseline must be an OFF condition")
+    return tuple(out)
+
+
+def _condition(item: Any, key: str, workload: Workload, plan_dir: Path) -> Condition:
+    data = _mapping(item, key)
+    _known(data, CONDITION_KEYS, key)
+    if "name" not in data:
+        raise ConfigError(f"{key}.name: missing")
+    name = _str(data["name"], f"{key}.name")
+    if not _NAME_RE.match(name):
+        raise ConfigError(f"{key}.name: use letters, digits, '_', '-', '.' only (it names files), got {name!r}")
+    baseline = _str(data["baseline"], f"{key}.baseline") if data.get("baseline") is not None else None
+    return Condition(name=name, baseline=baseline, args=_argv(data.get("args", []), f"{key}.args", True),
+                     env=_string_map(data.get("env", {}), f"{key}.env"),
+                     vars=_vars(data.get("vars", {}), f"{key}.vars"),
+                     workload=_workload(data.get("workload", {}), f"{key}.workload", plan_dir, workload))
+
+
+def _check_templates(plan: Plan) -> None:
+    """Every template against the placeholders each condition provides."""
+    for i, c in enumerate(plan.conditions):
+        known = set(plan.vars) | set(c.vars) | set(BUILTINS)
+        where = f" (condition {c.name})"
+        for j, t in enumerate(plan.server.command):
+            template.check(t, known, f"server.command[{j}]{where}")
+        for j, t in enumerate(c.args):
+            template.check(t, known, f"conditions[{i}].args[{j}]")
+        template.check(plan.server.url, known, f"server.url{where}")
+        for name, t in plan.server.env.items():
+            template.check(t, known, f"server.env.{name}{where}")
+        for name, t in c.env.items():
+            template.check(t, known, f"conditions[{i}].env.{name}")
+        sample = template.substitute(plan.server.url, {**{k: "x" for k in known}, "port": "8000"}, "server.url")
+        parse_url(sample, f"server.url{where}")
+
+
+def _check_traces(plan: Plan, base: Workload) -> None:
+    """Load each condition's trace now, so a missing file or a context cap nothing fits fails before any run."""
+    loaded: dict[tuple[str, str], list] = {}
+    for i, c in enumerate(plan.conditions):
+        w = c.workload
+        prefix = "workload" if (w.trace, w.format) == (base.trace, base.format) else f"conditions[{i}].workload"
+        if (w.trace, w.format) not in loaded:
+            try:
+                loaded[w.trace, w.format] = load_sessions(w.trace, w.format)
+            except ConfigError as e:
+                raise ConfigError(f"{prefix}.trace: {e}") from None
+        sessions = [scale_session(s, w.length_scale) for s in loaded[w.trace, w.format]]
+        try:
+            playable_sessions(sessions, w.replay_options(plan.phases.measure_seconds))
+        except ConfigError:
+            raise ConfigError(f"conditions[{i}].workload.max_context: no session's first turn fits in "
+                              f"{w.max_context} tokens (condition {c.name})") from None
