@@ -44,6 +44,7 @@ class WindowStat:
     computed_prompt_tokens: float | None  # local_compute
     loaded_prompt_tokens: float | None    # external_kv_transfer
     loaded: bool                          # covered, and generated tokens in it
+    prompt_tokens: float | None = None    # all three token sources
 
     @property
     def joules_per_token(self) -> float | None:
@@ -97,9 +98,10 @@ def window_stats(intervals: Sequence[Interval], window_seconds: float, scope: st
                 joules = (joules - sum(iv.idle_joules[scope] for iv in ivs)
                           if all(scope in iv.idle_joules for iv in ivs) else None)
         kv = quantile([iv.gauges["kv_usage"] for iv in ivs if "kv_usage" in iv.gauges], 0.95)
-        out.append(WindowStat(t0, t1, covered, gen, joules, kv, _sum(ivs, "prompt_local_compute"),
-                              _sum(ivs, "prompt_external_kv_transfer"),
-                              covered >= MIN_COVERAGE_RATIO * window_seconds and gen > 0))
+        by_source = [_sum(ivs, f"prompt_{s}") for s in ("local_compute", "local_cache_hit", "external_kv_transfer")]
+        prompt = sum(v or 0.0 for v in by_source) if by_source[0] is not None else None
+        out.append(WindowStat(t0, t1, covered, gen, joules, kv, by_source[0], by_source[2],
+                              covered >= MIN_COVERAGE_RATIO * window_seconds and gen > 0, prompt))
     return out
 
 
@@ -269,6 +271,35 @@ def estimated(on: Sequence[WindowStat], price: float | Callable[[WindowStat], fl
     m, se = mean_and_stderr(vals)
     return Estimate(m, se, len(vals), 0, "estimated",
                     "model estimate: reloaded tokens priced as recomputation" if vals else "no comparable windows")
+
+
+def potential(off: Sequence[WindowStat], reference_share: float | None,
+              price: float | Callable[[WindowStat], float | None] | None,
+              load_to_compute_cost_ratio: float) -> Estimate:
+    """ESTIMATE for a server running WITHOUT offloading: what enabling it would save. The prompt tokens it
+    computed above its low-pressure local_compute share (the recomputation tax, methods.md s4) are the ones an
+    offload tier would have reloaded instead (the study saw offloading move exactly that share into
+    external_kv_transfer). Per loaded window: saved = tax tokens x J_c x (1 - load/compute cost ratio) and,
+    since the measured server is the OFF one, dE_w = saved / E_OFF. Needs a reference share (learned from
+    low-pressure windows, or configured) and a J_c price."""
+    if reference_share is None:
+        return Estimate(None, None, 0, 0, "estimated", "no low-pressure reference share yet (learned or configured)")
+    if price is None:
+        return Estimate(None, None, 0, 0, "estimated", "no J per computed prompt token (needs GPU energy and P_idle)")
+    vals = []
+    for w in off:
+        if not w.loaded or w.joules is None or w.joules <= 0 or w.computed_prompt_tokens is None \
+                or not w.prompt_tokens:
+            continue
+        j_c = price(w) if callable(price) else price
+        if j_c is None:
+            continue
+        tax_tokens = max(w.computed_prompt_tokens - reference_share * w.prompt_tokens, 0.0)
+        vals.append(tax_tokens * j_c * (1.0 - load_to_compute_cost_ratio) / w.joules)
+    m, se = mean_and_stderr(vals)
+    return Estimate(m, se, len(vals), 0, "estimated",
+                    "model estimate: the recomputation tax priced as what offloading would reload" if vals
+                    else "no comparable windows")
 
 
 def price_from_roofline(active_parameters: float, flops_per_second: float) -> Callable[[WindowStat], float | None]:

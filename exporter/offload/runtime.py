@@ -117,8 +117,8 @@ class OffloadRuntime:
                 peak_write = max(peak_write or 0.0, rates.write_bytes_per_second)
             if short is None:  # the shortest window decides "undersized" (most responsive)
                 short = (residency, rates.write_bytes_per_second, offload.store_failures(ivs))
-            if enabled:
-                self._economics(w, ivs, state, now, cfg, so, states or {})
+            if enabled is not None:  # ON: measured or estimated saving; OFF: the potential saving
+                self._economics(w, ivs, state, now, cfg, so, states or {}, enabled)
 
         if enabled and short is not None:
             under = offload.undersized(short[0], short[1], short[2], cfg.p99_tool_latency_seconds)
@@ -135,7 +135,7 @@ class OffloadRuntime:
                             f"{offload.gib_ceil(rec) or '?'} (GiB) or more.")
 
     def _economics(self, w: Any, ivs: list, state: Any, now: float, cfg: Config, so: _ServerOffload,
-                   states: Mapping[str, Any]) -> None:
+                   states: Mapping[str, Any], enabled: bool = True) -> None:
         """dE / dTPS per window, for each baseline kind available (s2). Repeats: min_load_seconds windows."""
         repeat = max(cfg.min_load_seconds, 1.0)
         start = now - w.seconds
@@ -146,6 +146,14 @@ class OffloadRuntime:
 
         on = windows(ivs)
         results: list[tuple[economics.Estimate, economics.Estimate | None]] = []
+        if not enabled:
+            reference = getattr(getattr(state, "reference", None), "value", None)
+            price, how = self._price(ivs, cfg, so)
+            est = economics.potential(on, reference, price, cfg.load_to_compute_cost_ratio)
+            results.append((economics.Estimate(est.value, est.stderr, est.windows, 0, "estimated",
+                                               est.note + how if est.value is not None else est.note), None))
+            self._export(w, results)
+            return
         pair = state.cfg.pair_off_server
         if pair and pair in states:
             results.append(economics.paired(on, windows(states[pair].history.window(now, w.seconds))))
@@ -153,6 +161,10 @@ class OffloadRuntime:
             on_p = on if so.profile.energy == "marginal" else windows(ivs, marginal=False)
             results.append(economics.recorded(on_p, so.profile.bands))
         results.append((self._estimated(ivs, on, cfg, so), None))
+        self._export(w, results)
+
+    @staticmethod
+    def _export(w: Any, results: list) -> None:
         wseries = w.extra["series"]
         status = w.extra["status"].setdefault("energy_saving", {})
         for energy, tput in results:
@@ -167,20 +179,20 @@ class OffloadRuntime:
                                    "reference_windows": energy.reference_windows, "note": energy.note,
                                    "dTPS": tput.value if tput else None, "dTPS_stderr": tput.stderr if tput else None}
 
-    def _estimated(self, ivs: list, on: list, cfg: Config, so: _ServerOffload) -> economics.Estimate:
-        """Price recomputation by the roofline (2 N_act / F at the window's marginal power) when the model
-        and hardware are known, else by the attribution model's local_compute price (leans high)."""
+    def _price(self, ivs: list, cfg: Config, so: _ServerOffload):
+        """J per computed prompt token: the roofline (2 N_act / F at the window's marginal power) when the
+        model and hardware are known, else the attribution model's local_compute price (leans high)."""
         if so.model and so.model.active_parameters and so.hardware:
-            price = economics.price_from_roofline(so.model.active_parameters, so.hardware.flops_per_second)
-            est = economics.estimated(on, price, cfg.load_to_compute_cost_ratio)
-            return economics.Estimate(est.value, est.stderr, est.windows, 0, "estimated",
-                                      est.note + " (roofline price)" if est.value is not None else est.note)
+            return economics.price_from_roofline(so.model.active_parameters, so.hardware.flops_per_second), \
+                " (roofline price)"
         attr = prompt_attribution(ivs, cfg.min_load_seconds, cfg.load_to_compute_cost_ratio)
-        price = attr["local_compute"] if attr else None
+        return (attr["local_compute"] if attr else None), " (attribution price: an upper bound)"
+
+    def _estimated(self, ivs: list, on: list, cfg: Config, so: _ServerOffload) -> economics.Estimate:
+        price, how = self._price(ivs, cfg, so)
         est = economics.estimated(on, price, cfg.load_to_compute_cost_ratio)
         return economics.Estimate(est.value, est.stderr, est.windows, 0, "estimated",
-                                  est.note + " (attribution price: an upper bound)" if est.value is not None
-                                  else est.note)
+                                  est.note + how if est.value is not None else est.note)
 
 
 def _b(v: bool | None) -> float | None:
