@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import tempfile
 import sys
 import time
 from pathlib import Path
@@ -63,8 +64,9 @@ class FakeGpus:
         self.write()
 
     def write(self) -> None:
-        tmp = f"{self.path}.tmp"
-        with open(tmp, "w") as f:
+        # a unique temporary name per write: two writers (e.g. two FakeVllm driving GPUs) never share one
+        fd, tmp = tempfile.mkstemp(prefix=".gpus-", dir=os.path.dirname(os.path.abspath(self.path)))
+        with os.fdopen(fd, "w") as f:
             json.dump(self.state, f)
         os.replace(tmp, self.path)
 
