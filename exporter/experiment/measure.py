@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -71,6 +72,10 @@ class IdleMeter:
 
 
 class RunSampler(Daemon):
+    """The daemon over one server, ticking in its own thread and event loop (``start``/``close``), so the
+    replay's work in the main loop (thousands of streamed events per second) never delays a sample. The
+    main thread only calls the methods below; the lock guards the idle meter."""
+
     def __init__(self, plan: Plan, url: str, state_dir: str):
         cfg = Config(servers=(ServerConfig(SERVER_NAME, url, gpus=plan.energy.gpus),),
                      interval_seconds=plan.sample_interval_seconds, windows_seconds=(plan.phases.measure_seconds,),
@@ -80,22 +85,52 @@ class RunSampler(Daemon):
         super().__init__(cfg)
         self.server = self.servers[0]
         self.server.history.max_age_seconds = math.inf  # keep the whole run
+        self.lock = threading.Lock()
         self.idle_meter: IdleMeter | None = None
+        self.idle_started_t = 0.0
         self.last_ok_t: float | None = None
-        self.ticked = asyncio.Event()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._running = threading.Event()
+        self.error: BaseException | None = None
+
+    # --- the sampling thread ----------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._thread_main, name="kvwatt-sampler", daemon=True)
+        self._thread.start()
+        self._running.wait(10)
+
+    def _thread_main(self) -> None:
+        async def main() -> None:
+            self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
+            self._running.set()
+            await self.run_loop()
+        try:
+            asyncio.run(main())
+        except BaseException as e:  # noqa: BLE001 - surfaced by close()
+            self.error = e
+        finally:
+            self._running.set()
+
+    def close(self) -> None:
+        """Stop ticking, wait for the thread, release the energy sources."""
+        if self._loop is not None and self._thread is not None and self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self.stop)
+            self._thread.join(30)
+        self.energy.close()
 
     async def tick(self, session, t: float) -> None:
         await super().tick(session, t)
-        if self.server.status.up:
-            self.last_ok_t = t
-        if self.idle_meter is not None:
-            self._meter_idle(t)
-        self.ticked.set()
+        with self.lock:
+            if self.server.status.up:
+                self.last_ok_t = t
+            if self.idle_meter is not None:
+                self._meter_idle(t)
 
     def _meter_idle(self, t: float) -> None:
         tick = self.energy.last_tick
-        if tick is None or tick.t != t or not tick.seconds:
-            return
+        if tick is None or tick.t != t or not tick.seconds or t - tick.seconds < self.idle_started_t:
+            return  # only intervals wholly inside the idle phase
         history = self.server.history
         interval = history.intervals[-1] if history.intervals else None
         devices = [d for d, r in self.energy.readings.items() if r.kind == "host"]
@@ -104,36 +139,39 @@ class RunSampler(Daemon):
         self.idle_meter.add(tick.seconds, is_idle(self.server.status, interval, t),
                             {d: tick.deltas.get(d) for d in devices}, temps)
 
-    # --- phases -----------------------------------------------------------------------------------------
+    # --- called from the main thread --------------------------------------------------------------------
     def begin_idle(self) -> None:
-        self.idle_meter = IdleMeter()
+        with self.lock:
+            self.idle_meter, self.idle_started_t = IdleMeter(), time.monotonic()
 
     def end_idle(self) -> dict:
         """Commit the idle baseline; what was measured, for the run's record."""
-        meter, self.idle_meter = self.idle_meter or IdleMeter(), None
-        estimates = meter.estimates()
-        self.energy.book.record(estimates, "measured")
+        with self.lock:
+            meter, self.idle_meter = self.idle_meter or IdleMeter(), None
+            estimates = meter.estimates()
+            self.energy.book.record(estimates, "measured")
+            statuses = list(self.energy.statuses)
         return {"seconds": round(meter.total_seconds, 3), "busy_seconds": round(meter.busy_seconds, 3),
                 "watts": {e.device: e.watts for e in estimates},
                 "unmeasured": sorted((set(meter.joules) | meter.missing) - {e.device for e in estimates}),
-                "sources": {s.source: (s.reason or "ok") for s in self.energy.statuses}}
+                "sources": {s.source: (s.reason or "ok") for s in statuses}}
 
     async def wait_tick_after(self, t: float, timeout_seconds: float) -> None:
-        """Return once a tick at or after monotonic time ``t`` has been recorded."""
+        """Return once a tick at or after monotonic time ``t`` has been recorded (or the timeout passed)."""
         deadline = time.monotonic() + timeout_seconds
         while (self.last_tick_t is None or self.last_tick_t < t) and time.monotonic() < deadline:
-            self.ticked.clear()
-            try:
-                await asyncio.wait_for(self.ticked.wait(), timeout=max(deadline - time.monotonic(), 0.01))
-            except asyncio.TimeoutError:
-                break
+            await asyncio.sleep(0.05)
 
     def seconds_without_reading(self, now: float) -> float:
         since = self.last_ok_t
         return 0.0 if since is None else now - since
 
+    def intervals(self) -> list[Interval]:
+        with self.lock:
+            return list(self.server.history.intervals)
+
     def intervals_between(self, t0: float, t1: float) -> list[Interval]:
-        return [iv for iv in self.server.history.intervals if iv.t0 >= t0 and iv.t1 <= t1]
+        return [iv for iv in self.intervals() if iv.t0 >= t0 and iv.t1 <= t1]
 
     def server_facts(self) -> dict:
         info = self.server.info

@@ -15,10 +15,10 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
-import yaml
 
-from exporter.config import ConfigError, parse_duration, parse_url
-from exporter.experiment import template
+from exporter.config import ConfigError, parse_url, read_yaml
+from exporter.experiment import template, values
+from exporter.experiment.values import BUILTINS
 from exporter.replay.runner import ReplayOptions, playable_sessions
 from exporter.replay.traces import FORMATS, load_sessions, scale_session, scale_tokens
 
@@ -30,7 +30,6 @@ WORKLOAD_KEYS = ("trace", "format", "concurrency", "length_scale", "latency_scal
                  "system_prompt_tokens", "retries", "request_timeout")
 ENERGY_KEYS = ("nvml", "powercap_root", "gpus", "min_load", "scope", "basis")
 CONDITION_KEYS = ("name", "baseline", "args", "env", "vars", "workload")
-BUILTINS = ("port", "condition", "run", "repeat", "run_dir", "plan_dir")
 SCOPES = ("auto", "gpu", "host")
 BASES = ("marginal", "total")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
@@ -171,24 +170,24 @@ def template_values(plan: Plan, condition: Condition, run: RunSpec, port: int, r
 # loading
 # ------------------------------------------------------------------------------------------------------
 def load_plan(path: str) -> Plan:
-    data = _read_yaml(path)
+    data = read_yaml(path)
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping of plan keys at the top level")
-    _known(data, TOP_KEYS, "")
+    values.known_keys(data, TOP_KEYS, "")
     plan_dir = Path(path).resolve().parent
     for required in ("server", "workload", "conditions"):
         if required not in data:
             raise ConfigError(f"{required}: missing")
-    plan_vars = _vars(data.get("vars", {}), "vars")
+    plan_vars = values.placeholder_vars(data.get("vars", {}), "vars")
     server = _server(data["server"])
     workload = _workload(data["workload"], "workload", plan_dir, None)
     conditions = _conditions(data["conditions"], workload, plan_dir)
     plan = Plan(
-        path=str(Path(path).resolve()), name=_str(data.get("name", Path(path).stem), "name"),
-        seed=_int(data.get("seed", 0), "seed", 0), repeats=_int(data.get("repeats", 3), "repeats", 1),
-        out_dir=str(plan_dir / _str(data.get("out", f"{Path(path).stem}-results"), "out")),
+        path=str(Path(path).resolve()), name=values.string(data.get("name", Path(path).stem), "name"),
+        seed=values.integer(data.get("seed", 0), "seed", 0), repeats=values.integer(data.get("repeats", 3), "repeats", 1),
+        out_dir=str(plan_dir / values.string(data.get("out", f"{Path(path).stem}-results"), "out")),
         sample_interval_seconds=_interval(data.get("sample_interval", "1s")),
-        kv_pressure_threshold=_ratio(data.get("kv_pressure_threshold", 0.90), "kv_pressure_threshold"),
+        kv_pressure_threshold=values.ratio(data.get("kv_pressure_threshold", 0.90), "kv_pressure_threshold"),
         vars=plan_vars, phases=_phases(data.get("phases", {})), server=server,
         energy=_energy(data.get("energy", {})), conditions=conditions)
     _check_templates(plan)
@@ -196,174 +195,66 @@ def load_plan(path: str) -> Plan:
     return plan
 
 
-def _read_yaml(path: str) -> Any:
-    try:
-        with open(path, encoding="utf-8") as f:
-            return yaml.safe_load(f)
-    except OSError as e:
-        raise ConfigError(f"{path}: cannot read ({e.strerror})") from None
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" line {mark.line + 1}" if mark else ""
-        raise ConfigError(f"{path}:{where} not valid YAML ({getattr(e, 'problem', e)})") from None
-
-
-def _key(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
-
-
-def _known(data: dict, allowed: tuple[str, ...], prefix: str) -> None:
-    for k in data:
-        if k not in allowed:
-            raise ConfigError(f"{_key(prefix, str(k))}: unknown key (known: {', '.join(allowed)})")
-
-
-def _mapping(value: Any, key: str) -> dict:
-    if not isinstance(value, dict):
-        raise ConfigError(f"{key}: expected a mapping, got {value!r}")
-    return value
-
-
-def _str(value: Any, key: str) -> str:
-    if isinstance(value, bool):
-        raise ConfigError(f"{key}: expected a string, got {value!r} (YAML reads on/off/yes/no as booleans: "
-                          "quote it)")
-    if not isinstance(value, str) or not value:
-        raise ConfigError(f"{key}: expected a non-empty string, got {value!r}")
-    return value
-
-
-def _int(value: Any, key: str, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{key}: expected an integer, got {value!r}")
-    if value < minimum:
-        raise ConfigError(f"{key}: must be >= {minimum}, got {value}")
-    return value
-
-
-def _number(value: Any, key: str, minimum: float, open_below: bool) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
-        raise ConfigError(f"{key}: expected a number, got {value!r}")
-    if value < minimum or (open_below and value == minimum):
-        raise ConfigError(f"{key}: must be {'>' if open_below else '>='} {minimum:g}, got {value!r}")
-    return float(value)
-
-
-def _ratio(value: Any, key: str) -> float:
-    v = _number(value, key, 0.0, True)
-    if v > 1.0:
-        raise ConfigError(f"{key}: must be <= 1, got {value!r}")
-    return v
-
-
-def _duration(value: Any, key: str, zero_ok: bool = False) -> float:
-    if zero_ok and not isinstance(value, bool) and (value == 0 or str(value).strip() in ("0", "0s")):
-        return 0.0
-    return parse_duration(value, key)
-
-
 def _interval(value: Any) -> float:
-    seconds = _duration(value, "sample_interval")
+    seconds = values.duration(value, "sample_interval")
     if not 0.05 <= seconds <= 60:
         raise ConfigError(f"sample_interval: must be between 50ms and 60s, got {value!r}")
     return seconds
 
 
-def _vars(value: Any, key: str) -> dict[str, str]:
-    out = {}
-    for name, v in _mapping(value, key).items():
-        k = f"{key}.{name}"
-        if not isinstance(name, str) or not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", name):
-            raise ConfigError(f"{k}: placeholder names are letters, digits and '_'")
-        if name in BUILTINS:
-            raise ConfigError(f"{k}: reserved placeholder name (built in: {', '.join(BUILTINS)})")
-        if isinstance(v, bool) or not isinstance(v, (str, int, float)):
-            raise ConfigError(f"{k}: expected a string or a number, got {v!r}")
-        out[name] = str(v)
-    return out
-
-
-def _string_map(value: Any, key: str) -> dict[str, str]:
-    out = {}
-    for name, v in _mapping(value, key).items():
-        if isinstance(v, bool) or not isinstance(v, (str, int, float)):
-            raise ConfigError(f"{key}.{name}: expected a string or a number, got {v!r}")
-        out[str(name)] = str(v)
-    return out
-
-
-def _argv(value: Any, key: str, allow_empty: bool) -> tuple[str, ...]:
-    if isinstance(value, str):
-        raise ConfigError(f"{key}: expected a list of argv strings (run without a shell), got a string")
-    if not isinstance(value, list) or (not value and not allow_empty):
-        raise ConfigError(f"{key}: expected a non-empty list of argv strings, got {value!r}")
-    out = []
-    for i, item in enumerate(value):
-        if isinstance(item, bool) or not isinstance(item, (str, int, float)) or item == "":
-            raise ConfigError(f"{key}[{i}]: expected a non-empty string, got {item!r}")
-        out.append(str(item))
-    return tuple(out)
-
-
 def _phases(value: Any) -> Phases:
-    data = _mapping(value, "phases")
-    _known(data, PHASE_KEYS, "phases")
+    data = values.mapping(value, "phases")
+    values.known_keys(data, PHASE_KEYS, "phases")
     kw = {}
     for name in PHASE_KEYS:
         if name in data:
             zero_ok = name in ("settle", "warmup", "cooldown")
-            kw[f"{name}_seconds"] = _duration(data[name], f"phases.{name}", zero_ok)
+            kw[f"{name}_seconds"] = values.duration(data[name], f"phases.{name}", zero_ok)
     return Phases(**kw)
 
 
 def _server(value: Any) -> ServerSpec:
-    data = _mapping(value, "server")
-    _known(data, SERVER_KEYS, "server")
+    data = values.mapping(value, "server")
+    values.known_keys(data, SERVER_KEYS, "server")
     if "command" not in data:
         raise ConfigError("server.command: missing (the server's argv as a list)")
-    kw: dict[str, Any] = {"command": _argv(data["command"], "server.command", False)}
+    kw: dict[str, Any] = {"command": values.argv(data["command"], "server.command", False)}
     if "url" in data:
-        kw["url"] = _str(data["url"], "server.url")
+        kw["url"] = values.string(data["url"], "server.url")
     if "port" in data:
         port = data["port"]
         if port != "auto" and (isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536):
             raise ConfigError(f"server.port: expected a port 1-65535 or auto, got {port!r}")
         kw["port"] = None if port == "auto" else port
     if "env" in data:
-        kw["env"] = _string_map(data["env"], "server.env")
+        kw["env"] = values.string_map(data["env"], "server.env")
     if "model" in data:
-        kw["model"] = _str(data["model"], "server.model")
+        kw["model"] = values.string(data["model"], "server.model")
     for name in ("startup_timeout", "stop_timeout", "unresponsive_timeout"):
         if name in data:
-            kw[f"{name}_seconds"] = _duration(data[name], f"server.{name}")
+            kw[f"{name}_seconds"] = values.duration(data[name], f"server.{name}")
     return ServerSpec(**kw)
 
 
 _WORKLOAD_PARSERS: dict[str, tuple[str, Callable[[Any, str], Any]]] = {
-    "format": ("format", lambda v, k: _choice(v, k, FORMATS)),
-    "concurrency": ("concurrency", lambda v, k: _int(v, k, 1)),
-    "length_scale": ("length_scale", lambda v, k: _number(v, k, 0.0, True)),
-    "latency_scale": ("latency_scale", lambda v, k: _number(v, k, 0.0, False)),
-    "max_context": ("max_context", lambda v, k: _int(v, k, 1)),
-    "seed": ("seed", lambda v, k: _int(v, k, 0)),
-    "system_prompt_tokens": ("system_prompt_tokens", lambda v, k: _int(v, k, 0)),
-    "retries": ("retries", lambda v, k: _int(v, k, 0)),
-    "request_timeout": ("request_timeout_seconds", _duration),
+    "format": ("format", lambda v, k: values.choice(v, k, FORMATS)),
+    "concurrency": ("concurrency", lambda v, k: values.integer(v, k, 1)),
+    "length_scale": ("length_scale", lambda v, k: values.number(v, k, 0.0, True)),
+    "latency_scale": ("latency_scale", lambda v, k: values.number(v, k, 0.0, False)),
+    "max_context": ("max_context", lambda v, k: values.integer(v, k, 1)),
+    "seed": ("seed", lambda v, k: values.integer(v, k, 0)),
+    "system_prompt_tokens": ("system_prompt_tokens", lambda v, k: values.integer(v, k, 0)),
+    "retries": ("retries", lambda v, k: values.integer(v, k, 0)),
+    "request_timeout": ("request_timeout_seconds", values.duration),
 }
 
 
-def _choice(value: Any, key: str, allowed: tuple[str, ...]) -> str:
-    if value not in allowed:
-        raise ConfigError(f"{key}: expected one of {', '.join(allowed)}, got {value!r}")
-    return value
-
-
 def _workload(value: Any, key: str, plan_dir: Path, base: Workload | None) -> Workload:
-    data = _mapping(value, key)
-    _known(data, WORKLOAD_KEYS, key)
+    data = values.mapping(value, key)
+    values.known_keys(data, WORKLOAD_KEYS, key)
     kw: dict[str, Any] = {}
     if "trace" in data:
-        kw["trace"] = str(plan_dir / _str(data["trace"], f"{key}.trace"))
+        kw["trace"] = str(plan_dir / values.string(data["trace"], f"{key}.trace"))
     elif base is None:
         raise ConfigError(f"{key}.trace: missing (an Applied Compute or kvwatt sessions JSONL file)")
     for name, (attr, parse) in _WORKLOAD_PARSERS.items():
@@ -373,26 +264,26 @@ def _workload(value: Any, key: str, plan_dir: Path, base: Workload | None) -> Wo
 
 
 def _energy(value: Any) -> EnergySpec:
-    data = _mapping(value, "energy")
-    _known(data, ENERGY_KEYS, "energy")
+    data = values.mapping(value, "energy")
+    values.known_keys(data, ENERGY_KEYS, "energy")
     kw: dict[str, Any] = {}
     if "nvml" in data:
         if not isinstance(data["nvml"], bool):
             raise ConfigError(f"energy.nvml: expected true or false, got {data['nvml']!r}")
         kw["nvml"] = data["nvml"]
     if "powercap_root" in data:
-        kw["powercap_root"] = _str(data["powercap_root"], "energy.powercap_root")
+        kw["powercap_root"] = values.string(data["powercap_root"], "energy.powercap_root")
     if "gpus" in data:
         gpus = data["gpus"]
         if not isinstance(gpus, list) or any(isinstance(g, bool) or not isinstance(g, (int, str)) for g in gpus):
             raise ConfigError(f"energy.gpus: expected a list of GPU indices or UUIDs, got {gpus!r}")
         kw["gpus"] = tuple(str(g) for g in gpus)
     if "min_load" in data:
-        kw["min_load_seconds"] = _duration(data["min_load"], "energy.min_load")
+        kw["min_load_seconds"] = values.duration(data["min_load"], "energy.min_load")
     if "scope" in data:
-        kw["scope"] = _choice(data["scope"], "energy.scope", SCOPES)
+        kw["scope"] = values.choice(data["scope"], "energy.scope", SCOPES)
     if "basis" in data:
-        kw["basis"] = _choice(data["basis"], "energy.basis", BASES)
+        kw["basis"] = values.choice(data["basis"], "energy.basis", BASES)
     return EnergySpec(**kw)
 
 
@@ -415,17 +306,17 @@ def _conditions(value: Any, workload: Workload, plan_dir: Path) -> tuple[Conditi
 
 
 def _condition(item: Any, key: str, workload: Workload, plan_dir: Path) -> Condition:
-    data = _mapping(item, key)
-    _known(data, CONDITION_KEYS, key)
+    data = values.mapping(item, key)
+    values.known_keys(data, CONDITION_KEYS, key)
     if "name" not in data:
         raise ConfigError(f"{key}.name: missing")
-    name = _str(data["name"], f"{key}.name")
+    name = values.string(data["name"], f"{key}.name")
     if not _NAME_RE.match(name):
         raise ConfigError(f"{key}.name: use letters, digits, '_', '-', '.' only (it names files), got {name!r}")
-    baseline = _str(data["baseline"], f"{key}.baseline") if data.get("baseline") is not None else None
-    return Condition(name=name, baseline=baseline, args=_argv(data.get("args", []), f"{key}.args", True),
-                     env=_string_map(data.get("env", {}), f"{key}.env"),
-                     vars=_vars(data.get("vars", {}), f"{key}.vars"),
+    baseline = values.string(data["baseline"], f"{key}.baseline") if data.get("baseline") is not None else None
+    return Condition(name=name, baseline=baseline, args=values.argv(data.get("args", []), f"{key}.args", True),
+                     env=values.string_map(data.get("env", {}), f"{key}.env"),
+                     vars=values.placeholder_vars(data.get("vars", {}), f"{key}.vars"),
                      workload=_workload(data.get("workload", {}), f"{key}.workload", plan_dir, workload))
 
 

@@ -9,7 +9,10 @@
 
 from __future__ import annotations
 
+import io
 import os
+
+from exporter import atomic
 
 
 def _pyplot():
@@ -27,7 +30,6 @@ def write_plots(plot_dir: str, summaries: list[dict], threshold: float) -> dict[
         plt = _pyplot()
     except ImportError:
         return {}
-    os.makedirs(plot_dir, exist_ok=True)
     figures = {
         "savings_vs_kv_p95.png": ("Energy saving of offloading (dE %) against the OFF condition's KV p95",
                                   _savings),
@@ -39,11 +41,11 @@ def write_plots(plot_dir: str, summaries: list[dict], threshold: float) -> dict[
         fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
         draw(ax, summaries, threshold)
         fig.tight_layout()
-        path = os.path.join(plot_dir, name)
-        tmp = os.path.join(plot_dir, f".{name}.tmp.png")
-        fig.savefig(tmp, format="png")
+        png = io.BytesIO()
+        fig.savefig(png, format="png")
         plt.close(fig)
-        os.replace(tmp, path)
+        path = os.path.join(plot_dir, name)
+        atomic.write_bytes(path, png.getvalue())
         out[path] = caption
     return out
 
@@ -72,6 +74,7 @@ def _savings(ax, summaries: list[dict], threshold: float) -> None:
             if kv is not None:
                 ax.plot(kv * 100, 0, "s", color="tab:blue")
                 ax.annotate(s["condition"], (kv * 100, 0), textcoords="offset points", xytext=(5, 8), rotation=30)
+        ax.set_ylim(-10, 10)
         ax.text(0.02, 0.95, "no ON/OFF pair: dE % needs a condition with a baseline;\n"
                 "squares: each condition's KV p95", transform=ax.transAxes, va="top", fontsize=8)
     ax.set_xlim(0, 105)

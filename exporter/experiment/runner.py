@@ -88,17 +88,15 @@ async def execute_run(plan: Plan, run: RunSpec, run_dir: str, say: Say,
 async def _measure(plan: Plan, condition: Condition, run: RunSpec, run_dir: str, url: str,
                    server: ServerProcess, say: Say) -> dict:
     sampler = RunSampler(plan, url, os.path.join(run_dir, "state"))
-    loop = asyncio.create_task(sampler.run_loop())
+    sampler.start()
     phase = Phase("settle")
     try:
         measured = await _guarded(_phases(plan, condition, run, run_dir, url, sampler, phase, say),
                                   _watch(server, sampler, phase, plan.server.unresponsive_timeout_seconds))
     finally:
-        sampler.stop()
-        await asyncio.gather(loop, return_exceptions=True)
-        sampler.energy.close()
+        sampler.close()
         atomic.write_text(os.path.join(run_dir, "intervals.jsonl"),
-                          "".join(json.dumps(r) + "\n" for r in interval_rows(sampler.server.history.intervals)))
+                          "".join(json.dumps(r) + "\n" for r in interval_rows(sampler.intervals())))
     measured["server"] = sampler.server_facts()
     return measured
 

@@ -1,0 +1,219 @@
+"""`kvwatt experiment` end to end with a stand-in server (tests/support/fake_openai_server.py: starts in
+~0.5 s, serves completions and vLLM-style /metrics) and the RAPL test double driven by a power model from
+the server's own counters. The same protocol as the real-engine test, in seconds: full runs, a server that
+fails to start, one killed mid-measurement, kvwatt itself killed or terminated, and --resume after each."""
+
+from __future__ import annotations
+
+import math
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from exporter.experiment.plan import load_plan, run_order
+from tests.support.experiment import (FAKE_SERVER, SAMPLE_TRACES, is_png, kill_server_group, load_state,
+                                      pids_serving, report_json, run_experiment, write_plan)
+from tests.support.engine import free_port
+from tests.support.power_driver import PowerDriver
+from tests.support.powercap import PowercapTree
+
+IDLE_WATTS, JOULES_PER_TOKEN, JOULES_PER_PREFILL_TOKEN = 30.0, 0.2, 0.002
+# The RAPL double is written by a Python thread every 50 ms; on a loaded machine it can lag a few hundred ms,
+# which over windows of seconds shifts energy between neighbouring intervals: hence loose tolerances here
+# (tests/test_experiment_engine.py measures over longer windows).
+ENERGY_TOLERANCE = 0.15
+PHASES = {"settle": "0.5s", "idle": "3s", "warmup": "1s", "measure": "4s", "cooldown": "0.5s"}
+SHORT = {"settle": "0s", "idle": "0.5s", "warmup": "0.5s", "measure": "2s", "cooldown": "0s"}
+OFF = {"kv": 0.5, "hit": 0.8, "external": 0.0, "preempt": 0, "extra": "--seconds-per-token=0.002"}
+ON = {"kv": 0.95, "hit": 0.3, "external": 0.6, "preempt": 5, "extra": "--seconds-per-token=0.002"}
+
+
+def plan_for(tmp_path, port, conditions, repeats=1, seed=0, phases=SHORT, powercap_root=None):
+    command = [sys.executable, str(FAKE_SERVER), "--port", "{port}", "--kv-usage", "{kv}",
+               "--cache-hit-ratio", "{hit}", "--external-ratio", "{external}", "--preempt-every", "{preempt}",
+               "{extra}"]
+    return write_plan(
+        tmp_path / "plan.yaml", name="fake", seed=seed, repeats=repeats, sample_interval="250ms", phases=phases,
+        server={"command": command, "port": port, "startup_timeout": "20s", "stop_timeout": "5s",
+                "unresponsive_timeout": "10s"},
+        workload={"trace": str(SAMPLE_TRACES), "concurrency": 3, "length_scale": 0.05, "latency_scale": 0.05,
+                  "max_context": 2000},
+        energy={"nvml": False, "powercap_root": powercap_root or str(tmp_path / "no-rapl"), "min_load": "1s"},
+        conditions=conditions)
+
+
+@pytest.fixture
+def rapl(tmp_path):
+    tree = PowercapTree(tmp_path / "host")
+    return tree, tree.add_zone("package-0")
+
+
+def test_paired_experiment_measures_energy_pressure_and_token_sources(tmp_path, rapl):
+    tree, zone = rapl
+    port = free_port()
+    plan = plan_for(tmp_path, port, [{"name": "off", "vars": OFF}, {"name": "on", "baseline": "off", "vars": ON}],
+                    repeats=2, seed=4, phases=PHASES, powercap_root=tree.root)
+    out = tmp_path / "out"
+    driver = PowerDriver(tree, zone, f"http://127.0.0.1:{port}", IDLE_WATTS, JOULES_PER_TOKEN,
+                         JOULES_PER_PREFILL_TOKEN)
+    driver.start()
+    try:
+        done = run_experiment(plan, "--out", str(out), timeout=180)
+    finally:
+        driver.stop()
+    assert done.returncode == 0, done.stderr
+    state = load_state(out)
+    runs = [state["finished"][r.run_id] for r in run_order(load_plan(str(plan)))]
+    assert [r["run"] for r in runs] == [r["run_id"] for r in state["order"]]
+    for r in runs:
+        w = r["window"]
+        # P_idle measured in the idle phase: the power model's idle watts
+        assert r["idle"]["watts"]["rapl:package-0:package"] == pytest.approx(IDLE_WATTS, rel=ENERGY_TOLERANCE)
+        # marginal J/token from the RAPL double vs the power model over the run's own counters
+        counts = w["prompt_tokens_by_source"]
+        expected = JOULES_PER_TOKEN + JOULES_PER_PREFILL_TOKEN * counts["local_compute"] / w["generation_tokens"]
+        assert w["energy"]["host"]["marginal_joules_per_token"] == pytest.approx(expected, rel=ENERGY_TOLERANCE), r["run"]
+        assert w["covered_seconds"] == pytest.approx(4.0, abs=0.6)
+    by = {c["condition"]: c for c in report_json(out)["conditions"]}
+    assert by["on"]["kv_usage_p95_ratio"]["mean"] == pytest.approx(0.95)
+    assert by["off"]["kv_usage_p95_ratio"]["mean"] == pytest.approx(0.5)
+    assert by["on"]["preemptions"]["mean"] > 0 and by["off"]["preemptions"]["mean"] == 0
+    assert by["on"]["share_external_kv_transfer"]["mean"] == pytest.approx(0.6, abs=0.01)
+    assert by["off"]["share_local_cache_hit"]["mean"] == pytest.approx(0.8, abs=0.01)
+    # dE% from the runs' J/token by methods.md s2, independently of the report code
+    x = {c: [r["window"]["energy"]["host"]["marginal_joules_per_token"] for r in runs if r["condition"] == c]
+         for c in ("on", "off")}
+    mean = {c: sum(v) / len(v) for c, v in x.items()}
+    se = {c: math.sqrt(sum((a - mean[c]) ** 2 for a in v) / (len(v) - 1) / len(v)) for c, v in x.items()}
+    cmp = by["on"]["comparison"]
+    assert cmp["energy_scope"] == "host"
+    assert cmp["dE_percent"] == pytest.approx((mean["off"] - mean["on"]) / mean["off"] * 100)
+    assert cmp["dE_se_percent"] == pytest.approx(100 * mean["on"] / mean["off"] * math.sqrt(
+        (se["on"] / mean["on"]) ** 2 + (se["off"] / mean["off"]) ** 2))
+    assert cmp["dE_percent"] > 0  # the ON stand-in computes far fewer prompt tokens per generated token
+    md = (out / "report.md").read_text()
+    assert "| on | off | 95.0 % | high |" in md and "| on vs off | 20.0 % | 80.0 % |" in md
+    for name in ("savings_vs_kv_p95.png", "energy_per_token.png", "throughput.png"):
+        assert is_png(out / "plots" / name)
+        assert f'src="plots/{name}"' in (out / "report.html").read_text()
+    assert len((out / "runs.csv").read_text().splitlines()) == 5
+    assert not pids_serving(port), "a server was left running"
+
+
+def _seed_with_first(conditions, tmp_path, port, first: str) -> int:
+    """A plan seed whose shuffled order starts with condition ``first``."""
+    for seed in range(50):
+        plan = plan_for(tmp_path, port, conditions, seed=seed)
+        if run_order(load_plan(str(plan)))[0].condition == first:
+            return seed
+    raise AssertionError("no seed puts it first")
+
+
+def test_server_that_fails_to_start_stops_the_experiment_and_resume_runs_the_rest(tmp_path):
+    port = free_port()
+    good, bad = {"name": "good", "vars": OFF}, {"name": "bad", "vars": {**OFF, "extra": "--fail-start"}}
+    seed = _seed_with_first([good, bad], tmp_path, port, "good")
+    plan = plan_for(tmp_path, port, [good, bad], seed=seed)
+    out = tmp_path / "out"
+    failed = run_experiment(plan, "--out", str(out), timeout=120)
+    assert failed.returncode == 1, failed.stderr
+    assert "run bad-r1 failed: server exited with status 2 before" in failed.stderr
+    assert "unrecognized arguments: --fail-start" in failed.stderr  # the server log's tail
+    state = load_state(out)
+    assert list(state["finished"]) == ["good-r1"] and state["failed"]["run"] == "bad-r1"
+    report = (out / "report.md").read_text()
+    assert "INCOMPLETE: run bad-r1 failed: server exited with status 2" in report and "| good |" in report
+    good_result = (out / "runs" / "good-r1" / "result.json").read_text()
+
+    # a finished run's condition is untouched; fixing the failed one is allowed on resume
+    plan = plan_for(tmp_path, port, [good, {"name": "bad", "vars": OFF}], seed=seed)
+    resumed = run_experiment(plan, "--out", str(out), "--resume", timeout=120)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "[1/2] good-r1" not in resumed.stderr and "[2/2] bad-r1" in resumed.stderr
+    assert (out / "runs" / "good-r1" / "result.json").read_text() == good_result
+    assert (out / "runs" / "bad-r1.aborted-1" / "server.log").is_file()
+    assert sorted(load_state(out)["finished"]) == ["bad-r1", "good-r1"]
+
+
+def test_changing_a_finished_condition_refuses_to_resume(tmp_path):
+    port = free_port()
+    out = tmp_path / "out"
+    plan = plan_for(tmp_path, port, [{"name": "a", "vars": OFF}])
+    assert run_experiment(plan, "--out", str(out), timeout=60).returncode == 0
+    again = run_experiment(plan, "--out", str(out), timeout=60)
+    assert again.returncode == 2 and "already holds an experiment" in again.stderr
+    plan = plan_for(tmp_path, port, [{"name": "a", "vars": {**OFF, "kv": 0.7}}])
+    changed = run_experiment(plan, "--out", str(out), "--resume", timeout=60)
+    assert changed.returncode == 2
+    assert changed.stderr.strip().splitlines() == [
+        "kvwatt: error: --resume: condition 'a' changed (server command, arguments, vars, env or workload) but "
+        "has finished runs; restore it or use another --out"]
+
+
+def test_server_killed_during_measurement_keeps_finished_runs_and_resume_redoes_it(tmp_path):
+    port = free_port()
+    plan = plan_for(tmp_path, port, [{"name": "solo", "vars": OFF}], repeats=2)
+    out = tmp_path / "out"
+    killed = []
+
+    def kill_in_second_measurement(line, proc):
+        if "solo-r2: measuring" in line:
+            time.sleep(0.5)
+            killed.extend(kill_server_group(port))
+
+    failed = run_experiment(plan, "--out", str(out), on_line=kill_in_second_measurement, timeout=120)
+    assert killed, "the server was not found to kill"
+    assert failed.returncode == 1, failed.stderr
+    assert "run solo-r2 failed: server was killed by SIGKILL during the measurement phase" in failed.stderr
+    state = load_state(out)
+    assert list(state["finished"]) == ["solo-r1"] and state["failed"]["run"] == "solo-r2"
+    assert "| solo | – |" in (out / "report.md").read_text()
+    resumed = run_experiment(plan, "--out", str(out), "--resume", timeout=120)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resuming: 1 of 2 runs finished" in resumed.stderr and "[1/2]" not in resumed.stderr
+    assert sorted(load_state(out)["finished"]) == ["solo-r1", "solo-r2"]
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGKILL, -9), (signal.SIGTERM, 143)])
+def test_kvwatt_killed_mid_run_leaves_a_valid_state_and_resume_redoes_the_run(tmp_path, sig, code):
+    port = free_port()
+    plan = plan_for(tmp_path, port, [{"name": "solo", "vars": OFF}], repeats=2)
+    out = tmp_path / "out"
+
+    def signal_kvwatt(line, proc):
+        if "solo-r2: measuring" in line:
+            proc.send_signal(sig)
+
+    stopped = run_experiment(plan, "--out", str(out), on_line=signal_kvwatt, timeout=120)
+    assert stopped.returncode == code, stderr_tail(stopped)
+    state = load_state(out)  # parses: written atomically
+    assert list(state["finished"]) == ["solo-r1"] and state["in_progress"]["run"] == "solo-r2"
+    if sig == signal.SIGTERM:
+        assert not pids_serving(port), "SIGTERM must stop the server"
+    else:
+        assert pids_serving(port), "after SIGKILL of kvwatt its server is left running (resume stops it)"
+    resumed = run_experiment(plan, "--out", str(out), "--resume", timeout=120)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "solo-r2 was interrupted and is redone" in resumed.stderr
+    assert sorted(load_state(out)["finished"]) == ["solo-r1", "solo-r2"]
+    assert (out / "runs" / "solo-r2.aborted-1").is_dir()
+    assert not pids_serving(port)
+
+
+def stderr_tail(run) -> str:
+    return run.stderr[-2000:]
+
+
+def test_dry_run_prints_the_runs_and_writes_nothing(tmp_path):
+    plan = plan_for(tmp_path, 8123, [{"name": "off", "vars": OFF}, {"name": "on", "baseline": "off", "vars": ON}],
+                    repeats=2)
+    proc = subprocess.run([sys.executable, "-m", "exporter", "experiment", str(plan), "--dry-run", "--out",
+                           str(tmp_path / "out")], capture_output=True, text=True, cwd=str(FAKE_SERVER.parents[2]))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("argv: ") == 4 and "--port 8123 --kv-usage 0.95" in proc.stdout
+    assert not (tmp_path / "out").exists()
+    order = [line.split()[1] for line in proc.stdout.splitlines() if line.startswith("[")]
+    assert order == [r.run_id for r in run_order(load_plan(str(plan)))]
