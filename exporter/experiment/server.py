@@ -43,16 +43,22 @@ def process_start_ticks(pid: int) -> int | None:
         return None
 
 
-def group_alive(pgid: int) -> bool:
-    """Any live (not zombie) process left in process group ``pgid``."""
+def group_members(pgid: int) -> list[int]:
+    """Live (not zombie) process ids in process group ``pgid``, from /proc."""
+    members = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
         except (OSError, IndexError):
             continue
         if fields[0] != "Z" and int(fields[2]) == pgid:
-            return True
-    return False
+            members.append(int(stat.parent.name))
+    return members
+
+
+def group_alive(pgid: int) -> bool:
+    """Any live (not zombie) process left in process group ``pgid``."""
+    return bool(group_members(pgid))
 
 
 class ServerProcess:

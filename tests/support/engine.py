@@ -27,6 +27,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from exporter.experiment.server import group_members  # noqa: F401 (re-exported for the tests)
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SERVED_MODEL_NAME = "tiny"
 VOCAB_SIZE = 2048
@@ -241,14 +243,3 @@ def _signal_group(pgid: int, sig: int) -> None:
         pass
 
 
-def group_members(pgid: int) -> list[int]:
-    """Live (not zombie) process ids in process group ``pgid``, from /proc."""
-    members = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if fields[0] != "Z" and int(fields[2]) == pgid:
-            members.append(int(stat.parent.name))
-    return members
