@@ -9,7 +9,7 @@ import asyncio
 import logging
 import signal
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import aiohttp
 
@@ -35,7 +35,6 @@ class ServerState:
     reference: ReferenceShare
     status: SourceStatus
     info: VllmInfo | None = None
-    extra: dict = field(default_factory=dict)
 
 
 class Daemon:
@@ -56,20 +55,18 @@ class Daemon:
 
     # --- one tick -------------------------------------------------------------------------------------
     async def tick(self, session: aiohttp.ClientSession, t: float) -> None:
-        energy_deltas = self.energy.read(t) if self.energy else None
+        energy_deltas = self.energy.read(t)
         results = await asyncio.gather(*(s.source.read(session) for s in self.servers))
         for state, (status, reading) in zip(self.servers, results):
             state.status = status
-            if self.energy:
-                self.energy.attribute(state, energy_deltas)
+            self.energy.attribute(state, energy_deltas)
             if reading is None:
                 continue
             state.info = reading.info
             if state.history.add_reading(t, reading) is not None:
                 self._learn(state, t)
                 self.offload.observe(state, t)
-        if self.energy:
-            self.energy.after_tick(t, self.servers)
+        self.energy.after_tick(t, self.servers)
         self.last_tick_t, self.ticks = t, self.ticks + 1
 
     def _learn(self, state: ServerState, now: float) -> None:
@@ -103,15 +100,14 @@ class Daemon:
         by_name = {s.cfg.name: s for s in self.servers}
         for s in self.servers:
             v = server_view(s.cfg, s.history, s.status, s.info, s.reference, now, self.cfg)
-            if self.energy:
-                self.energy.extend_view(v, s, now, self.cfg)
+            self.energy.extend_view(v, s, now, self.cfg)
             self.offload.extend_view(v, s, now, self.cfg, by_name)
             out.append(v)
         return out
 
     def snapshot(self):
         views = self.views()
-        return views, (self.energy.renderers() if self.energy else [])
+        return views, self.energy.renderers()
 
     def healthy(self) -> bool:
         if self.last_tick_t is None:
@@ -133,8 +129,7 @@ async def serve(cfg: Config) -> None:
         await daemon.run_loop()
     finally:
         await runner.cleanup()
-        if daemon.energy:
-            daemon.energy.close()
+        daemon.energy.close()
     log.info("kvwatt stopped")
 
 
