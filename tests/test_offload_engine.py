@@ -58,9 +58,11 @@ def test_off_server_kappa_and_estimated_saving_from_real_counters(tmp_path):
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
     n_act = kappa.estimate_parameters(cfg)
     j_c = 2 * n_act / HARDWARE["flops_per_second"] * (GPU_WATTS - IDLE_WATTS)  # roofline price per token
-    # mean over the loaded 4 s windows of saved/E; with constant power, about total saved / total E
-    approx = tax_tokens * j_c * 0.9 / ((GPU_WATTS - IDLE_WATTS) * REPEAT_SECONDS * windows)
-    assert saving > 0 and saving == pytest.approx(approx, rel=0.5)
+    # dE is the mean over loaded 4 s windows of tax_w * J_c * 0.9 / E_w, with E_w >= (200 - 50) W * 0.9 * 4 s
+    # (windows count when >= 90 % covered) and sum(tax_w) <= the run's tax: a bound that a wrong price or a
+    # wrong share of tokens breaks by orders of magnitude, while the windows' cut of the load may vary
+    upper = tax_tokens * j_c * 0.9 / ((GPU_WATTS - IDLE_WATTS) * 0.9 * REPEAT_SECONDS * windows)
+    assert 0 < saving <= upper * 1.001
     # kappa_crit from the tiny model's config.json (2 layers, 2 KV heads, head_dim 32, bf16), by hand
     head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
     b_kv = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * 2
