@@ -64,12 +64,16 @@ def window_energy(intervals: Sequence[Interval], scope: str) -> EnergyPerToken |
     )
 
 
-def per_token(intervals: Sequence[Interval], scope: str, min_load_seconds: float) -> EnergyPerToken | None:
-    """The window's figure for ``scope`` ("gpu" | "host"), or None without enough load or tokens."""
-    w = window_energy(intervals, scope)
+def qualified(w: EnergyPerToken | None, min_load_seconds: float) -> EnergyPerToken | None:
+    """``w`` when it rests on enough load and tokens to give a figure, else None."""
     if w is None or w.tokens <= 0 or w.loaded_seconds < min_load_seconds:
         return None
     return w
+
+
+def per_token(intervals: Sequence[Interval], scope: str, min_load_seconds: float) -> EnergyPerToken | None:
+    """The window's figure for ``scope`` ("gpu" | "host"), or None without enough load or tokens."""
+    return qualified(window_energy(intervals, scope), min_load_seconds)
 
 
 def prompt_attribution(intervals: Sequence[Interval], min_load_seconds: float,

@@ -154,7 +154,7 @@ class EnergyRuntime:
                     status[scope] = {"joules": basis.energy_joules, "idle_joules": basis.idle_joules,
                                      "generated_tokens": basis.tokens, "seconds": basis.seconds,
                                      "loaded_seconds": basis.loaded_seconds}
-                fig = derive_energy.per_token(ivs, scope, cfg.min_load_seconds)
+                fig = derive_energy.qualified(basis, cfg.min_load_seconds)
                 if fig is None:
                     continue
                 series.append(("kvwatt_energy_per_token_joules", {"scope": scope}, fig.joules_per_token))

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -23,13 +22,9 @@ from pathlib import Path
 import requests
 import yaml
 
+from tests.support.engine import free_port  # noqa: F401 (re-exported: tests import it from here)
+
 REPO = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def parse_exposition(text: str) -> dict[tuple[str, frozenset], float]:
