@@ -63,6 +63,10 @@ class DeviceReading:
     power_watts: float | None = None
     method: str = ""  # gpu: counter | power_integration; host: rapl
     temperature_celsius: float | None = None
+    # time.monotonic() right after the energy was read (None without a sample). A command that divides
+    # joules by seconds uses this, not the time its loop began: a slow first read (NVML init, a stalled
+    # process) would otherwise count seconds with no energy in them (energy-measurement.md rule 10)
+    read_at: float | None = None
 
 
 @dataclass(frozen=True)

@@ -111,3 +111,39 @@ def test_no_energy_source_exits_1(tmp_path):
     out = kvwatt(["--duration", "1s", "--settle", "0", "--no-server-check", "--state-dir", str(tmp_path / "s"),
                   "--powercap-root", str(tmp_path / "none")], gpus)
     assert out.returncode == 1 and "not measured" in out.stderr and "absent" in out.stderr
+
+
+class SlowInitNvml:
+    """The NVML double with an nvmlInit that takes ``delay`` seconds, as a driver warming up (or a starved
+    process) does: the measurement must not count those seconds, which hold no energy sample."""
+
+    def __init__(self, module, delay: float):
+        self._module, self._delay = module, delay
+
+    def nvmlInit(self):
+        time.sleep(self._delay)
+        return self._module.nvmlInit()
+
+    def __getattr__(self, name):
+        return getattr(self._module, name)
+
+
+def test_slow_first_read_does_not_dilute_the_power(tmp_path):
+    import asyncio
+
+    from exporter.config import Config
+    from exporter.energy.idle_command import measure
+    from exporter.sources.nvml import NvmlSource
+    from exporter.sources.rapl import RaplSource
+    from tests.support.fake_gpus import load_fake_nvml
+
+    gpus = FakeGpus(tmp_path / "gpus.json")
+    gpus.add(A, power_mw=75_000, counter_follows_power=True, t0=time.monotonic())
+    nvml = NvmlSource(module=SlowInitNvml(load_fake_nvml(gpus.path), delay=0.5))
+    rapl = RaplSource(str(tmp_path / "no-powercap"))
+    estimates, missing = asyncio.run(measure(Config(), [], 1.5, 0.0, 0.25, nvml=nvml, rapl=rapl,
+                                             out=open(os.devnull, "w")))
+    (g,) = [e for e in estimates if e.device == f"gpu:{A}"]
+    # counted from the loop's start instead, 0.5 s of the 2 s would hold no energy: 75 W x 1.5/2 = 56 W
+    assert g.watts == pytest.approx(75.0, rel=0.01)
+    assert g.duration_seconds == pytest.approx(1.5, abs=0.3)

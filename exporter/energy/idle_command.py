@@ -103,8 +103,8 @@ async def measure(cfg: Config, checked: list[ServerConfig], duration: float, set
                 print(f"idle; waiting {settle:g}s for clocks to settle (--settle 0 to skip)", file=out)
                 await _idle_sleep(session, vsources, start, settle, interval)
             print(f"measuring for {duration:g}s ...", file=out)
-            prev_t, devices, reasons, down = None, None, [], {}
-            t_end = time.monotonic() + duration
+            devices, reasons, down, read_at = None, [], {}, {}
+            t_end = None
             while True:
                 t = time.monotonic()
                 statuses, readings = _read(nvml, rapl, t)
@@ -112,18 +112,11 @@ async def measure(cfg: Config, checked: list[ServerConfig], duration: float, set
                 reasons = [f"{s.source}: {s.reason}" for s in statuses if s.reason]
                 if devices is None:
                     devices = _measure_devices(readings, cfg, checked, not checked)
-                for device, d in tracker.deltas(readings).items():
-                    if device not in devices or prev_t is None:
-                        continue
-                    if d is None:
-                        missing[device] = "no sample for part of the measurement"
-                    else:
-                        joules[device] = joules.get(device, 0.0) + d
-                        seconds[device] = seconds.get(device, 0.0) + (t - prev_t)
+                    t_end = time.monotonic() + duration  # from the first sample: NVML init is not measured
+                _accumulate(tracker.deltas(readings), readings, devices, read_at, joules, seconds, missing)
                 for r in readings:
                     if r.device in devices and r.temperature_celsius is not None:
                         temps.setdefault(r.device, []).append(r.temperature_celsius)
-                prev_t = t
                 if t >= t_end:
                     break
                 await _idle_sleep(session, vsources, start, min(interval, max(t_end - time.monotonic(), 0)),
@@ -138,6 +131,24 @@ async def measure(cfg: Config, checked: list[ServerConfig], duration: float, set
     if not estimates and not missing:
         missing["(none)"] = "; ".join(reasons) or "no energy device found"
     return estimates, missing
+
+
+def _accumulate(deltas: dict, readings: list[DeviceReading], devices: set[str], read_at: dict,
+                joules: dict, seconds: dict, missing: dict) -> None:
+    """Add each measured device's joules since its previous reading, over the seconds between the two
+    readings' own timestamps (DeviceReading.read_at), so energy and time cover the same interval."""
+    for r in readings:
+        if r.device not in devices:
+            continue
+        prev_at, read_at[r.device] = read_at.get(r.device), r.read_at
+        d = deltas.get(r.device)
+        if prev_at is None:
+            continue  # the first reading (or a missing one) only opens the interval
+        if d is None or r.read_at is None:
+            missing[r.device] = "no sample for part of the measurement"
+        else:
+            joules[r.device] = joules.get(r.device, 0.0) + d
+            seconds[r.device] = seconds.get(r.device, 0.0) + (r.read_at - prev_at)
 
 
 def _read(nvml, rapl, t: float):

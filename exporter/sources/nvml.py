@@ -227,6 +227,7 @@ class NvmlSource:
             return self._no_sample(gpu), f"gpu lost: {gpu.describe()}: {gpu.down}"
         try:
             joules, continuous = self._energy(gpu, t)
+            read_at = self.clock()
             watts = self._optional(self.nvml.nvmlDeviceGetPowerUsage, gpu.handle)
             temp = self._optional(self.nvml.nvmlDeviceGetTemperature, gpu.handle, _temp_sensor(self.nvml))
         except Exception as e:
@@ -240,7 +241,7 @@ class NvmlSource:
             return self._no_sample(gpu), f"error: {gpu.describe()}: {failure}"
         return DeviceReading(gpu.device, "gpu", dict(gpu.labels), gpu.total_joules, continuous,
                              None if watts is None else watts / 1000.0, gpu.method,
-                             None if temp is None else float(temp)), ""
+                             None if temp is None else float(temp), read_at), ""
 
     def _energy(self, gpu: _Gpu, t: float) -> tuple[float | None, bool]:
         """Advance the GPU's corrected total; (total or None, continuous)."""

@@ -216,6 +216,7 @@ class RaplSource:
         labels = {"zone": z.zone, "domain": z.domain}
         try:
             cur = _read_energy_uj(z.energy_path)
+            read_at = time.monotonic()
         except _Unreadable as e:
             z.broken = True  # the next good read re-bases (rule 3: no sample, not 0 J)
             return DeviceReading(z.device, "host", labels, None, continuous=False, method="rapl"), e
@@ -232,7 +233,7 @@ class RaplSource:
             continuous = False
         z.prev_uj, z.prev_t, z.broken = cur, t, False
         return DeviceReading(z.device, "host", labels, z.total_joules, continuous=continuous,
-                             method="rapl"), None
+                             method="rapl", read_at=read_at), None
 
     def _status(self, readings: list[DeviceReading], reason: str, seconds: float) -> SourceStatus:
         ok = sum(r.joules_total is not None for r in readings)

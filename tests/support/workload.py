@@ -12,7 +12,7 @@ import aiohttp
 
 async def _session(http: aiohttp.ClientSession, url: str, sid: int, start: int, output: int, tool: int,
                    turns: int, tool_delay_seconds: float, vocab: int) -> list[dict]:
-    rng = random.Random(sid)
+    rng = random.Random(sid)  # the session's id seeds its content: same id, same prompts (prefix-cache hits)
     prompt = [rng.randrange(4, vocab) for _ in range(start)]
     usages = []
     for _ in range(turns):
@@ -30,11 +30,12 @@ async def _session(http: aiohttp.ClientSession, url: str, sid: int, start: int, 
 
 
 async def run_workload(url: str, sessions: int = 10, start: int = 300, output: int = 300, tool: int = 150,
-                       turns: int = 4, tool_delay_seconds: float = 0.2, vocab: int = 2048) -> list[dict]:
+                       turns: int = 4, tool_delay_seconds: float = 0.2, vocab: int = 2048,
+                       first_session: int = 0) -> list[dict]:
     timeout = aiohttp.ClientTimeout(total=600)
     async with aiohttp.ClientSession(timeout=timeout) as http:
         results = await asyncio.gather(*(_session(http, url, i, start, output, tool, turns, tool_delay_seconds,
-                                                  vocab) for i in range(sessions)))
+                                                  vocab) for i in range(first_session, first_session + sessions)))
     return [u for r in results for u in r]
 
 
