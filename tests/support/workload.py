@@ -33,7 +33,11 @@ async def run_workload(url: str, sessions: int = 10, start: int = 300, output: i
                        turns: int = 4, tool_delay_seconds: float = 0.2, vocab: int = 2048,
                        first_session: int = 0) -> list[dict]:
     timeout = aiohttp.ClientTimeout(total=600)
-    async with aiohttp.ClientSession(timeout=timeout) as http:
+    # a new connection per request: a pooled keep-alive connection that the server closes (uvicorn's 5 s
+    # keep-alive) just as a session reuses it fails with ServerDisconnectedError, which a starved CI machine
+    # made happen; this driver has no retries (kvwatt replay, the real client, retries)
+    connector = aiohttp.TCPConnector(force_close=True)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as http:
         results = await asyncio.gather(*(_session(http, url, i, start, output, tool, turns, tool_delay_seconds,
                                                   vocab) for i in range(first_session, first_session + sessions)))
     return [u for r in results for u in r]
