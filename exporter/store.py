@@ -96,6 +96,7 @@ class DeviceTracker:
 
     def __init__(self) -> None:
         self.last: dict[str, float] = {}
+        self.last_read_at: dict[str, float | None] = {}
 
     def deltas(self, readings: list[DeviceReading]) -> dict[str, float | None]:
         """device -> joules since the previous tick, or None when that device has no sample for the step."""
@@ -105,10 +106,23 @@ class DeviceTracker:
             if r.joules_total is None:
                 out[r.device] = None
                 self.last.pop(r.device, None)  # re-base on the next good read: no catch-up delta
+                self.last_read_at.pop(r.device, None)
                 continue
             if prev is None or not r.continuous or r.joules_total < prev:
                 out[r.device] = None
             else:
                 out[r.device] = r.joules_total - prev
-            self.last[r.device] = r.joules_total
+            self.last[r.device], self.last_read_at[r.device] = r.joules_total, r.read_at
+        return out
+
+    def spans(self, readings: list[DeviceReading]) -> dict[str, tuple[float, float] | None]:
+        """device -> (joules, seconds) since its previous reading, the seconds taken between the two readings'
+        own read_at (energy and time over the same interval), or None when the step has no sample."""
+        before = dict(self.last_read_at)
+        deltas = self.deltas(readings)
+        out: dict[str, tuple[float, float] | None] = {}
+        for r in readings:
+            d, prev_at = deltas[r.device], before.get(r.device)
+            ok = d is not None and r.read_at is not None and prev_at is not None
+            out[r.device] = (d, r.read_at - prev_at) if ok else None
         return out

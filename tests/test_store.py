@@ -68,3 +68,14 @@ def test_device_tracker_drops_discontinuities_and_rebases_after_a_missing_read()
     assert tr.deltas(mk(42.0)) == {"gpu:a": 2.0}
     assert tr.deltas(mk(50.0, cont=False)) == {"gpu:a": None}
     assert tr.deltas(mk(49.0)) == {"gpu:a": None}  # a decrease is a reset, never negative
+
+
+def test_device_tracker_spans_time_each_step_by_the_readings_own_read_at():
+    tr = DeviceTracker()
+    mk = lambda j, at: [DeviceReading("gpu:a", "gpu", {}, j, read_at=at)]
+    assert tr.spans(mk(10.0, 100.0)) == {"gpu:a": None}  # first sight
+    assert tr.spans(mk(85.0, 101.5)) == {"gpu:a": (75.0, 1.5)}  # seconds from read_at, not from the tick
+    assert tr.spans(mk(None, None)) == {"gpu:a": None}
+    assert tr.spans(mk(90.0, 103.0)) == {"gpu:a": None}  # re-based after the missing read
+    assert tr.spans(mk(95.0, 104.0)) == {"gpu:a": (5.0, 1.0)}
+    assert tr.spans(mk(96.0, None)) == {"gpu:a": None}  # a sample without its time is not a span

@@ -103,17 +103,18 @@ async def measure(cfg: Config, checked: list[ServerConfig], duration: float, set
                 print(f"idle; waiting {settle:g}s for clocks to settle (--settle 0 to skip)", file=out)
                 await _idle_sleep(session, vsources, start, settle, interval)
             print(f"measuring for {duration:g}s ...", file=out)
-            devices, reasons, down, read_at = None, [], {}, {}
-            t_end = None
+            devices, reasons, down, t_end = None, [], {}, None
             while True:
                 t = time.monotonic()
                 statuses, readings = _read(nvml, rapl, t)
                 down = {f"({s.source})": s.reason for s in statuses if not s.up}
                 reasons = [f"{s.source}: {s.reason}" for s in statuses if s.reason]
-                if devices is None:
+                spans = tracker.spans(readings)  # joules over each device's own seconds between reads
+                if devices is None:  # the first reading only opens the intervals
                     devices = _measure_devices(readings, cfg, checked, not checked)
                     t_end = time.monotonic() + duration  # from the first sample: NVML init is not measured
-                _accumulate(tracker.deltas(readings), readings, devices, read_at, joules, seconds, missing)
+                else:
+                    _accumulate(spans, devices, joules, seconds, missing)
                 for r in readings:
                     if r.device in devices and r.temperature_celsius is not None:
                         temps.setdefault(r.device, []).append(r.temperature_celsius)
@@ -133,22 +134,15 @@ async def measure(cfg: Config, checked: list[ServerConfig], duration: float, set
     return estimates, missing
 
 
-def _accumulate(deltas: dict, readings: list[DeviceReading], devices: set[str], read_at: dict,
-                joules: dict, seconds: dict, missing: dict) -> None:
-    """Add each measured device's joules since its previous reading, over the seconds between the two
-    readings' own timestamps (DeviceReading.read_at), so energy and time cover the same interval."""
-    for r in readings:
-        if r.device not in devices:
+def _accumulate(spans: dict, devices: set[str], joules: dict, seconds: dict, missing: dict) -> None:
+    for device, span in spans.items():
+        if device not in devices:
             continue
-        prev_at, read_at[r.device] = read_at.get(r.device), r.read_at
-        d = deltas.get(r.device)
-        if prev_at is None:
-            continue  # the first reading (or a missing one) only opens the interval
-        if d is None or r.read_at is None:
-            missing[r.device] = "no sample for part of the measurement"
+        if span is None:
+            missing[device] = "no sample for part of the measurement"
         else:
-            joules[r.device] = joules.get(r.device, 0.0) + d
-            seconds[r.device] = seconds.get(r.device, 0.0) + (r.read_at - prev_at)
+            joules[device] = joules.get(device, 0.0) + span[0]
+            seconds[device] = seconds.get(device, 0.0) + span[1]
 
 
 def _read(nvml, rapl, t: float):
