@@ -22,7 +22,6 @@ import os
 import re
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -34,6 +33,8 @@ from pathlib import Path
 import jsonschema
 import pytest
 import yaml
+
+from exporter.experiment.server import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "tests" / "data"
@@ -395,12 +396,6 @@ def test_entrypoint_imports_without_optional_extras():
             "build_parser()\n")
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_healthcheck(port: int) -> int:

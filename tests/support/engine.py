@@ -18,7 +18,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,7 +26,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from exporter.experiment.server import group_members  # noqa: F401 (re-exported for the tests)
+from exporter.experiment.server import free_port, group_members  # noqa: F401 (re-exported for the tests)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SERVED_MODEL_NAME = "tiny"
@@ -103,13 +102,6 @@ def build_tiny_model(directory: str | os.PathLike | None = None) -> str:
             os.replace(staging / _MARKER, out / _MARKER)
         shutil.rmtree(staging, ignore_errors=True)
     return str(out)
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _temp_log_path() -> Path:

@@ -27,11 +27,11 @@ phase with ``down=True`` refuses connections for its duration (``down_mode`` cho
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from exporter.experiment.server import free_port
 from tests.support.vllm_sim import Scenario, SimEngine
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -52,7 +52,7 @@ class FakeVllm:
         self.scenario = scenario
         self.engine = SimEngine(scenario)
         self.host = host
-        self.port = port or _free_port(host)
+        self.port = port or free_port()
         self.time_scale = time_scale
         self.auto = auto
         self.tick_seconds = tick_seconds
@@ -258,12 +258,6 @@ class FakeVllm:
             server.server_close()
             if self._serve_thread:
                 self._serve_thread.join(timeout=5)
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _handler(fake: FakeVllm):
