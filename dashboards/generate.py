@@ -413,7 +413,8 @@ ENERGY = Row("Energy", (
           (Target(_by("server, scope", kv("kvwatt_energy_per_token_joules")), "{{server}} {{scope}}"),), w=8, min=0),
     Panel("Energy saving dE by baseline", "dE = (J/tok OFF - J/tok ON) / J/tok OFF; positive means offloading "
           "saves. baseline: paired = a live OFF twin, recorded = an OFF profile from `kvwatt baseline record`, "
-          "estimated = a model estimate (least trustworthy).", "percentunit",
+          "estimated = a model estimate (least trustworthy), potential = what a server without offloading "
+          "would save with it (a model estimate).", "percentunit",
           (Target(_by("server, baseline", kv("kvwatt_energy_saving_ratio")), "{{server}} dE ({{baseline}})"),), w=8),
     Panel("GPU power vs idle baseline", "Board power, the rate of the GPU energy counter, and the idle baseline "
           "P_idle that marginal J/token subtracts.", "watt",

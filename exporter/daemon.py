@@ -1,6 +1,7 @@
-"""`kvwatt run`: the asyncio loop. It only orchestrates: each tick reads every source back to back on one
-monotonic clock, hands readings to the window store and the learners, and the web server renders the
-current state on request. Sources never raise into the loop; a failing one reports a reason."""
+"""`kvwatt run`: the asyncio loop. It only orchestrates: each tick the Sampler reads every source (each with
+its own deadline, off the loop), the Model ingests the Tick and derives the figures once, and the daemon
+publishes the Snapshot. /metrics, /api/status and / only serialise the latest snapshot (docs/architecture.md).
+"""
 
 from __future__ import annotations
 
@@ -9,108 +10,70 @@ import asyncio
 import logging
 import signal
 import time
+
 from dataclasses import dataclass
 
-import aiohttp
-
-from exporter.config import Config, ServerConfig, resolve
-from exporter.derive.recompute import ReferenceShare, token_counts
-from exporter.derive.pressure import kv_usage_quantile
-from exporter.derive.window import covered_seconds
-from exporter.energy.runtime import EnergyRuntime
-from exporter.offload.runtime import OffloadRuntime
-from exporter.samples import SourceStatus, VllmInfo
-from exporter.sources.vllm import VllmSource
-from exporter.store import ServerHistory
-from exporter.view import ServerView, server_view
+from exporter.collector import render
+from exporter.config import Config, resolve
+from exporter.figures import Snapshot
+from exporter.model import Model
+from exporter.samples import Tick
+from exporter.sampler import Sampler
 
 log = logging.getLogger("kvwatt")
 
 
-@dataclass
-class ServerState:
-    cfg: ServerConfig
-    source: VllmSource
-    history: ServerHistory
-    reference: ReferenceShare
-    status: SourceStatus
-    info: VllmInfo | None = None
+@dataclass(frozen=True)
+class Published:
+    """What the endpoints serve until the next tick: the snapshot and its exposition, rendered once."""
+
+    snapshot: Snapshot
+    exposition: bytes
 
 
 class Daemon:
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, sampler: Sampler | None = None, model: Model | None = None):
         self.cfg = cfg
-        keep = max(max(cfg.windows_seconds), cfg.collapse_reference_seconds) + 60
-        self.servers = [
-            ServerState(s, VllmSource(s.name, s.url, cfg.http_timeout_seconds, cfg.max_body_bytes),
-                        ServerHistory(keep), ReferenceShare(s.reference_local_compute_share),
-                        SourceStatus("vllm", s.name, False, "not_read_yet", 0.0, "down"))
-            for s in cfg.servers
-        ]
-        self.energy = EnergyRuntime(cfg)  # NVML + RAPL, attribution, idle baselines (docs/energy.md)
-        self.offload = OffloadRuntime(cfg)  # collapse, buffer, kappa, dE (reads config.json/profile files)
+        self.model = model if model is not None else Model(cfg)
+        self.sampler = sampler if sampler is not None else Sampler(cfg)
+        self.published: Published | None = None  # replaced whole at each tick, never mutated
         self.last_tick_t: float | None = None
         self.ticks = 0
+        self.error = ""  # the last tick's failure, '' when it succeeded
         self._stop = asyncio.Event()
 
-    # --- one tick -------------------------------------------------------------------------------------
-    async def tick(self, session: aiohttp.ClientSession, t: float) -> None:
-        energy_deltas = self.energy.read(t)
-        results = await asyncio.gather(*(s.source.read(session) for s in self.servers))
-        for state, (status, reading) in zip(self.servers, results):
-            state.status = status
-            self.energy.attribute(state, energy_deltas)
-            if reading is None:
-                continue
-            state.info = reading.info
-            if state.history.add_reading(t, reading) is not None:
-                self._learn(state, t)
-                self.offload.observe(state, t)
-        self.energy.after_tick(t, self.servers)
-        self.last_tick_t, self.ticks = t, self.ticks + 1
+    @property
+    def snapshot(self) -> Snapshot | None:
+        p = self.published
+        return None if p is None else p.snapshot
 
-    def _learn(self, state: ServerState, now: float) -> None:
-        seconds = max(self.cfg.windows_seconds)
-        ivs = state.history.window(now, seconds)
-        state.reference.observe(now, seconds, covered_seconds(ivs), kv_usage_quantile(ivs, 0.95),
-                                self.cfg.kv_pressure_threshold_ratio, token_counts(ivs))
+    def step(self, tick: Tick) -> Snapshot:
+        """One tick's work after the reads: learn, derive the figures once, render the exposition, publish
+        (one reference assignment, so a request sees the old tick or the new one, never a mix)."""
+        self.model.ingest(tick)
+        snap = self.model.snapshot()
+        self.published = Published(snap, render(snap))
+        self.last_tick_t, self.ticks = tick.t, self.ticks + 1
+        return snap
 
     async def run_loop(self) -> None:
-        interval = self.cfg.interval_seconds
-        async with aiohttp.ClientSession() as session:
-            while not self._stop.is_set():
-                t = time.monotonic()
-                await self.tick(session, t)
-                # schedule from this tick's real start, not from a fixed grid: after a late wake-up (a
-                # starved process) a grid would put the next tick a few ms later, and a few ms of energy is
-                # noise (energy-measurement.md rule 9). Ticks are >= one interval apart; missed ones skipped.
-                delay = max(t + interval - time.monotonic(), 0.0)
+        async with self.sampler:
+            async for tick in self.sampler.ticks(self.cfg.interval_seconds, self._stop):
+                # in a worker thread: the loop keeps answering requests while the tick is derived (the model
+                # is only ever touched from here, one tick after the other)
                 try:
-                    await asyncio.wait_for(self._stop.wait(), timeout=delay)
-                except asyncio.TimeoutError:
-                    pass
+                    await asyncio.to_thread(self.step, tick)
+                    self.error = ""
+                except Exception as e:  # a bug in a derivation must not stop sampling; /healthz says it
+                    if not self.error:
+                        log.exception("tick failed; serving the last good figures")
+                    self.error = f"{type(e).__name__}: {e}"
 
     def stop(self) -> None:
         self._stop.set()
 
-    # --- views for the collector and the web pages -----------------------------------------------------
-    def views(self, now: float | None = None) -> list[ServerView]:
-        now = time.monotonic() if now is None else now
-        out = []
-        by_name = {s.cfg.name: s for s in self.servers}
-        for s in self.servers:
-            v = server_view(s.cfg, s.history, s.status, s.info, s.reference, now, self.cfg)
-            self.energy.extend_view(v, s, now, self.cfg)
-            self.offload.extend_view(v, s, now, self.cfg, by_name)
-            out.append(v)
-        return out
-
-    def snapshot(self):
-        views = self.views()
-        return views, self.energy.renderers()
-
     def healthy(self) -> bool:
-        if self.last_tick_t is None:
+        if self.last_tick_t is None or self.error:
             return False
         return time.monotonic() - self.last_tick_t < max(5 * self.cfg.interval_seconds, 10.0)
 
@@ -129,7 +92,6 @@ async def serve(cfg: Config) -> None:
         await daemon.run_loop()
     finally:
         await runner.cleanup()
-        daemon.energy.close()
     log.info("kvwatt stopped")
 
 

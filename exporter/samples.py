@@ -37,12 +37,42 @@ class VllmInfo:
 
 
 @dataclass(frozen=True)
-class VllmReading:
-    """One successful read of a server: cumulative counters (summed over engines) and gauges."""
+class EngineReading:
+    """One successful read of a server, engine-neutral: cumulative counters (summed over engines) and gauges
+    under kvwatt's own keys (exporter/sources/engine.py lists them), slow-changing facts, and the set of
+    capabilities the exposition showed (which figures can exist for this server at all)."""
 
     counters: dict[str, float]
     gauges: dict[str, float]
     info: VllmInfo
+    capabilities: frozenset[str] = frozenset()
+    engine: str = "vllm"
+
+
+VllmReading = EngineReading  # the vLLM adapter was the only engine before the seam existed
+
+
+@dataclass(frozen=True)
+class ServerRead:
+    """The outcome of one server read: its status, and the reading when it succeeded."""
+
+    server: str
+    status: SourceStatus
+    reading: EngineReading | None = None
+
+
+@dataclass(frozen=True)
+class Tick:
+    """Everything one sampler tick collected, on one monotonic clock.
+
+    ``servers`` holds the server reads that completed since the previous tick (a read still in flight is
+    absent and lands in a later tick); ``energy`` the device readings of this tick (a source that missed
+    the deadline contributes none: a gap, never a guess); ``energy_statuses`` the nvml and rapl health."""
+
+    t: float
+    servers: dict[str, ServerRead]
+    energy_statuses: tuple[SourceStatus, ...] = ()
+    energy: tuple["DeviceReading", ...] = ()
 
 
 @dataclass(frozen=True)

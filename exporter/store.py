@@ -5,13 +5,21 @@ the new value, as Prometheus' rate() assumes, never negative. A changed process_
 restart even when the counter already climbed past its old value. Energy from the devices attributed to a
 server is accumulated tick by tick until the server's next successful read, so an interval that spans a
 missed vLLM read still carries the energy of its whole span (gap-free, energy-measurement.md rule 10).
+
+Windows are incremental (docs/architecture.md "Windows"): each registered window length keeps a
+WindowAggregate that intervals enter as they are appended and leave when ``advance(now)`` slides it, and each
+registered grid width keeps fixed buckets [k*W, (k+1)*W) of the shared monotonic clock, closed once ``now``
+reaches their end. ``window(now, seconds)`` still returns the plain list (O(history)).
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Iterable
 
+from exporter.derive.window import WindowAggregate, aggregate_of
 from exporter.samples import DeviceReading, Interval, VllmReading
 
 
@@ -45,10 +53,77 @@ class EnergyAccumulator:
         return e, i
 
 
-class ServerHistory:
-    """Intervals of one server, oldest first, bounded by age (longest window + margin) and count."""
+@dataclass(frozen=True)
+class Bucket:
+    """One fixed-grid repeat window [t0, t1) of the shared monotonic clock (t0 = k * width) and the aggregate
+    of the intervals that ended in it (bucket k = floor((t1 - 1e-9) / width))."""
 
-    def __init__(self, max_age_seconds: float, max_intervals: int = 100_000):
+    t0: float
+    t1: float
+    agg: WindowAggregate
+
+
+def bucket_index(t1: float, width: float) -> int:
+    return math.floor((t1 - 1e-9) / width)
+
+
+class _Grid:
+    """Buckets of one width: the ones still open (intervals may still arrive) and the completed ones."""
+
+    def __init__(self, width: float) -> None:
+        self.width = width
+        self.open: dict[int, WindowAggregate] = {}
+        self.done: deque[Bucket] = deque()
+
+    def add(self, iv: Interval) -> None:
+        k = bucket_index(iv.t1, self.width)
+        agg = self.open.get(k)
+        if agg is None:
+            for b in reversed(self.done):  # a late interval for a bucket already closed (rare): join it
+                if abs(b.t0 - k * self.width) < 1e-9:
+                    b.agg.add(iv)
+                    return
+                if b.t0 < k * self.width:
+                    break
+            agg = self.open[k] = WindowAggregate()
+        agg.add(iv)
+
+    def close(self, now: float) -> None:
+        if not self.open:
+            return
+        for k in sorted(self.open):
+            t0, t1 = k * self.width, (k + 1) * self.width
+            if t1 > now + 1e-9:
+                break
+            b = Bucket(t0, t1, self.open.pop(k))
+            if self.done and self.done[-1].t0 > t0:  # out of order (late interval): keep time order
+                items = sorted([*self.done, b], key=lambda x: x.t0)
+                self.done = deque(items)
+            else:
+                self.done.append(b)
+
+    def trim(self, oldest_t1: float) -> None:
+        while self.done and self.done[0].t1 < oldest_t1:
+            self.done.popleft()
+
+    def completed(self, start: float, end: float) -> list[Bucket]:
+        out = []
+        for b in reversed(self.done):
+            if b.t1 < start:
+                break
+            if b.t0 >= start - 1e-9 and b.t1 <= end + 1e-9:
+                out.append(b)
+        out.reverse()
+        return out
+
+
+class ServerHistory:
+    """Intervals of one server, oldest first, bounded by age (longest window + margin) and count, plus the
+    incremental aggregates of the registered sliding ``windows`` (seconds) and fixed ``grids`` (bucket widths,
+    seconds). ``max_age_seconds`` may be math.inf (keep everything, up to ``max_intervals``)."""
+
+    def __init__(self, max_age_seconds: float, max_intervals: int = 100_000, windows: Iterable[float] = (),
+                 grids: Iterable[float] = ()):
         self.max_age_seconds = max_age_seconds
         self.intervals: deque[Interval] = deque(maxlen=max_intervals)
         self.last_t: float | None = None
@@ -56,6 +131,17 @@ class ServerHistory:
         self.last_process_start: float | None = None
         self.energy = EnergyAccumulator()
         self.restarts = 0
+        self.now: float | None = None  # time of the last advance()
+        self._windows: dict[float, WindowAggregate] = {float(w): WindowAggregate() for w in windows}
+        self._grids: dict[float, _Grid] = {float(w): _Grid(float(w)) for w in grids}
+
+    @property
+    def windows(self) -> tuple[float, ...]:
+        return tuple(self._windows)
+
+    @property
+    def grids(self) -> tuple[float, ...]:
+        return tuple(self._grids)
 
     def add_energy(self, scope: str, joules: float | None, idle_joules: float | None) -> None:
         if self.last_t is not None:
@@ -73,22 +159,86 @@ class ServerHistory:
                 self.restarts += 1
             energy, idle = self.energy.take()
             interval = Interval(self.last_t, t, deltas, dict(reading.gauges), energy, idle)
-            self.intervals.append(interval)
+            self._append(interval)
         else:
             self.energy.take()
         self.last_t, self.last_counters, self.last_process_start = t, dict(reading.counters), start
-        self._trim(t)
+        self.advance(t)
         return interval
+
+    def _append(self, iv: Interval) -> None:
+        if self.intervals.maxlen is not None and len(self.intervals) >= self.intervals.maxlen:
+            self._drop(self.intervals.popleft())
+        self.intervals.append(iv)
+        for agg in self._windows.values():
+            agg.add(iv)
+        for grid in self._grids.values():
+            grid.add(iv)
+
+    def _drop(self, iv: Interval) -> None:
+        """``iv`` left the history (age or count bound): it leaves any window still holding it."""
+        for agg in self._windows.values():
+            if agg.intervals and agg.intervals[0] is iv:
+                agg.remove(iv)
+
+    def advance(self, now: float) -> None:
+        """Slide every registered window to ``now``, close the grid buckets ending by ``now``, trim by age.
+        Cost: O(intervals leaving + buckets closing), independent of the windows' lengths."""
+        if self.now is not None and now < self.now:
+            return  # one monotonic clock: never slide back
+        self.now = now
+        for seconds, agg in self._windows.items():
+            lo = now - seconds - 1e-6
+            q = agg.intervals
+            while q and q[0].t0 < lo:
+                agg.remove(q[0])
+        for grid in self._grids.values():
+            grid.close(now)
+            grid.trim(now - self.max_age_seconds)
+        self._trim(now)
 
     def _trim(self, now: float) -> None:
         while self.intervals and self.intervals[0].t1 < now - self.max_age_seconds:
-            self.intervals.popleft()
+            self._drop(self.intervals.popleft())
 
     def window(self, now: float, seconds: float) -> list[Interval]:
         """Intervals that ended within the last ``seconds`` and started inside it too (so that an interval
         spanning a long outage does not stretch the window)."""
         lo = now - seconds - 1e-6
         return [iv for iv in self.intervals if iv.t0 >= lo]
+
+    def _registered(self, table: dict, seconds: float):
+        found = table.get(float(seconds))
+        if found is None:
+            for w, v in table.items():
+                if abs(w - seconds) <= 1e-9 * max(1.0, abs(w)):
+                    return v
+        return found
+
+    def aggregate(self, seconds: float) -> WindowAggregate:
+        """The aggregate of window(now, seconds) as of the last advance(now). A registered window is the live,
+        incrementally kept aggregate (read it now: the next advance changes it); any other length is built
+        on the spot from the intervals (O(window length))."""
+        agg = self._registered(self._windows, seconds)
+        if agg is not None:
+            return agg
+        if self.now is None:
+            return WindowAggregate()
+        return aggregate_of(self.window(self.now, seconds))
+
+    def buckets(self, width: float, start: float, end: float) -> list[Bucket]:
+        """Completed buckets of the grid of ``width`` with t0 >= start and t1 <= end, in time order; a bucket
+        no interval ended in is missing, not empty. An unregistered width is built from the intervals held."""
+        grid = self._registered(self._grids, width)
+        if grid is not None:
+            return grid.completed(start, end)
+        if self.now is None:
+            return []
+        tmp = _Grid(float(width))
+        for iv in self.intervals:
+            tmp.add(iv)
+        tmp.close(self.now)
+        return tmp.completed(start, end)
 
 
 class DeviceTracker:

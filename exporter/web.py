@@ -1,43 +1,85 @@
-"""HTTP endpoints: /metrics (the collector), / (landing page), /healthz, /api/status (JSON)."""
+"""HTTP endpoints: /metrics (the collector), / (landing page), /healthz, /api/status (JSON).
+
+Each serialises the daemon's latest Snapshot and nothing else: no figure is computed here, and a request
+cannot change state. The exposition bytes are rendered once per tick, with the snapshot (exporter.daemon), so
+a scrape costs the loop a memory copy, and a scrape flood never slows sampling.
+"""
 
 from __future__ import annotations
 
 import html
 import json
+import math
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from prometheus_client.registry import CollectorRegistry
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from exporter import __version__
-from exporter.collector import KvwattCollector
-from exporter.view import ServerView
+from exporter.figures import ServerFigures, Snapshot, WindowFigures
 
 
-def status_json(views: list[ServerView]) -> dict:
+def _window_json(w: WindowFigures) -> dict:
+    savings = {sv.baseline: {"dE": sv.energy_saving, "dE_stderr": sv.energy_saving_stderr, "windows": sv.windows,
+                             "reference_windows": sv.reference_windows, "note": sv.note,
+                             "dTPS": sv.throughput_gain, "dTPS_stderr": sv.throughput_gain_stderr}
+               for sv in w.savings}
+    out = {
+        "covered_seconds": round(w.covered_seconds, 3), "kv_usage_p95": w.kv_usage_p95,
+        "kv_usage_max": w.kv_usage_max, "above_threshold": w.above_threshold,
+        "preemptions_per_minute": w.preemptions_per_minute, "preemption_onset": w.preemption_onset,
+        "generation_tokens_per_second": w.generation_tokens_per_second,
+        "prompt_token_shares": w.token_shares, "recompute_tax": w.recompute_tax,
+        "energy": {e.scope: {"joules": e.basis.energy_joules, "idle_joules": e.basis.idle_joules,
+                             "generated_tokens": e.basis.tokens, "seconds": e.basis.seconds,
+                             "loaded_seconds": e.basis.loaded_seconds, "joules_per_token": e.joules_per_token,
+                             "marginal_joules_per_token": e.marginal_joules_per_token} for e in w.energy},
+        "offload_write_bytes_per_second": w.offload_write_bytes_per_second,
+        "offload_buffer_residency_seconds": w.offload_buffer_residency_seconds,
+    }
+    if savings:
+        out["energy_saving"] = savings
+    return out
+
+
+def _server_json(v: ServerFigures) -> dict:
+    out = {
+        "server": v.name, "url": v.url, "up": v.status.up, "reason": v.status.reason,
+        "engine": v.engine, "capabilities": sorted(v.capabilities),
+        "model_name": v.info.model_name if v.info else None,
+        "offload_enabled": v.info.offload_enabled if v.info else None,
+        "offload_buffer_bytes": v.info.offload_buffer_bytes if v.info else None,
+        "regime": v.regime, "threshold": v.threshold,
+        "reference_local_compute_share": v.reference_share, "reference_kind": v.reference_kind,
+        "signatures": v.signatures, "recommendations": list(v.recommendations),
+        "windows": {w.window: _window_json(w) for w in v.windows},
+        "kappa": {"critical": v.kappa.critical, "breakeven_tokens_gqa": v.kappa.breakeven_tokens_gqa,
+                  "breakeven_tokens_mha": v.kappa.breakeven_tokens_mha, "model": v.kappa.model_source,
+                  "hardware": v.kappa.hardware_source},
+    }
+    if v.collapse is not None:
+        out["collapse"] = v.collapse.as_status()
+    if v.buffer is not None:
+        b = v.buffer
+        out["offload_buffer"] = {"undersized": b.undersized, "recommended_bytes": b.recommended_bytes,
+                                 "recommended_gib": b.recommended_gib, "store_failures": b.store_failures}
+    return out
+
+
+def status_json(snap: Snapshot | None) -> dict:
     """Per server: regime, active signatures, figures per window, recommendations."""
-    out = []
-    for v in views:
-        out.append({
-            "server": v.name, "url": v.url, "up": v.status.up, "reason": v.status.reason,
-            "model_name": v.info.model_name if v.info else None,
-            "offload_enabled": v.info.offload_enabled if v.info else None,
-            "offload_buffer_bytes": v.info.offload_buffer_bytes if v.info else None,
-            "regime": v.regime, "threshold": v.threshold,
-            "reference_local_compute_share": v.reference_share, "reference_kind": v.reference_kind,
-            "signatures": v.extra.get("signatures", {}),
-            "recommendations": v.extra.get("recommendations", []),
-            "windows": {w.window: {
-                "covered_seconds": round(w.covered_seconds, 3), "kv_usage_p95": w.kv_usage_p95,
-                "kv_usage_max": w.kv_usage_max, "above_threshold": w.above_threshold,
-                "preemptions_per_minute": w.preemptions_per_minute, "preemption_onset": w.preemption_onset,
-                "generation_tokens_per_second": w.generation_tokens_per_second,
-                "prompt_token_shares": w.token_shares, "recompute_tax": w.recompute_tax,
-                **w.extra.get("status", {}),
-            } for w in v.windows},
-            **v.extra.get("status", {}),
-        })
-    return {"version": __version__, "servers": out}
+    servers = [] if snap is None else [_server_json(v) for v in snap.servers]
+    return {"version": __version__, "servers": servers}
+
+
+def _finite(x):
+    """JSON has no NaN or Infinity: unknown or unbounded values are written null."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    return x
 
 
 def _fmt(x, pct=False) -> str:
@@ -46,12 +88,12 @@ def _fmt(x, pct=False) -> str:
     return f"{x * 100:.1f} %" if pct else f"{x:.3g}"
 
 
-def landing_html(views: list[ServerView]) -> str:
+def landing_html(snap: Snapshot | None) -> str:
     rows = []
-    for v in views:
+    for v in (snap.servers if snap else ()):
         w = v.windows[-1] if v.windows else None
-        sig = ", ".join(k for k, on in v.extra.get("signatures", {}).items() if on) or "none"
-        recs = "<br>".join(html.escape(r) for r in v.extra.get("recommendations", [])) or "none"
+        sig = ", ".join(k for k, on in v.signatures.items() if on) or "none"
+        recs = "<br>".join(html.escape(r) for r in v.recommendations) or "none"
         shares = w.token_shares if w else None
         rows.append(
             f"<tr><td>{html.escape(v.name)}</td><td>{'up' if v.status.up else 'DOWN: ' + html.escape(v.status.reason)}"
@@ -69,22 +111,21 @@ def landing_html(views: list[ServerView]) -> str:
 
 
 def build_app(daemon) -> web.Application:
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(KvwattCollector(daemon.snapshot))
-
     async def metrics(_request):
-        return web.Response(body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+        published = daemon.published
+        body = b"" if published is None else published.exposition
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def healthz(_request):
         ok = daemon.healthy()
         return web.Response(text="ok\n" if ok else "sampling loop stalled\n", status=200 if ok else 503)
 
     async def status(_request):
-        return web.Response(text=json.dumps(status_json(daemon.views()), indent=2),
+        return web.Response(text=json.dumps(_finite(status_json(daemon.snapshot)), indent=2),
                             content_type="application/json")
 
     async def index(_request):
-        return web.Response(text=landing_html(daemon.views()), content_type="text/html")
+        return web.Response(text=landing_html(daemon.snapshot), content_type="text/html")
 
     app = web.Application()
     app.router.add_get("/metrics", metrics)
@@ -99,4 +140,3 @@ async def start_web(daemon, host: str, port: int) -> web.AppRunner:
     await runner.setup()
     await web.TCPSite(runner, host, port).start()
     return runner
-

@@ -305,3 +305,116 @@ def test_disabled():
 def test_no_gpu(gpus, fake):
     status, readings = NvmlSource(module=fake).read(0.0)
     assert not status.up and readings == [] and "no GPU" in status.reason
+
+
+# --- what reads cost: the double's latency model, concurrency and deadlines --------------------------------
+def _quantile(values, q):
+    values = sorted(values)
+    return values[min(int(q * len(values)), len(values) - 1)]
+
+
+def test_double_energy_read_costs_what_an_h100_costs(gpus, fake):
+    """The double, not kvwatt: an H100 (driver 580) takes 3.0 ms median, 5.6-7.0 ms p90, <= 18 ms per
+    nvmlDeviceGetTotalEnergyConsumption; power and temperature take microseconds."""
+    gpus.add(A, energy_mj=0)
+    fake.nvmlInit()
+    try:
+        handle = fake.nvmlDeviceGetHandleByIndex(0)
+        took = []
+        for _ in range(200):
+            start = time.perf_counter()
+            fake.nvmlDeviceGetTotalEnergyConsumption(handle)
+            took.append(time.perf_counter() - start)
+        assert 2.0e-3 <= _quantile(took, 0.5) <= 4.5e-3
+        assert 4.0e-3 <= _quantile(took, 0.9) <= 10e-3
+        start = time.perf_counter()
+        for _ in range(50):
+            fake.nvmlDeviceGetPowerUsage(handle)
+        assert (time.perf_counter() - start) / 50 < 1e-3
+        # the model itself, without sleeping: lognormal, median 3.0 ms, p90 6.5 ms, capped at 18 ms
+        draws = [fake.energy_read_latency_seconds({}) for _ in range(20_000)]
+        assert _quantile(draws, 0.5) == pytest.approx(3.0e-3, rel=0.05)
+        assert _quantile(draws, 0.9) == pytest.approx(6.5e-3, rel=0.07)
+        assert max(draws) <= 18e-3
+        assert fake.energy_read_latency_seconds({"energy_read_latency": 0}) == 0.0
+        assert fake.energy_read_latency_seconds({"energy_read_latency": 12}) == 0.012
+        assert fake.energy_read_latency_seconds({}, {"energy_read_latency": 7}) == 0.007
+    finally:
+        fake.nvmlShutdown()
+
+
+def test_gpus_are_read_concurrently(gpus, fake):
+    for i in range(8):
+        gpus.add(f"GPU-{i:04d}", energy_mj=0, energy_read_latency=20)
+    src = NvmlSource(module=fake)
+    try:
+        src.read(0.0)
+        start = time.perf_counter()
+        status, readings = src.read(1.0)
+        took = time.perf_counter() - start
+        assert status.state == "ok" and all(r.joules_total is not None for r in readings)
+        assert took < 0.08, took  # 8 x 20 ms one after another would be 160 ms
+    finally:
+        src.close()
+
+
+def test_a_gpu_that_misses_the_deadline_gets_no_sample_and_is_rebased(gpus, fake):
+    gpus.add(A, energy_mj=0, energy_read_latency=0)
+    gpus.add(B, energy_mj=0, energy_read_latency=0)
+    src = NvmlSource(module=fake)
+    try:
+        src.read(0.0)
+        gpus.update(A, energy_mj=100_000)
+        gpus.update(B, energy_mj=100_000)
+        src.read(1.0)
+        gpus.update(A, energy_mj=200_000, energy_read_latency=300)  # A stalls
+        gpus.update(B, energy_mj=200_000)
+        start = time.perf_counter()
+        status, readings = src.read(2.0, deadline_seconds=0.1)
+        assert time.perf_counter() - start < 0.25
+        got = by_uuid(readings)
+        assert got[A].joules_total is None and not got[A].continuous  # a gap, not a guess
+        assert got[B].joules_total == pytest.approx(200.0) and got[B].continuous
+        assert status.up and status.state == "degraded" and "timeout" in status.reason and A in status.reason
+        # the late read still runs: A is not read again, and this tick does not wait for it
+        start = time.perf_counter()
+        status, readings = src.read(3.0, deadline_seconds=0.1)
+        assert time.perf_counter() - start < 0.1
+        assert by_uuid(readings)[A].joules_total is None and "busy" in status.reason
+        assert by_uuid(readings)[B].joules_total == pytest.approx(200.0)
+        time.sleep(0.35)  # the late read ends; its result (the counter at 200 J) is thrown away
+        gpus.update(A, energy_mj=300_000, energy_read_latency=0)
+        status, readings = src.read(4.0, deadline_seconds=0.1)
+        a = by_uuid(readings)[A]
+        assert status.state == "ok"
+        assert a.joules_total == pytest.approx(100.0) and not a.continuous  # re-based: nothing invented
+        gpus.update(A, energy_mj=400_000)
+        a = by_uuid(src.read(5.0, deadline_seconds=0.1)[1])[A]
+        assert a.joules_total == pytest.approx(200.0) and a.continuous
+    finally:
+        src.close()
+
+
+def test_a_lost_gpu_whose_recovery_hangs_backs_off(gpus, fake):
+    gpus.add(A, energy_mj=0, energy_read_latency=0)
+    src = NvmlSource(module=fake)
+    try:
+        src.read(0.0)
+        gpus.update(A, lost=True)
+        src.read(1.0)
+        assert src._gpus[A].retry_at == pytest.approx(2.0)
+        gpus.update(A, lost=False, energy_read_latency=300)  # back, but the probe read stalls
+        status, readings = src.read(2.0, deadline_seconds=0.05)
+        assert readings[0].joules_total is None and src._gpus[A].down
+        assert src._gpus[A].retry_at == pytest.approx(4.0) and not status.up
+    finally:
+        src.close()
+
+
+def test_close_shuts_the_pool_down(gpus, fake):
+    gpus.add(A, energy_mj=0, energy_read_latency=0)
+    src = NvmlSource(module=fake)
+    src.read(0.0)
+    pool = src._pool
+    src.close()
+    assert src._pool is None and pool._shutdown

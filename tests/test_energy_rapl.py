@@ -235,3 +235,29 @@ def test_no_zone_at_first_then_access_granted(tmp_path):
     tree.add_zone("package-0")
     status, readings = src.read(5.0)
     assert status.up and len(readings) == 1
+
+
+def test_reads_from_several_threads_never_count_a_step_twice(tmp_path):
+    """The sampler reads RAPL in a worker thread; a late read may overlap the next one."""
+    import threading
+    import time
+
+    tree = intel_two_socket(tmp_path)
+    src = RaplSource(tree.root, rescan_seconds=1e9)
+    src.read(time.monotonic())
+    time.sleep(0.05)
+    tree.advance("intel-rapl:0", 10.0)
+    barrier = threading.Barrier(8)
+
+    def reader():
+        barrier.wait()
+        for _ in range(20):
+            src.read(time.monotonic())
+
+    threads = [threading.Thread(target=reader) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    _, readings = src.read(time.monotonic())
+    assert by_device(readings)["rapl:package-0:package"].joules_total == pytest.approx(10.0)

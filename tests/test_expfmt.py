@@ -52,3 +52,16 @@ def test_agrees_with_prometheus_client_on_real_expositions():
                     theirs.setdefault(s.name, {})[tuple(sorted(s.labels.items()))] = s.value
         assert ours.errors == 0, path
         assert ours.series == theirs, path
+
+
+def test_parse_families_reads_only_the_named_families_including_the_first_line():
+    from exporter.expfmt import parse_families
+    text = ('vllm:num_requests_waiting{engine="0"} 2\nvllm:num_requests_waiting_by_reason{reason="capacity"} 1\n'
+            'vllm:num_requests_waitingx 9\nvllm:other 3\nvllm:num_requests_waiting{engine="0"} 5\n'
+            'vllm:num_requests_waiting{engine="1" 4\nvllm:other{ 1\n')
+    exp = parse_families(text, ["vllm:num_requests_waiting"])
+    assert exp.series == {"vllm:num_requests_waiting": {(("engine", "0"),): 2.0}}
+    assert exp.duplicates == 1 and exp.errors == 1  # vllm:other's bad line is not looked at
+    both = parse_families(text, {"vllm:num_requests_waiting", "vllm:num_requests_waiting_by_reason"})
+    assert list(both.series) == ["vllm:num_requests_waiting", "vllm:num_requests_waiting_by_reason"]
+    assert parse_families(text, []).series == {}

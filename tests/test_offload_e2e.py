@@ -4,9 +4,6 @@
 The fake runs ``TIME_SCALE`` x faster than the wall clock; the daemon's windows are in wall seconds, so a
 10 s window covers 60 simulated seconds. GPU energy is scaled back to the wall clock (fakevllm.attach_gpu),
 so the daemon sees the scenario's watts and P_idle ratios hold.
-
-Requires the daemon to call exporter.offload.runtime.OffloadRuntime (see its docstring for the three lines);
-skipped, with that reason, until it does.
 """
 
 from __future__ import annotations
@@ -15,28 +12,12 @@ import time
 
 import pytest
 
-from exporter.config import from_mapping
-from exporter.daemon import Daemon
 from tests.support import vllm_sim as sim
 from tests.support.daemon import KvwattDaemon
 from tests.support.fake_gpus import FakeGpus
 from tests.support.fakevllm import FakeVllm
 
 TIME_SCALE = 6.0
-
-
-def _wired() -> bool:
-    d = Daemon(from_mapping({"servers": [{"name": "a", "url": "http://127.0.0.1:1"}], "nvml": False,
-                             "state_dir": "/nonexistent-kvwatt", "powercap_root": "/nonexistent-kvwatt"}))
-    try:
-        return getattr(d, "offload", None) is not None
-    finally:
-        if d.energy:
-            d.energy.close()
-
-
-pytestmark = pytest.mark.skipif(not _wired(), reason="exporter/daemon.py does not call OffloadRuntime yet "
-                                                     "(wiring in exporter/offload/runtime.py docstring)")
 
 
 def _config(gpus_uuid: str) -> dict:

@@ -50,6 +50,20 @@ def test_window_stats_hand_computed():
     assert E.window_stats(ivs[:2], 30.0)[0].loaded is False  # 20 of 30 s covered
 
 
+def test_estimated_reaches_a_pre_016_server_through_the_prefix_cache_counters():
+    """vLLM < 0.16 has no prompt_tokens_by_source: window_stats takes the token sources from
+    recompute.token_counts' prefix-cache estimate, so the estimated dE exists for such a server too."""
+    ivs = [Interval(t, t + 1, {"generation_tokens": 50.0, "prefix_queries": 1000.0, "prefix_hits": 400.0,
+                               "external_prefix_hits": 250.0}, {"kv_usage": 0.95}, {"gpu": 500.0}, {"gpu": 150.0})
+           for t in range(120)]
+    ws = E.window_stats(ivs, 60)
+    assert [(w.computed_prompt_tokens, w.loaded_prompt_tokens, w.prompt_tokens) for w in ws] == \
+        [(60 * 350.0, 60 * 250.0, 60 * 1000.0)] * 2
+    est = E.estimated(ws, 0.02, 0.1)
+    # per window: 350 J/s x 60 s marginal; saved 15,000 x 0.02 x 0.9 = 270 J -> dE = 270 / (21,000 + 270)
+    assert est.windows == 2 and est.value == pytest.approx(270 / 21270)
+
+
 def test_paired_uses_only_windows_where_both_carry_load():
     on = [E.WindowStat(k * 60, k * 60 + 60, 60, 1000, 80.0, 0.9, 10, 100, True) for k in range(4)]
     off = [E.WindowStat(k * 60, k * 60 + 60, 60, 800, 100.0, 0.9, 50, 0, True) for k in range(3)]

@@ -79,3 +79,14 @@ def test_device_tracker_spans_time_each_step_by_the_readings_own_read_at():
     assert tr.spans(mk(90.0, 103.0)) == {"gpu:a": None}  # re-based after the missing read
     assert tr.spans(mk(95.0, 104.0)) == {"gpu:a": (5.0, 1.0)}
     assert tr.spans(mk(96.0, None)) == {"gpu:a": None}  # a sample without its time is not a span
+
+
+def test_registered_windows_slide_on_advance_even_without_a_reading():
+    h = ServerHistory(max_age_seconds=600, windows=(10.0,), grids=(5.0,))
+    for t in range(0, 21):
+        h.add_reading(float(t), reading({"g": t * 2.0}, {"kv_usage": t / 100}))
+    assert h.aggregate(10.0).n == 10 and h.aggregate(10.0).delta("g") == 20.0
+    h.advance(25.0)  # the server's reads failed for 5 s: the window still moves on
+    assert h.aggregate(10.0).n == 5 and list(h.aggregate(10.0).intervals) == h.window(25.0, 10.0)
+    assert [(b.t0, b.t1) for b in h.buckets(5.0, 10.0, 25.0)] == [(10, 15), (15, 20)]  # [20, 25) had none
+    assert h.aggregate(7.0).n == len(h.window(25.0, 7.0))  # unregistered: built from the list

@@ -149,3 +149,16 @@ def test_refused_connection_is_unreachable():
         port = s.getsockname()[1]
     status, reading = _read(f"http://127.0.0.1:{port}")
     assert reading is None and status.reason == "unreachable"
+
+
+def test_bad_lines_make_the_read_degraded_not_down():
+    async def handler(_req):
+        return web.Response(text='vllm:generation_tokens_total{engine="0"} 12\n'
+                                 'vllm:prompt_tokens_total{engine="0" 3\n')
+    url, stop = _serve(handler)
+    try:
+        status, reading = _read(url)
+    finally:
+        stop()
+    assert status.up and status.state == "degraded" and status.reason == "parse_error: 1 bad lines skipped"
+    assert reading.counters == {"generation_tokens": 12.0} and reading.engine == "vllm"

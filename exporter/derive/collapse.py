@@ -15,7 +15,10 @@ samples, no GPU energy or idle baseline, no history to compare with). The signat
 five are True, False as soon as one is False, else None (cannot be asserted or denied; ``reason`` says why).
 
 Reference level (docs/offload.md "Collapse thresholds"): the 90th percentile of generation tokens/s over
-non-overlapping recent-window-sized buckets in the ``reference_seconds`` before the recent window. A high
+non-overlapping recent-window-sized buckets in the ``reference_seconds`` before the recent window. The buckets
+are the completed ones of the fixed grid [k*W, (k+1)*W) of the monotonic clock (W = recent_seconds) lying
+wholly inside that period, so ServerHistory keeps them incrementally (when ``now`` is not on the grid, the
+period holds one bucket fewer than reference_seconds / W). A high
 percentile, not the median, so idle stretches and light-traffic periods do not drag the working level down,
 and not the maximum, so one burst does not set it. While the signature holds, the reference is latched
 (``previous`` carries it), so a stall that outlasts the reference period stays flagged until throughput
@@ -24,10 +27,12 @@ recovers above drop_ratio x the latched level. Gaps in the samples are never cou
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Iterable, Sequence
 
 from exporter.derive.pressure import quantile
+from exporter.derive.window import WindowAggregate, aggregate_of, as_aggregate, seconds_with, sum_delta
 from exporter.samples import Interval
 
 CONDITIONS = ("offload_enabled", "zero_preemptions", "throughput_collapsed", "power_near_idle",
@@ -81,65 +86,112 @@ def _in_span(intervals: Sequence[Interval], start: float, end: float) -> list[In
     return [iv for iv in intervals if start < iv.t1 <= end]
 
 
-def _covered(intervals: Sequence[Interval], key: str | None = None) -> float:
-    return sum(iv.seconds for iv in intervals if key is None or key in iv.deltas)
-
-
-def generation_rate(intervals: Sequence[Interval], span_seconds: float) -> float | None:
+def generation_rate(x: WindowAggregate | Sequence[Interval], span_seconds: float) -> float | None:
     """Generated tokens/s over the covered part of a span; None below MIN_COVERAGE_RATIO coverage."""
-    covered = _covered(intervals, "generation_tokens")
+    covered = seconds_with(x, "generation_tokens")
     if covered < MIN_COVERAGE_RATIO * span_seconds or covered <= 0:
         return None
-    return sum(iv.deltas["generation_tokens"] for iv in intervals if "generation_tokens" in iv.deltas) / covered
+    return sum_delta(x, "generation_tokens") / covered
+
+
+def bucket_rate(bucket_agg: WindowAggregate | Sequence[Interval], width: float) -> float | None:
+    """One reference bucket's generated tokens/s; None when samples cover less than MIN_COVERAGE_RATIO of it."""
+    return generation_rate(bucket_agg, width)
+
+
+def reference_rates_from_buckets(buckets: Iterable[Any], width: float) -> list[float]:
+    """The rates of the buckets (store.Bucket, an aggregate or a list of intervals) that are covered enough."""
+    rates = (bucket_rate(b.agg if hasattr(b, "agg") else b, width) for b in buckets)
+    return [r for r in rates if r is not None]
+
+
+def _grid_buckets(intervals: Sequence[Interval], width: float, start: float, end: float) -> list[list[Interval]]:
+    """The list counterpart of ServerHistory.buckets: intervals grouped by k = floor((t1 - 1e-9) / width) on the
+    grid anchored at 0 of the monotonic clock, buckets [k*W, (k+1)*W) lying wholly inside [start, end]."""
+    groups: dict[int, list[Interval]] = {}
+    for iv in intervals:
+        if iv.t1 > end + 1e-9:
+            continue
+        k = math.floor((iv.t1 - 1e-9) / width)
+        if k * width >= start - 1e-9 and (k + 1) * width <= end + 1e-9:
+            groups.setdefault(k, []).append(iv)
+    return [groups[k] for k in sorted(groups)]
+
+
+def reference_span(now: float, th: CollapseThresholds) -> tuple[float, float]:
+    """(start, end) of the reference period: the ``reference_seconds`` before the recent window."""
+    end = now - th.recent_seconds
+    return end - th.reference_seconds, end
 
 
 def reference_rate(intervals: Sequence[Interval], now: float, th: CollapseThresholds) -> float | None:
-    """REFERENCE_QUANTILE of bucket rates over the reference period before the recent window."""
-    end = now - th.recent_seconds
-    rates = []
-    k = 0
-    while (k + 1) * th.recent_seconds <= th.reference_seconds + 1e-9:
-        hi = end - k * th.recent_seconds
-        r = generation_rate(_in_span(intervals, hi - th.recent_seconds, hi), th.recent_seconds)
-        if r is not None:
-            rates.append(r)
-        k += 1
-    return quantile(rates, REFERENCE_QUANTILE)
+    """REFERENCE_QUANTILE of the rates of the completed grid buckets (width recent_seconds) in the reference
+    period before the recent window."""
+    start, end = reference_span(now, th)
+    buckets = _grid_buckets(intervals, th.recent_seconds, start, end)
+    return quantile(reference_rates_from_buckets(buckets, th.recent_seconds), REFERENCE_QUANTILE)
 
 
-def mean_power(intervals: Sequence[Interval], scope: str = "gpu") -> tuple[float | None, float | None]:
+def mean_power(x: WindowAggregate | Sequence[Interval], scope: str = "gpu") -> tuple[float | None, float | None]:
     """(mean power, mean idle power) in W over the intervals carrying both energy and idle energy."""
-    both = [iv for iv in intervals if scope in iv.energy_joules and scope in iv.idle_joules]
-    secs = sum(iv.seconds for iv in both)
-    if secs <= 0:
+    sc = as_aggregate(x).scope(scope)
+    if sc is None:
         return None, None
-    return (sum(iv.energy_joules[scope] for iv in both) / secs, sum(iv.idle_joules[scope] for iv in both) / secs)
+    secs = sc.idle_subset_seconds
+    if sc.idle_n == 0 or secs <= 0:
+        return None, None
+    return sc.idle_subset_energy_joules / secs, sc.idle_subset_idle_joules / secs
+
+
+def recent_intervals(intervals: Sequence[Interval], now: float, seconds: float) -> list[Interval]:
+    """The list counterpart of the daemon's sliding window: ended by ``now`` and started inside the window
+    (the ServerHistory.window rule), so an interval spanning an outage does not stretch it."""
+    lo = now - seconds - 1e-6
+    return [iv for iv in intervals if iv.t0 >= lo and iv.t1 <= now + 1e-9]
 
 
 def evaluate(intervals: Sequence[Interval], now: float, offload_enabled: bool | None,
              th: CollapseThresholds = CollapseThresholds(), previous: CollapseResult | None = None) -> CollapseResult:
     """Evaluate the signature at time ``now`` from one server's intervals (oldest first, any length).
 
-    ``previous`` is this function's last result for the same server (latches the reference level while
-    the signature holds). Pure: no state outside the arguments.
+    The list form of ``evaluate_aggregates``: the recent window and the reference buckets are cut from the
+    list the way ServerHistory keeps them incrementally. ``previous`` is this function's last result for the
+    same server (latches the reference level while the signature holds). Pure: no state outside the arguments.
     """
-    recent = _in_span(intervals, now - th.recent_seconds, now)
+    recent = aggregate_of(recent_intervals(intervals, now, th.recent_seconds))
+    start, end = reference_span(now, th)
+    rates = reference_rates_from_buckets(_grid_buckets(intervals, th.recent_seconds, start, end),
+                                         th.recent_seconds)
+    return evaluate_aggregates(recent, rates, now, offload_enabled, th, previous)
+
+
+def evaluate_aggregates(recent: WindowAggregate | Sequence[Interval], reference_rates: Sequence[float | None],
+                        now: float, offload_enabled: bool | None, th: CollapseThresholds = CollapseThresholds(),
+                        previous: CollapseResult | None = None) -> CollapseResult:
+    """Evaluate the signature from the recent window's aggregate and the reference bucket rates.
+
+    The daemon passes its shortest window's aggregate (history.aggregate(th.recent_seconds)) and
+    ``reference_rates_from_buckets(history.buckets(th.recent_seconds, *reference_span(now, th)), ...)``;
+    ``now`` is kept for symmetry with ``evaluate`` (the aggregates are already cut at it). Cost: O(number of
+    reference buckets), independent of the windows' lengths.
+    """
+    recent = as_aggregate(recent)
     details: dict[str, str] = {}
     cond: dict[str, bool | None] = dict.fromkeys(CONDITIONS)
     cond["offload_enabled"] = offload_enabled
     if offload_enabled is None:
         details["offload_enabled"] = "cannot tell whether the server offloads (no cache_config_info)"
 
-    enough = _covered(recent) >= MIN_COVERAGE_RATIO * th.recent_seconds
+    enough = recent.covered_seconds >= MIN_COVERAGE_RATIO * th.recent_seconds
     # zero preemptions over the window
-    if not enough or _covered(recent, "preemptions") < MIN_COVERAGE_RATIO * th.recent_seconds:
+    if not enough or recent.seconds_with("preemptions") < MIN_COVERAGE_RATIO * th.recent_seconds:
         details["zero_preemptions"] = "not enough samples in the recent window"
     else:
-        cond["zero_preemptions"] = sum(iv.deltas.get("preemptions", 0.0) for iv in recent) == 0
+        cond["zero_preemptions"] = (recent.delta("preemptions") or 0.0) == 0
 
     # throughput against its own reference (latched while the signature holds)
     rate = generation_rate(recent, th.recent_seconds)
-    ref = reference_rate(intervals, now, th)
+    ref = quantile([r for r in reference_rates if r is not None], REFERENCE_QUANTILE)
     if previous is not None and previous.signature and previous.reference_tokens_per_second is not None:
         ref = max(ref or 0.0, previous.reference_tokens_per_second)
     if rate is None:
@@ -151,21 +203,21 @@ def evaluate(intervals: Sequence[Interval], now: float, offload_enabled: bool | 
 
     # GPU power near its idle baseline
     power, idle = mean_power(recent)
+    gpu = recent.scope("gpu")
     if power is None or idle is None or idle <= 0:
         details["power_near_idle"] = "no GPU energy or no idle baseline for this server's GPUs"
         power = idle = None
-    elif _covered([iv for iv in recent if "gpu" in iv.energy_joules]) < MIN_COVERAGE_RATIO * th.recent_seconds:
+    elif gpu is None or gpu.covered_seconds < MIN_COVERAGE_RATIO * th.recent_seconds:
         details["power_near_idle"] = "GPU energy covers less than half of the recent window"
     else:
         cond["power_near_idle"] = power <= th.power_near_idle_ratio * idle
 
     # requests still in flight at every sample
-    pending = [iv.gauges["running"] + iv.gauges["waiting"] for iv in recent
-               if "running" in iv.gauges and "waiting" in iv.gauges]
-    if not enough or not pending:
+    lowest = recent.gauge_min("pending")
+    if not enough or lowest is None:
         details["requests_pending"] = "not enough samples in the recent window"
     else:
-        cond["requests_pending"] = min(pending) > 0
+        cond["requests_pending"] = lowest > 0
 
     sig = kleene_and(list(cond.values()))
     if sig is None:

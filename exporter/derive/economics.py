@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
-from exporter.derive.pressure import quantile
+from exporter.derive.pressure import kv_usage_quantile
+from exporter.derive.recompute import token_counts
+from exporter.derive.window import WindowAggregate, aggregate_of, as_aggregate, sum_delta
 from exporter.samples import Interval
 
 DEFAULT_BANDS: tuple[tuple[float, float], ...] = ((0.0, 0.8), (0.8, 0.9), (0.9, 0.95), (0.95, 1.0))
@@ -68,17 +70,38 @@ class Estimate:
     bands: dict[str, dict] = field(default_factory=dict)
 
 
-def _sum(intervals: Sequence[Interval], key: str) -> float | None:
-    vals = [iv.deltas[key] for iv in intervals if key in iv.deltas]
-    return sum(vals) if vals else None
+def window_stat(agg: WindowAggregate | Sequence[Interval], t0: float, t1: float, width: float, scope: str = "gpu",
+                marginal: bool = True) -> WindowStat:
+    """One repeat window [t0, t1) of ``width`` seconds from the aggregate of the intervals that ended in it
+    (a store.Bucket's ``agg``, or a list). Uses the shared window functions, so token sources follow
+    recompute.token_counts (vLLM < 0.16: the prefix-cache estimate). Energy is known only when every interval
+    of the window has it (marginal: and its idle energy)."""
+    agg = as_aggregate(agg)
+    covered = agg.covered_seconds
+    gen = sum_delta(agg, "generation_tokens") or 0.0
+    joules = None
+    used = agg.scope(scope)
+    if used is not None and used.n == agg.n:
+        joules = used.energy_joules
+        if marginal:
+            idle = used.idle_joules
+            joules = None if idle is None else joules - idle
+    counts = token_counts(agg)
+    if counts is None:
+        computed = loaded_tokens = prompt = None
+    else:
+        computed, loaded_tokens = counts["local_compute"], counts["external_kv_transfer"]
+        prompt = sum(counts.values())
+    return WindowStat(t0, t1, covered, gen, joules, kv_usage_quantile(agg, 0.95), computed, loaded_tokens,
+                      covered >= MIN_COVERAGE_RATIO * width and gen > 0, prompt)
 
 
 def window_stats(intervals: Sequence[Interval], window_seconds: float, scope: str = "gpu", marginal: bool = True,
                  start: float | None = None, end: float | None = None, anchor: float = 0.0) -> list[WindowStat]:
     """Split intervals (by their end time) into windows [anchor + k*W, anchor + (k+1)*W) of the shared clock,
-    keeping the windows wholly inside [start, end]. The daemon anchors at "now", so the last window ends at
-    the latest tick; two servers read at the same ticks get the same windows. Energy is known only when
-    every interval of the window has it."""
+    keeping the windows wholly inside [start, end]. With anchor 0 these are ServerHistory's grid buckets
+    (``window_stats_of_buckets`` builds the same from them without the list); two servers read at the same
+    ticks get the same windows. Energy is known only when every interval of the window has it."""
     buckets: dict[int, list[Interval]] = {}
     for iv in intervals:
         k = math.floor((iv.t1 - anchor - 1e-9) / window_seconds)
@@ -88,21 +111,14 @@ def window_stats(intervals: Sequence[Interval], window_seconds: float, scope: st
         t0, t1 = anchor + k * window_seconds, anchor + (k + 1) * window_seconds
         if (start is not None and t0 < start - 1e-9) or (end is not None and t1 > end + 1e-9):
             continue
-        ivs = buckets[k]
-        covered = sum(iv.seconds for iv in ivs)
-        gen = _sum(ivs, "generation_tokens") or 0.0
-        joules = None
-        if all(scope in iv.energy_joules for iv in ivs):
-            joules = sum(iv.energy_joules[scope] for iv in ivs)
-            if marginal:
-                joules = (joules - sum(iv.idle_joules[scope] for iv in ivs)
-                          if all(scope in iv.idle_joules for iv in ivs) else None)
-        kv = quantile([iv.gauges["kv_usage"] for iv in ivs if "kv_usage" in iv.gauges], 0.95)
-        by_source = [_sum(ivs, f"prompt_{s}") for s in ("local_compute", "local_cache_hit", "external_kv_transfer")]
-        prompt = sum(v or 0.0 for v in by_source) if by_source[0] is not None else None
-        out.append(WindowStat(t0, t1, covered, gen, joules, kv, by_source[0], by_source[2],
-                              covered >= MIN_COVERAGE_RATIO * window_seconds and gen > 0, prompt))
+        out.append(window_stat(aggregate_of(buckets[k]), t0, t1, window_seconds, scope, marginal))
     return out
+
+
+def window_stats_of_buckets(buckets: Iterable[Any], width: float, scope: str = "gpu",
+                            marginal: bool = True) -> list[WindowStat]:
+    """WindowStats of store.Bucket objects (ServerHistory.buckets(width, start, end))."""
+    return [window_stat(b.agg, b.t0, b.t1, width, scope, marginal) for b in buckets]
 
 
 def mean_and_stderr(values: Sequence[float]) -> tuple[float | None, float | None]:

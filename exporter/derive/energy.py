@@ -14,15 +14,11 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from exporter.derive.recompute import token_counts
+from exporter.derive.window import RUNNING_KEY, TOKENS_KEY, WindowAggregate, as_aggregate, is_loaded
 from exporter.samples import Interval
 
-TOKENS_KEY = "generation_tokens"
-RUNNING_KEY = "running"
-
-
-def is_loaded(iv: Interval) -> bool:
-    """Tokens were generated in the interval, or requests were running at its end."""
-    return (iv.deltas.get(TOKENS_KEY) or 0.0) > 0 or (iv.gauges.get(RUNNING_KEY) or 0.0) > 0
+__all__ = ["RUNNING_KEY", "TOKENS_KEY", "EnergyPerToken", "is_loaded", "window_energy", "qualified", "per_token",
+           "prompt_attribution"]
 
 
 @dataclass(frozen=True)
@@ -46,21 +42,18 @@ class EnergyPerToken:
         return (self.energy_joules - self.idle_joules) / self.tokens
 
 
-def window_energy(intervals: Sequence[Interval], scope: str) -> EnergyPerToken | None:
+def window_energy(x: WindowAggregate | Sequence[Interval], scope: str) -> EnergyPerToken | None:
     """Sums over the intervals with an energy sample for ``scope``; None when there is none."""
-    used = [iv for iv in intervals if scope in iv.energy_joules]
-    if not used:
+    used = as_aggregate(x).scope(scope)
+    if used is None:
         return None
-    idle = None
-    if all(scope in iv.idle_joules for iv in used):
-        idle = sum(iv.idle_joules[scope] for iv in used)
     return EnergyPerToken(
         scope=scope,
-        energy_joules=sum(iv.energy_joules[scope] for iv in used),
-        idle_joules=idle,
-        tokens=sum(iv.deltas.get(TOKENS_KEY) or 0.0 for iv in used),
-        seconds=sum(iv.seconds for iv in used),
-        loaded_seconds=sum(iv.seconds for iv in used if is_loaded(iv)),
+        energy_joules=used.energy_joules,
+        idle_joules=used.idle_joules,
+        tokens=used.delta(TOKENS_KEY) or 0.0,
+        seconds=used.covered_seconds,
+        loaded_seconds=used.loaded_seconds,
     )
 
 
@@ -71,12 +64,13 @@ def qualified(w: EnergyPerToken | None, min_load_seconds: float) -> EnergyPerTok
     return w
 
 
-def per_token(intervals: Sequence[Interval], scope: str, min_load_seconds: float) -> EnergyPerToken | None:
+def per_token(x: WindowAggregate | Sequence[Interval], scope: str,
+              min_load_seconds: float) -> EnergyPerToken | None:
     """The window's figure for ``scope`` ("gpu" | "host"), or None without enough load or tokens."""
-    return qualified(window_energy(intervals, scope), min_load_seconds)
+    return qualified(window_energy(x, scope), min_load_seconds)
 
 
-def prompt_attribution(intervals: Sequence[Interval], min_load_seconds: float,
+def prompt_attribution(x: WindowAggregate | Sequence[Interval], min_load_seconds: float,
                        load_to_compute_cost_ratio: float) -> dict[str, float] | None:
     """ATTRIBUTION MODEL, not a measurement: marginal GPU joules per prompt token by token source.
 
@@ -85,13 +79,14 @@ def prompt_attribution(intervals: Sequence[Interval], min_load_seconds: float,
     ~2*N_active FLOPs), a token reloaded from the offload tier (external_kv_transfer) counts
     ``load_to_compute_cost_ratio`` (configured, default 0.1), and a local prefix-cache hit counts 0.
     Returns {"local_compute": u, "external_kv_transfer": r*u} with u = marginal / units, or None without
-    a marginal figure or without prompt tokens by source.
+    a marginal figure or without prompt tokens by source. Energy, tokens and prompt tokens all come from
+    the intervals with a GPU energy sample (the window's "gpu" scope).
     """
-    used = [iv for iv in intervals if "gpu" in iv.energy_joules]
-    w = per_token(used, "gpu", min_load_seconds)
+    agg = as_aggregate(x)
+    w = per_token(agg, "gpu", min_load_seconds)
     if w is None or w.marginal_joules_per_token is None:
         return None
-    counts = token_counts(used)
+    counts = token_counts(agg.scope("gpu"))
     if not counts:
         return None
     units = w.tokens + counts["local_compute"] + load_to_compute_cost_ratio * counts["external_kv_transfer"]

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from exporter.config import ConfigError, read_json
-from exporter.derive.window import sum_delta
+from exporter.derive.window import WindowAggregate, sum_delta
 from exporter.samples import Interval
 
 DTYPE_BYTES = {"float32": 4.0, "float": 4.0, "bfloat16": 2.0, "float16": 2.0, "half": 2.0,
@@ -136,7 +136,7 @@ def model_params(model_config_path: str | None, model: Mapping[str, float]) -> M
                        float(vals["dtype_bytes"]), vals["active_parameters"],
                        int(vals["hidden_size"]) if vals["hidden_size"] else None,
                        int(width) if width else None,
-                       source=(model_config_path or "") + (" + configured" if model else ""))
+                       source=" + ".join(x for x in (model_config_path, "configured" if model else None) if x))
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -207,11 +207,12 @@ def hardware_params(hardware: Mapping[str, Any], nvml_name: str | None = None) -
 # --------------------------------------------------------------------------------------------------------
 # the ratios
 # --------------------------------------------------------------------------------------------------------
-def observed(intervals: Sequence[Interval]) -> float | None:
-    """kappa over the window: external_kv_transfer / local_compute prompt tokens. None without the
-    token-source counters (vLLM < 0.16) or without prompt tokens; +inf when only loaded tokens arrived."""
-    ext = sum_delta(intervals, "prompt_external_kv_transfer")
-    local = sum_delta(intervals, "prompt_local_compute")
+def observed(x: WindowAggregate | Sequence[Interval]) -> float | None:
+    """kappa over the window (an aggregate or a list of intervals): external_kv_transfer / local_compute
+    prompt tokens. None without the token-source counters (vLLM < 0.16) or without prompt tokens; +inf when
+    only loaded tokens arrived."""
+    ext = sum_delta(x, "prompt_external_kv_transfer")
+    local = sum_delta(x, "prompt_local_compute")
     if ext is None or local is None or (ext == 0 and local == 0):
         return None
     return math.inf if local == 0 else ext / local

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from exporter.derive.pressure import rate_per_second
-from exporter.derive.window import sum_delta
+from exporter.derive.window import WindowAggregate, sum_delta
 from exporter.samples import Interval
 
 FAILURE_KEYS = ("offload_allocation_failures", "offload_stores_skipped")
@@ -30,9 +30,9 @@ class TransferRates:
     read_bytes_per_second: float | None
 
 
-def transfer_rates(intervals: Sequence[Interval]) -> TransferRates:
-    return TransferRates(rate_per_second(intervals, "offload_store_bytes"),
-                         rate_per_second(intervals, "offload_load_bytes"))
+def transfer_rates(x: WindowAggregate | Sequence[Interval]) -> TransferRates:
+    return TransferRates(rate_per_second(x, "offload_store_bytes"),
+                         rate_per_second(x, "offload_load_bytes"))
 
 
 def residency(buffer_bytes: float | None, write_bytes_per_second: float | None) -> float | None:
@@ -43,9 +43,9 @@ def residency(buffer_bytes: float | None, write_bytes_per_second: float | None) 
     return buffer_bytes / write_bytes_per_second
 
 
-def store_failures(intervals: Sequence[Interval]) -> float | None:
+def store_failures(x: WindowAggregate | Sequence[Interval]) -> float | None:
     """Allocation failures (0.26+) plus skipped stores (0.24+) in the window; None when neither is exported."""
-    parts = [sum_delta(intervals, k) for k in FAILURE_KEYS]
+    parts = [sum_delta(x, k) for k in FAILURE_KEYS]
     known = [p for p in parts if p is not None]
     return sum(known) if known else None
 

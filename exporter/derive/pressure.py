@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import math
 from typing import Sequence
 
-from exporter.derive.window import gauge_values, seconds_with, sum_delta
+from exporter.derive.window import WindowAggregate, as_aggregate, interpolate_sorted, seconds_with, sum_delta
 from exporter.samples import Interval
 
 
@@ -13,25 +12,22 @@ def quantile(values: Sequence[float], q: float) -> float | None:
     """q-quantile with linear interpolation between closest ranks, as PromQL's quantile_over_time does."""
     if not values:
         return None
-    s = sorted(values)
-    rank = q * (len(s) - 1)
-    lo, hi = math.floor(rank), math.ceil(rank)
-    return s[lo] + (s[hi] - s[lo]) * (rank - lo)
+    return interpolate_sorted(sorted(values), q)
 
 
-def kv_usage_quantile(intervals: Sequence[Interval], q: float) -> float | None:
+def kv_usage_quantile(x: WindowAggregate | Sequence[Interval], q: float) -> float | None:
     """Quantile of vllm:kv_cache_usage_perc over the window's dense (tick) samples."""
-    return quantile(gauge_values(intervals, "kv_usage"), q)
+    return as_aggregate(x).quantile("kv_usage", q)
 
 
 def above_threshold(p95: float | None, threshold: float) -> bool | None:
     return None if p95 is None else p95 > threshold
 
 
-def rate_per_second(intervals: Sequence[Interval], key: str) -> float | None:
+def rate_per_second(x: WindowAggregate | Sequence[Interval], key: str) -> float | None:
     """Counter increase per second over the intervals that carry the counter; None without any."""
-    seconds = seconds_with(intervals, key)
-    total = sum_delta(intervals, key)
+    seconds = seconds_with(x, key)
+    total = sum_delta(x, key)
     if total is None or seconds <= 0:
         return None
     return total / seconds

@@ -7,19 +7,22 @@ import statistics
 from collections import deque
 from typing import Sequence
 
-from exporter.derive.window import sum_delta
+from exporter.derive.window import WindowAggregate, as_aggregate, seconds_with, sum_delta
 from exporter.samples import Interval
 
 SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 
 
-def token_counts(intervals: Sequence[Interval]) -> dict[str, float] | None:
+def token_counts(x: WindowAggregate | Sequence[Interval]) -> dict[str, float] | None:
     """Prompt tokens by source over the window.
 
     vLLM >= 0.16: vllm:prompt_tokens_by_source_total. Older servers: the prefix-cache counters, where
     queries count prompt tokens looked up and hits those found: local_cache_hit = hits,
     external_kv_transfer = external hits, local_compute = queries - hits - external hits (an estimate:
-    vLLM < 0.16 counts a request's tokens once, the same first-prefill-only caveat applies)."""
+    vLLM < 0.16 counts a request's tokens once, the same first-prefill-only caveat applies).
+
+    ``x``: an aggregate, a scope's sums (agg.scope("gpu")) or a list of intervals."""
+    intervals = as_aggregate(x)
     by_source = {s: sum_delta(intervals, f"prompt_{s}") for s in SOURCES}
     if by_source["local_compute"] is not None:
         return {s: v or 0.0 for s, v in by_source.items()}
@@ -80,12 +83,13 @@ class ReferenceShare:
         return "configured" if self.configured is not None else ("learned" if self.samples else "none")
 
 
-def mfu_view(intervals: Sequence[Interval], generated_tokens: float | None) -> tuple[float | None, float | None]:
+def mfu_view(x: WindowAggregate | Sequence[Interval],
+             generated_tokens: float | None) -> tuple[float | None, float | None]:
     """(FLOP/s, FLOPs per generated token) from vllm:estimated_flops_per_gpu_total. These count the tokens
     actually scheduled, so unlike the token counters they include re-prefill after preemption. They only
     move with --enable-mfu-metrics: a window with zero FLOPs but generated tokens means the flag is off."""
-    flops = sum_delta(intervals, "flops")
-    seconds = sum(iv.seconds for iv in intervals if "flops" in iv.deltas)
+    flops = sum_delta(x, "flops")
+    seconds = seconds_with(x, "flops")
     if flops is None or seconds <= 0:
         return None, None
     if flops == 0 and (generated_tokens or 0) > 0:

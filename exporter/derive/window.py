@@ -1,31 +1,390 @@
-"""Window helpers shared by every derivation."""
+"""Window helpers shared by every derivation, and the incremental ``WindowAggregate``.
+
+A ``WindowAggregate`` keeps running sums over the intervals it holds: per counter key (sum of deltas, number of
+intervals carrying it, seconds they cover), per energy scope (the same sums restricted to the intervals with an
+energy sample for that scope, plus energy, idle energy and loaded seconds), and a sorted list per gauge in
+``ORDERED_GAUGES`` for quantiles. Intervals enter at the tail (``add``) and leave at the head (``remove``), so a
+sliding window costs O(1) amortized per interval whatever its length (the sorted lists cost O(log n) to search
+plus a memmove).
+
+Floating point: sums are compensated (TwoSum), a key whose intervals all left reads None again (its sum is reset
+to 0.0), a key whose held values are all zero reads exactly 0.0, and every ``max(n, RESUM_MIN_REMOVALS)``
+removals every sum is recomputed from the held intervals (amortized O(1)), so add/subtract drift stays bounded
+however long the stream runs.
+
+Every helper below (and every derivation in ``derive/``) takes either an aggregate or a plain sequence of
+Intervals (tests, one-off computations).
+"""
 
 from __future__ import annotations
 
-from typing import Iterable
+import math
+from bisect import bisect_left, insort
+from collections import deque
+from typing import Any, Iterable, Iterator
 
 from exporter.samples import Interval
 
+ORDERED_GAUGES = ("kv_usage", "pending")
+TOKENS_KEY = "generation_tokens"
+RUNNING_KEY = "running"
+RESUM_MIN_REMOVALS = 1000
 
-def covered_seconds(intervals: Iterable[Interval]) -> float:
+
+def is_loaded(iv: Interval) -> bool:
+    """Tokens were generated in the interval, or requests were running at its end."""
+    return (iv.deltas.get(TOKENS_KEY) or 0.0) > 0 or (iv.gauges.get(RUNNING_KEY) or 0.0) > 0
+
+
+def ordered_gauge_values(iv: Interval) -> Iterator[tuple[str, float]]:
+    """(key, value) of the interval's gauges kept in order structures; "pending" = running + waiting."""
+    g = iv.gauges
+    v = g.get("kv_usage")
+    if v is not None:
+        yield "kv_usage", v
+    r, w = g.get("running"), g.get("waiting")
+    if r is not None and w is not None:
+        yield "pending", r + w
+
+
+def interpolate_sorted(s: list[float], q: float) -> float | None:
+    """q-quantile of an already sorted list, linear interpolation between closest ranks (PromQL)."""
+    if not s:
+        return None
+    rank = q * (len(s) - 1)
+    lo, hi = math.floor(rank), math.ceil(rank)
+    return s[lo] + (s[hi] - s[lo]) * (rank - lo)
+
+
+def _acc(a: list, i: int, x: float) -> None:
+    """Compensated (TwoSum) a[i] + a[i+1] += x."""
+    s = a[i]
+    t = s + x
+    if abs(s) >= abs(x):
+        a[i + 1] += (s - t) + x
+    else:
+        a[i + 1] += (x - t) + s
+    a[i] = t
+
+
+# per-key state: [count, nonzero count, sum, sum compensation, seconds, seconds compensation]
+_K_N, _K_NZ, _K_S, _K_SEC = 0, 1, 2, 4
+
+
+class _Sums:
+    """Counter sums over a set of intervals (a whole window, or its intervals carrying one energy scope)."""
+
+    __slots__ = ("n", "_cov", "_loaded", "_keys")
+
+    def __init__(self) -> None:
+        self.n = 0
+        self._cov = [0.0, 0.0]
+        self._loaded = [0.0, 0.0]
+        self._keys: dict[str, list] = {}
+
+    def _reset_sums(self) -> None:
+        self._cov[0] = self._cov[1] = 0.0
+        self._loaded[0] = self._loaded[1] = 0.0
+        for k in self._keys.values():
+            k[_K_S] = k[_K_S + 1] = k[_K_SEC] = k[_K_SEC + 1] = 0.0
+
+    def _add(self, iv: Interval, seconds: float, loaded: bool) -> None:
+        self.n += 1
+        _acc(self._cov, 0, seconds)
+        if loaded:
+            _acc(self._loaded, 0, seconds)
+        keys = self._keys
+        for key, d in iv.deltas.items():  # _acc inlined: this loop is the hot path
+            k = keys.get(key)
+            if k is None:
+                k = keys[key] = [0, 0, 0.0, 0.0, 0.0, 0.0]
+            k[0] += 1
+            if d != 0:
+                k[1] += 1
+                s = k[2]
+                t = s + d
+                k[3] += ((s - t) + d) if abs(s) >= abs(d) else ((d - t) + s)
+                k[2] = t
+            s = k[4]
+            t = s + seconds
+            k[5] += ((s - t) + seconds) if abs(s) >= seconds else ((seconds - t) + s)
+            k[4] = t
+
+    def _remove(self, iv: Interval, seconds: float, loaded: bool) -> None:
+        self.n -= 1
+        if self.n == 0:
+            self._cov[0] = self._cov[1] = self._loaded[0] = self._loaded[1] = 0.0
+        else:
+            _acc(self._cov, 0, -seconds)
+            if loaded:
+                _acc(self._loaded, 0, -seconds)
+        keys = self._keys
+        for key, d in iv.deltas.items():
+            k = keys[key]
+            k[0] -= 1
+            if k[0] == 0:
+                del keys[key]  # no interval carries it any more: None again, nothing left to drift
+                continue
+            if d != 0:
+                k[1] -= 1
+                if k[1] == 0:
+                    k[2] = k[3] = 0.0  # every value left is zero: exactly zero
+                else:
+                    s = k[2]
+                    t = s - d
+                    k[3] += ((s - t) - d) if abs(s) >= abs(d) else ((-d - t) + s)
+                    k[2] = t
+            s = k[4]
+            t = s - seconds
+            k[5] += ((s - t) - seconds) if abs(s) >= seconds else ((-seconds - t) + s)
+            k[4] = t
+
+    # --- queries -------------------------------------------------------------------------------------------
+    @property
+    def covered_seconds(self) -> float:
+        return self._cov[0] + self._cov[1]
+
+    @property
+    def loaded_seconds(self) -> float:
+        return self._loaded[0] + self._loaded[1]
+
+    def delta(self, key: str) -> float | None:
+        """Sum of the key's deltas over the intervals carrying it; None when none carries it."""
+        k = self._keys.get(key)
+        if k is None:
+            return None
+        return k[_K_S] + k[_K_S + 1] if k[_K_NZ] else 0.0
+
+    def seconds_with(self, key: str) -> float:
+        """Seconds covered by the intervals carrying ``key`` in their deltas."""
+        k = self._keys.get(key)
+        return 0.0 if k is None else k[_K_SEC] + k[_K_SEC + 1]
+
+    def count_with(self, key: str) -> int:
+        k = self._keys.get(key)
+        return 0 if k is None else k[_K_N]
+
+    def keys(self) -> list[str]:
+        return list(self._keys)
+
+
+class ScopeSums(_Sums):
+    """The sums of one window restricted to its intervals with an energy sample for one scope."""
+
+    __slots__ = ("name", "_energy", "idle_n", "_idle", "_idle_energy", "_idle_seconds")
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.name = name
+        self._energy = [0.0, 0.0]
+        self.idle_n = 0
+        self._idle = [0.0, 0.0]            # idle joules of the intervals carrying it
+        self._idle_energy = [0.0, 0.0]     # energy of those same intervals
+        self._idle_seconds = [0.0, 0.0]    # and their seconds
+
+    def _reset_sums(self) -> None:
+        super()._reset_sums()
+        for a in (self._energy, self._idle, self._idle_energy, self._idle_seconds):
+            a[0] = a[1] = 0.0
+
+    def _add_scope(self, iv: Interval, seconds: float, loaded: bool) -> None:
+        self._add(iv, seconds, loaded)
+        e = iv.energy_joules[self.name]
+        _acc(self._energy, 0, e)
+        idle = iv.idle_joules.get(self.name)
+        if idle is not None:
+            self.idle_n += 1
+            _acc(self._idle, 0, idle)
+            _acc(self._idle_energy, 0, e)
+            _acc(self._idle_seconds, 0, seconds)
+
+    def _remove_scope(self, iv: Interval, seconds: float, loaded: bool) -> None:
+        self._remove(iv, seconds, loaded)
+        if self.n == 0:
+            self._energy[0] = self._energy[1] = 0.0
+        else:
+            _acc(self._energy, 0, -iv.energy_joules[self.name])
+        idle = iv.idle_joules.get(self.name)
+        if idle is not None:
+            self.idle_n -= 1
+            if self.idle_n == 0:
+                for a in (self._idle, self._idle_energy, self._idle_seconds):
+                    a[0] = a[1] = 0.0
+            else:
+                _acc(self._idle, 0, -idle)
+                _acc(self._idle_energy, 0, -iv.energy_joules[self.name])
+                _acc(self._idle_seconds, 0, -seconds)
+
+    @property
+    def energy_joules(self) -> float:
+        return self._energy[0] + self._energy[1]
+
+    @property
+    def idle_joules(self) -> float | None:
+        """Idle energy over the scope's intervals, or None unless every one of them has it."""
+        if self.n == 0 or self.idle_n != self.n:
+            return None
+        return self._idle[0] + self._idle[1]
+
+    # the intervals carrying both energy and idle energy for the scope (mean power against idle power)
+    @property
+    def idle_subset_seconds(self) -> float:
+        return self._idle_seconds[0] + self._idle_seconds[1]
+
+    @property
+    def idle_subset_energy_joules(self) -> float:
+        return self._idle_energy[0] + self._idle_energy[1]
+
+    @property
+    def idle_subset_idle_joules(self) -> float:
+        return self._idle[0] + self._idle[1]
+
+
+class WindowAggregate(_Sums):
+    """Running aggregate over a set of Intervals, oldest first. ``remove`` takes the oldest held interval."""
+
+    __slots__ = ("intervals", "_scopes", "_sorted", "_removals")
+
+    def __init__(self, intervals: Iterable[Interval] = ()) -> None:
+        super().__init__()
+        self.intervals: deque[Interval] = deque()
+        self._scopes: dict[str, ScopeSums] = {}
+        self._sorted: dict[str, list[float]] = {k: [] for k in ORDERED_GAUGES}
+        self._removals = 0
+        for iv in intervals:
+            self.add(iv)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self) -> Iterator[Interval]:
+        return iter(self.intervals)
+
+    def __repr__(self) -> str:
+        return f"WindowAggregate(n={self.n}, covered_seconds={self.covered_seconds:g})"
+
+    # --- updates -------------------------------------------------------------------------------------------
+    def _sum_in(self, iv: Interval) -> None:
+        seconds = iv.t1 - iv.t0
+        loaded = is_loaded(iv)
+        self._add(iv, seconds, loaded)
+        for scope in iv.energy_joules:
+            sc = self._scopes.get(scope)
+            if sc is None:
+                sc = self._scopes[scope] = ScopeSums(scope)
+            sc._add_scope(iv, seconds, loaded)
+
+    def add(self, iv: Interval) -> None:
+        self.intervals.append(iv)
+        self._sum_in(iv)
+        for key, v in ordered_gauge_values(iv):
+            insort(self._sorted[key], v)
+
+    def remove(self, iv: Interval | None = None) -> Interval:
+        """Take the oldest interval out (``iv``, when given, must be that interval)."""
+        head = self.intervals[0]
+        if iv is not None and iv is not head:
+            raise ValueError("WindowAggregate.remove takes the oldest interval it holds")
+        self.intervals.popleft()
+        seconds = head.t1 - head.t0
+        loaded = is_loaded(head)
+        self._remove(head, seconds, loaded)
+        for scope in head.energy_joules:
+            sc = self._scopes[scope]
+            sc._remove_scope(head, seconds, loaded)
+        for key, v in ordered_gauge_values(head):
+            s = self._sorted[key]
+            del s[bisect_left(s, v)]
+        self._removals += 1
+        if self._removals >= max(self.n, RESUM_MIN_REMOVALS):
+            self.resum()
+        return head
+
+    def resum(self) -> None:
+        """Recompute every running sum from the held intervals (bounds add/subtract drift). O(n)."""
+        self._removals = 0
+        self.n = 0
+        self._keys = {}
+        self._reset_sums()
+        self._scopes = {}
+        for iv in self.intervals:
+            self._sum_in(iv)
+
+    # --- queries -------------------------------------------------------------------------------------------
+    def scope(self, name: str) -> ScopeSums | None:
+        """Sums over the intervals carrying an energy sample for ``name`` ("gpu", "host"); None without any."""
+        sc = self._scopes.get(name)
+        return sc if sc is not None and sc.n > 0 else None
+
+    def sorted_gauge(self, key: str) -> list[float]:
+        """The gauge's values in ascending order (do not modify)."""
+        s = self._sorted.get(key)
+        if s is not None:
+            return s
+        return sorted(gauge_values(self.intervals, key))
+
+    def quantile(self, gauge_key: str, q: float) -> float | None:
+        """Like derive.pressure.quantile over the gauge's values (PromQL quantile_over_time)."""
+        return interpolate_sorted(self.sorted_gauge(gauge_key), q)
+
+    def gauge_min(self, key: str) -> float | None:
+        s = self.sorted_gauge(key)
+        return s[0] if s else None
+
+    def gauge_max(self, key: str) -> float | None:
+        s = self.sorted_gauge(key)
+        return s[-1] if s else None
+
+    def gauge_count(self, key: str) -> int:
+        return len(self.sorted_gauge(key))
+
+
+def aggregate_of(intervals: Iterable[Interval]) -> WindowAggregate:
+    """A fresh aggregate over ``intervals`` (oldest first)."""
+    return WindowAggregate(intervals)
+
+
+def is_aggregate(x: Any) -> bool:
+    """An aggregate or an aggregate-like view (a scope's sums): anything with ``delta``."""
+    return hasattr(x, "delta") and hasattr(x, "seconds_with")
+
+
+def as_aggregate(x: Any) -> Any:
+    """``x`` itself when it is already an aggregate (or a scope's sums), else ``aggregate_of(x)``."""
+    return x if is_aggregate(x) else aggregate_of(x)
+
+
+def covered_seconds(x: Any) -> float:
     """Seconds of gap-free samples in the window (each interval counted once)."""
-    return sum(iv.seconds for iv in intervals)
+    if is_aggregate(x):
+        return x.covered_seconds
+    return sum(iv.seconds for iv in x)
 
 
-def sum_delta(intervals: Iterable[Interval], key: str) -> float | None:
+def sum_delta(x: Any, key: str) -> float | None:
     """Sum of a counter's increases, or None when no interval carries that counter (series not exported)."""
+    if is_aggregate(x):
+        return x.delta(key)
     total, seen = 0.0, False
-    for iv in intervals:
+    for iv in x:
         d = iv.deltas.get(key)
         if d is not None:
             total, seen = total + d, True
     return total if seen else None
 
 
-def seconds_with(intervals: Iterable[Interval], key: str) -> float:
+def seconds_with(x: Any, key: str) -> float:
     """Seconds covered by intervals that carry ``key``: the denominator matching sum_delta."""
-    return sum(iv.seconds for iv in intervals if key in iv.deltas)
+    if is_aggregate(x):
+        return x.seconds_with(key)
+    return sum(iv.seconds for iv in x if key in iv.deltas)
 
 
-def gauge_values(intervals: Iterable[Interval], key: str) -> list[float]:
-    return [iv.gauges[key] for iv in intervals if key in iv.gauges]
+def gauge_values(x: Any, key: str) -> list[float]:
+    """The gauge's values in time order (an aggregate: O(n), from its held intervals)."""
+    if isinstance(x, WindowAggregate):
+        x = x.intervals
+    if key == "pending":
+        return [iv.gauges["running"] + iv.gauges["waiting"] for iv in x
+                if "running" in iv.gauges and "waiting" in iv.gauges]
+    return [iv.gauges[key] for iv in x if key in iv.gauges]

@@ -64,13 +64,40 @@ class _Accum:
         return IdleEstimate(device, self.joules / self.seconds, self.seconds, temp)
 
 
+class IdleAccumulator:
+    """THE P_idle arithmetic, shared by the daemon's learner, `kvwatt baseline idle` and the experiment's idle
+    phase: per device, joules over the seconds between that device's OWN readings (DeviceReading.read_at,
+    DeviceTracker.spans), so a slow read (NVML init, a stalled process) never counts seconds without their
+    energy (energy-measurement.md rule 10). A step without a sample marks the device missing (rule 3): it gets
+    no baseline rather than a wrong one."""
+
+    def __init__(self) -> None:
+        self.acc: dict[str, _Accum] = {}
+        self.missing: set[str] = set()
+
+    def add(self, device: str, span: tuple[float, float] | None, temperature: float | None = None) -> _Accum | None:
+        if span is None:
+            self.missing.add(device)
+            return None
+        a = self.acc.setdefault(device, _Accum())
+        a.joules, a.seconds = a.joules + span[0], a.seconds + span[1]
+        if temperature is not None:
+            a.temp_sum, a.temp_n = a.temp_sum + temperature, a.temp_n + 1
+        return a
+
+    def estimates(self, min_seconds: float = 0.0) -> list[IdleEstimate]:
+        return [a.estimate(d) for d, a in sorted(self.acc.items())
+                if d not in self.missing and a.seconds > 0 and a.seconds >= min_seconds]
+
+
 @dataclass
 class IdleLearner:
     """busy -> settling (idle, waiting ``settle_seconds``) -> measuring (accumulating per device).
 
     ``feed(t, idle, joules)``: ``idle`` says whether the interval ending at ``t`` was idle (server up, no
-    running or waiting requests, no tokens); ``joules`` maps device -> energy over that interval (None =
-    no sample: that interval does not count for that device, rule 3). Returns estimates to commit: when a
+    running or waiting requests, no tokens); ``joules`` maps device -> (joules, seconds between that device's
+    own readings) from DeviceTracker.spans, or plain joules over the tick (None = no sample: that interval
+    does not count for that device, rule 3). The arithmetic is IdleAccumulator's. Returns estimates to commit: when a
     device first reaches ``min_seconds`` of idle samples, every ``refresh_seconds`` after, and when the
     stretch ends.
     """
@@ -81,7 +108,11 @@ class IdleLearner:
     state: str = "busy"
     idle_since: float | None = None
     prev_t: float | None = None
-    acc: dict[str, _Accum] = field(default_factory=dict)
+    accum: IdleAccumulator = field(default_factory=IdleAccumulator)
+
+    @property
+    def acc(self) -> dict[str, _Accum]:
+        return self.accum.acc
 
     def feed(self, t: float, idle: bool, joules: Mapping[str, float | None],
              temperatures: Mapping[str, float | None] | None = None) -> list[IdleEstimate]:
@@ -96,17 +127,14 @@ class IdleLearner:
             self.state = "measuring"
         return self._accumulate(t - prev_t, joules, temperatures or {})
 
-    def _accumulate(self, seconds: float, joules: Mapping[str, float | None],
+    def _accumulate(self, seconds: float, joules: Mapping[str, float | tuple[float, float] | None],
                     temperatures: Mapping[str, float | None]) -> list[IdleEstimate]:
         out = []
         for device, j in joules.items():
             if j is None:
-                continue
-            a = self.acc.setdefault(device, _Accum())
-            a.joules, a.seconds = a.joules + j, a.seconds + seconds
-            temp = temperatures.get(device)
-            if temp is not None:
-                a.temp_sum, a.temp_n = a.temp_sum + temp, a.temp_n + 1
+                continue  # no sample for this step: it does not count for this device (rule 3)
+            span = j if isinstance(j, tuple) else (j, seconds)  # (joules, the device's own seconds)
+            a = self.accum.add(device, span, temperatures.get(device))
             first = a.emitted_seconds == 0.0 and a.seconds >= self.min_seconds
             if first or (a.emitted_seconds and a.seconds - a.emitted_seconds >= self.refresh_seconds):
                 a.emitted_seconds = a.seconds
@@ -115,9 +143,9 @@ class IdleLearner:
 
     def _end(self) -> list[IdleEstimate]:
         """The stretch ended: hand out what grew since the last estimate, then start over."""
-        out = [a.estimate(d) for d, a in self.acc.items()
+        out = [a.estimate(d) for d, a in self.accum.acc.items()
                if a.seconds >= self.min_seconds and a.seconds > a.emitted_seconds]
-        self.state, self.idle_since, self.acc = "busy", None, {}
+        self.state, self.idle_since, self.accum = "busy", None, IdleAccumulator()
         return out
 
 

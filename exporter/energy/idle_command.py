@@ -13,12 +13,13 @@ import argparse
 import asyncio
 import sys
 import time
-import aiohttp
+from dataclasses import replace
 
 from exporter.config import ConfigError, Config, ServerConfig, parse_duration, parse_server_flag, resolve
 from exporter.energy.attribution import assign_gpus
-from exporter.energy.baseline import BaselineBook, IdleEstimate
-from exporter.samples import DeviceReading
+from exporter.energy.baseline import BaselineBook, IdleAccumulator, IdleEstimate
+from exporter.samples import DeviceReading, Tick
+from exporter.sampler import Sampler, missed_deadline
 from exporter.store import DeviceTracker
 
 
@@ -56,19 +57,34 @@ def _config(args: argparse.Namespace) -> tuple[Config, list[ServerConfig]]:
     return cfg, list(cfg.servers)
 
 
-async def _check_idle(session: aiohttp.ClientSession, sources: list, start: dict) -> None:
-    for src in sources:
-        status, reading = await src.read(session)
-        if reading is None:
-            raise Busy(f"server {src.name} ({src.metrics_url}) is not answering: {status.reason}; start vLLM "
-                       "with the model loaded (a baseline without it understates idle by 26-66 W), or pass "
-                       "--no-server-check")
-        g, c = reading.gauges, reading.counters
-        if g.get("running") != 0 or g.get("waiting") != 0:
-            raise Busy(f"server {src.name} is not idle: running={g.get('running')}, waiting={g.get('waiting')}")
-        before = start.setdefault(src.name, {k: c.get(k) for k in ("generation_tokens", "prompt_tokens")})
-        if any(before[k] is not None and c.get(k) != before[k] for k in before):
-            raise Busy(f"server {src.name} served tokens during the measurement")
+class IdleCheck:
+    """The checked servers must stay idle: no running or waiting requests, no new tokens, answering."""
+
+    def __init__(self, servers: list[ServerConfig]) -> None:
+        self.servers = {s.name: s for s in servers}
+        self.start: dict[str, dict] = {}
+        self.seen: set[str] = set()
+
+    def check(self, tick: Tick) -> None:
+        for name, read in tick.servers.items():
+            if name not in self.servers:
+                continue
+            if read.reading is None:
+                url = self.servers[name].url.rstrip("/") + "/metrics"
+                raise Busy(f"server {name} ({url}) is not answering: {read.status.reason}; start vLLM with the "
+                           "model loaded (a baseline without it understates idle by 26-66 W), or pass "
+                           "--no-server-check")
+            g, c = read.reading.gauges, read.reading.counters
+            if g.get("running") != 0 or g.get("waiting") != 0:
+                raise Busy(f"server {name} is not idle: running={g.get('running')}, waiting={g.get('waiting')}")
+            before = self.start.setdefault(name, {k: c.get(k) for k in ("generation_tokens", "prompt_tokens")})
+            if any(before[k] is not None and c.get(k) != before[k] for k in before):
+                raise Busy(f"server {name} served tokens during the measurement")
+            self.seen.add(name)
+
+    @property
+    def all_seen(self) -> bool:
+        return self.seen >= set(self.servers)
 
 
 def _measure_devices(readings: list[DeviceReading], cfg: Config, checked: list[ServerConfig],
@@ -86,79 +102,57 @@ def _measure_devices(readings: list[DeviceReading], cfg: Config, checked: list[S
 
 async def measure(cfg: Config, checked: list[ServerConfig], duration: float, settle: float, interval: float,
                   nvml=None, rapl=None, out=sys.stdout) -> tuple[list[IdleEstimate], dict[str, str]]:
-    """Sample the energy sources for ``duration`` after ``settle``; (estimates, device -> why not measured)."""
-    from exporter.sources.nvml import NvmlSource
-    from exporter.sources.rapl import RaplSource
-    from exporter.sources.vllm import VllmSource
-
-    nvml = nvml or NvmlSource(cfg.nvml_enabled)
-    rapl = rapl or RaplSource(cfg.powercap_root)
-    vsources = [VllmSource(s.name, s.url, cfg.http_timeout_seconds, cfg.max_body_bytes) for s in checked]
-    tracker, joules, seconds, temps, missing = DeviceTracker(), {}, {}, {}, {}
-    start: dict = {}
-    try:
-        async with aiohttp.ClientSession() as session:
-            await _check_idle(session, vsources, start)
-            if settle > 0:
-                print(f"idle; waiting {settle:g}s for clocks to settle (--settle 0 to skip)", file=out)
-                await _idle_sleep(session, vsources, start, settle, interval)
-            print(f"measuring for {duration:g}s ...", file=out)
-            devices, reasons, down, t_end = None, [], {}, None
-            while True:
-                t = time.monotonic()
-                statuses, readings = _read(nvml, rapl, t)
-                down = {f"({s.source})": s.reason for s in statuses if not s.up}
-                reasons = [f"{s.source}: {s.reason}" for s in statuses if s.reason]
-                spans = tracker.spans(readings)  # joules over each device's own seconds between reads
-                if devices is None:  # the first reading only opens the intervals
-                    devices = _measure_devices(readings, cfg, checked, not checked)
-                    t_end = time.monotonic() + duration  # from the first sample: NVML init is not measured
-                else:
-                    _accumulate(spans, devices, joules, seconds, missing)
+    """Sample the energy sources for ``duration`` after ``settle`` with the daemon's Sampler; (estimates,
+    device -> why not measured). The arithmetic is IdleAccumulator's: each device's joules over the seconds
+    between its own readings, the clock starting at the first sample (NVML init is not measured)."""
+    cfg = replace(cfg, interval_seconds=interval)
+    check, tracker, acc = IdleCheck(checked), DeviceTracker(), IdleAccumulator()
+    down: dict[str, str] = {}
+    reasons: list[str] = []
+    async with Sampler(cfg, checked, nvml=nvml, rapl=rapl) as sampler:
+        ticks = sampler.ticks(interval)
+        async for tick in ticks:  # the servers must answer, idle, before anything is measured
+            check.check(tick)
+            if check.all_seen:
+                break
+        if settle > 0:
+            print(f"idle; waiting {settle:g}s for clocks to settle (--settle 0 to skip)", file=out)
+            await _watch(ticks, check, time.monotonic() + settle)
+        print(f"measuring for {duration:g}s ...", file=out)
+        devices, t_end = None, None
+        async for tick in ticks:
+            check.check(tick)
+            readings = list(tick.energy)
+            down = {f"({s.source})": s.reason for s in tick.energy_statuses if not s.up}
+            reasons = [f"{s.source}: {s.reason}" for s in tick.energy_statuses if s.reason]
+            if devices is None and any(missed_deadline(s) for s in tick.energy_statuses):
+                continue  # a source still starting (NVML init can take seconds): open once all have answered
+            spans = tracker.spans(readings)
+            if devices is None:  # the first reading only opens the intervals
+                devices = _measure_devices(readings, cfg, checked, not checked)
+                t_end = time.monotonic() + duration  # from the first sample: NVML init is not measured
+            else:
                 for r in readings:
-                    if r.device in devices and r.temperature_celsius is not None:
-                        temps.setdefault(r.device, []).append(r.temperature_celsius)
-                if t >= t_end:
-                    break
-                await _idle_sleep(session, vsources, start, min(interval, max(t_end - time.monotonic(), 0)),
-                                  interval)
-            await _check_idle(session, vsources, start)
-    finally:
-        nvml.close()
-    estimates = [IdleEstimate(d, joules[d] / seconds[d], seconds[d],
-                              sum(temps[d]) / len(temps[d]) if temps.get(d) else None)
-                 for d in sorted(joules) if d not in missing and seconds[d] > 0]
+                    if r.device in devices:
+                        acc.add(r.device, spans.get(r.device), r.temperature_celsius)
+            if time.monotonic() >= t_end:
+                break
+        await _watch(ticks, check, time.monotonic())  # one more look: still idle at the end
+        await ticks.aclose()
+    estimates = acc.estimates()
+    missing = {d: "no sample for part of the measurement" for d in acc.missing}
     missing.update(down)  # a whole source unavailable: say why (permission, absent, ...)
     if not estimates and not missing:
         missing["(none)"] = "; ".join(reasons) or "no energy device found"
     return estimates, missing
 
 
-def _accumulate(spans: dict, devices: set[str], joules: dict, seconds: dict, missing: dict) -> None:
-    for device, span in spans.items():
-        if device not in devices:
-            continue
-        if span is None:
-            missing[device] = "no sample for part of the measurement"
-        else:
-            joules[device] = joules.get(device, 0.0) + span[0]
-            seconds[device] = seconds.get(device, 0.0) + span[1]
-
-
-def _read(nvml, rapl, t: float):
-    nv_status, gpus = nvml.read(t)
-    host_status, zones = rapl.read(t)
-    return [nv_status, host_status], gpus + zones
-
-
-async def _idle_sleep(session, vsources, start, seconds: float, interval: float) -> None:
-    end = time.monotonic() + seconds
-    while True:
-        left = end - time.monotonic()
-        if left <= 0:
+async def _watch(ticks, check: IdleCheck, until: float) -> None:
+    """Keep checking the servers until monotonic time ``until`` (at least one more tick)."""
+    async for tick in ticks:
+        check.check(tick)
+        if time.monotonic() >= until:
             return
-        await asyncio.sleep(min(left, interval))
-        await _check_idle(session, vsources, start)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -1,12 +1,13 @@
 """Measurement of one run with the daemon's own machinery and arithmetic.
 
-``RunSampler`` IS the daemon (exporter.daemon.Daemon) watching one server: every tick reads NVML, RAPL and
-the server's /metrics back to back on one monotonic clock, turns device counters into per-tick joules
-(DeviceTracker), attributes them to the server (EnergyRuntime) and appends an Interval to its
-ServerHistory. On top it keeps the whole run (no trimming), measures the idle baseline P_idle per device
-over the idle phase and records it in the runtime's BaselineBook (method "measured"), so every later
-Interval carries P_idle * dt exactly as in the daemon. The daemon's idle learner is switched off: a
-baseline learned in a lull of the measurement would change P_idle halfway through the window.
+``RunSampler`` runs the daemon's Sampler and Model (exporter.sampler, exporter.model) over one server, in its
+own thread and event loop: every tick reads NVML, RAPL and the server's /metrics on one monotonic clock, each
+with its own deadline, and the Model attributes the devices' energy to the server and appends an Interval to
+its ServerHistory, which keeps the whole run. Over the idle phase it measures P_idle per device with
+IdleAccumulator (the arithmetic of `kvwatt baseline idle`: each device's joules over the seconds between its
+own readings) and records it in the model's BaselineBook (method "measured"), so every later Interval carries
+P_idle * dt exactly as in the daemon. The Model's idle learner is off: a baseline learned in a lull of the
+measurement would change P_idle halfway through the window.
 
 ``window_figures`` derives the run's figures from the measurement window's Intervals with exporter.derive
 (the functions behind the daemon's gauges).
@@ -22,75 +23,59 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from exporter.config import Config, ServerConfig
-from exporter.daemon import Daemon
 from exporter.derive import energy as derive_energy
 from exporter.derive.pressure import kv_usage_quantile, rate_per_second
 from exporter.derive.recompute import mfu_view, token_counts, token_shares
 from exporter.derive.window import covered_seconds, gauge_values, sum_delta
-from exporter.energy.baseline import IdleEstimate
-from exporter.energy.runtime import SCOPES, is_idle
+from exporter.energy.baseline import IdleAccumulator
 from exporter.experiment.plan import Plan
-from exporter.samples import Interval
+from exporter.model import Model
+from exporter.model.energy import SCOPES, is_idle
+from exporter.samples import Interval, Tick
+from exporter.sampler import Sampler
 
 SERVER_NAME = "server"
 
 
 @dataclass
 class IdleMeter:
-    """Per-device joules and seconds over the idle phase (the arithmetic of `kvwatt baseline idle`)."""
+    """The idle phase: IdleAccumulator over the devices, plus how much of the phase was not idle."""
 
-    joules: dict[str, float] = field(default_factory=dict)
-    seconds: dict[str, float] = field(default_factory=dict)
-    temperatures: dict[str, list[float]] = field(default_factory=dict)
-    missing: set[str] = field(default_factory=set)
+    accum: IdleAccumulator = field(default_factory=IdleAccumulator)
     busy_seconds: float = 0.0
     total_seconds: float = 0.0
 
-    def add(self, seconds: float, idle: bool, deltas: dict[str, float | None], temps: dict) -> None:
+    def add(self, seconds: float, idle: bool, spans: dict[str, tuple[float, float] | None], temps: dict) -> None:
         self.total_seconds += seconds
         if not idle:
             self.busy_seconds += seconds  # requests or tokens during the idle phase: reported, not measured
             return
-        for device, joules in deltas.items():
-            if joules is None:
-                self.missing.add(device)
-                continue
-            self.joules[device] = self.joules.get(device, 0.0) + joules
-            self.seconds[device] = self.seconds.get(device, 0.0) + seconds
-            if temps.get(device) is not None:
-                self.temperatures.setdefault(device, []).append(temps[device])
-
-    def estimates(self) -> list[IdleEstimate]:
-        out = []
-        for d in sorted(self.joules):
-            if d in self.missing or self.seconds[d] <= 0:
-                continue  # a gap: no baseline rather than a wrong one (energy-measurement.md rule 3)
-            temps = self.temperatures.get(d)
-            out.append(IdleEstimate(d, self.joules[d] / self.seconds[d], self.seconds[d],
-                                    sum(temps) / len(temps) if temps else None))
-        return out
+        for device, span in spans.items():
+            self.accum.add(device, span, temps.get(device))
 
 
-class RunSampler(Daemon):
-    """The daemon over one server, ticking in its own thread and event loop (``start``/``close``), so the
-    replay's work in the main loop (thousands of streamed events per second) never delays a sample. The
-    main thread only calls the methods below; the lock guards the idle meter."""
+class RunSampler:
+    """The daemon's Sampler and Model over one server, ticking in their own thread and event loop
+    (``start``/``close``), so the replay's work in the main loop (thousands of streamed events per second)
+    never delays a sample. The main thread only calls the methods below; the lock guards the model."""
 
     def __init__(self, plan: Plan, url: str, state_dir: str):
-        cfg = Config(servers=(ServerConfig(SERVER_NAME, url, gpus=plan.energy.gpus),),
-                     interval_seconds=plan.sample_interval_seconds, windows_seconds=(plan.phases.measure_seconds,),
-                     kv_pressure_threshold_ratio=plan.kv_pressure_threshold, state_dir=state_dir,
-                     powercap_root=plan.energy.powercap_root, nvml_enabled=plan.energy.nvml,
-                     idle_min_seconds=math.inf, min_load_seconds=plan.energy.min_load_seconds)
-        super().__init__(cfg)
-        self.server = self.servers[0]
-        self.server.history.max_age_seconds = math.inf  # keep the whole run
+        self.cfg = Config(servers=(ServerConfig(SERVER_NAME, url, gpus=plan.energy.gpus),),
+                          interval_seconds=plan.sample_interval_seconds,
+                          windows_seconds=(plan.phases.measure_seconds,),
+                          kv_pressure_threshold_ratio=plan.kv_pressure_threshold, state_dir=state_dir,
+                          powercap_root=plan.energy.powercap_root, nvml_enabled=plan.energy.nvml,
+                          min_load_seconds=plan.energy.min_load_seconds)
+        self.model = Model(self.cfg, keep_seconds=math.inf, learn_idle=False)  # keep the whole run
+        self.server = self.model.servers[SERVER_NAME]
         self.lock = threading.Lock()
         self.idle_meter: IdleMeter | None = None
         self.idle_started_t = 0.0
         self.last_ok_t: float | None = None
+        self.last_tick_t: float | None = None
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
         self._running = threading.Event()
         self.error: BaseException | None = None
 
@@ -104,7 +89,9 @@ class RunSampler(Daemon):
         async def main() -> None:
             self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
             self._running.set()
-            await self.run_loop()
+            async with Sampler(self.cfg) as sampler:
+                async for tick in sampler.ticks(self.cfg.interval_seconds, self._stop):
+                    self._ingest(tick)
         try:
             asyncio.run(main())
         except BaseException as e:  # noqa: BLE001 - surfaced by close()
@@ -113,31 +100,33 @@ class RunSampler(Daemon):
             self._running.set()
 
     def close(self) -> None:
-        """Stop ticking, wait for the thread, release the energy sources."""
+        """Stop ticking and wait for the thread (the sampler releases the energy sources)."""
         if self._loop is not None and self._thread is not None and self._thread.is_alive():
-            self._loop.call_soon_threadsafe(self.stop)
+            self._loop.call_soon_threadsafe(self._stop.set)
             self._thread.join(30)
-        self.energy.close()
 
-    async def tick(self, session, t: float) -> None:
-        await super().tick(session, t)
+    def _ingest(self, tick: Tick) -> None:
         with self.lock:
-            if self.server.status.up:
+            self.model.ingest(tick)
+            t = tick.t
+            if self.server.status.up and SERVER_NAME in tick.servers:
                 self.last_ok_t = t
             if self.idle_meter is not None:
                 self._meter_idle(t)
+            self.last_tick_t = t
 
     def _meter_idle(self, t: float) -> None:
-        tick = self.energy.last_tick
-        if tick is None or tick.t != t or not tick.seconds or t - tick.seconds < self.idle_started_t:
+        energy = self.model.energy.last
+        if energy is None or energy.t != t or not energy.seconds or t - energy.seconds < self.idle_started_t:
             return  # only intervals wholly inside the idle phase
+        ledger = self.model.energy
         history = self.server.history
         interval = history.intervals[-1] if history.intervals else None
-        devices = [d for d, r in self.energy.readings.items() if r.kind == "host"]
-        devices += list(self.energy.assignment.by_server.get(SERVER_NAME, ()))
-        temps = {d: r.temperature_celsius for d, r in self.energy.readings.items()}
-        self.idle_meter.add(tick.seconds, is_idle(self.server.status, interval, t),
-                            {d: tick.deltas.get(d) for d in devices}, temps)
+        devices = [d for d, r in ledger.readings.items() if r.kind == "host"]
+        devices += list(ledger.assignment.by_server.get(SERVER_NAME, ()))
+        temps = {d: r.temperature_celsius for d, r in ledger.readings.items()}
+        self.idle_meter.add(energy.seconds, is_idle(self.server.status, interval, t),
+                            {d: energy.spans.get(d) for d in devices}, temps)
 
     # --- called from the main thread --------------------------------------------------------------------
     def begin_idle(self) -> None:
@@ -148,12 +137,12 @@ class RunSampler(Daemon):
         """Commit the idle baseline; what was measured, for the run's record."""
         with self.lock:
             meter, self.idle_meter = self.idle_meter or IdleMeter(), None
-            estimates = meter.estimates()
-            self.energy.book.record(estimates, "measured")
-            statuses = list(self.energy.statuses)
+            estimates = meter.accum.estimates()
+            self.model.energy.book.record(estimates, "measured")
+            statuses = list(self.model.energy.statuses)
         return {"seconds": round(meter.total_seconds, 3), "busy_seconds": round(meter.busy_seconds, 3),
                 "watts": {e.device: e.watts for e in estimates},
-                "unmeasured": sorted((set(meter.joules) | meter.missing) - {e.device for e in estimates}),
+                "unmeasured": sorted((set(meter.accum.acc) | meter.accum.missing) - {e.device for e in estimates}),
                 "sources": {s.source: (s.reason or "ok") for s in statuses}}
 
     async def wait_tick_after(self, t: float, timeout_seconds: float) -> None:

@@ -1,7 +1,7 @@
 """`kvwatt baseline record --server NAME --duration D --out FILE`: record an OFF-condition profile.
 
-Samples one vLLM server (offloading OFF) and its GPUs' energy every ``interval`` for ``duration``, the way
-the daemon does (sources.vllm, energy.runtime, store.ServerHistory), cuts the samples into non-overlapping
+Samples one vLLM server (offloading OFF) and its GPUs' energy every ``interval`` for ``duration``, with the
+daemon's own Sampler and Model, cuts the samples into non-overlapping
 ``window`` windows and writes J/token and tokens/s per KV-pressure band (exporter/offload/profile.py).
 The daemon then compares a live ON server to it (``servers[].recorded_baseline``, the `recorded` dE kind).
 
@@ -19,16 +19,13 @@ import datetime as dt
 import sys
 import time
 from dataclasses import replace
-from types import SimpleNamespace
-
-import aiohttp
 
 from exporter.config import Config, ConfigError, ServerConfig, format_window, parse_duration, parse_server_flag, \
     resolve
 from exporter.derive.economics import DEFAULT_BANDS, build_bands, window_stats
 from exporter.offload import profile as profile_mod
-from exporter.sources.vllm import VllmSource
-from exporter.store import ServerHistory
+from exporter.model import Model
+from exporter.sampler import Sampler
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -57,43 +54,22 @@ def _config(args: argparse.Namespace) -> tuple[Config, ServerConfig]:
         raise ConfigError(f"--server: no configured server named {args.server!r} (known: {known})") from None
 
 
-def _energy_runtime(cfg: Config):
-    """The daemon's energy side (NVML + RAPL); None if it cannot even be built (no energy then)."""
-    try:
-        from exporter.energy.runtime import EnergyRuntime
-        return EnergyRuntime(cfg)
-    except Exception as e:  # an energy failure must not stop a throughput-only recording
-        print(f"kvwatt: warning: no energy sources ({type(e).__name__}: {e}); recording tokens/s only",
-              file=sys.stderr)
-        return None
-
-
-async def sample(cfg: Config, server: ServerConfig, duration_seconds: float, energy=None):
-    """Read the server (and energy) every cfg.interval_seconds for duration_seconds.
+async def sample(cfg: Config, server: ServerConfig, duration_seconds: float, energy: bool = True,
+                 nvml=None, rapl=None):
+    """Read the server (and energy) every cfg.interval_seconds for duration_seconds with the daemon's own
+    Sampler and Model (one server, every interval kept, no idle learning: P_idle must not change halfway).
     Returns (intervals, last VllmInfo or None, last vLLM status)."""
-    source = VllmSource(server.name, server.url, cfg.http_timeout_seconds, cfg.max_body_bytes)
-    state = SimpleNamespace(cfg=server, history=ServerHistory(duration_seconds + 3600.0))
-    info, status = None, None
+    model = Model(cfg, keep_seconds=duration_seconds + 3600.0, learn_idle=False)
+    sm = model.servers[server.name]
     start = time.monotonic()
-    async with aiohttp.ClientSession() as session:
-        next_t = start
-        while True:
-            t = time.monotonic()
-            tick = energy.read(t) if energy is not None else None
-            status, reading = await source.read(session)
-            if energy is not None and tick is not None:
-                energy.attribute(state, tick)
-            if reading is not None:
-                if reading.info.offload_enabled:
-                    raise ConfigError(f"--server {server.name}: the server offloads KV "
-                                      "(kv_offloading_size is set); record the OFF twin")
-                info = reading.info
-                state.history.add_reading(t, reading)
-            if t - start >= duration_seconds:
-                break
-            next_t += cfg.interval_seconds
-            await asyncio.sleep(max(0.0, next_t - time.monotonic()))
-    return list(state.history.intervals), info, status
+    async with Sampler(cfg, (server,), nvml=nvml, rapl=rapl, energy=energy) as sampler:
+        async for tick in sampler.ticks(cfg.interval_seconds, until=start + duration_seconds):
+            read = tick.servers.get(server.name)
+            if read is not None and read.reading is not None and read.reading.info.offload_enabled:
+                raise ConfigError(f"--server {server.name}: the server offloads KV "
+                                  "(kv_offloading_size is set); record the OFF twin")
+            model.ingest(tick)
+    return list(sm.history.intervals), sm.info, sm.status
 
 
 def build_profile(intervals, info, server: ServerConfig, duration_seconds: float, window_seconds: float
@@ -119,12 +95,7 @@ def main(args: argparse.Namespace) -> int:
     if args.out.endswith("/"):
         raise ConfigError(f"--out: expected a file path, got a directory {args.out!r}")
     cfg = replace(cfg, servers=(server,))
-    energy = _energy_runtime(cfg)
-    try:
-        intervals, info, status = asyncio.run(sample(cfg, server, duration, energy))
-    finally:
-        if energy is not None:
-            energy.close()
+    intervals, info, status = asyncio.run(sample(cfg, server, duration))
     prof = build_profile(intervals, info, server, duration, window)
     if prof.windows == 0:
         why = f"vLLM {status.reason}" if status is not None and not status.up else "no window carried load"

@@ -9,14 +9,24 @@ Rules applied (docs/energy-measurement.md):
   with back-off) while the others go on; a counter that went down is a reset (re-based, continuous=False).
 - no NVML at all (module missing, library not found, driver not loaded): ``SourceStatus(up=False)`` with the
   reason, retried now and then; the daemon runs on.
+
+GPUs are read concurrently. ``nvmlDeviceGetTotalEnergyConsumption`` costs ~3 ms median and up to 18 ms on
+an H100 (ctypes releases the GIL during the call), so eight GPUs read one after another would take ~25 ms a
+tick with tails past 50 ms. Each GPU's NVML calls run as one task in the source's thread pool; the state
+(corrected totals, back-off, re-basing) is only touched by the thread calling ``read``, after the task
+returned. A GPU whose task misses ``read``'s deadline gets no sample this tick (rule 3: a gap, never a
+guess); it is not read again while that task still runs, and the task's result, when it comes, is thrown
+away and the counter re-based, so no energy is invented or counted twice.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import importlib
 import logging
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -102,6 +112,7 @@ class _Gpu:
     backoff_seconds: float = RETRY_INITIAL_SECONDS
     integrator: PowerIntegrator | None = None
     labels: dict[str, str] = field(default_factory=dict)
+    pending: Future | None = None  # a task that missed its deadline and may still be running
 
     @property
     def device(self) -> str:
@@ -119,8 +130,9 @@ class NvmlSource:
     name = "nvml"
 
     def __init__(self, enabled: bool = True, module: Any = None, sample_hz: float = SAMPLE_HZ,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, max_workers: int | None = None) -> None:
         self.enabled = enabled
+        self.max_workers = max_workers  # None: one reader thread per GPU (1: the GPUs one after another)
         self.sample_hz = sample_hz
         self.clock = clock
         self.nvml = module
@@ -131,6 +143,9 @@ class NvmlSource:
         self._initialized = False
         self._sampler: _Sampler | None = None
         self._lock = threading.Lock()
+        self._read_lock = threading.Lock()  # one read() at a time (the state below is the reader's)
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_size = 0
 
     # --- NVML lifecycle ---------------------------------------------------------------------------------
     def _try_init(self, t: float) -> bool:
@@ -153,6 +168,9 @@ class NvmlSource:
         return True
 
     def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
         if self._sampler:
             self._sampler.stop()
             self._sampler = None
@@ -172,15 +190,20 @@ class NvmlSource:
         except Exception as e:
             log.warning("nvml: cannot count GPUs: %s", e)
             return
+        found: list[tuple[int, Any, str]] = []
         for index in range(count):
             try:
                 handle = nv.nvmlDeviceGetHandleByIndex(index)
                 uuid = _text(nv.nvmlDeviceGetUUID(handle))
             except Exception:
                 continue  # a lost GPU at discovery; picked up by a later scan once it is back
-            if uuid in self._gpus:
-                continue
-            gpu = _Gpu(uuid, index, handle, self._method(handle), labels={"gpu": str(index), "uuid": uuid})
+            if uuid not in self._gpus:
+                found.append((index, handle, uuid))
+        # probing the counter is an energy read (~3 ms on an H100): all new GPUs at once
+        methods = list(self._executor(len(self._gpus) + len(found)).map(self._method, [h for _, h, _ in found])) \
+            if found else []
+        for (index, handle, uuid), method in zip(found, methods):
+            gpu = _Gpu(uuid, index, handle, method, labels={"gpu": str(index), "uuid": uuid})
             if gpu.method == "power_integration":
                 gpu.integrator = PowerIntegrator(self.clock)
                 sample_power(nv, gpu)  # one sample now, so the first read already has a hold value
@@ -208,28 +231,106 @@ class NvmlSource:
             return [g for g in self._gpus.values() if g.integrator is not None and not g.down]
 
     # --- reading ----------------------------------------------------------------------------------------
-    def read(self, t: float) -> tuple[SourceStatus, list[DeviceReading]]:
+    def read(self, t: float, deadline_seconds: float | None = None) -> tuple[SourceStatus, list[DeviceReading]]:
+        """One DeviceReading per known GPU, the GPUs read concurrently. A GPU whose NVML calls have not
+        returned ``deadline_seconds`` after the read began gets a no-sample reading with a reason (None: wait
+        for every GPU)."""
+        with self._read_lock:
+            return self._read(t, deadline_seconds)
+
+    def _read(self, t: float, deadline_seconds: float | None) -> tuple[SourceStatus, list[DeviceReading]]:
         started = time.perf_counter()
         if not self._try_init(t):
             return SourceStatus("nvml", "", False, self._unavailable, time.perf_counter() - started, "down"), []
         if self._scan_at is None or t - self._scan_at >= RESCAN_SECONDS:
             self._scan(t)
+        gpus = list(self._gpus.values())
+        outcomes: dict[str, tuple[DeviceReading, str]] = {}
+        tasks: dict[Future, _Gpu] = {}
+        for gpu in gpus:
+            if gpu.pending is not None:
+                if not gpu.pending.done():  # never two reads of one GPU at once
+                    outcomes[gpu.uuid] = self._no_sample(gpu), f"busy: {gpu.describe()}: a late read still runs"
+                    continue
+                gpu.pending = None  # its late result is dropped; prev_raw was cleared when it missed
+            recover = bool(gpu.down)
+            if recover and t < gpu.retry_at:
+                outcomes[gpu.uuid] = self._no_sample(gpu), f"gpu lost: {gpu.describe()}: {gpu.down}"
+                continue
+            try:
+                tasks[self._executor(len(gpus)).submit(self._fetch, gpu, gpu.handle, recover)] = gpu
+            except RuntimeError as e:  # the pool was shut down under us (close() from another thread)
+                outcomes[gpu.uuid] = self._no_sample(gpu), f"error: {gpu.describe()}: {e}"
+        if tasks:
+            remaining = None
+            if deadline_seconds is not None:
+                remaining = max(deadline_seconds - (time.perf_counter() - started), 0.0)
+            concurrent.futures.wait(tasks, timeout=remaining)
+        for future, gpu in tasks.items():
+            if future.done():
+                try:
+                    got = future.result()
+                except BaseException as e:  # noqa: BLE001 -- a bug or a cancelled task: no sample, never a crash
+                    got = _Fetched(error=e if isinstance(e, Exception) else RuntimeError(repr(e)))
+                outcomes[gpu.uuid] = self._commit(gpu, got, t)
+            else:
+                outcomes[gpu.uuid] = self._missed(gpu, future, t, deadline_seconds)
         readings, failures = [], []
-        for gpu in list(self._gpus.values()):
-            reading, failure = self._read_gpu(gpu, t)
+        for gpu in gpus:
+            reading, failure = outcomes[gpu.uuid]
             readings.append(reading)
             if failure:
                 failures.append(failure)
         return _status(readings, failures, time.perf_counter() - started), readings
 
-    def _read_gpu(self, gpu: _Gpu, t: float) -> tuple[DeviceReading, str]:
-        if gpu.down and not self._recover(gpu, t):
-            return self._no_sample(gpu), f"gpu lost: {gpu.describe()}: {gpu.down}"
+    def _executor(self, gpus: int) -> ThreadPoolExecutor:
+        """One worker per GPU: a GPU has at most one task in flight, so none ever waits for a worker."""
+        want = max(gpus if self.max_workers is None else min(gpus, self.max_workers), 1)
+        if self._pool is None or self._pool_size < want:
+            if self._pool is not None:
+                self._pool.shutdown(wait=False)  # its running tasks finish; their GPUs are marked pending
+            self._pool_size = want
+            self._pool = ThreadPoolExecutor(self._pool_size, thread_name_prefix="kvwatt-nvml-read")
+        return self._pool
+
+    def _fetch(self, gpu: _Gpu, handle: Any, recover: bool) -> _Fetched:
+        """The NVML calls for one GPU, in a pool thread. Touches no state of the source (the integrator
+        is thread-safe); ``_commit`` applies the result on the reading thread."""
+        nv, out = self.nvml, _Fetched()
+        if recover:
+            try:
+                handle = nv.nvmlDeviceGetHandleByUUID(gpu.uuid)
+                if gpu.method == "counter":
+                    nv.nvmlDeviceGetTotalEnergyConsumption(handle)
+            except Exception as e:
+                out.recover_error = e
+                return out
+            out.handle = handle
+            if gpu.integrator is not None:
+                gpu.integrator.fail("recovered")
+                sample_power(nv, gpu, handle)  # a new segment starts here; the frozen total is kept
         try:
-            joules, continuous = self._energy(gpu, t)
-            read_at = self.clock()
-            watts = self._optional(self.nvml.nvmlDeviceGetPowerUsage, gpu.handle)
-            temp = self._optional(self.nvml.nvmlDeviceGetTemperature, gpu.handle, _temp_sensor(self.nvml))
+            if gpu.integrator is None:
+                out.raw_mj = nv.nvmlDeviceGetTotalEnergyConsumption(handle)
+                out.read_at = self.clock()
+            out.milliwatts = self._optional(nv.nvmlDeviceGetPowerUsage, handle)
+            out.temperature = self._optional(nv.nvmlDeviceGetTemperature, handle, _temp_sensor(nv))
+        except Exception as e:
+            out.error = e
+        return out
+
+    def _commit(self, gpu: _Gpu, got: _Fetched, t: float) -> tuple[DeviceReading, str]:
+        if gpu.down:
+            if got.recover_error is not None or got.handle is None:
+                e = got.recover_error or got.error or RuntimeError("recovery failed")
+                self._mark_down(gpu, t, str(e) or type(e).__name__)
+                return self._no_sample(gpu), f"gpu lost: {gpu.describe()}: {gpu.down}"
+            log.info("nvml: GPU %s is back", gpu.describe())
+            gpu.handle, gpu.down, gpu.prev_raw = got.handle, "", None  # re-based: the counter stayed frozen
+        try:
+            if got.error is not None:
+                raise got.error
+            joules, continuous, read_at = self._energy(gpu, t, got)
         except Exception as e:
             if type(e).__name__ in LOST_ERRORS:
                 self._mark_down(gpu, t, str(e) or type(e).__name__)
@@ -240,25 +341,36 @@ class NvmlSource:
             failure = (gpu.integrator.failure if gpu.integrator else "") or "no recent power sample"
             return self._no_sample(gpu), f"error: {gpu.describe()}: {failure}"
         return DeviceReading(gpu.device, "gpu", dict(gpu.labels), gpu.total_joules, continuous,
-                             None if watts is None else watts / 1000.0, gpu.method,
-                             None if temp is None else float(temp), read_at), ""
+                             None if got.milliwatts is None else got.milliwatts / 1000.0, gpu.method,
+                             None if got.temperature is None else float(got.temperature), read_at), ""
 
-    def _energy(self, gpu: _Gpu, t: float) -> tuple[float | None, bool]:
-        """Advance the GPU's corrected total; (total or None, continuous)."""
+    def _missed(self, gpu: _Gpu, future: Future, t: float, deadline: float | None) -> tuple[DeviceReading, str]:
+        """The GPU's task is still running at the deadline: no sample (rule 3); its result will be dropped."""
+        gpu.prev_raw = None  # re-based: the step across the late read is never used
+        gpu.pending = None if future.cancel() else future  # one still queued (max_workers) never runs
+        reason = f"NVML read took longer than the {deadline:.3f} s deadline"
+        if gpu.down:  # a recovery attempt that hangs counts as a failed one (back-off grows)
+            self._mark_down(gpu, t, reason)
+            return self._no_sample(gpu), f"gpu lost: {gpu.describe()}: {gpu.down}"
+        return self._no_sample(gpu), f"timeout: {gpu.describe()}: {reason}"
+
+    def _energy(self, gpu: _Gpu, t: float, got: _Fetched) -> tuple[float | None, bool, float | None]:
+        """Advance the GPU's corrected total; (total or None, continuous, when the energy was read)."""
         if gpu.integrator is not None:
             if gpu.integrator.error is not None:
                 err, gpu.integrator.error = gpu.integrator.error, None
                 raise err
             raw, segment = gpu.integrator.joules_now()
+            read_at = self.clock()
             if raw is None:
                 gpu.prev_raw = None
-                return None, False
+                return None, False, None
             raw_joules, same_run = raw, segment == gpu.prev_segment
             gpu.prev_segment = segment
         else:
-            raw_joules, same_run = self.nvml.nvmlDeviceGetTotalEnergyConsumption(gpu.handle) / 1000.0, True
+            raw_joules, same_run, read_at = got.raw_mj / 1000.0, True, got.read_at
         continuous = self._step(gpu, raw_joules, t, same_run)
-        return gpu.total_joules, continuous
+        return gpu.total_joules, continuous, read_at
 
     def _step(self, gpu: _Gpu, raw_joules: float, t: float, same_run: bool) -> bool:
         prev, prev_t = gpu.prev_raw, gpu.prev_t
@@ -288,26 +400,22 @@ class NvmlSource:
             gpu.backoff_seconds = min(gpu.backoff_seconds * 2, RETRY_MAX_SECONDS)
         gpu.down, gpu.retry_at, gpu.prev_raw = reason, t + gpu.backoff_seconds, None
 
-    def _recover(self, gpu: _Gpu, t: float) -> bool:
-        if t < gpu.retry_at:
-            return False
-        try:
-            handle = self.nvml.nvmlDeviceGetHandleByUUID(gpu.uuid)
-            if gpu.method == "counter":
-                self.nvml.nvmlDeviceGetTotalEnergyConsumption(handle)
-        except Exception as e:
-            self._mark_down(gpu, t, str(e) or type(e).__name__)
-            return False
-        log.info("nvml: GPU %s is back", gpu.describe())
-        gpu.handle, gpu.down, gpu.prev_raw = handle, "", None  # re-based: the counter stayed frozen
-        if gpu.integrator is not None:
-            gpu.integrator.fail("recovered")
-            sample_power(self.nvml, gpu)  # a new segment starts here; the frozen total is kept
-        return True
-
     def _no_sample(self, gpu: _Gpu) -> DeviceReading:
         # rule 3: no sample, never a 0 J delta; the total stays frozen for when the GPU returns
         return DeviceReading(gpu.device, "gpu", dict(gpu.labels), None, False, None, gpu.method)
+
+
+@dataclass
+class _Fetched:
+    """What one pool task got from NVML for one GPU (nothing is applied to the source until _commit)."""
+
+    handle: Any = None  # the new handle after a recovery attempt that succeeded
+    recover_error: Exception | None = None
+    raw_mj: float | None = None  # counter GPUs: the total-energy counter
+    read_at: float | None = None
+    milliwatts: float | None = None
+    temperature: float | None = None
+    error: Exception | None = None
 
 
 class _Sampler(threading.Thread):
@@ -334,10 +442,11 @@ class _Sampler(threading.Thread):
             self._stop_event.wait(delay)
 
 
-def sample_power(nv: Any, gpu: _Gpu) -> None:
+def sample_power(nv: Any, gpu: _Gpu, handle: Any = None) -> None:
     """One instant-power sample into the GPU's integrator (rule 6: check nvmlReturn, read valueType's member)."""
     try:
-        entry = nv.nvmlDeviceGetFieldValues(gpu.handle, [nv.NVML_FI_DEV_POWER_INSTANT])[0]
+        entry = nv.nvmlDeviceGetFieldValues(gpu.handle if handle is None else handle,
+                                            [nv.NVML_FI_DEV_POWER_INSTANT])[0]
     except Exception as e:
         if type(e).__name__ in LOST_ERRORS:
             gpu.integrator.error = e

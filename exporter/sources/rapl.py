@@ -16,8 +16,10 @@ import errno
 import logging
 import os
 import re
+import threading
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 from exporter.samples import DeviceReading, SourceStatus
 
@@ -179,18 +181,25 @@ def step_joules(prev_uj: int, cur_uj: int, max_range_uj: int, seconds: float,
 
 class RaplSource:
     """Reads the host's RAPL package/dram counters. ``read(t)`` is synchronous and cheap (one small file
-    read per zone); ``t`` is the daemon's monotonic tick time."""
+    read per zone); ``t`` is the daemon's monotonic tick time.
+
+    Thread-safe: the sampler calls ``read`` from a worker thread, and a read that outlived its tick may
+    still run when the next one starts. Reads are serialised by a lock, so two reads never take the same
+    counter step (no energy counted twice) and the zone table is never rescanned under a reader."""
 
     name = "rapl"
 
     def __init__(self, root: str = DEFAULT_ROOT, rescan_seconds: float = RESCAN_SECONDS,
-                 max_plausible_watts: float = MAX_PLAUSIBLE_WATTS) -> None:
+                 max_plausible_watts: float = MAX_PLAUSIBLE_WATTS,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.root = root
+        self.clock = clock  # stamps read_at; the sampler's tick clock (a test's virtual one)
         self.rescan_seconds = rescan_seconds
         self.max_plausible_watts = max_plausible_watts
         self._zones: dict[str, _Zone] = {}
         self._scan_reason = ""
         self._last_scan_t: float | None = None
+        self._lock = threading.Lock()
 
     def _rescan(self, t: float) -> None:
         """Pick up zones that appeared (module loaded, access granted); keep the state of known ones."""
@@ -200,6 +209,10 @@ class RaplSource:
         self._last_scan_t = t
 
     def read(self, t: float) -> tuple[SourceStatus, list[DeviceReading]]:
+        with self._lock:
+            return self._read(t)
+
+    def _read(self, t: float) -> tuple[SourceStatus, list[DeviceReading]]:
         started = time.perf_counter()
         if self._last_scan_t is None or t - self._last_scan_t >= self.rescan_seconds:
             self._rescan(t)
@@ -216,7 +229,7 @@ class RaplSource:
         labels = {"zone": z.zone, "domain": z.domain}
         try:
             cur = _read_energy_uj(z.energy_path)
-            read_at = time.monotonic()
+            read_at = self.clock()
         except _Unreadable as e:
             z.broken = True  # the next good read re-bases (rule 3: no sample, not 0 J)
             return DeviceReading(z.device, "host", labels, None, continuous=False, method="rapl"), e

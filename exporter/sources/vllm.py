@@ -1,21 +1,32 @@
-"""vLLM source: fetch one server's /metrics and turn it into a VllmReading.
+"""vLLM source: fetch one server's /metrics and turn it into an EngineReading (the vLLM engine adapter).
 
 Server-wide figures sum counters over ``engine`` (data-parallel ranks); KV usage takes the highest engine,
 because the fullest engine is the one that preempts. Names and renames from vLLM 0.11 to 0.33 are handled
 here and nowhere else (docs/vllm-metrics.md).
+
+``VllmAdapter.read(text)`` parses only the families ``extract`` uses (``NEEDED_FAMILIES``, located by one
+regex scan: exporter/expfmt.parse_families); ``extract(parse(text))`` -- the general parser -- gives exactly
+the same reading (tests/test_engine_adapter.py holds them equal). ``VllmSource.read`` runs the decoding in
+a worker thread so a large exposition never stalls the event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
 
 import aiohttp
 
-from exporter.expfmt import Exposition, parse
-from exporter.samples import SourceStatus, VllmInfo, VllmReading
+from exporter.expfmt import Exposition, parse, parse_families, process_start_time
+from exporter.samples import EngineReading, SourceStatus, VllmInfo, VllmReading
+from exporter.sources.engine import EngineAdapter, SourceError, adapter_for, capabilities_of
 from exporter.vllm_names import RENAMES
+
+__all__ = ["COUNTERS", "DEPRECATED_OFFLOAD", "GAUGES_SUM", "GIB", "NEEDED_FAMILIES", "SourceError", "VllmAdapter",
+           "VllmReading", "VllmSource", "extract"]
+log = logging.getLogger("kvwatt.vllm")
 
 # counter key -> (series base name without "vllm:" and "_total", label filter)
 COUNTERS: dict[str, tuple[str, dict[str, str]]] = {
@@ -46,27 +57,39 @@ GAUGES_SUM = {
     "waiting_capacity": ("num_requests_waiting_by_reason", {"reason": "capacity"}),
     "waiting_deferred": ("num_requests_waiting_by_reason", {"reason": "deferred"}),
 }
+INFO_BASES = ("kv_cache_usage_perc", "cache_config_info", "kv_offload_config_info")
 GIB = 2 ** 30
 
 
-class SourceError(Exception):
-    """A read failed; ``reason`` is a short word used as the label value (timeout, refused, http_503 ...)."""
+def _needed() -> tuple[frozenset[str], frozenset[str]]:
+    bases = {base for base, _ in (*COUNTERS.values(), *DEPRECATED_OFFLOAD.values(), *GAUGES_SUM.values())}
+    bases |= set(INFO_BASES)
+    spellings = bases | {old for old, new in RENAMES.items() if new in bases}
+    families = {f"vllm:{b}{suffix}" for b in spellings for suffix in ("", "_total")}
+    return frozenset(bases), frozenset(families)
 
-    def __init__(self, reason: str, detail: str = ""):
-        super().__init__(f"{reason}: {detail}" if detail else reason)
-        self.reason = reason
+
+# NEEDED_BASES: the canonical base names extract() reads; NEEDED_FAMILIES: every wire name that maps onto
+# one of them (with and without _total, old names before a rename). Nothing else is parsed on the fast path.
+NEEDED_BASES, NEEDED_FAMILIES = _needed()
 
 
 def _canonical(exp: Exposition) -> dict[str, dict]:
-    """Series keyed by base name: strip 'vllm:', '_total'; apply renames. Newer names win over old ones."""
+    """Series keyed by base name: strip 'vllm:', '_total'; apply renames. Newer names win over old ones.
+
+    Only the bases extract() reads are kept, so a full parse and a parse of NEEDED_FAMILIES give the same."""
     out: dict[str, dict] = {}
     from_old_name: set[str] = set()
     for name, samples in exp.series.items():
-        base = name[5:]
-        if base.endswith("_total"):
-            base = base[:-6]
-        if base in RENAMES:
+        if not name.startswith("vllm:"):
+            continue
+        base = name[5:].removesuffix("_total")
+        renamed = base in RENAMES
+        if renamed:
             base = RENAMES[base]
+        if base not in NEEDED_BASES:
+            continue
+        if renamed:
             if base not in out:
                 out[base] = samples
                 from_old_name.add(base)
@@ -92,7 +115,8 @@ def _sum_finite(vals: list[float] | None) -> float | None:
     return sum(good) if good else None
 
 
-def extract(exp: Exposition, process_start: float | None = None) -> VllmReading:
+def extract(exp: Exposition, process_start: float | None = None) -> EngineReading:
+    """The reading from a parsed exposition (a full ``parse`` or ``parse_families(text, NEEDED_FAMILIES)``)."""
     series = _canonical(exp)
     counters: dict[str, float] = {}
     for key, (base, match) in COUNTERS.items():
@@ -109,7 +133,9 @@ def extract(exp: Exposition, process_start: float | None = None) -> VllmReading:
     usage = [v for v in (_select(series, "kv_cache_usage_perc", {}) or []) if math.isfinite(v)]
     if usage:
         gauges["kv_usage"] = max(usage)
-    return VllmReading(counters=counters, gauges=gauges, info=_info(series, counters, process_start))
+    info = _info(series, counters, process_start)
+    return EngineReading(counters=counters, gauges=gauges, info=info,
+                         capabilities=capabilities_of(counters, gauges, info), engine="vllm")
 
 
 def _info(series: dict, counters: dict[str, float], process_start: float | None) -> VllmInfo:
@@ -165,22 +191,40 @@ def _offload_from_cache_config(samples: dict | None):
     return enabled, buffer_bytes, backend, (blocks or None), block_size
 
 
-def _process_start(text: str) -> float | None:
-    i = text.find("\nprocess_start_time_seconds ")
-    if i < 0:
-        return None
-    line = text[i + 1:text.find("\n", i + 1)]
-    return _float(line.split()[1]) if len(line.split()) >= 2 else None
+_process_start = process_start_time  # the old private name, still imported by tests
+
+
+class VllmAdapter:
+    """The vLLM engine adapter (exporter/sources/engine.py): only NEEDED_FAMILIES are parsed."""
+
+    name = "vllm"
+
+    def detect(self, text: str) -> bool:
+        return text.startswith("vllm:") or "\nvllm:" in text
+
+    def read(self, text: str, problems: list[str] | None = None) -> EngineReading:
+        exp = parse_families(text, NEEDED_FAMILIES)
+        if not exp.series:
+            detail = f"{exp.errors} malformed lines" if exp.errors else "no usable vllm: series in the exposition"
+            raise SourceError("parse_error", detail)
+        if exp.errors and problems is not None:
+            problems.append(f"parse_error: {exp.errors} bad lines skipped")
+        return extract(exp, process_start_time(text))
 
 
 class VllmSource:
-    """Reads one server. ``read()`` returns (status, reading or None); it never raises."""
+    """Reads one server. ``read()`` returns (status, reading or None); it never raises.
 
-    def __init__(self, name: str, url: str, timeout_seconds: float, max_body_bytes: int):
+    ``adapter`` fixes the engine adapter; by default each exposition picks its own (``adapter_for``: vLLM
+    unless another registered engine recognises it)."""
+
+    def __init__(self, name: str, url: str, timeout_seconds: float, max_body_bytes: int,
+                 adapter: EngineAdapter | None = None):
         self.name = name
         self.metrics_url = url.rstrip("/") + "/metrics"
         self.timeout = aiohttp.ClientTimeout(total=timeout_seconds)
         self.max_body_bytes = max_body_bytes
+        self.adapter = adapter
 
     async def fetch(self, session: aiohttp.ClientSession) -> str:
         try:
@@ -203,19 +247,32 @@ class VllmSource:
         except aiohttp.ClientError as e:
             raise SourceError("http_error", type(e).__name__) from None
 
-    async def read(self, session: aiohttp.ClientSession) -> tuple[SourceStatus, VllmReading | None]:
+    def decode(self, text: str, problems: list[str] | None = None) -> EngineReading:
+        """Parse and extract one exposition (CPU only, no I/O: call it from a worker thread). Raises
+        SourceError("parse_error", ...) when nothing usable; skipped bad lines are appended to ``problems``."""
+        try:
+            return (self.adapter or adapter_for(text)).read(text, problems)
+        except SourceError:
+            raise
+        except Exception as e:  # a bug in an adapter must not take the daemon down: this server is down
+            log.exception("%s: decoding the exposition failed", self.name)
+            raise SourceError("parse_error", f"{type(e).__name__}: {e}") from None
+
+    def status(self, problems: list[str], seconds: float) -> SourceStatus:
+        """The status of a read that produced a reading: ok, or degraded with the problems as the reason."""
+        if problems:
+            return SourceStatus("vllm", self.name, True, "; ".join(problems), seconds, "degraded")
+        return SourceStatus("vllm", self.name, True, "", seconds, "ok")
+
+    def down(self, error: SourceError, seconds: float) -> SourceStatus:
+        return SourceStatus("vllm", self.name, False, error.reason, seconds, "down")
+
+    async def read(self, session: aiohttp.ClientSession) -> tuple[SourceStatus, EngineReading | None]:
         start = time.perf_counter()
+        problems: list[str] = []
         try:
             text = await self.fetch(session)
-            exp = parse(text)
-            if not exp.series:
-                raise SourceError("parse_error", "no vllm: series in the exposition")
-            reading = extract(exp, _process_start(text))
+            reading = await asyncio.to_thread(self.decode, text, problems)  # never on the event loop
         except SourceError as e:
-            return SourceStatus("vllm", self.name, False, e.reason, time.perf_counter() - start, "down"), None
-        status = SourceStatus("vllm", self.name, True, "", time.perf_counter() - start,
-                              "degraded" if exp.errors else "ok")
-        if exp.errors:
-            status = SourceStatus("vllm", self.name, True, f"parse_error: {exp.errors} bad lines skipped",
-                                  status.duration_seconds, "degraded")
-        return status, reading
+            return self.down(e, time.perf_counter() - start), None
+        return self.status(problems, time.perf_counter() - start), reading

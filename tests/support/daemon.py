@@ -28,13 +28,17 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def parse_exposition(text: str) -> dict[tuple[str, frozenset], float]:
-    """Parse with prometheus_client's own parser (independent of kvwatt's)."""
+    """Parse with prometheus_client's own parser (independent of kvwatt's). A sample that appears twice (same
+    name and labels) fails: a dict would silently keep the last one and hide the duplicate."""
     from prometheus_client.parser import text_string_to_metric_families
 
     out = {}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
-            out[(s.name, frozenset(s.labels.items()))] = s.value
+            key = (s.name, frozenset(s.labels.items()))
+            if key in out:
+                raise AssertionError(f"duplicate sample {s.name}{dict(s.labels)} in the exposition")
+            out[key] = s.value
     return out
 
 

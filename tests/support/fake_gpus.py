@@ -9,6 +9,10 @@
 
 For a daemon subprocess: ``gpus.env()`` gives PYTHONPATH (double first) and KVWATT_FAKE_NVML_STATE.
 Every change rewrites the file atomically, so a reader in another process never sees half of it.
+
+Reads cost what they cost on an H100 by default (an energy-counter read ~3 ms median, up to 18 ms; see the
+double's docstring). ``FakeGpus(path, energy_read_latency=0)`` makes them free, ``energy_read_latency=50``
+makes every energy read take 50 ms (a GPU that misses a deadline).
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ class FakeGpus:
     """The state file's contents, rewritten on every change."""
 
     def __init__(self, path: str | os.PathLike, **top: object) -> None:
+        """``top``: top-level state fields, e.g. ``energy_read_latency`` ("h100", 0, or milliseconds)."""
         self.path = str(path)
         self.state: dict = {"library_found": True, "driver_loaded": True, "gpus": [], **top}
         self.write()

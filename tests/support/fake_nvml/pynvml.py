@@ -36,7 +36,20 @@ State file (``$KVWATT_FAKE_NVML_STATE``; unset or missing file = "NVML library n
         "error": null,               # or an NVML_ERROR_ suffix ("RESET_REQUIRED", "UNKNOWN") raised by every call
         "field_return": null,        # or an NVML_ERROR_ suffix put in the POWER_INSTANT entry's nvmlReturn
         "field_value_type": "UNSIGNED_INT"   # NVML_VALUE_TYPE_ suffix the POWER_INSTANT value is stored as
-     }]}
+     }],
+     "energy_read_latency": "h100",  # what one energy-counter read costs: "h100" (default, below), 0 (free),
+                                     # or a constant number of milliseconds; a GPU entry may carry its own
+     "fast_read_latency_us": 5}      # what a power / temperature / field read costs, in microseconds
+
+Why reads cost time here: on a real H100 (driver 580) ``nvmlDeviceGetTotalEnergyConsumption`` takes 3.0 ms
+median, 5.6-7.0 ms at p90 and up to 18 ms per call, while power, temperature and the POWER_INSTANT field
+take 3-7 us. Eight GPUs read one after the other then cost ~25 ms a tick, with tails past 50 ms; a double
+that answers in microseconds would hide exactly the behaviour kvwatt's concurrent reads and deadlines exist
+for. So by default the energy read sleeps a lognormal time with median 3.0 ms and p90 6.5 ms, capped at
+18 ms (``energy_read_latency_seconds``). ``time.sleep`` releases the GIL as ctypes does around the real
+call, so concurrent reads overlap as they do against libnvidia-ml. The fast reads spin for
+``fast_read_latency_us`` (a sleep that short would oversleep by ~50 us on Linux); re-reading the state file
+adds a few tens of microseconds to every call on top (that part is the double's own cost).
 
 ``write_state(path, state)`` replaces the file atomically so a reader never sees half of it.
 """
@@ -46,6 +59,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import random
 import string
 import sys
 import tempfile
@@ -198,6 +212,44 @@ def _extractNVMLErrorsAsClasses():
 
 _extractNVMLErrorsAsClasses()
 
+# --- latency model (see the module docstring) -------------------------------------------------------------
+H100_ENERGY_MEDIAN_SECONDS = 3.0e-3
+H100_ENERGY_P90_SECONDS = 6.5e-3
+H100_ENERGY_MAX_SECONDS = 18e-3
+_Z90 = 1.2815515655446004  # standard normal quantile at 0.9
+_H100_SIGMA = math.log(H100_ENERGY_P90_SECONDS / H100_ENERGY_MEDIAN_SECONDS) / _Z90
+DEFAULT_FAST_READ_US = 5.0
+_rng = random.Random()
+_rng_lock = threading.Lock()
+
+
+def energy_read_latency_seconds(state: dict | None, gpu: dict | None = None) -> float:
+    """How long this energy-counter read takes: the GPU's ``energy_read_latency`` if it has one, else the
+    state's top-level one ("h100" when neither says)."""
+    spec = (gpu or {}).get("energy_read_latency", (state or {}).get("energy_read_latency", "h100"))
+    if spec == "h100":
+        with _rng_lock:
+            z = _rng.gauss(0.0, 1.0)
+        return min(H100_ENERGY_MEDIAN_SECONDS * math.exp(_H100_SIGMA * z), H100_ENERGY_MAX_SECONDS)
+    if not spec:
+        return 0.0
+    return max(float(spec), 0.0) / 1000.0
+
+
+def _energy_read_delay(state: dict | None, gpu: dict | None = None) -> None:
+    seconds = energy_read_latency_seconds(state, gpu)
+    if seconds > 0:
+        time.sleep(seconds)  # releases the GIL, as ctypes does around the real call
+
+
+def _fast_read_delay(state: dict | None) -> None:
+    us = (state or {}).get("fast_read_latency_us", DEFAULT_FAST_READ_US)
+    if us and us > 0:
+        end = time.perf_counter() + us / 1e6
+        while time.perf_counter() < end:
+            pass
+
+
 # --- state ------------------------------------------------------------------------------------------------
 _lock = threading.Lock()
 _refcount = 0
@@ -255,13 +307,18 @@ def _initialized_state() -> dict:
 
 
 def _gpu(handle) -> dict:
-    for g in _initialized_state().get("gpus", []):
+    return _gpu_and_state(handle)[0]
+
+
+def _gpu_and_state(handle) -> tuple[dict, dict]:
+    state = _initialized_state()
+    for g in state.get("gpus", []):
         if g["uuid"] == handle.uuid:
             if g.get("lost"):
                 _raise(NVML_ERROR_GPU_IS_LOST)
             if g.get("error"):
                 _raise(_err_code(g["error"]))
-            return g
+            return g, state
     _raise(NVML_ERROR_GPU_IS_LOST)  # the GPU fell off the bus
 
 
@@ -362,21 +419,24 @@ def nvmlDeviceGetIndex(handle):
 
 
 def nvmlDeviceGetTotalEnergyConsumption(handle):
-    gpu = _gpu(handle)
+    gpu, state = _gpu_and_state(handle)
     if not gpu.get("has_energy_counter", True):
         _raise(NVML_ERROR_NOT_SUPPORTED)
+    _energy_read_delay(state, gpu)
     return _energy_mj(gpu, time.monotonic())
 
 
 def nvmlDeviceGetPowerUsage(handle):
-    gpu = _gpu(handle)
+    gpu, state = _gpu_and_state(handle)
     if not gpu.get("has_power_usage", True):
         _raise(NVML_ERROR_NOT_SUPPORTED)
+    _fast_read_delay(state)
     return int(power_mw_at(gpu, time.monotonic()))
 
 
 def nvmlDeviceGetTemperature(handle, sensor):
-    gpu = _gpu(handle)
+    gpu, state = _gpu_and_state(handle)
+    _fast_read_delay(state)
     if sensor != NVML_TEMPERATURE_GPU:
         _raise(NVML_ERROR_NOT_SUPPORTED)
     return int(gpu.get("temperature_c", 40))
@@ -408,7 +468,11 @@ def _fill(entry, gpu: dict, now: float) -> None:
 
 
 def nvmlDeviceGetFieldValues(handle, fieldIds):
-    gpu = _gpu(handle)
+    gpu, state = _gpu_and_state(handle)
+    if any((f[0] if isinstance(f, tuple) else f) == NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION for f in fieldIds):
+        _energy_read_delay(state, gpu)  # the energy field costs what the energy call costs
+    else:
+        _fast_read_delay(state)
     values = (c_nvmlFieldValue_t * len(fieldIds))()
     now = time.monotonic()
     for i, fieldId in enumerate(fieldIds):

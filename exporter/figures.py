@@ -1,0 +1,136 @@
+"""Typed figures: everything kvwatt knows at one tick, computed once by exporter.model and only read after.
+
+/metrics (exporter.catalog fills each family from these), /api/status and the landing page (exporter.web)
+serialise the same Snapshot, so they always agree. None means unknown: the exposition omits the series and
+the JSON says null, never a fake 0. Frozen: a scrape cannot change what it reads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from exporter.derive.collapse import CollapseResult
+from exporter.derive.energy import EnergyPerToken
+from exporter.energy.baseline import Baseline
+from exporter.samples import DeviceReading, SourceStatus, VllmInfo
+
+
+@dataclass(frozen=True)
+class EnergyFigure:
+    """One scope's J/token over a window (methods.md s1); ``basis`` is what it rests on (for /api/status)."""
+
+    scope: str  # gpu | host
+    basis: EnergyPerToken
+    joules_per_token: float | None  # None: not enough load or tokens (the basis is still reported)
+    marginal_joules_per_token: float | None
+
+
+@dataclass(frozen=True)
+class SavingFigure:
+    """dE and dTPS of offloading against one baseline kind (methods.md s2)."""
+
+    baseline: str  # paired | recorded | estimated | potential
+    energy_saving: float | None
+    energy_saving_stderr: float | None
+    windows: int
+    reference_windows: int = 0
+    note: str = ""
+    throughput_gain: float | None = None
+    throughput_gain_stderr: float | None = None
+    has_throughput: bool = False  # paired and recorded compare throughput; the model estimates do not
+
+
+@dataclass(frozen=True)
+class WindowFigures:
+    window: str  # label value: "1m"
+    seconds: float
+    covered_seconds: float
+    kv_usage_p95: float | None = None
+    kv_usage_max: float | None = None
+    above_threshold: bool | None = None
+    preemptions_per_minute: float | None = None
+    preemption_onset: bool | None = None
+    generation_tokens_per_second: float | None = None
+    token_shares: dict[str, float] | None = None
+    recompute_tax: float | None = None
+    flops_per_second: float | None = None
+    flops_per_generated_token: float | None = None
+    energy: tuple[EnergyFigure, ...] = ()
+    prompt_energy_per_token: dict[str, float] | None = None
+    offload_write_bytes_per_second: float | None = None
+    offload_read_bytes_per_second: float | None = None
+    offload_buffer_residency_seconds: float | None = None
+    cached_to_prefill_ratio: float | None = None
+    savings: tuple[SavingFigure, ...] = ()
+
+
+@dataclass(frozen=True)
+class BufferFigures:
+    """Offload buffer sizing (methods.md s6), from the shortest window (undersized) and the busiest one."""
+
+    undersized: bool | None
+    recommended_bytes: float | None
+    recommended_gib: int | None
+    store_failures: float | None
+    residency_seconds: float | None
+    write_bytes_per_second: float | None
+
+
+@dataclass(frozen=True)
+class KappaFigures:
+    """kappa_crit and the recompute break-even (methods.md s7): constants per server."""
+
+    critical: float | None = None
+    breakeven_tokens: float | None = None
+    breakeven_tokens_gqa: float | None = None
+    breakeven_tokens_mha: float | None = None
+    model_source: str | None = None
+    hardware_source: str | None = None
+
+
+@dataclass(frozen=True)
+class ServerFigures:
+    name: str
+    url: str
+    status: SourceStatus
+    info: VllmInfo | None
+    threshold: float
+    reference_share: float | None
+    reference_kind: str
+    windows: tuple[WindowFigures, ...]
+    collapse: CollapseResult | None = None
+    buffer: BufferFigures | None = None
+    kappa: KappaFigures = KappaFigures()
+    recommendations: tuple[str, ...] = ()
+    engine: str = "vllm"
+    capabilities: frozenset[str] = frozenset()
+
+    @property
+    def regime(self) -> str:
+        """'above' / 'below' threshold on the shortest window with a p95, else 'unknown'."""
+        for w in self.windows:
+            if w.above_threshold is not None:
+                return "above" if w.above_threshold else "below"
+        return "unknown"
+
+    @property
+    def signatures(self) -> dict[str, bool | None]:
+        return {} if self.collapse is None else {"collapse": self.collapse.signature}
+
+
+@dataclass(frozen=True)
+class DeviceFigures:
+    """One energy device as last read, with the idle baseline in force."""
+
+    reading: DeviceReading
+    baseline: Baseline | None
+    baseline_age_seconds: float | None
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    t: float  # the tick's monotonic time
+    wall_time: float  # unix seconds at the tick
+    servers: tuple[ServerFigures, ...]
+    sources: tuple[SourceStatus, ...] = ()  # host-wide sources: nvml, rapl
+    devices: tuple[DeviceFigures, ...] = ()

@@ -1,0 +1,54 @@
+"""The middle of the daemon: takes each sampler Tick, keeps the state that learning needs, and derives the
+typed figures of the tick once (exporter.figures.Snapshot). Scrapes only read the snapshot.
+
+    model = Model(cfg)
+    model.ingest(tick)          # energy attribution, histories, windows, learners
+    snap = model.snapshot()     # ServerFigures per server, device figures, source health
+
+Used by `kvwatt run` (exporter.daemon), `kvwatt baseline record` and the experiment's measurement.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from exporter.config import Config
+from exporter.energy.baseline import BaselineBook
+from exporter.figures import Snapshot
+from exporter.model.energy import EnergyLedger, is_idle
+from exporter.model.server import ServerModel
+from exporter.samples import Tick
+
+
+class Model:
+    def __init__(self, cfg: Config, book: BaselineBook | None = None, wall_clock: Callable[[], float] = time.time,
+                 keep_seconds: float | None = None, learn_idle: bool = True) -> None:
+        self.cfg = cfg
+        self.wall_clock = wall_clock
+        self.servers = {s.name: ServerModel(s, cfg, keep_seconds) for s in cfg.servers}
+        self.energy = EnergyLedger(cfg, book, wall_clock, learn_idle)
+        self.last_t: float | None = None
+
+    def ingest(self, tick: Tick) -> None:
+        t = tick.t
+        self.energy.ingest(tick)
+        for name, sm in self.servers.items():
+            self.energy.attribute(name, sm.history)  # before the read: the interval ending at t gets it
+            read = tick.servers.get(name)
+            if read is not None:
+                sm.read(t, read.status, read.reading)
+            sm.learn(t)
+        self.energy.learn(t, {name: is_idle(sm.status, _last(sm), t) for name, sm in self.servers.items()})
+        self.last_t = t
+
+    def snapshot(self) -> Snapshot:
+        t = self.last_t if self.last_t is not None else time.monotonic()
+        servers = tuple(sm.figures(t, self.servers) for sm in self.servers.values())
+        now_wall = self.wall_clock()
+        return Snapshot(t, now_wall, servers, tuple(self.energy.statuses), self.energy.devices(now_wall))
+
+
+def _last(sm: ServerModel):
+    ivs = sm.history.intervals
+    return ivs[-1] if ivs else None

@@ -1,0 +1,162 @@
+"""The tick's energy: per-device joules from the sampled counters, attributed to servers, idle baselines learned.
+
+Per tick (exporter.model.Model.ingest), on the sampler's one monotonic clock:
+    ledger.ingest(tick)                     # device deltas and spans; per server and scope (joules, idle joules)
+    ledger.attribute(name, history)         # -> history.add_energy(scope, joules, idle_joules)
+    ledger.learn(t, idle_by_server)         # idle learners (docs/energy.md), baseline persistence
+``devices(now_wall)`` gives the typed device figures of the snapshot. Nothing here reads a source.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+from exporter.config import Config
+from exporter.energy.attribution import GpuAssignment, assign_gpus, host_shares
+from exporter.energy.baseline import BaselineBook, IdleLearner
+from exporter.figures import DeviceFigures
+from exporter.samples import DeviceReading, Interval, SourceStatus, Tick
+from exporter.store import DeviceTracker
+
+SCOPES = ("gpu", "host")
+
+
+@dataclass
+class TickEnergy:
+    """One tick's energy: per-device joules since the previous tick (None = no sample), per-device spans
+    (joules, seconds between the device's own reads) and, per server and scope, (joules, idle joules) for
+    that step, or None where some member device had no sample."""
+
+    t: float
+    seconds: float | None
+    deltas: dict[str, float | None]
+    spans: dict[str, tuple[float, float] | None] = field(default_factory=dict)
+    by_server: dict[str, dict[str, tuple[float | None, float | None]]] = field(default_factory=dict)
+
+
+def is_idle(status: SourceStatus, interval: Interval | None, t: float) -> bool:
+    """Idle for the baseline: the server answered at t, and its interval ending at t shows no running or
+    waiting requests and no prompt or generated tokens (unknown counts as not idle)."""
+    if not status.up or interval is None or interval.t1 != t:
+        return False
+    g, d = interval.gauges, interval.deltas
+    return (g.get("running") == 0 and g.get("waiting") == 0
+            and (d.get("generation_tokens") or 0) == 0 and (d.get("prompt_tokens") or 0) == 0)
+
+
+class EnergyLedger:
+    def __init__(self, cfg: Config, book: BaselineBook | None = None,
+                 wall_clock: Callable[[], float] = time.time, learn_idle: bool = True) -> None:
+        self.cfg = cfg
+        self.book = book if book is not None else BaselineBook(cfg.state_dir, cfg.idle_power_watts, wall_clock)
+        self.book.load()
+        self.wall_clock = wall_clock
+        self.learn_idle = learn_idle
+        self.tracker = DeviceTracker()
+        self.statuses: tuple[SourceStatus, ...] = ()
+        self.readings: dict[str, DeviceReading] = {}
+        self.members: set[str] = set()  # devices that produced a sample at least once
+        self.assignment = GpuAssignment({s.name: () for s in cfg.servers}, (), {})
+        self.learners = {s.name: self._learner() for s in cfg.servers}
+        self.shared_learner = self._learner()  # host zones and unassigned GPUs: idle when every server is
+        self.last: TickEnergy | None = None
+        self._prev_t: float | None = None
+
+    def _learner(self) -> IdleLearner:
+        return IdleLearner(self.cfg.idle_settle_seconds, self.cfg.idle_min_seconds)
+
+    # --- per tick ---------------------------------------------------------------------------------------
+    def ingest(self, tick: Tick) -> TickEnergy:
+        t, readings = tick.t, list(tick.energy)
+        self.statuses = tick.energy_statuses
+        self.readings = {r.device: r for r in readings}
+        self.members |= {r.device for r in readings if r.joules_total is not None}
+        gpus = [r for r in readings if r.kind == "gpu"]
+        if {r.device for r in gpus} != set(self._assigned_gpus()):
+            self.assignment = assign_gpus(self.cfg.servers, gpus)
+        seconds = None if self._prev_t is None else t - self._prev_t
+        self._prev_t = t
+        before = dict(self.tracker.last_read_at)
+        deltas = self.tracker.deltas(readings)
+        energy = TickEnergy(t, seconds, deltas, _spans(readings, deltas, before))
+        if seconds is not None and seconds > 0:
+            energy.by_server = self._split(energy, [r.device for r in readings if r.kind == "host"])
+        self.last = energy
+        return energy
+
+    def _assigned_gpus(self) -> list[str]:
+        return [d for devs in self.assignment.by_server.values() for d in devs] + list(self.assignment.unassigned)
+
+    def _sum(self, devices: Sequence[str], energy: TickEnergy) -> tuple[float | None, float | None] | None:
+        """(joules, idle joules) over member devices; None when there is no member (scope absent)."""
+        devices = [d for d in devices if d in self.members]
+        if not devices:
+            return None
+        values = [energy.deltas.get(d) for d in devices]
+        joules = None if any(v is None for v in values) else sum(values)
+        watts = [self.book.watts(d, self.readings[d].labels if d in self.readings else None) for d in devices]
+        idle = None if any(w is None for w in watts) else sum(watts) * energy.seconds
+        return joules, idle
+
+    def _split(self, energy: TickEnergy, host_devices: list[str]) -> dict:
+        names = [s.name for s in self.cfg.servers]
+        out: dict[str, dict] = {n: {} for n in names}
+        for n in names:
+            gpu = self._sum(self.assignment.by_server.get(n, ()), energy)
+            if gpu is not None:
+                out[n]["gpu"] = gpu
+        host = self._sum(host_devices, energy)
+        if host is not None:
+            shares = host_shares(names, {n: out[n]["gpu"][0] if "gpu" in out[n] else None for n in names})
+            j, i = host
+            for n in names:
+                out[n]["host"] = (None if j is None else j * shares[n], None if i is None else i * shares[n])
+        return out
+
+    def attribute(self, server: str, history: Any) -> None:
+        if self.last is None:
+            return
+        for scope, (joules, idle) in self.last.by_server.get(server, {}).items():
+            history.add_energy(scope, joules, idle)
+
+    def learn(self, t: float, idle_by_server: Mapping[str, bool]) -> None:
+        """Feed the idle learners with each device's own span (IdleAccumulator's arithmetic)."""
+        energy = self.last
+        if energy is None or energy.t != t:
+            return
+        self.book.refresh_if_changed()
+        if not self.learn_idle:
+            return
+        temps = {d: r.temperature_celsius for d, r in self.readings.items()}
+        for name, idle in idle_by_server.items():
+            self._learn(self.learners[name], t, idle, self.assignment.by_server.get(name, ()), energy, temps)
+        shared = [d for d, r in self.readings.items() if r.kind == "host"] + list(self.assignment.unassigned)
+        everyone = bool(idle_by_server) and all(idle_by_server.values())
+        self._learn(self.shared_learner, t, everyone, shared, energy, temps)
+
+    def _learn(self, learner: IdleLearner, t: float, idle: bool, devices: Sequence[str], energy: TickEnergy,
+               temps: dict) -> None:
+        estimates = learner.feed(t, idle, {d: energy.spans.get(d) for d in devices}, temps)
+        if estimates:
+            self.book.record(estimates, "learned")
+
+    # --- figures ----------------------------------------------------------------------------------------
+    def devices(self, now_wall: float) -> tuple[DeviceFigures, ...]:
+        out = []
+        for r in self.readings.values():
+            b = self.book.get(r.device, r.labels)
+            out.append(DeviceFigures(r, b, None if b is None else b.age_seconds(now_wall)))
+        return tuple(out)
+
+
+def _spans(readings: Sequence[DeviceReading], deltas: Mapping[str, float | None],
+           read_at_before: Mapping[str, float | None]) -> dict[str, tuple[float, float] | None]:
+    """device -> (joules, seconds between this and the previous reading's read_at), None without a sample."""
+    out: dict[str, tuple[float, float] | None] = {}
+    for r in readings:
+        d, prev = deltas.get(r.device), read_at_before.get(r.device)
+        ok = d is not None and r.read_at is not None and prev is not None and r.read_at > prev
+        out[r.device] = (d, r.read_at - prev) if ok else None
+    return out

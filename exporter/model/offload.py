@@ -1,0 +1,112 @@
+"""Offloading figures of one server at tick time (methods.md s2, s5, s6, s7): per-server constants, dE/dTPS
+against each baseline kind, buffer sizing and the recommendations that follow. Pure functions of the server's
+aggregates and repeat windows; the only state (the collapse latch) lives in exporter.model.server."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from exporter.config import Config, ServerConfig
+from exporter.derive import economics, kappa, offload
+from exporter.derive.energy import prompt_attribution
+from exporter.figures import BufferFigures, KappaFigures, SavingFigure, WindowFigures
+from exporter.offload import profile as profile_mod
+
+
+@dataclass(frozen=True)
+class OffloadSetup:
+    """What a server's configuration fixes: model and hardware parameters, kappa_crit, the OFF profile."""
+
+    model: kappa.ModelParams | None
+    hardware: kappa.HardwareParams | None
+    kappa: KappaFigures
+    profile: profile_mod.Profile | None
+
+
+def setup(s: ServerConfig) -> OffloadSetup:
+    """Raises ConfigError for an unreadable config.json or profile (the daemon exits 2 at start-up)."""
+    model = kappa.model_params(s.model_config_path, s.model)
+    hw = kappa.hardware_params(s.hardware)
+    crit = kappa.critical(model, hw) if model and hw else None
+    be = kappa.breakeven(model, hw) if model and hw else None
+    prof = profile_mod.load(s.recorded_baseline_path) if s.recorded_baseline_path else None
+    figures = KappaFigures(crit, be.exported_tokens if be else None, be.gqa_tokens if be else None,
+                           be.mha_tokens if be else None, model.source if model else None,
+                           hw.source if hw else None)
+    return OffloadSetup(model, hw, figures, prof)
+
+
+def _figure(kind: str, energy: economics.Estimate, tput: economics.Estimate | None) -> SavingFigure:
+    return SavingFigure(kind, energy.value, energy.stderr, energy.windows, energy.reference_windows, energy.note,
+                        tput.value if tput else None, tput.stderr if tput else None, tput is not None)
+
+
+def price(agg, cfg: Config, so: OffloadSetup):
+    """J per computed prompt token: the roofline (2 N_act / F at the window's marginal power) when the model
+    and hardware are known, else the attribution model's local_compute price (leans high)."""
+    if so.model and so.model.active_parameters and so.hardware:
+        return (economics.price_from_roofline(so.model.active_parameters, so.hardware.flops_per_second),
+                " (roofline price)")
+    attr = prompt_attribution(agg, cfg.min_load_seconds, cfg.load_to_compute_cost_ratio)
+    return (attr["local_compute"] if attr else None), " (attribution price: an upper bound)"
+
+
+def savings(agg, on: Sequence[economics.WindowStat], on_total: Sequence[economics.WindowStat],
+            off: Sequence[economics.WindowStat] | None, enabled: bool, reference_share: float | None,
+            cfg: Config, so: OffloadSetup) -> tuple[SavingFigure, ...]:
+    """dE / dTPS of one window for each baseline kind available (methods.md s2; docs/offload.md "dE kinds").
+
+    ``on``: this server's repeat windows (marginal GPU J/token); ``on_total`` the same with total J/token (for
+    a profile recorded without P_idle); ``off``: the paired OFF twin's windows, when configured and watched.
+    An OFF server gets ``potential``: the recomputation tax priced as what offloading would reload."""
+    j_c, how = price(agg, cfg, so)
+    if not enabled:
+        est = economics.potential(on, reference_share, j_c, cfg.load_to_compute_cost_ratio)
+        return (_figure("potential", _noted(est, how), None),)
+    out = []
+    if off is not None:
+        out.append(_figure("paired", *economics.paired(on, off)))
+    if so.profile is not None:  # compare like with like: the profile says marginal or total J/token
+        out.append(_figure("recorded", *economics.recorded(on if so.profile.energy == "marginal" else on_total,
+                                                            so.profile.bands)))
+    est = economics.estimated(on, j_c, cfg.load_to_compute_cost_ratio)
+    out.append(_figure("estimated", _noted(est, how), None))
+    return tuple(out)
+
+
+def _noted(est: economics.Estimate, how: str) -> economics.Estimate:
+    note = est.note + how if est.value is not None else est.note
+    return economics.Estimate(est.value, est.stderr, est.windows, 0, est.kind, note)
+
+
+def buffer(windows: Sequence[WindowFigures], failures: float | None, cfg: Config) -> BufferFigures:
+    """Undersized from the shortest window (most responsive); the recommendation from the busiest one (size
+    for the busy minute, not the average), methods.md s6."""
+    short = min(windows, key=lambda w: w.seconds)
+    writes = [w.offload_write_bytes_per_second for w in windows if w.offload_write_bytes_per_second is not None]
+    under = offload.undersized(short.offload_buffer_residency_seconds, short.offload_write_bytes_per_second,
+                               failures, cfg.p99_tool_latency_seconds)
+    rec = offload.recommended_buffer(max(writes) if writes else None, cfg.p99_tool_latency_seconds,
+                                     cfg.buffer_headroom)
+    return BufferFigures(under, rec, offload.gib_ceil(rec), failures, short.offload_buffer_residency_seconds,
+                         short.offload_write_bytes_per_second)
+
+
+COLLAPSE_ADVICE = ("Collapse signature: throughput stalled with zero preemptions and the GPU near idle while "
+                   "requests wait. Interim mitigation (methods.md s5): a smaller offload buffer keeps preemption "
+                   "alive; restart the server to clear the stall.")
+
+
+def recommendations(collapse_signature: bool | None, buf: BufferFigures | None, cfg: Config) -> tuple[str, ...]:
+    out = []
+    if collapse_signature:
+        out.append(COLLAPSE_ADVICE)
+    if buf is not None and buf.undersized:
+        p99 = cfg.p99_tool_latency_seconds
+        why = (f"residency {buf.residency_seconds:.0f} s < p99 tool-call latency {p99:.0f} s"
+               if buf.residency_seconds is not None and buf.residency_seconds < p99
+               else "stores failing (allocation failures / skipped stores)")
+        out.append(f"Offload buffer undersized ({why}): use --kv-offloading-size {buf.recommended_gib or '?'} "
+                   "(GiB) or more.")
+    return tuple(out)

@@ -1,0 +1,143 @@
+"""One watched server at tick time: its history and windows, its learners (low-pressure reference share,
+collapse latch), and the typed figures derived from them once per tick."""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+from exporter.config import Config, ServerConfig, format_window
+from exporter.derive import collapse, economics, kappa, offload, pressure, recompute
+from exporter.derive import energy as derive_energy
+from exporter.derive.window import WindowAggregate, covered_seconds
+from exporter.figures import EnergyFigure, ServerFigures, WindowFigures
+from exporter.model import offload as offload_figures
+from exporter.samples import EngineReading, SourceStatus, VllmInfo
+from exporter.store import ServerHistory
+
+SCOPES = ("gpu", "host")
+
+
+class ServerModel:
+    def __init__(self, server: ServerConfig, cfg: Config, keep_seconds: float | None = None) -> None:
+        self.cfg, self.server = cfg, server
+        self.collapse_th = collapse.CollapseThresholds.from_config(cfg)
+        self.repeat_seconds = max(cfg.min_load_seconds, 1.0)  # dE/dTPS repeat windows (methods.md s2)
+        keep = keep_seconds if keep_seconds is not None else \
+            max(max(cfg.windows_seconds), cfg.collapse_reference_seconds + self.collapse_th.recent_seconds) + 60
+        self.history = ServerHistory(keep, windows=tuple(cfg.windows_seconds),
+                                     grids=(self.repeat_seconds, self.collapse_th.recent_seconds))
+        self.reference = recompute.ReferenceShare(server.reference_local_compute_share)
+        self.offload = offload_figures.setup(server)
+        self.status = SourceStatus("vllm", server.name, False, "not_read_yet", 0.0, "down")
+        self.info: VllmInfo | None = None
+        self.engine, self.capabilities = "vllm", frozenset()
+        self.collapse: collapse.CollapseResult | None = None
+        self._stats: dict[tuple[float, bool], economics.WindowStat] = {}
+
+    @property
+    def name(self) -> str:
+        return self.server.name
+
+    # --- tick time: learn -------------------------------------------------------------------------------
+    def read(self, t: float, status: SourceStatus, reading: EngineReading | None) -> None:
+        self.status = status
+        if reading is not None:
+            self.info, self.engine, self.capabilities = reading.info, reading.engine, reading.capabilities
+            self.history.add_reading(t, reading)
+
+    def learn(self, now: float) -> None:
+        """Once per tick, after every read: slide the windows, then feed the learners (all O(1) in window
+        length: they read running aggregates)."""
+        self.history.advance(now)
+        longest = max(self.cfg.windows_seconds)
+        agg = self.history.aggregate(longest)
+        self.reference.observe(now, longest, agg.covered_seconds, pressure.kv_usage_quantile(agg, 0.95),
+                               self.cfg.kv_pressure_threshold_ratio, recompute.token_counts(agg))
+        self.collapse = self._collapse(now)
+
+    def _collapse(self, now: float) -> collapse.CollapseResult:
+        """methods.md s5; the previous result latches the reference level while the signature holds."""
+        th = self.collapse_th
+        recent = self.history.aggregate(th.recent_seconds)
+        buckets = self.history.buckets(th.recent_seconds, *collapse.reference_span(now, th))
+        rates = collapse.reference_rates_from_buckets(buckets, th.recent_seconds)
+        enabled = self.info.offload_enabled if self.info else None
+        return collapse.evaluate_aggregates(recent, rates, now, enabled, th, self.collapse)
+
+    # --- tick time: figures -----------------------------------------------------------------------------
+    def repeat_windows(self, now: float, seconds: float, marginal: bool = True) -> list[economics.WindowStat]:
+        """The completed repeat windows inside the last ``seconds`` (fixed grid: shared with a paired twin)."""
+        out = []
+        for b in self.history.buckets(self.repeat_seconds, now - seconds, now):
+            key = (b.t0, marginal)
+            stat = self._stats.get(key)
+            if stat is None:  # a completed bucket never changes: its stat is computed once
+                stat = self._stats[key] = economics.window_stat(b.agg, b.t0, b.t1, self.repeat_seconds, "gpu",
+                                                                 marginal)
+            out.append(stat)
+        return out
+
+    def _forget_old_stats(self, now: float) -> None:
+        horizon = now - self.history.max_age_seconds
+        for key in [k for k in self._stats if k[0] < horizon]:
+            del self._stats[key]
+
+    def window(self, now: float, seconds: float, peers: Mapping[str, "ServerModel"]) -> WindowFigures:
+        cfg = self.cfg
+        agg: WindowAggregate = self.history.aggregate(seconds)
+        covered = covered_seconds(agg)
+        if agg.n == 0:
+            return WindowFigures(format_window(seconds), seconds, covered)
+        p95 = pressure.kv_usage_quantile(agg, 0.95)
+        per_second = pressure.rate_per_second(agg, "preemptions")
+        per_minute = None if per_second is None else per_second * 60.0
+        shares = recompute.token_shares(recompute.token_counts(agg))
+        flops, flops_per_token = recompute.mfu_view(agg, agg.delta("generation_tokens"))
+        rates = offload.transfer_rates(agg)
+        buffer_bytes = self.info.offload_buffer_bytes if self.info else None
+        return WindowFigures(
+            format_window(seconds), seconds, covered, p95, pressure.kv_usage_quantile(agg, 1.0),
+            pressure.above_threshold(p95, cfg.kv_pressure_threshold_ratio), per_minute,
+            pressure.preemption_onset(per_minute, covered, seconds, cfg.preemption_onset_per_minute),
+            pressure.rate_per_second(agg, "generation_tokens"), shares,
+            recompute.recompute_tax(shares["local_compute"] if shares else None, self.reference.value),
+            flops, flops_per_token, self._energy(agg),
+            derive_energy.prompt_attribution(agg, cfg.min_load_seconds, cfg.load_to_compute_cost_ratio),
+            rates.write_bytes_per_second, rates.read_bytes_per_second,
+            offload.residency(buffer_bytes, rates.write_bytes_per_second), kappa.observed(agg),
+            self._savings(agg, now, seconds, peers))
+
+    def _energy(self, agg: WindowAggregate) -> tuple[EnergyFigure, ...]:
+        out = []
+        for scope in SCOPES:
+            basis = derive_energy.window_energy(agg, scope)
+            if basis is None:
+                continue
+            fig = derive_energy.qualified(basis, self.cfg.min_load_seconds)
+            out.append(EnergyFigure(scope, basis, fig.joules_per_token if fig else None,
+                                    fig.marginal_joules_per_token if fig else None))
+        return tuple(out)
+
+    def _savings(self, agg: WindowAggregate, now: float, seconds: float, peers: Mapping[str, "ServerModel"]):
+        enabled = self.info.offload_enabled if self.info else None
+        if enabled is None:
+            return ()
+        on = self.repeat_windows(now, seconds)
+        total = self.repeat_windows(now, seconds, marginal=False) if self.offload.profile is not None else on
+        pair = peers.get(self.server.pair_off_server or "")
+        off = pair.repeat_windows(now, seconds) if pair is not None and enabled else None
+        return offload_figures.savings(agg, on, total, off, enabled, self.reference.value, self.cfg, self.offload)
+
+    def figures(self, now: float, peers: Mapping[str, "ServerModel"]) -> ServerFigures:
+        windows = tuple(self.window(now, s, peers) for s in self.cfg.windows_seconds)
+        self._forget_old_stats(now)
+        enabled = self.info.offload_enabled if self.info else None
+        buf = None
+        if enabled and windows:
+            short = min(self.cfg.windows_seconds)
+            buf = offload_figures.buffer(windows, offload.store_failures(self.history.aggregate(short)), self.cfg)
+        sig = self.collapse.signature if self.collapse else None
+        return ServerFigures(
+            self.name, self.server.url, self.status, self.info, self.cfg.kv_pressure_threshold_ratio,
+            self.reference.value, self.reference.kind, windows, self.collapse, buf, self.offload.kappa,
+            offload_figures.recommendations(sig, buf, self.cfg), self.engine, self.capabilities)

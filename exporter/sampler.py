@@ -1,0 +1,177 @@
+"""The one sampler: reads every source once per tick, each with its own deadline, never blocking the event loop.
+
+Used by `kvwatt run`, `kvwatt baseline idle`, `kvwatt baseline record` and the experiment's measurement:
+
+    async with Sampler(cfg, servers) as sampler:
+        async for tick in sampler.ticks(interval, stop):   # scheduled from each tick's real start (rule 9)
+            ...
+
+- vLLM servers: one read task per server (fetch on the loop, parse and extract in a worker thread). A tick
+  waits for them at most ``deadline`` seconds; a read still running then is left to finish and its result
+  goes to the first tick after it completes. Counters are cumulative, so a late reading lands in a later
+  interval: nothing is lost or invented. A server is not read again while its read is in flight (it ends
+  by its own http_timeout), so a blackholed server never delays the others or piles up connections.
+- NVML and RAPL: each in its own worker thread (the NVML calls release the GIL, like every ctypes call; the
+  GPUs are read concurrently inside NvmlSource). An energy read that misses the deadline gives that tick a
+  no-sample reading for each of the source's devices (a gap, energy-measurement.md rule 3) and its late
+  result is dropped, so the next step re-bases instead of inventing energy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, AsyncIterator, Sequence
+
+import aiohttp
+
+from exporter.config import Config, ServerConfig
+from exporter.samples import DeviceReading, ServerRead, SourceStatus, Tick
+
+log = logging.getLogger("kvwatt.sampler")
+
+MIN_DEADLINE_SECONDS = 0.05
+DEADLINE_REASON = "timeout: read still running at the tick's deadline"
+
+
+def missed_deadline(status: SourceStatus) -> bool:
+    return status.reason.startswith(DEADLINE_REASON)
+
+
+def read_deadline(interval_seconds: float, http_timeout_seconds: float) -> float:
+    """How long a tick waits for its reads: half the interval (the other half is for deriving and serving),
+    never more than the HTTP timeout."""
+    return max(min(0.5 * interval_seconds, http_timeout_seconds), MIN_DEADLINE_SECONDS)
+
+
+class _EnergySource:
+    """One energy source (nvml or rapl) read in its own thread, at most one read in flight."""
+
+    def __init__(self, name: str, source: Any) -> None:
+        self.name, self.source = name, source
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"kvwatt-{name}")
+        self.future: Future | None = None
+        self.known: dict[str, DeviceReading] = {}  # last reading of each device (for gap readings)
+        # RAPL takes no deadline: its sysfs reads take microseconds
+        self.takes_deadline = "deadline_seconds" in inspect.signature(source.read).parameters
+
+    def start(self, t: float, deadline: float) -> asyncio.Future | None:
+        if self.future is not None and not self.future.done():
+            return None  # the previous read is still running: this tick gets gaps
+        self.future = self.pool.submit(self._read, t, deadline)
+        return asyncio.wrap_future(self.future)
+
+    def _read(self, t: float, deadline: float):
+        if self.takes_deadline:
+            return self.source.read(t, deadline_seconds=deadline)
+        return self.source.read(t)
+
+    def result(self, started: asyncio.Future | None, deadline: float) -> tuple[SourceStatus, list[DeviceReading]]:
+        if started is not None and started.done() and not started.cancelled():
+            try:
+                status, readings = started.result()
+            except Exception as e:  # a source must never raise into the loop; if it does, it is down
+                log.exception("%s read failed", self.name)
+                return SourceStatus(self.name, "", False, f"error: {type(e).__name__}: {e}", 0.0, "down"), []
+            self.known = {r.device: r for r in readings}
+            return status, readings
+        gaps = [DeviceReading(r.device, r.kind, dict(r.labels), None, False, None, r.method)
+                for r in self.known.values()]
+        return SourceStatus(self.name, "", False, f"{DEADLINE_REASON} ({deadline:.3g}s)", deadline, "down"), gaps
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        try:
+            close = getattr(self.source, "close", None)
+            if close:
+                close()
+        except Exception:  # closing: nothing useful to do with an error
+            pass
+
+
+class Sampler:
+    def __init__(self, cfg: Config, servers: Sequence[ServerConfig] | None = None, nvml: Any = None,
+                 rapl: Any = None, energy: bool = True) -> None:
+        from exporter.sources.vllm import VllmSource
+
+        self.cfg = cfg
+        servers = cfg.servers if servers is None else servers
+        self.vllm = {s.name: VllmSource(s.name, s.url, cfg.http_timeout_seconds, cfg.max_body_bytes)
+                     for s in servers}
+        self.energy: list[_EnergySource] = []
+        if energy:
+            if nvml is None:
+                from exporter.sources.nvml import NvmlSource
+                nvml = NvmlSource(cfg.nvml_enabled)
+            if rapl is None:
+                from exporter.sources.rapl import RaplSource
+                rapl = RaplSource(cfg.powercap_root)
+            self.energy = [_EnergySource("nvml", nvml), _EnergySource("rapl", rapl)]
+        self.deadline = read_deadline(cfg.interval_seconds, cfg.http_timeout_seconds)
+        self.pending: dict[str, asyncio.Task] = {}
+        self.session: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> "Sampler":
+        # one connection per server at most (a read in flight is never doubled)
+        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit_per_host=1))
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        for task in self.pending.values():
+            task.cancel()
+        if self.pending:
+            await asyncio.gather(*self.pending.values(), return_exceptions=True)
+        self.pending.clear()
+        if self.session is not None:
+            await self.session.close()
+            self.session = None
+        for e in self.energy:
+            e.close()
+
+    async def tick(self, t: float) -> Tick:
+        """Read every source for the tick at monotonic time ``t``; returns within ~``deadline`` seconds."""
+        assert self.session is not None, "use `async with Sampler(...)`"
+        for name, src in self.vllm.items():
+            if name not in self.pending:
+                self.pending[name] = asyncio.create_task(src.read(self.session))
+        started = [(e, e.start(t, self.deadline)) for e in self.energy]
+        waiting = list(self.pending.values()) + [f for _, f in started if f is not None]
+        if waiting:
+            await asyncio.wait(waiting, timeout=self.deadline)
+        servers = {}
+        for name, task in list(self.pending.items()):
+            if task.done():
+                del self.pending[name]
+                status, reading = task.result()
+                servers[name] = ServerRead(name, status, reading)
+        statuses, devices = [], []
+        for e, fut in started:
+            status, readings = e.result(fut, self.deadline)
+            statuses.append(status)
+            devices += readings
+        return Tick(t, servers, tuple(statuses), tuple(devices))
+
+    async def ticks(self, interval: float, stop: asyncio.Event | None = None,
+                    until: float | None = None) -> AsyncIterator[Tick]:
+        """Ticks every ``interval`` seconds until ``stop`` is set or monotonic time ``until`` passes.
+
+        Scheduled from each tick's real start, not a fixed grid: after a late wake-up (a starved process) a
+        grid would put the next tick a few ms later, and a few ms of energy is noise (energy-measurement.md
+        rule 9). Ticks are >= one interval apart; missed ones are skipped."""
+        stop = stop or asyncio.Event()
+        while not stop.is_set():
+            t = time.monotonic()
+            yield await self.tick(t)
+            if until is not None and time.monotonic() >= until:
+                return
+            delay = max(t + interval - time.monotonic(), 0.0)
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=delay)
+            except asyncio.TimeoutError:
+                pass

@@ -1,0 +1,148 @@
+"""The seam between an inference engine's /metrics and kvwatt: one adapter per engine.
+
+An adapter turns one exposition into an engine-neutral ``EngineReading`` (exporter/samples.py): cumulative
+counters and gauges under kvwatt's own keys below, slow-changing facts, and the capabilities the exposition
+showed. Everything after the adapter (store, derivations, figures) only knows these keys, so adding an
+engine (SGLang, TensorRT-LLM, ...) means writing one adapter and registering it here -- no derivation
+changes. An adapter maps what its engine has onto these keys and leaves out what it does not have; the
+capability set then tells the figures that depend on a missing key that they cannot exist for this server
+(absent, not zero).
+
+Adapters run in a worker thread (the vLLM source calls ``read`` through ``asyncio.to_thread``), so ``read``
+must be a pure function of its text: no shared mutable state.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Protocol, runtime_checkable
+
+from exporter.samples import EngineReading, VllmInfo
+
+
+class SourceError(Exception):
+    """A read failed; ``reason`` is a short word used as the label value (timeout, refused, http_503 ...)."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+
+
+# --- engine-neutral keys ------------------------------------------------------------------------------------
+# Counters: cumulative since the engine process started, summed over data-parallel ranks.
+COUNTER_KEYS: dict[str, str] = {
+    "generation_tokens": "output tokens generated",
+    "prompt_tokens": "prompt tokens processed (all sources)",
+    "preemptions": "requests preempted (KV blocks taken back)",
+    "prompt_local_compute": "prompt tokens computed by prefill on this server",
+    "prompt_local_cache_hit": "prompt tokens served from the local prefix cache (GPU or offload tier)",
+    "prompt_external_kv_transfer": "prompt tokens whose KV came from another server / connector",
+    "prefix_queries": "tokens looked up in the local prefix cache",
+    "prefix_hits": "tokens found in the local prefix cache",
+    "external_prefix_queries": "tokens looked up in an external KV store / connector",
+    "external_prefix_hits": "tokens found in an external KV store / connector",
+    "flops": "estimated floating-point operations per GPU",
+    "offload_store_bytes": "bytes copied GPU -> offload tier",
+    "offload_load_bytes": "bytes copied offload tier -> GPU",
+    "offload_allocation_failures": "offload-tier allocations that failed",
+    "offload_stores_skipped": "stores to the offload tier skipped",
+}
+# Gauges: the value at read time. Request counts are summed over ranks; kv_usage is the fullest rank (0..1).
+GAUGE_KEYS: dict[str, str] = {
+    "running": "requests running",
+    "waiting": "requests waiting",
+    "waiting_capacity": "requests waiting because KV capacity is short",
+    "waiting_deferred": "requests waiting, deferred for another reason",
+    "kv_usage": "fraction of the KV cache in use, highest rank (0..1)",
+}
+
+# --- capabilities -------------------------------------------------------------------------------------------
+KV_USAGE = "kv_usage"  # KV-cache usage gauge
+PREEMPTIONS = "preemptions"  # preemption counter
+TOKEN_SOURCES = "token_sources"  # prompt tokens split by source (compute / cache hit / external transfer)
+PREFIX_CACHE = "prefix_cache"  # prefix-cache queries and hits
+MFU = "mfu"  # FLOP estimate (model FLOPs utilisation)
+OFFLOAD_TRAFFIC = "offload_traffic"  # offload store/load bytes
+OFFLOAD_BUFFER = "offload_buffer"  # offload buffer size known
+OFFLOAD_FAILURES = "offload_failures"  # offload allocation failures / skipped stores
+REQUESTS = "requests"  # running / waiting request gauges
+
+CAPABILITIES: frozenset[str] = frozenset({KV_USAGE, PREEMPTIONS, TOKEN_SOURCES, PREFIX_CACHE, MFU,
+                                          OFFLOAD_TRAFFIC, OFFLOAD_BUFFER, OFFLOAD_FAILURES, REQUESTS})
+
+# capability -> the counter/gauge keys any one of which shows it
+CAPABILITY_KEYS: dict[str, tuple[str, ...]] = {
+    KV_USAGE: ("kv_usage",),
+    PREEMPTIONS: ("preemptions",),
+    TOKEN_SOURCES: ("prompt_local_compute", "prompt_local_cache_hit", "prompt_external_kv_transfer"),
+    PREFIX_CACHE: ("prefix_queries", "prefix_hits"),
+    MFU: ("flops",),
+    OFFLOAD_TRAFFIC: ("offload_store_bytes", "offload_load_bytes"),
+    OFFLOAD_FAILURES: ("offload_allocation_failures", "offload_stores_skipped"),
+    REQUESTS: ("running", "waiting"),
+}
+
+
+def capabilities_of(counters: dict[str, float], gauges: dict[str, float], info: VllmInfo) -> frozenset[str]:
+    """The capabilities a reading shows, from which keys it carries (any adapter can use this)."""
+    caps = {cap for cap, keys in CAPABILITY_KEYS.items() if any(k in counters or k in gauges for k in keys)}
+    if info.offload_buffer_bytes is not None and math.isfinite(info.offload_buffer_bytes):
+        caps.add(OFFLOAD_BUFFER)
+    return frozenset(caps)
+
+
+@runtime_checkable
+class EngineAdapter(Protocol):
+    """Turns one engine's /metrics text into an EngineReading."""
+
+    name: str  # "vllm", ...; becomes EngineReading.engine
+
+    def detect(self, text: str) -> bool:
+        """Does this exposition come from my engine? Cheap (a substring test), never raises."""
+        ...
+
+    def read(self, text: str, problems: list[str] | None = None) -> EngineReading:
+        """The reading, with only kvwatt's keys. Raises ``SourceError("parse_error", ...)`` when the text
+        holds nothing usable. Problems that do not stop the read (malformed lines skipped) are appended to
+        ``problems`` as short reasons ("parse_error: 2 bad lines skipped") when a list is given."""
+        ...
+
+
+_REGISTRY: list[EngineAdapter] = []
+_builtins_loaded = False
+
+
+def register(adapter: EngineAdapter) -> None:
+    """Add an adapter after the built-in ones (auto-detection tries them in order)."""
+    _ensure_builtins()
+    _REGISTRY.append(adapter)
+
+
+def _ensure_builtins() -> None:
+    global _builtins_loaded
+    if not _builtins_loaded:
+        _builtins_loaded = True
+        from exporter.sources.vllm import VllmAdapter  # here, not at the top: vllm.py imports this module
+
+        _REGISTRY.insert(0, VllmAdapter())
+
+
+def adapters() -> tuple[EngineAdapter, ...]:
+    """The registered adapters, vLLM first."""
+    _ensure_builtins()
+    return tuple(_REGISTRY)
+
+
+def adapter_for(text: str) -> EngineAdapter:
+    """The first adapter that recognises the text; vLLM when none does (its read then says parse_error)."""
+    found = adapters()
+    for adapter in found:
+        if adapter.detect(text):
+            return adapter
+    return found[0]
+
+
+def __getattr__(name: str):  # ADAPTERS is built on first use (the vLLM adapter's module imports this one)
+    if name == "ADAPTERS":
+        return adapters()
+    raise AttributeError(name)

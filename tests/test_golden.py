@@ -1,0 +1,256 @@
+"""Golden end to end (node_exporter style): fixture sequences in, the whole /metrics and /api/status out,
+compared with committed files (tests/data/golden/). `UPDATE_GOLDEN=1 pytest tests/test_golden.py` rewrites
+them; review the diff like code.
+
+Deterministic: Daemon.step() is driven with Ticks built here at virtual times t = 1, 2, 3 ..., a fixed wall
+clock and fixed read durations (kvwatt_sample_duration_seconds is a timing: its statuses are built with a fixed
+duration_seconds). Three servers:
+
+- ``cpu``: the real vLLM 0.32 CPU expositions (tests/data/vllm-0.32-cpu/low-pressure, offloading off by its
+  cache_config_info), decoded by the vLLM adapter (VllmSource.decode). Down ("unreachable") until the last
+  ticks, then its six captures one per tick. No GPU (a CPU engine).
+- ``on``: a simulated offloading vLLM 0.33 (tests/support/vllm_sim undersized_buffer_on: no offloading fixture
+  of a real engine exists), paired with ``off`` and with model + hardware parameters configured.
+- ``off``: its simulated OFF twin (high_pressure_off), with a configured reference share (potential dE).
+
+Energy: DeviceReadings built here with read_at = t: one GPU per simulated server (the paired dE needs GPU
+J/token on both sides; the joules are the simulation's own), one RAPL package zone at a constant 80 W. GPU
+idle baselines are configured; the RAPL one is a measured baseline written to the state file an hour before
+the (fixed) wall clock, so kvwatt_idle_baseline_age_seconds has a value.
+
+Invariants checked besides the bytes: no duplicate (name, labels) sample, every family in exporter.catalog,
+every catalog family present (a family that can never be filled fails here).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from exporter import __version__, catalog
+from exporter.config import from_mapping
+from exporter.daemon import Daemon
+from exporter.energy.baseline import BaselineBook, IdleEstimate
+from exporter.model import Model
+from exporter.samples import DeviceReading, ServerRead, SourceStatus, Tick
+from exporter.sampler import Sampler
+from exporter.sources.vllm import VllmSource
+from exporter.web import _finite, status_json
+from tests.conftest import FIXTURES
+from tests.support import vllm_sim as sim
+
+GOLDEN = Path(__file__).resolve().parent / "data" / "golden"
+METRICS_FILE, STATUS_FILE = GOLDEN / "metrics.prom", GOLDEN / "status.json"
+WALL = 1_750_000_000.0  # the fixed wall clock (unix seconds)
+TICKS = 90
+LOW = sorted((FIXTURES / "low-pressure").glob("*.prom"))
+CPU_FROM = TICKS - len(LOW) + 1  # the cpu server answers from this tick on
+HOST_WATTS = 80.0
+GPU_IDLE_WATTS = sim.IDLE_WATTS
+READ_SECONDS = {"vllm": 0.012, "nvml": 0.003, "rapl": 0.0002}  # fixed read durations
+LLAMA_8B = {"layers": 32, "kv_heads": 8, "head_dim": 128, "dtype_bytes": 2, "active_parameters": 8.0e9,
+            "hidden_size": 4096}
+
+
+def config_mapping(tmp_path, urls: dict[str, str] | None = None) -> dict:
+    urls = urls or {n: f"http://{n}.invalid:8000" for n in SERVERS}
+    return {
+        "servers": [
+            {"name": "cpu", "url": urls["cpu"], "gpus": []},
+            {"name": "on", "url": urls["on"], "gpus": ["GPU-on"], "pair_off_server": "off",
+             "model": LLAMA_8B, "hardware": {"gpu_model": "H100-SXM"}},
+            {"name": "off", "url": urls["off"], "gpus": ["GPU-off"], "reference_local_compute_share": 0.039},
+        ],
+        "windows": ["30s", "1m"], "min_load_duration": "5s", "collapse_reference_window": "30s",
+        "idle_power_watts": {"GPU-on": GPU_IDLE_WATTS, "GPU-off": GPU_IDLE_WATTS},
+        "state_dir": str(tmp_path / "state"), "powercap_root": str(tmp_path / "no-powercap"), "nvml": False,
+    }
+
+
+SERVERS = ("cpu", "on", "off")
+GPUS = {"on": ("0", "GPU-on"), "off": ("1", "GPU-off")}  # server -> (index, uuid)
+HOST_DEVICE, HOST_LABELS = "rapl:package-0:package", {"zone": "package-0", "domain": "package"}
+
+
+def write_measured_host_baseline(state_dir: str) -> None:
+    """A RAPL baseline measured an hour before the wall clock (what `kvwatt baseline idle` leaves behind)."""
+    BaselineBook(state_dir, wall_clock=lambda: WALL - 3600.0).record(
+        [IdleEstimate(HOST_DEVICE, 40.0, 60.0, 45.0)], "measured")
+
+
+class Inputs:
+    """What the world looks like at each tick t = 1, 2, ...: each server's /metrics text (None: unreachable),
+    each GPU's cumulative energy (J) and power (W), the host zone's cumulative energy (J)."""
+
+    def __init__(self):
+        self.sims = {"on": sim.SimEngine(sim.undersized_buffer_on()), "off": sim.SimEngine(sim.high_pressure_off())}
+
+    def step(self, t: int) -> tuple[dict[str, str | None], dict[str, tuple[float, float]], float]:
+        texts: dict[str, str | None] = {"cpu": None if t < CPU_FROM else LOW[t - CPU_FROM].read_text()}
+        gpus = {}
+        for name, eng in self.sims.items():
+            if t > 1:
+                eng.advance(1.0)
+            texts[name] = eng.render()
+            gpus[name] = (round(eng.gpu_energy_joules, 6), round(eng.gpu_power_watts, 6))
+        return texts, gpus, HOST_WATTS * (t - 1)
+
+
+class Scenario:
+    """Builds the ticks the Sampler would hand the daemon, from Inputs, with fixed read durations."""
+
+    def __init__(self, tmp_path):
+        self.cfg = from_mapping(config_mapping(tmp_path))
+        write_measured_host_baseline(self.cfg.state_dir)
+        self.inputs = Inputs()
+        self.adapters = {n: VllmSource(n, f"http://{n}.invalid:8000", 2.0, 1 << 24) for n in SERVERS}
+
+    def tick(self, t: int) -> Tick:
+        texts, gpus, host_joules = self.inputs.step(t)
+        servers = {}
+        for name, text in texts.items():
+            src = self.adapters[name]
+            if text is None:
+                servers[name] = ServerRead(name, SourceStatus("vllm", name, False, "unreachable",
+                                                               READ_SECONDS["vllm"], "down"))
+                continue
+            problems: list[str] = []
+            reading = src.decode(text, problems)  # the vLLM adapter, as VllmSource.read runs it
+            servers[name] = ServerRead(name, src.status(problems, READ_SECONDS["vllm"]), reading)
+        energy = [DeviceReading(f"gpu:{uuid}", "gpu", {"gpu": index, "uuid": uuid}, gpus[name][0], True,
+                                gpus[name][1], "counter", 40.0 + int(index), read_at=float(t))
+                  for name, (index, uuid) in GPUS.items()]
+        energy.append(DeviceReading(HOST_DEVICE, "host", dict(HOST_LABELS), host_joules, t > 1, None, "rapl",
+                                    read_at=float(t)))
+        statuses = (SourceStatus("nvml", "", True, "", READ_SECONDS["nvml"], "ok"),
+                    SourceStatus("rapl", "", True, "", READ_SECONDS["rapl"], "ok"))
+        return Tick(float(t), servers, statuses, tuple(energy))
+
+
+def run_scenario(tmp_path, ticks: int = TICKS, on_step=None) -> Daemon:
+    """The golden scenario through Daemon.step(); returns the daemon (its published snapshot and bytes)."""
+    sc = Scenario(tmp_path)
+    daemon = Daemon(sc.cfg, sampler=Sampler(sc.cfg, energy=False), model=Model(sc.cfg, wall_clock=lambda: WALL))
+    for t in range(1, ticks + 1):
+        daemon.step(sc.tick(t))
+        if on_step:
+            on_step(t, daemon)
+    return daemon
+
+
+def samples(text: str) -> dict[tuple[str, frozenset], float]:
+    """Parsed with prometheus_client's parser; fails on a duplicate (name, labels) sample."""
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            key = (s.name, frozenset(s.labels.items()))
+            assert key not in out, f"duplicate sample {s.name}{dict(s.labels)}"
+            out[key] = s.value
+    return out
+
+
+def family_names(text: str) -> set[str]:
+    """Family names as written on the # TYPE lines (counters keep their _total)."""
+    return {line.split()[2] for line in text.splitlines() if line.startswith("# TYPE ")}
+
+
+def status_text(snapshot) -> str:
+    """/api/status as the endpoint writes it, the version replaced by a placeholder (a release is no diff)."""
+    js = _finite(status_json(snapshot))
+    assert js["version"] == __version__
+    js["version"] = "<version>"
+    return json.dumps(js, indent=2) + "\n"
+
+
+def _compare(path: Path, got: str) -> None:
+    if os.environ.get("UPDATE_GOLDEN"):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(got)
+        return
+    assert path.exists(), f"{path} missing: run UPDATE_GOLDEN=1 pytest {__file__}"
+    want = path.read_text()
+    if got != want:
+        import difflib
+        diff = "".join(difflib.unified_diff(want.splitlines(True), got.splitlines(True), str(path), "got", n=1))
+        pytest.fail(f"{path.name} differs from the golden file (UPDATE_GOLDEN=1 rewrites it):\n{diff[:20000]}")
+
+
+@pytest.fixture(scope="module")
+def golden(tmp_path_factory):
+    daemon = run_scenario(tmp_path_factory.mktemp("golden"))
+    return daemon.published.exposition.decode(), daemon.snapshot
+
+
+def test_metrics_match_the_golden_file(golden):
+    text, _ = golden
+    _compare(METRICS_FILE, text)
+
+
+def test_status_matches_the_golden_file(golden):
+    _, snap = golden
+    _compare(STATUS_FILE, status_text(snap))
+
+
+def test_no_duplicate_sample_and_every_family_in_the_catalog(golden):
+    text, _ = golden
+    smp = samples(text)
+    assert smp
+    names = family_names(text)
+    assert names <= set(catalog.BY_NAME), names - set(catalog.BY_NAME)
+    for name, _labels in smp:
+        assert name in catalog.BY_NAME, name
+    for name, labels in smp:  # each sample carries exactly its definition's labels
+        assert {k for k, _ in labels} == set(catalog.BY_NAME[name].labels), (name, dict(labels))
+
+
+def test_every_catalog_family_appears(golden):
+    """The scenario is rich enough for every family: one that never appears can never be filled (or the
+    scenario lost a feature: add it rather than dropping the family from this check)."""
+    text, _ = golden
+    missing = [m.name for m in catalog.METRICS if m.name not in family_names(text)]
+    assert not missing, f"families with no sample in the golden scenario: {missing}"
+
+
+def test_golden_scenario_figures(golden):
+    """A few figures the golden bytes must carry, stated by meaning (so an UPDATE_GOLDEN cannot bless them
+    wrong silently)."""
+    text, snap = golden
+    smp = samples(text)
+
+    def v(name, **labels):
+        hits = [val for (n, lab), val in smp.items() if n == name and set(labels.items()) <= lab]
+        assert len(hits) <= 1, (name, labels)
+        return hits[0] if hits else None
+
+    assert v("kvwatt_source_up", source="vllm", server="cpu") == 1
+    assert v("kvwatt_sample_duration_seconds", source="vllm", server="cpu") == READ_SECONDS["vllm"]
+    assert v("kvwatt_offload_enabled", server="cpu") == 0 and v("kvwatt_offload_enabled", server="on") == 1
+    assert v("kvwatt_host_energy_joules_total", zone="package-0") == HOST_WATTS * (TICKS - 1)
+    assert v("kvwatt_idle_baseline_age_seconds", device="rapl:package-0:package") == 3600.0
+    assert v("kvwatt_gpu_idle_power_watts", uuid="GPU-on") == GPU_IDLE_WATTS
+    # the cpu server: its five intervals of real counters (the captures' own deltas, as in test_daemon.py)
+    covered = v("kvwatt_window_covered_seconds", server="cpu", window="1m")
+    assert covered == len(LOW) - 1
+    # OFF server: potential only; ON server: paired (with dTPS), estimated; never potential
+    assert {dict(lab)["baseline"] for (n, lab) in smp if n == "kvwatt_energy_saving_ratio"
+            and ("server", "off") in lab} == {"potential"}
+    assert {dict(lab)["baseline"] for (n, lab) in smp if n == "kvwatt_energy_saving_ratio"
+            and ("server", "on") in lab} == {"paired", "estimated"}
+    assert v("kvwatt_throughput_gain_ratio", server="on", baseline="paired", window="1m") is not None
+    assert v("kvwatt_offload_buffer_undersized", server="on") == 1
+    js = status_json(snap)
+    assert [s["server"] for s in js["servers"]] == ["cpu", "on", "off"]
+
+
+def test_promtool_accepts_the_golden_exposition(golden):
+    text, _ = golden
+    promtool = shutil.which("promtool")
+    assert promtool, "promtool missing: scripts/install-deps.sh installs Debian's prometheus"
+    r = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.strip() == "" and r.stderr.strip() == "", r.stdout + r.stderr
