@@ -72,7 +72,8 @@ SETTINGS: dict[str, Setting] = {
     "energy_min_tokens_per_second": Setting(10.0, "nonnegative", "traffic floor, now and at the baseline"),
     "energy_min_traffic_ratio": Setting(0.5, "ratio", "traffic now at least this share of the baseline's"),
     "energy_for": Setting("30m", "duration", "KVEnergyPerTokenRegression for:"),
-    "source_down_ignored_reasons": Setting("absent:.*", "text",
+    # "absent" since kvwatt_source_info{reason} is one word; "absent: ..." from kvwatt before that
+    "source_down_ignored_reasons": Setting("absent(:.*)?", "text",
                                            "KvwattSourceDown: nvml/rapl reasons that mean 'not on this host'"),
     "source_down_for": Setting("5m", "duration", "KvwattSourceDown for:"),
     "exporter_down_for": Setting("5m", "duration", "KvwattExporterDown for:"),

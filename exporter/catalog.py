@@ -63,7 +63,7 @@ def _source_up(snap: Snapshot) -> Iterator[Sample]:
 
 def _source_info(snap: Snapshot) -> Iterator[Sample]:
     for st in _statuses(snap):
-        yield (st.source, st.server, st.state, st.reason or "none"), 1.0
+        yield (st.source, st.server, st.state, st.code), 1.0  # the word only: details churn (samples.py)
 
 
 def _sample_duration(snap: Snapshot) -> Iterator[Sample]:
@@ -159,7 +159,9 @@ METRICS: tuple[MetricDef, ...] = (
               "server is empty for host-wide sources (nvml, rapl).",
               "sampler.Sampler.tick", _H, _source_up),
     MetricDef("kvwatt_source_info", "info", ("source", "server", "state", "reason"),
-              "Why a source is down or degraded (permission, absent, timeout, parse error, gpu lost); value 1.",
+              "Why a source is down or degraded: one word from a fixed list (README, Metrics), e.g. timeout, "
+              "unreachable, redirect, http_503, parse_error, deadline, permission, absent, gpu_lost; the "
+              "details are in /api/status and the log; value 1.",
               "sampler.Sampler.tick", _H, _source_info),
     MetricDef("kvwatt_sample_duration_seconds", "gauge", ("source", "server"),
               "How long the last read of this source took.", "sampler.Sampler.tick", _H, _sample_duration),

@@ -4,6 +4,7 @@ GPU that vanished simply stops appearing. It only serialises: every value was co
 
 from __future__ import annotations
 
+import hashlib
 import math
 from typing import Callable, Iterable
 
@@ -22,21 +23,38 @@ def _value(v) -> float | None:
     return None if math.isnan(v) else v
 
 
+# Label values can come from upstream data (a server's model_name, an NVML UUID, a sysfs zone name): each is
+# cut to this length here, where every family passes, so no family can export a 300 KB value.
+MAX_LABEL_CHARS = 128
+_HASH_CHARS = 8
+TRUNCATION_MARKER = "...#"  # then the first hex digits of the whole value's SHA-256
+
+
+def bounded_label(value: str) -> str:
+    """``value`` itself up to MAX_LABEL_CHARS; longer, its head, the marker and a hash of the whole value
+    (MAX_LABEL_CHARS in all), so two long values with the same head stay two series."""
+    if len(value) <= MAX_LABEL_CHARS:
+        return value
+    digest = hashlib.sha256(value.encode("utf-8", "surrogatepass")).hexdigest()[:_HASH_CHARS]
+    return value[:MAX_LABEL_CHARS - len(TRUNCATION_MARKER) - _HASH_CHARS] + TRUNCATION_MARKER + digest
+
+
 def family(d: catalog.MetricDef, snap: Snapshot) -> Metric | None:
     """The family of one definition for this snapshot, or None when it has no sample (not exported)."""
     fam = None
     seen: set[tuple[str, ...]] = set()
-    for labels, value in d.fill(snap):
+    for raw_labels, value in d.fill(snap):
         value = _value(value)
         if value is None:
             continue
+        labels = tuple(bounded_label(str(x)) for x in raw_labels)
         if labels in seen:  # one definition, one sample per label set: a duplicate is a bug upstream
             raise ValueError(f"{d.name}{dict(zip(d.labels, labels))}: duplicate sample")
         seen.add(labels)
         if fam is None:
             cls = CounterMetricFamily if d.type == "counter" else GaugeMetricFamily
             fam = cls(d.name, d.help, labels=d.labels)
-        fam.add_metric([str(x) for x in labels], value)
+        fam.add_metric(list(labels), value)
     return fam
 
 

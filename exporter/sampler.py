@@ -15,6 +15,10 @@ Used by `kvwatt run`, `kvwatt baseline idle`, `kvwatt baseline record` and the e
   GPUs are read concurrently inside NvmlSource). An energy read that misses the deadline gives that tick a
   no-sample reading for each of the source's devices (a gap, energy-measurement.md rule 3) and its late
   result is dropped, so the next step re-bases instead of inventing energy.
+
+Every read's status passes through ``Sampler.tick``, so this is where a source's changes of health are
+logged (HealthLog): once when it goes down or degraded (with the reason), once when it is back up; never once
+per tick (a detail that changes every tick, a count of bad lines, is not a change).
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from exporter.samples import DeviceReading, ServerRead, SourceStatus, Tick
 log = logging.getLogger("kvwatt.sampler")
 
 MIN_DEADLINE_SECONDS = 0.05
-DEADLINE_REASON = "timeout: read still running at the tick's deadline"
+DEADLINE_REASON = "deadline: read still running at the tick's deadline"
 
 
 def missed_deadline(status: SourceStatus) -> bool:
@@ -92,6 +96,30 @@ class _EnergySource:
             pass
 
 
+class HealthLog:
+    """Logs each source's changes of health, once each: going down or degraded (warning, with the reason),
+    back up (info). A new reason word while the state stays is logged at debug (a refused connection after a
+    dropped one); a new detail (3, then 4 bad lines) is not logged at all. A source fine from its first read
+    is not logged; one that starts down is, once."""
+
+    def __init__(self) -> None:
+        self.last: dict[tuple[str, str], tuple[str, str]] = {}  # (source, server) -> (state, reason word)
+
+    def note(self, status: SourceStatus) -> None:
+        key, now = (status.source, status.server), (status.state, status.code)
+        before = self.last.get(key)
+        self.last[key] = now
+        if now == before or (before is None and status.state == "ok"):
+            return
+        what = f"{status.source} server {status.server!r}" if status.server else status.source
+        if before is not None and before[0] == status.state:
+            log.debug("%s still %s, now: %s", what, status.state, status.reason)
+        elif status.state == "ok":
+            log.info("%s is %s", what, "back up" if before[0] == "down" else "ok again")
+        else:
+            log.warning("%s is %s: %s", what, status.state, status.reason or status.code)
+
+
 class Sampler:
     def __init__(self, cfg: Config, servers: Sequence[ServerConfig] | None = None, nvml: Any = None,
                  rapl: Any = None, energy: bool = True) -> None:
@@ -113,6 +141,7 @@ class Sampler:
         self.deadline = read_deadline(cfg.interval_seconds, cfg.http_timeout_seconds)
         self.pending: dict[str, asyncio.Task] = {}
         self.session: aiohttp.ClientSession | None = None
+        self.health = HealthLog()
 
     async def __aenter__(self) -> "Sampler":
         # one connection per server at most (a read in flight is never doubled)
@@ -150,10 +179,12 @@ class Sampler:
                 del self.pending[name]
                 status, reading = task.result()
                 servers[name] = ServerRead(name, status, reading)
+                self.health.note(status)
         statuses, devices = [], []
         for e, fut in started:
             status, readings = e.result(fut, self.deadline)
             statuses.append(status)
+            self.health.note(status)
             devices += readings
         return Tick(t, servers, tuple(statuses), tuple(devices))
 

@@ -6,12 +6,41 @@ them back to back), so a vLLM interval and the energy of the same interval cover
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
+
+# The words a SourceStatus reason may start with: the only values of kvwatt_source_info{reason} (with
+# http_<status>). Counts, messages and targets stay in the reason's detail (logs, /api/status), never in the
+# label, so a source whose detail changes every tick (3, then 4 bad lines) keeps one series.
+REASON_CODES = frozenset({
+    "none",  # ok: no reason
+    "not_read_yet",  # a server before its first read completed
+    # vllm (exporter/sources/vllm.py)
+    "timeout", "unreachable", "redirect", "http_error", "body_too_large", "parse_error", "out_of_range",
+    # the sampler (exporter/sampler.py)
+    "deadline", "error",
+    # nvml, rapl
+    "disabled", "absent", "permission", "masked", "unreadable", "gpu_lost", "busy",
+})
+_HTTP_STATUS = re.compile(r"http_[1-5][0-9][0-9]")
+UNKNOWN_REASON_CODE = "error"  # the label of a reason whose first word is not in the vocabulary
+
+
+def reason_code(reason: str) -> str:
+    """The vocabulary word a reason starts with ("parse_error: 3 bad lines skipped" -> "parse_error"; "gpu
+    lost: ..." -> "gpu_lost"); "none" for no reason, "error" for a word outside the vocabulary."""
+    if not reason:
+        return "none"
+    word = re.split(r"[:;(]", reason, maxsplit=1)[0].strip().replace(" ", "_")
+    if word in REASON_CODES or _HTTP_STATUS.fullmatch(word):
+        return word
+    return UNKNOWN_REASON_CODE
 
 
 @dataclass(frozen=True)
 class SourceStatus:
-    """Health of one source read. ``reason`` is a short machine-friendly word plus detail, '' when up."""
+    """Health of one source read. ``reason`` is a short machine-friendly word from REASON_CODES plus a
+    detail ("parse_error: 3 bad lines skipped"), '' when up; ``code`` is that word alone (the label value)."""
 
     source: str  # "vllm" | "nvml" | "rapl"
     server: str  # server name for vllm, "" for host-wide sources
@@ -19,6 +48,10 @@ class SourceStatus:
     reason: str = ""
     duration_seconds: float = 0.0
     state: str = "ok"  # ok | down | degraded
+
+    @property
+    def code(self) -> str:
+        return reason_code(self.reason)
 
 
 @dataclass(frozen=True)

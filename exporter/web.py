@@ -16,6 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from exporter import __version__
 from exporter.figures import ServerFigures, Snapshot, WindowFigures
+from exporter.samples import SourceStatus
 
 
 def _window_json(w: WindowFigures) -> dict:
@@ -43,7 +44,8 @@ def _window_json(w: WindowFigures) -> dict:
 
 def _server_json(v: ServerFigures) -> dict:
     out = {
-        "server": v.name, "url": v.url, "up": v.status.up, "reason": v.status.reason,
+        "server": v.name, "url": v.url, "up": v.status.up, "state": v.status.state,
+        "reason_code": v.status.code, "reason": v.status.reason,
         "engine": v.engine, "capabilities": sorted(v.capabilities),
         "model_name": v.info.model_name if v.info else None,
         "offload_enabled": v.info.offload_enabled if v.info else None,
@@ -65,10 +67,17 @@ def _server_json(v: ServerFigures) -> dict:
     return out
 
 
+def _source_json(st: SourceStatus) -> dict:
+    """A host-wide source's health: ``reason_code`` is kvwatt_source_info's label, ``reason`` has the details."""
+    return {"source": st.source, "up": st.up, "state": st.state, "reason_code": st.code, "reason": st.reason}
+
+
 def status_json(snap: Snapshot | None) -> dict:
-    """Per server: regime, active signatures, figures per window, recommendations."""
+    """Per server: health, regime, active signatures, figures per window, recommendations; the health of the
+    host-wide sources (nvml, rapl)."""
     servers = [] if snap is None else [_server_json(v) for v in snap.servers]
-    return {"version": __version__, "servers": servers}
+    sources = [] if snap is None else [_source_json(st) for st in snap.sources]
+    return {"version": __version__, "servers": servers, "sources": sources}
 
 
 def _finite(x):

@@ -64,7 +64,9 @@ def test_daemon_exports_energy_and_isolates_a_lost_gpu(tmp_path):
                        timeout=10, what="nvml degraded")
             info = [lab for (n, lab), v in d.metrics().items() if n == "kvwatt_source_info" and
                     ("source", "nvml") in lab]
-            assert any(A in dict(lab)["reason"] and "gpu lost" in dict(lab)["reason"] for lab in info)
+            assert [dict(lab)["reason"] for lab in info] == ["gpu_lost"]  # the word; the details in /api/status
+            nvml = {s["source"]: s for s in d.status()["sources"]}["nvml"]
+            assert A in nvml["reason"] and "gpu lost" in nvml["reason"] and nvml["reason_code"] == "gpu_lost"
             assert d.value("kvwatt_gpu_energy_joules_total", uuid=A) is None  # not exported as 0 or frozen
             time.sleep(1.0)
             assert d.value("kvwatt_gpu_energy_joules_total", uuid=B) > before  # the other GPU goes on
@@ -85,8 +87,9 @@ def test_daemon_without_nvml_or_rapl_runs_on(tmp_path):
             KvwattDaemon(servers={"a": vllm.url}, env=gpus.env(), interval="250ms") as d:
         d.wait_for(lambda d: d.value("kvwatt_source_up", source="nvml") is not None, what="nvml status")
         assert d.value("kvwatt_source_up", source="nvml") == 0
-        assert d.value("kvwatt_source_info", source="nvml", state="down",
-                       reason="absent: NVML library (libnvidia-ml.so.1) not found") == 1
+        assert d.value("kvwatt_source_info", source="nvml", state="down", reason="absent") == 1
+        nvml = {s["source"]: s for s in d.status()["sources"]}["nvml"]
+        assert nvml["reason"] == "absent: NVML library (libnvidia-ml.so.1) not found"
         assert d.value("kvwatt_source_up", source="rapl") == 0
         assert d.value("kvwatt_source_up", source="vllm", server="a") == 1
         assert d.value("kvwatt_energy_per_token_joules", scope="gpu") is None

@@ -129,7 +129,7 @@ def test_failures_become_reasons(case, reason):
         status, reading = _read(url)
     finally:
         stop()
-    assert reading is None and status.up is False and status.reason == reason
+    assert reading is None and status.up is False and status.code == reason and status.reason.startswith(reason)
 
 
 def test_a_server_that_accepts_but_never_answers_times_out():
@@ -140,7 +140,7 @@ def test_a_server_that_accepts_but_never_answers_times_out():
         status, reading = _read(f"http://127.0.0.1:{sock.getsockname()[1]}", timeout=0.3)
     finally:
         sock.close()
-    assert reading is None and status.reason == "timeout"
+    assert reading is None and status.code == "timeout"
 
 
 def test_refused_connection_is_unreachable():
@@ -148,7 +148,7 @@ def test_refused_connection_is_unreachable():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     status, reading = _read(f"http://127.0.0.1:{port}")
-    assert reading is None and status.reason == "unreachable"
+    assert reading is None and status.code == "unreachable"
 
 
 def test_bad_lines_make_the_read_degraded_not_down():

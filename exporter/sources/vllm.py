@@ -18,6 +18,7 @@ import math
 import time
 
 import aiohttp
+import yarl
 
 from exporter.expfmt import Exposition, parse, parse_families, process_start_time
 from exporter.samples import EngineReading, SourceStatus, VllmInfo, VllmReading
@@ -212,6 +213,25 @@ class VllmAdapter:
         return extract(exp, process_start_time(text))
 
 
+MAX_DETAIL_CHARS = 300  # a reason's detail may quote upstream data (an error message, a Location header)
+
+
+def _bounded(text: str) -> str:
+    return text if len(text) <= MAX_DETAIL_CHARS else text[:MAX_DETAIL_CHARS] + "..."
+
+
+def _redirect_target(resp: aiohttp.ClientResponse) -> str:
+    """Where a 3xx answer points, resolved against the URL read, without credentials, bounded."""
+    location = resp.headers.get("Location", "")
+    if not location:
+        return "(no Location header)"
+    try:
+        target = str(resp.url.join(yarl.URL(location)).with_user(None))
+    except ValueError:  # not a URL: quote it as it came
+        target = location
+    return _bounded(target)
+
+
 class VllmSource:
     """Reads one server. ``read()`` returns (status, reading or None); it never raises.
 
@@ -228,9 +248,12 @@ class VllmSource:
 
     async def fetch(self, session: aiohttp.ClientSession) -> str:
         try:
-            async with session.get(self.metrics_url, timeout=self.timeout) as resp:
+            # a redirect is not followed: another host's or port's data must never pass as this server's
+            async with session.get(self.metrics_url, timeout=self.timeout, allow_redirects=False) as resp:
+                if 300 <= resp.status < 400:
+                    raise SourceError("redirect", f"{resp.status} to {_redirect_target(resp)}")
                 if resp.status != 200:
-                    raise SourceError(f"http_{resp.status}", self.metrics_url)
+                    raise SourceError(f"http_{resp.status}", _bounded(resp.reason or ""))
                 if (resp.content_length or 0) > self.max_body_bytes:
                     raise SourceError("body_too_large", f"more than {self.max_body_bytes} bytes")
                 chunks, size = [], 0
@@ -241,7 +264,7 @@ class VllmSource:
                     chunks.append(chunk)
                 return b"".join(chunks).decode("utf-8", errors="replace")
         except asyncio.TimeoutError:
-            raise SourceError("timeout", self.metrics_url) from None
+            raise SourceError("timeout", f"no answer within {self.timeout.total:g} s") from None
         except aiohttp.ClientConnectorError as e:
             raise SourceError("unreachable", str(e.os_error or e)) from None
         except aiohttp.ClientError as e:
@@ -261,11 +284,12 @@ class VllmSource:
     def status(self, problems: list[str], seconds: float) -> SourceStatus:
         """The status of a read that produced a reading: ok, or degraded with the problems as the reason."""
         if problems:
-            return SourceStatus("vllm", self.name, True, "; ".join(problems), seconds, "degraded")
+            return SourceStatus("vllm", self.name, True, _bounded("; ".join(problems)), seconds, "degraded")
         return SourceStatus("vllm", self.name, True, "", seconds, "ok")
 
     def down(self, error: SourceError, seconds: float) -> SourceStatus:
-        return SourceStatus("vllm", self.name, False, error.reason, seconds, "down")
+        """Down, the reason's word first (the label), then its detail (for the log and /api/status)."""
+        return SourceStatus("vllm", self.name, False, _bounded(str(error)), seconds, "down")
 
     async def read(self, session: aiohttp.ClientSession) -> tuple[SourceStatus, EngineReading | None]:
         start = time.perf_counter()
