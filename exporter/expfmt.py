@@ -82,21 +82,29 @@ def parse(text: str, prefix: str = "vllm:", skip_suffixes: tuple[str, ...] = ("_
         parts = _split(line)
         if parts is not None and parts[0].endswith(skip_suffixes):
             continue
-        _store(exp, parts, parts is not None and " " not in parts[0])
+        _store(exp, parts, parts is not None and " " not in parts[0] and "\t" not in parts[0])
     return exp
 
 
 def _split(line: str) -> tuple[str, tuple | None, float | None] | None:
     """(name, labels, value) of one sample line (labels or value None when malformed), or None when a
-    closing brace comes before the opening one."""
+    closing brace comes before the opening one.
+
+    Tokens are separated by blanks or tabs (the text format allows both, so does prometheus_client): a name
+    may be followed by spaces or tabs before its value or its ``{``. A name that still holds a blank is
+    malformed (callers count it)."""
     brace = line.find("{")
     if brace >= 0:
         close = line.rfind("}")
         if close < brace:
             return None
-        name, labels, rest = line[:brace], _parse_labels(line[brace + 1:close]), line[close + 1:]
+        name, labels, rest = line[:brace].rstrip(" \t"), _parse_labels(line[brace + 1:close]), line[close + 1:]
     else:
-        name, _, rest = line.partition(" ")
+        end = line.find(" ")
+        tab = line.find("\t", 0, end if end >= 0 else len(line))  # one C scan, bounded by the first space
+        if tab >= 0:
+            end = tab
+        name, rest = (line, "") if end < 0 else (line[:end], line[end + 1:])
         labels = ()
     return name, labels, _parse_value(rest)
 
@@ -125,11 +133,11 @@ def _accept(exp: Exposition, names: frozenset[str], line: str) -> None:
 def _family_regexes(names: frozenset[str]) -> tuple[re.Pattern, re.Pattern]:
     """(a pattern finding every line after a newline, one matching the first line) for these names.
 
-    A line belongs to a family when it starts with the name followed by ``{``, a space or its end."""
+    A line belongs to a family when it starts with the name followed by ``{``, a space, a tab or its end."""
     ordered = sorted(names, key=len, reverse=True)  # longest first: "x_total" before "x"
     common = os.path.commonprefix(ordered)
     alt = "|".join(re.escape(n[len(common):]) for n in ordered)
-    body = rf"{re.escape(common)}(?:{alt})(?![^{{ \n])[^\n]*"
+    body = rf"{re.escape(common)}(?:{alt})(?![^{{ \t\n])[^\n]*"
     return re.compile(rf"\n({body})"), re.compile(body)
 
 

@@ -73,13 +73,21 @@ class VllmInfo:
 class EngineReading:
     """One successful read of a server, engine-neutral: cumulative counters (summed over engines) and gauges
     under kvwatt's own keys (exporter/sources/engine.py lists them), slow-changing facts, and the set of
-    capabilities the exposition showed (which figures can exist for this server at all)."""
+    capabilities the exposition showed (which figures can exist for this server at all).
+
+    ``engine_counters`` holds the same counters before the sum, per data-parallel engine (the ``engine``
+    label; "" for series without one), so the store tracks resets per engine: one engine vanishing or
+    restarting is not a whole-server reset (store.engine_deltas). Empty means one engine: ``counters``.
+    ``rejected`` maps each family refused as out of range (absent from counters/gauges/info) to a detail
+    for the log; the source's status then says "out_of_range"."""
 
     counters: dict[str, float]
     gauges: dict[str, float]
     info: VllmInfo
     capabilities: frozenset[str] = frozenset()
     engine: str = "vllm"
+    engine_counters: dict[str, dict[str, float]] = field(default_factory=dict)
+    rejected: dict[str, str] = field(default_factory=dict)
 
 
 VllmReading = EngineReading  # the vLLM adapter was the only engine before the seam existed

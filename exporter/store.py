@@ -1,10 +1,15 @@
 """Bounded per-server history of Intervals, built from successive readings.
 
-A counter that goes down means the server restarted (or an engine vanished): the delta for that step is
-the new value, as Prometheus' rate() assumes, never negative. A changed process_start_time_seconds is a
-restart even when the counter already climbed past its old value. Energy from the devices attributed to a
-server is accumulated tick by tick until the server's next successful read, so an interval that spans a
-missed vLLM read still carries the energy of its whole span (gap-free, energy-measurement.md rule 10).
+Counter increases are taken per data-parallel engine and summed (``engine_deltas``): one engine vanishing or
+restarting is not a server restart. A counter that goes down means that engine restarted, or a part of its
+sum vanished; it re-bases: no delta for that step (unknown, never negative, never the catch-up of everything
+it ever served). An engine that vanishes contributes nothing; one that (re)appears re-bases the same way.
+A changed process_start_time_seconds is a whole-server restart: every counter counts from zero again, so
+its value is the step's increase, even when it already climbed past its old value.
+
+Energy from the devices attributed to a server is accumulated tick by tick until the server's next
+successful read, so an interval that spans a missed vLLM read still carries the energy of its whole span
+(gap-free, energy-measurement.md rule 10).
 
 Windows are incremental (docs/architecture.md "Windows"): each registered window length keeps a
 WindowAggregate that intervals enter as they are appended and leave when ``advance(now)`` slides it, and each
@@ -14,6 +19,7 @@ reaches their end. ``window(now, seconds)`` still returns the plain list (O(hist
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import deque
 from dataclasses import dataclass, field
@@ -22,15 +28,40 @@ from typing import Iterable
 from exporter.derive.window import WindowAggregate, aggregate_of
 from exporter.samples import DeviceReading, Interval, VllmReading
 
+log = logging.getLogger("kvwatt.store")
+
 
 def counter_deltas(prev: dict[str, float], cur: dict[str, float], restarted: bool) -> dict[str, float]:
+    """One engine's counter increases since its previous reading. A counter seen for the first time, or one
+    that went down, re-bases: no delta (a decrease is a reset or a partial sum, and its value is not an
+    increase we can trust). After a whole-server restart (``restarted``) every value is its increase."""
     out = {}
     for key, value in cur.items():
         before = prev.get(key)
         if before is None:
             continue  # first sight of this counter: no interval yet
-        out[key] = value if (restarted or value < before) else value - before
+        if restarted:
+            out[key] = value
+        elif value >= before:
+            out[key] = value - before
     return out
+
+
+def engine_deltas(prev: dict[str, dict[str, float]], cur: dict[str, dict[str, float]],
+                  restarted: bool) -> dict[str, float]:
+    """The server's counter increases: per key, the sum of each engine's own increase (``counter_deltas``).
+    Engines missing from ``cur`` contribute nothing; a key no engine gives an increase for is absent."""
+    total: dict[str, float] = {}
+    for engine, counters in cur.items():
+        for key, d in counter_deltas(prev.get(engine, {}), counters, restarted).items():
+            total[key] = total[key] + d if key in total else d
+    return total
+
+
+def reset_engines(prev: dict[str, dict[str, float]], cur: dict[str, dict[str, float]]) -> list[str]:
+    """Engines with a counter that went down since the previous reading."""
+    return [e for e, counters in cur.items()
+            if any(v < prev[e][k] for k, v in counters.items() if k in prev.get(e, {}))]
 
 
 @dataclass
@@ -123,11 +154,12 @@ class ServerHistory:
     seconds). ``max_age_seconds`` may be math.inf (keep everything, up to ``max_intervals``)."""
 
     def __init__(self, max_age_seconds: float, max_intervals: int = 100_000, windows: Iterable[float] = (),
-                 grids: Iterable[float] = ()):
+                 grids: Iterable[float] = (), name: str = ""):
+        self.name = name  # the server's, for the log
         self.max_age_seconds = max_age_seconds
         self.intervals: deque[Interval] = deque(maxlen=max_intervals)
         self.last_t: float | None = None
-        self.last_counters: dict[str, float] = {}
+        self.last_counters: dict[str, dict[str, float]] = {}  # engine -> its counters at the last reading
         self.last_process_start: float | None = None
         self.energy = EnergyAccumulator()
         self.restarts = 0
@@ -151,20 +183,38 @@ class ServerHistory:
         start = reading.info.process_start_time_seconds
         restarted = (start is not None and self.last_process_start is not None
                      and abs(start - self.last_process_start) > 1e-3)
+        counters = reading.engine_counters  # engine -> its counters
+        if not counters and reading.counters:
+            counters = {"": reading.counters}  # an adapter without a per-engine split: one engine
         interval = None
         if self.last_t is not None and t > self.last_t:
-            deltas = counter_deltas(self.last_counters, reading.counters, restarted)
-            if restarted or any(reading.counters.get(k, 0) < v for k, v in self.last_counters.items()
-                                if k in reading.counters):
+            deltas = engine_deltas(self.last_counters, counters, restarted)
+            reset = [] if restarted else reset_engines(self.last_counters, counters)
+            if restarted or reset:
                 self.restarts += 1
+            self._log_engine_changes(counters, restarted, reset)
             energy, idle = self.energy.take()
             interval = Interval(self.last_t, t, deltas, dict(reading.gauges), energy, idle)
             self._append(interval)
         else:
             self.energy.take()
-        self.last_t, self.last_counters, self.last_process_start = t, dict(reading.counters), start
+        self.last_t, self.last_process_start = t, start
+        self.last_counters = {e: dict(c) for e, c in counters.items()}
         self.advance(t)
         return interval
+
+    def _log_engine_changes(self, counters: dict[str, dict[str, float]], restarted: bool, reset: list[str]) -> None:
+        """One line when the engine set changes or an engine's counters go down (not at every reading)."""
+        prev = self.last_counters
+        gone, new = sorted(set(prev) - set(counters)), sorted(set(counters) - set(prev))
+        if restarted:
+            log.info("%s: server restarted (new process_start_time_seconds)", self.name)
+        if gone:
+            log.info("%s: engine(s) %s vanished: they count for nothing until they are back", self.name, gone)
+        if new:
+            log.info("%s: engine(s) %s appeared: their counters start from this reading", self.name, new)
+        if reset:
+            log.info("%s: engine(s) %s counters went down: re-based, no delta for this step", self.name, reset)
 
     def _append(self, iv: Interval) -> None:
         if self.intervals.maxlen is not None and len(self.intervals) >= self.intervals.maxlen:

@@ -74,10 +74,11 @@ def _source_json(st: SourceStatus) -> dict:
 
 def status_json(snap: Snapshot | None) -> dict:
     """Per server: health, regime, active signatures, figures per window, recommendations; the health of the
-    host-wide sources (nvml, rapl)."""
+    host-wide sources (nvml, rapl). Strict JSON: a NaN or infinite figure is written null here, so no caller
+    can serialise one (RFC 8259 has neither)."""
     servers = [] if snap is None else [_server_json(v) for v in snap.servers]
     sources = [] if snap is None else [_source_json(st) for st in snap.sources]
-    return {"version": __version__, "servers": servers, "sources": sources}
+    return _finite({"version": __version__, "servers": servers, "sources": sources})
 
 
 def _finite(x):
@@ -130,7 +131,7 @@ def build_app(daemon) -> web.Application:
         return web.Response(text="ok\n" if ok else "sampling loop stalled\n", status=200 if ok else 503)
 
     async def status(_request):
-        return web.Response(text=json.dumps(_finite(status_json(daemon.snapshot)), indent=2),
+        return web.Response(text=json.dumps(status_json(daemon.snapshot), indent=2, allow_nan=False),
                             content_type="application/json")
 
     async def index(_request):

@@ -179,7 +179,7 @@ def test_fast_path_equals_general_parser_on_random_lines(seed):
     full = parse(text)
     assert _norm(fast.series) == _norm({n: s for n, s in full.series.items() if n in NEEDED_FAMILIES})
     assert fast.duplicates == parse("\n".join(ln for ln in text.split("\n") if _family_of(ln))).duplicates
-    # errors: the lines that start with a needed name (followed by "{", a space or the line's end) and that
+    # errors: the lines that start with a needed name (followed by "{", a space, a tab or the line's end) and that
     # the general parser, given that line alone, does not accept
     expected_errors = sum(1 for ln in text.split("\n") if _family_of(ln) and not parse(ln, prefix="").series)
     assert fast.errors == expected_errors
@@ -195,7 +195,7 @@ def test_fast_path_equals_general_parser_on_random_lines(seed):
 
 def _family_of(line: str) -> str | None:
     for name in NEEDED_FAMILIES:
-        if line.startswith(name) and (len(line) == len(name) or line[len(name)] in "{ "):
+        if line.startswith(name) and (len(line) == len(name) or line[len(name)] in "{ \t"):
             return name
     return None
 

@@ -65,3 +65,23 @@ def test_parse_families_reads_only_the_named_families_including_the_first_line()
     both = parse_families(text, {"vllm:num_requests_waiting", "vllm:num_requests_waiting_by_reason"})
     assert list(both.series) == ["vllm:num_requests_waiting", "vllm:num_requests_waiting_by_reason"]
     assert parse_families(text, []).series == {}
+
+
+def test_tabs_separate_tokens_as_the_text_format_allows():
+    """Hardening issue item 11a: blanks or tabs separate a sample's tokens (prometheus_client agrees)."""
+    from exporter.expfmt import parse_families
+    text = ('vllm:generation_tokens_total\t5\nvllm:prompt_tokens_total{engine="0"}\t7\t1700000000000\n'
+            'vllm:num_requests_running \t 2\nvllm:num_requests_waiting\t{engine="0",model_name="a\tb"} 3\n'
+            'vllm:kv_cache_usage_perc{engine="0"} 0.5\n')
+    want = {"vllm:generation_tokens_total": {(): 5.0}, "vllm:prompt_tokens_total": {(("engine", "0"),): 7.0},
+            "vllm:num_requests_running": {(): 2.0},
+            "vllm:num_requests_waiting": {(("engine", "0"), ("model_name", "a\tb")): 3.0},
+            "vllm:kv_cache_usage_perc": {(("engine", "0"),): 0.5}}
+    theirs = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            theirs.setdefault(s.name, {})[tuple(sorted(s.labels.items()))] = s.value
+    assert theirs == want
+    for exp in (parse(text), parse_families(text, set(want))):
+        assert exp.series == want and exp.errors == 0
+    assert parse("vllm:x\t\n").errors == 1 and parse("vllm:x y\t5\n").errors == 1  # still malformed

@@ -1,16 +1,44 @@
 """Window store: counter resets, restarts mid-window, gap-free energy attribution, bounded history."""
 
 from exporter.samples import DeviceReading, VllmInfo, VllmReading
-from exporter.store import DeviceTracker, ServerHistory, counter_deltas
+from exporter.store import DeviceTracker, ServerHistory, counter_deltas, engine_deltas
 
 
 def reading(counters, gauges=None, start=None):
     return VllmReading(dict(counters), dict(gauges or {}), VllmInfo(process_start_time_seconds=start))
 
 
-def test_counter_reset_gives_the_new_value_never_a_negative_delta():
-    assert counter_deltas({"g": 1000}, {"g": 30}, restarted=False) == {"g": 30}
+def test_counter_reset_re_bases_never_a_negative_or_catch_up_delta():
+    assert counter_deltas({"g": 1000}, {"g": 30}, restarted=False) == {}  # unknown this step
     assert counter_deltas({"g": 1000}, {"g": 1010}, restarted=False) == {"g": 10}
+    assert counter_deltas({"g": 1000}, {"g": 30}, restarted=True) == {"g": 30}  # new process: from zero
+
+
+def test_per_engine_deltas_an_engine_vanishing_reappearing_or_resetting_adds_nothing():
+    big = 1e9  # what each engine served before
+    prev = {"0": {"g": big, "p": 5.0}, "1": {"g": big}}
+    assert engine_deltas(prev, {"0": {"g": big + 100, "p": 5.0}, "1": {"g": big + 50}}, False) == {"g": 150, "p": 0}
+    assert engine_deltas(prev, {"0": {"g": big + 100, "p": 5.0}}, False) == {"g": 100, "p": 0}  # 1 vanished
+    assert engine_deltas({"0": {"g": big}}, {"0": {"g": big + 100}, "1": {"g": big}}, False) == {"g": 100}  # back
+    assert engine_deltas(prev, {"0": {"g": big + 100}, "1": {"g": 7.0}}, False) == {"g": 100}  # 1 reset
+    assert engine_deltas(prev, {"0": {"g": 3.0}, "1": {"g": 7.0}}, False) == {}  # both reset: unknown
+    assert engine_deltas(prev, {"0": {"g": 3.0}, "1": {"g": 7.0}}, True) == {"g": 10}  # new process
+
+
+def test_history_of_two_engines_counts_no_catch_up_and_logs_the_change_once(caplog):
+    h = ServerHistory(max_age_seconds=600, name="dp")
+    both = lambda g0, g1: VllmReading({"g": g0 + g1}, {}, VllmInfo(), engine_counters={"0": {"g": g0}, "1": {"g": g1}})
+    one = lambda g0: VllmReading({"g": g0}, {}, VllmInfo(), engine_counters={"0": {"g": g0}})
+    h.add_reading(0.0, both(1e9, 1e9))
+    with caplog.at_level("INFO", logger="kvwatt.store"):
+        deltas = [h.add_reading(float(t), r).deltas.get("g") for t, r in
+                  enumerate([both(1e9 + 100, 1e9 + 100), one(1e9 + 200), one(1e9 + 300), both(1e9 + 400, 2e9),
+                             both(1e9 + 500, 2e9 + 100), both(1e9 + 600, 10.0)], start=1)]
+    assert deltas == [200, 100, 100, 100, 200, 100]
+    assert h.restarts == 1  # engine 1's reset; vanishing and reappearing are not restarts
+    lines = [r.getMessage() for r in caplog.records]
+    assert sum("vanished" in m for m in lines) == 1 and sum("appeared" in m for m in lines) == 1
+    assert sum("went down" in m for m in lines) == 1 and all(m.startswith("dp: ") for m in lines)
 
 
 def test_a_counter_seen_for_the_first_time_has_no_delta_yet():
@@ -90,3 +118,17 @@ def test_registered_windows_slide_on_advance_even_without_a_reading():
     assert h.aggregate(10.0).n == 5 and list(h.aggregate(10.0).intervals) == h.window(25.0, 10.0)
     assert [(b.t0, b.t1) for b in h.buckets(5.0, 10.0, 25.0)] == [(10, 15), (15, 20)]  # [20, 25) had none
     assert h.aggregate(7.0).n == len(h.window(25.0, 7.0))  # unregistered: built from the list
+
+
+def test_a_reading_without_counters_is_no_engine_change(caplog):
+    h = ServerHistory(max_age_seconds=600, name="s")
+    one = lambda g: VllmReading({"g": g}, {}, VllmInfo(), engine_counters={"0": {"g": g}})
+    h.add_reading(0.0, one(10.0))
+    with caplog.at_level("INFO", logger="kvwatt.store"):
+        assert h.add_reading(1.0, VllmReading({}, {"kv_usage": 0.5}, VllmInfo())).deltas == {}
+        assert h.add_reading(2.0, one(20.0)).deltas == {}  # back: re-based, no catch-up of 10
+        assert h.add_reading(3.0, one(25.0)).deltas == {"g": 5.0}
+    assert [r.getMessage() for r in caplog.records] == ["s: engine(s) ['0'] vanished: they count for nothing "
+                                                        "until they are back",
+                                                        "s: engine(s) ['0'] appeared: their counters start from "
+                                                        "this reading"]

@@ -53,9 +53,9 @@ def test_old_names_are_renamed_and_new_names_win():
     assert both.gauges["kv_usage"] == 0.6
 
 
-def test_nan_counter_values_are_ignored_not_summed():
+def test_nan_counter_values_are_not_summed_the_family_is_unknown():
     r = reading_of('vllm:generation_tokens_total{engine="0"} NaN\nvllm:generation_tokens_total{engine="1"} 5')
-    assert r.counters["generation_tokens"] == 5
+    assert "generation_tokens" not in r.counters and "generation_tokens" in r.rejected
 
 
 def test_offload_detected_from_cache_config_info_and_both_store_spellings():
@@ -162,3 +162,64 @@ def test_bad_lines_make_the_read_degraded_not_down():
         stop()
     assert status.up and status.state == "degraded" and status.reason == "parse_error: 1 bad lines skipped"
     assert reading.counters == {"generation_tokens": 12.0} and reading.engine == "vllm"
+
+
+# --- out-of-range values (hardening issue item 6): refused per family, a fixed reason, logged once ---------
+REAL = (FIXTURES / "low-pressure" / "004.prom").read_text()
+GEN = 'vllm:generation_tokens_total{engine="0",model_name="tiny"} '
+LOCAL = 'vllm:prompt_tokens_by_source_total{engine="0",model_name="tiny",source="local_compute"} '
+KV = 'vllm:kv_cache_usage_perc{engine="0",model_name="tiny"} '
+CACHE_CONFIG = next(ln for ln in REAL.split("\n") if ln.startswith("vllm:cache_config_info{"))
+
+
+def _with_value(text: str, prefix: str, value: str) -> str:
+    (line,) = [ln for ln in text.split("\n") if ln.startswith(prefix)]
+    return text.replace(line, prefix + value)
+
+
+def _dp_gen(a: str, b: str) -> str:
+    """The real exposition with a second engine's generation-token counter (data-parallel)."""
+    second = GEN.replace('engine="0"', 'engine="1"')
+    return _with_value(REAL, GEN, a).replace(GEN + a, f"{GEN}{a}\n{second}{b}")
+
+
+@pytest.mark.parametrize("text,family", [
+    (_with_value(REAL, GEN, "-5"), "generation_tokens"),
+    (_with_value(REAL, GEN, "NaN"), "generation_tokens"),
+    (_with_value(REAL, 'vllm:num_preemptions_total{engine="0",model_name="tiny"} ', "-1"), "preemptions"),
+    (_with_value(REAL, LOCAL, "+Inf"), "prompt_local_compute"),
+    (_with_value(REAL, LOCAL, "1e400"), "prompt_local_compute"),  # overflows to inf when parsed
+    (_with_value(REAL, 'vllm:num_requests_running{engine="0",model_name="tiny"} ', "-2"), "running"),
+    (_with_value(REAL, KV, "1.7"), "kv_usage"),
+    (_with_value(REAL, KV, "-0.5"), "kv_usage"),
+    (_dp_gen("1e308", "1e308"), "generation_tokens"),  # summed: +Inf from finite values
+    (_dp_gen("6e29", "6e29"), "generation_tokens"),  # each in range, the sum above MAX_VALUE
+    (REAL.replace(CACHE_CONFIG, CACHE_CONFIG.replace('block_size="32"', 'block_size="-32"')), "block_size"),
+    (REAL.replace(CACHE_CONFIG, CACHE_CONFIG.replace('num_gpu_blocks="2000"', 'num_gpu_blocks="-inf"')),
+     "num_gpu_blocks"),
+    (REAL.replace(CACHE_CONFIG, CACHE_CONFIG.replace('kv_offloading_size="None"', 'kv_offloading_size="inf"')),
+     "offload_buffer_bytes"),
+    (REAL + '\nvllm:kv_offload_config_info{engine="0",cpu_kv_cache_size_bytes="-8589934592"} 1.0\n',
+     "offload_buffer_bytes"),
+], ids=lambda x: x if len(x) < 40 else None)
+def test_an_out_of_range_value_makes_its_family_unknown_with_a_fixed_reason(text, family, caplog):
+    src = VllmSource("s", "http://x", 1.0, 1 << 24)
+    good = src.decode(REAL)
+    with caplog.at_level("INFO", logger="kvwatt.vllm"):
+        for _ in range(3):
+            problems = []
+            r = src.decode(text, problems)
+            assert set(r.rejected) == {family}
+            assert problems == ["out_of_range"]
+            status = src.status(problems, 0.01)
+            assert status.up and status.state == "degraded" and status.reason == "out_of_range"
+        src.decode(REAL)
+    values = {**r.counters, **r.gauges, "block_size": r.info.block_size, "num_gpu_blocks": r.info.num_gpu_blocks,
+              "offload_buffer_bytes": r.info.offload_buffer_bytes}
+    assert values.get(family) is None  # unknown, not the bad value, not zero
+    for key, v in {**good.counters, **good.gauges}.items():  # every other family as read before
+        assert key == family or values[key] == v, key
+    assert r.capabilities == good.capabilities | ({"offload_buffer"} if family == "offload_buffer_bytes" else set())
+    logged = [rec.getMessage() for rec in caplog.records]
+    assert len(logged) == 2, logged  # once when refused (with the detail), once when back in range
+    assert family in logged[0] and "out of range" in logged[0] and "back in range" in logged[1]

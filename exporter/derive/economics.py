@@ -50,7 +50,7 @@ class WindowStat:
 
     @property
     def joules_per_token(self) -> float | None:
-        if self.joules is None or self.generated_tokens <= 0:
+        if self.joules is None or self.generated_tokens < 1:  # < 1 token: no per-token figure (as derive.energy)
             return None
         return self.joules / self.generated_tokens
 

@@ -58,8 +58,10 @@ def window_energy(x: WindowAggregate | Sequence[Interval], scope: str) -> Energy
 
 
 def qualified(w: EnergyPerToken | None, min_load_seconds: float) -> EnergyPerToken | None:
-    """``w`` when it rests on enough load and tokens to give a figure, else None."""
-    if w is None or w.tokens <= 0 or w.loaded_seconds < min_load_seconds:
+    """``w`` when it rests on enough load and tokens to give a figure, else None. Fewer than one generated
+    token is no basis for a per-token figure (a counter grows by whole tokens; a fraction near zero, which
+    only a broken exposition can give, would make J/token infinite)."""
+    if w is None or w.tokens < 1 or w.loaded_seconds < min_load_seconds:
         return None
     return w
 

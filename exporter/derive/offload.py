@@ -37,10 +37,12 @@ def transfer_rates(x: WindowAggregate | Sequence[Interval]) -> TransferRates:
 
 def residency(buffer_bytes: float | None, write_bytes_per_second: float | None) -> float | None:
     """Residency in seconds: buffer bytes / write bytes per second. None when either is unknown, or when
-    nothing is written (residency unbounded: exported as absent rather than +Inf)."""
+    nothing is written (residency unbounded: exported as absent rather than +Inf), or so little that the
+    quotient overflows."""
     if buffer_bytes is None or write_bytes_per_second is None or write_bytes_per_second <= 0:
         return None
-    return buffer_bytes / write_bytes_per_second
+    seconds = buffer_bytes / write_bytes_per_second
+    return seconds if math.isfinite(seconds) else None
 
 
 def store_failures(x: WindowAggregate | Sequence[Interval]) -> float | None:

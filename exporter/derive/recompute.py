@@ -94,5 +94,6 @@ def mfu_view(x: WindowAggregate | Sequence[Interval],
         return None, None
     if flops == 0 and (generated_tokens or 0) > 0:
         return None, None  # metrics disabled on the server: unknown, not zero
-    per_token = flops / generated_tokens if generated_tokens else None
+    # fewer than one token: no per-token figure (a near-zero fraction, from a broken exposition, gives +Inf)
+    per_token = flops / generated_tokens if generated_tokens is not None and generated_tokens >= 1 else None
     return flops / seconds, per_token

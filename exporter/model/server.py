@@ -25,7 +25,7 @@ class ServerModel:
         keep = keep_seconds if keep_seconds is not None else \
             max(max(cfg.windows_seconds), cfg.collapse_reference_seconds + self.collapse_th.recent_seconds) + 60
         self.history = ServerHistory(keep, windows=tuple(cfg.windows_seconds),
-                                     grids=(self.repeat_seconds, self.collapse_th.recent_seconds))
+                                     grids=(self.repeat_seconds, self.collapse_th.recent_seconds), name=server.name)
         self.reference = recompute.ReferenceShare(server.reference_local_compute_share)
         self.offload = offload_figures.setup(server)
         self.status = SourceStatus("vllm", server.name, False, "not_read_yet", 0.0, "down")

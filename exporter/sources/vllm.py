@@ -1,8 +1,10 @@
 """vLLM source: fetch one server's /metrics and turn it into an EngineReading (the vLLM engine adapter).
 
-Server-wide figures sum counters over ``engine`` (data-parallel ranks); KV usage takes the highest engine,
-because the fullest engine is the one that preempts. Names and renames from vLLM 0.11 to 0.33 are handled
-here and nowhere else (docs/vllm-metrics.md).
+Server-wide figures sum counters over ``engine`` (data-parallel ranks), and the reading keeps each engine's
+own counters too, so the store sees one engine reset or vanish (store.engine_deltas); KV usage takes the
+highest engine, because the fullest engine is the one that preempts. Out-of-range values (negative, NaN,
+infinite, KV usage outside [0, 1]) are refused per family: unknown, and the status says "out_of_range".
+Names and renames from vLLM 0.11 to 0.33 are handled here and nowhere else (docs/vllm-metrics.md).
 
 ``VllmAdapter.read(text)`` parses only the families ``extract`` uses (``NEEDED_FAMILIES``, located by one
 regex scan: exporter/expfmt.parse_families); ``extract(parse(text))`` -- the general parser -- gives exactly
@@ -14,19 +16,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 
 import aiohttp
 import yarl
 
-from exporter.expfmt import Exposition, parse, parse_families, process_start_time
+from exporter.expfmt import Exposition, Labels, parse, parse_families, process_start_time
 from exporter.samples import EngineReading, SourceStatus, VllmInfo, VllmReading
-from exporter.sources.engine import EngineAdapter, SourceError, adapter_for, capabilities_of
+from exporter.sources.engine import OFFLOAD_BUFFER, EngineAdapter, SourceError, adapter_for, capabilities_of
 from exporter.vllm_names import RENAMES
 
-__all__ = ["COUNTERS", "DEPRECATED_OFFLOAD", "GAUGES_SUM", "GIB", "NEEDED_FAMILIES", "SourceError", "VllmAdapter",
-           "VllmReading", "VllmSource", "extract"]
+__all__ = ["COUNTERS", "DEPRECATED_OFFLOAD", "GAUGES_SUM", "GIB", "MAX_VALUE", "NEEDED_FAMILIES", "OUT_OF_RANGE",
+           "SourceError", "VllmAdapter", "VllmReading", "VllmSource", "extract"]
 log = logging.getLogger("kvwatt.vllm")
 
 # counter key -> (series base name without "vllm:" and "_total", label filter)
@@ -60,6 +61,11 @@ GAUGES_SUM = {
 }
 INFO_BASES = ("kv_cache_usage_perc", "cache_config_info", "kv_offload_config_info")
 GIB = 2 ** 30
+# The largest counter or gauge value taken (docs/architecture.md "Data-parallel engines and value ranges"):
+# no real server comes near (FLOPs per GPU at 1e16/s for 30 years is 1e25), and below it a window's sum of
+# deltas stays finite, so every figure does. A value above it, negative, NaN or infinite is refused.
+MAX_VALUE = 1e30
+OUT_OF_RANGE = "out_of_range"  # the fixed reason word in the source status (details go to the log)
 
 
 def _needed() -> tuple[frozenset[str], frozenset[str]]:
@@ -101,45 +107,105 @@ def _canonical(exp: Exposition) -> dict[str, dict]:
     return out
 
 
-def _select(series: dict, base: str, match: dict[str, str]) -> list[float] | None:
+def _out_of_range(pairs: list[tuple[Labels, float]], base: str, high: float) -> str:
+    """'' when every sample lies in [0, high], else a detail naming the first that does not (NaN never does)."""
+    for labels, v in pairs:
+        if not 0.0 <= v <= high:
+            return _detail(base, labels, v, high)
+    return ""
+
+
+def _detail(base: str, labels: Labels, v: float, high: float) -> str:
+    shown = ",".join(f'{k}="{val}"' for k, val in labels)
+    return f"{base}{{{shown}}} = {v!r} outside [0, {high:g}]"  # the base name: no vllm:, no _total
+
+
+def _checked_sums(series: dict, base: str, match: dict[str, str], key: str,
+                  rejected: dict[str, str]) -> dict[str, float] | None:
+    """Per data-parallel engine (the ``engine`` label, "" without one), the sum of a counter's or request
+    gauge's samples matching ``match``; None when there is none, or (``rejected[key]`` then says why) when a
+    sample or the server-wide sum is out of range: negative, NaN, infinite or above MAX_VALUE. One pass
+    over the samples: this runs for every family at every read."""
     samples = series.get(base)
     if samples is None:
         return None
-    vals = [v for labels, v in samples.items() if all(dict(labels).get(k) == want for k, want in match.items())]
-    return vals or None
-
-
-def _sum_finite(vals: list[float] | None) -> float | None:
-    if vals is None:
+    sums: dict[str, float] = {}
+    for labels, v in samples.items():
+        lab = dict(labels)
+        if match and any(lab.get(k) != want for k, want in match.items()):
+            continue
+        if not 0.0 <= v <= MAX_VALUE:  # NaN fails too
+            rejected[key] = _detail(base, labels, v, MAX_VALUE)
+            return None
+        engine = lab.get("engine", "")
+        sums[engine] = sums.get(engine, 0.0) + v
+    if not sums:
         return None
-    good = [v for v in vals if math.isfinite(v)]
-    return sum(good) if good else None
+    total = sum(sums.values())
+    if total > MAX_VALUE:
+        rejected[key] = f"{base} summed over engines = {total!r} above {MAX_VALUE:g}"
+        return None
+    return sums
 
 
 def extract(exp: Exposition, process_start: float | None = None) -> EngineReading:
-    """The reading from a parsed exposition (a full ``parse`` or ``parse_families(text, NEEDED_FAMILIES)``)."""
+    """The reading from a parsed exposition (a full ``parse`` or ``parse_families(text, NEEDED_FAMILIES)``).
+
+    Out-of-range values are refused per family (docs/architecture.md "Data-parallel engines and value
+    ranges"): the family is left out of the reading (unknown, not zero) and named in ``rejected``."""
     series = _canonical(exp)
+    rejected: dict[str, str] = {}
+    counters, by_engine = _counters(series, rejected)
+    gauges = _gauges(series, rejected)
+    info = _info(series, counters, process_start, rejected)
+    return EngineReading(counters=counters, gauges=gauges, info=info,
+                         capabilities=_capabilities(counters, gauges, info, rejected), engine="vllm",
+                         engine_counters=by_engine, rejected=rejected)
+
+
+def _counters(series: dict, rejected: dict[str, str]) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
+    """(server-wide counters, the same per engine)."""
     counters: dict[str, float] = {}
+    by_engine: dict[str, dict[str, float]] = {}
     for key, (base, match) in COUNTERS.items():
-        v = _sum_finite(_select(series, base, match))
-        if v is None and key in DEPRECATED_OFFLOAD:
-            v = _sum_finite(_select(series, *DEPRECATED_OFFLOAD[key]))
-        if v is not None:
-            counters[key] = v
+        sums = _checked_sums(series, base, match, key, rejected)
+        if sums is None and key in DEPRECATED_OFFLOAD and key not in rejected:
+            sums = _checked_sums(series, *DEPRECATED_OFFLOAD[key], key, rejected)
+        if sums is None:
+            continue
+        counters[key] = sum(sums.values())
+        for engine, v in sums.items():
+            by_engine.setdefault(engine, {})[key] = v
+    return counters, by_engine
+
+
+def _gauges(series: dict, rejected: dict[str, str]) -> dict[str, float]:
+    """Request gauges summed over engines; KV usage from the fullest engine, a fraction in [0, 1]
+    (vllm-metrics.md): 1.7 or -0.5 is no reading, the gauge is unknown."""
     gauges: dict[str, float] = {}
     for key, (base, match) in GAUGES_SUM.items():
-        v = _sum_finite(_select(series, base, match))
-        if v is not None:
-            gauges[key] = v
-    usage = [v for v in (_select(series, "kv_cache_usage_perc", {}) or []) if math.isfinite(v)]
+        sums = _checked_sums(series, base, match, key, rejected)
+        if sums is not None:
+            gauges[key] = sum(sums.values())
+    usage = list(series.get("kv_cache_usage_perc", {}).items())
     if usage:
-        gauges["kv_usage"] = max(usage)
-    info = _info(series, counters, process_start)
-    return EngineReading(counters=counters, gauges=gauges, info=info,
-                         capabilities=capabilities_of(counters, gauges, info), engine="vllm")
+        bad = _out_of_range(usage, "kv_cache_usage_perc", 1.0)
+        if bad:
+            rejected["kv_usage"] = bad
+        else:
+            gauges["kv_usage"] = max(v for _, v in usage)
+    return gauges
 
 
-def _info(series: dict, counters: dict[str, float], process_start: float | None) -> VllmInfo:
+def _capabilities(counters: dict[str, float], gauges: dict[str, float], info: VllmInfo,
+                  rejected: dict[str, str]) -> frozenset[str]:
+    """A refused family was on the wire: the figures resting on it can exist for this server (unknown now)."""
+    caps = capabilities_of(counters, {**gauges, **dict.fromkeys(rejected, 0.0)}, info)
+    return caps | {OFFLOAD_BUFFER} if "offload_buffer_bytes" in rejected else caps
+
+
+def _info(series: dict, counters: dict[str, float], process_start: float | None,
+          rejected: dict[str, str]) -> VllmInfo:
     model = ""
     for samples in series.values():
         for labels in samples:
@@ -148,13 +214,16 @@ def _info(series: dict, counters: dict[str, float], process_start: float | None)
                 break
         if model:
             break
-    enabled, buffer_bytes, backend, blocks, block_size = _offload_from_cache_config(series.get("cache_config_info"))
+    enabled, buffer_bytes, backend, blocks, block_size = _offload_from_cache_config(series.get("cache_config_info"),
+                                                                                    rejected)
     cfg = series.get("kv_offload_config_info")
     if cfg:
-        sizes = [_float(dict(labels).get("cpu_kv_cache_size_bytes")) for labels in cfg]
-        sizes = [s for s in sizes if s is not None]
+        sizes = _buffer_sizes(cfg, rejected)
         if sizes:
             buffer_bytes, enabled = sum(sizes), True
+    if "offload_buffer_bytes" in rejected:
+        buffer_bytes = None  # one engine's size refused: the server's buffer is unknown, not a part of it
+        enabled = True if enabled else None
     if not enabled and any(k in counters for k in ("offload_store_bytes", "offload_load_bytes")):
         enabled = True  # a connector is emitting offload series
     return VllmInfo(model_name=model, offload_enabled=enabled, offload_buffer_bytes=buffer_bytes,
@@ -164,31 +233,64 @@ def _info(series: dict, counters: dict[str, float], process_start: float | None)
                     process_start_time_seconds=process_start)
 
 
+def _buffer_sizes(samples: dict, rejected: dict[str, str]) -> list[float]:
+    """cpu_kv_cache_size_bytes of each vllm:kv_offload_config_info sample (bytes, 0..MAX_VALUE)."""
+    sizes = []
+    for labels in samples:
+        text = dict(labels).get("cpu_kv_cache_size_bytes")
+        v = _float(text)
+        if v is None:
+            continue
+        if not 0.0 <= v <= MAX_VALUE or sum(sizes) + v > MAX_VALUE:
+            rejected["offload_buffer_bytes"] = f'vllm:kv_offload_config_info cpu_kv_cache_size_bytes="{text}"'
+            return []
+        sizes.append(v)
+    return sizes
+
+
 def _float(text: str | None) -> float | None:
+    """The label value as a number (NaN and infinities included: the caller checks the range), None when it
+    is not one (e.g. "None")."""
     try:
-        v = float(text)  # type: ignore[arg-type]
+        return float(text)  # type: ignore[arg-type]
     except (TypeError, ValueError):
         return None
-    return v if math.isfinite(v) else None
 
 
-def _offload_from_cache_config(samples: dict | None):
+def _offload_from_cache_config(samples: dict | None, rejected: dict[str, str]):
     """vllm:cache_config_info: offloading is on when kv_offloading_size != "None" (GiB).
 
-    kv_offloading_backend reads "native" even when off, so it is only meaningful with a size."""
+    kv_offloading_backend reads "native" even when off, so it is only meaningful with a size. A size, block
+    count or block size out of range (negative, infinite, NaN) is refused: that field is unknown."""
     if not samples:
         return None, None, "", None, None
     enabled, buffer_bytes, backend, blocks, block_size = False, None, "", 0.0, None
     for labels in samples:
         lab = dict(labels)
         size = _float(lab.get("kv_offloading_size"))
-        if size is not None and size > 0:
-            enabled = True
-            buffer_bytes = (buffer_bytes or 0.0) + size * GIB
-            backend = lab.get("kv_offloading_backend", "native") or "native"
+        if size is not None and size != 0:
+            size_bytes = size * GIB
+            if not 0.0 < size_bytes <= MAX_VALUE:
+                shown = lab["kv_offloading_size"]
+                rejected["offload_buffer_bytes"] = f'vllm:cache_config_info kv_offloading_size="{shown}"'
+            else:
+                enabled = True
+                buffer_bytes = (buffer_bytes or 0.0) + size_bytes
+                backend = lab.get("kv_offloading_backend", "native") or "native"
         nb = _float(lab.get("num_gpu_blocks"))
-        blocks = max(blocks, nb) if nb is not None else blocks  # already summed over DP engines
-        block_size = _float(lab.get("block_size")) or block_size
+        if nb is not None and not 0.0 <= nb <= MAX_VALUE:
+            rejected["num_gpu_blocks"] = f'vllm:cache_config_info num_gpu_blocks="{lab["num_gpu_blocks"]}"'
+        elif nb is not None:
+            blocks = max(blocks, nb)  # already summed over DP engines
+        bs = _float(lab.get("block_size"))
+        if bs is not None and not 0.0 < bs <= MAX_VALUE:
+            rejected["block_size"] = f'vllm:cache_config_info block_size="{lab["block_size"]}"'
+        elif bs is not None:
+            block_size = bs
+    if "num_gpu_blocks" in rejected:
+        blocks = 0.0
+    if "block_size" in rejected:
+        block_size = None
     return enabled, buffer_bytes, backend, (blocks or None), block_size
 
 
@@ -245,6 +347,7 @@ class VllmSource:
         self.timeout = aiohttp.ClientTimeout(total=timeout_seconds)
         self.max_body_bytes = max_body_bytes
         self.adapter = adapter
+        self._rejected: frozenset[str] = frozenset()  # families refused as out of range at the last read
 
     async def fetch(self, session: aiohttp.ClientSession) -> str:
         try:
@@ -274,12 +377,29 @@ class VllmSource:
         """Parse and extract one exposition (CPU only, no I/O: call it from a worker thread). Raises
         SourceError("parse_error", ...) when nothing usable; skipped bad lines are appended to ``problems``."""
         try:
-            return (self.adapter or adapter_for(text)).read(text, problems)
+            reading = (self.adapter or adapter_for(text)).read(text, problems)
         except SourceError:
             raise
         except Exception as e:  # a bug in an adapter must not take the daemon down: this server is down
             log.exception("%s: decoding the exposition failed", self.name)
             raise SourceError("parse_error", f"{type(e).__name__}: {e}") from None
+        self._note_rejected(reading.rejected)
+        if reading.rejected and problems is not None:
+            problems.append(OUT_OF_RANGE)  # a fixed word: it becomes a label value (kvwatt_source_info)
+        return reading
+
+    def _note_rejected(self, rejected: dict[str, str]) -> None:
+        """Log the refused values when the set of refused families changes, not at every read (one read of
+        a server is in flight at a time, so this state is not shared between threads)."""
+        families = frozenset(rejected)
+        if families == self._rejected:
+            return
+        self._rejected = families
+        if families:
+            log.warning("%s: values out of range, these families are unknown until they are back in range: %s",
+                        self.name, "; ".join(f"{k}: {d}" for k, d in sorted(rejected.items())))
+        else:
+            log.info("%s: values back in range", self.name)
 
     def status(self, problems: list[str], seconds: float) -> SourceStatus:
         """The status of a read that produced a reading: ok, or degraded with the problems as the reason."""
