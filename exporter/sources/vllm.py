@@ -18,6 +18,7 @@ import math
 import time
 
 import aiohttp
+from yarl import URL
 
 from exporter.expfmt import Exposition, parse, parse_families, process_start_time
 from exporter.samples import EngineReading, SourceStatus, VllmInfo, VllmReading
@@ -221,14 +222,17 @@ class VllmSource:
     def __init__(self, name: str, url: str, timeout_seconds: float, max_body_bytes: int,
                  adapter: EngineAdapter | None = None):
         self.name = name
-        self.metrics_url = url.rstrip("/") + "/metrics"
+        # credentials in the URL go as basic auth and nowhere else: metrics_url is safe to show in a reason
+        u = URL(url)
+        self.auth = aiohttp.BasicAuth(u.user or "", u.password or "") if u.user or u.password else None
+        self.metrics_url = str(u.with_user(None)).rstrip("/") + "/metrics"
         self.timeout = aiohttp.ClientTimeout(total=timeout_seconds)
         self.max_body_bytes = max_body_bytes
         self.adapter = adapter
 
     async def fetch(self, session: aiohttp.ClientSession) -> str:
         try:
-            async with session.get(self.metrics_url, timeout=self.timeout) as resp:
+            async with session.get(self.metrics_url, timeout=self.timeout, auth=self.auth) as resp:
                 if resp.status != 200:
                     raise SourceError(f"http_{resp.status}", self.metrics_url)
                 if (resp.content_length or 0) > self.max_body_bytes:
