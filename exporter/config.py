@@ -12,7 +12,7 @@ import os
 import re
 from dataclasses import dataclass, field, replace
 from typing import Any
-from urllib.parse import urlparse
+from urllib.parse import urlparse, urlsplit
 
 import yaml
 
@@ -90,6 +90,7 @@ class Config:
     collapse_power_near_idle_ratio: float = 1.5
     collapse_reference_seconds: float = 600.0
     load_to_compute_cost_ratio: float = 0.1
+    web_config_path: str | None = None  # TLS / basic auth of the endpoints (exporter/webconfig.py)
 
     @property
     def host(self) -> str:
@@ -150,8 +151,21 @@ def parse_url(value: Any, key: str) -> str:
     text = _str(value, key)
     u = urlparse(text)
     if u.scheme not in ("http", "https") or not u.netloc:
-        raise ConfigError(f"{key}: expected an http(s) URL of the vLLM server root, got {value!r}")
+        raise ConfigError(f"{key}: expected an http(s) URL of the vLLM server root, got {redacted_url(text)!r}")
     return text.rstrip("/")
+
+
+def redacted_url(url: str) -> str:
+    """``url`` with its password replaced by ``xxxxx`` (as Go's url.Redacted): the only form in which a server
+    URL is shown -- labels, /api/status, the landing page, logs, messages. The sampler alone uses the real one."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:  # e.g. an unclosed IPv6 bracket: show nothing of it rather than a password
+        return "(unparsable URL)"
+    if parts.password is None:
+        return url
+    userinfo, _, hostport = parts.netloc.rpartition("@")
+    return parts._replace(netloc=f"{userinfo.partition(':')[0]}:xxxxx@{hostport}").geturl()
 
 
 def _windows(value: Any, key: str) -> tuple[float, ...]:
@@ -190,6 +204,7 @@ KEYS: dict[str, tuple[str, Any]] = {
     "collapse_power_near_idle_ratio": ("collapse_power_near_idle_ratio", _float_range(1.0)),
     "collapse_reference_window": ("collapse_reference_seconds", parse_duration),
     "load_to_compute_cost_ratio": ("load_to_compute_cost_ratio", _float_range(0.0)),
+    "web_config_file": ("web_config_path", _str),
     "servers": ("servers", None),  # parsed by _servers
 }
 

@@ -12,13 +12,19 @@ import signal
 import time
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+from exporter import logfilter
 from exporter.collector import render
-from exporter.config import Config, resolve
+from exporter.config import Config, ConfigError, parse_duration, redacted_url, resolve
 from exporter.figures import Snapshot
 from exporter.model import Model
 from exporter.samples import Tick
 from exporter.sampler import Sampler
+
+if TYPE_CHECKING:  # imported when serving: other commands import this module for its parser only
+    from exporter.web import WebLimits
+    from exporter.webconfig import WebConfig
 
 log = logging.getLogger("kvwatt")
 
@@ -78,16 +84,17 @@ class Daemon:
         return time.monotonic() - self.last_tick_t < max(5 * self.cfg.interval_seconds, 10.0)
 
 
-async def serve(cfg: Config) -> None:
-    from exporter.web import start_web
+async def serve(cfg: Config, limits: "WebLimits | None" = None, web_config: "WebConfig | None" = None) -> None:
+    from exporter.web import WebLimits, start_web
 
     daemon = Daemon(cfg)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, daemon.stop)
-    runner = await start_web(daemon, cfg.host, cfg.port)
-    log.info("kvwatt listening on %s, watching %s", cfg.listen,
-             ", ".join(f"{s.name}={s.url}" for s in cfg.servers))
+    runner = await start_web(daemon, cfg.host, cfg.port, limits or WebLimits(), web_config)
+    log.info("kvwatt listening on %s (%s), watching %s", cfg.listen,
+             web_config.describe() if web_config else "http, no auth",
+             ", ".join(f"{s.name}={redacted_url(s.url)}" for s in cfg.servers))
     try:
         await daemon.run_loop()
     finally:
@@ -104,6 +111,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--powercap-root", metavar="DIR", help="powercap tree for RAPL (default /sys/class/powercap)")
     p.add_argument("--state-dir", metavar="DIR", help="where baselines are persisted (default /var/lib/kvwatt)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--web.config.file", dest="web_config_file", metavar="FILE",
+                   help="TLS and basic auth of every endpoint, Prometheus exporter-toolkit format "
+                        "(also the config key web_config_file; docs/deployment.md)")
+    p.add_argument("--web.max-connections", dest="web_max_connections", metavar="N", type=int, default=512,
+                   help="connections open at once; a new one beyond closes the least recently active "
+                        "(default 512, lowered to fit the open-file limit)")
+    p.add_argument("--web.read-timeout", dest="web_read_timeout", metavar="DURATION", default="30s",
+                   help="an idle connection, one trickling its request headers or its TLS handshake is "
+                        "closed after this (default 30s)")
 
 
 def config_from_args(args: argparse.Namespace) -> Config:
@@ -111,11 +127,33 @@ def config_from_args(args: argparse.Namespace) -> Config:
                    powercap_root=args.powercap_root, state_dir=args.state_dir)
 
 
+def web_settings(args: argparse.Namespace, cfg: Config):
+    """The web limits and configuration from the flags (ConfigError on bad input); raises the fd limit."""
+    from exporter import connections, webconfig
+    from exporter.web import WebLimits
+
+    if args.web_max_connections <= 0:
+        raise ConfigError(f"--web.max-connections: expected a positive integer, got {args.web_max_connections}")
+    read_timeout = parse_duration(args.web_read_timeout, "--web.read-timeout")
+    path = args.web_config_file or cfg.web_config_path
+    web_config = webconfig.load(path) if path else None
+    before, soft = connections.raise_fd_limit()
+    if soft != before:
+        log.info("open-file limit raised from %d to %d", before, soft)
+    max_connections = connections.fit_max_connections(args.web_max_connections, soft)
+    if max_connections < args.web_max_connections:
+        log.info("--web.max-connections lowered from %d to %d to fit the open-file limit %d",
+                 args.web_max_connections, max_connections, soft)
+    return WebLimits(max_connections, read_timeout), web_config
+
+
 def main(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logfilter.install()
+    limits, web_config = web_settings(args, cfg)
     try:
-        asyncio.run(serve(cfg))
+        asyncio.run(serve(cfg, limits, web_config))
     except OSError as e:  # e.g. the port is taken
         log.error("cannot serve on %s: %s", cfg.listen, e.strerror or e)
         return 2

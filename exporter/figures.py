@@ -91,7 +91,7 @@ class KappaFigures:
 @dataclass(frozen=True)
 class ServerFigures:
     name: str
-    url: str
+    url: str  # password masked (config.redacted_url): figures are for showing
     status: SourceStatus
     info: VllmInfo | None
     threshold: float

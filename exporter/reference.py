@@ -17,7 +17,8 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 # key -> (default as written in YAML, meaning)
 CONFIG_DOCS: dict[str, tuple[str, str]] = {
     "servers": ("`[{name: default, url: http://127.0.0.1:8000}]`",
-                "vLLM servers to watch: `name`, `url` (server root), optional `gpus` (indices or UUIDs), "
+                "vLLM servers to watch: `name`, `url` (server root; `http://user:password@host:port` for basic "
+                "auth, the password shown nowhere), optional `gpus` (indices or UUIDs), "
                 "`reference_local_compute_share`, `model_config` (path to the model's config.json), `model` "
                 "and `hardware` parameters, `pair_off_server`, `recorded_baseline` (docs/offload.md)"),
     "listen": ("`0.0.0.0:8492`", "address of /metrics, /, /healthz, /api/status"),
@@ -40,6 +41,8 @@ CONFIG_DOCS: dict[str, tuple[str, str]] = {
     "collapse_power_near_idle_ratio": ("`1.5`", "GPU power below this multiple of P_idle = near idle"),
     "collapse_reference_window": ("`10m`", "how far back the recent throughput level is taken"),
     "load_to_compute_cost_ratio": ("`0.1`", "energy of reloading a token vs recomputing it (attribution model)"),
+    "web_config_file": ("none", "TLS and basic auth of every endpoint, exporter-toolkit format (flag "
+                                "`--web.config.file`; docs/deployment.md)"),
 }
 
 

@@ -3,20 +3,35 @@
 Each serialises the daemon's latest Snapshot and nothing else: no figure is computed here, and a request
 cannot change state. The exposition bytes are rendered once per tick, with the snapshot (exporter.daemon), so
 a scrape costs the loop a memory copy, and a scrape flood never slows sampling.
+
+Connections are bounded (exporter/connections.py: a cap, eviction of the least recently active, TLS per
+connection); a connection that sends no complete request within ``read_timeout_seconds`` -- idle after a
+response, or a client trickling its headers -- is closed by aiohttp's keep-alive timer, armed at connect and
+after each response. With a web configuration file (exporter/webconfig.py) every endpoint needs basic auth
+and/or is served over TLS.
 """
 
 from __future__ import annotations
 
 import html
 import json
+import logging
 import math
+import time
+from dataclasses import dataclass
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from exporter import __version__
+from exporter.connections import ConnectionGuard, GuardedSite
 from exporter.figures import ServerFigures, Snapshot, WindowFigures
 from exporter.samples import SourceStatus
+from exporter.webconfig import BasicAuth, WebConfig
+
+log = logging.getLogger("kvwatt.web")
+MALFORMED_LOG_INTERVAL_SECONDS = 60.0
 
 
 def _window_json(w: WindowFigures) -> dict:
@@ -120,7 +135,47 @@ def landing_html(snap: Snapshot | None) -> str:
 {''.join(rows)}</table><p>Figures over the longest configured window.</p></body></html>"""
 
 
-def build_app(daemon) -> web.Application:
+class RequestLog(logging.LoggerAdapter):
+    """aiohttp's per-connection logger. A malformed request (a bad request line or header, a line too long,
+    TLS or other non-HTTP bytes on a plain port) is the client's doing, answered 400: aiohttp logged each one
+    at ERROR with a traceback, so a scanner filled the log. Here it is one info line without traceback at most
+    every ``interval_seconds``, with how many there were; anything else keeps aiohttp's level and traceback."""
+
+    def __init__(self, interval_seconds: float = MALFORMED_LOG_INTERVAL_SECONDS, clock=time.monotonic):
+        super().__init__(logging.getLogger("kvwatt.web.requests"), {})
+        self.interval_seconds, self.clock = interval_seconds, clock
+        self.malformed = 0  # since the last line logged
+        self.logged_at: float | None = None
+
+    def log(self, level, msg, *args, exc_info=None, **kwargs):
+        if isinstance(exc_info, HttpProcessingError):
+            self._malformed(args[0] if args else "unknown", exc_info)
+            return
+        super().log(level, msg, *args, exc_info=exc_info, **kwargs)
+
+    def _malformed(self, remote, exc: HttpProcessingError) -> None:
+        self.malformed += 1
+        now = self.clock()
+        if self.logged_at is not None and now - self.logged_at < self.interval_seconds:
+            return
+        # the class and code only: the exception's text quotes the client's bytes
+        self.logger.info("malformed HTTP request from %s answered %s (%s); %d malformed in the last %s",
+                         remote, exc.code, type(exc).__name__, self.malformed,
+                         "start" if self.logged_at is None else f"{now - self.logged_at:.0f}s")
+        self.malformed, self.logged_at = 0, now
+
+
+def auth_middleware(auth: BasicAuth):
+    @web.middleware
+    async def check(request: web.Request, handler):
+        if not await auth.check(request.headers.get("Authorization")):
+            return web.Response(status=401, text="Unauthorized\n",
+                                headers={"WWW-Authenticate": 'Basic realm="kvwatt", charset="UTF-8"'})
+        return await handler(request)
+    return check
+
+
+def build_app(daemon, auth: BasicAuth | None = None) -> web.Application:
     async def metrics(_request):
         published = daemon.published
         body = b"" if published is None else published.exposition
@@ -137,7 +192,7 @@ def build_app(daemon) -> web.Application:
     async def index(_request):
         return web.Response(text=landing_html(daemon.snapshot), content_type="text/html")
 
-    app = web.Application()
+    app = web.Application(middlewares=[auth_middleware(auth)] if auth else [])
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/api/status", status)
@@ -145,8 +200,26 @@ def build_app(daemon) -> web.Application:
     return app
 
 
-async def start_web(daemon, host: str, port: int) -> web.AppRunner:
-    runner = web.AppRunner(build_app(daemon), access_log=None)
+@dataclass(frozen=True)
+class WebLimits:
+    max_connections: int = 512
+    read_timeout_seconds: float = 30.0  # idle keep-alive, request headers, TLS handshake
+
+
+async def start_web(daemon, host: str, port: int, limits: WebLimits = WebLimits(),
+                    web_config: WebConfig | None = None) -> web.AppRunner:
+    auth = BasicAuth(web_config.users) if web_config and web_config.users else None
+    app = build_app(daemon, auth)
+    if auth is not None:
+        app.on_cleanup.append(lambda _app: _close(auth))
+    runner = web.AppRunner(app, access_log=None, logger=RequestLog(),
+                           keepalive_timeout=limits.read_timeout_seconds)
     await runner.setup()
-    await web.TCPSite(runner, host, port).start()
+    guard = ConnectionGuard(limits.max_connections, web_config.tls if web_config else None,
+                            limits.read_timeout_seconds)
+    await GuardedSite(runner, host, port, guard).start()
     return runner
+
+
+async def _close(auth: BasicAuth) -> None:
+    auth.close()

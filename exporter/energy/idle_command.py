@@ -15,7 +15,8 @@ import sys
 import time
 from dataclasses import replace
 
-from exporter.config import ConfigError, Config, ServerConfig, parse_duration, parse_server_flag, resolve
+from exporter.config import (ConfigError, Config, ServerConfig, parse_duration, parse_server_flag, redacted_url,
+                             resolve)
 from exporter.energy.attribution import assign_gpus
 from exporter.energy.baseline import BaselineBook, IdleAccumulator, IdleEstimate
 from exporter.samples import DeviceReading, Tick
@@ -70,7 +71,7 @@ class IdleCheck:
             if name not in self.servers:
                 continue
             if read.reading is None:
-                url = self.servers[name].url.rstrip("/") + "/metrics"
+                url = redacted_url(self.servers[name].url.rstrip("/")) + "/metrics"
                 raise Busy(f"server {name} ({url}) is not answering: {read.status.reason}; start vLLM with the "
                            "model loaded (a baseline without it understates idle by 26-66 W), or pass "
                            "--no-server-check")

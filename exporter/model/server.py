@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from exporter.config import Config, ServerConfig, format_window
+from exporter.config import Config, ServerConfig, format_window, redacted_url
 from exporter.derive import collapse, economics, kappa, offload, pressure, recompute
 from exporter.derive import energy as derive_energy
 from exporter.derive.window import WindowAggregate, covered_seconds
@@ -138,6 +138,7 @@ class ServerModel:
             buf = offload_figures.buffer(windows, offload.store_failures(self.history.aggregate(short)), self.cfg)
         sig = self.collapse.signature if self.collapse else None
         return ServerFigures(
-            self.name, self.server.url, self.status, self.info, self.cfg.kv_pressure_threshold_ratio,
-            self.reference.value, self.reference.kind, windows, self.collapse, buf, self.offload.kappa,
+            self.name, redacted_url(self.server.url), self.status, self.info,
+            self.cfg.kv_pressure_threshold_ratio, self.reference.value, self.reference.kind, windows, self.collapse,
+            buf, self.offload.kappa,
             offload_figures.recommendations(sig, buf, self.cfg), self.engine, self.capabilities)

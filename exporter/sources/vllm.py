@@ -19,7 +19,7 @@ import logging
 import time
 
 import aiohttp
-import yarl
+from yarl import URL
 
 from exporter.expfmt import Exposition, Labels, parse, parse_families, process_start_time
 from exporter.samples import EngineReading, SourceStatus, VllmInfo, VllmReading
@@ -328,7 +328,7 @@ def _redirect_target(resp: aiohttp.ClientResponse) -> str:
     if not location:
         return "(no Location header)"
     try:
-        target = str(resp.url.join(yarl.URL(location)).with_user(None))
+        target = str(resp.url.join(URL(location)).with_user(None))
     except ValueError:  # not a URL: quote it as it came
         target = location
     return _bounded(target)
@@ -343,7 +343,10 @@ class VllmSource:
     def __init__(self, name: str, url: str, timeout_seconds: float, max_body_bytes: int,
                  adapter: EngineAdapter | None = None):
         self.name = name
-        self.metrics_url = url.rstrip("/") + "/metrics"
+        # credentials in the URL go as basic auth and nowhere else: metrics_url is safe to show in a reason
+        u = URL(url)
+        self.auth = aiohttp.BasicAuth(u.user or "", u.password or "") if u.user or u.password else None
+        self.metrics_url = str(u.with_user(None)).rstrip("/") + "/metrics"
         self.timeout = aiohttp.ClientTimeout(total=timeout_seconds)
         self.max_body_bytes = max_body_bytes
         self.adapter = adapter
@@ -352,7 +355,8 @@ class VllmSource:
     async def fetch(self, session: aiohttp.ClientSession) -> str:
         try:
             # a redirect is not followed: another host's or port's data must never pass as this server's
-            async with session.get(self.metrics_url, timeout=self.timeout, allow_redirects=False) as resp:
+            async with session.get(self.metrics_url, timeout=self.timeout, auth=self.auth,
+                                   allow_redirects=False) as resp:
                 if 300 <= resp.status < 400:
                     raise SourceError("redirect", f"{resp.status} to {_redirect_target(resp)}")
                 if resp.status != 200:

@@ -6,7 +6,9 @@
         d.wait_for(lambda d: d.value(...) == 1, timeout=30)
 
 ``config`` entries are written to a YAML file in a temporary directory; ``env`` is added to the
-environment (e.g. PYTHONPATH for the NVML test double, KVWATT_FAKE_NVML_STATE).
+environment (e.g. PYTHONPATH for the NVML test double, KVWATT_FAKE_NVML_STATE). ``preexec_fn`` runs in the
+child before exec (e.g. lower its open-file limit). With ``https=True`` the daemon's URL is https://, and
+``request_kwargs`` (verify=CA file, auth=(user, password), cert=...) go with every request made here.
 """
 
 from __future__ import annotations
@@ -44,10 +46,13 @@ def parse_exposition(text: str) -> dict[tuple[str, frozenset], float]:
 
 class KvwattDaemon:
     def __init__(self, servers: dict[str, str] | None = None, config: dict | None = None,
-                 env: dict[str, str] | None = None, interval: str = "1s", args: tuple[str, ...] = ()):
+                 env: dict[str, str] | None = None, interval: str = "1s", args: tuple[str, ...] = (),
+                 preexec_fn=None, https: bool = False, request_kwargs: dict | None = None):
         self.tmp = tempfile.TemporaryDirectory(prefix="kvwatt-test-")
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"{'https' if https else 'http'}://127.0.0.1:{self.port}"
+        self.preexec_fn = preexec_fn
+        self.request_kwargs = dict(request_kwargs or {})
         cfg = dict(config or {})
         cfg.setdefault("state_dir", os.path.join(self.tmp.name, "state"))
         cfg.setdefault("powercap_root", os.path.join(self.tmp.name, "no-powercap"))
@@ -67,13 +72,14 @@ class KvwattDaemon:
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen([sys.executable, "-m", "exporter", "run", "--config", self.config_path,
                                       *self.args], cwd=REPO, env=self.env, stdout=self._log,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+                                     stderr=subprocess.STDOUT, start_new_session=True,
+                                     preexec_fn=self.preexec_fn)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"kvwatt exited with {self.proc.returncode}:\n{self.log()}")
             try:
-                if requests.get(self.url + "/healthz", timeout=1).status_code == 200:
+                if self.get("/healthz", timeout=1).status_code == 200:
                     return self
             except requests.RequestException:
                 pass
@@ -106,8 +112,11 @@ class KvwattDaemon:
         self.tmp.cleanup()
 
     # --- reading --------------------------------------------------------------------------------------
+    def get(self, path: str, timeout: float = 5, **kwargs) -> requests.Response:
+        return requests.get(self.url + path, timeout=timeout, **{**self.request_kwargs, **kwargs})
+
     def metrics_text(self) -> str:
-        return requests.get(self.url + "/metrics", timeout=5).text
+        return self.get("/metrics").text
 
     def metrics(self) -> dict[tuple[str, frozenset], float]:
         return parse_exposition(self.metrics_text())
@@ -121,7 +130,7 @@ class KvwattDaemon:
         return hits[0] if hits else None
 
     def status(self) -> dict:
-        return requests.get(self.url + "/api/status", timeout=5).json()
+        return self.get("/api/status").json()
 
     def wait_for(self, predicate, timeout: float = 30.0, interval: float = 0.5, what: str = "condition"):
         deadline = time.monotonic() + timeout

@@ -1,25 +1,37 @@
 """A loopback HTTP server in a thread serving /metrics from a callable, for tests of the daemon.
 
     with MetricsServer(lambda: text) as srv: srv.url
-``body`` may return None to answer 503, or raise to drop the connection.
+``body`` may return None to answer 503, or raise to drop the connection. With ``basic_auth=(user, password)``
+a request without exactly those credentials is answered 401 (``unauthorized`` counts them).
 """
 
 from __future__ import annotations
 
+import base64
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable
 
 
 class MetricsServer:
-    def __init__(self, body: Callable[[], str | None]):
+    def __init__(self, body: Callable[[], str | None], basic_auth: tuple[str, str] | None = None):
         self.body = body
         self.requests = 0
+        self.unauthorized = 0
+        expected = None if basic_auth is None else \
+            "Basic " + base64.b64encode(":".join(basic_auth).encode()).decode()
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self):  # noqa: N802 (http.server's naming)
                 outer.requests += 1
+                if expected is not None and self.headers.get("Authorization") != expected:
+                    outer.unauthorized += 1
+                    self.send_response(401)
+                    self.send_header("WWW-Authenticate", 'Basic realm="vllm"')
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
                 text = outer.body() if self.path.startswith("/metrics") else "ok"
                 if text is None:
                     self.send_response(503)

@@ -18,8 +18,9 @@ PagerDuty, for end-to-end tests.
 
 - ``Prometheus(workdir, jobs, rule_files=(), alertmanagers=(), interval="1s")``: ``jobs`` maps a job name to
   its targets (``["host:port"]``), to one static_config (``{"targets": [...], "labels": {...}}``) or to a list
-  of static_configs (targets with different labels). Scrape, rule evaluation and the re-sending of firing
-  alerts to the Alertmanager (``--rules.alert.resend-delay``) all run every ``interval``. TSDB, config and log live under ``workdir/prometheus-PORT``.
+  of static_configs (targets with different labels); ``job_options`` adds scrape_config keys per job
+  (``{"kvwatt": {"scheme": "https", "tls_config": {...}, "basic_auth": {...}}}``). Scrape, rule evaluation
+  and the re-sending of firing alerts to the Alertmanager (``--rules.alert.resend-delay``) all run every ``interval``. TSDB, config and log live under ``workdir/prometheus-PORT``.
 - ``Alertmanager(workdir, config)``: ``config`` is a dict or a path; clustering is off
   (``--cluster.listen-address=``), storage is a temporary directory. Debian names the binary
   ``prometheus-alertmanager``; an upstream ``alertmanager`` on PATH is used when that one is absent.
@@ -160,14 +161,14 @@ class Prometheus(_Process):
 
     def __init__(self, workdir: Path, jobs: Mapping[str, Sequence[str] | Mapping[str, Any] | Sequence[Mapping]],
                  rule_files: Iterable[Path | str] = (), alertmanagers: Sequence[str] = (),
-                 interval: str = "1s"):
+                 interval: str = "1s", job_options: Mapping[str, Mapping[str, Any]] | None = None):
         super().__init__(workdir)
         self.interval = interval
         config: dict[str, Any] = {
             "global": {"scrape_interval": interval, "evaluation_interval": interval},
             "rule_files": [str(p) for p in rule_files],
-            "scrape_configs": [{"job_name": job, "static_configs": _static_configs(t)}
-                               for job, t in jobs.items()],
+            "scrape_configs": [{"job_name": job, "static_configs": _static_configs(t),
+                                **dict((job_options or {}).get(job, {}))} for job, t in jobs.items()],
         }
         if alertmanagers:
             config["alerting"] = {"alertmanagers": [{"static_configs": [{"targets": list(alertmanagers)}]}]}
@@ -199,6 +200,10 @@ class Prometheus(_Process):
 
     def alerts(self) -> list[dict[str, Any]]:
         return self.api("alerts")["alerts"]
+
+    def targets(self, job: str) -> list[dict[str, Any]]:
+        """The active targets of ``job`` (health, lastError, ...) from /api/v1/targets."""
+        return [t for t in self.api("targets")["activeTargets"] if t["labels"].get("job") == job]
 
     def rule_health(self) -> list[str]:
         """'group/rule: error' for every rule whose last evaluation failed."""

@@ -1,0 +1,224 @@
+"""The web configuration file: TLS and basic auth for every endpoint, in the Prometheus exporter-toolkit format.
+
+    tls_server_config:
+      cert_file: server.crt            # paths relative to this file's directory
+      key_file: server.key
+      client_auth_type: RequireAndVerifyClientCert   # optional: NoClientCert (default),
+      client_ca_file: ca.crt                          #   VerifyClientCertIfGiven, RequireAndVerifyClientCert
+      min_version: TLS12               # optional: TLS10 .. TLS13 (default TLS12); max_version likewise
+    basic_auth_users:
+      prometheus: $2y$10$...           # bcrypt hash (htpasswd -nBC 10 "" | tr -d ':\\n')
+
+The file is read once at start; a problem is a ConfigError naming the file and the key (one line, exit 2).
+Keys of the toolkit format that kvwatt does not implement are refused, not ignored: a setting that silently
+does nothing (a cipher list, a header) is worse than a clear error.
+
+``BasicAuth.check`` runs bcrypt (~60-250 ms by cost) in its own worker thread, never on the event loop nor
+in the pool the sampler uses, and remembers successful checks (an HMAC of user and password under a key
+drawn at start, at most ``AUTH_CACHE_SIZE``), as the exporter-toolkit does: a scrape with the right
+password costs one bcrypt per process lifetime, a flood of wrong passwords queues behind one thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import hashlib
+import hmac
+import os
+import re
+import ssl
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from exporter.config import ConfigError, read_yaml
+
+TLS_KEYS = ("cert_file", "key_file", "client_auth_type", "client_ca_file", "min_version", "max_version")
+TOP_KEYS = ("tls_server_config", "basic_auth_users")
+TOOLKIT_UNSUPPORTED = ("http_server_config", "rate_limit", "cert", "key", "client_ca", "cipher_suites",
+                       "curve_preferences", "prefer_server_cipher_suites", "client_allowed_sans")
+TLS_VERSIONS = {"TLS10": ssl.TLSVersion.TLSv1, "TLS11": ssl.TLSVersion.TLSv1_1,
+                "TLS12": ssl.TLSVersion.TLSv1_2, "TLS13": ssl.TLSVersion.TLSv1_3}
+# client_auth_type -> verify mode. Go's RequestClientCert and RequireAnyClientCert ask for a certificate
+# without verifying it, which Python's ssl cannot do: refused rather than silently verified.
+CLIENT_AUTH = {"NoClientCert": ssl.CERT_NONE, "VerifyClientCertIfGiven": ssl.CERT_OPTIONAL,
+               "RequireAndVerifyClientCert": ssl.CERT_REQUIRED}
+BCRYPT_RE = re.compile(r"^\$2[aby]\$(0[4-9]|[12][0-9]|3[01])\$[./A-Za-z0-9]{53}$")
+AUTH_CACHE_SIZE = 100
+
+
+@dataclass(frozen=True)
+class WebConfig:
+    path: str
+    tls: ssl.SSLContext | None = None
+    users: dict[str, bytes] = field(default_factory=dict)  # user -> bcrypt hash
+
+    def describe(self) -> str:
+        scheme = "https" if self.tls else "http"
+        auth = f"basic auth ({len(self.users)} users)" if self.users else "no auth"
+        return f"{scheme}, {auth} ({self.path})"
+
+
+def _mapping(value, where: str) -> dict:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ConfigError(f"{where}: expected a mapping, got {type(value).__name__}")
+    return value
+
+
+def _check_keys(data: dict, allowed: tuple[str, ...], where: str) -> None:
+    for key in data:
+        if key in TOOLKIT_UNSUPPORTED:
+            raise ConfigError(f"{where}{key}: not supported by kvwatt (supported: {', '.join(allowed)})")
+        if key not in allowed:
+            raise ConfigError(f"{where}{key}: unknown key (known: {', '.join(allowed)})")
+
+
+def _text(value, where: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{where}: expected a non-empty string, got {value!r}")
+    return value
+
+
+def _version(tls: dict, key: str, default: str | None, where: str) -> ssl.TLSVersion | None:
+    name = tls.get(key, default)
+    if name is None:
+        return None
+    if name not in TLS_VERSIONS:
+        raise ConfigError(f"{where}{key}: expected one of {', '.join(TLS_VERSIONS)}, got {name!r}")
+    return TLS_VERSIONS[name]
+
+
+def _tls_context(tls: dict, base_dir: str, where: str) -> ssl.SSLContext | None:
+    _check_keys(tls, TLS_KEYS, where)
+    if "cert_file" not in tls and "key_file" not in tls:
+        if tls:
+            raise ConfigError(f"{where}cert_file: missing (TLS settings without a certificate)")
+        return None  # like the toolkit: an empty tls_server_config serves plain HTTP
+    files = {}
+    for key in ("cert_file", "key_file"):
+        if key not in tls:
+            raise ConfigError(f"{where}{key}: missing")
+        files[key] = os.path.join(base_dir, _text(tls[key], f"{where}{key}"))
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        ctx.load_cert_chain(files["cert_file"], files["key_file"])
+    except OSError as e:  # ssl.SSLError is an OSError; a missing file too
+        detail = e.strerror or getattr(e, "reason", None) or str(e)
+        raise ConfigError(f"{where}cert_file/key_file: cannot load {files['cert_file']} with "
+                          f"{files['key_file']} ({detail})") from None
+    ctx.minimum_version = _version(tls, "min_version", "TLS12", where)
+    maximum = _version(tls, "max_version", None, where)
+    if maximum is not None:
+        if maximum < ctx.minimum_version:
+            raise ConfigError(f"{where}max_version: lower than min_version")
+        ctx.maximum_version = maximum
+    ctx.set_alpn_protocols(["http/1.1"])
+    _client_auth(ctx, tls, base_dir, where)
+    return ctx
+
+
+def _client_auth(ctx: ssl.SSLContext, tls: dict, base_dir: str, where: str) -> None:
+    kind = tls.get("client_auth_type", "NoClientCert")
+    if kind not in CLIENT_AUTH:
+        raise ConfigError(f"{where}client_auth_type: expected one of {', '.join(CLIENT_AUTH)} "
+                          f"(Python's ssl verifies every client certificate it asks for), got {kind!r}")
+    ca = tls.get("client_ca_file")
+    if CLIENT_AUTH[kind] == ssl.CERT_NONE:
+        if ca is not None:
+            raise ConfigError(f"{where}client_ca_file: set without a client_auth_type that verifies")
+        return
+    if ca is None:
+        raise ConfigError(f"{where}client_ca_file: required by client_auth_type {kind}")
+    path = os.path.join(base_dir, _text(ca, f"{where}client_ca_file"))
+    try:
+        ctx.load_verify_locations(cafile=path)
+    except OSError as e:
+        raise ConfigError(f"{where}client_ca_file: cannot load {path} ({e.strerror or e})") from None
+    ctx.verify_mode = CLIENT_AUTH[kind]
+
+
+def _users(value, path: str) -> dict[str, bytes]:
+    users, where = {}, f"{path}: basic_auth_users."
+    for user, hashed in _mapping(value, f"{path}: basic_auth_users").items():
+        if not isinstance(user, str) or not user or ":" in user:
+            raise ConfigError(f"{where}{user!r}: a user name is a non-empty string without ':'")
+        if not isinstance(hashed, str) or not BCRYPT_RE.match(hashed):
+            raise ConfigError(f"{where}{user}: expected a bcrypt hash ($2y$10$... from htpasswd -nB), "
+                              "got something else (the value is not shown)")
+        users[user] = hashed.encode()
+    return users
+
+
+def load(path: str) -> WebConfig:
+    """The web configuration at ``path``, or ConfigError with one line naming the file and the key."""
+    data = _mapping(read_yaml(path), f"{path}: (top level)")
+    _check_keys(data, TOP_KEYS, f"{path}: ")
+    base_dir = os.path.dirname(os.path.abspath(path))
+    tls = _tls_context(_mapping(data.get("tls_server_config"), f"{path}: tls_server_config"), base_dir,
+                       f"{path}: tls_server_config.")
+    return WebConfig(path, tls, _users(data.get("basic_auth_users"), path))
+
+
+def _credentials(header: str | None) -> tuple[str, str] | None:
+    """(user, password) of an 'Authorization: Basic ...' header, None when absent or malformed."""
+    if not header:
+        return None
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "basic":
+        return None
+    try:
+        user, sep, password = base64.b64decode(token.strip(), validate=True).decode("utf-8").partition(":")
+    except (binascii.Error, UnicodeDecodeError):
+        return None
+    return (user, password) if sep else None
+
+
+def _checkpw(password: str, hashed: bytes) -> bool:
+    import bcrypt
+
+    try:
+        return bcrypt.checkpw(password.encode(), hashed)
+    except ValueError:  # longer than bcrypt's 72 bytes
+        return False
+
+
+class BasicAuth:
+    def __init__(self, users: dict[str, bytes]):
+        import bcrypt  # fails at start, not at the first request, if the package is missing
+
+        self.users = users
+        # unknown users are checked against this, so the answer takes as long as for a known one
+        cost = max((int(h[4:6]) for h in users.values()), default=10)
+        self._unknown_user_hash = bcrypt.hashpw(os.urandom(16).hex().encode(), bcrypt.gensalt(cost))
+        self._key = os.urandom(32)
+        self._good: OrderedDict[bytes, None] = OrderedDict()
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvwatt-bcrypt")
+
+    def _cache_key(self, user: str, password: str) -> bytes:
+        return hmac.new(self._key, f"{user}\0{password}".encode(), hashlib.sha256).digest()
+
+    async def check(self, header: str | None) -> bool:
+        creds = _credentials(header)
+        if creds is None:
+            return False
+        user, password = creds
+        key = self._cache_key(user, password)
+        if key in self._good:
+            self._good.move_to_end(key)
+            return True
+        hashed = self.users.get(user)
+        loop = asyncio.get_running_loop()
+        ok = await loop.run_in_executor(self._pool, _checkpw, password, hashed or self._unknown_user_hash)
+        if ok and hashed is not None:
+            self._good[key] = None
+            while len(self._good) > AUTH_CACHE_SIZE:
+                self._good.popitem(last=False)
+            return True
+        return False
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
