@@ -71,8 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args._main(args) or 0)
-    except ConfigError as e:
-        print(f"kvwatt: error: {e}", file=sys.stderr)
+    except ConfigError as e:  # one line, whatever the message quotes (a path, a value with newlines)
+        print("kvwatt: error: " + " ".join(str(e).splitlines()), file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

@@ -8,13 +8,17 @@ that page in step with ``KEYS`` below.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
+import reprlib
 from dataclasses import dataclass, field, replace
 from typing import Any
 from urllib.parse import urlparse, urlsplit
 
 import yaml
+
+from exporter.limits import MAX_FILE_BYTES
 
 DEFAULT_SERVER_URL = "http://127.0.0.1:8000"
 DEFAULT_LISTEN = "0.0.0.0:8492"
@@ -27,20 +31,56 @@ class ConfigError(ValueError):
 _DURATION_RE = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m|h)?$")
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
 
+# Values in error messages are shown abridged: a few hundred bytes of YAML with aliases can expand to
+# billions of elements, and a YAML integer can have thousands of digits (str() refuses beyond 4300).
+_SHOW = reprlib.Repr()
+_SHOW.maxlevel, _SHOW.maxlist, _SHOW.maxtuple, _SHOW.maxdict, _SHOW.maxset = 2, 6, 6, 6, 6
+_SHOW.maxstring, _SHOW.maxother = 120, 120
+_SHOWN_CHARS = 200
+
+
+def shown(value: Any) -> str:
+    """``repr(value)`` for an error message, bounded in length and in the work it takes."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 128:
+        return f"an integer of about {int(value.bit_length() * math.log10(2)) + 1} digits"
+    text = _SHOW.repr(value)
+    return text if len(text) <= _SHOWN_CHARS else text[:_SHOWN_CHARS - 3] + "..."
+
+
+def is_finite(value: Any) -> bool:
+    """A real number, not NaN or infinite, and within a float's range (YAML and JSON integers are not)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an integer beyond 1.8e308
+        return False
+
+
+def finite_number(value: Any, key: str, expected: str = "a number") -> float:
+    """A YAML/JSON/flag number as a finite float. Every number kvwatt reads from input passes here (or through
+    is_finite), so .inf, .nan and integers too large for a float are refused the same way by every command."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{key}: expected {expected}, got {shown(value)}")
+    if not is_finite(value):
+        raise ConfigError(f"{key}: expected a finite number, got {shown(value)}")
+    return float(value)
+
 
 def parse_duration(value: Any, key: str) -> float:
-    """'90s', '5m', '1.5h', 30 -> seconds. Raises ConfigError naming ``key``."""
-    if isinstance(value, bool):
-        raise ConfigError(f"{key}: expected a duration like 30s or 5m, got {value!r}")
-    if isinstance(value, (int, float)):
-        seconds = float(value)
+    """'90s', '5m', '1.5h', 30 -> seconds, finite and > 0. Raises ConfigError naming ``key``."""
+    expected = "a duration like 30s or 5m"
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        seconds = finite_number(value, key, expected)
     else:
-        m = _DURATION_RE.match(str(value).strip())
+        m = _DURATION_RE.match(value.strip()) if isinstance(value, str) else None
         if not m:
-            raise ConfigError(f"{key}: expected a duration like 30s or 5m, got {value!r}")
+            raise ConfigError(f"{key}: expected {expected}, got {shown(value)}")
         seconds = float(m.group(1)) * _UNITS[m.group(2)]
+        if not math.isfinite(seconds):  # 400 digits overflow a float: refused like .inf
+            raise ConfigError(f"{key}: expected a finite number, got {shown(value)}")
     if not seconds > 0:
-        raise ConfigError(f"{key}: must be greater than zero, got {value!r}")
+        raise ConfigError(f"{key}: must be greater than zero, got {shown(value)}")
     return seconds
 
 
@@ -110,48 +150,72 @@ class Config:
 # key -> (field name, parser). Parsers take (value, key) and raise ConfigError.
 def _float_range(lo: float, hi: float | None = None, lo_open: bool = False):
     def parse(value: Any, key: str) -> float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{key}: expected a number, got {value!r}")
-        v = float(value)
-        if v != v or (v <= lo if lo_open else v < lo) or (hi is not None and v > hi):
+        v = finite_number(value, key)
+        if (v <= lo if lo_open else v < lo) or (hi is not None and v > hi):
             bound = f"> {lo}" if lo_open else f">= {lo}"
             rng = f"{bound}" + (f" and <= {hi}" if hi is not None else "")
-            raise ConfigError(f"{key}: must be {rng}, got {value!r}")
+            raise ConfigError(f"{key}: must be {rng}, got {shown(value)}")
         return v
     return parse
 
 
 def _int_pos(value: Any, key: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ConfigError(f"{key}: expected a positive integer, got {value!r}")
+        raise ConfigError(f"{key}: expected a positive integer, got {shown(value)}")
     return value
 
 
 def _bool(value: Any, key: str) -> bool:
     if not isinstance(value, bool):
-        raise ConfigError(f"{key}: expected true or false, got {value!r}")
+        raise ConfigError(f"{key}: expected true or false, got {shown(value)}")
     return value
 
 
 def _str(value: Any, key: str) -> str:
     if not isinstance(value, str) or not value:
-        raise ConfigError(f"{key}: expected a non-empty string, got {value!r}")
+        raise ConfigError(f"{key}: expected a non-empty string, got {shown(value)}")
+    if "\0" in value:  # no path, URL or argument can hold one (the OS refuses it)
+        raise ConfigError(f"{key}: contains a NUL character, got {shown(value)}")
     return value
+
+
+_PORT_RE = re.compile(r"^[0-9]{1,5}$")
+
+
+def valid_port(text: str) -> bool:
+    """'1'..'65535' in ASCII digits (str.isdigit() also takes '²', which int() refuses)."""
+    return bool(_PORT_RE.match(text)) and 0 < int(text) < 65536
 
 
 def parse_listen(value: Any, key: str) -> str:
     text = _str(value, key)
     host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ConfigError(f"{key}: expected HOST:PORT with a port in 1-65535, got {value!r}")
+    if not sep or not valid_port(port):
+        raise ConfigError(f"{key}: expected HOST:PORT with a port in 1-65535, got {shown(value)}")
     return text
+
+
+def url_problem(text: str, expected: str = "expected an http(s) URL of the vLLM server root") -> str | None:
+    """Why ``text`` is not an http(s)://HOST[:PORT] URL with a port in 1-65535 (``expected`` when it is not
+    such a URL at all), or None."""
+    try:
+        u = urlparse(text)  # ValueError: an unclosed '[' of an IPv6 address
+    except ValueError:
+        return expected
+    if u.scheme not in ("http", "https") or not u.hostname:
+        return expected
+    try:
+        port = u.port  # None when absent; ValueError when not a number or beyond 65535
+    except ValueError:
+        port = 0
+    return "the port must be 1-65535" if port == 0 else None
 
 
 def parse_url(value: Any, key: str) -> str:
     text = _str(value, key)
-    u = urlparse(text)
-    if u.scheme not in ("http", "https") or not u.netloc:
-        raise ConfigError(f"{key}: expected an http(s) URL of the vLLM server root, got {redacted_url(text)!r}")
+    problem = url_problem(text)
+    if problem:  # the password never goes into a message
+        raise ConfigError(f"{key}: {problem}, got {shown(redacted_url(text))}")
     return text.rstrip("/")
 
 
@@ -170,16 +234,16 @@ def redacted_url(url: str) -> str:
 
 def _windows(value: Any, key: str) -> tuple[float, ...]:
     if not isinstance(value, list) or not value:
-        raise ConfigError(f"{key}: expected a list of durations like [1m, 5m], got {value!r}")
+        raise ConfigError(f"{key}: expected a list of durations like [1m, 5m], got {shown(value)}")
     out = tuple(parse_duration(v, f"{key}[{i}]") for i, v in enumerate(value))
     if len({format_window(w) for w in out}) != len(out):
-        raise ConfigError(f"{key}: windows must be distinct, got {value!r}")
+        raise ConfigError(f"{key}: windows must be distinct, got {shown(value)}")
     return out
 
 
 def _watts_map(value: Any, key: str) -> dict[str, float]:
     if not isinstance(value, dict):
-        raise ConfigError(f"{key}: expected a mapping of device to watts, got {value!r}")
+        raise ConfigError(f"{key}: expected a mapping of device to watts, got {shown(value)}")
     return {str(k): _float_range(0.0)(v, f"{key}.{k}") for k, v in value.items()}
 
 
@@ -235,7 +299,7 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9_.:-]+$")
 
 def _server(item: Any, key: str) -> ServerConfig:
     if not isinstance(item, dict):
-        raise ConfigError(f"{key}: expected a mapping with name and url, got {item!r}")
+        raise ConfigError(f"{key}: expected a mapping with name and url, got {shown(item)}")
     for k in item:
         if k not in SERVER_KEYS:
             raise ConfigError(f"{key}.{k}: unknown key (known: {', '.join(SERVER_KEYS)})")
@@ -244,12 +308,12 @@ def _server(item: Any, key: str) -> ServerConfig:
             raise ConfigError(f"{key}.{required}: missing")
     name = _str(item["name"], f"{key}.name")
     if not _NAME_RE.match(name):
-        raise ConfigError(f"{key}.name: use letters, digits, '_', '-', '.', ':' only, got {name!r}")
+        raise ConfigError(f"{key}.name: use letters, digits, '_', '-', '.', ':' only, got {shown(name)}")
     kw: dict[str, Any] = {"name": name, "url": parse_url(item["url"], f"{key}.url")}
     if "gpus" in item:
         gpus = item["gpus"]
         if not isinstance(gpus, list) or not all(isinstance(g, (int, str)) and not isinstance(g, bool) for g in gpus):
-            raise ConfigError(f"{key}.gpus: expected a list of GPU indices or UUIDs, got {gpus!r}")
+            raise ConfigError(f"{key}.gpus: expected a list of GPU indices or UUIDs, got {shown(gpus)}")
         kw["gpus"] = tuple(str(g) for g in gpus)
     if "reference_local_compute_share" in item:
         kw["reference_local_compute_share"] = _float_range(0.0, 1.0)(
@@ -264,7 +328,7 @@ def _server(item: Any, key: str) -> ServerConfig:
 
 def _numbers(value: Any, key: str, allowed: tuple[str, ...]) -> dict[str, Any]:
     if not isinstance(value, dict):
-        raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+        raise ConfigError(f"{key}: expected a mapping, got {shown(value)}")
     out: dict[str, Any] = {}
     for k, v in value.items():
         if k not in allowed:
@@ -278,14 +342,16 @@ def _numbers(value: Any, key: str, allowed: tuple[str, ...]) -> dict[str, Any]:
 
 def _servers(value: Any, key: str = "servers") -> tuple[ServerConfig, ...]:
     if not isinstance(value, list):
-        raise ConfigError(f"{key}: expected a list of servers, got {value!r}")
+        raise ConfigError(f"{key}: expected a list of servers, got {shown(value)}")
     servers = tuple(_server(item, f"{key}[{i}]") for i, item in enumerate(value))
-    names = [s.name for s in servers]
-    dup = {n for n in names if names.count(n) > 1}
-    if dup:
-        raise ConfigError(f"{key}: duplicate server name {sorted(dup)[0]!r}")
+    first_index: dict[str, int] = {}  # a dict, not list.count: 40,000 servers check in linear time
     for i, s in enumerate(servers):
-        if s.pair_off_server and s.pair_off_server not in names:
+        if s.name in first_index:
+            raise ConfigError(f"{key}: duplicate server name {s.name!r} ({key}[{first_index[s.name]}] and "
+                              f"{key}[{i}])")
+        first_index[s.name] = i
+    for i, s in enumerate(servers):
+        if s.pair_off_server and s.pair_off_server not in first_index:
             raise ConfigError(f"{key}[{i}].pair_off_server: no server named {s.pair_off_server!r}")
     return servers
 
@@ -304,28 +370,71 @@ def from_mapping(data: Any, base: Config | None = None) -> Config:
     return replace(base or Config(), **kw)
 
 
-def read_yaml(path: str) -> Any:
-    """A YAML file's data, or ConfigError with one line naming the file and the problem."""
+def read_text(path: str) -> str:
+    """A file's text (UTF-8, at most MAX_FILE_BYTES), or ConfigError with one line naming the file and the
+    problem."""
     try:
-        with open(path, encoding="utf-8") as f:
-            return yaml.safe_load(f)
+        with open(path, "rb") as f:
+            data = f.read(MAX_FILE_BYTES + 1)  # bounded: the path may be /dev/zero or a 10 GB mistake
     except OSError as e:
         raise ConfigError(f"{path}: cannot read ({e.strerror})") from None
+    if len(data) > MAX_FILE_BYTES:
+        raise ConfigError(f"{path}: larger than {MAX_FILE_BYTES // 2**20} MiB (the limit)")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise ConfigError(f"{path}: line {line}: not valid UTF-8 (byte 0x{data[e.start]:02x})") from None
+
+
+def read_yaml(path: str) -> Any:
+    """A YAML file's data, or ConfigError with one line naming the file and the problem."""
+    text = read_text(path)
+    try:
+        return yaml.safe_load(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark else ""
         raise ConfigError(f"{path}:{where} not valid YAML ({getattr(e, 'problem', e)})") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: not usable YAML (nested too deeply)") from None
+    except ValueError as e:  # the constructor's own: a date like 2024-13-45, an integer of 5,000 digits
+        raise ConfigError(f"{path}: not usable YAML ({str(e).split(';')[0]})") from None
 
 
 def read_json(path: str) -> Any:
     """A JSON file's data, or ConfigError with one line naming the file and the problem."""
+    text = read_text(path)
     try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except OSError as e:
-        raise ConfigError(f"{path}: cannot read ({e.strerror})") from None
+        return json.loads(text)
     except json.JSONDecodeError as e:
         raise ConfigError(f"{path}: not valid JSON (line {e.lineno}: {e.msg})") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: not usable JSON (nested too deeply)") from None
+    except ValueError as e:  # an integer of more than 4,300 digits
+        raise ConfigError(f"{path}: not usable JSON ({str(e).split(';')[0]})") from None
+
+
+def check_writable(path: str, key: str, directory: bool = False) -> None:
+    """ConfigError unless ``path`` can be created or replaced later as a file (or, with ``directory``, used as
+    a directory): checked before any work, so a typo does not lose a long run's result at its end. Missing
+    parents are fine (they are created); the nearest existing one must be a directory we may write in."""
+    target = os.path.abspath(_str(path, key))
+    if os.path.exists(target):
+        if os.path.isdir(target) != directory:
+            raise ConfigError(f"{key}: {path} is {'not ' if directory else ''}a directory")
+        if not os.access(target, os.W_OK):
+            raise ConfigError(f"{key}: cannot write {path} (permission denied)")
+        return
+    if not directory and path.endswith("/"):
+        raise ConfigError(f"{key}: expected a file path, got a directory {path!r}")
+    parent = os.path.dirname(target)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise ConfigError(f"{key}: cannot write {path} ({parent} is not a directory)")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"{key}: cannot write {path} (permission denied in {parent})")
 
 
 def load_file(path: str) -> Config:
@@ -335,7 +444,7 @@ def load_file(path: str) -> Config:
 def parse_server_flag(text: str, key: str = "--server") -> ServerConfig:
     name, sep, url = text.partition("=")
     if not sep or not name:
-        raise ConfigError(f"{key}: expected NAME=URL, got {text!r}")
+        raise ConfigError(f"{key}: expected NAME=URL, got {shown(text)}")
     return _server({"name": name, "url": url}, f"{key} {name}")
 
 

@@ -95,6 +95,8 @@ def from_hf_config(cfg: Mapping[str, Any], source: str = "config.json") -> Model
     """ModelParams from a HF config.json mapping (text_config is used for multimodal wrappers)."""
     if "text_config" in cfg and "num_hidden_layers" not in cfg:
         cfg = cfg["text_config"]
+    if not isinstance(cfg, Mapping):
+        raise ConfigError(f"{source}: not a usable decoder config.json (text_config is not an object)")
     if "kv_lora_rank" in cfg:
         raise ConfigError(f"{source}: MLA models (kv_lora_rank) are not supported; configure model.* instead")
     try:
@@ -108,7 +110,7 @@ def from_hf_config(cfg: Mapping[str, Any], source: str = "config.json") -> Model
                            kv_heads=int(_get(cfg, "num_key_value_heads") or heads), head_dim=head_dim,
                            dtype_bytes=DTYPE_BYTES[dtype], active_parameters=estimate_parameters(cfg),
                            hidden_size=h, attention_width=heads * head_dim, source=source)
-    except (KeyError, TypeError, ValueError) as e:
+    except (KeyError, TypeError, ValueError, ArithmeticError) as e:  # ArithmeticError: a size of 0 or 1e400
         raise ConfigError(f"{source}: not a usable decoder config.json ({type(e).__name__}: {e})") from None
 
 

@@ -15,8 +15,8 @@ import sys
 import time
 from dataclasses import replace
 
-from exporter.config import (ConfigError, Config, ServerConfig, parse_duration, parse_server_flag, redacted_url,
-                             resolve)
+from exporter.config import (ConfigError, Config, ServerConfig, check_writable, parse_duration, parse_server_flag,
+                             redacted_url, resolve)
 from exporter.energy.attribution import assign_gpus
 from exporter.energy.baseline import BaselineBook, IdleAccumulator, IdleEstimate
 from exporter.samples import DeviceReading, Tick
@@ -161,6 +161,7 @@ def main(args: argparse.Namespace) -> int:
     duration = parse_duration(args.duration, "--duration")
     settle = cfg.idle_settle_seconds if args.settle is None else _duration_or_zero(args.settle, "--settle")
     interval = parse_duration(args.interval, "--interval")
+    check_writable(cfg.state_dir, "--state-dir" if args.state_dir else "state_dir", directory=True)
     if not checked:
         print("warning: no vLLM server checked; with no model loaded the baseline understates idle power",
               file=sys.stderr)

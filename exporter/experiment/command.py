@@ -15,7 +15,7 @@ import signal
 import sys
 
 from exporter import atomic
-from exporter.config import ConfigError
+from exporter.config import ConfigError, check_writable
 from exporter.experiment import report
 from exporter.experiment.plan import Plan, load_plan, run_order
 from exporter.experiment.runner import launch_for, run_experiment
@@ -66,6 +66,7 @@ def report_only(out_dir: str) -> int:
 def main(args: argparse.Namespace) -> int:
     plan = load_plan(args.plan)
     out_dir = os.path.abspath(args.out or plan.out_dir)
+    check_writable(out_dir, "--out" if args.out else "out", directory=True)
     if args.dry_run:
         return dry_run(plan, out_dir)
     if args.report_only:

@@ -16,10 +16,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 
-from exporter.config import ConfigError, parse_url, read_yaml
+from exporter.config import ConfigError, parse_url, read_yaml, shown
 from exporter.experiment import template, values
 from exporter.experiment.values import BUILTINS
-from exporter.replay.runner import ReplayOptions, playable_sessions
+from exporter.limits import MAX_CONCURRENCY, MAX_CONTEXT_TOKENS, MAX_RUNS
+from exporter.replay.runner import NothingFits, ReplayOptions, playable_sessions
 from exporter.replay.traces import FORMATS, load_sessions, scale_session, scale_tokens
 
 TOP_KEYS = ("name", "seed", "repeats", "out", "sample_interval", "kv_pressure_threshold", "vars", "phases",
@@ -184,7 +185,7 @@ def load_plan(path: str) -> Plan:
     conditions = _conditions(data["conditions"], workload, plan_dir)
     plan = Plan(
         path=str(Path(path).resolve()), name=values.string(data.get("name", Path(path).stem), "name"),
-        seed=values.integer(data.get("seed", 0), "seed", 0), repeats=values.integer(data.get("repeats", 3), "repeats", 1),
+        seed=values.integer(data.get("seed", 0), "seed", 0), repeats=_repeats(data.get("repeats", 3), conditions),
         out_dir=str(plan_dir / values.string(data.get("out", f"{Path(path).stem}-results"), "out")),
         sample_interval_seconds=_interval(data.get("sample_interval", "1s")),
         kv_pressure_threshold=values.ratio(data.get("kv_pressure_threshold", 0.90), "kv_pressure_threshold"),
@@ -193,6 +194,15 @@ def load_plan(path: str) -> Plan:
     _check_templates(plan)
     _check_traces(plan, workload)
     return plan
+
+
+def _repeats(value: Any, conditions: tuple[Condition, ...]) -> int:
+    """Checked before run_order lists the runs: 100,000,000 repeats would exhaust memory even in --dry-run."""
+    repeats = values.integer(value, "repeats", 1, MAX_RUNS)
+    if repeats * len(conditions) > MAX_RUNS:
+        raise ConfigError(f"repeats: {repeats} repeats x {len(conditions)} conditions is "
+                          f"{repeats * len(conditions)} runs, more than the limit of {MAX_RUNS}")
+    return repeats
 
 
 def _interval(value: Any) -> float:
@@ -224,10 +234,10 @@ def _server(value: Any) -> ServerSpec:
     if "port" in data:
         port = data["port"]
         if port != "auto" and (isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536):
-            raise ConfigError(f"server.port: expected a port 1-65535 or auto, got {port!r}")
+            raise ConfigError(f"server.port: expected a port 1-65535 or auto, got {shown(port)}")
         kw["port"] = None if port == "auto" else port
     if "env" in data:
-        kw["env"] = values.string_map(data["env"], "server.env")
+        kw["env"] = values.env_map(data["env"], "server.env")
     if "model" in data:
         kw["model"] = values.string(data["model"], "server.model")
     for name in ("startup_timeout", "stop_timeout", "unresponsive_timeout"):
@@ -238,12 +248,12 @@ def _server(value: Any) -> ServerSpec:
 
 _WORKLOAD_PARSERS: dict[str, tuple[str, Callable[[Any, str], Any]]] = {
     "format": ("format", lambda v, k: values.choice(v, k, FORMATS)),
-    "concurrency": ("concurrency", lambda v, k: values.integer(v, k, 1)),
+    "concurrency": ("concurrency", lambda v, k: values.integer(v, k, 1, MAX_CONCURRENCY)),
     "length_scale": ("length_scale", lambda v, k: values.number(v, k, 0.0, True)),
     "latency_scale": ("latency_scale", lambda v, k: values.number(v, k, 0.0, False)),
-    "max_context": ("max_context", lambda v, k: values.integer(v, k, 1)),
+    "max_context": ("max_context", lambda v, k: values.integer(v, k, 1, MAX_CONTEXT_TOKENS)),
     "seed": ("seed", lambda v, k: values.integer(v, k, 0)),
-    "system_prompt_tokens": ("system_prompt_tokens", lambda v, k: values.integer(v, k, 0)),
+    "system_prompt_tokens": ("system_prompt_tokens", lambda v, k: values.integer(v, k, 0, MAX_CONTEXT_TOKENS)),
     "retries": ("retries", lambda v, k: values.integer(v, k, 0)),
     "request_timeout": ("request_timeout_seconds", values.duration),
 }
@@ -291,15 +301,17 @@ def _conditions(value: Any, workload: Workload, plan_dir: Path) -> tuple[Conditi
     if not isinstance(value, list) or not value:
         raise ConfigError("conditions: expected a non-empty list of conditions")
     out = [_condition(item, f"conditions[{i}]", workload, plan_dir) for i, item in enumerate(value)]
-    names = [c.name for c in out]
+    by_name: dict[str, Condition] = {}
     for i, c in enumerate(out):
-        if names.index(c.name) != i:
+        if c.name in by_name:
             raise ConfigError(f"conditions[{i}].name: duplicate condition name {c.name!r}")
+        by_name[c.name] = c
+    for i, c in enumerate(out):
         if c.baseline is None:
             continue
-        if c.baseline not in names or c.baseline == c.name:
+        if c.baseline not in by_name or c.baseline == c.name:
             raise ConfigError(f"conditions[{i}].baseline: no other condition named {c.baseline!r}")
-        if out[names.index(c.baseline)].baseline is not None:
+        if by_name[c.baseline].baseline is not None:
             raise ConfigError(f"conditions[{i}].baseline: {c.baseline!r} has a baseline itself; "
                               "a baseline must be an OFF condition")
     return tuple(out)
@@ -315,7 +327,7 @@ def _condition(item: Any, key: str, workload: Workload, plan_dir: Path) -> Condi
         raise ConfigError(f"{key}.name: use letters, digits, '_', '-', '.' only (it names files), got {name!r}")
     baseline = values.string(data["baseline"], f"{key}.baseline") if data.get("baseline") is not None else None
     return Condition(name=name, baseline=baseline, args=values.argv(data.get("args", []), f"{key}.args", True),
-                     env=values.string_map(data.get("env", {}), f"{key}.env"),
+                     env=values.env_map(data.get("env", {}), f"{key}.env"),
                      vars=values.placeholder_vars(data.get("vars", {}), f"{key}.vars"),
                      workload=_workload(data.get("workload", {}), f"{key}.workload", plan_dir, workload))
 
@@ -334,8 +346,9 @@ def _check_templates(plan: Plan) -> None:
             template.check(t, known, f"server.env.{name}{where}")
         for name, t in c.env.items():
             template.check(t, known, f"conditions[{i}].env.{name}")
-        sample = template.substitute(plan.server.url, {**{k: "x" for k in known}, "port": "8000"}, "server.url")
-        parse_url(sample, f"server.url{where}")
+        # the plan's own vars as they are (a port from a var is checked), the other built-ins as samples
+        sample_values = {**{k: "x" for k in BUILTINS}, "port": "8000", **plan.vars, **c.vars}
+        parse_url(template.substitute(plan.server.url, sample_values, "server.url"), f"server.url{where}")
 
 
 def _check_traces(plan: Plan, base: Workload) -> None:
@@ -351,7 +364,9 @@ def _check_traces(plan: Plan, base: Workload) -> None:
                 raise ConfigError(f"{prefix}.trace: {e}") from None
         sessions = [scale_session(s, w.length_scale) for s in loaded[w.trace, w.format]]
         try:
-            playable_sessions(sessions, w.replay_options(plan.phases.measure_seconds))
-        except ConfigError:
+            playable_sessions(sessions, w.replay_options(plan.phases.measure_seconds), "max_context")
+        except NothingFits:
             raise ConfigError(f"conditions[{i}].workload.max_context: no session's first turn fits in "
                               f"{w.max_context} tokens (condition {c.name})") from None
+        except ConfigError as e:  # a session or system prompt beyond the limits (exporter/limits.py)
+            raise ConfigError(f"conditions[{i}].workload: {e} (condition {c.name})") from None

@@ -50,6 +50,8 @@ class ExperimentState:
             return None
         except (OSError, ValueError) as e:
             raise ConfigError(f"{path}: unreadable state file ({e})") from None
+        except RecursionError:
+            raise ConfigError(f"{path}: unreadable state file (nested too deeply)") from None
         if not isinstance(data, dict) or data.get("version") != FORMAT_VERSION:
             raise ConfigError(f"{path}: not a kvwatt experiment state file (version {FORMAT_VERSION})")
         return cls(out_dir, data)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from exporter.config import ConfigError, parse_duration
+from exporter.config import ConfigError, finite_number, parse_duration, shown
 
 BUILTINS = ("port", "condition", "run", "repeat", "run_dir", "plan_dir")  # placeholders every template has
 
@@ -22,8 +22,15 @@ def known_keys(data: dict, allowed: tuple[str, ...], prefix: str) -> None:
 
 def mapping(value: Any, key: str) -> dict:
     if not isinstance(value, dict):
-        raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+        raise ConfigError(f"{key}: expected a mapping, got {shown(value)}")
     return value
+
+
+def _no_nul(text: str, key: str) -> str:
+    """Plan strings end up in argv, the environment and paths, none of which can hold a NUL."""
+    if "\0" in text:
+        raise ConfigError(f"{key}: contains a NUL character, got {shown(text)}")
+    return text
 
 
 def string(value: Any, key: str) -> str:
@@ -31,37 +38,46 @@ def string(value: Any, key: str) -> str:
         raise ConfigError(f"{key}: expected a string, got {value!r} (YAML reads on/off/yes/no as booleans: "
                           "quote it)")
     if not isinstance(value, str) or not value:
-        raise ConfigError(f"{key}: expected a non-empty string, got {value!r}")
-    return value
+        raise ConfigError(f"{key}: expected a non-empty string, got {shown(value)}")
+    return _no_nul(value, key)
 
 
-def integer(value: Any, key: str, minimum: int) -> int:
+def integer(value: Any, key: str, minimum: int, maximum: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        raise ConfigError(f"{key}: expected an integer, got {shown(value)}")
     if value < minimum:
-        raise ConfigError(f"{key}: must be >= {minimum}, got {value}")
+        raise ConfigError(f"{key}: must be >= {minimum}, got {shown(value)}")
+    if maximum is not None and value > maximum:
+        raise ConfigError(f"{key}: must be <= {maximum} (the limit), got {shown(value)}")
     return value
 
 
 def number(value: Any, key: str, minimum: float, open_below: bool) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
-        raise ConfigError(f"{key}: expected a number, got {value!r}")
-    if value < minimum or (open_below and value == minimum):
-        raise ConfigError(f"{key}: must be {'>' if open_below else '>='} {minimum:g}, got {value!r}")
-    return float(value)
+    v = finite_number(value, key)
+    if v < minimum or (open_below and v == minimum):
+        raise ConfigError(f"{key}: must be {'>' if open_below else '>='} {minimum:g}, got {shown(value)}")
+    return v
 
 
 def ratio(value: Any, key: str) -> float:
     v = number(value, key, 0.0, True)
     if v > 1.0:
-        raise ConfigError(f"{key}: must be <= 1, got {value!r}")
+        raise ConfigError(f"{key}: must be <= 1, got {shown(value)}")
     return v
 
 
 def duration(value: Any, key: str, zero_ok: bool = False) -> float:
-    if zero_ok and not isinstance(value, bool) and (value == 0 or str(value).strip() in ("0", "0s")):
+    if zero_ok and not isinstance(value, bool) and (value == 0 or (isinstance(value, str)
+                                                                   and value.strip() in ("0", "0s"))):
         return 0.0
     return parse_duration(value, key)
+
+
+def _scalar(v: Any, key: str) -> str:
+    """A string or a number, as the string a template substitutes."""
+    if isinstance(v, bool) or not isinstance(v, (str, int, float)):
+        raise ConfigError(f"{key}: expected a string or a number, got {shown(v)}")
+    return _no_nul(str(v), key)
 
 
 def placeholder_vars(value: Any, key: str) -> dict[str, str]:
@@ -72,35 +88,41 @@ def placeholder_vars(value: Any, key: str) -> dict[str, str]:
             raise ConfigError(f"{k}: placeholder names are letters, digits and '_'")
         if name in BUILTINS:
             raise ConfigError(f"{k}: reserved placeholder name (built in: {', '.join(BUILTINS)})")
-        if isinstance(v, bool) or not isinstance(v, (str, int, float)):
-            raise ConfigError(f"{k}: expected a string or a number, got {v!r}")
-        out[name] = str(v)
+        out[name] = _scalar(v, k)
     return out
 
 
-def string_map(value: Any, key: str) -> dict[str, str]:
+def env_map(value: Any, key: str) -> dict[str, str]:
+    """Environment variables for the server; values are templates like every other plan string."""
     out = {}
     for name, v in mapping(value, key).items():
-        if isinstance(v, bool) or not isinstance(v, (str, int, float)):
-            raise ConfigError(f"{key}.{name}: expected a string or a number, got {v!r}")
-        out[str(name)] = str(v)
+        out[_env_name(name, key)] = _scalar(v, f"{key}.{name}")
     return out
+
+
+def _env_name(name: Any, key: str) -> str:
+    """Non-empty, without '=' or NUL: the OS could not pass anything else on (Popen raises ValueError)."""
+    text = "" if isinstance(name, bool) or not isinstance(name, (str, int)) else str(name)
+    if not text or "=" in text or "\0" in text:
+        raise ConfigError(f"{key}: {shown(name)} is not an environment variable name (non-empty, without '=' "
+                          "or NUL)")
+    return text
 
 
 def argv(value: Any, key: str, allow_empty: bool) -> tuple[str, ...]:
     if isinstance(value, str):
         raise ConfigError(f"{key}: expected a list of argv strings (run without a shell), got a string")
     if not isinstance(value, list) or (not value and not allow_empty):
-        raise ConfigError(f"{key}: expected a non-empty list of argv strings, got {value!r}")
+        raise ConfigError(f"{key}: expected a non-empty list of argv strings, got {shown(value)}")
     out = []
     for i, item in enumerate(value):
         if isinstance(item, bool) or not isinstance(item, (str, int, float)) or item == "":
-            raise ConfigError(f"{key}[{i}]: expected a non-empty string, got {item!r}")
-        out.append(str(item))
+            raise ConfigError(f"{key}[{i}]: expected a non-empty string, got {shown(item)}")
+        out.append(_no_nul(str(item), f"{key}[{i}]"))
     return tuple(out)
 
 
 def choice(value: Any, key: str, allowed: tuple[str, ...]) -> str:
-    if value not in allowed:
-        raise ConfigError(f"{key}: expected one of {', '.join(allowed)}, got {value!r}")
+    if not isinstance(value, str) or value not in allowed:
+        raise ConfigError(f"{key}: expected one of {', '.join(allowed)}, got {shown(value)}")
     return value

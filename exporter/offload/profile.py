@@ -16,12 +16,11 @@ Loading validates everything and raises ConfigError naming the file and the prob
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
 from exporter import atomic
-from exporter.config import ConfigError, read_json
+from exporter.config import ConfigError, is_finite, read_json, shown
 from exporter.derive.economics import BandProfile
 
 FORMAT = "kvwatt-offload-profile"
@@ -64,8 +63,8 @@ def _num(d: dict, key: str, where: str, optional: bool = False, minimum: float =
     v = d.get(key)
     if v is None and optional:
         return None
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < minimum:
-        raise ConfigError(f"{where}.{key}: expected a finite number >= {minimum:g}, got {v!r}")
+    if not is_finite(v) or v < minimum:  # is_finite: also an integer too large for a float
+        raise ConfigError(f"{where}.{key}: expected a finite number >= {minimum:g}, got {shown(v)}")
     return float(v)
 
 

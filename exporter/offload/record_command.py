@@ -20,8 +20,8 @@ import sys
 import time
 from dataclasses import replace
 
-from exporter.config import Config, ConfigError, ServerConfig, format_window, parse_duration, parse_server_flag, \
-    resolve
+from exporter.config import Config, ConfigError, ServerConfig, check_writable, format_window, parse_duration, \
+    parse_server_flag, resolve
 from exporter.derive.economics import DEFAULT_BANDS, build_bands, window_stats
 from exporter.offload import profile as profile_mod
 from exporter.model import Model
@@ -92,8 +92,7 @@ def main(args: argparse.Namespace) -> int:
     window = parse_duration(args.window, "--window")
     if window > duration:
         raise ConfigError(f"--window: {args.window} is longer than --duration {args.duration}")
-    if args.out.endswith("/"):
-        raise ConfigError(f"--out: expected a file path, got a directory {args.out!r}")
+    check_writable(args.out, "--out")  # now, not after recording for --duration
     cfg = replace(cfg, servers=(server,))
     intervals, info, status = asyncio.run(sample(cfg, server, duration))
     prof = build_profile(intervals, info, server, duration, window)
@@ -101,7 +100,10 @@ def main(args: argparse.Namespace) -> int:
         why = f"vLLM {status.reason}" if status is not None and not status.up else "no window carried load"
         print(f"kvwatt: nothing recorded for {server.name} ({why}); {args.out} not written", file=sys.stderr)
         return 1
-    profile_mod.write(args.out, prof)
+    try:
+        profile_mod.write(args.out, prof)
+    except OSError as e:  # e.g. the disk filled up while recording
+        raise ConfigError(f"--out: cannot write {args.out} ({e.strerror or e})") from None
     has_energy = any(b.joules_per_token is not None for b in prof.bands)
     print(f"recorded {prof.windows} windows of {format_window(window)} from {server.name} "
           f"({prof.energy} GPU J/token{'' if has_energy else ': none, no GPU energy'}) -> {args.out}")

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import math
 import signal
 import sys
-from urllib.parse import urlparse
 
 import aiohttp
 
-from exporter.config import DEFAULT_SERVER_URL, ConfigError, parse_duration
+from exporter.config import (DEFAULT_SERVER_URL, ConfigError, check_writable, is_finite, parse_duration,
+                             url_problem)
+from exporter.limits import MAX_CONCURRENCY, MAX_CONTEXT_TOKENS, MAX_TOKEN_ID
 from exporter.replay.client import CompletionClient
 from exporter.replay.progress import show_progress
 from exporter.replay.records import RecordSink, summary_line, write_summary
@@ -64,39 +64,59 @@ def _check(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
-def _finite(value: float) -> bool:
-    return value is not None and math.isfinite(value)
+def _finite(value: float | None) -> bool:
+    return value is not None and is_finite(value)
+
+
+def _at_most(value: int | None, limit: int, flag: str) -> None:
+    _check(value is None or value <= limit, f"{flag}: must be <= {limit} (the limit), got {value}")
 
 
 def build_options(args: argparse.Namespace) -> ReplayOptions:
+    _check_load(args)
+    _check_shape(args)
+    _check_requests(args)
+    system_tokens = scale_tokens(args.system_prompt_tokens, args.length_scale)
+    _check(system_tokens <= MAX_CONTEXT_TOKENS, f"--system-prompt-tokens: {args.system_prompt_tokens} x --length-scale "
+           f"{args.length_scale:g} is {system_tokens} tokens, more than the limit of {MAX_CONTEXT_TOKENS}")
+    return ReplayOptions(
+        concurrency=None if args.rate is not None else (args.concurrency or 1),
+        rate_sessions_per_second=args.rate, seed=args.seed, system_prompt_tokens=system_tokens,
+        latency_scale=args.latency_scale, max_context_tokens=args.max_context,
+        duration_seconds=parse_duration(args.duration, "--duration") if args.duration is not None else None,
+        max_sessions=args.max_sessions, retries=args.retries, retry_backoff_seconds=args.retry_backoff)
+
+
+def _check_load(args: argparse.Namespace) -> None:
     _check(not (args.rate is not None and args.concurrency is not None), "--rate and --concurrency: choose one")
     _check(args.concurrency is None or args.concurrency >= 1,
            f"--concurrency: must be >= 1, got {args.concurrency}")
-    url = urlparse(args.url)
-    _check(url.scheme in ("http", "https") and bool(url.netloc),
-           f"--url: expected http(s)://HOST:PORT, got {args.url!r}")
+    _at_most(args.concurrency, MAX_CONCURRENCY, "--concurrency")
     _check(args.rate is None or (_finite(args.rate) and args.rate > 0), f"--rate: must be > 0, got {args.rate}")
+    _check(args.max_sessions is None or args.max_sessions >= 1,
+           f"--max-sessions: must be >= 1, got {args.max_sessions}")
+
+
+def _check_shape(args: argparse.Namespace) -> None:
     _check(_finite(args.length_scale) and args.length_scale > 0,
            f"--length-scale: must be > 0, got {args.length_scale}")
     _check(_finite(args.latency_scale) and args.latency_scale >= 0,
            f"--latency-scale: must be >= 0, got {args.latency_scale}")
     _check(args.system_prompt_tokens >= 0,
            f"--system-prompt-tokens: must be >= 0, got {args.system_prompt_tokens}")
+    _at_most(args.system_prompt_tokens, MAX_CONTEXT_TOKENS, "--system-prompt-tokens")
     _check(args.max_context is None or args.max_context >= 1, f"--max-context: must be >= 1, got {args.max_context}")
-    _check(args.max_sessions is None or args.max_sessions >= 1,
-           f"--max-sessions: must be >= 1, got {args.max_sessions}")
+    _at_most(args.max_context, MAX_CONTEXT_TOKENS, "--max-context")
+
+
+def _check_requests(args: argparse.Namespace) -> None:
+    problem = url_problem(args.url, "expected http(s)://HOST:PORT")
+    _check(problem is None, f"--url: {problem}, got {args.url!r}")
     _check(args.retries >= 0, f"--retries: must be >= 0, got {args.retries}")
     _check(_finite(args.retry_backoff) and args.retry_backoff >= 0,
            f"--retry-backoff: must be >= 0, got {args.retry_backoff}")
     _check(_finite(args.request_timeout) and args.request_timeout > 0,
            f"--request-timeout: must be > 0, got {args.request_timeout}")
-    return ReplayOptions(
-        concurrency=None if args.rate is not None else (args.concurrency or 1),
-        rate_sessions_per_second=args.rate, seed=args.seed,
-        system_prompt_tokens=scale_tokens(args.system_prompt_tokens, args.length_scale),
-        latency_scale=args.latency_scale, max_context_tokens=args.max_context,
-        duration_seconds=parse_duration(args.duration, "--duration") if args.duration is not None else None,
-        max_sessions=args.max_sessions, retries=args.retries, retry_backoff_seconds=args.retry_backoff)
 
 
 def parse_token_id_range(text: str) -> tuple[int, int]:
@@ -106,6 +126,8 @@ def parse_token_id_range(text: str) -> tuple[int, int]:
     except ValueError:
         raise ConfigError(f"--token-id-range: expected LOW:HIGH, got {text!r}") from None
     _check(bool(sep) and 0 <= low_id < high_id, f"--token-id-range: expected 0 <= LOW < HIGH, got {text!r}")
+    _check(high_id <= MAX_TOKEN_ID + 1, f"--token-id-range: HIGH must be <= {MAX_TOKEN_ID + 1} (32-bit ids), "
+                                        f"got {text!r}")
     return low_id, high_id
 
 
@@ -114,6 +136,8 @@ def main(args: argparse.Namespace) -> int:
     low_id, high_id = parse_token_id_range(args.token_id_range)
     sessions = [scale_session(s, args.length_scale) for s in load_sessions(args.trace, args.format)]
     playable_sessions(sessions, options)  # fail now, before any file or connection, if nothing fits
+    if args.summary:
+        check_writable(args.summary, "--summary")  # now, not after the whole replay
     try:
         sink = RecordSink(args.records)
     except OSError as e:
@@ -130,7 +154,10 @@ def main(args: argparse.Namespace) -> int:
     summary.update(trace=args.trace, url=args.url, length_scale=args.length_scale, latency_scale=args.latency_scale,
                    system_prompt_tokens=options.system_prompt_tokens, max_context_tokens=options.max_context_tokens)
     if args.summary:
-        write_summary(args.summary, summary)
+        try:
+            write_summary(args.summary, summary)
+        except OSError as e:  # e.g. the disk filled up during the replay; the records are written
+            raise ConfigError(f"--summary: cannot write {args.summary} ({e.strerror or e})") from None
     print(summary_line(summary), flush=True)
     return exit_code or (1 if summary["failed"] else 0)
 

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from exporter.replay.client import CompletionClient, Outcome
 from exporter.replay.records import RecordSink, TurnRecord
 from exporter.config import ConfigError
-from exporter.replay.session import Conversation, fits, turns_within_context
+from exporter.limits import MAX_CONTEXT_TOKENS
+from exporter.replay.session import Conversation, context_needed, fits
 from exporter.replay.tokens import TokenSource
 from exporter.replay.traces import Session
 
@@ -67,12 +68,28 @@ def system_prompt_tokens(session: Session, options: ReplayOptions) -> int:
     return session.system_prompt_tokens
 
 
-def playable_sessions(sessions: Sequence[Session], options: ReplayOptions) -> list[Session]:
-    """The sessions whose first turn fits the context cap; ConfigError when none does."""
-    playable = [s for s in sessions if turns_within_context(system_prompt_tokens(s, options), s.turns,
-                                                            options.max_context_tokens) > 0]
+class NothingFits(ConfigError):
+    """No session's first turn fits the context cap."""
+
+
+def playable_sessions(sessions: Sequence[Session], options: ReplayOptions,
+                      cap_key: str = "--max-context") -> list[Session]:
+    """The sessions whose first turn fits the context cap; NothingFits when none does. ConfigError, before any
+    token id is drawn, when a session would hold more than MAX_CONTEXT_TOKENS (``cap_key`` names the cap)."""
+    if options.system_prompt_tokens > MAX_CONTEXT_TOKENS:
+        raise ConfigError(f"system prompt of {options.system_prompt_tokens} tokens (after the length scale) is "
+                          f"more than the limit of {MAX_CONTEXT_TOKENS}")
+    playable = []
+    for s in sessions:
+        needed = context_needed(system_prompt_tokens(s, options), s.turns, options.max_context_tokens)
+        if needed > MAX_CONTEXT_TOKENS:
+            raise ConfigError(f"trace session {s.session_id!r} needs {needed} tokens of context (after the length "
+                              f"scale), more than the limit of {MAX_CONTEXT_TOKENS}; set {cap_key} to the "
+                              "server's context length")
+        if needed:
+            playable.append(s)
     if not playable:
-        raise ConfigError(f"--max-context: no session's first turn fits in {options.max_context_tokens} tokens")
+        raise NothingFits(f"{cap_key}: no session's first turn fits in {options.max_context_tokens} tokens")
     return playable
 
 
@@ -89,7 +106,7 @@ class Replay:
             max_sessions = len(playable)
         self.queue = SessionQueue(playable, options.seed, max_sessions)
         self._system_ids = self.tokens.system_prompt(max([options.system_prompt_tokens] + [
-            s.system_prompt_tokens or 0 for s in sessions]))
+            s.system_prompt_tokens or 0 for s in playable]))  # only sizes playable_sessions checked
         self.stopping = asyncio.Event()
         self.interrupted = False
         self._tasks: set[asyncio.Task] = set()

@@ -34,6 +34,15 @@ def turns_within_context(system_prompt_tokens: int, turns: Sequence[Turn], max_c
     return len(turns)
 
 
+def context_needed(system_prompt_tokens: int, turns: Sequence[Turn], max_context_tokens: int | None) -> int:
+    """Tokens the conversation holds at its end: the last turn that fits, its prompt plus its output (0 when
+    even the first turn does not fit)."""
+    played = turns_within_context(system_prompt_tokens, turns, max_context_tokens)
+    if played == 0:
+        return 0
+    return planned_prompt_tokens(system_prompt_tokens, turns[:played])[-1] + turns[played - 1].output_tokens
+
+
 def fits(prompt_tokens: int, output_tokens: int, max_context_tokens: int | None) -> bool:
     return max_context_tokens is None or prompt_tokens + output_tokens <= max_context_tokens
 

@@ -9,12 +9,12 @@ naming the file and line.
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
-from exporter.config import ConfigError
+from exporter.config import ConfigError, finite_number, shown
+from exporter.limits import MAX_CONTEXT_TOKENS, MAX_TRACE_TURNS
 
 FORMATS = ("auto", "applied-compute", "sessions")
 _AC_KEYS = ("num_turns", "input_prompt_length", "assistant_response_length", "tool_call_output_length",
@@ -36,22 +36,42 @@ class Session:
 
 
 def load_sessions(path: str | Path, trace_format: str = "auto") -> list[Session]:
-    """Every session in ``path`` (blank lines skipped). Raises ConfigError on the first bad line."""
+    """Every session in ``path`` (blank lines skipped). Raises ConfigError on the first bad line, or at the line
+    where the file passes MAX_TRACE_TURNS turns (it is read line by line, so a huge file is refused early)."""
     if trace_format not in FORMATS:
         raise ConfigError(f"--format: expected one of {', '.join(FORMATS)}, got {trace_format!r}")
     p = Path(path)
     try:
-        text = p.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"trace file {p}: cannot read ({getattr(e, 'strerror', None) or e})") from None
-    sessions = []
-    for line_number, line in enumerate(text.splitlines(), start=1):
-        if line.strip():
-            sessions.append(_parse_line(line, trace_format, f"{p} line {line_number}", line_number))
+        with p.open("rb") as f:
+            sessions = _read_sessions(f, p, trace_format)
+    except OSError as e:
+        raise ConfigError(f"trace file {p}: cannot read ({e.strerror or e})") from None
     if not sessions:
         raise ConfigError(f"trace file {p}: no sessions")
     _check_unique_ids(sessions, p)
     return sessions
+
+
+def _read_sessions(lines: Iterable[bytes], p: Path, trace_format: str) -> list[Session]:
+    sessions: list[Session] = []
+    turns = 0
+    for line_number, raw in enumerate(lines, start=1):
+        where = f"{p} line {line_number}"
+        line = _decode(raw, where)
+        if not line.strip():
+            continue
+        sessions.append(_parse_line(line, trace_format, where, line_number))
+        turns += len(sessions[-1].turns)
+        if turns > MAX_TRACE_TURNS:
+            raise ConfigError(f"{where}: the trace holds more than {MAX_TRACE_TURNS} turns (the limit; split it)")
+    return sessions
+
+
+def _decode(raw: bytes, where: str) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{where}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1})") from None
 
 
 def _parse_line(line: str, trace_format: str, where: str, line_number: int) -> Session:
@@ -59,6 +79,10 @@ def _parse_line(line: str, trace_format: str, where: str, line_number: int) -> S
         obj = json.loads(line)
     except json.JSONDecodeError as e:
         raise ConfigError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+    except RecursionError:
+        raise ConfigError(f"{where}: not usable JSON (nested too deeply)") from None
+    except ValueError as e:  # an integer of more than 4,300 digits
+        raise ConfigError(f"{where}: not usable JSON ({str(e).split(';')[0]})") from None
     if not isinstance(obj, dict):
         raise ConfigError(f"{where}: expected a JSON object, got {type(obj).__name__}")
     kind = trace_format if trace_format != "auto" else _detect(obj, where)
@@ -129,15 +153,19 @@ def _list(obj: dict, key: str, length: int, where: str) -> list:
 
 
 def _count(value: Any, what: str, minimum: int) -> int:
+    """A token (or turn) count from ``minimum`` to MAX_CONTEXT_TOKENS: no session holds more tokens."""
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(f"{what}: expected an integer >= {minimum}, got {value!r}")
+        raise ConfigError(f"{what}: expected an integer >= {minimum}, got {shown(value)}")
+    if value > MAX_CONTEXT_TOKENS:
+        raise ConfigError(f"{what}: {shown(value)} is more than the limit of {MAX_CONTEXT_TOKENS} tokens")
     return value
 
 
 def _seconds(value: Any, what: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-        raise ConfigError(f"{what}: expected seconds >= 0, got {value!r}")
-    return float(value)
+    seconds = finite_number(value, what, "seconds >= 0")
+    if seconds < 0:
+        raise ConfigError(f"{what}: expected seconds >= 0, got {shown(value)}")
+    return seconds
 
 
 def _check_unique_ids(sessions: list[Session], path: Path) -> None:
