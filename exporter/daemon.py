@@ -11,14 +11,16 @@ import logging
 import signal
 import time
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from exporter.collector import render
 from exporter.config import Config, resolve
+from exporter.energy.baseline import BaselineBook
 from exporter.figures import Snapshot
 from exporter.model import Model
 from exporter.samples import Tick
 from exporter.sampler import Sampler
+from exporter.statedir import open_state_dir
 
 log = logging.getLogger("kvwatt")
 
@@ -78,20 +80,33 @@ class Daemon:
         return time.monotonic() - self.last_tick_t < max(5 * self.cfg.interval_seconds, 10.0)
 
 
+class CannotListen(Exception):
+    """Binding the HTTP address failed (port taken, address not local): the one start failure that exits."""
+
+
 async def serve(cfg: Config) -> None:
     from exporter.web import start_web
 
-    daemon = Daemon(cfg)
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, daemon.stop)
-    runner = await start_web(daemon, cfg.host, cfg.port)
-    log.info("kvwatt listening on %s, watching %s", cfg.listen,
-             ", ".join(f"{s.name}={s.url}" for s in cfg.servers))
+    state = open_state_dir(cfg.state_dir)  # locked for the daemon's life; never fatal (exporter.statedir)
     try:
-        await daemon.run_loop()
+        cfg = replace(cfg, state_dir=state.path)
+        book = BaselineBook(state.path, cfg.idle_power_watts, read_only_reason=state.reason)
+        daemon = Daemon(cfg, model=Model(cfg, book=book))
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, daemon.stop)
+        try:
+            runner = await start_web(daemon, cfg.host, cfg.port)
+        except OSError as e:  # only here: an OSError elsewhere (e.g. the state dir) is not about serving
+            raise CannotListen(e.strerror or str(e)) from e
+        log.info("kvwatt listening on %s, watching %s", cfg.listen,
+                 ", ".join(f"{s.name}={s.url}" for s in cfg.servers))
+        try:
+            await daemon.run_loop()
+        finally:
+            await runner.cleanup()
     finally:
-        await runner.cleanup()
+        state.close()
     log.info("kvwatt stopped")
 
 
@@ -102,7 +117,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--listen", metavar="HOST:PORT", help="address to serve /metrics on (default 0.0.0.0:8492)")
     p.add_argument("--interval", metavar="SECONDS", help="sampling interval (default 1s)")
     p.add_argument("--powercap-root", metavar="DIR", help="powercap tree for RAPL (default /sys/class/powercap)")
-    p.add_argument("--state-dir", metavar="DIR", help="where baselines are persisted (default /var/lib/kvwatt)")
+    p.add_argument("--state-dir", metavar="DIR", help="where baselines are persisted (default /var/lib/kvwatt, "
+                   "or ~/.local/state/kvwatt when that is not writable)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -116,7 +132,7 @@ def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         asyncio.run(serve(cfg))
-    except OSError as e:  # e.g. the port is taken
-        log.error("cannot serve on %s: %s", cfg.listen, e.strerror or e)
+    except CannotListen as e:  # e.g. the port is taken
+        log.error("cannot serve on %s: %s", cfg.listen, e)
         return 2
     return 0

@@ -13,11 +13,11 @@ from dataclasses import dataclass, field
 class SourceStatus:
     """Health of one source read. ``reason`` is a short machine-friendly word plus detail, '' when up."""
 
-    source: str  # "vllm" | "nvml" | "rapl"
+    source: str  # "vllm" | "nvml" | "rapl" | "state_dir"
     server: str  # server name for vllm, "" for host-wide sources
     up: bool
     reason: str = ""
-    duration_seconds: float = 0.0
+    duration_seconds: float | None = 0.0  # None: not a timed read (state_dir), no duration series
     state: str = "ok"  # ok | down | degraded
 
 
