@@ -1,18 +1,31 @@
 """Crash-safe file writes: write a temporary file in the same directory, fsync it, rename over the target,
-fsync the directory. A kill -9 at any point leaves either the old file or the new one, never half of one."""
+fsync the directory. A kill -9 at any point leaves either the old file or the new one, never half of one.
+
+A kill between creating the temporary file and the rename leaves the temporary file behind. Its name says
+whose it is (``.tmp-kvwatt-<pid>-<random>``), so ``remove_orphans`` can clear the ones whose writer is gone
+(`kvwatt run` does it for its state directory at start) and never touches another program's files.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
+import time
 from typing import Any
+
+TMP_PREFIX = ".tmp-kvwatt-"
+_OURS = re.compile(r"^\.tmp-kvwatt-(\d+)-[a-z0-9_]+$")
+_LEGACY = re.compile(r"^\.tmp-[a-z0-9_]{8}$")  # mkstemp(prefix=".tmp-") of kvwatt <= 428d7ec: no pid
+FRESH_SECONDS = 2.0  # younger: a write may be in flight, even one from another pid namespace (a write takes ms)
+STALE_SECONDS = 600.0  # older: orphaned whatever the pid says (pid reused, another pid namespace, no pid)
 
 
 def write_bytes(path: str, data: bytes, mode: int = 0o644) -> None:
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
+    fd, tmp = tempfile.mkstemp(prefix=f"{TMP_PREFIX}{os.getpid()}-", dir=directory)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -39,3 +52,50 @@ def write_text(path: str, text: str) -> None:
 
 def write_json(path: str, obj: Any) -> None:
     write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+def _writer_gone(pid: int) -> bool:
+    """True when no process ``pid`` runs here, or it is this one (which has written nothing yet: it is a
+    restarted daemon whose earlier life had the same pid, e.g. pid 1 in a container)."""
+    if pid == os.getpid():
+        return True
+    if pid <= 0:
+        return False  # not a pid kvwatt writes
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # alive, another user's
+        return False
+    return False
+
+
+def is_orphan(name: str, age_seconds: float) -> bool:
+    """Whether ``name`` is a temporary file of exporter.atomic left by a killed write."""
+    if age_seconds < FRESH_SECONDS:
+        return False
+    ours = _OURS.match(name)
+    if ours:
+        return _writer_gone(int(ours.group(1))) or age_seconds > STALE_SECONDS
+    return bool(_LEGACY.match(name)) and age_seconds > STALE_SECONDS
+
+
+def remove_orphans(directory: str, now_wall: float | None = None) -> int:
+    """Remove the orphaned temporary files of exporter.atomic in ``directory`` (not below it); how many.
+    Call it only where no other kvwatt daemon writes (the caller holds the directory's lock)."""
+    now_wall = time.time() if now_wall is None else now_wall
+    removed = 0
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:
+        return 0
+    for e in entries:
+        try:
+            if not e.is_file(follow_symlinks=False):
+                continue
+            if is_orphan(e.name, now_wall - e.stat(follow_symlinks=False).st_mtime):
+                os.unlink(e.path)
+                removed += 1
+        except OSError:
+            continue  # gone meanwhile, or not ours to remove: leave it
+    return removed

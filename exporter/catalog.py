@@ -156,12 +156,12 @@ METRICS: tuple[MetricDef, ...] = (
     # --- health of the sources -------------------------------------------------------------------------
     MetricDef("kvwatt_source_up", "gauge", ("source", "server"),
               "1 if the last read of this source succeeded, 0 if not (see kvwatt_source_info for the reason). "
-              "server is empty for host-wide sources (nvml, rapl).",
+              "server is empty for host-wide sources (nvml, rapl, state_dir: where idle baselines persist).",
               "sampler.Sampler.tick", _H, _source_up),
     MetricDef("kvwatt_source_info", "info", ("source", "server", "state", "reason"),
               "Why a source is down or degraded: one word from a fixed list (README, Metrics), e.g. timeout, "
-              "unreachable, redirect, http_503, parse_error, deadline, permission, absent, gpu_lost; the "
-              "details are in /api/status and the log; value 1.",
+              "unreachable, redirect, http_503, parse_error, deadline, permission, absent, gpu_lost, "
+              "not_persisted; the details are in /api/status and the log; value 1.",
               "sampler.Sampler.tick", _H, _source_info),
     MetricDef("kvwatt_sample_duration_seconds", "gauge", ("source", "server"),
               "How long the last read of this source took.", "sampler.Sampler.tick", _H, _sample_duration),

@@ -22,6 +22,7 @@ from exporter.limits import MAX_FILE_BYTES
 
 DEFAULT_SERVER_URL = "http://127.0.0.1:8000"
 DEFAULT_LISTEN = "0.0.0.0:8492"
+DEFAULT_STATE_DIR = "/var/lib/kvwatt"  # not writable: the per-user directory (exporter.statedir)
 
 
 class ConfigError(ValueError):
@@ -117,7 +118,7 @@ class Config:
     preemption_onset_per_minute: float = 0.5
     http_timeout_seconds: float = 2.0
     max_body_bytes: int = 8 * 1024 * 1024
-    state_dir: str = "/var/lib/kvwatt"
+    state_dir: str = DEFAULT_STATE_DIR
     powercap_root: str = "/sys/class/powercap"
     nvml_enabled: bool = True
     idle_settle_seconds: float = 30.0

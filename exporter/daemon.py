@@ -11,16 +11,18 @@ import logging
 import signal
 import time
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from exporter import logfilter
 from exporter.collector import render
 from exporter.config import Config, ConfigError, parse_duration, redacted_url, resolve
+from exporter.energy.baseline import BaselineBook
 from exporter.figures import Snapshot
 from exporter.model import Model
 from exporter.samples import Tick
 from exporter.sampler import Sampler
+from exporter.statedir import open_state_dir
 
 if TYPE_CHECKING:  # imported when serving: other commands import this module for its parser only
     from exporter.web import WebLimits
@@ -84,21 +86,34 @@ class Daemon:
         return time.monotonic() - self.last_tick_t < max(5 * self.cfg.interval_seconds, 10.0)
 
 
+class CannotListen(Exception):
+    """Binding the HTTP address failed (port taken, address not local): the one start failure that exits."""
+
+
 async def serve(cfg: Config, limits: "WebLimits | None" = None, web_config: "WebConfig | None" = None) -> None:
     from exporter.web import WebLimits, start_web
 
-    daemon = Daemon(cfg)
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, daemon.stop)
-    runner = await start_web(daemon, cfg.host, cfg.port, limits or WebLimits(), web_config)
-    log.info("kvwatt listening on %s (%s), watching %s", cfg.listen,
-             web_config.describe() if web_config else "http, no auth",
-             ", ".join(f"{s.name}={redacted_url(s.url)}" for s in cfg.servers))
+    state = open_state_dir(cfg.state_dir)  # locked for the daemon's life; never fatal (exporter.statedir)
     try:
-        await daemon.run_loop()
+        cfg = replace(cfg, state_dir=state.path)
+        book = BaselineBook(state.path, cfg.idle_power_watts, read_only_reason=state.reason)
+        daemon = Daemon(cfg, model=Model(cfg, book=book))
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, daemon.stop)
+        try:
+            runner = await start_web(daemon, cfg.host, cfg.port, limits or WebLimits(), web_config)
+        except OSError as e:  # only here: an OSError elsewhere (e.g. the state dir) is not about serving
+            raise CannotListen(e.strerror or str(e)) from e
+        log.info("kvwatt listening on %s (%s), watching %s", cfg.listen,
+                 web_config.describe() if web_config else "http, no auth",
+                 ", ".join(f"{s.name}={redacted_url(s.url)}" for s in cfg.servers))
+        try:
+            await daemon.run_loop()
+        finally:
+            await runner.cleanup()
     finally:
-        await runner.cleanup()
+        state.close()
     log.info("kvwatt stopped")
 
 
@@ -109,7 +124,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--listen", metavar="HOST:PORT", help="address to serve /metrics on (default 0.0.0.0:8492)")
     p.add_argument("--interval", metavar="SECONDS", help="sampling interval (default 1s)")
     p.add_argument("--powercap-root", metavar="DIR", help="powercap tree for RAPL (default /sys/class/powercap)")
-    p.add_argument("--state-dir", metavar="DIR", help="where baselines are persisted (default /var/lib/kvwatt)")
+    p.add_argument("--state-dir", metavar="DIR", help="where baselines are persisted (default /var/lib/kvwatt, "
+                   "or ~/.local/state/kvwatt when that is not writable)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--web.config.file", dest="web_config_file", metavar="FILE",
                    help="TLS and basic auth of every endpoint, Prometheus exporter-toolkit format "
@@ -154,7 +170,7 @@ def main(args: argparse.Namespace) -> int:
     limits, web_config = web_settings(args, cfg)
     try:
         asyncio.run(serve(cfg, limits, web_config))
-    except OSError as e:  # e.g. the port is taken
-        log.error("cannot serve on %s: %s", cfg.listen, e.strerror or e)
+    except CannotListen as e:  # e.g. the port is taken
+        log.error("cannot serve on %s: %s", cfg.listen, e)
         return 2
     return 0

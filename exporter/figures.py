@@ -132,5 +132,5 @@ class Snapshot:
     t: float  # the tick's monotonic time
     wall_time: float  # unix seconds at the tick
     servers: tuple[ServerFigures, ...]
-    sources: tuple[SourceStatus, ...] = ()  # host-wide sources: nvml, rapl
+    sources: tuple[SourceStatus, ...] = ()  # host-wide sources: nvml, rapl, state_dir
     devices: tuple[DeviceFigures, ...] = ()

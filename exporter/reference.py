@@ -28,7 +28,9 @@ CONFIG_DOCS: dict[str, tuple[str, str]] = {
     "preemption_onset_per_minute": ("`0.5`", "sustained preemption rate that marks onset (methods.md s3)"),
     "http_timeout": ("`2s`", "timeout of one /metrics read; a slow server is down with reason `timeout`"),
     "max_body_bytes": ("`8388608`", "largest /metrics body read (reason `body_too_large` above)"),
-    "state_dir": ("`/var/lib/kvwatt`", "where baselines are persisted (atomically)"),
+    "state_dir": ("`/var/lib/kvwatt`", "where baselines are persisted (atomically); if the default is not "
+                  "writable, `$XDG_STATE_HOME/kvwatt` or `~/.local/state/kvwatt`; one daemon per directory "
+                  "(docs/energy.md, \"State directory\")"),
     "powercap_root": ("`/sys/class/powercap`", "RAPL powercap tree (flag `--powercap-root`)"),
     "nvml": ("`true`", "read GPU energy through NVML"),
     "idle_settle": ("`30s`", "settle delay after load before an idle stretch counts"),

@@ -21,6 +21,8 @@ REASON_CODES = frozenset({
     "deadline", "error",
     # nvml, rapl
     "disabled", "absent", "permission", "masked", "unreadable", "gpu_lost", "busy",
+    # the state directory (exporter/energy/baseline.py, exporter/statedir.py)
+    "not_persisted", "dropped",
 })
 _HTTP_STATUS = re.compile(r"http_[1-5][0-9][0-9]")
 UNKNOWN_REASON_CODE = "error"  # the label of a reason whose first word is not in the vocabulary
@@ -42,11 +44,11 @@ class SourceStatus:
     """Health of one source read. ``reason`` is a short machine-friendly word from REASON_CODES plus a
     detail ("parse_error: 3 bad lines skipped"), '' when up; ``code`` is that word alone (the label value)."""
 
-    source: str  # "vllm" | "nvml" | "rapl"
+    source: str  # "vllm" | "nvml" | "rapl" | "state_dir"
     server: str  # server name for vllm, "" for host-wide sources
     up: bool
     reason: str = ""
-    duration_seconds: float = 0.0
+    duration_seconds: float | None = 0.0  # None: not a timed read (state_dir), no duration series
     state: str = "ok"  # ok | down | degraded
 
     @property

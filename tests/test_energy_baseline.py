@@ -166,3 +166,93 @@ def test_kill_9_mid_write_leaves_a_parsable_file(tmp_path):
         book = BaselineBook(str(state))
         book.load()
         assert book.load_error == "" and len(book.stored()) == 200
+
+
+# --- a state file written by hand, or by a broken tool, must never reach the figures ------------------------
+NOW = 1_700_000_000.0
+
+
+def _entry(**over):
+    return {"watts": 55.0, "method": "learned", "measured_at": NOW - 60, "duration_seconds": 40.0,
+            "temperature_celsius": 31.0, **over}
+
+
+BAD_ENTRIES = {
+    "gpu:GPU-str": _entry(watts="abc"),  # was a TypeError in the tick loop
+    "gpu:GPU-when": _entry(measured_at="yesterday"),  # was a TypeError in every snapshot
+    "gpu:GPU-neg": _entry(watts=-50),
+    "gpu:GPU-huge": _entry(watts=1e308),
+    "gpu:GPU-bigint": _entry(watts=10**400),  # json reads it as an int; float() of it overflows
+    "gpu:GPU-bool": _entry(watts=True),
+    "gpu:GPU-method": _entry(method="guessed"),
+    "gpu:GPU-future": _entry(measured_at=NOW + 10 * 86400),
+    "gpu:GPU-temp": _entry(temperature_celsius="hot"),
+    "gpu:GPU-missing": {"watts": 50.0, "method": "learned"},
+    "gpu:GPU-list": [50.0],
+}
+
+
+def test_ill_typed_or_out_of_range_entries_are_dropped_with_one_warning(tmp_path, caplog):
+    (tmp_path / STATE_FILE).write_text(json.dumps({"version": 1, "devices": {G: _entry(), **BAD_ENTRIES}}))
+    book = BaselineBook(str(tmp_path), wall_clock=lambda: NOW)
+    book.load()
+    book.load()  # the same problems again: no second warning
+    assert set(book.stored()) == {G} and book.watts(G) == 55.0
+    for device in BAD_ENTRIES:
+        assert book.get(device) is None
+    assert book.load_error.startswith(f"dropped: {tmp_path / STATE_FILE}: 11 bad entries (")
+    assert "watts 'abc' is not a finite number" in book.load_error
+    warnings = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "11 bad entries" in warnings[0].getMessage()
+    st = book.status()
+    assert (st.source, st.up, st.state, st.reason) == ("state_dir", True, "degraded", book.load_error)
+    nan = float("nan")
+    assert json.dumps(nan) == "NaN"  # json writes (and reads) NaN: it must be refused on read too
+    (tmp_path / STATE_FILE).write_text(json.dumps({"version": 1, "devices": {G: _entry(watts=nan)}}))
+    book.load()
+    assert book.stored() == {} and "watts nan is not a finite number" in book.load_error
+
+
+def test_live_reload_validates_and_keeps_the_good_entries(tmp_path):
+    book = BaselineBook(str(tmp_path), wall_clock=lambda: NOW)
+    book.load()
+    book.record([IdleEstimate(G, 61.5, 45.0)], "learned")
+    assert book.status().state == "ok"
+    data = json.loads((tmp_path / STATE_FILE).read_text())
+    data["devices"][H] = _entry(measured_at="yesterday")  # another process replaces the file
+    (tmp_path / "replacement").write_text(json.dumps(data))
+    os.replace(tmp_path / "replacement", tmp_path / STATE_FILE)
+    assert book.refresh_if_changed()
+    assert book.watts(G) == 61.5 and book.get(H) is None and "1 bad entries" in book.load_error
+    book.record([IdleEstimate(H, 40.0, 30.0)], "learned")  # rewrites the file with valid entries only
+    assert book.status().state == "ok"
+    again = BaselineBook(str(tmp_path), wall_clock=lambda: NOW)
+    again.load()
+    assert again.load_error == "" and set(again.stored()) == {G, H}
+
+
+def test_a_failed_write_is_a_reason_and_the_baseline_stays_in_force(tmp_path, caplog):
+    (tmp_path / "file").write_text("")
+    book = BaselineBook(str(tmp_path / "file" / "state"), wall_clock=lambda: NOW)  # a path under a file
+    book.load()
+    assert book.load_error == ""  # no file is no problem; the directory's own check says the rest
+    new = book.record([IdleEstimate(G, 61.5, 45.0)], "learned")  # raised NotADirectoryError before
+    assert [b.watts for b in new] == [61.5] and book.watts(G) == 61.5
+    book.record([IdleEstimate(G, 62.0, 45.0)], "learned")
+    assert book.watts(G) == 62.0
+    assert book.write_error.startswith("not persisted: writing ") and "Not a directory" in book.write_error
+    assert book.status().state == "degraded" and book.status().reason == book.write_error
+    assert len([r for r in caplog.records if "not persisted" in r.getMessage()]) == 1  # once, not per write
+
+
+def test_read_only_book_keeps_baselines_in_memory_and_writes_nothing(tmp_path):
+    book = BaselineBook(str(tmp_path), wall_clock=lambda: NOW, read_only_reason="not persisted: locked")
+    book.load()
+    book.record([IdleEstimate(G, 61.5, 45.0)], "learned")
+    assert book.watts(G) == 61.5 and not (tmp_path / STATE_FILE).exists()
+    assert book.status().reason == "not persisted: locked"
+    owner = BaselineBook(str(tmp_path), wall_clock=lambda: NOW + 1)  # the daemon holding the lock writes
+    owner.load()
+    owner.record([IdleEstimate(H, 40.0, 30.0)], "learned")
+    assert book.refresh_if_changed()  # follows the owner's file, keeps what only it has learned
+    assert (book.watts(G), book.watts(H)) == (61.5, 40.0)

@@ -212,7 +212,7 @@ def test_lost_gpu_leaves_a_gap_not_zero(rig):
     assert "gpu" not in last.energy_joules and last.energy_joules["host"] == pytest.approx(100.0)
     smp = _samples(rig.snapshot())
     up = {s.labels["source"]: s.value for s in smp["kvwatt_source_up"] if s.labels["server"] == ""}
-    assert up == {"nvml": 0.0, "rapl": 1.0}
+    assert up == {"nvml": 0.0, "rapl": 1.0, "state_dir": 1.0}  # state_dir: the baselines are persisted
     # a lost GPU's counter is not exported while it is down (neither as 0 nor frozen at its last value)
     assert "kvwatt_gpu_energy_joules_total" not in smp
     assert [s.value for s in smp["kvwatt_host_energy_joules_total"]] == [pytest.approx(300.0)]  # RAPL goes on (3 steps)

@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 from exporter import atomic
+from exporter.samples import SourceStatus
 
 log = logging.getLogger("kvwatt.baseline")
 
@@ -158,16 +160,23 @@ def override_keys(device: str, labels: Mapping[str, str]) -> list[str]:
 
 
 class BaselineBook:
-    """The baselines in force: configured overrides first, then the newest learned/measured value."""
+    """The baselines in force: configured overrides first, then the newest learned/measured value.
+
+    Persistence never stops the daemon: a state file that cannot be read, entries that fail validation
+    (``parse_entry``) and a write that fails are each logged once and reported by ``status()``
+    (kvwatt_source_info{source="state_dir"}); the baselines in memory keep working. ``read_only_reason``
+    (exporter.statedir: directory not writable, or locked by another daemon) turns writing off."""
 
     def __init__(self, state_dir: str | None, overrides: Mapping[str, float] | None = None,
-                 wall_clock: Callable[[], float] = time.time) -> None:
+                 wall_clock: Callable[[], float] = time.time, read_only_reason: str = "") -> None:
         self.path = os.path.join(state_dir, STATE_FILE) if state_dir else None
         self.overrides = dict(overrides or {})
         self.wall_clock = wall_clock
+        self.read_only_reason = read_only_reason
         self._stored: dict[str, Baseline] = {}
         self._file_sig: tuple | None = None
-        self.load_error = ""
+        self.load_error = ""  # the last read's problem ('' = none)
+        self.write_error = ""  # the last write's problem ('' = none)
 
     # --- lookups ----------------------------------------------------------------------------------------
     def get(self, device: str, labels: Mapping[str, str] | None = None) -> Baseline | None:
@@ -183,6 +192,14 @@ class BaselineBook:
     def stored(self) -> dict[str, Baseline]:
         return dict(self._stored)
 
+    def status(self) -> SourceStatus | None:
+        """Health of the persistence: degraded with the reasons while the baselines are not persisted or the
+        file had to be (partly) ignored; None without a state directory. Not a timed read: no duration."""
+        if not self.path:
+            return None
+        problems = [p for p in (self.read_only_reason, self.write_error, self.load_error) if p]
+        return SourceStatus("state_dir", "", True, "; ".join(problems), None, "degraded" if problems else "ok")
+
     # --- persistence ------------------------------------------------------------------------------------
     def load(self) -> None:
         """Read the state file; a missing file is an empty book, an unreadable one is logged, not fatal."""
@@ -197,48 +214,137 @@ class BaselineBook:
         return None if st is None else (st.st_ino, st.st_mtime_ns, st.st_size)
 
     def refresh_if_changed(self) -> bool:
-        """Reload when another process (``kvwatt baseline idle``) replaced the file. One stat() per call."""
+        """Reload when another process (``kvwatt baseline idle``) replaced the file. One stat() per call.
+        Baselines this book could not persist (read-only, failed write) are kept where newer than the file's."""
         if self.path and self._signature() != self._file_sig:
+            unpersisted = self._stored if self.read_only_reason or self.write_error else {}
             self.load()
+            self._stored = _merge_newer(self._stored, unpersisted.values())
             return True
         return False
 
     def _read_file(self) -> dict[str, Baseline]:
-        self.load_error = ""
+        """The file's valid entries. A bad entry is dropped, a bad file ignored; either is logged once."""
         if not self.path:
             return {}
         try:
             with open(self.path, encoding="utf-8") as f:
                 data = json.load(f)
-            if data.get("version") != FORMAT_VERSION:
-                raise ValueError(f"unknown version {data.get('version')!r}")
-            return {dev: Baseline(device=dev, **{k: v[k] for k in
-                    ("watts", "method", "measured_at", "duration_seconds", "temperature_celsius")})
-                    for dev, v in data.get("devices", {}).items()}
-        except FileNotFoundError:
+            good, bad = parse_file(data, self.wall_clock())
+        except (FileNotFoundError, NotADirectoryError):
+            self._note_load_error("")  # no file yet (a directory that is not one: exporter.statedir says it)
             return {}
-        except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
-            self.load_error = f"{self.path}: ignored ({e})"
-            log.warning("idle baseline: %s", self.load_error)
+        except (OSError, ValueError) as e:  # ValueError: JSONDecodeError, UnicodeDecodeError, parse_file
+            self._note_load_error(f"ignored: {self.path} ({e})")
             return {}
+        more = " ..." if len(bad) > 3 else ""
+        self._note_load_error(f"dropped: {self.path}: {len(bad)} bad entries ({'; '.join(bad[:3])}{more})"
+                              if bad else "")
+        return good
+
+    def _note_load_error(self, error: str) -> None:
+        if error and error != self.load_error:
+            log.warning("idle baseline: %s", error)
+        self.load_error = error
 
     def record(self, estimates: Iterable[IdleEstimate], method: str) -> list[Baseline]:
         """Stamp estimates with the wall clock, keep them, persist atomically (merged with the file's newer
-        entries, so a concurrent ``kvwatt baseline idle`` is not overwritten)."""
+        entries, so a concurrent ``kvwatt baseline idle`` is not overwritten). A failed write is a reason
+        (``write_error``), not an exception: the baselines stay in force in memory."""
         now = self.wall_clock()
         new = [Baseline(e.device, e.watts, method, now, e.duration_seconds, e.temperature_celsius)
                for e in estimates]
         if not new:
             return []
-        merged = self._read_file() if self.path else {}
-        for dev, b in self._stored.items():
-            if dev not in merged or (b.measured_at or 0) > (merged[dev].measured_at or 0):
-                merged[dev] = b
+        merged = _merge_newer(self._read_file() if self.path else {}, self._stored.values())
         for b in new:
             merged[b.device] = b
         self._stored = merged
-        if self.path:
-            atomic.write_json(self.path, {"version": FORMAT_VERSION, "devices": {
-                d: {k: v for k, v in asdict(b).items() if k != "device"} for d, b in sorted(merged.items())}})
-            self._file_sig = self._signature()
+        if self.path and not self.read_only_reason:
+            self._write(merged)
         return new
+
+    def _write(self, baselines: Mapping[str, Baseline]) -> None:
+        try:
+            atomic.write_json(self.path, {"version": FORMAT_VERSION, "devices": {
+                d: {k: v for k, v in asdict(b).items() if k != "device"} for d, b in sorted(baselines.items())}})
+        except OSError as e:
+            error = f"not persisted: writing {self.path} failed ({e.strerror or e})"
+            if error != self.write_error:
+                log.warning("idle baseline: %s; kept in memory", error)
+            self.write_error = error
+            return
+        if self.write_error:
+            log.info("idle baseline: %s written again", self.path)
+        self.write_error = ""
+        self._file_sig = self._signature()
+        self.load_error = ""  # the file is now what was just written: only valid entries
+
+
+def _merge_newer(base: Mapping[str, Baseline], others: Iterable[Baseline]) -> dict[str, Baseline]:
+    """``base`` with each of ``others`` that it lacks or holds an older measurement of."""
+    out = dict(base)
+    for b in others:
+        if b.device not in out or (b.measured_at or 0) > (out[b.device].measured_at or 0):
+            out[b.device] = b
+    return out
+
+
+MAX_IDLE_WATTS = 10_000.0  # no GPU board or RAPL zone idles near 10 kW: a larger value is a corrupt entry
+FUTURE_SLACK_SECONDS = 86_400.0  # measured_at later than a day ahead: a broken clock, the age would read 0
+STORED_METHODS = ("learned", "measured")  # "configured" values live in the configuration, never in the file
+
+
+def parse_file(data: Any, now_wall: float) -> tuple[dict[str, Baseline], list[str]]:
+    """The state file's JSON -> (valid baselines, 'device: why' per dropped entry). ValueError when the file
+    as a whole is not a state file (not an object, another version, devices not a mapping)."""
+    if not isinstance(data, dict):
+        raise ValueError(f"not a JSON object but {type(data).__name__}")
+    if data.get("version") != FORMAT_VERSION:
+        raise ValueError(f"unknown version {data.get('version')!r}")
+    devices = data.get("devices", {})
+    if not isinstance(devices, dict):
+        raise ValueError(f"devices is not a mapping but {type(devices).__name__}")
+    good: dict[str, Baseline] = {}
+    bad: list[str] = []
+    for device, entry in devices.items():
+        try:
+            good[device] = parse_entry(device, entry, now_wall)
+        except ValueError as e:
+            bad.append(f"{device}: {e}")
+    return good, bad
+
+
+def parse_entry(device: str, entry: Any, now_wall: float) -> Baseline:
+    """One stored baseline with every field checked (type, finite, physical range); ValueError naming the
+    field otherwise. Unknown keys are ignored (a newer kvwatt may add some)."""
+    if not device or not isinstance(entry, dict):
+        raise ValueError("not a device entry")
+    missing = [k for k in ("watts", "method", "measured_at") if k not in entry]
+    if missing:
+        raise ValueError(f"{', '.join(missing)} missing")
+    if entry["method"] not in STORED_METHODS:
+        raise ValueError(f"method {entry['method']!r} is not one of {', '.join(STORED_METHODS)}")
+    return Baseline(
+        device, _number(entry["watts"], "watts", 0.0, MAX_IDLE_WATTS), entry["method"],
+        _number(entry["measured_at"], "measured_at", 0.0, now_wall + FUTURE_SLACK_SECONDS),
+        _optional(entry.get("duration_seconds"), "duration_seconds", 0.0, math.inf),
+        _optional(entry.get("temperature_celsius"), "temperature_celsius", -273.15, math.inf))
+
+
+def _number(value: Any, name: str, lo: float, hi: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} {value!r} is not a finite number")
+    try:
+        x = float(value)
+    except OverflowError:  # a JSON integer beyond float range (10**400)
+        x = math.inf
+    if not math.isfinite(x):
+        raise ValueError(f"{name} {str(value)[:20]!s} is not a finite number")
+    if not lo <= x <= hi:
+        raise ValueError(f"{name} {value!r} is outside [{lo:g}, {hi:g}]")
+    return x
+
+
+def _optional(value: Any, name: str, lo: float, hi: float) -> float | None:
+    return None if value is None else _number(value, name, lo, hi)

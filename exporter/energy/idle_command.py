@@ -4,7 +4,8 @@ The vLLM server must be up with its model loaded and idle (no running or waiting
 the whole measurement: a baseline without the CUDA context understates idle by 26-66 W
 (docs/energy-measurement.md, "Idle baseline"). The command checks that through the server's /metrics before,
 during and after; if the server gets busy it stops and saves nothing. Exit 0 when at least one device was
-measured and saved, 1 when nothing could be measured (busy server, no energy source), 2 for bad input.
+measured and saved, 1 when nothing could be measured (busy server, no energy source) or saved, 2 for bad input
+(a state directory that cannot be written included).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from exporter.energy.attribution import assign_gpus
 from exporter.energy.baseline import BaselineBook, IdleAccumulator, IdleEstimate
 from exporter.samples import DeviceReading, Tick
 from exporter.sampler import Sampler, missed_deadline
+from exporter.statedir import resolve_dir
 from exporter.store import DeviceTracker
 
 
@@ -45,6 +47,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _config(args: argparse.Namespace) -> tuple[Config, list[ServerConfig]]:
     flag = [args.server] if args.server and "=" in args.server else None
     cfg = resolve(args.config, servers=flag, state_dir=args.state_dir, powercap_root=args.powercap_root)
+    state_dir, why = resolve_dir(cfg.state_dir)  # the daemon's directory, per-user fallback included
+    if why:  # say it now, not after the measurement
+        raise ConfigError(f"state_dir: cannot write {state_dir} ({why})")
+    cfg = replace(cfg, state_dir=state_dir)
     if args.no_server_check:
         return cfg, []
     if args.server and "=" not in args.server:
@@ -181,6 +187,9 @@ def main(args: argparse.Namespace) -> int:
         print(f"{b.device}  {b.watts:.2f} W  ({b.duration_seconds:.1f} s{temp}, measured)")
         if book.get(b.device).method == "configured":
             print("  note: idle_power_watts in the configuration overrides this value", file=sys.stderr)
+    if book.write_error:
+        print(f"kvwatt: baseline {book.write_error}", file=sys.stderr)
+        return 1
     print(f"saved to {book.path}")
     return 0
 

@@ -46,7 +46,9 @@ class Model:
         t = self.last_t if self.last_t is not None else time.monotonic()
         servers = tuple(sm.figures(t, self.servers) for sm in self.servers.values())
         now_wall = self.wall_clock()
-        return Snapshot(t, now_wall, servers, tuple(self.energy.statuses), self.energy.devices(now_wall))
+        state = self.energy.book.status()  # the state directory's health sits with the host-wide sources
+        sources = tuple(self.energy.statuses) + (() if state is None else (state,))
+        return Snapshot(t, now_wall, servers, sources, self.energy.devices(now_wall))
 
 
 def _last(sm: ServerModel):

@@ -47,7 +47,8 @@ def parse_exposition(text: str) -> dict[tuple[str, frozenset], float]:
 class KvwattDaemon:
     def __init__(self, servers: dict[str, str] | None = None, config: dict | None = None,
                  env: dict[str, str] | None = None, interval: str = "1s", args: tuple[str, ...] = (),
-                 preexec_fn=None, https: bool = False, request_kwargs: dict | None = None):
+                 preexec_fn=None, https: bool = False, request_kwargs: dict | None = None,
+                 module: str = "exporter"):
         self.tmp = tempfile.TemporaryDirectory(prefix="kvwatt-test-")
         self.port = free_port()
         self.url = f"{'https' if https else 'http'}://127.0.0.1:{self.port}"
@@ -65,12 +66,13 @@ class KvwattDaemon:
             yaml.safe_dump(cfg, f)
         self.env = {**os.environ, **(env or {})}
         self.args = args
+        self.module = module  # what `python -m` runs: kvwatt, or a launcher that injects a fault into it
         self.log_path = os.path.join(self.tmp.name, "kvwatt.log")
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout: float = 20.0) -> "KvwattDaemon":
         self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen([sys.executable, "-m", "exporter", "run", "--config", self.config_path,
+        self.proc = subprocess.Popen([sys.executable, "-m", self.module, "run", "--config", self.config_path,
                                       *self.args], cwd=REPO, env=self.env, stdout=self._log,
                                      stderr=subprocess.STDOUT, start_new_session=True,
                                      preexec_fn=self.preexec_fn)

@@ -1,0 +1,26 @@
+"""`python -m tests.support.faulty_render run ...`: the real `kvwatt run`, except that rendering the exposition
+raises while the file named by $KVWATT_FAIL_RENDER exists (fault injection for /healthz end-to-end tests).
+
+    KvwattDaemon(..., module="tests.support.faulty_render", env={"KVWATT_FAIL_RENDER": flag})
+"""
+
+from __future__ import annotations
+
+import os
+
+from exporter import daemon
+from exporter.cli import main
+
+_real_render = daemon.render
+
+
+def render(snap):
+    if os.path.exists(os.environ["KVWATT_FAIL_RENDER"]):
+        raise RuntimeError("injected render failure")
+    return _real_render(snap)
+
+
+daemon.render = render  # Daemon.step looks the name up in its module at each tick
+
+if __name__ == "__main__":
+    raise SystemExit(main())
