@@ -122,7 +122,7 @@ class HealthLog:
 
 class Sampler:
     def __init__(self, cfg: Config, servers: Sequence[ServerConfig] | None = None, nvml: Any = None,
-                 rapl: Any = None, energy: bool = True) -> None:
+                 rapl: Any = None, energy: bool = True, deadline_seconds: float | None = None) -> None:
         from exporter.sources.vllm import VllmSource
 
         self.cfg = cfg
@@ -138,7 +138,8 @@ class Sampler:
                 from exporter.sources.rapl import RaplSource
                 rapl = RaplSource(cfg.powercap_root)
             self.energy = [_EnergySource("nvml", nvml), _EnergySource("rapl", rapl)]
-        self.deadline = read_deadline(cfg.interval_seconds, cfg.http_timeout_seconds)
+        self.deadline = deadline_seconds if deadline_seconds is not None else \
+            read_deadline(cfg.interval_seconds, cfg.http_timeout_seconds)
         self.pending: dict[str, asyncio.Task] = {}
         self.session: aiohttp.ClientSession | None = None
         self.health = HealthLog()

@@ -239,7 +239,7 @@ CASES: list[tuple[str, Callable[[Path], list[str]], str | tuple[str, ...]]] = [
     ("baseline idle --state-dir is a file", lambda t: [
         "baseline", "idle", "--no-server-check", "--duration", "1s", "--settle", "0", "--state-dir",
         str(a_file(t)), "--powercap-root", str(t)],
-     "--state-dir: "),
+     ("state_dir: cannot write", "a-file")),
     ("baseline idle --duration of 400 digits", lambda t: [
         "baseline", "idle", "--no-server-check", "--duration", "9" * 400 + "s", "--settle", "0",
         "--state-dir", str(t), "--powercap-root", str(t)],

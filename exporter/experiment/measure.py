@@ -32,9 +32,10 @@ from exporter.experiment.plan import Plan
 from exporter.model import Model
 from exporter.model.energy import SCOPES, is_idle
 from exporter.samples import Interval, Tick
-from exporter.sampler import Sampler
+from exporter.sampler import MIN_DEADLINE_SECONDS, Sampler
 
 SERVER_NAME = "server"
+READ_DEADLINE_FRACTION = 0.9  # of the sampling interval (RunSampler: one server, nothing to serve)
 
 
 @dataclass
@@ -67,6 +68,12 @@ class RunSampler:
                           powercap_root=plan.energy.powercap_root, nvml_enabled=plan.energy.nvml,
                           min_load_seconds=plan.energy.min_load_seconds)
         self.model = Model(self.cfg, keep_seconds=math.inf, learn_idle=False)  # keep the whole run
+        # One server and no scrapes to answer: a tick may wait for the engine's /metrics up to 90 % of the
+        # interval (the daemon keeps half for serving). A saturated CPU engine answers /metrics in > 0.5 s at
+        # times; each read that misses the deadline lands in the next tick and lengthens the intervals at the
+        # measurement window's edges, which the window then leaves out.
+        self.read_deadline_seconds = max(min(READ_DEADLINE_FRACTION * self.cfg.interval_seconds,
+                                             self.cfg.http_timeout_seconds), MIN_DEADLINE_SECONDS)
         self.server = self.model.servers[SERVER_NAME]
         self.lock = threading.Lock()
         self.idle_meter: IdleMeter | None = None
@@ -89,7 +96,7 @@ class RunSampler:
         async def main() -> None:
             self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
             self._running.set()
-            async with Sampler(self.cfg) as sampler:
+            async with Sampler(self.cfg, deadline_seconds=self.read_deadline_seconds) as sampler:
                 async for tick in sampler.ticks(self.cfg.interval_seconds, self._stop):
                     self._ingest(tick)
         try:
