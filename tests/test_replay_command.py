@@ -85,3 +85,18 @@ def test_requests_that_cannot_connect_are_retried_and_recorded(capsys, tmp_path)
     s = json.loads(summary.read_text())
     assert (s["requests"], s["ok"], s["failed"], s["sessions_started"]) == (2, 0, 2, 2)
     assert "2 requests, 0 ok, 2 failed" in capsys.readouterr().out
+
+
+def test_credentials_in_the_url_appear_in_no_message_or_summary(capsys, tmp_path):
+    """The --url's password goes to the server (aiohttp sends URL userinfo as basic auth), never into the
+    error line or the summary file (exporter.config.redacted_url)."""
+    url = _closed_port_url().replace("http://", "http://user:s3cret@")
+    code, err = _run(capsys, str(SAMPLE), "--url", url.replace("127.0.0.1:", "127.0.0.1:x"))
+    assert code == 2 and "--url:" in err and "s3cret" not in err and "user:xxxxx@" in err
+    summary = tmp_path / "s.json"
+    code = main(["replay", str(SAMPLE), "--url", url, "--model", "m", "--max-sessions", "1", "--retries", "0",
+                 "--length-scale", "0.01", "--records", str(tmp_path / "r.jsonl"), "--summary", str(summary)])
+    out = capsys.readouterr()
+    assert code == 1 and "s3cret" not in out.out + out.err
+    s = json.loads(summary.read_text())
+    assert s["url"] == url.replace("s3cret", "xxxxx") and "s3cret" not in summary.read_text()

@@ -15,7 +15,7 @@ import signal
 import sys
 
 from exporter import atomic
-from exporter.config import ConfigError, check_writable
+from exporter.config import ConfigError, check_writable, redacted_url
 from exporter.experiment import report
 from exporter.experiment.plan import Plan, load_plan, run_order
 from exporter.experiment.runner import launch_for, run_experiment
@@ -42,7 +42,7 @@ def dry_run(plan: Plan, out_dir: str) -> int:
         run_dir = os.path.join(out_dir, "runs", run.run_id)
         launch = launch_for(plan, condition, run, plan.server.port or 0, run_dir)
         port_note = "" if plan.server.port else "  (port: a free one at run time; 0 shown)"
-        print(f"[{index}] {run.run_id}  {launch.url}{port_note}")
+        print(f"[{index}] {run.run_id}  {redacted_url(launch.url)}{port_note}")
         print("    argv: " + " ".join(_quote(a) for a in launch.argv))
         for k, v in sorted(launch.env.items()):
             print(f"    env: {k}={v}")

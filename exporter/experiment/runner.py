@@ -17,6 +17,7 @@ from typing import Callable
 import aiohttp
 
 from exporter import atomic
+from exporter.config import redacted_url
 from exporter.experiment import report
 from exporter.experiment.measure import RunSampler, interval_rows, window_figures
 from exporter.experiment.plan import Condition, Plan, RunSpec, template_values
@@ -67,12 +68,12 @@ async def execute_run(plan: Plan, run: RunSpec, run_dir: str, say: Say,
     launch = launch_for(plan, condition, run, plan.server.port or free_port(), run_dir)
     server = ServerProcess(launch.argv, launch.env, os.path.join(run_dir, "server.log"))
     result = {"run": run.run_id, "condition": run.condition, "repeat": run.repeat, "argv": launch.argv,
-              "url": launch.url, "started_unix": time.time()}
+              "url": redacted_url(launch.url), "started_unix": time.time()}
     try:
         await ensure_nothing_listening(launch.url)
         server.start()
         on_start(server.proc.pid)
-        say(f"{run.run_id}: server starting ({launch.url})")
+        say(f"{run.run_id}: server starting ({redacted_url(launch.url)})")
         result["startup_seconds"] = await server.wait_healthy(launch.url, plan.server.startup_timeout_seconds)
         say(f"{run.run_id}: healthy after {result['startup_seconds']:.1f} s")
         result.update(await _measure(plan, condition, run, run_dir, launch.url, server, say))

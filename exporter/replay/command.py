@@ -14,7 +14,7 @@ import sys
 import aiohttp
 
 from exporter.config import (DEFAULT_SERVER_URL, ConfigError, check_writable, is_finite, parse_duration,
-                             url_problem)
+                             redacted_url, url_problem)
 from exporter.limits import MAX_CONCURRENCY, MAX_CONTEXT_TOKENS, MAX_TOKEN_ID
 from exporter.replay.client import CompletionClient
 from exporter.replay.progress import show_progress
@@ -111,7 +111,7 @@ def _check_shape(args: argparse.Namespace) -> None:
 
 def _check_requests(args: argparse.Namespace) -> None:
     problem = url_problem(args.url, "expected http(s)://HOST:PORT")
-    _check(problem is None, f"--url: {problem}, got {args.url!r}")
+    _check(problem is None, f"--url: {problem}, got {redacted_url(args.url)!r}")
     _check(args.retries >= 0, f"--retries: must be >= 0, got {args.retries}")
     _check(_finite(args.retry_backoff) and args.retry_backoff >= 0,
            f"--retry-backoff: must be >= 0, got {args.retry_backoff}")
@@ -151,7 +151,7 @@ def main(args: argparse.Namespace) -> int:
         return 1
     finally:
         sink.close()
-    summary.update(trace=args.trace, url=args.url, length_scale=args.length_scale, latency_scale=args.latency_scale,
+    summary.update(trace=args.trace, url=redacted_url(args.url), length_scale=args.length_scale, latency_scale=args.latency_scale,
                    system_prompt_tokens=options.system_prompt_tokens, max_context_tokens=options.max_context_tokens)
     if args.summary:
         try:
