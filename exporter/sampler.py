@@ -38,6 +38,7 @@ from exporter.samples import DeviceReading, ServerRead, SourceStatus, Tick
 log = logging.getLogger("kvwatt.sampler")
 
 MIN_DEADLINE_SECONDS = 0.05
+ENERGY_DEADLINE_FRACTION = 0.8
 DEADLINE_REASON = "deadline: read still running at the tick's deadline"
 
 
@@ -140,6 +141,10 @@ class Sampler:
             self.energy = [_EnergySource("nvml", nvml), _EnergySource("rapl", rapl)]
         self.deadline = deadline_seconds if deadline_seconds is not None else \
             read_deadline(cfg.interval_seconds, cfg.http_timeout_seconds)
+        # Energy reads may finish later in the tick than engine reads (up to 80 % of the interval): a gap costs
+        # the interval and the next one (the counter re-bases), and only the tick waits; /metrics is served from
+        # the published snapshot meanwhile.
+        self.energy_grace = max(ENERGY_DEADLINE_FRACTION * cfg.interval_seconds - self.deadline, 0.0)
         self.pending: dict[str, asyncio.Task] = {}
         self.session: aiohttp.ClientSession | None = None
         self.health = HealthLog()
@@ -174,6 +179,9 @@ class Sampler:
         waiting = list(self.pending.values()) + [f for _, f in started if f is not None]
         if waiting:
             await asyncio.wait(waiting, timeout=self.deadline)
+        energy = [f for _, f in started if f is not None and not f.done()]
+        if energy:  # a RAPL/NVML thread starved by a busy machine: a little longer before it becomes a gap
+            await asyncio.wait(energy, timeout=self.energy_grace)
         servers = {}
         for name, task in list(self.pending.items()):
             if task.done():
