@@ -170,7 +170,8 @@ class Sampler:
             e.close()
 
     async def tick(self, t: float) -> Tick:
-        """Read every source for the tick at monotonic time ``t``; returns within ~``deadline`` seconds."""
+        """Read every source for the tick at monotonic time ``t``; returns within ~``deadline`` seconds, or up
+        to 80 % of the interval while an energy read is still running (``energy_grace``)."""
         assert self.session is not None, "use `async with Sampler(...)`"
         for name, src in self.vllm.items():
             if name not in self.pending:
