@@ -218,6 +218,9 @@ def server_only_rules(s: dict) -> list[dict]:
     rules = [
         ("server:vllm_num_requests_pending:sum",
          "sum by (server) (vllm:num_requests_running + vllm:num_requests_waiting)"),
+        # engine steps/s: vLLM's own dashboard plots this; 0 while requests wait = a stalled engine (0.23+)
+        ("server:vllm_engine_steps:rate@window",
+         "sum by (server) (rate(vllm:iteration_tokens_total_count[@window]))"),
         ("server:vllm_generation_tokens_per_running_request:ratio_rate@window",
          "server:vllm_generation_tokens:rate@window\n/\n"
          "(sum by (server) (avg_over_time(vllm:num_requests_running[@window])) > 0)"),
@@ -310,10 +313,25 @@ def collapse_fallback() -> str:
             f"  (server:vllm_num_requests_pending:sum unless on (server) {power})\n)")
 
 
+def stalled_engine_fallback() -> str:
+    """Engine steps stopped while requests wait (vLLM #45387, #45414): no KV usage, no offload condition;
+    the value is the fewest requests pending over the window."""
+    return ("min_over_time(server:vllm_num_requests_pending:sum[@window]) > 0\n"
+            "and on (server) (server:vllm_engine_steps:rate@window == 0)")
+
+
 def collapse_expr() -> str:
-    kvwatt = 'label_replace(max by (server) (kvwatt_collapse_signature) == 1, "detector", "kvwatt", "", "")'
-    fallback = f"(\n{indent(collapse_fallback())}\n)\nunless on (server) kvwatt_collapse_signature"
-    return f'{kvwatt}\nor on (server)\nlabel_replace(\n{indent(fallback)},\n  "detector", "promql", "", ""\n)'
+    """kvwatt's verdict where kvwatt watches the server (stalled_engine before classic; a kvwatt without
+    condition sets only had the classic one), else the PromQL fallbacks; labels detector and condition_set."""
+    sets = 'kvwatt_collapse_condition_set{condition_set="@set"} == 1'
+    kvwatt = (f"max by (server, condition_set) ({sets.replace('@set', 'stalled_engine')})\nor on (server)\n"
+              f"max by (server, condition_set) ({sets.replace('@set', 'classic')})\nor on (server)\n"
+              'label_replace(max by (server) (kvwatt_collapse_signature) == 1, "condition_set", "classic", "", "")')
+    stalled = f'label_replace(\n{indent(stalled_engine_fallback())},\n  "condition_set", "stalled_engine", "", ""\n)'
+    classic = f'label_replace(\n{indent(collapse_fallback())},\n  "condition_set", "classic", "", ""\n)'
+    fallback = f"(\n{indent(stalled)}\n  or on (server)\n{indent(classic)}\n)\nunless on (server) kvwatt_collapse_signature"
+    return (f'label_replace(\n{indent(kvwatt)},\n  "detector", "kvwatt", "", ""\n)\nor on (server)\n'
+            f'label_replace(\n{indent(fallback)},\n  "detector", "promql", "", ""\n)')
 
 
 def pressure_expr() -> str:
@@ -364,14 +382,24 @@ SOURCE_REASON = ('{{ with printf "kvwatt_source_info{instance=%q,source=%q,serve
 
 ALERTS: tuple[Alert, ...] = (
     Alert("KVOffloadCollapse", "critical", "collapse_for", collapse_expr(),
-          "A KV-offloading vLLM server has collapsed: throughput fell with no preemptions while requests wait.",
-          '{{ if eq $labels.detector "kvwatt" }}kvwatt reports the collapse signature on server {{ $labels.server }} '
-          "(kvwatt_collapse_signature = {{ $value }}): offloading on, zero preemptions, generation throughput "
-          "collapsed, GPU power near idle, requests still running or waiting."
+          "A vLLM server has collapsed: requests wait while the engine stopped stepping, or throughput fell with "
+          "no preemptions.",
+          '{{ if eq $labels.condition_set "stalled_engine" }}'
+          '{{ if eq $labels.detector "kvwatt" }}kvwatt reports a stalled engine on server {{ $labels.server }} '
+          "(kvwatt_collapse_condition_set = {{ $value }}): the engine ran no step over its recent window while "
+          "requests were running or waiting."
+          "{{ else }}Server {{ $labels.server }} ran no engine step over @window (vllm:iteration_tokens_total_count "
+          "did not rise) while at least {{ $value }} requests were running or waiting (PromQL fallback).{{ end }}"
+          " The API server answers but its engine core is frozen: take a stack dump of the EngineCore process "
+          "(py-spy dump), then restart the server."
+          '{{ else }}{{ if eq $labels.detector "kvwatt" }}kvwatt reports the collapse signature on server '
+          "{{ $labels.server }} (kvwatt_collapse_signature = {{ $value }}): offloading on, zero preemptions, "
+          "generation throughput collapsed, GPU power near idle, requests still running or waiting."
           "{{ else }}Server {{ $labels.server }} produces {{ $value | humanizePercentage }} of the tokens per "
           "second it produced @collapse_reference_offset earlier, with KV offloading on, zero preemptions over "
           "@window and requests still running or waiting (PromQL fallback; GPU power near idle where kvwatt's "
-          "power series exist).{{ end }} Cap the offload buffer so preemption stays alive, then restart the server."),
+          "power series exist).{{ end }} Cap the offload buffer so preemption stays alive, then restart the "
+          "server.{{ end }}"),
     Alert("KVPressureAboveThreshold", "warning", "kv_pressure_for", pressure_expr(),
           "KV-cache usage is above the regime threshold where offloading starts to matter.",
           "Server {{ $labels.server }} has p95 KV-cache usage {{ $value | humanizePercentage }} over "

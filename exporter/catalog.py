@@ -137,6 +137,13 @@ def _conditions(snap: Snapshot) -> Iterator[Sample]:
                 yield (s.name, name), _b(value)
 
 
+def _condition_sets(snap: Snapshot) -> Iterator[Sample]:
+    for s in snap.servers:
+        if s.collapse is not None:
+            for name, value in s.collapse.condition_sets.items():
+                yield (s.name, name), _b(value)
+
+
 def _savings(get, throughput: bool = False) -> Fill:
     def fill(snap: Snapshot) -> Iterator[Sample]:
         for s in snap.servers:
@@ -275,12 +282,19 @@ METRICS: tuple[MetricDef, ...] = (
               "Buffer size that keeps residency above the p99 tool-call latency with the configured headroom.",
               "derive.offload.recommended_buffer", _O, _buffer("recommended_bytes")),
     MetricDef("kvwatt_collapse_signature", "gauge", ("server",),
-              "1 while the throughput-collapse signature holds (methods.md s5): all conditions below at once.",
+              "1 while the collapse signature holds (methods.md s5): one of its condition sets holds "
+              "(kvwatt_collapse_condition_set says which).",
               "derive.collapse.evaluate_aggregates", _O,
               per_server(lambda s: _b(s.collapse.signature) if s.collapse else None)),
+    MetricDef("kvwatt_collapse_condition_set", "gauge", ("server", "condition_set"),
+              "Each condition set of the collapse signature: stalled_engine (engine steps stopped while "
+              "requests are pending; only where the engine exports a step counter) and classic (all five "
+              "throughput conditions). 1 holds, 0 not; absent while unknown.",
+              "derive.collapse.evaluate_aggregates", _O, _condition_sets),
     MetricDef("kvwatt_collapse_condition", "gauge", ("server", "condition"),
               "Each collapse condition on its own: offload_enabled, zero_preemptions, throughput_collapsed, "
-              "power_near_idle, requests_pending.", "derive.collapse.evaluate_aggregates", _O, _conditions),
+              "power_near_idle, requests_pending (classic), engine_steps_stopped (stalled_engine, with "
+              "requests_pending).", "derive.collapse.evaluate_aggregates", _O, _conditions),
     MetricDef("kvwatt_energy_saving_ratio", "gauge", ("server", "baseline", "window"),
               "dE as a ratio (0.26 = 26 % less energy per token with offloading, methods.md s2). "
               "baseline=estimated is a model estimate, baseline=potential the saving a server without "

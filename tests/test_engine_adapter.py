@@ -95,7 +95,9 @@ def test_needed_families_cover_every_spelling():
 def test_capabilities_follow_the_series_present():
     r = VllmAdapter().read((FIXTURES / "low-pressure" / "005.prom").read_text())
     assert r.engine == "vllm"
-    assert r.capabilities == {"kv_usage", "preemptions", "token_sources", "prefix_cache", "mfu", "requests"}
+    assert r.capabilities == {"kv_usage", "preemptions", "token_sources", "prefix_cache", "mfu", "requests",
+                              "engine_steps", "cached_by_tier"}  # iteration_tokens_total (0.23+), cached by source (0.32+)
+    assert r.counters["engine_steps"] == 1204 and r.counters["prompt_cached_device"] == 30720
     assert r.info.process_start_time_seconds == pytest.approx(1.79529530976e+09)
     old = VllmAdapter().read('vllm:gpu_cache_usage_perc{model_name="m"} 0.4\n'
                              'vllm:kv_offload_config_info{cpu_kv_cache_size_bytes="1024"} 1\n'

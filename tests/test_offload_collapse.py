@@ -39,8 +39,9 @@ def test_all_five_hold_hand_computed():
     assert r.reference_tokens_per_second == 2000
     assert r.recent_tokens_per_second == 100          # 100 < 0.2 * 2000 = 400
     assert r.gpu_power_watts == 180 and r.gpu_idle_power_watts == 150  # 180 <= 1.25 * 150 = 187.5
-    assert r.conditions == dict.fromkeys(C.CONDITIONS, True)
-    assert r.signature is True
+    assert r.conditions == {**dict.fromkeys(C.CLASSIC, True), "engine_steps_stopped": None}  # no step counter
+    assert r.signature is True and r.condition_set == "classic"
+    assert r.condition_sets == {"classic": True}  # stalled_engine does not apply without a step counter
 
 
 @pytest.mark.parametrize("recent_tps,watts,expect", [
@@ -113,6 +114,68 @@ def test_offload_unknown_is_reported():
     r = C.evaluate(data, 660.0, None, TH)
     assert r.signature is None and "offload_enabled" in r.reason
     assert r.as_status()["conditions"]["offload_enabled"] is None
+
+
+# --- stalled_engine: engine steps stopped while requests are pending (vLLM #45387, #45414) ------------------
+def stepping(spec, offload=True):
+    """spec: list of (seconds, steps/s, running, waiting, kv_usage); 1 s intervals with generation tokens =
+    steps (one token per step), zero preemptions, no GPU energy (the CPU engine's case)."""
+    out, t = [], 0.0
+    for seconds, sps, running, waiting, kv in spec:
+        for _ in range(int(seconds)):
+            out.append(Interval(t, t + 1, {"generation_tokens": sps, "preemptions": 0.0, "engine_steps": sps},
+                                {"running": running, "waiting": waiting, "kv_usage": kv}, {}, {}))
+            t += 1
+    return out
+
+
+@pytest.mark.parametrize("kv", [0.99, 0.0])  # terminal KV usage nearly full in #45387, 0 % in #45414
+def test_stalled_engine_fires_whatever_the_kv_usage(kv):
+    data = stepping([(600, 20, 4, 3, 0.5), (60, 0, 4, 3, kv)])
+    r = C.evaluate(data, 660.0, False, TH)  # no offloading, no GPU energy: the classic set is False
+    assert r.conditions["engine_steps_stopped"] is True and r.conditions["requests_pending"] is True
+    assert r.condition_sets == {"stalled_engine": True, "classic": False}
+    assert r.signature is True and r.condition_set == "stalled_engine"
+    assert r.reason.startswith("stalled_engine: engine steps stopped")
+    assert r.as_status()["condition_set"] == "stalled_engine"
+
+
+def test_one_step_in_the_window_is_not_a_stall():
+    data = stepping([(600, 20, 4, 3, 0.5), (59, 0, 4, 3, 0.5), (1, 1, 4, 3, 0.5)])
+    r = C.evaluate(data, 660.0, False, TH)
+    assert r.conditions["engine_steps_stopped"] is False and r.signature is False
+    assert r.condition_set is None and "engine_steps_stopped" in r.reason
+
+
+def test_idle_engine_is_not_stalled():
+    """Zero steps and nothing waiting or running: idle, not stalled."""
+    data = stepping([(600, 20, 4, 3, 0.5), (60, 0, 0, 0, 0.0)])
+    r = C.evaluate(data, 660.0, False, TH)
+    assert r.conditions["engine_steps_stopped"] is True and r.conditions["requests_pending"] is False
+    assert r.condition_sets["stalled_engine"] is False and r.signature is False
+
+
+def test_stalled_engine_needs_a_covered_window():
+    data = stepping([(600, 20, 4, 3, 0.5), (20, 0, 4, 3, 0.5)])  # the last 40 s not sampled
+    r = C.evaluate(data, 660.0, False, TH)
+    assert r.conditions["engine_steps_stopped"] is None
+    assert r.details["engine_steps_stopped"] == "not enough samples in the recent window"
+
+
+def test_stall_clears_when_steps_resume():
+    data = stepping([(600, 20, 4, 3, 0.5), (60, 0, 4, 3, 0.5), (5, 20, 4, 3, 0.5)])
+    assert C.evaluate(data[:660], 660.0, False, TH).signature is True
+    r = C.evaluate(data, 665.0, False, TH)
+    assert r.conditions["engine_steps_stopped"] is False and r.signature is False
+
+
+def test_both_sets_name_the_stalled_engine_first():
+    data = ivs([(600, 2000, 0, 500, 20, 5), (60, 0, 0, 180, 20, 5)])
+    data = [Interval(iv.t0, iv.t1, {**iv.deltas, "engine_steps": iv.deltas["generation_tokens"] / 10},
+                     iv.gauges, iv.energy_joules, iv.idle_joules) for iv in data]
+    r = C.evaluate(data, 660.0, True, TH)
+    assert r.condition_sets == {"stalled_engine": True, "classic": True}
+    assert r.condition_set == "stalled_engine" and r.reason.count(":") == 2  # both named in the reason
 
 
 # --- scenarios: the detector flags exactly the collapsed runs -----------------------------------------------

@@ -23,6 +23,18 @@ percentile, not the median, so idle stretches and light-traffic periods do not d
 and not the maximum, so one burst does not set it. While the signature holds, the reference is latched
 (``previous`` carries it), so a stall that outlasts the reference period stays flagged until throughput
 recovers above drop_ratio x the latched level. Gaps in the samples are never counted as zero throughput.
+
+A second condition set, ``stalled_engine``, keys on engine liveness instead (real stalls: vLLM #45387,
+#45388, #42371, #45414; the terminal KV usage was nearly full in one and 0 % in another, so neither set reads
+KV usage):
+
+  engine_steps_stopped  the engine ran no step (engine_steps did not rise) over the recent window
+  requests_pending      running + waiting > 0 at every sample of the recent window (shared with the classic set)
+
+An idle engine (no steps, nothing pending) is not stalled. The set applies only to servers whose engine
+exports a step counter (vLLM 0.23+: vllm:iteration_tokens_total_count); elsewhere it is left out, so an older
+server's signature is decided by the classic set alone. The signature holds when either set holds (Kleene
+OR over the applicable sets); ``condition_set`` says which one fired (stalled_engine first when both do).
 """
 
 from __future__ import annotations
@@ -35,8 +47,11 @@ from exporter.derive.pressure import quantile
 from exporter.derive.window import WindowAggregate, aggregate_of, as_aggregate, seconds_with, sum_delta
 from exporter.samples import Interval
 
-CONDITIONS = ("offload_enabled", "zero_preemptions", "throughput_collapsed", "power_near_idle",
-              "requests_pending")
+CLASSIC = ("offload_enabled", "zero_preemptions", "throughput_collapsed", "power_near_idle", "requests_pending")
+STALLED_ENGINE = ("engine_steps_stopped", "requests_pending")
+CONDITIONS = CLASSIC + ("engine_steps_stopped",)  # every condition, each exported on its own
+# condition set -> its conditions; the first that holds names the signature's condition_set
+CONDITION_SETS: dict[str, tuple[str, ...]] = {"stalled_engine": STALLED_ENGINE, "classic": CLASSIC}
 MIN_COVERAGE_RATIO = 0.5  # a window (or reference bucket) needs samples over half its span to count
 REFERENCE_QUANTILE = 0.9
 
@@ -64,10 +79,18 @@ class CollapseResult:
     gpu_power_watts: float | None = None
     gpu_idle_power_watts: float | None = None
     details: dict[str, str] = field(default_factory=dict)  # condition -> why it is None
+    condition_sets: dict[str, bool | None] = field(default_factory=dict)  # the applicable sets, each's value
+
+    @property
+    def condition_set(self) -> str | None:
+        """The condition set that fired (stalled_engine before classic), None while the signature does not hold."""
+        return next((name for name in CONDITION_SETS if self.condition_sets.get(name)), None)
 
     def as_status(self) -> dict:
         """JSON-ready summary for /api/status."""
-        return {"signature": self.signature, "reason": self.reason, "conditions": dict(self.conditions),
+        return {"signature": self.signature, "condition_set": self.condition_set,
+                "condition_sets": dict(self.condition_sets), "reason": self.reason,
+                "conditions": dict(self.conditions),
                 "recent_tokens_per_second": self.recent_tokens_per_second,
                 "reference_tokens_per_second": self.reference_tokens_per_second,
                 "gpu_power_watts": self.gpu_power_watts, "gpu_idle_power_watts": self.gpu_idle_power_watts}
@@ -78,6 +101,14 @@ def kleene_and(values: Sequence[bool | None]) -> bool | None:
         return False
     if all(v is True for v in values):
         return True
+    return None
+
+
+def kleene_or(values: Sequence[bool | None]) -> bool | None:
+    if any(v is True for v in values):
+        return True
+    if all(v is False for v in values):
+        return False
     return None
 
 
@@ -219,12 +250,34 @@ def evaluate_aggregates(recent: WindowAggregate | Sequence[Interval], reference_
     else:
         cond["requests_pending"] = lowest > 0
 
-    sig = kleene_and(list(cond.values()))
-    if sig is None:
-        unknown = [c for c in CONDITIONS if cond[c] is None]
-        reason = "unknown: " + "; ".join(f"{c} ({details.get(c, 'unknown')})" for c in unknown)
-    elif sig:
-        reason = "all five conditions hold"
-    else:
-        reason = "not holding: " + ", ".join(c for c in CONDITIONS if cond[c] is False)
-    return CollapseResult(cond, sig, reason, rate, ref, power, idle, details)
+    cond["engine_steps_stopped"] = steps_stopped(recent, enough, th, details)
+    has_steps = recent.count_with("engine_steps") > 0  # else the stalled_engine set does not apply
+    sets = {name: kleene_and([cond[c] for c in members]) for name, members in CONDITION_SETS.items()
+            if name == "classic" or has_steps}
+    sig = kleene_or(list(sets.values()))
+    return CollapseResult(cond, sig, _reason(cond, sets, details), rate, ref, power, idle, details, sets)
+
+
+def steps_stopped(recent: WindowAggregate, enough: bool, th: CollapseThresholds,
+                  details: dict[str, str]) -> bool | None:
+    """No engine step over the recent window (engine_steps did not rise), from intervals covering at least
+    MIN_COVERAGE_RATIO of it. None (with the reason in ``details``) without a step counter or enough samples."""
+    if recent.count_with("engine_steps") == 0:
+        details["engine_steps_stopped"] = "the engine exports no step counter (vLLM < 0.23 or another engine)"
+        return None
+    if not enough or recent.seconds_with("engine_steps") < MIN_COVERAGE_RATIO * th.recent_seconds:
+        details["engine_steps_stopped"] = "not enough samples in the recent window"
+        return None
+    return (recent.delta("engine_steps") or 0.0) == 0
+
+
+def _reason(cond: dict[str, bool | None], sets: dict[str, bool | None], details: dict[str, str]) -> str:
+    held = [name for name, v in sets.items() if v]
+    if held:
+        why = {"stalled_engine": "engine steps stopped while requests are pending",
+               "classic": "all five classic conditions hold"}
+        return "; ".join(f"{name}: {why[name]}" for name in held)
+    unknown = [c for name, v in sets.items() if v is None for c in CONDITION_SETS[name] if cond[c] is None]
+    if unknown:
+        return "unknown: " + "; ".join(f"{c} ({details.get(c, 'unknown')})" for c in dict.fromkeys(unknown))
+    return "not holding: " + ", ".join(c for c in CONDITIONS if cond[c] is False)

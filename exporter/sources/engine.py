@@ -46,6 +46,12 @@ COUNTER_KEYS: dict[str, str] = {
     "offload_load_bytes": "bytes copied offload tier -> GPU",
     "offload_allocation_failures": "offload-tier allocations that failed",
     "offload_stores_skipped": "stores to the offload tier skipped",
+    "engine_steps": "engine iterations (forward steps) run; stops rising when the engine stalls",
+    "prompt_cached_device": "prompt tokens served from the cache on the accelerator (device tier)",
+    "prompt_cached_host": "prompt tokens served from the host-memory (CPU) cache tier",
+    "prompt_cached_disk": "prompt tokens served from the disk / file-system cache tier",
+    "prompt_cached_p2p": "prompt tokens whose cached KV came from another instance (peer to peer)",
+    "prompt_cached_external": "prompt tokens served from an external cache of unspecified tier",
 }
 # Gauges: the value at read time. Request counts are summed over ranks; kv_usage is the fullest rank (0..1).
 GAUGE_KEYS: dict[str, str] = {
@@ -66,9 +72,12 @@ OFFLOAD_TRAFFIC = "offload_traffic"  # offload store/load bytes
 OFFLOAD_BUFFER = "offload_buffer"  # offload buffer size known
 OFFLOAD_FAILURES = "offload_failures"  # offload allocation failures / skipped stores
 REQUESTS = "requests"  # running / waiting request gauges
+ENGINE_STEPS = "engine_steps"  # engine iteration counter (liveness: a stalled engine stops stepping)
+CACHED_BY_TIER = "cached_by_tier"  # cached prompt tokens split by cache tier (device / host / disk / p2p / ...)
 
 CAPABILITIES: frozenset[str] = frozenset({KV_USAGE, PREEMPTIONS, TOKEN_SOURCES, PREFIX_CACHE, MFU,
-                                          OFFLOAD_TRAFFIC, OFFLOAD_BUFFER, OFFLOAD_FAILURES, REQUESTS})
+                                          OFFLOAD_TRAFFIC, OFFLOAD_BUFFER, OFFLOAD_FAILURES, REQUESTS,
+                                          ENGINE_STEPS, CACHED_BY_TIER})
 
 # capability -> the counter/gauge keys any one of which shows it
 CAPABILITY_KEYS: dict[str, tuple[str, ...]] = {
@@ -80,6 +89,9 @@ CAPABILITY_KEYS: dict[str, tuple[str, ...]] = {
     OFFLOAD_TRAFFIC: ("offload_store_bytes", "offload_load_bytes"),
     OFFLOAD_FAILURES: ("offload_allocation_failures", "offload_stores_skipped"),
     REQUESTS: ("running", "waiting"),
+    ENGINE_STEPS: ("engine_steps",),
+    CACHED_BY_TIER: ("prompt_cached_device", "prompt_cached_host", "prompt_cached_disk", "prompt_cached_p2p",
+                     "prompt_cached_external"),
 }
 
 

@@ -47,6 +47,13 @@ COUNTERS: dict[str, tuple[str, dict[str, str]]] = {
     "offload_load_bytes": ("kv_offload_load_bytes", {}),
     "offload_allocation_failures": ("kv_offload_allocation_failure", {}),
     "offload_stores_skipped": ("kv_offload_stores_skipped", {}),
+    # the histogram's _count: one observation per engine step (0.23+), vLLM's own "engine steps/s" panel
+    "engine_steps": ("iteration_tokens_total_count", {}),
+    "prompt_cached_device": ("prompt_tokens_cached_by_source", {"source": "device"}),  # 0.32+
+    "prompt_cached_host": ("prompt_tokens_cached_by_source", {"source": "host"}),
+    "prompt_cached_disk": ("prompt_tokens_cached_by_source", {"source": "disk"}),
+    "prompt_cached_p2p": ("prompt_tokens_cached_by_source", {"source": "p2p"}),
+    "prompt_cached_external": ("prompt_tokens_cached_by_source", {"source": "external_unspecified"}),
 }
 # deprecated spelling (0.16 -> now), used only when the flat 0.24+ series is absent
 DEPRECATED_OFFLOAD = {

@@ -607,6 +607,8 @@ def _wire_keys(scenario: Scenario, version: str) -> list[str]:
         keys += ["prompt_local_compute", "prompt_local_cache_hit", "prompt_external_kv_transfer"]
     if has(version, "mfu"):
         keys.append("flops")
+    if has(version, "iteration_tokens"):
+        keys.append("engine_steps")  # vllm:iteration_tokens_total_count
     if scenario.offload_enabled and has(version, "offload_deprecated"):
         keys += ["offload_store_bytes", "offload_load_bytes"]
     if scenario.offload_enabled and has(version, "offload_flat"):
