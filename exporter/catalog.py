@@ -117,6 +117,16 @@ def _by_source(attr: str) -> Fill:
     return fill
 
 
+def _tiers(attr: str) -> Fill:
+    def fill(snap: Snapshot) -> Iterator[Sample]:
+        for s in snap.servers:
+            for w in s.windows:
+                for t in w.offload_tiers:
+                    v = getattr(t, attr)
+                    yield (s.name, t.tier, w.window), _b(v) if isinstance(v, bool) else v
+    return fill
+
+
 def _buffer(attr: str) -> Fill:
     return per_server(lambda s: getattr(s.buffer, attr) if s.buffer and s.info and s.info.offload_enabled else None)
 
@@ -244,6 +254,25 @@ METRICS: tuple[MetricDef, ...] = (
               "window; sums to 1. vLLM < 0.16: estimated from prefix-cache counters. First prefills only: "
               "re-prefill after preemption is not counted (see kvwatt_estimated_flops_per_generated_token).",
               "derive.recompute.token_shares", _K, _by_source("token_shares")),
+    MetricDef("kvwatt_cached_prompt_token_share_ratio", "gauge", ("server", "tier", "window"),
+              "Share of the prompt tokens served from a cache by the tier that supplied them (device, host, "
+              "disk, p2p, external) over the window; sums to 1 (vllm:prompt_tokens_cached_by_source_total, "
+              "0.32+): a reload from host memory and one from disk are told apart.",
+              "derive.recompute.cached_tier_shares", _K, _by_source("cached_tier_shares")),
+    MetricDef("kvwatt_preemptions_per_request", "gauge", ("server", "percentile", "window"),
+              "Preemptions per request finished in the window at the percentile (p50, p99), from the histogram "
+              "vllm:request_num_preemptions (0.30+): the upper edge of the bucket holding it (at most this "
+              "many; vLLM's first bucket holds 0 and 1 together); absent above the largest bucket.",
+              "derive.preemption.quantiles", _K, _by_source("preemptions_per_request")),
+    MetricDef("kvwatt_preempted_requests_ratio", "gauge", ("server", "bound", "window"),
+              "Share of the requests finished in the window that were preempted at least once, as a lower and "
+              "an upper bound (equal when the histogram's buckets and sum tell it exactly), from "
+              "vllm:request_num_preemptions (0.30+).", "derive.preemption.preempted_share", _K,
+              _by_source("preempted_requests_share")),
+    MetricDef("kvwatt_admission_rejections_per_minute", "gauge", ("server", "reason", "window"),
+              "Requests refused at admission per minute over the window, by reason (a queue limit: "
+              "max_num_queued_reqs, max_num_queued_tokens), from vllm:admission_rejections_total (0.32+).",
+              "derive.pressure.labelled_per_minute", _K, _by_source("admission_rejections_per_minute")),
     MetricDef("kvwatt_recompute_tax_ratio", "gauge", ("server", "window"),
               "local_compute share minus this server's low-pressure reference share (methods.md s4).",
               "derive.recompute.recompute_tax", _K, per_window(lambda w: w.recompute_tax)),
@@ -275,6 +304,24 @@ METRICS: tuple[MetricDef, ...] = (
     MetricDef("kvwatt_offload_buffer_residency_seconds", "gauge", ("server", "window"),
               "Buffer bytes / write rate: how long an offloaded block survives (methods.md s6).",
               "derive.offload.residency", _O, per_window(lambda w: w.offload_buffer_residency_seconds)),
+    MetricDef("kvwatt_offload_tier_write_bytes_per_second", "gauge", ("server", "tier", "window"),
+              "vLLM tiering (0.28+): bytes/s written from the primary CPU tier to a secondary tier (tier = "
+              '"<index>:<type>", e.g. "1:fs") over the window (vllm:kv_offload_tiering_write_bytes_total).',
+              "derive.offload.tier_flows", _O, _tiers("write_bytes_per_second")),
+    MetricDef("kvwatt_offload_tier_read_bytes_per_second", "gauge", ("server", "tier", "window"),
+              "vLLM tiering: bytes/s read from a secondary tier back into the primary tier (promotions) over "
+              "the window (vllm:kv_offload_tiering_read_bytes_total).", "derive.offload.tier_flows", _O,
+              _tiers("read_bytes_per_second")),
+    MetricDef("kvwatt_offload_tier_chunk_hit_ratio", "gauge", ("server", "tier", "window"),
+              "vLLM tiering: chunk lookups that hit in the tier / lookups sent to it over the window.",
+              "derive.offload.tier_flows", _O, _tiers("chunk_hit_ratio")),
+    MetricDef("kvwatt_offload_tier_job_failures", "gauge", ("server", "tier", "window"),
+              "vLLM tiering: failed promotion (read) and cascade (write) jobs of the tier in the window.",
+              "derive.offload.tier_flows", _O, _tiers("job_failures")),
+    MetricDef("kvwatt_offload_tier_undersized", "gauge", ("server", "tier", "window"),
+              "vLLM tiering: 1 when a promotion or cascade job of the tier failed in the window. vLLM exports no "
+              "secondary-tier capacity, so there is no residency test per tier (the CPU tier's is "
+              "kvwatt_offload_buffer_undersized).", "derive.offload.tier_flows", _O, _tiers("undersized")),
     MetricDef("kvwatt_offload_buffer_undersized", "gauge", ("server",),
               "1 when residency is below the configured p99 tool-call latency, or stores fail.",
               "derive.offload.undersized", _O, _buffer("undersized")),

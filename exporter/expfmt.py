@@ -70,8 +70,14 @@ def _parse_value(text: str) -> float | None:
         return None
 
 
-def parse(text: str, prefix: str = "vllm:", skip_suffixes: tuple[str, ...] = ("_bucket", "_created")) -> Exposition:
-    """Parse the lines whose metric name starts with ``prefix``; others are skipped unparsed.
+# histogram buckets parsed all the same: a small histogram whose bucket counts a figure needs (0.30+)
+KEPT_BUCKETS = frozenset({"vllm:request_num_preemptions_bucket"})
+
+
+def parse(text: str, prefix: str = "vllm:", skip_suffixes: tuple[str, ...] = ("_bucket", "_created"),
+          keep: frozenset[str] = KEPT_BUCKETS) -> Exposition:
+    """Parse the lines whose metric name starts with ``prefix``; others are skipped unparsed, and so are the
+    names ending in ``skip_suffixes`` unless named in ``keep``.
 
     NaN values are kept (the caller decides); duplicate series keep the first value and are counted.
     """
@@ -80,7 +86,7 @@ def parse(text: str, prefix: str = "vllm:", skip_suffixes: tuple[str, ...] = ("_
         if not line.startswith(prefix):
             continue
         parts = _split(line)
-        if parts is not None and parts[0].endswith(skip_suffixes):
+        if parts is not None and parts[0].endswith(skip_suffixes) and parts[0] not in keep:
             continue
         _store(exp, parts, parts is not None and " " not in parts[0] and "\t" not in parts[0])
     return exp

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from exporter.derive.collapse import CollapseResult
 from exporter.derive.energy import EnergyPerToken
+from exporter.derive.offload import TierFlows
 from exporter.energy.baseline import Baseline
 from exporter.samples import DeviceReading, SourceStatus, VllmInfo
 
@@ -62,6 +63,11 @@ class WindowFigures:
     offload_buffer_residency_seconds: float | None = None
     cached_to_prefill_ratio: float | None = None
     savings: tuple[SavingFigure, ...] = ()
+    cached_tier_shares: dict[str, float] | None = None  # cached prompt tokens by tier (device, host, disk, ...)
+    preemptions_per_request: dict[str, float] | None = None  # "p50", "p99" -> preemptions (upper edge)
+    preempted_requests_share: dict[str, float] | None = None  # "lower" / "upper" bound of the share preempted
+    admission_rejections_per_minute: dict[str, float] | None = None  # reason -> rejections per minute
+    offload_tiers: tuple[TierFlows, ...] = ()  # vLLM tiering: each secondary tier's flows
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,12 @@ GAUGES = (
     "kv_offload_cpu_cache_usage_perc",
     "cache_config_info",
     "kv_offload_config_info",
+    "num_requests_kv_fetch_by_stage",  # 0.32, KV consumers only: stage label
+    "kv_offload_tiering_primary_write_usage_perc",  # 0.28+ tiering, tier label (in-flight share, not occupancy)
+    "kv_offload_tiering_primary_read_usage_perc",
+    "simple_kv_offload_used_blocks",  # SimpleCPU connector (0.32): pinned blocks, not occupancy
+    "simple_kv_offload_pending_store_blocks",
+    "simple_kv_offload_info",  # capacity_blocks label
 )
 
 COUNTERS = (
@@ -48,6 +54,17 @@ COUNTERS = (
     "kv_offload_store_time",
     "kv_offload_stores_skipped",
     "kv_offload_allocation_failure",
+    "admission_rejections",  # 0.32: reason label, no engine label
+    "kv_offload_tiering_read_bytes",  # 0.28+ tiering: tier label ("0:primary", "1:fs", ...)
+    "kv_offload_tiering_read_time",
+    "kv_offload_tiering_write_bytes",
+    "kv_offload_tiering_write_time",
+    "kv_offload_tiering_chunk_queries",
+    "kv_offload_tiering_chunk_hits",
+    "kv_offload_tiering_promotion_job_failures",
+    "kv_offload_tiering_cascade_job_failures",
+    "simple_kv_offload_save_outcomes",  # SimpleCPU connector (0.32): outcome label
+    "simple_kv_offload_load_blocks",
 )
 
 HISTOGRAMS = (

@@ -89,14 +89,17 @@ def test_needed_families_cover_every_spelling():
     assert "vllm:gpu_cache_usage_perc" in NEEDED_FAMILIES and "vllm:cache_config_info" in NEEDED_FAMILIES
     assert all(f"vllm:{old}" not in NEEDED_FAMILIES for old, new in RENAMES.items()
                if new == "inter_token_latency_seconds")
-    assert not any(n.endswith(("_bucket", "_created")) for n in NEEDED_FAMILIES)
+    # no histogram buckets (the bulk of an exposition) but the preemptions-per-request ones (8 per engine)
+    assert {n for n in NEEDED_FAMILIES if n.endswith(("_bucket", "_created"))} == {
+        "vllm:request_num_preemptions_bucket"}
 
 
 def test_capabilities_follow_the_series_present():
     r = VllmAdapter().read((FIXTURES / "low-pressure" / "005.prom").read_text())
     assert r.engine == "vllm"
     assert r.capabilities == {"kv_usage", "preemptions", "token_sources", "prefix_cache", "mfu", "requests",
-                              "engine_steps", "cached_by_tier"}  # iteration_tokens_total (0.23+), cached by source (0.32+)
+                              "engine_steps", "cached_by_tier",  # iteration_tokens_total (0.23+), by source (0.32+)
+                              "preemptions_per_request"}  # request_num_preemptions histogram (0.30+)
     assert r.counters["engine_steps"] == 1204 and r.counters["prompt_cached_device"] == 30720
     assert r.info.process_start_time_seconds == pytest.approx(1.79529530976e+09)
     old = VllmAdapter().read('vllm:gpu_cache_usage_perc{model_name="m"} 0.4\n'

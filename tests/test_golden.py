@@ -10,7 +10,8 @@ duration_seconds). Three servers:
   cache_config_info), decoded by the vLLM adapter (VllmSource.decode). Down ("unreachable") until the last
   ticks, then its six captures one per tick. No GPU (a CPU engine).
 - ``on``: a simulated offloading vLLM 0.33 (tests/support/vllm_sim undersized_buffer_on: no offloading fixture
-  of a real engine exists), paired with ``off`` and with model + hardware parameters configured.
+  of a real engine exists), paired with ``off`` and with model + hardware parameters configured; with one
+  secondary tier ``1:fs`` behind the CPU tier (vLLM tiering, 0.28+ series).
 - ``off``: its simulated OFF twin (high_pressure_off), with a configured reference share (potential dE).
 
 Energy: DeviceReadings built here with read_at = t: one GPU per simulated server (the paired dE needs GPU
@@ -28,6 +29,7 @@ import json
 import os
 import shutil
 import subprocess
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -89,7 +91,9 @@ class Inputs:
     each GPU's cumulative energy (J) and power (W), the host zone's cumulative energy (J)."""
 
     def __init__(self):
-        self.sims = {"on": sim.SimEngine(sim.undersized_buffer_on()), "off": sim.SimEngine(sim.high_pressure_off())}
+        # "on" also runs vLLM's tiering with a file-system tier behind the CPU one
+        on = replace(sim.undersized_buffer_on(), tiers=("1:fs",))
+        self.sims = {"on": sim.SimEngine(on), "off": sim.SimEngine(sim.high_pressure_off())}
 
     def step(self, t: int) -> tuple[dict[str, str | None], dict[str, tuple[float, float]], float]:
         texts: dict[str, str | None] = {"cpu": None if t < CPU_FROM else LOW[t - CPU_FROM].read_text()}

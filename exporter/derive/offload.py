@@ -18,10 +18,12 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from exporter.derive.pressure import rate_per_second
-from exporter.derive.window import WindowAggregate, sum_delta
+from exporter.derive.window import WindowAggregate, as_aggregate, sum_delta
 from exporter.samples import Interval
+from exporter.sources.engine import labelled_key
 
-FAILURE_KEYS = ("offload_allocation_failures", "offload_stores_skipped")
+# native connector (0.24+ / 0.26+), and the SimpleCPU connector's stores dropped because its pool was full
+FAILURE_KEYS = ("offload_allocation_failures", "offload_stores_skipped", "offload_stores_dropped_full")
 
 
 @dataclass(frozen=True)
@@ -46,7 +48,8 @@ def residency(buffer_bytes: float | None, write_bytes_per_second: float | None) 
 
 
 def store_failures(x: WindowAggregate | Sequence[Interval]) -> float | None:
-    """Allocation failures (0.26+) plus skipped stores (0.24+) in the window; None when neither is exported."""
+    """Allocation failures (0.26+) plus skipped stores (0.24+) plus the SimpleCPU connector's stores dropped
+    with its pool full, in the window; None when none is exported."""
     parts = [sum_delta(x, k) for k in FAILURE_KEYS]
     known = [p for p in parts if p is not None]
     return sum(known) if known else None
@@ -85,3 +88,39 @@ def recommended_buffer(write_bytes_per_second: float | None, p99_tool_latency_se
 def gib_ceil(n_bytes: float | None) -> int | None:
     """Round up to the whole GiB that --kv-offloading-size takes."""
     return None if n_bytes is None else int(math.ceil(n_bytes / 2 ** 30))
+
+
+@dataclass(frozen=True)
+class TierFlows:
+    """One secondary offload tier of vLLM's tiering manager (0.28+, tier label "<index>:<type>", e.g. "1:fs")
+    over a window. Writes go primary (CPU) tier -> this tier (cascade), reads this tier -> primary (promotion).
+    vLLM exports no tier capacity, so there is no residency here; ``undersized`` rests on failed jobs."""
+
+    tier: str
+    write_bytes_per_second: float | None
+    read_bytes_per_second: float | None
+    chunk_hit_ratio: float | None  # chunk lookups that hit / lookups sent to this tier
+    job_failures: float | None  # failed promotion + cascade jobs in the window
+    undersized: bool | None  # a job failed in the window (None: failures not exported)
+
+
+def tier_flows(x: WindowAggregate | Sequence[Interval]) -> tuple[TierFlows, ...]:
+    """Every tier that carries a tiering counter in the window, sorted by tier label."""
+    agg = as_aggregate(x)
+    keys = agg.keys()
+    tiers = sorted({k.split("@", 1)[1] for k in keys if k.startswith(("tier_write_bytes@", "tier_read_bytes@",
+                                                                       "tier_chunk_queries@", "tier_job_failures@"))})
+    out = []
+    for tier in tiers:
+        queries = agg.delta(labelled_key("tier_chunk_queries", tier))
+        hits = agg.delta(labelled_key("tier_chunk_hits", tier))
+        failures = agg.delta(labelled_key("tier_job_failures", tier))
+        flows = TierFlows(tier, rate_per_second(agg, labelled_key("tier_write_bytes", tier)),
+                          rate_per_second(agg, labelled_key("tier_read_bytes", tier)),
+                          hits / queries if queries and hits is not None else None,
+                          failures, None if failures is None else failures > 0)
+        if any(v is not None for v in (flows.write_bytes_per_second, flows.read_bytes_per_second,
+                                       flows.chunk_hit_ratio, flows.job_failures)):
+            out.append(flows)  # a tier whose samples all left the window is gone from it
+    return tuple(out)
+

@@ -33,6 +33,16 @@ def rate_per_second(x: WindowAggregate | Sequence[Interval], key: str) -> float 
     return total / seconds
 
 
+def labelled_per_minute(x: WindowAggregate | Sequence[Interval], prefix: str) -> dict[str, float] | None:
+    """{label value: increase per minute} of a labelled counter family (sources/engine.py
+    LABELLED_COUNTER_KEYS, e.g. admission_rejections by reason); None when the family is not exported."""
+    agg = as_aggregate(x)
+    head = prefix + "@"
+    out = {k[len(head):]: r * 60.0 for k in agg.keys() if k.startswith(head)
+           for r in (rate_per_second(agg, k),) if r is not None}
+    return out or None
+
+
 def preemption_onset(per_minute: float | None, covered: float, window_seconds: float,
                      onset_per_minute: float) -> bool | None:
     """Sustained preemptions (methods.md s3: >= 0.5/min marks onset). "Sustained" = over a window that is

@@ -44,6 +44,21 @@ def token_shares(counts: dict[str, float] | None) -> dict[str, float] | None:
     return {s: counts[s] / total for s in SOURCES}
 
 
+CACHE_TIERS = ("device", "host", "disk", "p2p", "external")  # keys prompt_cached_<tier> (sources/engine.py)
+
+
+def cached_tier_shares(x: WindowAggregate | Sequence[Interval]) -> dict[str, float] | None:
+    """Shares of the cached prompt tokens by the tier that supplied them over the window (vLLM 0.32+:
+    vllm:prompt_tokens_cached_by_source_total), so a reload from host memory and one from disk are told
+    apart. None when the engine does not split cached tokens by tier, or nothing was served from a cache."""
+    counts = {t: sum_delta(x, f"prompt_cached_{t}") for t in CACHE_TIERS}
+    known = {t: v for t, v in counts.items() if v is not None}
+    total = sum(known.values())
+    if not known or total <= 0:
+        return None
+    return {t: v / total for t, v in known.items()}
+
+
 def recompute_tax(local_compute_share: float | None, reference_share: float | None) -> float | None:
     if local_compute_share is None or reference_share is None:
         return None

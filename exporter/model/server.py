@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Mapping
 
 from exporter.config import Config, ServerConfig, format_window, redacted_url
-from exporter.derive import collapse, economics, kappa, offload, pressure, recompute
+from exporter.derive import collapse, economics, kappa, offload, preemption, pressure, recompute
 from exporter.derive import energy as derive_energy
 from exporter.derive.window import WindowAggregate, covered_seconds
 from exporter.figures import EnergyFigure, ServerFigures, WindowFigures
@@ -105,7 +105,18 @@ class ServerModel:
             derive_energy.prompt_attribution(agg, cfg.min_load_seconds, cfg.load_to_compute_cost_ratio),
             rates.write_bytes_per_second, rates.read_bytes_per_second,
             offload.residency(buffer_bytes, rates.write_bytes_per_second), kappa.observed(agg),
-            self._savings(agg, now, seconds, peers))
+            self._savings(agg, now, seconds, peers), cached_tier_shares=recompute.cached_tier_shares(agg),
+            **self._newest_series(agg))
+
+    @staticmethod
+    def _newest_series(agg: WindowAggregate) -> dict:
+        """The figures from vLLM's newest series (issue 14): preemptions per request, admission rejections,
+        offload tiers; each absent where the engine does not export its series."""
+        hist = preemption.histogram(agg)
+        return {"preemptions_per_request": preemption.quantiles(hist),
+                "preempted_requests_share": preemption.preempted_share(hist),
+                "admission_rejections_per_minute": pressure.labelled_per_minute(agg, "admission_rejections"),
+                "offload_tiers": offload.tier_flows(agg)}
 
     def _energy(self, agg: WindowAggregate) -> tuple[EnergyFigure, ...]:
         out = []

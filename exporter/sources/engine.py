@@ -52,7 +52,31 @@ COUNTER_KEYS: dict[str, str] = {
     "prompt_cached_disk": "prompt tokens served from the disk / file-system cache tier",
     "prompt_cached_p2p": "prompt tokens whose cached KV came from another instance (peer to peer)",
     "prompt_cached_external": "prompt tokens served from an external cache of unspecified tier",
+    "preemption_hist_count": "finished requests observed by the preemptions-per-request histogram",
+    "preemption_hist_sum": "preemptions of those requests, summed",
+    "offload_stores_dropped_full": "stores to the offload tier dropped because it was full",
 }
+# Labelled counters: one counter per value of a label, keyed "<prefix>@<value>" (e.g. "tier_write_bytes@1:fs");
+# cumulative and summed over ranks like the others, so the store differences them the same way.
+LABELLED_COUNTER_KEYS: dict[str, str] = {
+    "preemption_hist_le": "finished requests preempted at most <le> times (cumulative histogram bucket)",
+    "admission_rejections": "requests refused at admission by a queue limit, by reason",
+    "tier_write_bytes": "bytes written from the primary (CPU) offload tier to a secondary tier, by tier",
+    "tier_read_bytes": "bytes read from a secondary offload tier into the primary tier, by tier",
+    "tier_chunk_queries": "chunk lookups sent to an offload tier, by tier",
+    "tier_chunk_hits": "chunk lookups that hit in an offload tier, by tier",
+    "tier_job_failures": "failed promotion (read) and cascade (write) jobs of an offload tier, by tier",
+}
+
+
+def labelled_key(prefix: str, value: str) -> str:
+    return f"{prefix}@{value}"
+
+
+def labelled(counters: dict[str, float], prefix: str) -> dict[str, float]:
+    """{label value: v} of one labelled counter family in a counters (or deltas) mapping."""
+    head = prefix + "@"
+    return {k[len(head):]: v for k, v in counters.items() if k.startswith(head)}
 # Gauges: the value at read time. Request counts are summed over ranks; kv_usage is the fullest rank (0..1).
 GAUGE_KEYS: dict[str, str] = {
     "running": "requests running",
@@ -74,10 +98,13 @@ OFFLOAD_FAILURES = "offload_failures"  # offload allocation failures / skipped s
 REQUESTS = "requests"  # running / waiting request gauges
 ENGINE_STEPS = "engine_steps"  # engine iteration counter (liveness: a stalled engine stops stepping)
 CACHED_BY_TIER = "cached_by_tier"  # cached prompt tokens split by cache tier (device / host / disk / p2p / ...)
+PREEMPTIONS_PER_REQUEST = "preemptions_per_request"  # histogram of preemptions per finished request
+OFFLOAD_TIERS = "offload_tiers"  # per-tier offload traffic (vLLM tiering: primary CPU tier + secondary tiers)
 
 CAPABILITIES: frozenset[str] = frozenset({KV_USAGE, PREEMPTIONS, TOKEN_SOURCES, PREFIX_CACHE, MFU,
                                           OFFLOAD_TRAFFIC, OFFLOAD_BUFFER, OFFLOAD_FAILURES, REQUESTS,
-                                          ENGINE_STEPS, CACHED_BY_TIER})
+                                          ENGINE_STEPS, CACHED_BY_TIER, PREEMPTIONS_PER_REQUEST,
+                                          OFFLOAD_TIERS})
 
 # capability -> the counter/gauge keys any one of which shows it
 CAPABILITY_KEYS: dict[str, tuple[str, ...]] = {
@@ -87,17 +114,24 @@ CAPABILITY_KEYS: dict[str, tuple[str, ...]] = {
     PREFIX_CACHE: ("prefix_queries", "prefix_hits"),
     MFU: ("flops",),
     OFFLOAD_TRAFFIC: ("offload_store_bytes", "offload_load_bytes"),
-    OFFLOAD_FAILURES: ("offload_allocation_failures", "offload_stores_skipped"),
+    OFFLOAD_FAILURES: ("offload_allocation_failures", "offload_stores_skipped", "offload_stores_dropped_full"),
     REQUESTS: ("running", "waiting"),
     ENGINE_STEPS: ("engine_steps",),
     CACHED_BY_TIER: ("prompt_cached_device", "prompt_cached_host", "prompt_cached_disk", "prompt_cached_p2p",
                      "prompt_cached_external"),
+    PREEMPTIONS_PER_REQUEST: ("preemption_hist_count",),
+}
+# capability -> labelled counter prefixes any one of which shows it
+CAPABILITY_PREFIXES: dict[str, tuple[str, ...]] = {
+    OFFLOAD_TIERS: ("tier_write_bytes", "tier_read_bytes"),
 }
 
 
 def capabilities_of(counters: dict[str, float], gauges: dict[str, float], info: VllmInfo) -> frozenset[str]:
     """The capabilities a reading shows, from which keys it carries (any adapter can use this)."""
     caps = {cap for cap, keys in CAPABILITY_KEYS.items() if any(k in counters or k in gauges for k in keys)}
+    caps |= {cap for cap, prefixes in CAPABILITY_PREFIXES.items()
+             if any(k.startswith(tuple(p + "@" for p in prefixes)) for k in counters)}
     if info.offload_buffer_bytes is not None and math.isfinite(info.offload_buffer_bytes):
         caps.add(OFFLOAD_BUFFER)
     return frozenset(caps)

@@ -23,7 +23,8 @@ from yarl import URL
 
 from exporter.expfmt import Exposition, Labels, parse, parse_families, process_start_time
 from exporter.samples import EngineReading, SourceStatus, VllmInfo, VllmReading
-from exporter.sources.engine import OFFLOAD_BUFFER, EngineAdapter, SourceError, adapter_for, capabilities_of
+from exporter.sources.engine import (OFFLOAD_BUFFER, EngineAdapter, SourceError, adapter_for, capabilities_of,
+                                     labelled_key)
 from exporter.vllm_names import RENAMES
 
 __all__ = ["COUNTERS", "DEPRECATED_OFFLOAD", "GAUGES_SUM", "GIB", "MAX_VALUE", "NEEDED_FAMILIES", "OUT_OF_RANGE",
@@ -54,6 +55,25 @@ COUNTERS: dict[str, tuple[str, dict[str, str]]] = {
     "prompt_cached_disk": ("prompt_tokens_cached_by_source", {"source": "disk"}),
     "prompt_cached_p2p": ("prompt_tokens_cached_by_source", {"source": "p2p"}),
     "prompt_cached_external": ("prompt_tokens_cached_by_source", {"source": "external_unspecified"}),
+    "preemption_hist_count": ("request_num_preemptions_count", {}),  # 0.30+
+    "preemption_hist_sum": ("request_num_preemptions_sum", {}),
+    # SimpleCPUOffloadConnector (0.32, vllm/v1/simple_kv_offload/metrics.py): stores dropped, the pool full
+    "offload_stores_dropped_full": ("simple_kv_offload_save_outcomes", {"outcome": "dropped_cpu_full"}),
+}
+# labelled counter prefix -> (series base, label, {label value: replacement}); engine.LABELLED_COUNTER_KEYS
+LABELLED: dict[str, tuple[str, str]] = {
+    "preemption_hist_le": ("request_num_preemptions_bucket", "le"),  # 0.30+; buckets 1,2,3,4,5,10,20 in 0.32
+    "admission_rejections": ("admission_rejections", "reason"),  # 0.32+ (no engine label)
+    # tiering (0.28+), label tier = "<index>:<type>" ("0:primary", "1:fs"): vllm/v1/kv_offload/tiering/spec.py
+    "tier_write_bytes": ("kv_offload_tiering_write_bytes", "tier"),
+    "tier_read_bytes": ("kv_offload_tiering_read_bytes", "tier"),
+    "tier_chunk_queries": ("kv_offload_tiering_chunk_queries", "tier"),
+    "tier_chunk_hits": ("kv_offload_tiering_chunk_hits", "tier"),
+}
+# several series summed into one labelled counter: promotion (read) and cascade (write) job failures
+LABELLED_SUMS: dict[str, tuple[tuple[str, ...], str]] = {
+    "tier_job_failures": (("kv_offload_tiering_promotion_job_failures", "kv_offload_tiering_cascade_job_failures"),
+                          "tier"),
 }
 # deprecated spelling (0.16 -> now), used only when the flat 0.24+ series is absent
 DEPRECATED_OFFLOAD = {
@@ -76,8 +96,9 @@ OUT_OF_RANGE = "out_of_range"  # the fixed reason word in the source status (det
 
 
 def _needed() -> tuple[frozenset[str], frozenset[str]]:
-    bases = {base for base, _ in (*COUNTERS.values(), *DEPRECATED_OFFLOAD.values(), *GAUGES_SUM.values())}
-    bases |= set(INFO_BASES)
+    bases = {base for base, _ in (*COUNTERS.values(), *DEPRECATED_OFFLOAD.values(), *GAUGES_SUM.values(),
+                                  *LABELLED.values())}
+    bases |= set(INFO_BASES) | {b for group, _ in LABELLED_SUMS.values() for b in group}
     spellings = bases | {old for old, new in RENAMES.items() if new in bases}
     families = {f"vllm:{b}{suffix}" for b in spellings for suffix in ("", "_total")}
     return frozenset(bases), frozenset(families)
@@ -183,7 +204,39 @@ def _counters(series: dict, rejected: dict[str, str]) -> tuple[dict[str, float],
         counters[key] = sum(sums.values())
         for engine, v in sums.items():
             by_engine.setdefault(engine, {})[key] = v
+    for prefix, (base, label) in LABELLED.items():
+        _labelled_counters(series, (base,), label, prefix, rejected, counters, by_engine)
+    for prefix, (bases, label) in LABELLED_SUMS.items():
+        _labelled_counters(series, bases, label, prefix, rejected, counters, by_engine)
     return counters, by_engine
+
+
+def _labelled_counters(series: dict, bases: tuple[str, ...], label: str, prefix: str, rejected: dict[str, str],
+                       counters: dict[str, float], by_engine: dict[str, dict[str, float]]) -> None:
+    """One counter per value of ``label`` (summed over ``bases`` and engines), keyed "<prefix>@<value>". A
+    sample out of range makes the whole family unknown (``rejected[prefix]``), like any counter."""
+    sums: dict[str, dict[str, float]] = {}  # engine -> key -> sum
+    for base in bases:
+        for labels, v in (series.get(base) or {}).items():
+            lab = dict(labels)
+            if label not in lab:
+                continue
+            if not 0.0 <= v <= MAX_VALUE:
+                rejected[prefix] = _detail(base, labels, v, MAX_VALUE)
+                return
+            per = sums.setdefault(lab.get("engine", ""), {})
+            key = labelled_key(prefix, lab[label])
+            per[key] = per.get(key, 0.0) + v
+    totals: dict[str, float] = {}
+    for per in sums.values():
+        for key, v in per.items():
+            totals[key] = totals.get(key, 0.0) + v
+    if any(v > MAX_VALUE for v in totals.values()):
+        rejected[prefix] = f"{bases[0]} summed over engines above {MAX_VALUE:g}"
+        return
+    counters.update(totals)
+    for engine, per in sums.items():
+        by_engine.setdefault(engine, {}).update(per)
 
 
 def _gauges(series: dict, rejected: dict[str, str]) -> dict[str, float]:

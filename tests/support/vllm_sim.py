@@ -47,6 +47,7 @@ FEATURES: dict[str, tuple[int, int]] = {
     "iteration_tokens": (0, 23),
     "offload_flat": (0, 24),        # kv_offload_{store,load}_{bytes,time}, stores_skipped, cpu_cache_usage
     "allocation_failure": (0, 26),
+    "tiering": (0, 28),             # vllm:kv_offload_tiering_* {tier} (with Scenario.tiers)
     "request_num_preemptions": (0, 30),
     "cached_by_source": (0, 32),
     "offload_config_info": (0, 33),
@@ -129,6 +130,7 @@ class Scenario:
     slow_jitter_seconds: float = 0.0        # >0: piecewise-constant noise blocks (window-to-window spread)
     slow_jitter_generation_ratio: float = 0.0  # coefficient of variation of the generation rate per block
     slow_jitter_joules_ratio: float = 0.0      # ... of marginal J/token per block (marginal_joules phases)
+    tiers: tuple[str, ...] = ()             # vLLM tiering secondary tiers ("1:fs", ...): offload ON, 0.28+
 
     def phase(self, name: str) -> Phase:
         for p in self.timeline + self.extra_phases:
@@ -534,6 +536,40 @@ def _render_offload(out: _Out, eng: SimEngine, version: str, split, with_label, 
     if has(version, "allocation_failure"):
         out.counter("kv_offload_allocation_failure", "Offload chunk allocation failures (cannot store).",
                     split(c["offload_allocation_failures"]), created)
+    if has(version, "tiering") and eng.scenario.tiers:
+        _render_tiers(out, eng, with_label)
+
+
+# One MiB chunks; of what enters the CPU (primary) tier, each secondary tier i (1-based) gets 1/(2i) cascaded
+# and gives back 1/(4i) of the loads; cascade jobs fail like the primary tier's allocations.
+TIER_CHUNK_BYTES = 2 ** 20
+
+
+def _render_tiers(out: _Out, eng: SimEngine, with_label) -> None:
+    """The tiering series as vLLM 0.32 defines them (vllm/v1/kv_offload/tiering/spec.py: counters with a
+    ``tier`` label "<index>:<type>"; help texts copied from there)."""
+    c, created = eng.counters, eng.created
+    series: dict[str, tuple[str, list]] = {
+        "kv_offload_tiering_write_bytes": ("Total bytes written from the primary tier to secondary tiers, "
+                                           "labeled by tier.", []),
+        "kv_offload_tiering_read_bytes": ("Total bytes read from secondary tiers into the primary tier, "
+                                          "labeled by tier.", []),
+        "kv_offload_tiering_chunk_queries": ("Number of chunk lookup queries sent to a tier, labeled by tier.", []),
+        "kv_offload_tiering_chunk_hits": ("Number of chunk lookup hits in a tier, labeled by tier.", []),
+        "kv_offload_tiering_promotion_job_failures": ("Number of failed secondary-tier promotion jobs, labeled "
+                                                      "by tier.", []),
+        "kv_offload_tiering_cascade_job_failures": ("Number of failed secondary-tier cascade jobs, labeled by "
+                                                    "tier.", []),
+    }
+    for i, tier in enumerate(eng.scenario.tiers, start=1):
+        written = c["offload_store_bytes"] / (2 * i)
+        read = c["offload_load_bytes"] / (4 * i)
+        queries = c["offload_load_bytes"] / TIER_CHUNK_BYTES
+        values = (written, read, queries, queries / (2 * i), 0.0, c["offload_allocation_failures"])
+        for (name, (_, samples)), v in zip(series.items(), values):
+            samples += with_label({"tier": tier}, v)
+    for name, (help_, samples) in series.items():
+        out.counter(name, help_, samples, created)
 
 
 def _render_cache_config(out: _Out, eng: SimEngine, version: str) -> None:
