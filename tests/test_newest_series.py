@@ -88,6 +88,9 @@ def test_beyond_the_largest_bucket_the_quantile_is_unknown():
 
 def test_no_finished_request_no_histogram():
     assert preemption.histogram(hist_interval(0, 0, [0] * 7)) is None
+    # deltas that are no histogram (a family re-based apart from the others): nothing, never a share < 0
+    assert preemption.histogram(hist_interval(2, 0, [5, 5, 5, 5, 5, 5, 5])) is None
+    assert preemption.histogram(hist_interval(5, 0, [3, 2, 5, 5, 5, 5, 5])) is None
     assert preemption.quantiles(None) is None and preemption.preempted_share(None) is None
 
 
@@ -146,8 +149,10 @@ def test_figures_through_a_daemon():
                                          window="1m") == 2, what="the second capture")
             m = d.metrics()
 
-            def v(name, **labels):
-                return d.value(name, server="t", window="1m", **labels)
+            def v(name, **labels):  # from the one scrape ``m``: the window slides between scrapes
+                want = {("server", "t"), ("window", "1m"), *labels.items()}
+                (value,) = [x for (n, lab), x in m.items() if n == name and want <= lab]
+                return value
             covered = v("kvwatt_window_covered_seconds")
             assert v("kvwatt_cached_prompt_token_share_ratio", tier="host") == pytest.approx(0.3)
             assert v("kvwatt_cached_prompt_token_share_ratio", tier="disk") == pytest.approx(0.1)

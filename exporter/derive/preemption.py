@@ -32,7 +32,7 @@ _LE = "preemption_hist_le"
 
 def histogram(x: WindowAggregate | Sequence[Interval]) -> tuple[float, float, list[tuple[float, float]]] | None:
     """(N, S, [(bound, F(bound)) for the finite bounds, ascending]) over the window; None without the
-    histogram or without a finished request."""
+    histogram, without a finished request, or when the window's deltas are not a histogram."""
     agg = as_aggregate(x)
     n, s = agg.delta("preemption_hist_count"), agg.delta("preemption_hist_sum")
     if n is None or s is None or n <= 0:
@@ -43,7 +43,13 @@ def histogram(x: WindowAggregate | Sequence[Interval]) -> tuple[float, float, li
         b = _bound(bound)
         if b is not None and math.isfinite(b) and cum is not None:
             buckets.append((b, cum))
-    return n, s, sorted(buckets)
+    buckets.sort()
+    # the families are differenced one by one (a refused or re-based one can lag the others): a window whose
+    # buckets do not form a histogram of its N requests says nothing
+    cums = [cum for _, cum in buckets]
+    if s < 0 or any(c < 0 or c > n + 1e-9 for c in cums) or any(b < a for a, b in zip(cums, cums[1:])):
+        return None
+    return n, s, buckets
 
 
 def _bound(text: str) -> float | None:
