@@ -71,7 +71,9 @@ def _read(src: VllmSource):
 
 def test_the_data_parallel_exposition_has_two_engines():
     r = extract(parse(exposition(0)))
-    assert set(r.engine_counters) == {"0", "1"}
+    assert set(r.engine_counters) == {"0", "1", ""}
+    # "": the API server's own series, which carry no engine label (vllm:admission_rejections_total, 0.32)
+    assert all(k.startswith("admission_rejections@") for k in r.engine_counters[""])
     assert r.counters["generation_tokens"] == 2 * (generated(LOW[0]) + SERVED_BEFORE)
 
 
