@@ -78,7 +78,7 @@ def wait_state(pid: int, want: str, timeout: float = 10.0) -> str:
 class Load:
     """``workers`` threads sending completions (fresh random prompts, ignore_eos) until stopped."""
 
-    def __init__(self, url: str, workers: int = 8, prompt_tokens: int = 200, output_tokens: int = 400):
+    def __init__(self, url: str, workers: int = 8, prompt_tokens: int = 800, output_tokens: int = 200):
         self.url, self.stop_event, self.done, self.errors = url, threading.Event(), 0, []
         self.body = {"model": "tiny", "max_tokens": output_tokens, "min_tokens": output_tokens,
                      "ignore_eos": True, "temperature": 0.0}
@@ -113,15 +113,18 @@ def engine_gauges(engine: VllmEngine) -> tuple[float, dict[str, float]]:
     return r.counters["engine_steps"], r.gauges
 
 
-def in_flight(engine: VllmEngine, timeout: float = 60.0) -> tuple[float, dict[str, float]]:
-    """(steps, gauges) read at a moment the engine reports requests running or waiting (on a starved machine
-    the clients can briefly leave it empty between two requests)."""
-    deadline = time.monotonic() + timeout
+def in_flight(engine: VllmEngine, min_steps: float, timeout: float = 120.0) -> tuple[float, dict[str, float]]:
+    """(steps, gauges) read once the engine has run ``min_steps`` steps, at a moment it reports requests
+    waiting (after half the timeout: running; on a starved machine the clients can briefly leave it empty
+    between two requests)."""
+    start = time.monotonic()
     while True:
         steps, gauges = engine_gauges(engine)
-        if gauges["running"] + gauges["waiting"] > 0 or time.monotonic() > deadline:
+        late = time.monotonic() - start > timeout / 2  # then running requests alone will do
+        queued = gauges["waiting"] > 0 or (late and gauges["running"] > 0)
+        if (steps >= min_steps and queued) or time.monotonic() - start > timeout:
             return steps, gauges
-        time.sleep(0.1)
+        time.sleep(0.05)
 
 
 def collapse_view(d: KvwattDaemon) -> dict:
@@ -156,7 +159,7 @@ def run():
     """The whole sequence once (one engine start): idle, load, SIGSTOP, SIGCONT; returns what was seen."""
     model_dir = build_tiny_model()
     out: dict = {}
-    # 64 blocks x 32 tokens: three 600-token requests fill it, so with 8 clients requests also wait
+    # 64 blocks x 32 tokens: two 1000-token requests fill it, so with 8 clients requests also wait
     with VllmEngine(model_dir, num_gpu_blocks=64, max_model_len=1024) as engine:
         config = {"windows": [f"{WINDOW_SECONDS:g}s"], "collapse_reference_window": "30s"}
         with KvwattDaemon(servers={SERVER: engine.url}, interval="500ms", config=config) as d:
@@ -166,10 +169,13 @@ def run():
             time.sleep(WINDOW_SECONDS / 2)
             out["idle_later"] = collapse_view(d)
             core = engine_core_pid(engine._proc.pid)
+            steps_idle, _ = engine_gauges(engine)
             with Load(engine.url) as load:
                 _, out["loaded"] = wait_view(d, lambda v: v["steps_stopped"] == 0, 120,
                                              "kvwatt to see the engine stepping under load")
-                steps_before, out["gauges_at_stop"] = in_flight(engine)
+                # stepping steadily (a few hundred steps: several decode rounds), requests in flight
+                steps_before, out["gauges_at_stop"] = in_flight(engine, steps_idle + 300)
+                out["steps_under_load"] = steps_before - steps_idle
                 stopped_at = time.monotonic()
                 os.kill(core, signal.SIGSTOP)
                 try:
@@ -196,7 +202,8 @@ def run():
             _, out["idle_after"] = wait_view(d, lambda v: v["steps_stopped"] == 1 and v["pending"] == 0, 90,
                                              "a covered window of the idle engine after the load")
             out["log"] = d.log()
-    report = {k: out[k] for k in ("detect_seconds", "clear_seconds", "gauges_at_stop", "frozen_steps")}
+    report = {k: out[k] for k in ("detect_seconds", "clear_seconds", "gauges_at_stop", "frozen_steps",
+                                  "steps_under_load")}
     path = os.environ.get("KVWATT_REPORT_DIR")
     if path:
         Path(path, "engine_stall.json").write_text(json.dumps(report, indent=2))
@@ -215,6 +222,7 @@ def test_loaded_engine_steps_and_is_not_stalled(run):
     assert run["loaded"]["signature"] == 0 and run["loaded"]["stalled_engine"] == 0
     g = run["gauges_at_stop"]
     assert g["running"] + g["waiting"] > 0, g
+    assert run["steps_under_load"] >= 300
 
 
 def test_sigstop_freezes_the_series_but_not_the_api_server(run):

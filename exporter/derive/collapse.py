@@ -1,8 +1,8 @@
 """Throughput-collapse signature (methods.md s5).
 
 With offloading on and a large buffer under extreme pressure, the study saw runs stall: GPU power fell to
-near idle, output fell to a fraction, preemptions were exactly zero, requests stayed in flight. The signature
-is the conjunction of five conditions, each also exported on its own:
+near idle, output fell to a fraction, preemptions were exactly zero, requests stayed in flight. The classic
+condition set is the conjunction of five conditions, each also exported on its own:
 
   offload_enabled       the server offloads KV (from vllm:cache_config_info / offload series)
   zero_preemptions      no preemption over the recent window
@@ -11,7 +11,7 @@ is the conjunction of five conditions, each also exported on its own:
   requests_pending      running + waiting > 0 at every sample of the recent window
 
 Three-valued logic (unknown is never a fake zero): each condition is True, False or None (cannot tell: no
-samples, no GPU energy or idle baseline, no history to compare with). The signature is True only when all
+samples, no GPU energy or idle baseline, no history to compare with). The classic set is True only when all
 five are True, False as soon as one is False, else None (cannot be asserted or denied; ``reason`` says why).
 
 Reference level (docs/offload.md "Collapse thresholds"): the 90th percentile of generation tokens/s over
