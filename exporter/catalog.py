@@ -117,6 +117,12 @@ def _by_source(attr: str) -> Fill:
     return fill
 
 
+def _kv_fetch(snap: Snapshot) -> Iterator[Sample]:
+    for s in snap.servers:
+        for stage, value in (s.kv_fetch_waiting or {}).items():
+            yield (s.name, stage), value
+
+
 def _tiers(attr: str) -> Fill:
     def fill(snap: Snapshot) -> Iterator[Sample]:
         for s in snap.servers:
@@ -273,6 +279,11 @@ METRICS: tuple[MetricDef, ...] = (
               "Requests refused at admission per minute over the window, by reason (a queue limit: "
               "max_num_queued_reqs, max_num_queued_tokens), from vllm:admission_rejections_total (0.32+).",
               "derive.pressure.labelled_per_minute", _K, _by_source("admission_rejections_per_minute")),
+    MetricDef("kvwatt_requests_waiting_for_kv", "gauge", ("server", "stage"),
+              "Waiting requests by asynchronous KV load stage (waiting_to_start, in_progress, "
+              "completed_waiting) at the last read, from vllm:num_requests_kv_fetch_by_stage (0.32, with a "
+              "connector that loads KV). Requests held in_progress while nothing runs point at the async-load "
+              "stall (vLLM #57841).", "sources.vllm.extract", _K, _kv_fetch),
     MetricDef("kvwatt_recompute_tax_ratio", "gauge", ("server", "window"),
               "local_compute share minus this server's low-pressure reference share (methods.md s4).",
               "derive.recompute.recompute_tax", _K, per_window(lambda w: w.recompute_tax)),

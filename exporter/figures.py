@@ -110,6 +110,7 @@ class ServerFigures:
     recommendations: tuple[str, ...] = ()
     engine: str = "vllm"
     capabilities: frozenset[str] = frozenset()
+    kv_fetch_waiting: dict[str, float] | None = None  # stage -> waiting requests at the last read
 
     @property
     def regime(self) -> str:

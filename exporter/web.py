@@ -75,6 +75,7 @@ def _server_json(v: ServerFigures) -> dict:
         "regime": v.regime, "threshold": v.threshold,
         "reference_local_compute_share": v.reference_share, "reference_kind": v.reference_kind,
         "signatures": v.signatures, "recommendations": list(v.recommendations),
+        "requests_waiting_for_kv": v.kv_fetch_waiting,
         "windows": {w.window: _window_json(w) for w in v.windows},
         "kappa": {"critical": v.kappa.critical, "breakeven_tokens_gqa": v.kappa.breakeven_tokens_gqa,
                   "breakeven_tokens_mha": v.kappa.breakeven_tokens_mha, "model": v.kappa.model_source,

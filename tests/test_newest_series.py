@@ -131,6 +131,12 @@ def test_simple_cpu_connector_dropped_stores_make_the_buffer_undersized():
     assert "offload_failures" in reading.capabilities and "offload_buffer" not in reading.capabilities
 
 
+def test_requests_waiting_for_kv_by_stage():
+    gauges = VllmAdapter().read((DEFS / "tiering-001.prom").read_text()).gauges
+    assert {k: v for k, v in gauges.items() if k.startswith("kv_fetch@")} == {
+        "kv_fetch@waiting_to_start": 0.0, "kv_fetch@in_progress": 3.0, "kv_fetch@completed_waiting": 0.0}
+
+
 def test_capabilities_of_the_newest_series():
     caps = VllmAdapter().read((DEFS / "tiering-001.prom").read_text()).capabilities
     assert {"offload_tiers", "cached_by_tier", "preemptions_per_request", "engine_steps"} <= caps
@@ -166,6 +172,7 @@ def test_figures_through_a_daemon():
                                                                                                   rel=1e-6)
             assert not [k for k in m if k[0] == "kvwatt_offload_tier_chunk_hit_ratio" and
                         ("tier", "2:obj") in k[1]]  # unknown, absent
+            assert d.value("kvwatt_requests_waiting_for_kv", server="t", stage="in_progress") == 3
             status = next(s for s in d.status()["servers"] if s["server"] == "t")
             w = status["windows"]["1m"]
             assert w["offload_tiers"]["1:fs"]["job_failures"] == 2

@@ -12,6 +12,7 @@ from exporter.derive.window import WindowAggregate, covered_seconds
 from exporter.figures import EnergyFigure, ServerFigures, WindowFigures
 from exporter.model import offload as offload_figures
 from exporter.samples import EngineReading, SourceStatus, VllmInfo
+from exporter.sources.engine import labelled
 from exporter.store import ServerHistory
 
 SCOPES = ("gpu", "host")
@@ -32,6 +33,7 @@ class ServerModel:
         self.info: VllmInfo | None = None
         self.engine, self.capabilities = "vllm", frozenset()
         self.collapse: collapse.CollapseResult | None = None
+        self.kv_fetch_waiting: dict[str, float] | None = None
         self._stats: dict[tuple[float, bool], economics.WindowStat] = {}
 
     @property
@@ -43,6 +45,7 @@ class ServerModel:
         self.status = status
         if reading is not None:
             self.info, self.engine, self.capabilities = reading.info, reading.engine, reading.capabilities
+            self.kv_fetch_waiting = labelled(reading.gauges, "kv_fetch") or None
             self.history.add_reading(t, reading)
 
     def learn(self, now: float) -> None:
@@ -152,4 +155,5 @@ class ServerModel:
             self.name, redacted_url(self.server.url), self.status, self.info,
             self.cfg.kv_pressure_threshold_ratio, self.reference.value, self.reference.kind, windows, self.collapse,
             buf, self.offload.kappa,
-            offload_figures.recommendations(sig, buf, self.cfg), self.engine, self.capabilities)
+            offload_figures.recommendations(sig, buf, self.cfg), self.engine, self.capabilities,
+            self.kv_fetch_waiting)

@@ -69,6 +69,12 @@ LABELLED_COUNTER_KEYS: dict[str, str] = {
 }
 
 
+# Labelled gauges, the same way: "<prefix>@<value>", summed over ranks.
+LABELLED_GAUGE_KEYS: dict[str, str] = {
+    "kv_fetch": "waiting requests by asynchronous KV load stage (waiting_to_start, in_progress, completed_waiting)",
+}
+
+
 def labelled_key(prefix: str, value: str) -> str:
     return f"{prefix}@{value}"
 

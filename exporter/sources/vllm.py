@@ -70,6 +70,11 @@ LABELLED: dict[str, tuple[str, str]] = {
     "tier_chunk_queries": ("kv_offload_tiering_chunk_queries", "tier"),
     "tier_chunk_hits": ("kv_offload_tiering_chunk_hits", "tier"),
 }
+# labelled request gauges (summed over ranks), read like LABELLED
+LABELLED_GAUGES: dict[str, tuple[str, str]] = {
+    # 0.32 with a connector that loads KV (kv_role kv_consumer / kv_both): vllm/v1/metrics/loggers.py
+    "kv_fetch": ("num_requests_kv_fetch_by_stage", "stage"),
+}
 # several series summed into one labelled counter: promotion (read) and cascade (write) job failures
 LABELLED_SUMS: dict[str, tuple[tuple[str, ...], str]] = {
     "tier_job_failures": (("kv_offload_tiering_promotion_job_failures", "kv_offload_tiering_cascade_job_failures"),
@@ -97,7 +102,7 @@ OUT_OF_RANGE = "out_of_range"  # the fixed reason word in the source status (det
 
 def _needed() -> tuple[frozenset[str], frozenset[str]]:
     bases = {base for base, _ in (*COUNTERS.values(), *DEPRECATED_OFFLOAD.values(), *GAUGES_SUM.values(),
-                                  *LABELLED.values())}
+                                  *LABELLED.values(), *LABELLED_GAUGES.values())}
     bases |= set(INFO_BASES) | {b for group, _ in LABELLED_SUMS.values() for b in group}
     spellings = bases | {old for old, new in RENAMES.items() if new in bases}
     families = {f"vllm:{b}{suffix}" for b in spellings for suffix in ("", "_total")}
@@ -205,16 +210,17 @@ def _counters(series: dict, rejected: dict[str, str]) -> tuple[dict[str, float],
         for engine, v in sums.items():
             by_engine.setdefault(engine, {})[key] = v
     for prefix, (base, label) in LABELLED.items():
-        _labelled_counters(series, (base,), label, prefix, rejected, counters, by_engine)
+        _labelled_sums(series, (base,), label, prefix, rejected, counters, by_engine)
     for prefix, (bases, label) in LABELLED_SUMS.items():
-        _labelled_counters(series, bases, label, prefix, rejected, counters, by_engine)
+        _labelled_sums(series, bases, label, prefix, rejected, counters, by_engine)
     return counters, by_engine
 
 
-def _labelled_counters(series: dict, bases: tuple[str, ...], label: str, prefix: str, rejected: dict[str, str],
+def _labelled_sums(series: dict, bases: tuple[str, ...], label: str, prefix: str, rejected: dict[str, str],
                        counters: dict[str, float], by_engine: dict[str, dict[str, float]]) -> None:
-    """One counter per value of ``label`` (summed over ``bases`` and engines), keyed "<prefix>@<value>". A
-    sample out of range makes the whole family unknown (``rejected[prefix]``), like any counter."""
+    """One counter (or request gauge) per value of ``label``, summed over ``bases`` and engines, keyed
+    "<prefix>@<value>" into ``counters``, per engine into ``by_engine``. A sample out of range makes the
+    whole family unknown (``rejected[prefix]``), like any counter."""
     sums: dict[str, dict[str, float]] = {}  # engine -> key -> sum
     for base in bases:
         for labels, v in (series.get(base) or {}).items():
@@ -247,6 +253,8 @@ def _gauges(series: dict, rejected: dict[str, str]) -> dict[str, float]:
         sums = _checked_sums(series, base, match, key, rejected)
         if sums is not None:
             gauges[key] = sum(sums.values())
+    for prefix, (base, label) in LABELLED_GAUGES.items():
+        _labelled_sums(series, (base,), label, prefix, rejected, gauges, {})
     usage = list(series.get("kv_cache_usage_perc", {}).items())
     if usage:
         bad = _out_of_range(usage, "kv_cache_usage_perc", 1.0)

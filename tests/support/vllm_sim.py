@@ -50,6 +50,7 @@ FEATURES: dict[str, tuple[int, int]] = {
     "tiering": (0, 28),             # vllm:kv_offload_tiering_* {tier} (with Scenario.tiers)
     "request_num_preemptions": (0, 30),
     "cached_by_source": (0, 32),
+    "kv_fetch_by_stage": (0, 32),   # vllm:num_requests_kv_fetch_by_stage{stage}, with a connector that loads
     "offload_config_info": (0, 33),
 }
 
@@ -456,6 +457,15 @@ def render(eng: SimEngine, version: str) -> str:
                    "status). Sum of all reasons equals vllm:num_requests_waiting.",
                    with_label({"reason": "capacity"}, waiting - deferred, False)
                    + with_label({"reason": "deferred"}, deferred, False))
+    if has(version, "kv_fetch_by_stage") and s.offload_enabled:
+        # the deferred waiting requests wait for an asynchronous KV load in progress
+        out.family("vllm:num_requests_kv_fetch_by_stage", "gauge",
+                   "Number of waiting requests by async KV load stage. Stage labels: 'waiting_to_start' = needs "
+                   "an async KV load that has not started; 'in_progress' = load started and not yet reported "
+                   "finished; 'completed_waiting' = load finished, request not running yet.",
+                   with_label({"stage": "waiting_to_start"}, 0.0, False)
+                   + with_label({"stage": "in_progress"}, min(p.waiting_deferred, waiting), False)
+                   + with_label({"stage": "completed_waiting"}, 0.0, False))
     out.family("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.",
                [(lab, eng.kv_usage) for lab in base_labels])
     prompt, hit = c["prompt_tokens"], c["prompt_local_cache_hit"]
