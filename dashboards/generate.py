@@ -381,10 +381,13 @@ REGIME = Row("Regime", (
           "offloading pays (14-32 % less energy per token in the study); below it, savings are within noise.",
           "none", (Target(_by("server", kv("kvwatt_kv_pressure_above_threshold")), "{{server}}"),), kind="stat",
           w=6, mappings=(Mapping("0", "below threshold", "ok"), Mapping("1", "above threshold", "warn"))),
-    Panel("Failure signatures", "1 while a signature holds: throughput collapse (offloading on, zero preemptions, "
-          "throughput collapsed, power near idle, requests pending), sustained preemption onset, and an offload "
+    Panel("Failure signatures", "1 while a signature holds: collapse (condition set classic: offloading on, zero "
+          "preemptions, throughput collapsed, power near idle, requests pending; or stalled_engine: engine steps "
+          "stopped while requests are pending), sustained preemption onset, and an offload "
           "buffer too small for the p99 tool-call latency (or failing stores).", "none",
           (Target(_by("server", kv("kvwatt_collapse_signature")), "{{server}} collapse"),
+           Target(_by("server, condition_set", kv("kvwatt_collapse_condition_set")),
+                  "{{server}} collapse: {{condition_set}}"),
            Target(_by("server", kv("kvwatt_preemption_onset")), "{{server}} preemption onset"),
            Target(_by("server", kv("kvwatt_offload_buffer_undersized")), "{{server}} buffer undersized")),
           kind="state-timeline", w=10, mappings=ACTIVE),
@@ -394,7 +397,8 @@ REGIME = Row("Regime", (
                   'server=~"$server|"})', table=True),),
           kind="table", w=8),
     Panel("Collapse conditions", "Each condition of the collapse signature on its own (methods.md s5); the "
-          "signature fires only when all hold at once.", "none",
+          "signature fires when all the conditions of one set hold at once (classic: the first five; "
+          "stalled_engine: engine_steps_stopped and requests_pending).", "none",
           (Target(_by("server, condition", kv("kvwatt_collapse_condition")), "{{server}} {{condition}}"),),
           kind="state-timeline", w=12, mappings=(Mapping("0", "no", "off"), Mapping("1", "yes", "warn"))),
     Panel("Source health", "1 when kvwatt's last read of a source (vllm per server, nvml, rapl) succeeded; the "
