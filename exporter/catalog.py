@@ -275,6 +275,11 @@ METRICS: tuple[MetricDef, ...] = (
               "an upper bound (equal when the histogram's buckets and sum tell it exactly), from "
               "vllm:request_num_preemptions (0.30+).", "derive.preemption.preempted_share", _K,
               _by_source("preempted_requests_share")),
+    MetricDef("kvwatt_preemptions_by_reason_per_minute", "gauge", ("server", "reason", "window"),
+              "Preemptions per minute over the window by reason (kv_full, priority, prefix_cache_reset) where "
+              "vLLM exports vllm:num_preemptions_by_reason_total (vLLM PR #58037, not in a release yet): only "
+              "kv_full is KV pressure.", "derive.pressure.labelled_per_minute", _K,
+              _by_source("preemptions_by_reason_per_minute")),
     MetricDef("kvwatt_admission_rejections_per_minute", "gauge", ("server", "reason", "window"),
               "Requests refused at admission per minute over the window, by reason (a queue limit: "
               "max_num_queued_reqs, max_num_queued_tokens), from vllm:admission_rejections_total (0.32+).",

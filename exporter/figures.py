@@ -67,6 +67,7 @@ class WindowFigures:
     preemptions_per_request: dict[str, float] | None = None  # "p50", "p99" -> preemptions (upper edge)
     preempted_requests_share: dict[str, float] | None = None  # "lower" / "upper" bound of the share preempted
     admission_rejections_per_minute: dict[str, float] | None = None  # reason -> rejections per minute
+    preemptions_by_reason_per_minute: dict[str, float] | None = None  # reason -> preemptions per minute
     offload_tiers: tuple[TierFlows, ...] = ()  # vLLM tiering: each secondary tier's flows
 
 

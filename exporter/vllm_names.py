@@ -55,6 +55,7 @@ COUNTERS = (
     "kv_offload_stores_skipped",
     "kv_offload_allocation_failure",
     "admission_rejections",  # 0.32: reason label, no engine label
+    "num_preemptions_by_reason",  # vLLM PR #58037 (not released): reason label
     "kv_offload_tiering_read_bytes",  # 0.28+ tiering: tier label ("0:primary", "1:fs", ...)
     "kv_offload_tiering_read_time",
     "kv_offload_tiering_write_bytes",

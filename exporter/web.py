@@ -48,6 +48,7 @@ def _window_json(w: WindowFigures) -> dict:
         "cached_prompt_token_shares": w.cached_tier_shares,
         "preemptions_per_request": w.preemptions_per_request, "preempted_requests_share": w.preempted_requests_share,
         "admission_rejections_per_minute": w.admission_rejections_per_minute,
+        "preemptions_by_reason_per_minute": w.preemptions_by_reason_per_minute,
         "offload_tiers": {t.tier: {"write_bytes_per_second": t.write_bytes_per_second,
                                    "read_bytes_per_second": t.read_bytes_per_second,
                                    "chunk_hit_ratio": t.chunk_hit_ratio, "job_failures": t.job_failures,

@@ -12,7 +12,8 @@ duration_seconds). Three servers:
 - ``on``: a simulated offloading vLLM 0.33 (tests/support/vllm_sim undersized_buffer_on: no offloading fixture
   of a real engine exists), paired with ``off`` and with model + hardware parameters configured; with one
   secondary tier ``1:fs`` behind the CPU tier (vLLM tiering, 0.28+ series).
-- ``off``: its simulated OFF twin (high_pressure_off), with a configured reference share (potential dE).
+- ``off``: its simulated OFF twin (high_pressure_off), with a configured reference share (potential dE),
+  exporting preemptions by reason (vLLM PR #58037, unreleased).
 
 Energy: DeviceReadings built here with read_at = t: one GPU per simulated server (the paired dE needs GPU
 J/token on both sides; the joules are the simulation's own), one RAPL package zone at a constant 80 W. GPU
@@ -93,7 +94,9 @@ class Inputs:
     def __init__(self):
         # "on" also runs vLLM's tiering with a file-system tier behind the CPU one
         on = replace(sim.undersized_buffer_on(), tiers=("1:fs",))
-        self.sims = {"on": sim.SimEngine(on), "off": sim.SimEngine(sim.high_pressure_off())}
+        # "off" is a build with vLLM PR #58037 (preemptions by reason)
+        off = replace(sim.high_pressure_off(), preemption_reasons=True)
+        self.sims = {"on": sim.SimEngine(on), "off": sim.SimEngine(off)}
 
     def step(self, t: int) -> tuple[dict[str, str | None], dict[str, tuple[float, float]], float]:
         texts: dict[str, str | None] = {"cpu": None if t < CPU_FROM else LOW[t - CPU_FROM].read_text()}

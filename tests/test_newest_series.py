@@ -94,10 +94,16 @@ def test_no_finished_request_no_histogram():
     assert preemption.quantiles(None) is None and preemption.preempted_share(None) is None
 
 
-# --- admission rejections -------------------------------------------------------------------------------------
+# --- admission rejections, preemptions by reason -------------------------------------------------------------
 def test_admission_rejections_per_minute():
     per_minute = pressure.labelled_per_minute(window("tiering"), "admission_rejections")
     assert per_minute == {"max_num_queued_reqs": 30.0, "max_num_queued_tokens": 0.0}
+
+
+def test_preemptions_by_reason_per_minute():
+    per_minute = pressure.labelled_per_minute(window("tiering"), "preemptions_by_reason")
+    assert per_minute == {"kv_full": 30.0, "priority": 12.0, "prefix_cache_reset": 0.0}
+    assert pressure.labelled_per_minute(window("simple-cpu"), "preemptions_by_reason") is None  # not exported
 
 
 # --- tiering: per secondary tier --------------------------------------------------------------------------------

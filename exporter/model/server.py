@@ -119,6 +119,7 @@ class ServerModel:
         return {"preemptions_per_request": preemption.quantiles(hist),
                 "preempted_requests_share": preemption.preempted_share(hist),
                 "admission_rejections_per_minute": pressure.labelled_per_minute(agg, "admission_rejections"),
+                "preemptions_by_reason_per_minute": pressure.labelled_per_minute(agg, "preemptions_by_reason"),
                 "offload_tiers": offload.tier_flows(agg)}
 
     def _energy(self, agg: WindowAggregate) -> tuple[EnergyFigure, ...]:

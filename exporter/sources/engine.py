@@ -61,6 +61,7 @@ COUNTER_KEYS: dict[str, str] = {
 LABELLED_COUNTER_KEYS: dict[str, str] = {
     "preemption_hist_le": "finished requests preempted at most <le> times (cumulative histogram bucket)",
     "admission_rejections": "requests refused at admission by a queue limit, by reason",
+    "preemptions_by_reason": "requests preempted, by reason (KV cache full, priority, prefix-cache reset)",
     "tier_write_bytes": "bytes written from the primary (CPU) offload tier to a secondary tier, by tier",
     "tier_read_bytes": "bytes read from a secondary offload tier into the primary tier, by tier",
     "tier_chunk_queries": "chunk lookups sent to an offload tier, by tier",

@@ -64,6 +64,8 @@ COUNTERS: dict[str, tuple[str, dict[str, str]]] = {
 LABELLED: dict[str, tuple[str, str]] = {
     "preemption_hist_le": ("request_num_preemptions_bucket", "le"),  # 0.30+; buckets 1,2,3,4,5,10,20 in 0.32
     "admission_rejections": ("admission_rejections", "reason"),  # 0.32+ (no engine label)
+    # vLLM PR #58037 (open): reason = kv_full | priority | prefix_cache_reset, summing to num_preemptions
+    "preemptions_by_reason": ("num_preemptions_by_reason", "reason"),
     # tiering (0.28+), label tier = "<index>:<type>" ("0:primary", "1:fs"): vllm/v1/kv_offload/tiering/spec.py
     "tier_write_bytes": ("kv_offload_tiering_write_bytes", "tier"),
     "tier_read_bytes": ("kv_offload_tiering_read_bytes", "tier"),

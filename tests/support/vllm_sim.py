@@ -132,6 +132,7 @@ class Scenario:
     slow_jitter_generation_ratio: float = 0.0  # coefficient of variation of the generation rate per block
     slow_jitter_joules_ratio: float = 0.0      # ... of marginal J/token per block (marginal_joules phases)
     tiers: tuple[str, ...] = ()             # vLLM tiering secondary tiers ("1:fs", ...): offload ON, 0.28+
+    preemption_reasons: bool = False        # a build with vLLM PR #58037: num_preemptions_by_reason{reason}
 
     def phase(self, name: str) -> Phase:
         for p in self.timeline + self.extra_phases:
@@ -480,6 +481,11 @@ def render(eng: SimEngine, version: str) -> str:
                 eng.created)
     out.counter("num_preemptions", "Cumulative number of preemption from the engine.", split(c["preemptions"]),
                 eng.created)
+    if s.preemption_reasons:  # every preemption here is for lack of KV blocks
+        out.counter("num_preemptions_by_reason", "Cumulative number of preemptions by reason.",
+                    with_label({"reason": "kv_full"}, c["preemptions"])
+                    + with_label({"reason": "priority"}, 0.0) + with_label({"reason": "prefix_cache_reset"}, 0.0),
+                    eng.created)
     out.counter("prompt_tokens", "Number of prefill tokens processed.", split(prompt), eng.created)
     if has(version, "by_source"):
         out.counter("prompt_tokens_by_source", "Number of prompt tokens by source.",
