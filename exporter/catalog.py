@@ -334,9 +334,13 @@ METRICS: tuple[MetricDef, ...] = (
     MetricDef("kvwatt_offload_tier_job_failures", "gauge", ("server", "tier", "window"),
               "vLLM tiering: failed promotion (read) and cascade (write) jobs of the tier in the window.",
               "derive.offload.tier_flows", _O, _tiers("job_failures")),
+    MetricDef("kvwatt_offload_tier_residency_seconds", "gauge", ("server", "tier", "window"),
+              "vLLM tiering: the tier's configured capacity (servers[].offload_tier_bytes: vLLM exports none) / "
+              "its write rate: how long a block written to it survives (methods.md s6).",
+              "derive.offload.tier_flows", _O, _tiers("residency_seconds")),
     MetricDef("kvwatt_offload_tier_undersized", "gauge", ("server", "tier", "window"),
-              "vLLM tiering: 1 when a promotion or cascade job of the tier failed in the window. vLLM exports no "
-              "secondary-tier capacity, so there is no residency test per tier (the CPU tier's is "
+              "vLLM tiering: 1 when the tier's residency is below the p99 tool-call latency or one of its "
+              "promotion or cascade jobs failed in the window (the CPU tier's flag is "
               "kvwatt_offload_buffer_undersized).", "derive.offload.tier_flows", _O, _tiers("undersized")),
     MetricDef("kvwatt_offload_buffer_undersized", "gauge", ("server",),
               "1 when residency is below the configured p99 tool-call latency, or stores fail.",

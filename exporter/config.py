@@ -106,6 +106,7 @@ class ServerConfig:
     hardware: dict[str, float] = field(default_factory=dict)  # flops_per_second, host_device_bytes_per_second
     pair_off_server: str | None = None  # paired dE%: the OFF twin of this (ON) server
     recorded_baseline_path: str | None = None  # OFF profile from `kvwatt baseline record`
+    offload_tier_bytes: dict[str, float] = field(default_factory=dict)  # vLLM tiering: tier label -> capacity
 
 
 @dataclass(frozen=True)
@@ -283,6 +284,7 @@ SERVER_KEYS = {
     "hardware": "hardware",
     "pair_off_server": "pair_off_server",
     "recorded_baseline": "recorded_baseline_path",
+    "offload_tier_bytes": "offload_tier_bytes",
 }
 
 MODEL_KEYS = ("layers", "kv_heads", "head_dim", "dtype_bytes", "active_parameters", "hidden_size")
@@ -322,9 +324,18 @@ def _server(item: Any, key: str) -> ServerConfig:
     for k in ("model_config", "pair_off_server", "recorded_baseline"):
         if k in item:
             kw[SERVER_KEYS[k]] = _str(item[k], f"{key}.{k}")
+    if "offload_tier_bytes" in item:
+        kw["offload_tier_bytes"] = _tier_bytes(item["offload_tier_bytes"], f"{key}.offload_tier_bytes")
     kw["model"] = _numbers(item.get("model", {}), f"{key}.model", MODEL_KEYS)
     kw["hardware"] = _numbers(item.get("hardware", {}), f"{key}.hardware", HARDWARE_KEYS)
     return ServerConfig(**kw)
+
+
+def _tier_bytes(value: Any, key: str) -> dict[str, float]:
+    """{"1:fs": 2e12}: the capacity in bytes of each secondary offload tier (vLLM exports none)."""
+    if not isinstance(value, dict) or not all(isinstance(k, str) and k for k in value):
+        raise ConfigError(f"{key}: expected a mapping of tier label (like \"1:fs\") to bytes, got {shown(value)}")
+    return {k: _float_range(0.0, 1e30, lo_open=True)(v, f"{key}.{k}") for k, v in value.items()}
 
 
 def _numbers(value: Any, key: str, allowed: tuple[str, ...]) -> dict[str, Any]:

@@ -52,7 +52,8 @@ def _window_json(w: WindowFigures) -> dict:
         "offload_tiers": {t.tier: {"write_bytes_per_second": t.write_bytes_per_second,
                                    "read_bytes_per_second": t.read_bytes_per_second,
                                    "chunk_hit_ratio": t.chunk_hit_ratio, "job_failures": t.job_failures,
-                                   "undersized": t.undersized} for t in w.offload_tiers},
+                                   "residency_seconds": t.residency_seconds, "undersized": t.undersized}
+                          for t in w.offload_tiers},
         "energy": {e.scope: {"joules": e.basis.energy_joules, "idle_joules": e.basis.idle_joules,
                              "generated_tokens": e.basis.tokens, "seconds": e.basis.seconds,
                              "loaded_seconds": e.basis.loaded_seconds, "joules_per_token": e.joules_per_token,

@@ -57,7 +57,7 @@ NON_NEGATIVE = {"kvwatt_sample_duration_seconds", "kvwatt_window_covered_seconds
                 "kvwatt_preemptions_per_request", "kvwatt_admission_rejections_per_minute",
                 "kvwatt_offload_tier_write_bytes_per_second", "kvwatt_offload_tier_read_bytes_per_second",
                 "kvwatt_offload_tier_job_failures", "kvwatt_requests_waiting_for_kv",
-                "kvwatt_preemptions_by_reason_per_minute"}
+                "kvwatt_preemptions_by_reason_per_minute", "kvwatt_offload_tier_residency_seconds"}
 # differences and stale-baseline figures: any finite sign (marginal J/token < 0 when P_idle is stale)
 SIGNED = {"kvwatt_marginal_energy_per_token_joules", "kvwatt_recompute_tax_ratio", "kvwatt_energy_saving_ratio",
           "kvwatt_energy_saving_stderr_ratio", "kvwatt_throughput_gain_ratio",

@@ -67,7 +67,8 @@ def config_mapping(tmp_path, urls: dict[str, str] | None = None) -> dict:
         "servers": [
             {"name": "cpu", "url": urls["cpu"], "gpus": []},
             {"name": "on", "url": urls["on"], "gpus": ["GPU-on"], "pair_off_server": "off",
-             "model": LLAMA_8B, "hardware": {"gpu_model": "H100-SXM"}},
+             "model": LLAMA_8B, "hardware": {"gpu_model": "H100-SXM"},
+             "offload_tier_bytes": {"1:fs": 2 ** 40}},  # a 1 TiB file-system tier
             {"name": "off", "url": urls["off"], "gpus": ["GPU-off"], "reference_local_compute_share": 0.039},
         ],
         "windows": ["30s", "1m"], "min_load_duration": "5s", "collapse_reference_window": "30s",

@@ -117,6 +117,16 @@ def test_tier_flows_hand_computed():
     assert obj.job_failures == 0 and obj.undersized is False
 
 
+def test_tier_residency_from_the_configured_capacity():
+    # 1:fs: 60 MiB / (1 MiB/s) = 60 s >= 20 s, but a cascade job failed: undersized all the same;
+    # 2:obj: 1 MiB / (0.1 MiB/s) = 10 s < 20 s: undersized by residency alone
+    fs, obj = offload.tier_flows(window("tiering"), {"1:fs": 60 * MIB, "2:obj": 1 * MIB}, 20.0)
+    assert fs.residency_seconds == 60.0 and fs.undersized is True
+    assert obj.residency_seconds == 10.0 and obj.undersized is True
+    fs, obj = offload.tier_flows(window("tiering"), {"2:obj": 4 * MIB}, 20.0)
+    assert fs.residency_seconds is None and obj.residency_seconds == 40.0 and obj.undersized is False
+
+
 def test_cpu_cache_usage_is_never_buffer_fullness():
     """vllm:kv_offload_cpu_cache_usage_perc is the share pinned by in-flight transfers (vLLM #45737), not
     occupancy: at 1.0 it must change nothing kvwatt reads."""
@@ -183,3 +193,12 @@ def test_figures_through_a_daemon():
             w = status["windows"]["1m"]
             assert w["offload_tiers"]["1:fs"]["job_failures"] == 2
             assert w["preempted_requests_share"] == pytest.approx({"lower": 0.2, "upper": 0.2})
+
+
+@pytest.mark.parametrize("value, words", [({"1:fs": -1}, "must be > 0"), ([1], "mapping of tier label"),
+                                          ({"1:fs": "big"}, "1:fs")])
+def test_bad_tier_capacity_is_refused_with_its_key(value, words):
+    from exporter.config import ConfigError, from_mapping
+    with pytest.raises(ConfigError) as e:
+        from_mapping({"servers": [{"name": "a", "url": "http://127.0.0.1:1", "offload_tier_bytes": value}]})
+    assert "servers[0].offload_tier_bytes" in str(e.value) and words in str(e.value)

@@ -94,18 +94,22 @@ def gib_ceil(n_bytes: float | None) -> int | None:
 class TierFlows:
     """One secondary offload tier of vLLM's tiering manager (0.28+, tier label "<index>:<type>", e.g. "1:fs")
     over a window. Writes go primary (CPU) tier -> this tier (cascade), reads this tier -> primary (promotion).
-    vLLM exports no tier capacity, so there is no residency here; ``undersized`` rests on failed jobs."""
+    vLLM exports no tier capacity: residency needs it from the configuration (servers[].offload_tier_bytes),
+    and ``undersized`` is the CPU tier's rule (methods.md s6) with failed jobs as the failures."""
 
     tier: str
     write_bytes_per_second: float | None
     read_bytes_per_second: float | None
     chunk_hit_ratio: float | None  # chunk lookups that hit / lookups sent to this tier
     job_failures: float | None  # failed promotion + cascade jobs in the window
-    undersized: bool | None  # a job failed in the window (None: failures not exported)
+    undersized: bool | None  # residency < p99 tool-call latency, or a job failed (None: neither known)
+    residency_seconds: float | None = None  # configured capacity / write rate
 
 
-def tier_flows(x: WindowAggregate | Sequence[Interval]) -> tuple[TierFlows, ...]:
-    """Every tier that carries a tiering counter in the window, sorted by tier label."""
+def tier_flows(x: WindowAggregate | Sequence[Interval], capacities: dict[str, float] | None = None,
+               p99_tool_latency_seconds: float = 20.0) -> tuple[TierFlows, ...]:
+    """Every tier that carries a tiering counter in the window, sorted by tier label; ``capacities``: the
+    configured bytes of each tier."""
     agg = as_aggregate(x)
     keys = agg.keys()
     tiers = sorted({k.split("@", 1)[1] for k in keys if k.startswith(("tier_write_bytes@", "tier_read_bytes@",
@@ -115,10 +119,11 @@ def tier_flows(x: WindowAggregate | Sequence[Interval]) -> tuple[TierFlows, ...]
         queries = agg.delta(labelled_key("tier_chunk_queries", tier))
         hits = agg.delta(labelled_key("tier_chunk_hits", tier))
         failures = agg.delta(labelled_key("tier_job_failures", tier))
-        flows = TierFlows(tier, rate_per_second(agg, labelled_key("tier_write_bytes", tier)),
-                          rate_per_second(agg, labelled_key("tier_read_bytes", tier)),
-                          hits / queries if queries and hits is not None else None,
-                          failures, None if failures is None else failures > 0)
+        write = rate_per_second(agg, labelled_key("tier_write_bytes", tier))
+        held = residency((capacities or {}).get(tier), write)
+        flows = TierFlows(tier, write, rate_per_second(agg, labelled_key("tier_read_bytes", tier)),
+                          hits / queries if queries and hits is not None else None, failures,
+                          undersized(held, write, failures, p99_tool_latency_seconds), held)
         if any(v is not None for v in (flows.write_bytes_per_second, flows.read_bytes_per_second,
                                        flows.chunk_hit_ratio, flows.job_failures)):
             out.append(flows)  # a tier whose samples all left the window is gone from it

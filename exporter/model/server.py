@@ -111,8 +111,7 @@ class ServerModel:
             self._savings(agg, now, seconds, peers), cached_tier_shares=recompute.cached_tier_shares(agg),
             **self._newest_series(agg))
 
-    @staticmethod
-    def _newest_series(agg: WindowAggregate) -> dict:
+    def _newest_series(self, agg: WindowAggregate) -> dict:
         """The figures from vLLM's newest series (issue 14): preemptions per request, admission rejections,
         offload tiers; each absent where the engine does not export its series."""
         hist = preemption.histogram(agg)
@@ -120,7 +119,8 @@ class ServerModel:
                 "preempted_requests_share": preemption.preempted_share(hist),
                 "admission_rejections_per_minute": pressure.labelled_per_minute(agg, "admission_rejections"),
                 "preemptions_by_reason_per_minute": pressure.labelled_per_minute(agg, "preemptions_by_reason"),
-                "offload_tiers": offload.tier_flows(agg)}
+                "offload_tiers": offload.tier_flows(agg, self.server.offload_tier_bytes,
+                                                    self.cfg.p99_tool_latency_seconds)}
 
     def _energy(self, agg: WindowAggregate) -> tuple[EnergyFigure, ...]:
         out = []
