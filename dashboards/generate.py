@@ -419,9 +419,11 @@ UNKNOWN = Mapping(NULL_NAN, "unknown", "unknown")
 ACTIVE = (Mapping("0", "inactive", "ok"), Mapping("1", "ACTIVE", "bad"))
 SIGNATURE = (Mapping("1", "active", "bad"), Mapping("0", "clear", "ok"), Mapping("-1", "no offloading", "off"),
              UNKNOWN)
-TOKENS_PER_SECOND = "count:tokens/s"  # Grafana custom units (count: scales by K/M/B and appends the symbol)
+# Grafana custom units (valueFormats.getValueFormat): count: scales by K/M/B/T and appends the symbol, si:
+# by SI prefixes. Checked against @grafana/data 13.2: 1.23K tokens/s, 16 GFLOP/token, 12K tokens.
+TOKENS_PER_SECOND = "count:tokens/s"
 TOKENS = "count:tokens"
-FLOP_PER_TOKEN = "count:FLOP/token"
+FLOP_PER_TOKEN = "si:FLOP/token"
 REQUESTS = "count:requests"
 
 

@@ -55,8 +55,9 @@ VALID_UNITS = {
     "cps", "ops", "reqps", "rps", "wps", "iops", "cpm", "opm", "rpm", "wpm",
     "bool", "bool_yes_no", "bool_on_off", "celsius",
 }
-# Grafana's custom units (valueFormats.getValueFormat): count:<symbol> scales by K/M/B/T, suffix:<symbol>.
-CUSTOM_UNIT = re.compile(r"^(count|suffix):\S.*$")
+# Grafana's custom units (valueFormats.getValueFormat): count:<symbol> scales by K/M/B/T, si:<symbol> by SI
+# prefixes, suffix:<symbol> does not scale.
+CUSTOM_UNIT = re.compile(r"^(count|si|suffix):\S.*$")
 LABEL_VALUES = re.compile(r"^(label_values|label_names|metrics|query_result)\((.*?)(?:,\s*(\w+))?\)$")
 
 
@@ -240,7 +241,7 @@ def panel_units_rule(d: Dashboard) -> list[str]:
 # The unit a panel must have, from the name of the kvwatt series its first query reads (Prometheus naming:
 # the suffix says the unit). Longest suffix first. Exempt: flags drawn through value mappings ("none").
 UNIT_BY_SUFFIX = (
-    ("_tokens_per_second", "count:tokens/s"), ("_per_generated_token", "count:FLOP/token"),
+    ("_tokens_per_second", "count:tokens/s"), ("_per_generated_token", "si:FLOP/token"),
     ("_bytes_per_second", "Bps"), ("_per_token_joules", "joule"), ("_per_minute", "cpm"), ("_windows", "count:windows"),
     ("_tokens", "count:tokens"), ("_seconds", "s"), ("_bytes", "bytes"), ("_watts", "watt"),
     ("_joules_total", "watt"),  # drawn as rate(): watts
