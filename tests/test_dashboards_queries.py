@@ -194,15 +194,14 @@ def _hint(p: prom.Prometheus, expr: str) -> str:
 SERVER_VARIABLES = ("server_on", "server_off", "server")  # longest first: $server is a prefix of the others
 
 
-def allowed_servers(target: dict[str, Any], picks: Picks) -> set[str] | None:
-    """The server label values a target's series may carry when one server is picked; None: not checked."""
-    for name in SERVER_VARIABLES:
-        if f"${name}" in target["expr"] and name in picks:
-            pick = picks[name]
-            allowed = {pick} if isinstance(pick, str) else set(pick)
-            # kvwatt_source_up and ALERTS also keep host-wide series (empty server): server=~"$server|"
-            return allowed | ({""} if f"${name}|" in target["expr"] else set())
-    return None
+def allowed_servers(target: dict[str, Any], picks: Picks) -> set[str]:
+    """The server label values a target's series may carry when one server is picked: the pick of the server
+    variable the target uses, else (a target that follows no server variable) the dashboard's `server` pick."""
+    name = next((n for n in SERVER_VARIABLES if f"${n}" in target["expr"]), "server")
+    pick = picks[name]
+    allowed = {pick} if isinstance(pick, str) else set(pick)
+    # kvwatt_source_up and ALERTS also keep host-wide series (empty server): server=~"$server|"
+    return allowed | ({""} if f"${name}|" in target["expr"] else set())
 
 
 def problems_of(p: prom.Prometheus, picks: Picks, all_multi: bool) -> list[str]:
@@ -226,10 +225,11 @@ def problems_of(p: prom.Prometheus, picks: Picks, all_multi: bool) -> list[str]:
             missing = set(LEGEND_LABEL.findall(target.get("legendFormat", ""))) - labels
             if missing:
                 problems.append(f"{at}: legend uses {sorted(missing)} but the result only has {sorted(labels)}")
-            allowed = None if all_multi else allowed_servers(target, picks)
-            strays = {s["metric"].get("server", "") for s in result if "server" in s["metric"]} - (allowed or set())
-            if allowed is not None and strays:
-                problems.append(f"{at}: picked {sorted(allowed)}, got series of {sorted(strays)}")
+            if not all_multi:
+                allowed = allowed_servers(target, picks)
+                strays = {s["metric"]["server"] for s in result if "server" in s["metric"]} - allowed
+                if strays:
+                    problems.append(f"{at}: picked {sorted(allowed)}, got series of {sorted(strays)}")
     return problems
 
 
