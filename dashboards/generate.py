@@ -130,7 +130,7 @@ class Panel:
     axis_label: str = ""
     threshold_line: float | None = None  # a dashed reference line (display only; see description)
     colors: tuple[str, str] = ("ok", "bad")  # PALETTE names below / from threshold_line (stat: the value's)
-    band: tuple[str, str] | None = None  # (upper, lower) legend names: fill between them (an SE band)
+    band: tuple[str, str, str] | None = None  # (line, upper, lower) legend names: a line in a filled band
     no_value: str = ""  # what a stat shows when its queries return nothing
     mappings: tuple[Mapping, ...] = ()
     dashed_refids: tuple[str, ...] = ()  # targets drawn as dashed reference lines
@@ -256,16 +256,18 @@ def _field_defaults(panel: Panel) -> dict[str, Any]:
 
 
 def _overrides(panel: Panel) -> list[dict[str, Any]]:
-    if panel.kind == "stat":  # a dashed target of a stat is a secondary figure (an SE): neutral colour
+    if panel.kind == "stat":  # a dashed target of a stat is a secondary figure (an SE): no colour of its own
         return [{"matcher": {"id": "byFrameRefID", "options": ref},
-                 "properties": [{"id": "color", "value": {"mode": "fixed", "fixedColor": "text"}}]}
+                 "properties": [{"id": "color", "value": {"mode": "fixed", "fixedColor": "transparent"}}]}
                 for ref in panel.dashed_refids]
     out = [{"matcher": {"id": "byFrameRefID", "options": ref},
             "properties": [{"id": "custom.lineStyle", "value": {"fill": "dash", "dash": [10, 10]}},
                            {"id": "custom.stacking", "value": {"mode": "none", "group": "A"}}]}
            for ref in panel.dashed_refids]
     if panel.band:  # Grafana fills from the upper series down to the lower one (fillBelowTo, by display name)
-        upper, lower = panel.band
+        line, upper, lower = panel.band
+        out.append({"matcher": {"id": "byName", "options": line},
+                    "properties": [{"id": "custom.fillOpacity", "value": 0}, {"id": "custom.lineWidth", "value": 2}]})
         out.append({"matcher": {"id": "byName", "options": upper},
                     "properties": [{"id": "custom.fillBelowTo", "value": lower},
                                    {"id": "custom.fillOpacity", "value": 25},
@@ -450,12 +452,16 @@ def saving_stderr(server: str = "server") -> str:
     return f"{_by('server, baseline', kv('kvwatt_energy_saving_stderr_ratio', server))}"
 
 
+DE_BAND = ("dE", "dE + 1 SE", "dE - 1 SE")  # legend names: the line, the band's upper and lower edges
+
+
 def dE_band(server: str = "server") -> tuple[Target, ...]:
     """dE of the best baseline and dE +/- 1 SE (the band's edges; absent where dE has no SE)."""
     best = f"({best_baseline('kvwatt_energy_saving_ratio', server)})"
-    return (Target(best, "dE"),
-            Target(f"{best} + {saving_stderr(server)}", "dE + 1 SE"),
-            Target(f"{best} - {saving_stderr(server)}", "dE - 1 SE"))
+    line, upper, lower = DE_BAND
+    return (Target(best, line),
+            Target(f"{best} + {saving_stderr(server)}", upper),
+            Target(f"{best} - {saving_stderr(server)}", lower))
 
 
 def _undersized_or_no_offloading() -> str:
@@ -565,7 +571,7 @@ ENERGY = Row("Energy", (
           "kind (as in the first row), with a band of one standard error either side (delta method, methods.md "
           "s2; no band where the comparison has no repeats yet) and a dashed zero line: a band wholly above "
           "zero means offloading saves energy beyond noise. One panel per selected server.", "percentunit",
-          dE_band(), w=24, threshold_line=0, colors=("bad", "ok"), band=("dE + 1 SE", "dE - 1 SE"),
+          dE_band(), w=24, threshold_line=0, colors=("bad", "ok"), band=DE_BAND,
           repeat="server"),
 ))
 
@@ -726,7 +732,7 @@ COMPARISON = Row("Live comparison", (
           "baseline kind (paired first), with a band of one standard error either side (no band where the "
           "comparison has no repeats yet) and a dashed zero line: a band wholly above zero means offloading "
           "saves energy beyond noise.", "percentunit",
-          dE_band("server_on"), w=24, threshold_line=0, colors=("bad", "ok"), band=("dE + 1 SE", "dE - 1 SE")),
+          dE_band("server_on"), w=24, threshold_line=0, colors=("bad", "ok"), band=DE_BAND),
 ))
 
 SIDE_BY_SIDE = Row("Side by side: ON vs OFF", (
