@@ -118,7 +118,7 @@ def template_job_rule(d: Dashboard) -> list[str]:
 
 
 def template_instance_rule(d: Dashboard) -> list[str]:
-    """template-instance-rule (instance of the vLLM series)."""
+    """template-instance-rule (instance of the kvwatt exporter, see template_chained_rule)."""
     return _check_template(d, "instance")
 
 
