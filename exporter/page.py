@@ -40,6 +40,11 @@ def _pct(x, signed: bool = False) -> str:
     return UNKNOWN if x is None else f"{x * 100:{'+' if signed else ''}.1f} %"
 
 
+def _pct_se(x) -> str:
+    """A standard error: two significant digits below 0.1 %, so a small SE never reads "± 0.0 %"."""
+    return UNKNOWN if x is None else f"{x * 100:.2g} %" if abs(x) < 0.001 else _pct(x)
+
+
 def _joules(x) -> str:
     return UNKNOWN if x is None else f"{x:.3g} J"
 
@@ -180,7 +185,7 @@ def _saving_sentences(s: dict) -> tuple[str, str]:
              + _window_words(*lw) + ".")
     if sv.get("dTPS") is not None:
         basis += f" Throughput {_pct(sv['dTPS'], True)}" + (
-            f" ± {_pct(sv['dTPS_stderr'])}." if sv.get("dTPS_stderr") is not None else ".")
+            f" ± {_pct_se(sv['dTPS_stderr'])}." if sv.get("dTPS_stderr") is not None else ".")
     if sv.get("note"):
         basis += f" {_e(sv['note'])}."
     return _lead(kind, sv, _collapsed(s)), basis
@@ -188,7 +193,7 @@ def _saving_sentences(s: dict) -> tuple[str, str]:
 
 def _lead(kind: str, sv: dict, collapsed: bool) -> str:
     figure = f'<b class="figure">{_pct(sv["dE"], True)}</b>'
-    se = (f"± {_pct(sv['dE_stderr'])} (standard error)" if sv["dE_stderr"] is not None
+    se = (f"± {_pct_se(sv['dE_stderr'])} (standard error)" if sv["dE_stderr"] is not None
           else "(standard error unknown: fewer than two windows)")
     if collapsed:
         return (f"No, whatever dE says: dE {figure} {se} reads as a saving, but the collapse signature holds, and "
@@ -209,7 +214,7 @@ def _other_savings(s: dict) -> str:
     if kind is None:
         return ""
     rest = [(k, v) for k, v in lw[1]["energy_saving"].items() if k != kind]
-    items = "; ".join(f"{_e(k)}: {_pct(v['dE'], True)}" + (f" ± {_pct(v['dE_stderr'])}" if v["dE_stderr"]
+    items = "; ".join(f"{_e(k)}: {_pct(v['dE'], True)}" + (f" ± {_pct_se(v['dE_stderr'])}" if v["dE_stderr"]
                       is not None else "") + f" ({v['windows']} windows)" for k, v in rest)
     return f'<p class="small" data-field="other-dE">Also {items}.</p>' if items else ""
 
@@ -219,9 +224,12 @@ def _energy_sentence(s: dict) -> str:
     if lw is None:
         return ""
     label, w = lw
-    parts = [f"{scope.upper()} {_scope_words(w['energy'].get(scope), scope)}" for scope in ("gpu", "host")]
+    parts = [f"{_SCOPES[scope]} {_scope_words(w['energy'].get(scope), _SCOPES[scope])}" for scope in _SCOPES]
     return (f'<p data-field="joules-per-token">Energy per generated token {_window_words(label, w)}: '
             f'{"; ".join(parts)}.</p>')
+
+
+_SCOPES = {"gpu": "GPU", "host": "host"}
 
 
 def _scope_words(e: dict | None, scope: str) -> str:
@@ -294,8 +302,8 @@ def _buffer(s: dict) -> str:
                 f'<p data-field="buffer">Offload buffer: {UNKNOWN}.</p>')
     if b is None:
         return f'<p data-field="buffer">Offload buffer: {UNKNOWN} (no window yet).</p>'
-    verdict = {True: '<b class="chip bad">undersized</b>', False: '<span class="chip ok">large enough</span>',
-               None: _chip("unknown", "unknown")}[b["undersized"]]
+    cls, verdict = {True: ("alarm", "undersized"), False: ("calm", "not undersized"),
+                    None: ("unknown", "unknown")}[b["undersized"]]
     size, rate, p99 = _gib(s.get("offload_buffer_bytes")), b["write_bytes_per_second"], b["p99_tool_latency_seconds"]
     if rate == 0:
         holds = f"{size}, no offload writes in the shortest window"
@@ -304,14 +312,15 @@ def _buffer(s: dict) -> str:
     else:
         holds = (f'{size} holds <span data-field="residency">{_secs(b["residency_seconds"])}</span> of writes at '
                  f'{_gib(rate)}/s')
-    text = (f"Offload buffer {verdict}: {holds}; the p99 tool-call latency it must outlast is {_secs(p99)} (a KV "
-            "block evicted before the tool call returns is recomputed, not reloaded).")
+    text = (f"{holds}; the p99 tool-call latency it must outlast is {_secs(p99)} (a KV block evicted before the "
+            "tool call returns is recomputed, not reloaded).")
     if b["store_failures"]:
         text += f" {_num(b['store_failures'])} stores failed or were skipped in the shortest window."
     rec = ("unknown (no write rate yet)" if b["recommended_gib"] is None else
            f'<b data-field="recommended-buffer">{b["recommended_gib"]} GiB</b> (busiest write rate × p99 '
            f'tool-call latency × {_num(b["headroom"])} headroom)')
-    return f'<p data-field="buffer">{text} Recommended size: {rec}.</p>'
+    return (f'<p class="banner {cls}" data-field="buffer-verdict">Offload buffer: {verdict}</p>'
+            f'<p data-field="buffer">{text} Recommended size: {rec}.</p>')
 
 
 def _pressure(s: dict) -> str:

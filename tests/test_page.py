@@ -128,18 +128,22 @@ async def _offload_on(tmp_path):
         assert basis.startswith("paired: measured against the paired OFF server")
         assert f"{paired['windows']} repeat windows over the last 1m (60 of 60 s covered)" in basis
         assert f"Throughput {_pct(paired['dTPS'], True)} ± {_pct(paired['dTPS_stderr'])}" in basis
-        assert "estimated: " in await b.text(on + "[data-field=other-dE]")
+        estimated = s_on["windows"]["1m"]["energy_saving"]["estimated"]
+        assert f"estimated: {_pct(estimated['dE'], True)} ± {estimated['dE_stderr'] * 100:.2g} %" in \
+            await b.text(on + "[data-field=other-dE]")
         gpu = s_on["windows"]["1m"]["energy"]["gpu"]
         jpt = await b.text(on + "[data-field=joules-per-token]")
         assert f"GPU {gpu['marginal_joules_per_token']:.3g} J marginal" in jpt
-        assert f"{gpu['joules_per_token']:.3g} J in total" in jpt and "HOST " in jpt
+        host = s_on["windows"]["1m"]["energy"]["host"]
+        assert f"{gpu['joules_per_token']:.3g} J in total; host {host['marginal_joules_per_token']:.3g} J" in jpt
 
         buf = s_on["offload_buffer"]
         assert buf["recommended_gib"] == 27
         assert await b.text(on + "[data-field=recommended-buffer]") == "27 GiB"
         text = await b.text(on + "[data-field=buffer]")
         assert f"{buf['residency_seconds']:.1f}" == "8.9" and buf["p99_tool_latency_seconds"] == 20
-        assert "undersized" in text and "8 GiB holds 8.9 s of writes at 0.9 GiB/s" in text
+        assert await b.text(on + "[data-field=buffer-verdict]") == "Offload buffer: undersized"
+        assert "8 GiB holds 8.9 s of writes at 0.9 GiB/s" in text
         assert "tool-call latency it must outlast is 20 s" in text
         assert "--kv-offloading-size 27" in await b.text(on + "[data-field=recommendations]")
         pressure = await b.text(on + "[data-field=pressure]")
@@ -201,7 +205,9 @@ async def _collapse(tmp_path):
         assert de.startswith("No, whatever dE says: dE +") and "the collapse signature holds" in de
         assert [await b.text(f"{s}tr[data-condition={c}] .state") for c in CONDITIONS] == ["true"] * 5
         assert "Collapse signature" in await b.text(s + "[data-field=recommendations]")
-        assert "GPU" in await b.text(f"{s}tr[data-condition=power_near_idle]")
+        assert "GPU 180 W, idle 150 W" in await b.text(f"{s}tr[data-condition=power_near_idle]")
+        assert await b.text(s + "[data-field=buffer-verdict]") == "Offload buffer: not undersized"
+        assert "64 GiB, no offload writes in the shortest window" in await b.text(s + "[data-field=buffer]")
 
         n = "#server-stalled-no-gpu "
         assert await b.text(n + "[data-field=signature]") == "unknown"
@@ -211,7 +217,7 @@ async def _collapse(tmp_path):
         assert "no GPU energy or no idle baseline" in row
         banner = await b.text(n + "[data-field=collapse]")
         assert "none" not in banner.lower() and "unknown" in banner
-        assert "GPU unknown (no gpu energy samples" in await b.text(n + "[data-field=joules-per-token]")
+        assert "GPU unknown (no GPU energy samples" in await b.text(n + "[data-field=joules-per-token]")
         assert "some checks are unknown" in await b.text(n + "[data-field=recommendations]") or \
             await b.texts(n + "[data-field=recommendations] li")
         await _screenshot(b, tmp_path, "landing-collapse.png")
