@@ -50,8 +50,8 @@ class Chromium:
         profile = Path(self.tmp.name)
         # --no-sandbox: the tests run as root in a container, where chromium's sandbox cannot start
         self.proc = subprocess.Popen(
-            [chromium_binary(), "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
-             "--disable-extensions", "--disable-background-networking", "--hide-scrollbars",
+            [chromium_binary(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+             "--no-first-run", "--disable-extensions", "--disable-background-networking", "--hide-scrollbars",
              "--remote-debugging-port=0", f"--user-data-dir={profile}",
              f"--window-size={self.width},{self.height}", "about:blank"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
