@@ -310,6 +310,8 @@ def _buffer(s: dict) -> str:
         holds = f"{size}, no offload writes in the shortest window"
     elif rate is None:
         holds = f"{size}, write rate {UNKNOWN}"
+    elif s.get("offload_buffer_bytes") is None:
+        holds = f"size {UNKNOWN} (not in the server's cache_config_info), writes at {_gib(rate)}/s"
     else:
         holds = (f'{size} holds <span data-field="residency">{_secs(b["residency_seconds"])}</span> of writes at '
                  f'{_gib(rate)}/s')

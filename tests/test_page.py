@@ -89,7 +89,10 @@ async def _screenshot(b: Chromium, tmp_path: Path, name: str) -> None:
     if SCREENSHOTS:
         from PIL import Image  # matplotlib's dependency (the test extra)
 
-        img = Image.open(io.BytesIO(png)).convert("RGB").quantize(colors=96, dither=Image.Dither.NONE)
+        # a 128-colour palette keeps the page's colours (octree: median cut loses the few red text pixels) and
+        # each file under 300 KB
+        img = Image.open(io.BytesIO(png)).convert("RGB").quantize(colors=128, method=Image.Quantize.FASTOCTREE,
+                                                                   dither=Image.Dither.NONE)
         Path(SCREENSHOTS).mkdir(parents=True, exist_ok=True)
         img.save(Path(SCREENSHOTS) / name, optimize=True)
 
@@ -295,3 +298,15 @@ def test_page_survives_a_snapshot_of_unknowns():
 def test_page_before_the_first_tick():
     text = page.render(status_json(None))
     assert "has not completed its first sampling tick" in text and "<script>" in text
+
+
+def test_dE_verdict_words():
+    from exporter.figures import SavingFigure
+
+    def verdict(de, se):
+        return SavingFigure("paired", de, se, 6).verdict
+
+    assert verdict(None, None) == "unknown"
+    assert verdict(0.02, 0.011) == "within_noise" and verdict(-0.02, 0.011) == "within_noise"
+    assert verdict(0.02, 0.0099) == "saves" and verdict(-0.02, 0.0099) == "costs"
+    assert verdict(0.3, None) == "saves"  # no SE (one window): the sign, and the page says the SE is unknown
