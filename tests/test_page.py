@@ -295,6 +295,17 @@ def test_page_survives_a_snapshot_of_unknowns():
     assert "none" not in words.lower()  # an unknown never reads "none"
 
 
+def test_page_escapes_what_it_shows():
+    snap = _all_unknown_snapshot()
+    bad = "<script>alert(1)</script>"
+    server = snap.servers[0]
+    status = SourceStatus("vllm", "x", False, f"unreachable: {bad}", 0.0, "down")
+    snap = Snapshot(1.0, golden.WALL, (ServerFigures(f"x{bad}", server.url, status, None, 0.9, None, "none",
+                                                    server.windows, server.collapse),), snap.sources)
+    text = page.render(status_json(snap))
+    assert bad not in text and "&lt;script&gt;alert(1)&lt;/script&gt;" in text
+
+
 def test_page_before_the_first_tick():
     text = page.render(status_json(None))
     assert "has not completed its first sampling tick" in text and "<script>" in text
