@@ -139,6 +139,11 @@ class ServerFigures:
         return None
 
     @property
+    def collapse_window(self) -> str | None:
+        """The window the collapse conditions are evaluated over: the shortest (CollapseThresholds.from_config)."""
+        return min(self.windows, key=lambda w: w.seconds).window if self.windows else None
+
+    @property
     def signatures(self) -> dict[str, bool | None]:
         return {} if self.collapse is None else {"collapse": self.collapse.signature}
 

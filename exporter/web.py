@@ -74,9 +74,8 @@ def _server_json(v: ServerFigures) -> dict:
                   "breakeven_tokens_mha": v.kappa.breakeven_tokens_mha, "model": v.kappa.model_source,
                   "hardware": v.kappa.hardware_source},
     }
-    if v.collapse is not None:  # evaluated over the shortest window (derive.collapse.CollapseThresholds)
-        short = min(v.windows, key=lambda w: w.seconds).window if v.windows else None
-        out["collapse"] = {**v.collapse.as_status(), "window": short}
+    if v.collapse is not None:
+        out["collapse"] = {**v.collapse.as_status(), "window": v.collapse_window}
     if v.buffer is not None:
         b = v.buffer
         out["offload_buffer"] = {"undersized": b.undersized, "recommended_bytes": b.recommended_bytes,
