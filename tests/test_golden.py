@@ -88,11 +88,15 @@ class Inputs:
     """What the world looks like at each tick t = 1, 2, ...: each server's /metrics text (None: unreachable),
     each GPU's cumulative energy (J) and power (W), the host zone's cumulative energy (J)."""
 
-    def __init__(self):
-        self.sims = {"on": sim.SimEngine(sim.undersized_buffer_on()), "off": sim.SimEngine(sim.high_pressure_off())}
+    def __init__(self, scenarios: dict[str, sim.Scenario] | None = None, cpu: bool = True):
+        scenarios = scenarios or {"on": sim.undersized_buffer_on(), "off": sim.high_pressure_off()}
+        self.sims = {name: sim.SimEngine(scn) for name, scn in scenarios.items()}
+        self.cpu = cpu  # the ``cpu`` server's real captures (tests/test_page.py replays other servers alone)
 
     def step(self, t: int) -> tuple[dict[str, str | None], dict[str, tuple[float, float]], float]:
-        texts: dict[str, str | None] = {"cpu": None if t < CPU_FROM else LOW[t - CPU_FROM].read_text()}
+        texts: dict[str, str | None] = {}
+        if self.cpu:
+            texts["cpu"] = None if t < CPU_FROM else LOW[t - CPU_FROM].read_text()
         gpus = {}
         for name, eng in self.sims.items():
             if t > 1:
@@ -105,11 +109,14 @@ class Inputs:
 class Scenario:
     """Builds the ticks the Sampler would hand the daemon, from Inputs, with fixed read durations."""
 
-    def __init__(self, tmp_path):
-        self.cfg = from_mapping(config_mapping(tmp_path))
+    def __init__(self, tmp_path, mapping: dict | None = None, inputs: Inputs | None = None,
+                 gpus: dict[str, tuple[str, str]] | None = None):
+        self.cfg = from_mapping(mapping or config_mapping(tmp_path))
         write_measured_host_baseline(self.cfg.state_dir)
-        self.inputs = Inputs()
-        self.adapters = {n: VllmSource(n, f"http://{n}.invalid:8000", 2.0, 1 << 24) for n in SERVERS}
+        self.inputs = inputs or Inputs()
+        self.gpus = GPUS if gpus is None else gpus  # server -> (index, uuid) of the GPU it runs on
+        self.adapters = {s.name: VllmSource(s.name, f"http://{s.name}.invalid:8000", 2.0, 1 << 24)
+                         for s in self.cfg.servers}
 
     def tick(self, t: int) -> Tick:
         texts, gpus, host_joules = self.inputs.step(t)
@@ -125,7 +132,7 @@ class Scenario:
             servers[name] = ServerRead(name, src.status(problems, READ_SECONDS["vllm"]), reading)
         energy = [DeviceReading(f"gpu:{uuid}", "gpu", {"gpu": index, "uuid": uuid}, gpus[name][0], True,
                                 gpus[name][1], "counter", 40.0 + int(index), read_at=float(t))
-                  for name, (index, uuid) in GPUS.items()]
+                  for name, (index, uuid) in self.gpus.items()]
         energy.append(DeviceReading(HOST_DEVICE, "host", dict(HOST_LABELS), host_joules, t > 1, None, "rapl",
                                     read_at=float(t)))
         statuses = (SourceStatus("nvml", "", True, "", READ_SECONDS["nvml"], "ok"),
