@@ -65,7 +65,8 @@ def wanted_names(values: list[str] | None) -> set[str] | None:
 
 class Exposition:
     def __init__(self, families: list[Metric]):
-        self.registry = CollectorRegistry(auto_describe=False)
+        # without names: restricted_registry (name[]) then filters this collector's families by sample name
+        self.registry = CollectorRegistry(auto_describe=False, support_collectors_without_names=True)
         self.registry.register(_Families(families))
         self._cache: dict[tuple, bytes] = {}
         self._lock = threading.RLock()
