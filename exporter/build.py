@@ -6,9 +6,11 @@ The revision is the git commit of the source tree kvwatt runs from (a checkout o
 
 from __future__ import annotations
 
+import argparse
 import functools
 import platform
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,3 +45,16 @@ def _revision() -> str:
 @functools.lru_cache(maxsize=1)
 def build_info() -> BuildInfo:
     return BuildInfo(__version__, _revision(), platform.python_version())
+
+
+class VersionAction(argparse.Action):
+    """``--version``: print BuildInfo.line() on stdout and exit 0 (the revision is looked up only then, not
+    whenever a parser is built)."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest=dest, default=default, nargs=0,
+                         help=help or "print the version, source revision and Python version, then exit")
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(build_info().line(), file=sys.stdout, flush=True)
+        parser.exit(0)

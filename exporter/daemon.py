@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from exporter import logsetup
-from exporter.build import build_info
+from exporter.build import VersionAction, build_info
 from exporter.collector import families, runtime_families
 from exporter.config import (Config, ConfigError, parse_duration, parse_log_format, parse_log_level,
                              parse_telemetry_path, redacted_url, resolve)
@@ -156,18 +156,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--web.read-timeout", dest="web_read_timeout", metavar="DURATION", default="30s",
                    help="an idle connection, one trickling its request headers or its TLS handshake is "
                         "closed after this (default 30s)")
-
-
-class VersionAction(argparse.Action):
-    """``--version``: print `kvwatt, version X (revision R, python P)` and exit 0 (the revision is looked up
-    only then, not whenever a parser is built)."""
-
-    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
-        super().__init__(option_strings, dest=dest, default=default, nargs=0,
-                         help=help or "print the version, revision and Python version, then exit")
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        parser.exit(0, build_info().line() + "\n")
 
 
 def config_from_args(args: argparse.Namespace) -> Config:
