@@ -17,8 +17,8 @@ and/or is served over TLS.
 
 from __future__ import annotations
 
-import html
 import asyncio
+import html
 import json
 import logging
 import math
@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
+
 from exporter import __version__
 from exporter.connections import ConnectionGuard, GuardedSite
 from exporter.exposition import Exposition, wanted_names

@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import os
 import re
 import subprocess
 import sys
@@ -27,7 +28,6 @@ VERSION_LINE = re.compile(r"^kvwatt, version (\S+) \(revision (\S+), python (\S+
 
 
 def kvwatt(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    import os
     return subprocess.run([sys.executable, "-m", "exporter", *args], cwd=REPO, capture_output=True, text=True,
                           timeout=60, env={**os.environ, **(env or {})})
 
