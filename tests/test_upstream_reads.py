@@ -189,6 +189,11 @@ def _lines(caplog, level: int, text: str) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.levelno == level and text in r.getMessage()]
 
 
+def _said(caplog, text: str) -> list[str]:
+    """Every line at info or above that mentions ``text``."""
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO and text in r.getMessage()]
+
+
 def test_a_server_going_down_and_up_is_logged_once_each(caplog):
     caplog.set_level(logging.DEBUG, logger="kvwatt")
     with FakeVllm(sim.stable_high_pressure_on(), auto=False) as fv:
@@ -211,6 +216,7 @@ def test_a_server_going_down_and_up_is_logged_once_each(caplog):
     came_up = _lines(caplog, logging.INFO, "vllm server 'a' is back up")
     assert len(went_down) == 1 and len(came_up) == 1, caplog.text
     assert "unreachable" in went_down[0] or "http_error" in went_down[0]  # refused, or the kept-alive one dropped
+    assert len(_said(caplog, "'a'")) == 2, caplog.text  # nothing else at info or above, nothing per tick
 
 
 def test_energy_sources_going_down_and_up_are_logged_once_each(tmp_path, caplog):
@@ -234,6 +240,7 @@ def test_energy_sources_going_down_and_up_are_logged_once_each(tmp_path, caplog)
     went_down = _lines(caplog, logging.WARNING, "rapl is down")
     assert len(went_down) == 1 and "unreadable: rapl:package-0:package" in went_down[0], caplog.text
     assert len(_lines(caplog, logging.INFO, "rapl is back up")) == 1, caplog.text
+    assert len(_said(caplog, "rapl")) == 2, caplog.text  # nothing else at info or above, nothing per tick
     # NVML is off by configuration: down from the first tick, said once
     nvml = _lines(caplog, logging.WARNING, "nvml is down")
     assert len(nvml) == 1 and "disabled" in nvml[0], caplog.text
@@ -267,8 +274,7 @@ def test_a_gpu_lost_and_back_is_logged_once_each(tmp_path, caplog, monkeypatch):
     nvml = lambda ticks: [s.state for t in ticks for s in t.energy_statuses if s.source == "nvml"]  # noqa: E731
     assert nvml(lost).count("degraded") >= 35 and nvml(back)[-1] == "ok", (nvml(lost), nvml(back))
     # one line when it is lost (naming it), one when it is back; nothing per tick, nothing said twice
-    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO and "nvml" in r.getMessage()
-            and "measured by" not in r.getMessage()]
+    said = [line for line in _said(caplog, "nvml") if "measured by" not in line]
     assert len(said) == 2, caplog.text
     assert b in said[0] and "is down (GPU is lost)" in said[0], said
     assert b in said[1] and said[1].endswith("is back"), said
