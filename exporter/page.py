@@ -72,14 +72,14 @@ def _e(x) -> str:
 
 
 # --- page -----------------------------------------------------------------------------------------------------
-def render(status: dict) -> str:
-    """The whole page from /api/status's dict."""
+def render(status: dict, telemetry_path: str = "/metrics") -> str:
+    """The whole page from /api/status's dict; the Metrics link follows --web.telemetry-path."""
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><meta name="viewport" content="width=device-width, initial-scale=1">
 <title>kvwatt</title><noscript><meta http-equiv="refresh" content="{REFRESH_SECONDS * 2}"></noscript>
 <style>{CSS}</style></head><body>
 <header class="top"><h1>kvwatt</h1><span class="version">{_e(status.get("version", ""))}</span>
-<nav><a href="/metrics">Metrics</a><a href="/api/status">Status (JSON)</a><a href="/healthz">Health</a></nav>
+<nav><a href="{_e(telemetry_path)}">Metrics</a><a href="/api/status">Status (JSON)</a><a href="/healthz">Health</a></nav>
 </header>
 {content(status)}
 <footer>The page refreshes itself every {REFRESH_SECONDS} s from the same figures as

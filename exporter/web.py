@@ -1,8 +1,12 @@
 """HTTP endpoints: /metrics (the collector), / (landing page, exporter.page), /healthz, /api/status (JSON).
 
 Each serialises the daemon's latest Snapshot and nothing else: no figure is computed here, and a request
-cannot change state. The exposition bytes are rendered once per tick, with the snapshot (exporter.daemon), so
-a scrape costs the loop a memory copy, and a scrape flood never slows sampling.
+cannot change state. The metric families are collected once per tick, with the snapshot (exporter.daemon),
+and each form of the exposition (text or OpenMetrics, plain or gzipped: negotiated as prometheus_client does,
+exporter/exposition.py) is serialised at most once per tick, the text format with the tick. A scrape of a
+form already serialised costs the loop a dict lookup and a memory copy; a form not yet serialised, or a
+``name[]`` subset, is serialised in a thread of its own (never the tick's), so a scrape flood never slows
+sampling.
 
 Connections are bounded (exporter/connections.py: a cap, eviction of the least recently active, TLS per
 connection); a connection that sends no complete request within ``read_timeout_seconds`` -- idle after a
@@ -13,19 +17,21 @@ and/or is served over TLS.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import math
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
-from prometheus_client import CONTENT_TYPE_LATEST
 
 from exporter import __version__, page
 from exporter.connections import ConnectionGuard, GuardedSite
+from exporter.exposition import Exposition, wanted_names
 from exporter.figures import ServerFigures, Snapshot, WindowFigures
 from exporter.samples import SourceStatus
 from exporter.webconfig import BasicAuth, WebConfig
@@ -160,11 +166,23 @@ def auth_middleware(auth: BasicAuth):
     return check
 
 
-def build_app(daemon, auth: BasicAuth | None = None) -> web.Application:
-    async def metrics(_request):
+NOTHING_YET = Exposition([])  # before the first tick: no family, in whatever format is asked for
+
+
+def build_app(daemon, auth: BasicAuth | None = None, telemetry_path: str = "/metrics") -> web.Application:
+    # serialises what a tick has not yet (exporter/exposition.py); one thread, apart from the tick's
+    render_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvwatt-render")
+
+    async def metrics(request: web.Request):
         published = daemon.published
-        body = b"" if published is None else published.exposition
-        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+        exposition = NOTHING_YET if published is None else published.rendered
+        accept, encoding = request.headers.get("Accept"), request.headers.get("Accept-Encoding")
+        names = wanted_names(request.query.getall("name[]", None))
+        served = exposition.cached(accept, encoding, names)
+        if served is None:
+            served = await asyncio.get_running_loop().run_in_executor(
+                render_pool, exposition.serve, accept, encoding, names)
+        return web.Response(body=served.body, headers=served.headers())
 
     async def healthz(_request):
         ok = daemon.healthy()
@@ -175,10 +193,11 @@ def build_app(daemon, auth: BasicAuth | None = None) -> web.Application:
                             content_type="application/json")
 
     async def index(_request):
-        return web.Response(text=page.render(status_json(daemon.snapshot)), content_type="text/html")
+        return web.Response(text=page.render(status_json(daemon.snapshot), telemetry_path), content_type="text/html")
 
     app = web.Application(middlewares=[auth_middleware(auth)] if auth else [])
-    app.router.add_get("/metrics", metrics)
+    app.on_cleanup.append(lambda _app: _shutdown(render_pool))
+    app.router.add_get(telemetry_path, metrics)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/api/status", status)
     app.router.add_get("/", index)
@@ -192,9 +211,9 @@ class WebLimits:
 
 
 async def start_web(daemon, host: str, port: int, limits: WebLimits = WebLimits(),
-                    web_config: WebConfig | None = None) -> web.AppRunner:
+                    web_config: WebConfig | None = None, telemetry_path: str = "/metrics") -> web.AppRunner:
     auth = BasicAuth(web_config.users) if web_config and web_config.users else None
-    app = build_app(daemon, auth)
+    app = build_app(daemon, auth, telemetry_path)
     if auth is not None:
         app.on_cleanup.append(lambda _app: _close(auth))
     runner = web.AppRunner(app, access_log=None, logger=RequestLog(),
@@ -208,3 +227,7 @@ async def start_web(daemon, host: str, port: int, limits: WebLimits = WebLimits(
 
 async def _close(auth: BasicAuth) -> None:
     auth.close()
+
+
+async def _shutdown(pool: ThreadPoolExecutor) -> None:
+    pool.shutdown(wait=False, cancel_futures=True)

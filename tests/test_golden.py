@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -34,6 +35,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from exporter import __version__, catalog
+from exporter.build import build_info
 from exporter.config import from_mapping
 from exporter.daemon import Daemon
 from exporter.energy.baseline import BaselineBook, IdleEstimate
@@ -167,6 +169,29 @@ def family_names(text: str) -> set[str]:
     return {line.split()[2] for line in text.splitlines() if line.startswith("# TYPE ")}
 
 
+BUILD_INFO_LINE = re.compile(r'^kvwatt_build_info\{.*\} 1\.0$', re.M)
+BUILD_INFO_GOLDEN = ('kvwatt_build_info{python_version="<python_version>",revision="<revision>",'
+                     'version="<version>"} 1.0')
+
+
+def kvwatt_text(exposition: str) -> str:
+    """The served exposition's kvwatt_* families, as the golden file holds them: the process' own process_*
+    and python_* families (timings, memory) left out, kvwatt_build_info's labels (this checkout's version,
+    revision and Python) replaced by placeholders after checking them."""
+    kept, keep = [], True
+    for line in exposition.splitlines(keepends=True):
+        if line.startswith("# HELP "):
+            keep = line.split()[2].startswith("kvwatt_")
+        if keep:
+            kept.append(line)
+    text = "".join(kept)
+    b = build_info()
+    want = (f'kvwatt_build_info{{python_version="{b.python_version}",revision="{b.revision}",'
+            f'version="{b.version}"}} 1.0')
+    assert BUILD_INFO_LINE.findall(text) == [want], BUILD_INFO_LINE.findall(text)
+    return BUILD_INFO_LINE.sub(BUILD_INFO_GOLDEN, text)
+
+
 def status_text(snapshot) -> str:
     """/api/status as the endpoint writes it, the version replaced by a placeholder (a release is no diff)."""
     js = _finite(status_json(snapshot))
@@ -191,7 +216,7 @@ def _compare(path: Path, got: str) -> None:
 @pytest.fixture(scope="module")
 def golden(tmp_path_factory):
     daemon = run_scenario(tmp_path_factory.mktemp("golden"))
-    return daemon.published.exposition.decode(), daemon.snapshot
+    return kvwatt_text(daemon.published.exposition.decode()), daemon.snapshot
 
 
 def test_metrics_match_the_golden_file(golden):
