@@ -55,6 +55,7 @@ def synthetic_run(condition: str, repeat: int, scopes=("gpu", "host")) -> dict:
     energy.get("host", {}).update(marginal_joules_per_token=JPT[condition][i] / 10, joules_per_token=1.0)
     return {"run": f"{condition}-r{repeat}", "condition": condition, "repeat": repeat, "startup_seconds": 30.0,
             "window": {"kv_usage_p95_ratio": KV[condition][i], "preemptions": PREEMPT[condition][i],
+                       "preemptions_per_minute": PREEMPT[condition][i] / 5,   # over the 300 s window
                        "tokens_per_second": TPS[condition][i], "covered_seconds": 300.0,
                        "prompt_token_shares": {"local_compute": compute, "local_cache_hit": cache,
                                                "external_kv_transfer": external},
@@ -95,13 +96,16 @@ def test_table1_matches_the_hand_calculation(tmp_path):
     assert on["dTPS_se_percent"] == pytest.approx(DTPS_SE, abs=1e-4)
     assert (on["n_on"], on["n_off"]) == (3, 3)
     header, rows = next(v for k, v in tables(model_data(out)).items() if k.startswith("Table 1"))
-    assert header == ["condition", "baseline", "KV p95", "regime", "preemptions/window", "tokens/s",
-                      "J/token (marginal)", "dE %", "dTPS %", "n"]
+    # units in the headers only; ± SE for KV p95 and preemptions too; above/below the configured threshold
+    # (two OFF conditions and one pair cannot locate one)
+    assert header == ["condition", "baseline", "KV p95 (%)", "regime (configured threshold 90.0 %)",
+                      "preemptions per window", "tokens/s", "J/token (marginal, gpu)", "dE (%)", "dTPS (%)",
+                      "n (ON / OFF runs)"]
     assert rows == [
-        ["off-c6", "–", "94.0 %", "high", "55", "110.0 ± 5.8", "0.32 ± 0.012 gpu", "n/a", "n/a", "3"],
-        ["on-c6", "off-c6", "91.0 %", "high", "1", "132.0 ± 1.2", "0.25 ± 0.0058 gpu", "+21.9 ± 3.3", "+20.0 ± 6.4",
-         "3 / 3"],
-        ["off-c2", "–", "82.0 %", "low", "0", "50.0 ± 0.0", "0.41 ± 0.0058 gpu", "n/a", "n/a", "3"]]
+        ["off-c6", "–", "94.0 ± 0.6", "above", "55 ± 2.9", "110.0 ± 5.8", "0.32 ± 0.012", "n/a", "n/a", "3"],
+        ["on-c6", "off-c6", "91.0 ± 0.6", "above", "1 ± 0.58", "132.0 ± 1.2", "0.25 ± 0.0058", "+21.9 ± 3.3",
+         "+20.0 ± 6.4", "3 / 3"],
+        ["off-c2", "–", "82.0 ± 1.2", "below", "0 ± 0", "50.0 ± 0.0", "0.41 ± 0.0058", "n/a", "n/a", "3"]]
 
 
 def model_data(out: Path) -> dict:
@@ -112,10 +116,18 @@ def test_table2_shows_the_decomposition_off_vs_on_and_unpaired_conditions(tmp_pa
     out = state_for(tmp_path, plan_file(tmp_path, PAIRED), paired_runs())
     t = tables(model_data(out))
     header, rows = t["Table 2: token-source decomposition, OFF vs ON (shares of prompt tokens)"]
-    assert header == ["condition", "OFF compute", "OFF cache", "ON compute", "ON cache", "ON external", "n"]
-    assert rows == [["on-c6 vs off-c6", "21.3 %", "78.7 %", "3.2 %", "80.3 %", "16.5 %", "3 / 3"]]
-    header, rows = t["Table 2 (continued): conditions outside any ON/OFF pair"]
-    assert rows == [["off-c2", "3.9 %", "96.1 %", "0.0 %", "3"]]
+    assert header == ["condition", "OFF compute (%)", "OFF cache (%)", "ON compute (%)", "ON cache (%)",
+                      "ON external (%)", "n (ON / OFF runs)"]
+    assert rows == [["on-c6 vs off-c6", "21.3 ± 0.0", "78.7 ± 0.0", "3.2 ± 0.0", "80.3 ± 0.0", "16.5 ± 0.0",
+                     "3 / 3"]]
+    # every OFF condition with its tax against the same workload's low-pressure reference (off-c2: p95 0.82,
+    # no preemptions): 21.3 - 3.9 = 17.4 pp, the study's office c=4 figure
+    header, rows = t["Table 2b: OFF conditions, token sources and the recomputation tax between them"]
+    assert header == ["condition", "KV p95 (%)", "preemptions per minute", "compute (%)", "cache (%)",
+                      "external (%)", "recomputation tax (pp)", "tax reference", "n (runs)"]
+    assert [r[0] for r in rows] == ["off-c6", "off-c2"]
+    assert rows[0][3] == "21.3 ± 0.0" and rows[0][6:8] == ["+17.4 ± 0.0", "off-c2"]
+    assert rows[1][6:8] == ["+0.0 ± n/a", "off-c2"]
 
 
 def test_scope_falls_back_to_host_when_a_run_lacks_gpu_energy(tmp_path):
@@ -143,9 +155,11 @@ def test_off_only_plan_marks_savings_na_and_lists_shares_per_condition(tmp_path)
     t = tables(model_data(out))
     rows = next(v for k, v in t.items() if k.startswith("Table 1"))[1]
     assert [r[7:9] for r in rows] == [["n/a", "n/a"], ["n/a", "n/a"]]
-    header, rows = t["Table 2: token-source decomposition by condition (shares of prompt tokens)"]
-    assert header == ["condition", "local_compute", "local_cache_hit", "external_kv_transfer", "n"]
-    assert rows == [["off-c6", "21.3 %", "78.7 %", "0.0 %", "3"], ["off-c2", "3.9 %", "96.1 %", "0.0 %", "3"]]
+    header, rows = t["Table 2: token-source decomposition and recomputation tax by condition (shares of prompt "
+                     "tokens)"]
+    assert header[3:7] == ["compute (%)", "cache (%)", "external (%)", "recomputation tax (pp)"]
+    assert [r[:1] + r[3:8] for r in rows] == [["off-c6", "21.3 ± 0.0", "78.7 ± 0.0", "0.0 ± 0.0", "+17.4 ± 0.0", "off-c2"],
+                                              ["off-c2", "3.9 ± 0.0", "96.1 ± 0.0", "0.0 ± 0.0", "+0.0 ± n/a", "off-c2"]]
 
 
 def test_files_plots_and_standalone_entry_points(tmp_path, capsys):
@@ -154,12 +168,14 @@ def test_files_plots_and_standalone_entry_points(tmp_path, capsys):
     proc = subprocess.run([sys.executable, "-m", "exporter.experiment.report", str(out)], capture_output=True,
                           text=True, cwd=REPO)
     assert proc.returncode == 0, proc.stderr
-    for name in ("savings_vs_kv_p95.png", "energy_per_token.png", "throughput.png"):
+    for name in ("savings_vs_kv_p95.png", "energy_throughput_bars.png", "frontier.png", "mechanism.png"):
         data = (out / "plots" / name).read_bytes()
         assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 5000
+    assert not (out / "plots" / "buffer_size.png").exists()  # one buffer size only
     md, html_text = (out / "report.md").read_text(), (out / "report.html").read_text()
-    assert "![Energy saving of offloading (dE %) against the OFF condition's KV p95](plots/savings_vs_kv_p95.png)" in md
-    assert 'src="plots/throughput.png"' in html_text and "<td>+21.9 ± 3.3</td>" in html_text
+    assert "![Figure 1. Energy saving of offloading, dE %" in md and "](plots/savings_vs_kv_p95.png)" in md
+    assert "Not drawn: buffer_size.png: no OFF condition with ON conditions at two or more buffer sizes" in md
+    assert 'src="plots/frontier.png"' in html_text and "<td>+21.9 ± 3.3</td>" in html_text
     assert "Runs finished: 7 of 9." in md and "INCOMPLETE: runs are still pending" in md
     with open(out / "runs.csv", newline="") as f:
         runs = list(csv.DictReader(f))

@@ -1,5 +1,7 @@
 """The experiment's report from its state file: Table 1 (KV p95, preemptions, tokens/s, J/token, dE% and
-dTPS% with SE, n), Table 2 (token-source decomposition), plots, per-run rows. Written as report.md,
+dTPS%, each ± SE, n), Table 2 (token-source decomposition OFF vs ON, and the recomputation tax between OFF
+conditions), the threshold located from the sweep with its evidence, the buffer-size comparison, figures
+(plots.py) and per-run rows (docs/experiment.md "Report"). Written as report.md,
 report.html (images referenced relatively), runs.csv, conditions.csv and report.json in the output directory.
 
 Runnable alone:  python -m exporter.experiment.report OUT_DIR   (or: kvwatt experiment PLAN --report-only)
@@ -17,22 +19,23 @@ import time
 from typing import Any, Callable
 
 from exporter import atomic
+from exporter.config import ConfigError
 from exporter.derive.recompute import SOURCES
-from exporter.experiment import plots, stats
+from exporter.experiment import analysis, plots, stats
 
 NA = "n/a"
 SHORT = {"local_compute": "compute", "local_cache_hit": "cache", "external_kv_transfer": "external"}
 
 
 # ------------------------------------------------------------------------------------------------------
-# formatting
+# formatting: units live in the headers, cells hold numbers ("94.0 ± 0.6")
 # ------------------------------------------------------------------------------------------------------
 def _num(value: float | None, digits: int = 3) -> str:
     return NA if value is None else f"{value:.{digits}g}"
 
 
 def _pct(ratio: float | None) -> str:
-    return NA if ratio is None else f"{ratio * 100:.1f} %"
+    return NA if ratio is None else f"{ratio * 100:.1f}"
 
 
 def _pm(mean: float | None, se: float | None, fmt: str = "{:+.1f}", se_fmt: str = "{:.1f}") -> str:
@@ -46,65 +49,145 @@ def _stat(summary: dict, key: str) -> tuple[float | None, float | None]:
     return s.get("mean"), s.get("se")
 
 
+def _pm_pct(summary: dict, key: str) -> str:
+    mean, se = _stat(summary, key)
+    return _pm(None if mean is None else mean * 100, None if se is None else se * 100, "{:.1f}", "{:.1f}")
+
+
+def _pm_g(summary: dict, key: str) -> str:
+    return _pm(*_stat(summary, key), "{:.3g}", "{:.2g}")
+
+
+def _regime(kv: float | None, threshold: float) -> str:
+    """The landing page's words: above / below the threshold."""
+    return NA if kv is None else ("above" if kv > threshold else "below")
+
+
+def _params(model_params: dict[str, dict[str, str]], name: str) -> str:
+    return ", ".join(f"{k}={v}" for k, v in model_params.get(name, {}).items()) or "–"
+
+
 # ------------------------------------------------------------------------------------------------------
-# tables: (title, header, rows, note)
+# tables: (title, header, rows)
 # ------------------------------------------------------------------------------------------------------
-def table1(summaries: list[dict], threshold: float, basis: str) -> tuple[str, list[str], list[list[str]]]:
-    header = ["condition", "baseline", "KV p95", "regime", "preemptions/window", "tokens/s",
-              f"J/token ({basis})", "dE %", "dTPS %", "n"]
+def regime_threshold(plan: dict, analysis: dict) -> tuple[float, str]:
+    located = analysis["threshold"]["located"]
+    return (located["ratio"], "located") if located else (plan["kv_pressure_threshold"], "configured")
+
+
+def table1(summaries: list[dict], plan: dict, analysis: dict) -> tuple[str, list[str], list[list[str]]]:
+    """The study's Table 1: per condition KV p95, preemptions per window, dE %, dTPS % (each mean ± SE),
+    with the regime against the threshold, tokens/s, J/token and n."""
+    threshold, kind = regime_threshold(plan, analysis)
+    basis = plan["energy"]["basis"]
+    scopes = {s["energy_scope"] for s in summaries if s.get("energy_scope")}
+    params = analysis["parameters"]
+    header = (["condition", "baseline"] + (["parameters"] if any(params.values()) else [])
+              + ["KV p95 (%)", f"regime ({kind} threshold {threshold * 100:.1f} %)", "preemptions per window",
+                 "tokens/s", f"J/token ({basis}, {scopes.pop() if len(scopes) == 1 else 'scope per row'})"]
+              + (["energy scope"] if len(scopes) > 1 else []) + ["dE (%)", "dTPS (%)", "n (ON / OFF runs)"])
     rows, by_name = [], {s["condition"]: s for s in summaries}
     for s in summaries:
         kv = _stat(s, "kv_usage_p95_ratio")[0]
-        regime = NA if kv is None else ("high" if kv > threshold else "low")
         jpt = s["joules_per_token"] or {}
-        energy = (NA if jpt.get("mean") is None
-                  else f"{_pm(jpt['mean'], jpt['se'], '{:.4g}', '{:.2g}')} {s['energy_scope']}")
         c = s.get("comparison")
-        d_e = _pm(c["dE_percent"], c["dE_se_percent"]) if c else NA
-        d_tps = _pm(c["dTPS_percent"], c["dTPS_se_percent"]) if c else NA
-        n = f"{s['n']} / {by_name[s['baseline']]['n']}" if c else str(s["n"])
-        rows.append([s["condition"], s["baseline"] or "–", _pct(kv), regime,
-                     _num(_stat(s, "preemptions")[0]), _pm(*_stat(s, "tokens_per_second"), "{:.1f}"),
-                     energy, d_e, d_tps, n])
+        row = [s["condition"], s["baseline"] or "–"] + ([_params(params, s["condition"])] if any(params.values()) else [])
+        row += [_pm_pct(s, "kv_usage_p95_ratio"), _regime(kv, threshold), _pm(*_stat(s, "preemptions"), "{:.3g}", "{:.2g}"),
+                _pm(*_stat(s, "tokens_per_second"), "{:.1f}"), _pm(jpt.get("mean"), jpt.get("se"), "{:.4g}", "{:.2g}")]
+        row += [s["energy_scope"] or NA] if len(scopes) > 1 else []
+        row += [_pm(c["dE_percent"], c["dE_se_percent"]) if c else NA,
+                _pm(c["dTPS_percent"], c["dTPS_se_percent"]) if c else NA,
+                f"{s['n']} / {by_name[s['baseline']]['n']}" if c else str(s["n"])]
+        rows.append(row)
     return "Table 1: KV pressure, throughput, energy per token and the saving of offloading", header, rows
 
 
-def table2(summaries: list[dict]) -> list[tuple[str, list[str], list[list[str]]]]:
+def table2(summaries: list[dict], analysis: dict) -> list[tuple[str, list[str], list[list[str]]]]:
+    """The study's Table 2 (token-source shares OFF vs ON per pair), then every OFF condition's shares and
+    its recomputation tax against the same workload's low-pressure reference (methods.md s4)."""
     by_name = {s["condition"]: s for s in summaries}
-    paired = [s for s in summaries if s.get("baseline")]
-    in_pairs = {s["condition"] for s in paired} | {s["baseline"] for s in paired}
+    paired = [s for s in summaries if s.get("baseline") and s["baseline"] in by_name]
     tables = []
     if paired:
-        header = ["condition", "OFF compute", "OFF cache", "ON compute", "ON cache", "ON external", "n"]
+        header = ["condition", "OFF compute (%)", "OFF cache (%)", "ON compute (%)", "ON cache (%)",
+                  "ON external (%)", "n (ON / OFF runs)"]
         rows = []
         for s in paired:
             off = by_name[s["baseline"]]
-            rows.append([f"{s['condition']} vs {s['baseline']}",
-                         _pct(_stat(off, "share_local_compute")[0]), _pct(_stat(off, "share_local_cache_hit")[0]),
-                         _pct(_stat(s, "share_local_compute")[0]), _pct(_stat(s, "share_local_cache_hit")[0]),
-                         _pct(_stat(s, "share_external_kv_transfer")[0]), f"{s['n']} / {off['n']}"])
+            rows.append([f"{s['condition']} vs {s['baseline']}", _pm_pct(off, "share_local_compute"),
+                         _pm_pct(off, "share_local_cache_hit"), _pm_pct(s, "share_local_compute"),
+                         _pm_pct(s, "share_local_cache_hit"), _pm_pct(s, "share_external_kv_transfer"),
+                         f"{s['n']} / {off['n']}"])
         tables.append(("Table 2: token-source decomposition, OFF vs ON (shares of prompt tokens)", header, rows))
-    rest = [s for s in summaries if s["condition"] not in in_pairs]
-    if rest:
-        header = ["condition"] + list(SOURCES) + ["n"]
-        rows = [[s["condition"]] + [_pct(_stat(s, f"share_{src}")[0]) for src in SOURCES] + [str(s["n"])]
-                for s in rest]
-        title = ("Table 2: token-source decomposition by condition (shares of prompt tokens)" if not paired
-                 else "Table 2 (continued): conditions outside any ON/OFF pair")
+    off_conditions = [s for s in summaries if not s.get("baseline")]
+    if off_conditions:
+        tax = analysis["tax"]
+        header = ["condition", "KV p95 (%)", "preemptions per minute", "compute (%)", "cache (%)", "external (%)",
+                  "recomputation tax (pp)", "tax reference", "n (runs)"]
+        rows = []
+        for s in off_conditions:
+            t = tax.get(s["condition"]) or {}
+            tax_cell = NA if t.get("tax") is None else _pm(t["tax"] * 100, None if t.get("tax_se") is None
+                                                           else t["tax_se"] * 100)
+            rows.append([s["condition"], _pm_pct(s, "kv_usage_p95_ratio"), _pm_g(s, "preemptions_per_minute"),
+                         _pm_pct(s, "share_local_compute"), _pm_pct(s, "share_local_cache_hit"),
+                         _pm_pct(s, "share_external_kv_transfer"), tax_cell, t.get("reference") or NA, str(s["n"])])
+        title = ("Table 2b: OFF conditions, token sources and the recomputation tax between them" if paired else
+                 "Table 2: token-source decomposition and recomputation tax by condition (shares of prompt tokens)")
         tables.append((title, header, rows))
     return tables
 
 
+def threshold_tables(analysis: dict) -> list[tuple[str, list[str], list[list[str]]]]:
+    th = analysis["threshold"]
+    rows = []
+    for key, what in (("dE_significance", "boundary between within-noise and significant dE (ON/OFF pairs)"),
+                      ("onset", "onset of preemptions and recomputation tax (OFF conditions)")):
+        t = th[key]
+        rows.append([what, NA if not t else _pct(t["ratio"]),
+                     NA if not t else f"{_pct(t['low'])} – {_pct(t['high'])}",
+                     NA if not t else t["method"], NA if not t else str(t["points"]),
+                     "used" if t and t is th["located"] else ("–" if t else "not located")])
+    out = [("Threshold located from the sweep", ["evidence", "KV p95 threshold (%)", "interval (%)", "method",
+                                                  "points", "in the report"], rows)]
+    if th["pairs"]:
+        z = analysis["z"]
+        out.append(("Threshold evidence: ON/OFF pairs by OFF KV p95",
+                    ["pair", "OFF KV p95 (%)", "dE (%)", f"significant saving (dE > {z:g} SE)"],
+                    [[f"{p['condition']} vs {p['baseline']}", _pct(p["kv_p95"]),
+                      _pm(p["dE_percent"], p["dE_se_percent"]), "yes" if p["pays"] else "no"] for p in th["pairs"]]))
+    return out
+
+
+def buffer_tables(analysis: dict) -> list[tuple[str, list[str], list[list[str]]]]:
+    out = []
+    for g in analysis["buffers"]:
+        header = ["condition", "buffer (GiB)", "write rate (GiB/s)", "residency (s)", "p99 tool latency (s)",
+                  "rule: residency >= p99", "dE (%)", "of plateau (%)", "plateau reached (>= 90 %)",
+                  "rule agrees", "n (runs)"]
+        yes_no = lambda v: NA if v is None else ("yes" if v else "no")  # noqa: E731
+        rows = [[r["condition"], _num(r["buffer_bytes"] / 2 ** 30),
+                 NA if r["write_bytes_per_second"] is None else f"{r['write_bytes_per_second'] / 2 ** 30:.3g}",
+                 _num(r["residency_seconds"]), f"{r['p99_tool_latency_seconds']:.3g}"
+                 + ("" if r["p99_from"] == "trace" else " (default)"),
+                 {True: "sufficient", False: "undersized", None: NA}[r["rule_sufficient"]],
+                 _pm(r["dE_percent"], r["dE_se_percent"]), _pct(r["captured"]), yes_no(r["reaches_plateau"]),
+                 yes_no(r["rule_agrees"]), str(r["n"])] for r in g["rows"]]
+        out.append((f"Buffer size against {g['baseline']} (plateau: dE of the largest buffer, "
+                    f"{g['plateau_dE_percent']:+.1f} %)", header, rows))
+    return out
+
+
 def runs_table(data: dict, scope: str, basis: str) -> tuple[str, list[str], list[list[str]]]:
-    header = ["run", "condition", "KV p95", "preemptions", "tokens/s", f"J/token ({basis})", "local_compute",
-              "startup s"]
+    header = ["run", "condition", "KV p95 (%)", "preemptions", "tokens/s", f"J/token ({basis})", "energy scope",
+              "local_compute (%)", "startup (s)"]
     rows = []
     for run in _ordered_runs(data):
         w = run.get("window", {})
         chosen = stats.choose_scope([run], scope, basis)
         jpt = stats.joules_per_token(run, chosen, basis) if chosen else None
         rows.append([run["run"], run["condition"], _pct(w.get("kv_usage_p95_ratio")), _num(w.get("preemptions")),
-                     _num(w.get("tokens_per_second"), 4), NA if jpt is None else f"{jpt:.4g} {chosen}",
+                     _num(w.get("tokens_per_second"), 4), NA if jpt is None else f"{jpt:.4g}", chosen or NA,
                      _pct(stats.share(run, "local_compute")), _num(run.get("startup_seconds"))])
     return "Runs (in the order they ran)", header, rows
 
@@ -153,37 +236,72 @@ def method_lines(plan: dict) -> list[str]:
         f"scope {e['scope']} (auto: gpu when every run has it, else host). dE% = (J/tok_OFF - J/tok_ON) / "
         "J/tok_OFF * 100; dTPS% = (TPS_ON - TPS_OFF) / TPS_OFF * 100; ± is the delta-method SE "
         "100 * (x_ON/x_OFF) * sqrt((SE_ON/x_ON)^2 + (SE_OFF/x_OFF)^2) over runs (methods.md s2); n = runs ON / OFF.",
-        f"KV p95: 95th percentile of vllm:kv_cache_usage_perc over the window's dense samples; regime 'high' "
-        f"when above the threshold {plan['kv_pressure_threshold']:.2f}. Preemptions: vllm:num_preemptions_total "
-        "increase over the window. Shares: vllm:prompt_tokens_by_source_total over the window (first prefills "
-        "only: re-prefill after preemption is not counted by vLLM).",
+        "KV p95: 95th percentile of vllm:kv_cache_usage_perc over the window's dense samples, ± its SE over "
+        "runs; regime: 'above' or 'below' the threshold (the located one when the sweep locates it, else the "
+        f"configured {plan['kv_pressure_threshold']:.2f}). Preemptions: vllm:num_preemptions_total increase over the "
+        "window. Shares: vllm:prompt_tokens_by_source_total over the window (first prefills only: re-prefill after "
+        "preemption is not counted by vLLM). Recomputation tax: an OFF condition's local_compute share minus that "
+        "of the same workload's lowest-pressure OFF condition without sustained preemptions (methods.md s4), in "
+        "percentage points, SE combined in quadrature.",
+        f"Threshold: with ON/OFF pairs, the KV-p95 cut that best separates pairs whose saving is significant "
+        f"(dE > {analysis.Z:g} SE) from those within noise, interval from the highest within-noise pair below to "
+        "the lowest significant pair above; otherwise the onset of preemptions (>= 0.5/min) or a tax above noise "
+        "among the OFF conditions (exporter.derive.threshold, the daemon's rule). Buffer rule (methods.md s6): "
+        "residency = buffer / offload write rate >= the trace's p99 tool latency; the plateau is the dE of the "
+        f"largest buffer, reached at >= {analysis.PLATEAU_FRACTION * 100:.0f} % of it.",
     ]
+
+
+def threshold_line(model: dict) -> str:
+    th = model["analysis"]["threshold"]
+    t = th["located"]
+    if not t:
+        return f"Threshold {th['reason']}; the regime uses the configured {model['kv_pressure_threshold']:.2f}."
+    return (f"Threshold located from the sweep at KV p95 {t['ratio'] * 100:.1f} % (interval {t['low'] * 100:.1f}–"
+            f"{t['high'] * 100:.1f} %), by {t['method']} over {t['points']} points.")
+
+
+def analyse(plan: dict, summaries: list[dict]) -> dict:
+    conditions = plan["conditions"]
+    tax = analysis.off_tax(conditions, summaries)
+    return {"z": analysis.Z, "parameters": analysis.parameters(conditions), "tax": tax,
+            "threshold": analysis.threshold(conditions, summaries, tax),
+            "buffers": analysis.buffer_comparison(conditions, summaries)}
 
 
 def build(data: dict) -> dict:
     """The report model: everything the writers render."""
     plan = data["plan"]
     summaries = stats.summarize(plan, data["finished"])
-    return {"experiment": plan["name"], "plan_path": plan["path"],
-            "protocol_fingerprint": data["fingerprints"]["protocol"],
-            "generated_unix": time.time(), "status": status_lines(data), "method": method_lines(plan),
-            "complete": not data.get("failed") and len(data["finished"]) == len(data["order"]),
-            "kv_pressure_threshold": plan["kv_pressure_threshold"], "conditions": summaries,
-            "tables": [table1(summaries, plan["kv_pressure_threshold"], plan["energy"]["basis"]),
-                       *table2(summaries), runs_table(data, plan["energy"]["scope"], plan["energy"]["basis"])],
-            "runs": [flatten_run(r) for r in _ordered_runs(data)],
-            "failed": data.get("failed"), "in_progress": data.get("in_progress")}
+    found = analyse(plan, summaries)
+    scope, basis = plan["energy"]["scope"], plan["energy"]["basis"]
+    model = {"experiment": plan["name"], "plan_path": plan["path"],
+             "protocol_fingerprint": data["fingerprints"]["protocol"],
+             "generated_unix": time.time(), "status": status_lines(data), "method": method_lines(plan),
+             "complete": not data.get("failed") and len(data["finished"]) == len(data["order"]),
+             "kv_pressure_threshold": plan["kv_pressure_threshold"], "energy_basis": basis,
+             "conditions": summaries, "analysis": found,
+             "tables": [table1(summaries, plan, found), *table2(summaries, found), *threshold_tables(found),
+                        *buffer_tables(found), runs_table(data, scope, basis)],
+             "runs": [flatten_run(r) for r in _ordered_runs(data)],
+             "failed": data.get("failed"), "in_progress": data.get("in_progress")}
+    model["summary"] = [threshold_line(model)]
+    return model
 
 
 def render_markdown(model: dict, images: dict[str, str]) -> str:
     out = [f"# Experiment report: {model['experiment']}", "",
            f"Plan `{model['plan_path']}` (protocol {model['protocol_fingerprint'][:12]}).", ""]
     out += [f"**{line}**" if line.startswith("INCOMPLETE") else line for line in model["status"]] + [""]
+    out += model["summary"] + [""]
     for title, header, rows in model["tables"]:
         out += [f"## {title}", "", markdown_table(header, rows), ""]
-    out += ["## Method", ""] + [f"- {line}" for line in model["method"]] + [""]
     if images:
-        out += ["## Plots", ""] + [f"![{alt}]({path})" for path, alt in images.items()] + [""]
+        out += ["## Figures", ""]
+        for path, caption in images.items():
+            out += [f"![{caption}]({path})", "", f"*{caption}*", ""]
+    out += [f"Not drawn: {name}: {why}." for name, why in model.get("skipped_figures", {}).items()]
+    out += ["", "## Method", ""] + [f"- {line}" for line in model["method"]] + [""]
     out += ["Machine-readable: `runs.csv`, `conditions.csv`, `report.json`; per run: `runs/<run>/` (result.json, "
             "intervals.jsonl, turns.jsonl, server.log).", ""]
     return "\n".join(out)
@@ -194,15 +312,17 @@ def render_html(model: dict, images: dict[str, str]) -> str:
              f"<p>Plan <code>{html.escape(model['plan_path'])}</code> (protocol {model['protocol_fingerprint'][:12]}).</p>"]
     warn = ' class="warn"'
     parts += [f"<p{warn if line.startswith('INCOMPLETE') else ''}>{html.escape(line)}</p>" for line in model["status"]]
+    parts += [f"<p><strong>{html.escape(line)}</strong></p>" for line in model["summary"]]
     for title, header, rows in model["tables"]:
         parts += [f"<h2>{html.escape(title)}</h2>", html_table(header, rows)]
-    parts += ["<h2>Method</h2><ul>" + "".join(f"<li>{html.escape(l)}</li>" for l in model["method"]) + "</ul>"]
     if images:
-        parts += ["<h2>Plots</h2>"] + [f'<figure><img src="{html.escape(p)}" alt="{html.escape(a)}">'
-                                       f"<figcaption>{html.escape(a)}</figcaption></figure>" for p, a in images.items()]
+        parts += ["<h2>Figures</h2>"] + [f'<figure><img src="{html.escape(p)}" alt="{html.escape(a)}">'
+                                         f"<figcaption>{html.escape(a)}</figcaption></figure>" for p, a in images.items()]
+    parts += [f"<p>Not drawn: {html.escape(n)}: {html.escape(w)}.</p>" for n, w in model.get("skipped_figures", {}).items()]
+    parts += ["<h2>Method</h2><ul>" + "".join(f"<li>{html.escape(l)}</li>" for l in model["method"]) + "</ul>"]
     style = ("body{font-family:sans-serif;max-width:72em;margin:2em auto}table{border-collapse:collapse}"
              "td,th{border:1px solid #bbb;padding:.2em .5em;text-align:right}td:first-child{text-align:left}"
-             ".warn{color:#a00;font-weight:bold}img{max-width:100%}")
+             ".warn{color:#a00;font-weight:bold}img{max-width:100%}figcaption{font-size:.9em;color:#333}")
     return (f"<!DOCTYPE html><html><head><meta charset=\"utf-8\"><title>{html.escape(model['experiment'])}</title>"
             f"<style>{style}</style></head><body>{''.join(parts)}</body></html>\n")
 
@@ -260,8 +380,9 @@ def to_csv(rows: list[dict[str, Any]]) -> str:
 def write_report(out_dir: str, data: dict) -> list[str]:
     """Write every report file atomically; the paths written."""
     model = build(data)
-    images = plots.write_plots(os.path.join(out_dir, "plots"), model["conditions"], model["kv_pressure_threshold"])
+    images = plots.write_plots(os.path.join(out_dir, "plots"), model)
     images = {os.path.relpath(p, out_dir): alt for p, alt in images.items()}
+    model["skipped_figures"] = plots.skipped(model, [os.path.basename(p) for p in images])
     files = {"report.md": render_markdown(model, images), "report.html": render_html(model, images),
              "runs.csv": to_csv(model["runs"]),
              "conditions.csv": to_csv([flatten_condition(s) for s in model["conditions"]]),
@@ -278,6 +399,8 @@ def write_safely(out_dir: str, data: dict, say: Callable[[str], None]) -> None:
     """During an experiment a report failure must not lose the runs: say it and go on."""
     try:
         write_report(out_dir, data)
+    except plots.MissingDependency:
+        raise  # loud: the experiment cannot deliver its report (exit 2 with the command that installs it)
     except Exception as e:  # noqa: BLE001 - the runs matter more than the report
         say(f"warning: the report could not be written ({type(e).__name__}: {e}); "
             "kvwatt experiment PLAN --report-only retries")
@@ -300,11 +423,15 @@ def main(argv: list[str] | None = None) -> int:
     if len(args) != 1:
         print("usage: python -m exporter.experiment.report OUT_DIR", file=sys.stderr)
         return 2
-    state = ExperimentState.load(args[0])
-    if state is None:
-        print(f"kvwatt: error: {args[0]}: no experiment state (state.json) here", file=sys.stderr)
+    try:
+        state = ExperimentState.load(args[0])
+        if state is None:
+            raise ConfigError(f"{args[0]}: no experiment state (state.json) here")
+        paths = write_report(args[0], state.data)
+    except ConfigError as e:
+        print("kvwatt: error: " + " ".join(str(e).splitlines()), file=sys.stderr)
         return 2
-    for path in write_report(args[0], state.data):
+    for path in paths:
         print(path)
     return 0
 
