@@ -99,14 +99,25 @@ def _threshold_band(ax, located: dict | None, configured: float, label: bool = T
                    label=f"configured threshold {configured * 100:.0f} % (none located)" if label else None)
 
 
-def _xlim(ax, xs: list[float], located: dict | None) -> None:
-    """The axis range where the data (and the band) is, with a margin."""
+def _xlim(ax, xs: list[float], located: dict | None, right: float = 0.08) -> None:
+    """The axis range where the data (and the band) is, with a margin (``right``: room for labels)."""
     pts = list(xs) + ([located["low"] * 100, located["high"] * 100] if located else [])
     if not pts:
         return
     lo, hi = min(pts), max(pts)
-    pad = max((hi - lo) * 0.08, 1.0)
-    ax.set_xlim(max(lo - pad, 0.0), min(hi + pad, 105.0))
+    span = max(hi - lo, 5.0)
+    ax.set_xlim(max(lo - span * 0.06, 0.0), min(hi + span * right, 110.0))
+
+
+def _label_points(ax, labels: list[tuple[float, float, str]]) -> None:
+    """Condition labels beside their points; points sharing an x alternate right and left, so they do not
+    print over each other."""
+    seen: dict[float, int] = {}
+    for x, y, text in sorted(labels, key=lambda t: (t[0], -t[1])):
+        i = seen[x] = seen.get(x, -1) + 1
+        right = i % 2 == 0
+        ax.annotate(text, (x, y), textcoords="offset points", xytext=(7 if right else -7, 2), fontsize=7,
+                    color="#333333", ha="left" if right else "right", va="center")
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -119,7 +130,7 @@ def _savings(fig, model: dict) -> bool:
     ax = fig.subplots()
     xs = []
     series: dict[str, tuple[list, list]] = {"pays": ([], []), "noise": ([], []), "unknown": ([], [])}
-    run_x, run_y = [], []
+    run_x, run_y, labels = [], [], []
     for s in model["conditions"]:
         c, off = s.get("comparison") or {}, by_name.get(s.get("baseline") or "")
         x, xerr = _ms(off, "kv_usage_p95_ratio", 100)
@@ -134,10 +145,10 @@ def _savings(fig, model: dict) -> bool:
         run_x += [x] * len(runs)
         run_y += runs
         xs.append(x)
-        ax.annotate(f"{s['condition']}\nn={c['n_on']}/{c['n_off']}", (x, c["dE_percent"]),
-                    textcoords="offset points", xytext=(6, 4), fontsize=7, color="#333333")
+        labels.append((x, c["dE_percent"], f"{s['condition']}\nn={c['n_on']}/{c['n_off']}"))
     if not xs:
         return False
+    _label_points(ax, labels)
     _threshold_band(ax, located, model["kv_pressure_threshold"])
     ax.axhline(0, color="black", lw=0.8, gid="zero")
     ax.scatter(run_x, run_y, s=12, marker="x", color="#555555", lw=0.8, zorder=3, gid="runs",
@@ -152,7 +163,7 @@ def _savings(fig, model: dict) -> bool:
             ax.scatter(mx, my, s=42, facecolor=face, edgecolor=edge if kind != "noise" else "#333333",
                        lw=1.2, zorder=4, gid="means", label=label)
             means += len(mx)
-    _xlim(ax, xs, located)
+    _xlim(ax, xs, located, right=0.16)
     ax.set_xlabel("KV-cache usage p95 of the OFF condition (%)")
     ax.set_ylabel("dE (%)  (positive = offloading saves energy)")
     ax.set_title(f"Energy saving of offloading against KV pressure ({means} ON/OFF pairs)")
@@ -193,9 +204,9 @@ def _bars(fig, model: dict) -> bool:
         ax.grid(axis="x", visible=False)
     from matplotlib.patches import Patch
 
-    ax_e.legend(handles=[Patch(color=OFF_COLOR, label="OFF (no offloading)"),
-                         Patch(color=ON_COLOR, label="ON (offloading), right of its OFF")],
-                loc="lower left", frameon=False)
+    fig.legend(handles=[Patch(color=OFF_COLOR, label="OFF (no offloading)"),
+                        Patch(color=ON_COLOR, label="ON (offloading), right of its OFF")],
+               loc="outside lower center", ncols=2, frameon=False)
     ax_e.set_title("Energy per generated token (mean ± SE, dots: runs)")
     ax_t.set_title("Throughput (mean ± SE, dots: runs)")
     return True
@@ -270,8 +281,8 @@ def _mechanism(fig, model: dict) -> bool:
                 ry += runs
             xs += mx
             if mx:
-                panel.scatter(mx, my, s=36, zorder=4, gid=f"means-{side.lower()}",
-                              facecolor="white" if side == "OFF" else ON_COLOR,
+                panel.scatter(mx, my, s=40 if side == "OFF" else 26, zorder=5 if side == "OFF" else 4,
+                              gid=f"means-{side.lower()}", facecolor="none" if side == "OFF" else ON_COLOR,
                               edgecolor=OFF_COLOR if side == "OFF" else ON_COLOR, lw=1.4,
                               label=f"{side} mean ± SE")
                 panel.scatter(rx, ry, s=10, marker="x", lw=0.7, zorder=3, gid=f"runs-{side.lower()}",
@@ -280,6 +291,8 @@ def _mechanism(fig, model: dict) -> bool:
     if not xs:
         return False
     _xlim(ax_s, xs, located)
+    for panel in (ax_p, ax_s):
+        panel.set_ylim(bottom=0)
     ax_p.set_ylabel("preemptions per window")
     ax_s.set_ylabel("local_compute share of\nprompt tokens (%)")
     ax_s.set_xlabel("KV-cache usage p95 of the OFF condition (%)  (ON conditions at their OFF's p95)")
@@ -298,12 +311,12 @@ def _buffer(fig, model: dict) -> bool:
     axes = fig.subplots(1, len(groups), squeeze=False)[0]
     for ax, g in zip(axes, groups):
         plateau = g["plateau_dE_percent"]
-        ax.axhline(plateau, color="#333333", lw=0.8, ls="-", gid="plateau", label=f"plateau (largest buffer) {plateau:+.1f} %")
+        ax.axhline(plateau, color="#333333", lw=0.8, ls="-", gid="plateau", label="plateau: dE of the largest buffer")
         ax.axhline(plateau * 0.9, color="#333333", lw=0.8, ls=":", label="90 % of the plateau")
         ax.axhline(0, color="black", lw=0.6)
         if g["rule_buffer_bytes"]:
             ax.axvline(g["rule_buffer_bytes"] / 2 ** 30, color=BAND_COLOR, ls="--", lw=1, gid="rule-buffer",
-                       label="rule: write rate x p99 tool latency")
+                       label=f"rule's minimum: write rate x p99 tool latency = {g['rule_buffer_bytes'] / 2 ** 30:.3g} GiB")
         for verdict, face, label in ((True, ON_COLOR, "rule: residency >= p99 tool latency"),
                                      (False, "white", "rule: residency < p99 tool latency (undersized)"),
                                      (None, "#bbbbbb", "rule: unknown (no write rate)")):
@@ -326,11 +339,15 @@ def _buffer(fig, model: dict) -> bool:
         ticks = sorted({r["buffer_bytes"] / 2 ** 30 for r in g["rows"]})
         ax.set_xticks(ticks)
         ax.set_xticklabels([f"{t:g}" for t in ticks])
+        ax.set_xlim(ticks[0] / 1.3, ticks[-1] * 1.9)
+        ax.minorticks_off()
         ax.set_xlabel("offload buffer (GiB, log scale)")
         ax.set_ylabel(f"dE (%) against {g['baseline']}")
         p99 = g["rows"][0]["p99_tool_latency_seconds"]
-        ax.set_title(f"Buffer size against {g['baseline']} (p99 tool latency {p99:.0f} s)")
-        ax.legend(loc="lower right", frameon=False)
+        judged = [r["rule_agrees"] for r in g["rows"] if r["rule_agrees"] is not None]
+        ax.set_title(f"Buffer size against {g['baseline']} (p99 tool latency {p99:.3g} s)\n"
+                     f"residency rule agrees with the measured plateau at {sum(judged)} of {len(judged)} sizes")
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="outside lower center", ncols=2, frameon=False)
     return True
 
 
@@ -351,7 +368,7 @@ FIGURES: dict[str, tuple[Callable, tuple[float, float], str]] = {
                       "Figure 4. Mechanism (the study's Table 2 as a plot): preemptions per measurement window and "
                       "the local_compute share of prompt tokens, against the OFF condition's KV p95 (ON conditions "
                       "at their OFF's p95); mean ± SE, crosses: runs; band: the located threshold."),
-    "buffer_size.png": (_buffer, (7.2, 4.5),
+    "buffer_size.png": (_buffer, (7.2, 5.2),
                         "Figure 5. Buffer-size comparison: dE % of ON conditions at several offload buffer sizes "
                         "against one OFF condition (mean ± SE, crosses: runs), filled where the residency rule "
                         "(buffer / write rate >= p99 tool latency) calls the buffer sufficient; lines: the plateau "
@@ -361,9 +378,9 @@ FIGURES: dict[str, tuple[Callable, tuple[float, float], str]] = {
 
 def figures(model: dict) -> list[tuple[str, str, object]]:
     """(file name, caption, matplotlib Figure) for each figure with something to show, in report order."""
+    Figure = _figure_class()
     import matplotlib
 
-    Figure = _figure_class()
     out = []
     with matplotlib.rc_context(STYLE):
         for name, (draw, size, caption) in FIGURES.items():

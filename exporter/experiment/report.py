@@ -75,31 +75,60 @@ def regime_threshold(plan: dict, analysis: dict) -> tuple[float, str]:
     return (located["ratio"], "located") if located else (plan["kv_pressure_threshold"], "configured")
 
 
-def table1(summaries: list[dict], plan: dict, analysis: dict) -> tuple[str, list[str], list[list[str]]]:
-    """The study's Table 1: per condition KV p95, preemptions per window, dE %, dTPS % (each mean ± SE),
-    with the regime against the threshold, tokens/s, J/token and n."""
+def table1(summaries: list[dict], plan: dict, analysis: dict) -> list[tuple[str, list[str], list[list[str]]]]:
+    """The study's Table 1 (one row per ON/OFF pair, by the OFF condition's KV p95: KV p95, regime and
+    preemptions of the OFF condition, dE %, dTPS %, each ± SE), then every condition's own figures."""
     threshold, kind = regime_threshold(plan, analysis)
+    params = analysis["parameters"]
+    has_params = any(params.values())
+    regime = f"regime ({kind} threshold {threshold * 100:.1f} %)"
+    by_name = {s["condition"]: s for s in summaries}
+    pairs = sorted((s for s in summaries if s.get("comparison") and s["baseline"] in by_name),
+                   key=lambda s: _stat(by_name[s["baseline"]], "kv_usage_p95_ratio")[0] or 0.0)
+    out = []
+    if pairs:
+        header = (["condition (ON vs OFF)"] + (["parameters (ON)"] if has_params else [])
+                  + ["OFF KV p95 (%)", regime, "OFF preemptions per window", "dE (%)", "dTPS (%)", "n (ON / OFF runs)"])
+        rows = []
+        for s in pairs:
+            off, c = by_name[s["baseline"]], s["comparison"]
+            rows.append([f"{s['condition']} vs {off['condition']}"] + ([_params(params, s["condition"])] if has_params else [])
+                        + [_pm_pct(off, "kv_usage_p95_ratio"), _regime(_stat(off, "kv_usage_p95_ratio")[0], threshold),
+                           _pm_g(off, "preemptions"), _pm(c["dE_percent"], c["dE_se_percent"]),
+                           _pm(c["dTPS_percent"], c["dTPS_se_percent"]), f"{s['n']} / {off['n']}"])
+        out.append(("Table 1: the saving of offloading by KV pressure (ON/OFF pairs, by the OFF condition's KV p95)",
+                    header, rows))
+    out.append(conditions_table(summaries, plan, analysis, threshold, regime,
+                                "Table 1b: every condition's own figures" if pairs else
+                                "Table 1: KV pressure, throughput and energy per token by condition"))
+    return out
+
+
+def conditions_table(summaries: list[dict], plan: dict, analysis: dict, threshold: float, regime: str,
+                     title: str) -> tuple[str, list[str], list[list[str]]]:
     basis = plan["energy"]["basis"]
     scopes = {s["energy_scope"] for s in summaries if s.get("energy_scope")}
+    mixed = len(scopes) > 1
     params = analysis["parameters"]
-    header = (["condition", "baseline"] + (["parameters"] if any(params.values()) else [])
-              + ["KV p95 (%)", f"regime ({kind} threshold {threshold * 100:.1f} %)", "preemptions per window",
-                 "tokens/s", f"J/token ({basis}, {scopes.pop() if len(scopes) == 1 else 'scope per row'})"]
-              + (["energy scope"] if len(scopes) > 1 else []) + ["dE (%)", "dTPS (%)", "n (ON / OFF runs)"])
+    has_params = any(params.values())
+    header = (["condition", "baseline"] + (["parameters"] if has_params else [])
+              + ["KV p95 (%)", regime, "preemptions per window", "tokens/s",
+                 f"J/token ({basis}, {'scope per row' if mixed else (next(iter(scopes)) if scopes else 'n/a')})"]
+              + (["energy scope"] if mixed else []) + ["dE (%)", "dTPS (%)", "n (ON / OFF runs)"])
     rows, by_name = [], {s["condition"]: s for s in summaries}
     for s in summaries:
-        kv = _stat(s, "kv_usage_p95_ratio")[0]
         jpt = s["joules_per_token"] or {}
         c = s.get("comparison")
-        row = [s["condition"], s["baseline"] or "–"] + ([_params(params, s["condition"])] if any(params.values()) else [])
-        row += [_pm_pct(s, "kv_usage_p95_ratio"), _regime(kv, threshold), _pm(*_stat(s, "preemptions"), "{:.3g}", "{:.2g}"),
-                _pm(*_stat(s, "tokens_per_second"), "{:.1f}"), _pm(jpt.get("mean"), jpt.get("se"), "{:.4g}", "{:.2g}")]
-        row += [s["energy_scope"] or NA] if len(scopes) > 1 else []
+        row = [s["condition"], s["baseline"] or "–"] + ([_params(params, s["condition"])] if has_params else [])
+        row += [_pm_pct(s, "kv_usage_p95_ratio"), _regime(_stat(s, "kv_usage_p95_ratio")[0], threshold),
+                _pm_g(s, "preemptions"), _pm(*_stat(s, "tokens_per_second"), "{:.1f}"),
+                _pm(jpt.get("mean"), jpt.get("se"), "{:#.3g}", "{:.2g}")]
+        row += [s["energy_scope"] or NA] if mixed else []
         row += [_pm(c["dE_percent"], c["dE_se_percent"]) if c else NA,
                 _pm(c["dTPS_percent"], c["dTPS_se_percent"]) if c else NA,
-                f"{s['n']} / {by_name[s['baseline']]['n']}" if c else str(s["n"])]
+                f"{s['n']} / {by_name[s['baseline']]['n']}" if c and s["baseline"] in by_name else str(s["n"])]
         rows.append(row)
-    return "Table 1: KV pressure, throughput, energy per token and the saving of offloading", header, rows
+    return title, header, rows
 
 
 def table2(summaries: list[dict], analysis: dict) -> list[tuple[str, list[str], list[list[str]]]]:
@@ -127,8 +156,11 @@ def table2(summaries: list[dict], analysis: dict) -> list[tuple[str, list[str], 
         rows = []
         for s in off_conditions:
             t = tax.get(s["condition"]) or {}
-            tax_cell = NA if t.get("tax") is None else _pm(t["tax"] * 100, None if t.get("tax_se") is None
-                                                           else t["tax_se"] * 100)
+            if t.get("reference") == s["condition"]:
+                tax_cell = "0 (reference)"
+            else:
+                tax_cell = NA if t.get("tax") is None else _pm(t["tax"] * 100, None if t.get("tax_se") is None
+                                                               else t["tax_se"] * 100)
             rows.append([s["condition"], _pm_pct(s, "kv_usage_p95_ratio"), _pm_g(s, "preemptions_per_minute"),
                          _pm_pct(s, "share_local_compute"), _pm_pct(s, "share_local_cache_hit"),
                          _pm_pct(s, "share_external_kv_transfer"), tax_cell, t.get("reference") or NA, str(s["n"])])
@@ -281,7 +313,7 @@ def build(data: dict) -> dict:
              "complete": not data.get("failed") and len(data["finished"]) == len(data["order"]),
              "kv_pressure_threshold": plan["kv_pressure_threshold"], "energy_basis": basis,
              "conditions": summaries, "analysis": found,
-             "tables": [table1(summaries, plan, found), *table2(summaries, found), *threshold_tables(found),
+             "tables": [*table1(summaries, plan, found), *table2(summaries, found), *threshold_tables(found),
                         *buffer_tables(found), runs_table(data, scope, basis)],
              "runs": [flatten_run(r) for r in _ordered_runs(data)],
              "failed": data.get("failed"), "in_progress": data.get("in_progress")}
