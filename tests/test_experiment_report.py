@@ -404,3 +404,19 @@ def test_missing_matplotlib_fails_loudly_with_the_install_command(tmp_path):
     proc = subprocess.run([sys.executable, "-c", BLOCK_MATPLOTLIB + "from exporter.cli import main; "
                            "sys.exit(main(['--version']))"], capture_output=True, text=True, cwd=REPO)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_a_running_experiment_does_not_swallow_a_missing_matplotlib(tmp_path, monkeypatch):
+    """write_safely (after each run) says and ignores report failures, except this one: it must stop the
+    experiment loudly rather than run for hours without figures."""
+    from exporter.experiment import plots
+
+    out = state_for(tmp_path, plan_file(tmp_path, PAIRED), paired_runs())
+    said: list[str] = []
+    monkeypatch.setattr(plots, "_figure_class", lambda: (_ for _ in ()).throw(plots.MissingDependency("no mpl")))
+    with pytest.raises(plots.MissingDependency):
+        report.write_safely(str(out), model_data(out), said.append)
+    monkeypatch.setattr(plots, "_figure_class", lambda: (_ for _ in ()).throw(OSError("disk full")))
+    report.write_safely(str(out), model_data(out), said.append)
+    assert said == ["warning: the report could not be written (OSError: disk full); kvwatt experiment PLAN "
+                    "--report-only retries"]

@@ -99,13 +99,16 @@ def _threshold_band(ax, located: dict | None, configured: float, label: bool = T
                    label=f"configured threshold {configured * 100:.0f} % (none located)" if label else None)
 
 
-def _xlim(ax, xs: list[float], located: dict | None, right: float = 0.08) -> None:
-    """The axis range where the data (and the band) is, with a margin (``right``: room for labels)."""
-    pts = list(xs) + ([located["low"] * 100, located["high"] * 100] if located else [])
+def _xlim(ax, xs: list[float], located: dict | None, configured: float, right: float = 0.08) -> None:
+    """The axis range where the data and the threshold (band) are, with a margin (``right``: room for
+    labels), at least 10 points of KV p95 wide."""
+    pts = list(xs) + ([located["low"] * 100, located["high"] * 100] if located else [configured * 100])
     if not pts:
         return
     lo, hi = min(pts), max(pts)
-    span = max(hi - lo, 5.0)
+    if hi - lo < 10.0:
+        lo, hi = (lo + hi) / 2 - 5.0, (lo + hi) / 2 + 5.0
+    span = hi - lo
     ax.set_xlim(max(lo - span * 0.06, 0.0), min(hi + span * right, 110.0))
 
 
@@ -163,11 +166,11 @@ def _savings(fig, model: dict) -> bool:
             ax.scatter(mx, my, s=42, facecolor=face, edgecolor=edge if kind != "noise" else "#333333",
                        lw=1.2, zorder=4, gid="means", label=label)
             means += len(mx)
-    _xlim(ax, xs, located, right=0.16)
+    _xlim(ax, xs, located, model["kv_pressure_threshold"], right=0.16)
     ax.set_xlabel("KV-cache usage p95 of the OFF condition (%)")
     ax.set_ylabel("dE (%)  (positive = offloading saves energy)")
-    ax.set_title(f"Energy saving of offloading against KV pressure ({means} ON/OFF pairs)")
-    ax.legend(loc="upper left", frameon=False)
+    ax.set_title(f"Energy saving of offloading against KV pressure ({means} ON/OFF pair{'s' if means != 1 else ''})")
+    fig.legend(loc="outside lower center", ncols=2, frameon=False)
     return True
 
 
@@ -249,7 +252,7 @@ def _frontier(fig, model: dict) -> bool:
     ax.set_xlabel("generated tokens per second (tokens/s)")
     ax.set_ylabel(_energy_label(model))
     ax.set_title("Energy–throughput frontier (lower right is better)")
-    ax.legend(loc="best", frameon=False)
+    fig.legend(loc="outside lower center", ncols=2, frameon=False)
     return True
 
 
@@ -290,14 +293,16 @@ def _mechanism(fig, model: dict) -> bool:
         _threshold_band(panel, located, model["kv_pressure_threshold"], label=panel is ax_p)
     if not xs:
         return False
-    _xlim(ax_s, xs, located)
+    _xlim(ax_s, xs, located, model["kv_pressure_threshold"])
     for panel in (ax_p, ax_s):
         panel.set_ylim(bottom=0)
     ax_p.set_ylabel("preemptions per window")
     ax_s.set_ylabel("local_compute share of\nprompt tokens (%)")
-    ax_s.set_xlabel("KV-cache usage p95 of the OFF condition (%)  (ON conditions at their OFF's p95)")
+    any_on = any(s.get("baseline") for s in model["conditions"])
+    ax_s.set_xlabel("KV-cache usage p95 of the OFF condition (%)" + ("  (ON conditions at their OFF's p95)"
+                                                                     if any_on else ""))
     ax_p.set_title("Mechanism: preemptions and recomputation against KV pressure (x: runs)")
-    ax_p.legend(loc="upper left", frameon=False)
+    fig.legend(*ax_p.get_legend_handles_labels(), loc="outside lower center", ncols=3, frameon=False)
     return True
 
 
@@ -352,7 +357,7 @@ def _buffer(fig, model: dict) -> bool:
 
 
 FIGURES: dict[str, tuple[Callable, tuple[float, float], str]] = {
-    "savings_vs_kv_p95.png": (_savings, (7.2, 4.5),
+    "savings_vs_kv_p95.png": (_savings, (7.2, 5.0),
                               "Figure 1. Energy saving of offloading, dE % (positive = saves), of each ON condition "
                               "against its OFF baseline, at the OFF condition's KV p95. Points: mean over runs with "
                               "± SE bars (dE: delta method; KV p95: over the OFF runs), n = runs ON/OFF beside each; "
@@ -361,10 +366,10 @@ FIGURES: dict[str, tuple[Callable, tuple[float, float], str]] = {
     "energy_throughput_bars.png": (_bars, (10.0, 4.2),
                                    "Figure 2. J/token and tokens/s per condition, each ON bar (blue) right of its "
                                    "OFF bar (grey); bars: mean over runs, error bars ± SE, dots: individual runs."),
-    "frontier.png": (_frontier, (7.2, 4.8),
+    "frontier.png": (_frontier, (7.2, 5.0),
                      "Figure 3. Energy–throughput frontier: J/token against tokens/s per condition (mean ± SE on "
                      "both axes); hollow: OFF, filled: ON, an arrow from each OFF to its ON condition."),
-    "mechanism.png": (_mechanism, (7.2, 6.0),
+    "mechanism.png": (_mechanism, (7.2, 6.4),
                       "Figure 4. Mechanism (the study's Table 2 as a plot): preemptions per measurement window and "
                       "the local_compute share of prompt tokens, against the OFF condition's KV p95 (ON conditions "
                       "at their OFF's p95); mean ± SE, crosses: runs; band: the located threshold."),
