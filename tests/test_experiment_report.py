@@ -271,15 +271,19 @@ def test_sweep_locates_the_threshold_between_the_within_noise_and_the_significan
     located = th["located"]
     assert located["method"] == "dE_significance" and located["points"] == 8
     assert located["ratio"] == pytest.approx((0.874 + 0.907) / 2)
-    assert (located["low"], located["high"]) == (pytest.approx(0.874), pytest.approx(0.907))
+    # interval: from the last within-noise pair to the first significant one, each widened by its OFF KV
+    # p95's own interval, 1.96 SE = 1.96 x 0.004 / sqrt(3) = 0.00453
+    widen = 1.96 * 0.004 / 3 ** 0.5
+    assert (located["low"], located["high"]) == (pytest.approx(0.874 - widen), pytest.approx(0.907 + widen))
     # the OFF conditions alone show the same onset: preemptions and a tax from 0.907 on
     onset = th["onset"]
     assert 0.874 <= onset["ratio"] <= 0.907 and onset["method"] == "preemption_onset"
-    assert onset["low"] <= 0.874 + 1e-9 and onset["high"] >= 0.907 - 1e-9
+    assert (onset["low"], onset["high"]) == (pytest.approx(0.874 - widen), pytest.approx(0.907 + widen))
     t = tables(model_data(sweep_state(tmp_path / "again")))
     header, rows = t["Threshold located from the sweep"]
     assert header == ["evidence", "KV p95 threshold (%)", "interval (%)", "method", "points", "in the report"]
-    assert rows[0][1:] == ["89.1", "87.4 – 90.7", "dE_significance", "8", "used"]
+    assert rows[0][1:] == ["89.1", "86.9 – 91.2", "dE_significance", "8", "used"]
+    assert rows[1][1:] == ["89.1", "86.9 – 91.2", "preemption_onset", "5", "–"]
     header, rows = next(v for k, v in t.items() if k.startswith("Table 1:"))
     assert header[1:4] == ["parameters (ON)", "OFF KV p95 (%)", "regime (located threshold 89.1 %)"]
     assert [r[0] for r in rows[:5]] == [f"on-c{c} vs off-c{c}" for c in (2, 3, 4, 5, 6)]   # by OFF KV p95
@@ -344,7 +348,7 @@ def test_sweep_figures_plot_every_condition_pair_and_run(tmp_path):
     (ax,) = savings.axes
     band = next(p for p in ax.patches if p.get_gid() == "threshold-band")
     x0, x1 = band.get_x(), band.get_x() + band.get_width()   # axvspan: a rectangle in data x
-    assert (x0, x1) == (pytest.approx(87.4), pytest.approx(90.7))
+    assert (x0, x1) == (pytest.approx(86.947, abs=1e-3), pytest.approx(91.153, abs=1e-3))
     lo, hi = ax.get_xlim()
     assert 70 < lo < 78 and 93.8 < hi < 100       # where the data is, not 0-105
     assert any(line.get_gid() == "zero" for line in ax.lines)
@@ -377,7 +381,7 @@ def test_sweep_report_files_are_pngs_and_deterministic(tmp_path):
     report.write_report(str(out), model_data(out))
     assert {p.name: p.read_bytes() for p in (out / "plots").iterdir()} == first
     md = (out / "report.md").read_text()
-    assert "Threshold located from the sweep at KV p95 89.1 % (interval 87.4–90.7 %), by dE_significance" in md
+    assert "Threshold located from the sweep at KV p95 89.1 % (interval 86.9–91.2 %), by dE_significance" in md
     assert "](plots/buffer_size.png)" in md and "Not drawn" not in md
 
 

@@ -6,7 +6,8 @@ Threshold, two ways:
 - ``dE_significance`` (ON/OFF pairs): each pair is a point at its OFF condition's KV p95; it *pays* when
   dE% > Z * SE (a saving beyond noise), else it is within noise (or costs). The threshold is the cut between
   distinct p95 values with the fewest pairs on the wrong side (lowest such cut on a tie); its interval runs
-  from the highest within-noise pair below the cut to the lowest paying pair above it.
+  from the highest within-noise pair below the cut to the lowest paying pair above it, widened by those
+  pairs' own KV-p95 intervals (mean ± 1.96 SE over the OFF runs), as the daemon's rule does.
 - OFF-only runs: the onset of preemptions and tax, by ``exporter.derive.threshold.locate`` (the daemon's
   rule) over one point per OFF condition.
 """
@@ -21,7 +22,8 @@ from exporter.derive import offload
 from exporter.derive.pressure import quantile
 from exporter.derive.threshold import PressurePoint, locate
 
-Z = 2.0                       # a saving is significant when dE% > Z * SE (about 95 % one-sided 97.7 %)
+Z = 2.0                       # a saving is significant when dE% > Z * SE (one-sided ~97.7 %)
+P95_Z = 1.96                  # a condition's KV p95 interval: mean ± 1.96 SE over its runs
 PLATEAU_FRACTION = 0.9        # methods.md s6: a sufficient buffer captures > 90 % of the achievable saving
 DEFAULT_P99_TOOL_LATENCY = 20.0   # methods.md s6, the study's traces; used when the trace cannot be read
 SKIP_KEYS = ("name", "baseline", "args", "env")   # shown in the plan; ON/OFF is the baseline column
@@ -123,6 +125,7 @@ def pair_points(summaries: list[dict]) -> list[dict]:
         if x is None or c.get("dE_percent") is None or c.get("dE_se_percent") is None:
             continue
         out.append({"condition": s["condition"], "baseline": off["condition"], "kv_p95": x,
+                    "kv_p95_se": _se(off, "kv_usage_p95_ratio") or 0.0,
                     "dE_percent": c["dE_percent"], "dE_se_percent": c["dE_se_percent"],
                     "pays": c["dE_percent"] > Z * c["dE_se_percent"]})
     return sorted(out, key=lambda p: p["kv_p95"])
@@ -150,9 +153,11 @@ def significance_boundary(points: list[dict]) -> dict | None:
     if not below or not above:
         return None
     ratio = (points[i - 1]["kv_p95"] + points[i]["kv_p95"]) / 2
-    return {"ratio": ratio, "low": min(max(p["kv_p95"] for p in below), ratio),
-            "high": max(min(p["kv_p95"] for p in above), ratio), "method": "dE_significance",
-            "points": len(points), "misplaced": best}
+    edge_below = max(below, key=lambda p: p["kv_p95"])
+    edge_above = min(above, key=lambda p: p["kv_p95"])
+    return {"ratio": ratio, "low": min(edge_below["kv_p95"] - P95_Z * edge_below["kv_p95_se"], ratio),
+            "high": max(edge_above["kv_p95"] + P95_Z * edge_above["kv_p95_se"], ratio),
+            "method": "dE_significance", "points": len(points), "misplaced": best}
 
 
 def off_points(conditions: list[dict], summaries: list[dict], tax: dict[str, dict]) -> list[PressurePoint]:
@@ -164,8 +169,10 @@ def off_points(conditions: list[dict], summaries: list[dict], tax: dict[str, dic
         if c.get("baseline") or x is None or not s["n"]:
             continue
         t = tax.get(c["name"]) or {}
+        se = _se(s, "kv_usage_p95_ratio") or 0.0
         out.append(PressurePoint(kv_p95=x, preemptions_per_minute=_mean(s, "preemptions_per_minute"),
-                                 tax=t.get("tax"), tax_se=t.get("tax_se"), weight=float(s["n"])))
+                                 tax=t.get("tax"), tax_se=t.get("tax_se"), weight=float(s["n"]),
+                                 kv_p95_low=x - P95_Z * se, kv_p95_high=x + P95_Z * se))
     return out
 
 
