@@ -321,18 +321,27 @@ def build(data: dict) -> dict:
     return model
 
 
+def _split_tables(tables: list) -> tuple[list, list]:
+    """The result tables, then the long per-run listing (after the figures)."""
+    runs = [t for t in tables if t[0].startswith("Runs")]
+    return [t for t in tables if t not in runs], runs
+
+
 def render_markdown(model: dict, images: dict[str, str]) -> str:
     out = [f"# Experiment report: {model['experiment']}", "",
            f"Plan `{model['plan_path']}` (protocol {model['protocol_fingerprint'][:12]}).", ""]
     out += [f"**{line}**" if line.startswith("INCOMPLETE") else line for line in model["status"]] + [""]
     out += model["summary"] + [""]
-    for title, header, rows in model["tables"]:
+    main, runs = _split_tables(model["tables"])
+    for title, header, rows in main:
         out += [f"## {title}", "", markdown_table(header, rows), ""]
     if images:
         out += ["## Figures", ""]
         for path, caption in images.items():
             out += [f"![{caption}]({path})", "", f"*{caption}*", ""]
     out += [f"Not drawn: {name}: {why}." for name, why in model.get("skipped_figures", {}).items()]
+    for title, header, rows in runs:
+        out += ["", f"## {title}", "", markdown_table(header, rows)]
     out += ["", "## Method", ""] + [f"- {line}" for line in model["method"]] + [""]
     out += ["Machine-readable: `runs.csv`, `conditions.csv`, `report.json`; per run: `runs/<run>/` (result.json, "
             "intervals.jsonl, turns.jsonl, server.log).", ""]
@@ -345,15 +354,20 @@ def render_html(model: dict, images: dict[str, str]) -> str:
     warn = ' class="warn"'
     parts += [f"<p{warn if line.startswith('INCOMPLETE') else ''}>{html.escape(line)}</p>" for line in model["status"]]
     parts += [f"<p><strong>{html.escape(line)}</strong></p>" for line in model["summary"]]
-    for title, header, rows in model["tables"]:
+    main, runs = _split_tables(model["tables"])
+    for title, header, rows in main:
         parts += [f"<h2>{html.escape(title)}</h2>", html_table(header, rows)]
     if images:
         parts += ["<h2>Figures</h2>"] + [f'<figure><img src="{html.escape(p)}" alt="{html.escape(a)}">'
                                          f"<figcaption>{html.escape(a)}</figcaption></figure>" for p, a in images.items()]
     parts += [f"<p>Not drawn: {html.escape(n)}: {html.escape(w)}.</p>" for n, w in model.get("skipped_figures", {}).items()]
+    for title, header, rows in runs:
+        parts += [f"<h2>{html.escape(title)}</h2>", html_table(header, rows)]
     parts += ["<h2>Method</h2><ul>" + "".join(f"<li>{html.escape(l)}</li>" for l in model["method"]) + "</ul>"]
-    style = ("body{font-family:sans-serif;max-width:72em;margin:2em auto}table{border-collapse:collapse}"
-             "td,th{border:1px solid #bbb;padding:.2em .5em;text-align:right}td:first-child{text-align:left}"
+    style = ("body{font-family:sans-serif;max-width:90em;margin:2em auto;padding:0 1em}"
+             "table{border-collapse:collapse;margin-bottom:1em}th{vertical-align:bottom}"
+             "td,th{border:1px solid #bbb;padding:.2em .5em;text-align:right}td{white-space:nowrap}"
+             "td:first-child,th:first-child{text-align:left}"
              ".warn{color:#a00;font-weight:bold}img{max-width:100%}figcaption{font-size:.9em;color:#333}")
     return (f"<!DOCTYPE html><html><head><meta charset=\"utf-8\"><title>{html.escape(model['experiment'])}</title>"
             f"<style>{style}</style></head><body>{''.join(parts)}</body></html>\n")
