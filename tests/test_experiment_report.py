@@ -424,3 +424,27 @@ def test_a_running_experiment_does_not_swallow_a_missing_matplotlib(tmp_path, mo
     report.write_safely(str(out), model_data(out), said.append)
     assert said == ["warning: the report could not be written (OSError: disk full); kvwatt experiment PLAN "
                     "--report-only retries"]
+
+
+def test_sweep_params_are_the_parameters_and_a_planned_buffer_stands_in_for_an_unreported_one(tmp_path):
+    """Conditions expanded from a plan's sweep carry ``params`` (offload, concurrency, kv_blocks, buffer_gib;
+    their vars repeat them): the report shows those, and reads the buffer from params.buffer_gib when the
+    engine did not report one."""
+    out = sweep_state(tmp_path)
+    data = model_data(out)
+    for c in data["plan"]["conditions"]:
+        conc = c["workload"]["concurrency"]
+        on = bool(c.get("baseline"))
+        c["params"] = {"offload": "on" if on else "off", "concurrency": conc, "kv_blocks": 512,
+                       **({"buffer_gib": int(c["vars"]["buffer_gib"])} if on else {})}
+        c["vars"] = {k: str(v) for k, v in c["params"].items()}
+    for run in data["finished"].values():
+        run["server"]["offload_buffer_bytes"] = None
+    model = report.build(data)
+    params = model["analysis"]["parameters"]
+    assert params["off-c4"] == {"concurrency": "4"}                      # kv_blocks and offload do not vary/show
+    assert params["on-c6-b8"] == {"buffer_gib": "8", "concurrency": "6"}
+    (group,) = model["analysis"]["buffers"]
+    assert [r["buffer_bytes"] / GIB for r in group["rows"]] == [8, 16, 32, 64]
+    rows = next(r for t, h, r in model["tables"] if t.startswith("Table 1:"))
+    assert rows[5][1] == "buffer_gib=8, concurrency=6"

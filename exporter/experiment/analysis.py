@@ -51,12 +51,18 @@ def _flatten(value: Any, prefix: str, out: dict[str, Any]) -> None:
 
 
 def parameters(conditions: list[dict]) -> dict[str, dict[str, str]]:
-    """condition -> {short key: value} for every key (vars, workload, sweep parameters: any key a condition
-    carries except its name, baseline, args and env) whose value is not the same in every condition."""
+    """condition -> {short key: value} for every key whose value is not the same in every condition: of the
+    conditions' ``params`` (what a sweep or the plan says the report plots against; ``offload`` is left to the
+    baseline column) when any condition has them, else of everything a condition carries (vars, workload...)
+    except its name, baseline, args and env."""
     flat = []
+    with_params = any(c.get("params") for c in conditions)
     for c in conditions:
         out: dict[str, Any] = {}
-        _flatten({k: v for k, v in c.items() if k not in SKIP_KEYS}, "", out)
+        if with_params:
+            _flatten({k: v for k, v in (c.get("params") or {}).items() if k != "offload"}, "", out)
+        else:
+            _flatten({k: v for k, v in c.items() if k not in SKIP_KEYS}, "", out)
         flat.append(out)
     keys = sorted({k for f in flat for k in f})
     varying = [k for k in keys if len({repr(f.get(k)) for f in flat}) > 1]
@@ -216,9 +222,16 @@ def p99_tool_latency(condition: dict, cache: dict) -> tuple[float, str]:
     return quantile(values, 0.99), "trace"
 
 
+def _planned_buffer(condition: dict) -> float | None:
+    """Bytes from the condition's ``params.buffer_gib`` (a sweep's buffer axis), when the engine did not
+    report its buffer (vllm:cache_config_info without kv_offloading_size)."""
+    gib = (condition.get("params") or {}).get("buffer_gib")
+    return None if isinstance(gib, bool) or not isinstance(gib, (int, float)) else gib * 2 ** 30
+
+
 def buffer_comparison(conditions: list[dict], summaries: list[dict]) -> list[dict]:
     """One group per OFF condition with ON conditions at two or more distinct buffer sizes (the engine's
-    reported size): per ON condition its dE, the residency rule's verdict and whether the measured dE
+    reported size, else the plan's params.buffer_gib): per ON condition its dE, the residency rule's verdict and whether the measured dE
     reaches the plateau (>= 90 % of the largest buffer's dE)."""
     by_name = {s["condition"]: s for s in summaries}
     cond = {c["name"]: c for c in conditions}
@@ -227,7 +240,7 @@ def buffer_comparison(conditions: list[dict], summaries: list[dict]) -> list[dic
     for off in (c for c in conditions if not c.get("baseline")):
         rows = []
         for s in summaries:
-            buf = _mean(s, "offload_buffer_bytes")
+            buf = _mean(s, "offload_buffer_bytes") or _planned_buffer(cond.get(s["condition"], {}))
             c = s.get("comparison") or {}
             if s.get("baseline") != off["name"] or buf is None or c.get("dE_percent") is None:
                 continue
