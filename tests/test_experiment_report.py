@@ -448,3 +448,9 @@ def test_sweep_params_are_the_parameters_and_a_planned_buffer_stands_in_for_an_u
     assert [r["buffer_bytes"] / GIB for r in group["rows"]] == [8, 16, 32, 64]
     rows = next(r for t, h, r in model["tables"] if t.startswith("Table 1:"))
     assert rows[5][1] == "buffer_gib=8, concurrency=6"
+
+
+def test_run_line_keeps_its_units_in_running_text():
+    line = report.run_line(synthetic_run("off-c6", 1), "auto", "marginal")
+    assert line == ("KV p95 93.0 %, 50 preemptions, 100 tokens/s, local_compute 21.3 %, J/token (marginal) "
+                    "0.3 gpu")

@@ -38,6 +38,11 @@ def _pct(ratio: float | None) -> str:
     return NA if ratio is None else f"{ratio * 100:.1f}"
 
 
+def _pct_unit(ratio: float | None) -> str:
+    """A percentage in running text (tables keep the unit in the header)."""
+    return NA if ratio is None else f"{_pct(ratio)} %"
+
+
 def _pm(mean: float | None, se: float | None, fmt: str = "{:+.1f}", se_fmt: str = "{:.1f}") -> str:
     if mean is None:
         return NA
@@ -457,8 +462,9 @@ def run_line(result: dict, scope: str, basis: str) -> str:
     w = result.get("window", {})
     chosen = stats.choose_scope([result], scope, basis)
     jpt = stats.joules_per_token(result, chosen, basis) if chosen else None
-    return (f"KV p95 {_pct(w.get('kv_usage_p95_ratio'))}, {_num(w.get('preemptions'))} preemptions, "
-            f"{_num(w.get('tokens_per_second'), 4)} tokens/s, local_compute {_pct(stats.share(result, 'local_compute'))}, "
+    return (f"KV p95 {_pct_unit(w.get('kv_usage_p95_ratio'))}, {_num(w.get('preemptions'))} preemptions, "
+            f"{_num(w.get('tokens_per_second'), 4)} tokens/s, "
+            f"local_compute {_pct_unit(stats.share(result, 'local_compute'))}, "
             f"J/token ({basis}) " + (NA if jpt is None else f"{jpt:.4g} {chosen}"))
 
 
