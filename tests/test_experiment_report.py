@@ -305,6 +305,14 @@ def test_off_only_sweep_locates_the_onset_of_preemptions_and_tax(tmp_path):
     tax = model["analysis"]["tax"]
     assert tax["off-c6"]["reference"] == "off-c2" and tax["off-c6"]["tax"] == pytest.approx(0.240 - 0.039)
     assert "Threshold located from the sweep at KV p95" in model["summary"][0]
+    out = tmp_path / "out"
+    report.write_report(str(out), model_data(out))
+    md = (out / "report.md").read_text()
+    # no pair: no dE figure; figures are numbered as drawn, the mechanism carries the onset band
+    assert "![Figure 1. J/token and tokens/s per condition" in md and "![Figure 3. Mechanism" in md
+    assert "Not drawn: savings_vs_kv_p95.png: no ON condition with a dE" in md
+    assert sorted(p.name for p in (out / "plots").iterdir()) == ["energy_throughput_bars.png", "frontier.png",
+                                                                  "mechanism.png"]
 
 
 def test_buffer_comparison_checks_the_residency_rule_against_the_plateau(tmp_path):

@@ -358,23 +358,23 @@ def _buffer(fig, model: dict) -> bool:
 
 FIGURES: dict[str, tuple[Callable, tuple[float, float], str]] = {
     "savings_vs_kv_p95.png": (_savings, (7.2, 5.0),
-                              "Figure 1. Energy saving of offloading, dE % (positive = saves), of each ON condition "
+                              "Energy saving of offloading, dE % (positive = saves), of each ON condition "
                               "against its OFF baseline, at the OFF condition's KV p95. Points: mean over runs with "
                               "± SE bars (dE: delta method; KV p95: over the OFF runs), n = runs ON/OFF beside each; "
                               "crosses: each ON run against the OFF mean. Band: the threshold located from the sweep "
                               "with its uncertainty interval."),
     "energy_throughput_bars.png": (_bars, (10.0, 4.2),
-                                   "Figure 2. J/token and tokens/s per condition, each ON bar (blue) right of its "
+                                   "J/token and tokens/s per condition, each ON bar (blue) right of its "
                                    "OFF bar (grey); bars: mean over runs, error bars ± SE, dots: individual runs."),
     "frontier.png": (_frontier, (7.2, 5.0),
-                     "Figure 3. Energy–throughput frontier: J/token against tokens/s per condition (mean ± SE on "
+                     "Energy–throughput frontier: J/token against tokens/s per condition (mean ± SE on "
                      "both axes); hollow: OFF, filled: ON, an arrow from each OFF to its ON condition."),
     "mechanism.png": (_mechanism, (7.2, 6.4),
-                      "Figure 4. Mechanism (the study's Table 2 as a plot): preemptions per measurement window and "
+                      "Mechanism (the study's Table 2 as a plot): preemptions per measurement window and "
                       "the local_compute share of prompt tokens, against the OFF condition's KV p95 (ON conditions "
                       "at their OFF's p95); mean ± SE, crosses: runs; band: the located threshold."),
     "buffer_size.png": (_buffer, (7.2, 5.2),
-                        "Figure 5. Buffer-size comparison: dE % of ON conditions at several offload buffer sizes "
+                        "Buffer-size comparison: dE % of ON conditions at several offload buffer sizes "
                         "against one OFF condition (mean ± SE, crosses: runs), filled where the residency rule "
                         "(buffer / write rate >= p99 tool latency) calls the buffer sufficient; lines: the plateau "
                         "(largest buffer) and 90 % of it."),
@@ -397,8 +397,8 @@ def figures(model: dict) -> list[tuple[str, str, object]]:
 
 def skipped(model: dict, drawn: list[str]) -> dict[str, str]:
     reasons = {"savings_vs_kv_p95.png": "no ON condition with a dE (an ON/OFF pair with energy data)",
-               "buffer_size.png": "no OFF condition with ON conditions at two or more buffer sizes the engine "
-                                  "reported (vllm:cache_config_info)",
+               "buffer_size.png": "no OFF condition with ON conditions at two or more buffer sizes (reported by "
+                                  "the engine in vllm:cache_config_info, or the conditions' params.buffer_gib)",
                "frontier.png": "no condition with both tokens/s and J/token",
                "mechanism.png": "no condition with a KV p95", "energy_throughput_bars.png": "no condition"}
     return {n: reasons[n] for n in FIGURES if n not in drawn}
@@ -407,10 +407,10 @@ def skipped(model: dict, drawn: list[str]) -> dict[str, str]:
 def write_plots(plot_dir: str, model: dict) -> dict[str, str]:
     """path -> caption for each figure written (MissingDependency without matplotlib)."""
     out = {}
-    for name, caption, fig in figures(model):
+    for number, (name, caption, fig) in enumerate(figures(model), start=1):
         png = io.BytesIO()
         fig.savefig(png, format="png", dpi=STYLE["savefig.dpi"], metadata={"Software": None})
         path = os.path.join(plot_dir, name)
         atomic.write_bytes(path, png.getvalue())
-        out[path] = caption
+        out[path] = f"Figure {number}. {caption}"   # numbered as drawn: a figure not drawn leaves no gap
     return out
