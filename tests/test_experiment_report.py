@@ -462,3 +462,14 @@ def test_run_line_keeps_its_units_in_running_text():
     line = report.run_line(synthetic_run("off-c6", 1), "auto", "marginal")
     assert line == ("KV p95 93.0 %, 50 preemptions, 100 tokens/s, local_compute 21.3 %, J/token (marginal) "
                     "0.3 gpu")
+
+
+def test_a_report_before_any_run_finished_has_tables_and_no_empty_figures(tmp_path):
+    out = state_for(tmp_path, plan_file(tmp_path, PAIRED), [])
+    (out / "plots").mkdir()
+    (out / "plots" / "frontier.png").write_bytes(b"stale")     # from an earlier report of this directory
+    paths = report.write_report(str(out), model_data(out))
+    assert not [p for p in paths if p.endswith(".png")] and not list((out / "plots").iterdir())
+    md = (out / "report.md").read_text()
+    assert "Runs finished: 0 of 9." in md and "| on-c6 vs off-c6 | n/a | n/a | n/a | n/a | n/a | 0 / 0 |" in md
+    assert "Not drawn: energy_throughput_bars.png: no condition with J/token or tokens/s yet." in md

@@ -189,6 +189,7 @@ def _bars(fig, model: dict) -> bool:
             order.append((pos, s))
             pos += 1.0
         pos += 0.6   # a gap between pairs
+    drawn = 0
     for ax, key, label in ((ax_e, "joules_per_token", _energy_label(model)),
                            (ax_t, "tokens_per_second", "generated tokens per second (tokens/s)")):
         run_key = None if key == "joules_per_token" else "tokens_per_second"
@@ -197,6 +198,7 @@ def _bars(fig, model: dict) -> bool:
             on = bool(s.get("baseline"))
             if mean is None:
                 continue
+            drawn += 1
             ax.bar([x], [mean], yerr=[se], width=0.8, capsize=3, color=ON_COLOR if on else OFF_COLOR,
                    alpha=0.9, gid="bars-on" if on else "bars-off", error_kw={"elinewidth": 1})
             values = _runs(model, s["condition"], run_key) if run_key else _run_energy(model, s)
@@ -205,6 +207,8 @@ def _bars(fig, model: dict) -> bool:
         ax.set_xticklabels([s["condition"] for _, s in order], rotation=30, ha="right")
         ax.set_ylabel(label)
         ax.grid(axis="x", visible=False)
+    if not drawn:
+        return False
     from matplotlib.patches import Patch
 
     fig.legend(handles=[Patch(color=OFF_COLOR, label="OFF (no offloading)"),
@@ -400,14 +404,20 @@ def skipped(model: dict, drawn: list[str]) -> dict[str, str]:
                "buffer_size.png": "no OFF condition with ON conditions at two or more buffer sizes (reported by "
                                   "the engine in vllm:cache_config_info, or the conditions' params.buffer_gib)",
                "frontier.png": "no condition with both tokens/s and J/token",
-               "mechanism.png": "no condition with a KV p95", "energy_throughput_bars.png": "no condition"}
+               "mechanism.png": "no condition with a KV p95", "energy_throughput_bars.png": "no condition with J/token or tokens/s yet"}
     return {n: reasons[n] for n in FIGURES if n not in drawn}
 
 
 def write_plots(plot_dir: str, model: dict) -> dict[str, str]:
     """path -> caption for each figure written (MissingDependency without matplotlib)."""
     out = {}
-    for number, (name, caption, fig) in enumerate(figures(model), start=1):
+    drawn = figures(model)
+    for name in set(FIGURES) - {name for name, _, _ in drawn}:   # left from an earlier report of these runs
+        try:
+            os.unlink(os.path.join(plot_dir, name))
+        except FileNotFoundError:
+            pass
+    for number, (name, caption, fig) in enumerate(drawn, start=1):
         png = io.BytesIO()
         fig.savefig(png, format="png", dpi=STYLE["savefig.dpi"], metadata={"Software": None})
         path = os.path.join(plot_dir, name)
