@@ -266,7 +266,7 @@ def _frontier(fig, model: dict) -> bool:
 def _mechanism(fig, model: dict) -> bool:
     by_name, located = _by_name(model), model["analysis"]["threshold"]["located"]
     ax_p, ax_s = fig.subplots(2, 1, sharex=True)
-    xs = []
+    xs, labels = [], []
     for panel, key, scale, run_key in ((ax_p, "preemptions", 1.0, "preemptions"),
                                        (ax_s, "share_local_compute", 100.0, "share_local_compute")):
         for side in ("OFF", "ON"):
@@ -283,6 +283,8 @@ def _mechanism(fig, model: dict) -> bool:
                                capsize=2, zorder=2)
                 mx.append(x)
                 my.append(y)
+                if side == "OFF" and panel is ax_s:
+                    labels.append((x, y, s["condition"]))
                 runs = _runs(model, s["condition"], run_key, scale)
                 rx += [x] * len(runs)
                 ry += runs
@@ -297,7 +299,8 @@ def _mechanism(fig, model: dict) -> bool:
         _threshold_band(panel, located, model["kv_pressure_threshold"], label=panel is ax_p)
     if not xs:
         return False
-    _xlim(ax_s, xs, located, model["kv_pressure_threshold"])
+    _label_points(ax_s, labels)
+    _xlim(ax_s, xs, located, model["kv_pressure_threshold"], right=0.12)
     for panel in (ax_p, ax_s):
         panel.set_ylim(bottom=0)
     ax_p.set_ylabel("preemptions per window")
