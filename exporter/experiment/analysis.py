@@ -51,30 +51,29 @@ def _flatten(value: Any, prefix: str, out: dict[str, Any]) -> None:
 
 
 def parameters(conditions: list[dict]) -> dict[str, dict[str, str]]:
-    """condition -> {short key: value} for every key whose value is not the same in every condition: of the
-    conditions' ``params`` (what a sweep or the plan says the report plots against; ``offload`` is left to the
-    baseline column) when any condition has them, else of everything a condition carries (vars, workload...)
-    except its name, baseline, args and env."""
-    flat = []
-    with_params = any(c.get("params") for c in conditions)
-    for c in conditions:
-        out: dict[str, Any] = {}
-        if with_params:
-            _flatten({k: v for k, v in (c.get("params") or {}).items() if k != "offload"}, "", out)
-        else:
-            _flatten({k: v for k, v in c.items() if k not in SKIP_KEYS}, "", out)
-        flat.append(out)
+    """condition -> {name: value} for every parameter whose value is not the same in every condition. A
+    condition's parameters are its ``params`` (a sweep's axes), then its ``vars``, then its ``workload``
+    settings (a name already seen is not repeated: a sweep's vars repeat its params), then anything else it
+    carries but its name, baseline, args and env; ``offload`` is left to the baseline column."""
+    flat = [_condition_values(c) for c in conditions]
     keys = sorted({k for f in flat for k in f})
-    varying = [k for k in keys if len({repr(f.get(k)) for f in flat}) > 1]
-    short = _short_names(varying)
-    return {c["name"]: {short[k]: _shown(f.get(k)) for k in varying if f.get(k) is not None}
-            for c, f in zip(conditions, flat)}
+    varying = [k for k in keys if len({f.get(k) for f in flat}) > 1]
+    return {c["name"]: {k: f[k] for k in varying if k in f} for c, f in zip(conditions, flat)}
 
 
-def _short_names(keys: list[str]) -> dict[str, str]:
-    """The last dotted component where it is unique (``workload.concurrency`` -> ``concurrency``)."""
-    last = [k.rsplit(".", 1)[-1] for k in keys]
-    return {k: (s if last.count(s) == 1 else k) for k, s in zip(keys, last)}
+def _condition_values(condition: dict) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for source in ("params", "vars", "workload"):
+        for k, v in (condition.get(source) or {}).items():
+            if v is not None and not isinstance(v, (dict, list, tuple)):
+                out.setdefault(str(k), _shown(v))
+    rest: dict[str, Any] = {}
+    _flatten({k: v for k, v in condition.items() if k not in SKIP_KEYS + ("params", "vars", "workload")}, "", rest)
+    for k, v in rest.items():
+        if v is not None:
+            out.setdefault(k, _shown(v))
+    out.pop("offload", None)
+    return out
 
 
 def _shown(v: Any) -> str:
