@@ -369,7 +369,8 @@ FIGURES: dict[str, tuple[Callable, tuple[float, float], str]] = {
                               "against its OFF baseline, at the OFF condition's KV p95. Points: mean over runs with "
                               "± SE bars (dE: delta method; KV p95: over the OFF runs), n = runs ON/OFF beside each; "
                               "crosses: each ON run against the OFF mean. Band: the threshold located from the sweep "
-                              "with its uncertainty interval."),
+                              "with its uncertainty interval (dashed line: the configured threshold, when none is "
+                              "located)."),
     "energy_throughput_bars.png": (_bars, (10.0, 4.2),
                                    "J/token and tokens/s per condition, each ON bar (blue) right of its "
                                    "OFF bar (grey); bars: mean over runs, error bars ± SE, dots: individual runs."),
@@ -379,7 +380,8 @@ FIGURES: dict[str, tuple[Callable, tuple[float, float], str]] = {
     "mechanism.png": (_mechanism, (7.2, 6.4),
                       "Mechanism (the study's Table 2 as a plot): preemptions per measurement window and "
                       "the local_compute share of prompt tokens, against the OFF condition's KV p95 (ON conditions "
-                      "at their OFF's p95); mean ± SE, crosses: runs; band: the located threshold."),
+                      "at their OFF's p95); mean ± SE, crosses: runs; band: the located threshold (dashed line: "
+                      "the configured one, when none is located)."),
     "buffer_size.png": (_buffer, (7.2, 5.2),
                         "Buffer-size comparison: dE % of ON conditions at several offload buffer sizes "
                         "against one OFF condition (mean ± SE, crosses: runs), filled where the residency rule "

@@ -25,10 +25,16 @@ def pct_unit(ratio: float | None) -> str:
     return NA if ratio is None else f"{pct(ratio)} %"
 
 
+def _fmt(fmt: str, value: float) -> str:
+    """Formatted, without a "-0.0" for a value that rounds to zero."""
+    text = fmt.format(value)
+    return fmt.format(0.0) if text.startswith("-") and not text.strip("-+0.") else text
+
+
 def _pm(mean: float | None, se: float | None, fmt: str = "{:+.1f}", se_fmt: str = "{:.1f}") -> str:
     if mean is None:
         return NA
-    return f"{fmt.format(mean)} ± {NA if se is None else se_fmt.format(se)}"
+    return f"{_fmt(fmt, mean)} ± {NA if se is None else se_fmt.format(se)}"
 
 
 def _stat(summary: dict, key: str) -> tuple[float | None, float | None]:
