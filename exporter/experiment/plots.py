@@ -100,8 +100,8 @@ def _threshold_band(ax, located: dict | None, configured: float, label: bool = T
 
 
 def _xlim(ax, xs: list[float], located: dict | None, configured: float, right: float = 0.08) -> None:
-    """The axis range where the data and the threshold (band) are, with a margin (``right``: room for
-    labels), at least 10 points of KV p95 wide."""
+    """The axis range where the data (``xs``: points and their error bars' ends) and the threshold (band)
+    are, with a margin (``right``: room for labels), at least 10 points of KV p95 wide."""
     pts = list(xs) + ([located["low"] * 100, located["high"] * 100] if located else [configured * 100])
     if not pts:
         return
@@ -133,7 +133,7 @@ def _savings(fig, model: dict) -> bool:
     ax = fig.subplots()
     xs = []
     series: dict[str, tuple[list, list]] = {"pays": ([], []), "noise": ([], []), "unknown": ([], [])}
-    run_x, run_y, labels = [], [], []
+    run_x, run_y, labels, extent = [], [], [], []
     for s in model["conditions"]:
         c, off = s.get("comparison") or {}, by_name.get(s.get("baseline") or "")
         x, xerr = _ms(off, "kv_usage_p95_ratio", 100)
@@ -148,6 +148,7 @@ def _savings(fig, model: dict) -> bool:
         run_x += [x] * len(runs)
         run_y += runs
         xs.append(x)
+        extent += [x - xerr, x + xerr]
         labels.append((x, c["dE_percent"], f"{s['condition']}\nn={c['n_on']}/{c['n_off']}"))
     if not xs:
         return False
@@ -166,7 +167,7 @@ def _savings(fig, model: dict) -> bool:
             ax.scatter(mx, my, s=42, facecolor=face, edgecolor=edge if kind != "noise" else "#333333",
                        lw=1.2, zorder=4, gid="means", label=label)
             means += len(mx)
-    _xlim(ax, xs, located, model["kv_pressure_threshold"], right=0.16)
+    _xlim(ax, extent, located, model["kv_pressure_threshold"], right=0.16)
     ax.set_xlabel("KV-cache usage p95 of the OFF condition (%)")
     ax.set_ylabel("dE (%)  (positive = offloading saves energy)")
     ax.set_title(f"Energy saving of offloading against KV pressure ({means} ON/OFF pair{'s' if means != 1 else ''})")
@@ -266,7 +267,7 @@ def _frontier(fig, model: dict) -> bool:
 def _mechanism(fig, model: dict) -> bool:
     by_name, located = _by_name(model), model["analysis"]["threshold"]["located"]
     ax_p, ax_s = fig.subplots(2, 1, sharex=True)
-    xs, labels = [], []
+    xs, labels, extent = [], [], []
     for panel, key, scale, run_key in ((ax_p, "preemptions", 1.0, "preemptions"),
                                        (ax_s, "share_local_compute", 100.0, "share_local_compute")):
         for side in ("OFF", "ON"):
@@ -283,6 +284,7 @@ def _mechanism(fig, model: dict) -> bool:
                                capsize=2, zorder=2)
                 mx.append(x)
                 my.append(y)
+                extent += [x - xerr, x + xerr]
                 if side == "OFF" and panel is ax_s:
                     labels.append((x, y, s["condition"]))
                 runs = _runs(model, s["condition"], run_key, scale)
@@ -300,7 +302,7 @@ def _mechanism(fig, model: dict) -> bool:
     if not xs:
         return False
     _label_points(ax_s, labels)
-    _xlim(ax_s, xs, located, model["kv_pressure_threshold"], right=0.12)
+    _xlim(ax_s, extent, located, model["kv_pressure_threshold"], right=0.12)
     for panel in (ax_p, ax_s):
         panel.set_ylim(bottom=0)
     ax_p.set_ylabel("preemptions per window")
