@@ -384,10 +384,13 @@ def test_image_build_stage_replayed(tmp_path):
     r = subprocess.run([str(exe), "check-config", str(COMPOSE_DIR / "kvwatt.yaml")], cwd=outside,
                        env=_clean_env(), capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
-    # only the runtime dependencies: the test/report extras are not in the image
+    # the runtime dependencies, the experiment report's matplotlib among them, but not the test extra
     r = subprocess.run([str(venv / "bin" / "python"), "-c", "import matplotlib"], cwd=outside,
                        env=_clean_env(), capture_output=True, text=True)
-    assert r.returncode != 0, "the image installs the report extra"
+    assert r.returncode == 0, "the image lacks matplotlib (a base dependency: kvwatt experiment's report)"
+    r = subprocess.run([str(venv / "bin" / "python"), "-c", "import pytest"], cwd=outside,
+                       env=_clean_env(), capture_output=True, text=True)
+    assert r.returncode != 0, "the image installs the test extra"
 
 
 def test_entrypoint_imports_without_optional_extras():
