@@ -56,7 +56,7 @@ def external(servers: FixtureServers, gpus, seconds: float) -> dict:
             "slow": got["slow"], "canary": summary(canary_ms),
             "metrics_bytes": got["metrics_bytes"], "nvml_up": nvml_up[0] if nvml_up else None,
             "gpu_series": gpu_series, "vllm_up": vllm_up,
-            "daemon_log_errors": [ln for ln in log.splitlines() if " ERROR " in ln or "Traceback" in ln][:5]}
+            "daemon_log_errors": [ln for ln in log.splitlines() if " level=error " in ln or "Traceback" in ln][:5]}
 
 
 async def _probe(samples: list[float], stop: asyncio.Event, period: float = 0.010) -> None:

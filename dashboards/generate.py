@@ -46,13 +46,14 @@ def _matchers(pairs: list[tuple[str, str, str]]) -> str:
 
 
 def kv(name: str, server: str = "server", **eq: str) -> str:
-    """Selector of a kvwatt series: job always; server and window where the series has those labels.
+    """Selector of a kvwatt series: job and instance always (the kvwatt exporter picked in the chained
+    variables); server and window where the series has those labels.
 
     ``server`` names the dashboard variable the server label follows (server, server_on, server_off); ``eq``
     adds exact matchers (e.g. scope="gpu").
     """
     labels = BY_NAME[name].labels  # KeyError: not a kvwatt series
-    pairs = [("job", "=~", "$job")]
+    pairs = [("job", "=~", "$job"), ("instance", "=~", "$instance")]
     if "server" in labels:
         pairs.append(("server", "=~", f"${server}"))
     if "window" in labels:
@@ -64,14 +65,20 @@ def kv(name: str, server: str = "server", **eq: str) -> str:
     return name + _matchers(pairs)
 
 
-VLLM_LABELS = frozenset({"job", "instance", "model_name", "engine", "le", "source", "reason", "transfer_type"})
+VLLM_LABELS = frozenset({"server", "engine", "model_name", "le", "source", "reason", "transfer_type"})
 
 
-def vl(name: str, **eq: str) -> str:
-    """Selector of a vLLM series on the wire: job, model_name and instance (vLLM series carry no server)."""
+def vl(name: str, server: str = "server", **eq: str) -> str:
+    """Selector of a vLLM series on the wire, filtered by server only.
+
+    vLLM's scrape carries ``server`` as a target label equal to kvwatt's name of that server (docs/fleet.md,
+    label discipline 3; deploy/ sets it), so the chained job -> instance -> server selection reaches vLLM's
+    series with no matching by hand. job and instance are vLLM's scrape's, not kvwatt's: they are not
+    filtered (dashboards/README.md).
+    """
     if name not in WIRE_SERIES:
         raise KeyError(f"{name} is not a vLLM series on the wire")
-    pairs = [("job", "=~", "$job"), ("model_name", "=~", "$model_name"), ("instance", "=~", "$instance")]
+    pairs = [("server", "=~", f"${server}")]
     for k, v in eq.items():
         if k not in VLLM_LABELS:
             raise ValueError(f"{name}: unexpected label {k!r}")
@@ -83,7 +90,7 @@ def rate(selector: str) -> str:
     return f"rate({selector}[$__rate_interval])"
 
 
-def quantile(q: float, bucket_selector: str, by: str = "model_name, instance") -> str:
+def quantile(q: float, bucket_selector: str, by: str = "server") -> str:
     return f"histogram_quantile({q}, sum by (le, {by}) ({rate(bucket_selector)}))"
 
 
@@ -94,13 +101,17 @@ class Target:
     expr: str
     legend: str = ""
     table: bool = False  # instant query formatted as a table
+    instant: bool = False  # instant query: the value now (the first row's stats)
 
 
 @dataclass(frozen=True)
 class Mapping:
-    value: str
+    value: str  # a value, or NULL_NAN: no value or NaN (an unknown, see or_unknown)
     text: str
     color: str
+
+
+NULL_NAN = "null+nan"  # Grafana's special-value match
 
 
 @dataclass(frozen=True)
@@ -118,6 +129,9 @@ class Panel:
     log: bool = False
     axis_label: str = ""
     threshold_line: float | None = None  # a dashed reference line (display only; see description)
+    colors: tuple[str, str] = ("ok", "bad")  # PALETTE names below / from threshold_line (stat: the value's)
+    band: tuple[str, str, str] | None = None  # (line, upper, lower) legend names: a line in a filled band
+    no_value: str = ""  # what a stat shows when its queries return nothing
     mappings: tuple[Mapping, ...] = ()
     dashed_refids: tuple[str, ...] = ()  # targets drawn as dashed reference lines
     repeat: str | None = None  # one panel per selected value of this variable
@@ -161,7 +175,8 @@ class Dashboard:
 # --- JSON rendering ----------------------------------------------------------------------------------------
 
 REFIDS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
-PALETTE = {"ok": "green", "warn": "orange", "bad": "red", "off": "transparent"}
+PALETTE = {"ok": "green", "warn": "orange", "bad": "red", "off": "transparent", "info": "blue",
+           "unknown": "#8e8e8e", "text": "text"}
 
 
 def series_in(panel: Panel) -> list[str]:
@@ -187,23 +202,29 @@ def _target(t: Target, refid: str) -> dict[str, Any]:
                            "refId": refid}
     if t.table:
         out.update({"format": "table", "instant": True, "range": False})
+    elif t.instant:
+        out.update({"instant": True, "range": False})
     else:
         out.update({"instant": False, "range": True})
     return out
 
 
 def _thresholds(panel: Panel) -> dict[str, Any]:
-    steps: list[dict[str, Any]] = [{"color": "green", "value": None}]
+    below, above = (PALETTE[c] for c in panel.colors)
+    steps: list[dict[str, Any]] = [{"color": below, "value": None}]
     if panel.threshold_line is not None:
-        steps.append({"color": "red", "value": panel.threshold_line})
+        steps.append({"color": above, "value": panel.threshold_line})
     return {"mode": "absolute", "steps": steps}
 
 
 def _mappings(panel: Panel) -> list[dict[str, Any]]:
-    if not panel.mappings:
-        return []
-    return [{"type": "value", "options": {m.value: {"text": m.text, "color": PALETTE[m.color], "index": i}
-                                          for i, m in enumerate(panel.mappings)}}]
+    values = {m.value: {"text": m.text, "color": PALETTE[m.color], "index": i}
+              for i, m in enumerate(panel.mappings) if m.value != NULL_NAN}
+    out: list[dict[str, Any]] = [{"type": "value", "options": values}] if values else []
+    out += [{"type": "special", "options": {"match": NULL_NAN, "result": {"text": m.text, "color": PALETTE[m.color],
+                                                                          "index": i}}}
+            for i, m in enumerate(panel.mappings) if m.value == NULL_NAN]
+    return out
 
 
 def _field_defaults(panel: Panel) -> dict[str, Any]:
@@ -212,6 +233,8 @@ def _field_defaults(panel: Panel) -> dict[str, Any]:
         d["min"] = panel.min
     if panel.max is not None:
         d["max"] = panel.max
+    if panel.no_value:
+        d["noValue"] = panel.no_value
     if panel.kind == "timeseries":
         d["color"] = {"mode": "palette-classic"}
         d["custom"] = {
@@ -233,10 +256,26 @@ def _field_defaults(panel: Panel) -> dict[str, Any]:
 
 
 def _overrides(panel: Panel) -> list[dict[str, Any]]:
-    return [{"matcher": {"id": "byFrameRefID", "options": ref},
-             "properties": [{"id": "custom.lineStyle", "value": {"fill": "dash", "dash": [10, 10]}},
-                            {"id": "custom.stacking", "value": {"mode": "none", "group": "A"}}]}
-            for ref in panel.dashed_refids]
+    if panel.kind == "stat":  # a dashed target of a stat is a secondary figure (an SE): no colour of its own
+        return [{"matcher": {"id": "byFrameRefID", "options": ref},
+                 "properties": [{"id": "color", "value": {"mode": "fixed", "fixedColor": "transparent"}}]}
+                for ref in panel.dashed_refids]
+    out = [{"matcher": {"id": "byFrameRefID", "options": ref},
+            "properties": [{"id": "custom.lineStyle", "value": {"fill": "dash", "dash": [10, 10]}},
+                           {"id": "custom.stacking", "value": {"mode": "none", "group": "A"}}]}
+           for ref in panel.dashed_refids]
+    if panel.band:  # Grafana fills from the upper series down to the lower one (fillBelowTo, by display name)
+        line, upper, lower = panel.band
+        out.append({"matcher": {"id": "byName", "options": line},
+                    "properties": [{"id": "custom.fillOpacity", "value": 0}, {"id": "custom.lineWidth", "value": 2}]})
+        out.append({"matcher": {"id": "byName", "options": upper},
+                    "properties": [{"id": "custom.fillBelowTo", "value": lower},
+                                   {"id": "custom.fillOpacity", "value": 25},
+                                   {"id": "custom.lineWidth", "value": 0}]})
+        out.append({"matcher": {"id": "byName", "options": lower},
+                    "properties": [{"id": "custom.fillOpacity", "value": 0},
+                                   {"id": "custom.lineWidth", "value": 0}]})
+    return out
 
 
 def _options(panel: Panel) -> dict[str, Any]:
@@ -350,22 +389,24 @@ def render(d: Dashboard) -> dict[str, Any]:
 
 DATASOURCE = Variable("datasource", "Data source", kind="datasource", multi=False,
                       description="Prometheus that scrapes kvwatt and the vLLM servers.")
-JOB = Variable("job", "Job", 'label_values({__name__=~"kvwatt_server_info|vllm:num_requests_running"}, job)',
-               description="Scrape jobs of kvwatt and of the vLLM servers (both kinds of series carry job).")
-SERVER = Variable("server", "Server", 'label_values(kvwatt_server_info{job=~"$job"}, server)',
-                  description="vLLM server by its kvwatt-configured name (kvwatt_* series only).")
-MODEL = Variable("model_name", "Model name", 'label_values(vllm:num_requests_running{job=~"$job"}, model_name)',
-                 description="Served model (vllm:* series only; kvwatt_* series carry server instead).")
-INSTANCE = Variable("instance", "Instance",
-                    'label_values(vllm:num_requests_running{job=~"$job", model_name=~"$model_name"}, instance)',
-                    description="vLLM scrape target (instance of vllm:* series); kvwatt panels follow server.")
-WINDOW = Variable("window", "Window", 'label_values(kvwatt_kv_cache_usage_p95_ratio{job=~"$job"}, window)',
+# job -> instance -> server: each narrows the next, so a server is picked without matching labels by hand.
+# kvwatt_server_info exists for every configured server from kvwatt's first tick, whatever the engine.
+JOB = Variable("job", "Job", "label_values(kvwatt_server_info, job)",
+               description="kvwatt's scrape jobs.")
+INSTANCE = Variable("instance", "Instance", 'label_values(kvwatt_server_info{job=~"$job"}, instance)',
+                    description="kvwatt exporters (one per GPU node) in the selected jobs.")
+SERVER_QUERY = 'label_values(kvwatt_server_info{job=~"$job", instance=~"$instance"}, server)'
+SERVER = Variable("server", "Server", SERVER_QUERY,
+                  description="Engine servers the selected kvwatt exporters watch, by kvwatt's name. Engine "
+                              "series follow it through their `server` target label (docs/fleet.md).")
+WINDOW = Variable("window", "Window",
+                  'label_values(kvwatt_kv_cache_usage_p95_ratio{job=~"$job", instance=~"$instance"}, window)',
                   multi=False, current="5m",
                   description="kvwatt's evaluation window (configured windows, default 1m and 5m).")
-SERVER_ON = Variable("server_on", "Server ON", 'label_values(kvwatt_server_info{job=~"$job"}, server)',
-                     multi=False, description="The server with KV offloading ON.")
-SERVER_OFF = Variable("server_off", "Server OFF", 'label_values(kvwatt_server_info{job=~"$job"}, server)',
-                      multi=False, description="Its OFF twin (same node, model and workload).")
+SERVER_ON = Variable("server_on", "Server ON", SERVER_QUERY, multi=False,
+                     description="The server with KV offloading ON.")
+SERVER_OFF = Variable("server_off", "Server OFF", SERVER_QUERY, multi=False,
+                      description="Its OFF twin (same node, model and workload).")
 
 
 # --- overview ----------------------------------------------------------------------------------------------
@@ -374,7 +415,97 @@ def _by(by: str, selector: str) -> str:
     return f"max by ({by}) ({selector})"
 
 
+# Baseline kinds from the most to the least trustworthy (dashboards/README.md, Experiment results).
+BASELINES = ("paired", "recorded", "estimated", "potential")
+UNKNOWN = Mapping(NULL_NAN, "unknown", "unknown")
 ACTIVE = (Mapping("0", "inactive", "ok"), Mapping("1", "ACTIVE", "bad"))
+SIGNATURE = (Mapping("1", "active", "bad"), Mapping("0", "clear", "ok"), Mapping("-1", "no offloading", "off"),
+             UNKNOWN)
+# Grafana custom units (valueFormats.getValueFormat): count: scales by K/M/B/T and appends the symbol, si:
+# by SI prefixes. Checked against @grafana/data 13.2: 1.23K tokens/s, 16 GFLOP/token, 12K tokens.
+TOKENS_PER_SECOND = "count:tokens/s"
+TOKENS = "count:tokens"
+FLOP_PER_TOKEN = "si:FLOP/token"
+REQUESTS = "count:requests"
+
+
+def or_unknown(expr: str, label: str = "", server: str = "server") -> str:
+    """``expr`` (one series per server), and NaN for every watched server it has no value for.
+
+    kvwatt leaves an unknown figure out of /metrics (catalog: None is never exported), so without this a
+    server whose figure is unknown would silently vanish from a stat; NaN is mapped to "unknown". ``label``
+    (a label of ``expr``'s series other than server) is set to "unknown" on the filler, for the legend.
+    """
+    fill = f"{_by('server', kv('kvwatt_server_info', server))} * NaN"
+    if label:
+        fill = f'label_replace({fill}, "{label}", "unknown", "server", ".*")'
+    return f"{expr} or on (server) ({fill})"
+
+
+def best_baseline(metric: str, server: str = "server") -> str:
+    """``metric`` by (server, baseline), for each server only its most trustworthy baseline kind (BASELINES)."""
+    return " or on (server) ".join(_by("server, baseline", kv(metric, server, baseline=b)) for b in BASELINES)
+
+
+def saving_stderr(server: str = "server") -> str:
+    """SE of dE for the baseline kind best_baseline picked."""
+    return f"{_by('server, baseline', kv('kvwatt_energy_saving_stderr_ratio', server))}"
+
+
+DE_BAND = ("dE", "dE + 1 SE", "dE - 1 SE")  # legend names: the line, the band's upper and lower edges
+
+
+def dE_band(server: str = "server") -> tuple[Target, ...]:
+    """dE of the best baseline and dE +/- 1 SE (the band's edges; absent where dE has no SE)."""
+    best = f"({best_baseline('kvwatt_energy_saving_ratio', server)})"
+    line, upper, lower = DE_BAND
+    return (Target(best, line),
+            Target(f"{best} + {saving_stderr(server)}", upper),
+            Target(f"{best} - {saving_stderr(server)}", lower))
+
+
+def _undersized_or_no_offloading() -> str:
+    """1/0 while the buffer is (not) undersized; -1 ("no offloading") where the server does not offload, which
+    kvwatt exports as no value for kvwatt_offload_buffer_undersized (catalog: _buffer)."""
+    return (f"{_by('server', kv('kvwatt_offload_buffer_undersized'))} or on (server) "
+            f"({_by('server', kv('kvwatt_offload_enabled'))} == 0) - 1")
+
+
+_DE = best_baseline("kvwatt_energy_saving_ratio")
+PAYING = Row("Is offloading paying right now?", (
+    Panel("Energy saving dE now", "Per server: dE = (J/tok OFF - J/tok ON) / J/tok OFF (methods.md s2) against "
+          "its most trustworthy baseline kind (paired = a live OFF twin, then recorded = an OFF profile, "
+          "estimated = a model, potential = what a server without offloading would save with it), named in "
+          "brackets; under it its standard error (SE, delta method) for the same kind. Green: offloading saves "
+          "energy; red: it costs. unknown: no comparison yet (no baseline, or not enough load).",
+          "percentunit",
+          (Target(or_unknown(_DE, "baseline"), "{{server}} dE ({{baseline}})", instant=True),
+           Target(f"({saving_stderr()} and on (server, baseline) ({_DE})) or on (server, baseline) (({_DE}) * NaN)",
+                  "{{server}} SE ({{baseline}})", instant=True)),
+          kind="stat", w=7, h=6, threshold_line=0, colors=("bad", "ok"), mappings=(UNKNOWN,),
+          dashed_refids=("B",), no_value="unknown"),
+    Panel("Offloading", "Per server: does it offload KV to host memory (on/off)? unknown: kvwatt has not read the "
+          "server's configuration (server unreachable).", "none",
+          (Target(or_unknown(_by("server", kv("kvwatt_offload_enabled"))), "{{server}}", instant=True),),
+          kind="stat", w=3, h=6, mappings=(Mapping("1", "on", "info"), Mapping("0", "off", "off"), UNKNOWN),
+          no_value="unknown"),
+    Panel("Marginal energy per token now", "Per server and scope (gpu, host): (E - P_idle*dt) / generated tokens "
+          "over the window (methods.md s1). unknown: less than 30 s of load, no tokens, or no energy reading.",
+          "joule",
+          (Target(or_unknown(_by("server, scope", kv("kvwatt_marginal_energy_per_token_joules")), "scope"),
+                  "{{server}} {{scope}}", instant=True),),
+          kind="stat", w=5, h=6, colors=("info", "info"), mappings=(UNKNOWN,), no_value="unknown"),
+    Panel("Failure signatures now", "Per server: active / clear / unknown for the throughput-collapse signature "
+          "(methods.md s5; unknown while any of its conditions cannot be told, e.g. GPU power unknown: see "
+          "Collapse conditions below), sustained preemption onset, and an offload buffer too small for the p99 "
+          "tool-call latency (no offloading: the server does not offload). unknown is never shown as clear.",
+          "none",
+          (Target(or_unknown(_by("server", kv("kvwatt_collapse_signature"))), "{{server}} collapse", instant=True),
+           Target(or_unknown(_by("server", kv("kvwatt_preemption_onset"))), "{{server}} preemption onset",
+                  instant=True),
+           Target(or_unknown(_undersized_or_no_offloading()), "{{server}} buffer undersized", instant=True)),
+          kind="stat", w=9, h=6, mappings=SIGNATURE, no_value="unknown"),
+))
 
 REGIME = Row("Regime", (
     Panel("Regime now", "Per server: is the window's p95 KV usage above the regime threshold? Above it, "
@@ -419,7 +550,8 @@ ENERGY = Row("Energy", (
           "saves. baseline: paired = a live OFF twin, recorded = an OFF profile from `kvwatt baseline record`, "
           "estimated = a model estimate (least trustworthy), potential = what a server without offloading "
           "would save with it (a model estimate).", "percentunit",
-          (Target(_by("server, baseline", kv("kvwatt_energy_saving_ratio")), "{{server}} dE ({{baseline}})"),), w=8),
+          (Target(_by("server, baseline", kv("kvwatt_energy_saving_ratio")), "{{server}} dE ({{baseline}})"),), w=8,
+          threshold_line=0, colors=("bad", "ok")),
     Panel("GPU power vs idle baseline", "Board power, the rate of the GPU energy counter, and the idle baseline "
           "P_idle that marginal J/token subtracts.", "watt",
           (Target(f"max by (instance, gpu) ({kv('kvwatt_gpu_power_watts')})", "{{instance}} GPU {{gpu}} power"),
@@ -434,11 +566,17 @@ ENERGY = Row("Energy", (
            Target(f"max by (instance, zone, domain) ({kv('kvwatt_host_idle_power_watts')})",
                   "{{instance}} {{zone}} {{domain}} idle")),
           w=8, min=0, dashed_refids=("B",)),
-    Panel("Generation throughput", "Generated tokens per second: kvwatt's window figure per server and the rate "
-          "of vLLM's own counter per instance.", "short",
+    Panel("Generation throughput", "Generated tokens per second: kvwatt's window figure per server (every "
+          "engine) and, for vLLM servers, the rate of vLLM's own counter.", TOKENS_PER_SECOND,
           (Target(_by("server", kv("kvwatt_generation_tokens_per_second")), "{{server}} (kvwatt window)"),
-           Target(f"sum by (instance) ({rate(vl('vllm:generation_tokens_total'))})", "{{instance}} (vLLM counter)")),
-          w=8, min=0, axis_label="tokens/s"),
+           Target(f"sum by (server) ({rate(vl('vllm:generation_tokens_total'))})", "{{server}} (vLLM counter)")),
+          w=8, min=0),
+    Panel("dE with its standard-error band: $server", "dE of this server against its most trustworthy baseline "
+          "kind (as in the first row), with a band of one standard error either side (delta method, methods.md "
+          "s2; no band where the comparison has no repeats yet) and a dashed zero line: a band wholly above "
+          "zero means offloading saves energy beyond noise. One panel per selected server.", "percentunit",
+          dE_band(), w=24, threshold_line=0, colors=("bad", "ok"), band=DE_BAND,
+          repeat="server"),
 ))
 
 RECOMPUTE = Row("Recomputation", (
@@ -448,11 +586,11 @@ RECOMPUTE = Row("Recomputation", (
           "percentunit",
           (Target(_by("source", kv("kvwatt_prompt_token_share_ratio")), "{{source}}"),),
           w=24, stacked=True, min=0, max=1, repeat="server"),
-    Panel("Prompt tokens by source (vLLM counters)", "Rate of vLLM's prompt-token counter by source, per "
-          "instance (stacked).", "short",
-          (Target(f"sum by (instance, source) ({rate(vl('vllm:prompt_tokens_by_source_total'))})",
-                  "{{instance}} {{source}}"),),
-          w=6, stacked=True, min=0, axis_label="tokens/s"),
+    Panel("Prompt tokens by source (vLLM only)", "Rate of vLLM's prompt-token counter by source, per server "
+          "(stacked). vLLM servers only; the shares above come from every engine.", TOKENS_PER_SECOND,
+          (Target(f"sum by (server, source) ({rate(vl('vllm:prompt_tokens_by_source_total'))})",
+                  "{{server}} {{source}}"),),
+          w=6, stacked=True, min=0),
     Panel("Recompute tax", "local_compute share minus this server's low-pressure reference share (methods.md "
           "s4): the prompt work that pressure forces the GPU to redo. Dashed: the reference share.", "percentunit",
           (Target(_by("server", kv("kvwatt_recompute_tax_ratio")), "{{server}} tax"),
@@ -461,14 +599,14 @@ RECOMPUTE = Row("Recomputation", (
     Panel("Preemptions per minute", "Preemptions per minute from kvwatt's dense samples and from the rate of "
           "vLLM's counter. Dashed line: the default onset rate 0.5/min (preemption_onset_per_minute).", "cpm",
           (Target(_by("server", kv("kvwatt_preemptions_per_minute")), "{{server}} (kvwatt window)"),
-           Target(f"sum by (instance) ({rate(vl('vllm:num_preemptions_total'))}) * 60",
-                  "{{instance}} (vLLM counter)")),
+           Target(f"sum by (server) ({rate(vl('vllm:num_preemptions_total'))}) * 60",
+                  "{{server}} (vLLM counter)")),
           w=6, min=0, threshold_line=0.5),
     Panel("Estimated FLOPs per generated token", "vLLM's MFU estimate of FLOPs per generated token "
           "(--enable-mfu-metrics): rises with every kind of recomputation, re-prefill after preemption included, "
-          "which the token counters miss.", "short",
+          "which the token counters miss.", FLOP_PER_TOKEN,
           (Target(_by("server", kv("kvwatt_estimated_flops_per_generated_token")), "{{server}}"),),
-          w=6, min=0, axis_label="FLOP/token"),
+          w=6, min=0),
 ))
 
 PRESSURE = Row("KV pressure", (
@@ -478,14 +616,15 @@ PRESSURE = Row("KV pressure", (
           (Target(_by("server", kv("kvwatt_kv_cache_usage_p95_ratio")), "{{server}} p95"),
            Target(_by("server", kv("kvwatt_kv_cache_usage_max_ratio")), "{{server}} max"),
            Target(_by("server", kv("kvwatt_kv_pressure_threshold_ratio")), "{{server}} threshold"),
-           Target(f"max by (instance) ({vl('vllm:kv_cache_usage_perc')})", "{{instance}} scraped")),
+           Target(f"max by (server) ({vl('vllm:kv_cache_usage_perc')})", "{{server}} scraped (vLLM gauge)")),
           w=8, min=0, max=1, dashed_refids=("C",)),
-    Panel("Requests running and waiting", "vLLM's scheduler gauges summed over engines: running, and waiting by "
-          "reason (capacity = no KV room, deferred).", "short",
-          (Target(f"sum by (instance) ({vl('vllm:num_requests_running')})", "{{instance}} running"),
-           Target(f"sum by (instance, reason) ({vl('vllm:num_requests_waiting_by_reason')})",
-                  "{{instance}} waiting ({{reason}})")),
-          w=8, min=0, axis_label="requests"),
+    Panel("Requests running and waiting (vLLM only)", "vLLM's scheduler gauges summed over its engine cores: "
+          "running, and waiting by reason (capacity = no KV room, deferred). vLLM servers only: kvwatt exports no "
+          "engine-neutral request counts.", REQUESTS,
+          (Target(f"sum by (server) ({vl('vllm:num_requests_running')})", "{{server}} running"),
+           Target(f"sum by (server, reason) ({vl('vllm:num_requests_waiting_by_reason')})",
+                  "{{server}} waiting ({{reason}})")),
+          w=8, min=0),
     Panel("Offload buffer residency", "How long an offloaded block survives: buffer bytes / write rate "
           "(methods.md s6). It should exceed the workload's p99 tool-call latency (dashed: the default "
           "p99_tool_latency 20 s); kvwatt_offload_buffer_undersized compares against the configured value.", "s",
@@ -497,24 +636,25 @@ PRESSURE = Row("KV pressure", (
            Target(_by("server", kv("kvwatt_offload_recommended_buffer_bytes")), "{{server}} recommended")),
           w=8, min=0, dashed_refids=("B",)),
     Panel("Offload bandwidth", "Store (GPU to host) and load (host to GPU) rates: kvwatt's window figures per "
-          "server and the rate of vLLM's offload byte counters per instance.", "Bps",
+          "server (every engine) and, for vLLM servers, the rate of vLLM's offload byte counters.", "Bps",
           (Target(_by("server", kv("kvwatt_offload_write_bytes_per_second")), "{{server}} store"),
            Target(_by("server", kv("kvwatt_offload_read_bytes_per_second")), "{{server}} load"),
-           Target(f"sum by (instance) ({rate(vl('vllm:kv_offload_store_bytes_total'))})",
-                  "{{instance}} store (vLLM counter)"),
-           Target(f"sum by (instance) ({rate(vl('vllm:kv_offload_load_bytes_total'))})",
-                  "{{instance}} load (vLLM counter)")),
+           Target(f"sum by (server) ({rate(vl('vllm:kv_offload_store_bytes_total'))})",
+                  "{{server}} store (vLLM counter)"),
+           Target(f"sum by (server) ({rate(vl('vllm:kv_offload_load_bytes_total'))})",
+                  "{{server}} load (vLLM counter)")),
           w=16, min=0),
 ))
 
-LATENCY = Row("Latency", (
-    Panel("Time to first token", "TTFT quantiles from vLLM's histogram, per instance.", "s",
-          tuple(Target(quantile(q, vl("vllm:time_to_first_token_seconds_bucket"), "instance"), f"{{{{instance}}}} p{p}")
+LATENCY = Row("Latency (vLLM only)", (
+    Panel("Time to first token (vLLM only)", "TTFT quantiles from vLLM's histogram, per server. vLLM servers "
+          "only: kvwatt exports no engine-neutral latency.", "s",
+          tuple(Target(quantile(q, vl("vllm:time_to_first_token_seconds_bucket")), f"{{{{server}}}} p{p}")
                 for q, p in ((0.5, 50), (0.95, 95), (0.99, 99))),
           w=12, min=0),
-    Panel("Inter-token latency", "Inter-token latency (time per output token) quantiles from vLLM's histogram, "
-          "per instance.", "s",
-          tuple(Target(quantile(q, vl("vllm:inter_token_latency_seconds_bucket"), "instance"), f"{{{{instance}}}} p{p}")
+    Panel("Inter-token latency (vLLM only)", "Inter-token latency (time per output token) quantiles from vLLM's "
+          "histogram, per server. vLLM servers only.", "s",
+          tuple(Target(quantile(q, vl("vllm:inter_token_latency_seconds_bucket")), f"{{{{server}}}} p{p}")
                 for q, p in ((0.5, 50), (0.95, 95), (0.99, 99))),
           w=12, min=0),
 ))
@@ -522,12 +662,12 @@ LATENCY = Row("Latency", (
 ANALYSIS = Row("Analysis", (
     Panel("Cached-to-prefill ratio vs critical", "kappa observed = external_kv_transfer / local_compute prompt "
           "tokens over the window, against kappa_crit (dashed, roofline form, methods.md s7): above it, "
-          "execution turns transfer-bound.", "short",
+          "execution turns transfer-bound.", "none",
           (Target(_by("server", kv("kvwatt_cached_to_prefill_ratio")), "{{server}} kappa"),
            Target(_by("server", kv("kvwatt_critical_cached_to_prefill_ratio")), "{{server}} kappa_crit")),
           w=10, log=True, dashed_refids=("B",), axis_label="tokens loaded per token computed"),
     Panel("Recompute break-even length", "Sequence length above which reloading KV beats recomputing it "
-          "(Tetris form with GQA width, methods.md s7).", "short",
+          "(Tetris form with GQA width, methods.md s7).", TOKENS,
           (Target(_by("server", kv("kvwatt_recompute_breakeven_tokens")), "{{server}}"),), kind="stat", w=4),
     Panel("Prompt energy per token by source", "Attribution model, not a measurement: marginal GPU joules per "
           "prompt token by source, reloaded tokens priced at load_to_compute_cost_ratio.", "joule",
@@ -538,10 +678,11 @@ ANALYSIS = Row("Analysis", (
 OVERVIEW = Dashboard(
     uid="kvwatt-overview",
     title="kvwatt / Overview",
-    description="Per vLLM server: KV-pressure regime, cost of a token, where prompt tokens come from, failure "
-                "signatures. Generated by dashboards/generate.py; do not edit by hand.",
-    variables=(DATASOURCE, JOB, SERVER, MODEL, INSTANCE, WINDOW),
-    rows=(REGIME, ENERGY, RECOMPUTE, PRESSURE, LATENCY, ANALYSIS),
+    description="Per engine server: is offloading paying right now, KV-pressure regime, cost of a token, where "
+                "prompt tokens come from, failure signatures. Generated by dashboards/generate.py; do not edit "
+                "by hand.",
+    variables=(DATASOURCE, JOB, INSTANCE, SERVER, WINDOW),
+    rows=(PAYING, REGIME, ENERGY, RECOMPUTE, PRESSURE, LATENCY, ANALYSIS),
     links=(Link("Experiment: ON vs OFF", "kvwatt-experiment", "Paired comparison of an offloading ON/OFF pair"),),
 )
 
@@ -579,7 +720,8 @@ COMPARISON = Row("Live comparison", (
           "kind.", "percentunit",
           (Target(_by("baseline", kv("kvwatt_throughput_gain_ratio", server="server_on")), "dTPS {{baseline}}"),),
           kind="stat", w=6),
-    Panel("Comparison windows ($server_on)", "How many windows the dE/dTPS comparison rests on.", "short",
+    Panel("Comparison windows ($server_on)", "How many windows the dE/dTPS comparison rests on.",
+          "count:windows",
           (Target(_by("baseline", kv("kvwatt_comparison_windows", server="server_on")), "{{baseline}}"),),
           kind="stat", w=4),
     Panel("dE and dTPS over time", "Energy saving and throughput gain of every selected server that has a "
@@ -589,14 +731,19 @@ COMPARISON = Row("Live comparison", (
            Target(_by("server, baseline", kv("kvwatt_energy_saving_stderr_ratio")), "{{server}} SE dE ({{baseline}})"),
            Target(_by("server, baseline", kv("kvwatt_throughput_gain_stderr_ratio")),
                   "{{server}} SE dTPS ({{baseline}})")),
-          w=24, dashed_refids=("C", "D")),
+          w=24, dashed_refids=("C", "D"), threshold_line=0, colors=("bad", "ok")),
+    Panel("dE with its standard-error band ($server_on)", "dE of the ON server against its most trustworthy "
+          "baseline kind (paired first), with a band of one standard error either side (no band where the "
+          "comparison has no repeats yet) and a dashed zero line: a band wholly above zero means offloading "
+          "saves energy beyond noise.", "percentunit",
+          dE_band("server_on"), w=24, threshold_line=0, colors=("bad", "ok"), band=DE_BAND),
 ))
 
 SIDE_BY_SIDE = Row("Side by side: ON vs OFF", (
     _on_off("Marginal J/token: ON vs OFF", "Marginal energy per generated token of both servers (GPU and host).",
             "joule", "kvwatt_marginal_energy_per_token_joules", w=8, min=0),
-    _on_off("Generated tokens/s: ON vs OFF", "Generation throughput of both servers over the window.", "short",
-            "kvwatt_generation_tokens_per_second", w=8, min=0, axis_label="tokens/s"),
+    _on_off("Generated tokens/s: ON vs OFF", "Generation throughput of both servers over the window.",
+            TOKENS_PER_SECOND, "kvwatt_generation_tokens_per_second", w=8, min=0),
     _on_off("KV usage p95: ON vs OFF", "p95 KV usage of both servers from dense samples: the comparison is "
             "only meaningful where both run the same pressure.", "percentunit",
             "kvwatt_kv_cache_usage_p95_ratio", w=8, min=0, max=1),
@@ -611,9 +758,12 @@ SIDE_BY_SIDE = Row("Side by side: ON vs OFF", (
            Target(_by("server, source", kv("kvwatt_prompt_token_share_ratio", server="server_off")),
                   "OFF {{server}} {{source}}")),
           w=8, min=0, max=1),
-    Panel("TTFT p95 by instance", "p95 time to first token from vLLM's histogram per instance; pick the ON and "
-          "OFF servers' instances in the Instance variable.", "s",
-          (Target(quantile(0.95, vl("vllm:time_to_first_token_seconds_bucket"), "instance"), "{{instance}} p95"),),
+    Panel("TTFT p95: ON vs OFF (vLLM only)", "p95 time to first token from vLLM's histogram of both servers "
+          "(vLLM servers only). ON: $server_on; OFF: $server_off.", "s",
+          (Target(quantile(0.95, vl("vllm:time_to_first_token_seconds_bucket", server="server_on")),
+                  "ON {{server}} p95"),
+           Target(quantile(0.95, vl("vllm:time_to_first_token_seconds_bucket", server="server_off")),
+                  "OFF {{server}} p95")),
           w=8, min=0),
 ))
 
@@ -627,7 +777,7 @@ EXPERIMENT = Dashboard(
     title="kvwatt / Experiment: offloading ON vs OFF",
     description="Live paired comparison of an offloading ON server with its OFF twin: dE, dTPS with standard "
                 "errors, and the two servers side by side. Generated by dashboards/generate.py.",
-    variables=(DATASOURCE, JOB, SERVER, MODEL, INSTANCE, WINDOW, SERVER_ON, SERVER_OFF),
+    variables=(DATASOURCE, JOB, INSTANCE, SERVER, WINDOW, SERVER_ON, SERVER_OFF),
     rows=(COMPARISON, SIDE_BY_SIDE, REPORTS),
     links=(Link("Overview", "kvwatt-overview", "Regime, energy, recomputation and pressure of every server"),),
 )

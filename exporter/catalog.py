@@ -8,6 +8,11 @@ a ``kvwatt_`` series missing from it. To find a metric's computation: search its
 docs/methods.md sections.
 
 A fill yields ``(label values in the order of labels, value)``; a None value is left out (unknown, never 0).
+
+The one exception: /metrics also carries prometheus_client's standard ``process_*`` and ``python_*`` families
+(ProcessCollector, PlatformCollector, GCCollector; exporter.collector.runtime_families), which describe the
+kvwatt process itself, as every Prometheus client library's do. They are not listed here because their
+names, help and labels are the library's, the same in every exporter.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator
 
+from exporter.build import build_info
 from exporter.figures import ServerFigures, Snapshot, WindowFigures
 
 Sample = tuple[tuple[str, ...], "float | bool | None"]
@@ -50,6 +56,11 @@ def per_window(get: Callable[[WindowFigures], "float | bool | None"]) -> Fill:
             for w in s.windows:
                 yield (s.name, w.window), get(w)
     return fill
+
+
+def _build_info(_snap: Snapshot) -> Iterator[Sample]:
+    b = build_info()
+    yield (b.version, b.revision, b.python_version), 1.0
 
 
 def _statuses(snap: Snapshot):
@@ -176,6 +187,9 @@ _K = "KV pressure and recomputation"
 _O = "Offloading"
 
 METRICS: tuple[MetricDef, ...] = (
+    MetricDef("kvwatt_build_info", "info", ("version", "revision", "python_version"),
+              "The running kvwatt: version, source revision (git commit, or unknown) and Python version; "
+              "value 1 (as `kvwatt --version` prints them).", "build.build_info", "Exporter", _build_info),
     # --- health of the sources -------------------------------------------------------------------------
     MetricDef("kvwatt_source_up", "gauge", ("source", "server"),
               "1 if the last read of this source succeeded, 0 if not (see kvwatt_source_info for the reason). "

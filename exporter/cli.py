@@ -7,7 +7,7 @@ import argparse
 import importlib
 import sys
 
-from exporter import __version__
+from exporter.build import VersionAction
 from exporter.config import ConfigError
 
 # command path -> (module, one-line help). Sub-commands of "baseline" are "baseline idle" etc.
@@ -28,8 +28,9 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _import(name: str):
-    """Import a command module; None only when that very module is absent (tests/test_cli.py requires
-    every command to be present, so this never hides a missing command in a release)."""
+    """Import a command module; None only when that very module is absent (tests/test_config.py
+    test_every_command_is_present requires every command to be present, so this never hides a missing command
+    in a release)."""
     try:
         return importlib.import_module(name)
     except ModuleNotFoundError as e:
@@ -45,7 +46,7 @@ def _missing(name: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="kvwatt", description="Watch vLLM servers with KV offloading: KV pressure, recomputation and energy per token.")
-    parser.add_argument("--version", action="version", version=f"kvwatt {__version__}")
+    parser.add_argument("--version", action=VersionAction)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     groups: dict[str, argparse._SubParsersAction] = {}
     for path, (module_name, help_) in COMMANDS.items():

@@ -8,7 +8,7 @@ import hashlib
 import math
 from typing import Callable, Iterable
 
-from prometheus_client import generate_latest
+from prometheus_client import GCCollector, PlatformCollector, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
@@ -62,8 +62,22 @@ def families(snap: Snapshot) -> list[Metric]:
     return [f for d in catalog.METRICS if (f := family(d, snap)) is not None]
 
 
+# The standard process_* and python_* families of the kvwatt process (the catalog's one documented exception,
+# exporter.catalog), in a registry of their own (not the global REGISTRY), collected with each tick's families
+# by Daemon.step.
+_RUNTIME = CollectorRegistry(auto_describe=False)
+for _standard in (ProcessCollector, PlatformCollector, GCCollector):
+    _standard(registry=_RUNTIME)
+
+
+def runtime_families() -> list[Metric]:
+    """process_* (CPU seconds, memory, open fds, start time; Linux /proc) and python_* (version, GC)."""
+    return list(_RUNTIME.collect())
+
+
 def render(snap: Snapshot) -> bytes:
-    """The text exposition of one snapshot (what /metrics serves until the next tick)."""
+    """The text exposition of one snapshot's catalog families (what /metrics serves until the next tick, less
+    the runtime families; see Daemon.step)."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(KvwattCollector(lambda: snap))
     return generate_latest(registry)

@@ -1,12 +1,14 @@
 """Configuration: YAML file, then environment, then flags (each overrides the one before).
 
 Every key is validated; a bad one raises ConfigError whose message names the key and the problem, and the
-CLI turns that into one line on stderr and exit status 2. docs/configuration.md lists every key; a test keeps
-that page in step with ``KEYS`` below.
+CLI turns that into one line on stderr and exit status 2. The README's configuration reference lists every key
+(generated from ``KEYS`` below by exporter/reference.py; tests/test_reference.py keeps it in step).
 """
 
 from __future__ import annotations
 
+import argparse
+import difflib
 import json
 import math
 import os
@@ -68,9 +70,11 @@ def finite_number(value: Any, key: str, expected: str = "a number") -> float:
     return float(value)
 
 
-def parse_duration(value: Any, key: str) -> float:
-    """'90s', '5m', '1.5h', 30 -> seconds, finite and > 0. Raises ConfigError naming ``key``."""
-    expected = "a duration like 30s or 5m"
+def parse_duration(value: Any, key: str, zero_ok: bool = False) -> float:
+    """'500ms', '90s', '5m', '1.5h', '30' or 30 (bare: seconds) -> seconds, finite and > 0 (>= 0 with
+    ``zero_ok``). The one duration parser of every command, flag, config key and environment variable.
+    Raises ConfigError naming ``key``."""
+    expected = "a duration like 30s or 5m (a bare number is seconds)"
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         seconds = finite_number(value, key, expected)
     else:
@@ -80,9 +84,38 @@ def parse_duration(value: Any, key: str) -> float:
         seconds = float(m.group(1)) * _UNITS[m.group(2)]
         if not math.isfinite(seconds):  # 400 digits overflow a float: refused like .inf
             raise ConfigError(f"{key}: expected a finite number, got {shown(value)}")
+    if zero_ok and seconds == 0:
+        return 0.0
     if not seconds > 0:
-        raise ConfigError(f"{key}: must be greater than zero, got {shown(value)}")
+        raise ConfigError(f"{key}: must be {'zero or more' if zero_ok else 'greater than zero'}, got {shown(value)}")
     return seconds
+
+
+def parse_interval(value: Any, key: str) -> float:
+    """A sampling interval: a duration (parse_duration) from 50ms to 60s, the same for every command."""
+    seconds = parse_duration(value, key)
+    if seconds < 0.05 or seconds > 60:
+        raise ConfigError(f"{key}: must be between 50ms and 60s, got {seconds:g}s")
+    return seconds
+
+
+def duration_arg(zero_ok: bool = False):
+    """parse_duration as an argparse ``type=``: a bad value is argparse's one-line error, exit status 2."""
+    def parse(text: str) -> float:
+        try:
+            return parse_duration(text, "", zero_ok)
+        except ConfigError as e:
+            raise argparse.ArgumentTypeError(str(e).removeprefix(": ")) from None
+    return parse
+
+
+def unknown_key(where: str, name: Any, known) -> ConfigError:
+    """The error for an unknown key ``name`` at ``where`` (its full path): the closest known key suggested
+    (a typo is the usual cause), then every known one."""
+    known = list(known)
+    close = difflib.get_close_matches(str(name), known, n=1, cutoff=0.6)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    return ConfigError(f"{where}: unknown key ({hint}known: {', '.join(known)})")
 
 
 def format_window(seconds: float) -> str:
@@ -133,6 +166,8 @@ class Config:
     collapse_reference_seconds: float = 600.0
     load_to_compute_cost_ratio: float = 0.1
     web_config_path: str | None = None  # TLS / basic auth of the endpoints (exporter/webconfig.py)
+    log_level: str = "info"  # debug | info | warn | error (exporter/logsetup.py)
+    log_format: str = "logfmt"  # logfmt | json
 
     @property
     def host(self) -> str:
@@ -234,6 +269,39 @@ def redacted_url(url: str) -> str:
     return parts._replace(netloc=f"{userinfo.partition(':')[0]}:xxxxx@{hostport}").geturl()
 
 
+LOG_LEVELS = ("debug", "info", "warn", "error")
+LOG_FORMATS = ("logfmt", "json")
+
+
+def parse_log_level(value: Any, key: str) -> str:
+    """debug, info, warn or error (Prometheus' spelling; 'warning' is taken for warn), any case."""
+    text = value.strip().lower() if isinstance(value, str) else value
+    text = "warn" if text == "warning" else text
+    if text not in LOG_LEVELS:
+        raise ConfigError(f"{key}: expected one of {', '.join(LOG_LEVELS)}, got {shown(value)}")
+    return text
+
+
+def parse_log_format(value: Any, key: str) -> str:
+    text = value.strip().lower() if isinstance(value, str) else value
+    if text not in LOG_FORMATS:
+        raise ConfigError(f"{key}: expected one of {', '.join(LOG_FORMATS)}, got {shown(value)}")
+    return text
+
+
+RESERVED_PATHS = ("/", "/healthz", "/api/status")  # kvwatt's other endpoints (exporter/web.py)
+_PATH_RE = re.compile(r"^/[A-Za-z0-9._~!$&'()*+,;=:@/-]*$")
+
+
+def parse_telemetry_path(value: Any, key: str) -> str:
+    """The path /metrics is served on: absolute, URL path characters only, not another endpoint's."""
+    text = _str(value, key)
+    if not _PATH_RE.match(text) or text in RESERVED_PATHS:
+        raise ConfigError(f"{key}: expected a path like /metrics, not one of {', '.join(RESERVED_PATHS)}, "
+                          f"got {shown(value)}")
+    return text
+
+
 def _windows(value: Any, key: str) -> tuple[float, ...]:
     if not isinstance(value, list) or not value:
         raise ConfigError(f"{key}: expected a list of durations like [1m, 5m], got {shown(value)}")
@@ -251,7 +319,7 @@ def _watts_map(value: Any, key: str) -> dict[str, float]:
 
 KEYS: dict[str, tuple[str, Any]] = {
     "listen": ("listen", parse_listen),
-    "interval": ("interval_seconds", lambda v, k: _checked_interval(parse_duration(v, k), k)),
+    "interval": ("interval_seconds", parse_interval),
     "windows": ("windows_seconds", _windows),
     "kv_pressure_threshold": ("kv_pressure_threshold_ratio", _float_range(0.0, 1.0, lo_open=True)),
     "preemption_onset_per_minute": ("preemption_onset_per_minute", _float_range(0.0, lo_open=True)),
@@ -271,6 +339,8 @@ KEYS: dict[str, tuple[str, Any]] = {
     "collapse_reference_window": ("collapse_reference_seconds", parse_duration),
     "load_to_compute_cost_ratio": ("load_to_compute_cost_ratio", _float_range(0.0)),
     "web_config_file": ("web_config_path", _str),
+    "log_level": ("log_level", parse_log_level),
+    "log_format": ("log_format", parse_log_format),
     "servers": ("servers", None),  # parsed by _servers
 }
 
@@ -291,12 +361,6 @@ MODEL_KEYS = ("layers", "kv_heads", "head_dim", "dtype_bytes", "active_parameter
 HARDWARE_KEYS = ("flops_per_second", "host_device_bytes_per_second", "gpu_model")
 
 
-def _checked_interval(seconds: float, key: str) -> float:
-    if seconds < 0.05 or seconds > 60:
-        raise ConfigError(f"{key}: must be between 50ms and 60s, got {seconds}s")
-    return seconds
-
-
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.:-]+$")
 
 
@@ -305,7 +369,7 @@ def _server(item: Any, key: str) -> ServerConfig:
         raise ConfigError(f"{key}: expected a mapping with name and url, got {shown(item)}")
     for k in item:
         if k not in SERVER_KEYS:
-            raise ConfigError(f"{key}.{k}: unknown key (known: {', '.join(SERVER_KEYS)})")
+            raise unknown_key(f"{key}.{k}", k, SERVER_KEYS)
     for required in ("name", "url"):
         if required not in item:
             raise ConfigError(f"{key}.{required}: missing")
@@ -344,7 +408,7 @@ def _numbers(value: Any, key: str, allowed: tuple[str, ...]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in value.items():
         if k not in allowed:
-            raise ConfigError(f"{key}.{k}: unknown key (known: {', '.join(allowed)})")
+            raise unknown_key(f"{key}.{k}", k, allowed)
         if k == "gpu_model":
             out[k] = _str(v, f"{key}.{k}")
         else:
@@ -376,7 +440,7 @@ def from_mapping(data: Any, base: Config | None = None) -> Config:
     kw: dict[str, Any] = {}
     for key, value in data.items():
         if key not in KEYS:
-            raise ConfigError(f"{key}: unknown key (known: {', '.join(KEYS)})")
+            raise unknown_key(str(key), key, KEYS)
         field_name, parser = KEYS[key]
         kw[field_name] = _servers(value) if key == "servers" else parser(value, key)
     return replace(base or Config(), **kw)
@@ -461,14 +525,14 @@ def parse_server_flag(text: str, key: str = "--server") -> ServerConfig:
 
 
 def apply_environment(cfg: Config, env: dict[str, str] | None = None) -> Config:
-    """KVWATT_LISTEN, KVWATT_INTERVAL, KVWATT_SERVERS ("a=URL,b=URL"), KVWATT_STATE_DIR, KVWATT_POWERCAP_ROOT."""
+    """KVWATT_LISTEN, KVWATT_INTERVAL, KVWATT_SERVERS ("a=URL,b=URL"), KVWATT_STATE_DIR, KVWATT_POWERCAP_ROOT,
+    KVWATT_LOG_LEVEL, KVWATT_LOG_FORMAT."""
     env = os.environ if env is None else env
     kw: dict[str, Any] = {}
     if env.get("KVWATT_LISTEN"):
         kw["listen"] = parse_listen(env["KVWATT_LISTEN"], "KVWATT_LISTEN")
     if env.get("KVWATT_INTERVAL"):
-        kw["interval_seconds"] = _checked_interval(parse_duration(env["KVWATT_INTERVAL"], "KVWATT_INTERVAL"),
-                                                   "KVWATT_INTERVAL")
+        kw["interval_seconds"] = parse_interval(env["KVWATT_INTERVAL"], "KVWATT_INTERVAL")
     if env.get("KVWATT_SERVERS"):
         kw["servers"] = _servers([{"name": n, "url": u} for n, u in
                                   (p.partition("=")[::2] for p in env["KVWATT_SERVERS"].split(","))],
@@ -477,6 +541,10 @@ def apply_environment(cfg: Config, env: dict[str, str] | None = None) -> Config:
         kw["state_dir"] = env["KVWATT_STATE_DIR"]
     if env.get("KVWATT_POWERCAP_ROOT"):
         kw["powercap_root"] = env["KVWATT_POWERCAP_ROOT"]
+    if env.get("KVWATT_LOG_LEVEL"):
+        kw["log_level"] = parse_log_level(env["KVWATT_LOG_LEVEL"], "KVWATT_LOG_LEVEL")
+    if env.get("KVWATT_LOG_FORMAT"):
+        kw["log_format"] = parse_log_format(env["KVWATT_LOG_FORMAT"], "KVWATT_LOG_FORMAT")
     return replace(cfg, **kw)
 
 
@@ -498,7 +566,7 @@ def resolve(config_path: str | None, servers: list[str] | None = None, listen: s
     if listen:
         kw["listen"] = parse_listen(listen, "--listen")
     if interval:
-        kw["interval_seconds"] = _checked_interval(parse_duration(interval, "--interval"), "--interval")
+        kw["interval_seconds"] = parse_interval(interval, "--interval")
     cfg = replace(cfg, **kw)
     if not cfg.servers:
         cfg = replace(cfg, servers=(ServerConfig(name="default", url=DEFAULT_SERVER_URL),))

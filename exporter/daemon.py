@@ -14,9 +14,12 @@ import time
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from exporter import logfilter
-from exporter.collector import render
-from exporter.config import Config, ConfigError, parse_duration, redacted_url, resolve
+from exporter import logsetup
+from exporter.build import VersionAction, build_info
+from exporter.collector import families, runtime_families
+from exporter.config import (Config, ConfigError, parse_duration, parse_log_format, parse_log_level,
+                             parse_telemetry_path, redacted_url, resolve)
+from exporter.exposition import Exposition
 from exporter.energy.baseline import BaselineBook
 from exporter.figures import Snapshot
 from exporter.model import Model
@@ -33,10 +36,16 @@ log = logging.getLogger("kvwatt")
 
 @dataclass(frozen=True)
 class Published:
-    """What the endpoints serve until the next tick: the snapshot and its exposition, rendered once."""
+    """What the endpoints serve until the next tick: the snapshot and its families, collected once, with
+    their serialisations (exporter.exposition: the text format rendered at once, other forms on demand)."""
 
     snapshot: Snapshot
-    exposition: bytes
+    rendered: Exposition
+
+    @property
+    def exposition(self) -> bytes:
+        """The text format (what a scrape with no Accept header gets)."""
+        return self.rendered.text
 
 
 class Daemon:
@@ -56,11 +65,12 @@ class Daemon:
         return None if p is None else p.snapshot
 
     def step(self, tick: Tick) -> Snapshot:
-        """One tick's work after the reads: learn, derive the figures once, render the exposition, publish
-        (one reference assignment, so a request sees the old tick or the new one, never a mix)."""
+        """One tick's work after the reads: learn, derive the figures once, collect the families (the catalog's
+        and the process' own) and render the text exposition, publish (one reference assignment, so a request
+        sees the old tick or the new one, never a mix)."""
         self.model.ingest(tick)
         snap = self.model.snapshot()
-        self.published = Published(snap, render(snap))
+        self.published = Published(snap, Exposition(families(snap) + runtime_families()))
         self.last_tick_t, self.ticks = tick.t, self.ticks + 1
         return snap
 
@@ -90,7 +100,8 @@ class CannotListen(Exception):
     """Binding the HTTP address failed (port taken, address not local): the one start failure that exits."""
 
 
-async def serve(cfg: Config, limits: "WebLimits | None" = None, web_config: "WebConfig | None" = None) -> None:
+async def serve(cfg: Config, limits: "WebLimits | None" = None, web_config: "WebConfig | None" = None,
+                telemetry_path: str = "/metrics") -> None:
     from exporter.web import WebLimits, start_web
 
     state = open_state_dir(cfg.state_dir)  # locked for the daemon's life; never fatal (exporter.statedir)
@@ -102,10 +113,11 @@ async def serve(cfg: Config, limits: "WebLimits | None" = None, web_config: "Web
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, daemon.stop)
         try:
-            runner = await start_web(daemon, cfg.host, cfg.port, limits or WebLimits(), web_config)
+            runner = await start_web(daemon, cfg.host, cfg.port, limits or WebLimits(), web_config,
+                                     telemetry_path)
         except OSError as e:  # only here: an OSError elsewhere (e.g. the state dir) is not about serving
             raise CannotListen(e.strerror or str(e)) from e
-        log.info("kvwatt listening on %s (%s), watching %s", cfg.listen,
+        log.info("%s listening on %s%s (%s), watching %s", build_info().line(), cfg.listen, telemetry_path,
                  web_config.describe() if web_config else "http, no auth",
                  ", ".join(f"{s.name}={redacted_url(s.url)}" for s in cfg.servers))
         try:
@@ -121,12 +133,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", metavar="FILE", help="YAML configuration file (also $KVWATT_CONFIG)")
     p.add_argument("--server", action="append", metavar="NAME=URL",
                    help="a vLLM server root URL to watch (repeatable; replaces the file's server list)")
-    p.add_argument("--listen", metavar="HOST:PORT", help="address to serve /metrics on (default 0.0.0.0:8492)")
-    p.add_argument("--interval", metavar="SECONDS", help="sampling interval (default 1s)")
+    p.add_argument("--web.listen-address", "--listen", dest="listen", metavar="HOST:PORT",
+                   help="address to serve /metrics on (default 0.0.0.0:8492; also the key listen, $KVWATT_LISTEN)")
+    p.add_argument("--web.telemetry-path", dest="telemetry_path", metavar="PATH", default="/metrics",
+                   help="path of the exposition (default /metrics)")
+    p.add_argument("--interval", metavar="DURATION",
+                   help="sampling interval: 500ms, 2s, or bare seconds (default 1s; 50ms to 60s)")
     p.add_argument("--powercap-root", metavar="DIR", help="powercap tree for RAPL (default /sys/class/powercap)")
     p.add_argument("--state-dir", metavar="DIR", help="where baselines are persisted (default /var/lib/kvwatt, "
                    "or ~/.local/state/kvwatt when that is not writable)")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log.level", "--log-level", dest="log_level", metavar="LEVEL",
+                   help="debug, info, warn or error (default info; also the key log_level, $KVWATT_LOG_LEVEL)")
+    p.add_argument("--log.format", dest="log_format", metavar="FORMAT",
+                   help="logfmt or json, one line per record (default logfmt; also log_format, $KVWATT_LOG_FORMAT)")
+    p.add_argument("--version", action=VersionAction)
     p.add_argument("--web.config.file", dest="web_config_file", metavar="FILE",
                    help="TLS and basic auth of every endpoint, Prometheus exporter-toolkit format "
                         "(also the config key web_config_file; docs/deployment.md)")
@@ -139,8 +159,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> Config:
+    level = parse_log_level(args.log_level, "--log.level") if args.log_level is not None else None
+    fmt = parse_log_format(args.log_format, "--log.format") if args.log_format is not None else None
     return resolve(args.config, servers=args.server, listen=args.listen, interval=args.interval,
-                   powercap_root=args.powercap_root, state_dir=args.state_dir)
+                   powercap_root=args.powercap_root, state_dir=args.state_dir, log_level=level, log_format=fmt)
 
 
 def web_settings(args: argparse.Namespace, cfg: Config):
@@ -165,11 +187,11 @@ def web_settings(args: argparse.Namespace, cfg: Config):
 
 def main(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logfilter.install()
+    telemetry_path = parse_telemetry_path(args.telemetry_path, "--web.telemetry-path")
+    logsetup.setup(cfg.log_level, cfg.log_format)
     limits, web_config = web_settings(args, cfg)
     try:
-        asyncio.run(serve(cfg, limits, web_config))
+        asyncio.run(serve(cfg, limits, web_config, telemetry_path))
     except CannotListen as e:  # e.g. the port is taken
         log.error("cannot serve on %s: %s", cfg.listen, e)
         return 2

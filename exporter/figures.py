@@ -26,6 +26,9 @@ class EnergyFigure:
     marginal_joules_per_token: float | None
 
 
+NOISE_STDERRS = 2.0  # a dE within two standard errors of zero is "within noise"
+
+
 @dataclass(frozen=True)
 class SavingFigure:
     """dE and dTPS of offloading against one baseline kind (methods.md s2)."""
@@ -39,6 +42,18 @@ class SavingFigure:
     throughput_gain: float | None = None
     throughput_gain_stderr: float | None = None
     has_throughput: bool = False  # paired and recorded compare throughput; the model estimates do not
+
+    @property
+    def verdict(self) -> str:
+        """In words, for the landing page and /api/status: ``unknown`` (no dE), ``within_noise`` (|dE| under
+        NOISE_STDERRS standard errors: the study's "offloading inert"), else ``saves`` or ``costs`` by the sign
+        (also when the SE is unknown, with fewer than two windows: the page then says so)."""
+        if self.energy_saving is None:
+            return "unknown"
+        se = self.energy_saving_stderr
+        if se is not None and abs(self.energy_saving) < NOISE_STDERRS * se:
+            return "within_noise"
+        return "saves" if self.energy_saving > 0 else "costs"
 
 
 @dataclass(frozen=True)
@@ -81,6 +96,8 @@ class BufferFigures:
     store_failures: float | None
     residency_seconds: float | None
     write_bytes_per_second: float | None
+    p99_tool_latency_seconds: float | None = None  # what the residency is held against (configured)
+    headroom: float | None = None  # the factor in the recommendation (configured)
 
 
 @dataclass(frozen=True)
@@ -120,6 +137,19 @@ class ServerFigures:
             if w.above_threshold is not None:
                 return "above" if w.above_threshold else "below"
         return "unknown"
+
+    @property
+    def regime_window(self) -> str | None:
+        """The window ``regime`` rests on (its label), None when the regime is unknown."""
+        for w in self.windows:
+            if w.above_threshold is not None:
+                return w.window
+        return None
+
+    @property
+    def collapse_window(self) -> str | None:
+        """The window the collapse conditions are evaluated over: the shortest (CollapseThresholds.from_config)."""
+        return min(self.windows, key=lambda w: w.seconds).window if self.windows else None
 
     @property
     def signatures(self) -> dict[str, bool | None]:

@@ -45,6 +45,9 @@ CONFIG_DOCS: dict[str, tuple[str, str]] = {
     "load_to_compute_cost_ratio": ("`0.1`", "energy of reloading a token vs recomputing it (attribution model)"),
     "web_config_file": ("none", "TLS and basic auth of every endpoint, exporter-toolkit format (flag "
                                 "`--web.config.file`; docs/deployment.md)"),
+    "log_level": ("`info`", "`debug`, `info`, `warn` or `error` (flag `--log.level`, `$KVWATT_LOG_LEVEL`)"),
+    "log_format": ("`logfmt`", "`logfmt` or `json`, one line per record with `ts`, `level`, `logger`, `caller`, "
+                               "`msg` (flag `--log.format`, `$KVWATT_LOG_FORMAT`)"),
 }
 
 

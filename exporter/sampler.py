@@ -101,7 +101,13 @@ class HealthLog:
     """Logs each source's changes of health, once each: going down or degraded (warning, with the reason),
     back up (info). A new reason word while the state stays is logged at debug (a refused connection after a
     dropped one); a new detail (3, then 4 bad lines) is not logged at all. A source fine from its first read
-    is not logged; one that starts down is, once."""
+    is not logged; one that starts down is, once.
+
+    A loss the source logs itself, per device, is not logged again here: NVML logs each GPU that is lost
+    (naming it) and each that is back (sources/nvml.py), so a GPU lost is one line, not two, and a second GPU
+    lost while the source is already degraded by the first is still a line of its own."""
+
+    SELF_LOGGED = frozenset({"gpu_lost"})  # reason words whose changes the source logs per device
 
     def __init__(self) -> None:
         self.last: dict[tuple[str, str], tuple[str, str]] = {}  # (source, server) -> (state, reason word)
@@ -111,6 +117,8 @@ class HealthLog:
         before = self.last.get(key)
         self.last[key] = now
         if now == before or (before is None and status.state == "ok"):
+            return
+        if status.code in self.SELF_LOGGED or (status.state == "ok" and before[1] in self.SELF_LOGGED):
             return
         what = f"{status.source} server {status.server!r}" if status.server else status.source
         if before is not None and before[0] == status.state:

@@ -1,4 +1,5 @@
-"""The state directory (`state_dir`), where `kvwatt run` persists its idle baselines (docs/configuration.md).
+"""The state directory (`state_dir`), where `kvwatt run` persists its idle baselines (README.md,
+"Configuration"; docs/energy.md, "State directory").
 
 ``open_state_dir`` runs once when the daemon starts:
 

@@ -1,8 +1,12 @@
-"""HTTP endpoints: /metrics (the collector), / (landing page), /healthz, /api/status (JSON).
+"""HTTP endpoints: /metrics (the collector), / (landing page, exporter.page), /healthz, /api/status (JSON).
 
 Each serialises the daemon's latest Snapshot and nothing else: no figure is computed here, and a request
-cannot change state. The exposition bytes are rendered once per tick, with the snapshot (exporter.daemon), so
-a scrape costs the loop a memory copy, and a scrape flood never slows sampling.
+cannot change state. The metric families are collected once per tick, with the snapshot (exporter.daemon),
+and each form of the exposition (text or OpenMetrics, plain or gzipped: negotiated as prometheus_client does,
+exporter/exposition.py) is serialised at most once per tick, the text format with the tick. A scrape of a
+form already serialised costs the loop a dict lookup and a memory copy; a form not yet serialised, or a
+``name[]`` subset, is serialised in a thread of its own (never the tick's), so a scrape flood never slows
+sampling.
 
 Connections are bounded (exporter/connections.py: a cap, eviction of the least recently active, TLS per
 connection); a connection that sends no complete request within ``read_timeout_seconds`` -- idle after a
@@ -13,19 +17,21 @@ and/or is served over TLS.
 
 from __future__ import annotations
 
-import html
+import asyncio
 import json
 import logging
 import math
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from datetime import datetime, timezone
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
-from prometheus_client import CONTENT_TYPE_LATEST
 
-from exporter import __version__
+from exporter import __version__, page
 from exporter.connections import ConnectionGuard, GuardedSite
+from exporter.exposition import Exposition, wanted_names
 from exporter.figures import ServerFigures, Snapshot, WindowFigures
 from exporter.samples import SourceStatus
 from exporter.webconfig import BasicAuth, WebConfig
@@ -35,12 +41,13 @@ MALFORMED_LOG_INTERVAL_SECONDS = 60.0
 
 
 def _window_json(w: WindowFigures) -> dict:
-    savings = {sv.baseline: {"dE": sv.energy_saving, "dE_stderr": sv.energy_saving_stderr, "windows": sv.windows,
+    savings = {sv.baseline: {"dE": sv.energy_saving, "dE_stderr": sv.energy_saving_stderr, "verdict": sv.verdict,
+                             "windows": sv.windows,
                              "reference_windows": sv.reference_windows, "note": sv.note,
                              "dTPS": sv.throughput_gain, "dTPS_stderr": sv.throughput_gain_stderr}
                for sv in w.savings}
     out = {
-        "covered_seconds": round(w.covered_seconds, 3), "kv_usage_p95": w.kv_usage_p95,
+        "seconds": w.seconds, "covered_seconds": round(w.covered_seconds, 3), "kv_usage_p95": w.kv_usage_p95,
         "kv_usage_max": w.kv_usage_max, "above_threshold": w.above_threshold,
         "preemptions_per_minute": w.preemptions_per_minute, "preemption_onset": w.preemption_onset,
         "generation_tokens_per_second": w.generation_tokens_per_second,
@@ -74,7 +81,7 @@ def _server_json(v: ServerFigures) -> dict:
         "model_name": v.info.model_name if v.info else None,
         "offload_enabled": v.info.offload_enabled if v.info else None,
         "offload_buffer_bytes": v.info.offload_buffer_bytes if v.info else None,
-        "regime": v.regime, "threshold": v.threshold,
+        "regime": v.regime, "regime_window": v.regime_window, "threshold": v.threshold,
         "reference_local_compute_share": v.reference_share, "reference_kind": v.reference_kind,
         "signatures": v.signatures, "recommendations": list(v.recommendations),
         "requests_waiting_for_kv": v.kv_fetch_waiting,
@@ -84,11 +91,14 @@ def _server_json(v: ServerFigures) -> dict:
                   "hardware": v.kappa.hardware_source},
     }
     if v.collapse is not None:
-        out["collapse"] = v.collapse.as_status()
+        out["collapse"] = {**v.collapse.as_status(), "window": v.collapse_window}
     if v.buffer is not None:
         b = v.buffer
         out["offload_buffer"] = {"undersized": b.undersized, "recommended_bytes": b.recommended_bytes,
-                                 "recommended_gib": b.recommended_gib, "store_failures": b.store_failures}
+                                 "recommended_gib": b.recommended_gib, "store_failures": b.store_failures,
+                                 "residency_seconds": b.residency_seconds,
+                                 "write_bytes_per_second": b.write_bytes_per_second,
+                                 "p99_tool_latency_seconds": b.p99_tool_latency_seconds, "headroom": b.headroom}
     return out
 
 
@@ -99,11 +109,20 @@ def _source_json(st: SourceStatus) -> dict:
 
 def status_json(snap: Snapshot | None) -> dict:
     """Per server: health, regime, active signatures, figures per window, recommendations; the health of the
-    host-wide sources (nvml, rapl). Strict JSON: a NaN or infinite figure is written null here, so no caller
-    can serialise one (RFC 8259 has neither)."""
+    host-wide sources (nvml, rapl, state_dir); when the figures were derived (``as_of``: the tick's wall
+    clock, null before the first tick). Strict JSON: a NaN or infinite figure is written null here, so no
+    caller can serialise one (RFC 8259 has neither). The landing page (exporter.page) renders this dict."""
     servers = [] if snap is None else [_server_json(v) for v in snap.servers]
     sources = [] if snap is None else [_source_json(st) for st in snap.sources]
-    return _finite({"version": __version__, "servers": servers, "sources": sources})
+    as_of = None if snap is None else snap.wall_time
+    return _finite({"version": __version__, "as_of_unix_seconds": as_of, "as_of": _iso(as_of),
+                    "servers": servers, "sources": sources})
+
+
+def _iso(unix_seconds: float | None) -> str | None:
+    if unix_seconds is None:
+        return None
+    return datetime.fromtimestamp(unix_seconds, timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
 
 
 def _finite(x):
@@ -115,34 +134,6 @@ def _finite(x):
     if isinstance(x, (list, tuple)):
         return [_finite(v) for v in x]
     return x
-
-
-def _fmt(x, pct=False) -> str:
-    if x is None:
-        return "unknown"
-    return f"{x * 100:.1f} %" if pct else f"{x:.3g}"
-
-
-def landing_html(snap: Snapshot | None) -> str:
-    rows = []
-    for v in (snap.servers if snap else ()):
-        w = v.windows[-1] if v.windows else None
-        sig = ", ".join(k for k, on in v.signatures.items() if on) or "none"
-        recs = "<br>".join(html.escape(r) for r in v.recommendations) or "none"
-        shares = w.token_shares if w else None
-        rows.append(
-            f"<tr><td>{html.escape(v.name)}</td><td>{'up' if v.status.up else 'DOWN: ' + html.escape(v.status.reason)}"
-            f"</td><td>{v.regime}</td><td>{_fmt(w.kv_usage_p95 if w else None, True)}</td>"
-            f"<td>{_fmt(w.preemptions_per_minute if w else None)}</td>"
-            f"<td>{_fmt(shares['local_compute'] if shares else None, True)}</td>"
-            f"<td>{html.escape(sig)}</td><td>{recs}</td></tr>")
-    return f"""<!doctype html><html><head><title>kvwatt</title></head><body>
-<h1>kvwatt {__version__}</h1>
-<p>KV pressure, recomputation and energy per token of vLLM servers. <a href="/metrics">Metrics</a> ·
-<a href="/api/status">Status (JSON)</a> · <a href="/healthz">Health</a></p>
-<table border="1" cellpadding="4"><tr><th>server</th><th>source</th><th>regime</th><th>KV p95</th>
-<th>preemptions/min</th><th>local_compute share</th><th>active signatures</th><th>recommendations</th></tr>
-{''.join(rows)}</table><p>Figures over the longest configured window.</p></body></html>"""
 
 
 class RequestLog(logging.LoggerAdapter):
@@ -185,11 +176,23 @@ def auth_middleware(auth: BasicAuth):
     return check
 
 
-def build_app(daemon, auth: BasicAuth | None = None) -> web.Application:
-    async def metrics(_request):
+NOTHING_YET = Exposition([])  # before the first tick: no family, in whatever format is asked for
+
+
+def build_app(daemon, auth: BasicAuth | None = None, telemetry_path: str = "/metrics") -> web.Application:
+    # serialises what a tick has not yet (exporter/exposition.py); one thread, apart from the tick's
+    render_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvwatt-render")
+
+    async def metrics(request: web.Request):
         published = daemon.published
-        body = b"" if published is None else published.exposition
-        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+        exposition = NOTHING_YET if published is None else published.rendered
+        accept, encoding = request.headers.get("Accept"), request.headers.get("Accept-Encoding")
+        names = wanted_names(request.query.getall("name[]", None))
+        served = exposition.cached(accept, encoding, names)
+        if served is None:
+            served = await asyncio.get_running_loop().run_in_executor(
+                render_pool, exposition.serve, accept, encoding, names)
+        return web.Response(body=served.body, headers=served.headers())
 
     async def healthz(_request):
         ok = daemon.healthy()
@@ -200,10 +203,11 @@ def build_app(daemon, auth: BasicAuth | None = None) -> web.Application:
                             content_type="application/json")
 
     async def index(_request):
-        return web.Response(text=landing_html(daemon.snapshot), content_type="text/html")
+        return web.Response(text=page.render(status_json(daemon.snapshot), telemetry_path), content_type="text/html")
 
     app = web.Application(middlewares=[auth_middleware(auth)] if auth else [])
-    app.router.add_get("/metrics", metrics)
+    app.on_cleanup.append(lambda _app: _shutdown(render_pool))
+    app.router.add_get(telemetry_path, metrics)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/api/status", status)
     app.router.add_get("/", index)
@@ -217,9 +221,9 @@ class WebLimits:
 
 
 async def start_web(daemon, host: str, port: int, limits: WebLimits = WebLimits(),
-                    web_config: WebConfig | None = None) -> web.AppRunner:
+                    web_config: WebConfig | None = None, telemetry_path: str = "/metrics") -> web.AppRunner:
     auth = BasicAuth(web_config.users) if web_config and web_config.users else None
-    app = build_app(daemon, auth)
+    app = build_app(daemon, auth, telemetry_path)
     if auth is not None:
         app.on_cleanup.append(lambda _app: _close(auth))
     runner = web.AppRunner(app, access_log=None, logger=RequestLog(),
@@ -233,3 +237,7 @@ async def start_web(daemon, host: str, port: int, limits: WebLimits = WebLimits(
 
 async def _close(auth: BasicAuth) -> None:
     auth.close()
+
+
+async def _shutdown(pool: ThreadPoolExecutor) -> None:
+    pool.shutdown(wait=False, cancel_futures=True)

@@ -33,7 +33,7 @@ from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from exporter.config import ConfigError, read_yaml
+from exporter.config import ConfigError, read_yaml, unknown_key
 
 TLS_KEYS = ("cert_file", "key_file", "client_auth_type", "client_ca_file", "min_version", "max_version")
 TOP_KEYS = ("tls_server_config", "basic_auth_users")
@@ -74,7 +74,7 @@ def _check_keys(data: dict, allowed: tuple[str, ...], where: str) -> None:
         if key in TOOLKIT_UNSUPPORTED:
             raise ConfigError(f"{where}{key}: not supported by kvwatt (supported: {', '.join(allowed)})")
         if key not in allowed:
-            raise ConfigError(f"{where}{key}: unknown key (known: {', '.join(allowed)})")
+            raise unknown_key(f"{where}{key}", key, allowed)
 
 
 def _text(value, where: str) -> str:

@@ -34,15 +34,19 @@ EXPECTED_UIDS = {"kvwatt-overview.json": "kvwatt-overview", "kvwatt-experiment.j
 DS_UIDS = {"$datasource", "${datasource}"}
 SERVER_VARS = {"server", "server_on", "server_off"}
 GRAFANA_GLOBALS = {"__rate_interval", "__interval", "__range", "__all"}
-# Labels vLLM puts on its series (vllm-metrics.md) plus what Prometheus adds.
-VLLM_LABELS = {"job", "instance", "model_name", "engine", "le", "source", "reason", "transfer_type", "tier"}
+# Labels vLLM puts on its series (vllm-metrics.md), what Prometheus adds, and the `server` target label its
+# scrape carries (docs/fleet.md, label discipline 3).
+VLLM_LABELS = {"job", "instance", "server", "model_name", "engine", "le", "source", "reason", "transfer_type", "tier"}
 SCRAPE_LABELS = {"job", "instance"}
 # ALERTS carry the labels their alert rule keeps, not the scrape's: no job matcher is required (a rule that
-# aggregates job away would otherwise vanish from the panel). Documented in dashboards/README.md.
+# aggregates job away would otherwise vanish from the panel). Engine series (vllm:*) are scraped by the
+# engine's job, not kvwatt's: they follow the selection through `server`, never job/instance. Both are
+# documented in dashboards/README.md.
 JOB_EXEMPT = {"ALERTS"}
 # Grafana unit ids (the linter's list, grafana-data valueFormats categories), restricted to families we may use.
+# "short" is not among them: it is a scale, not a unit (issue 13: tokens/s, FLOPs per token, token counts).
 VALID_UNITS = {
-    "none", "string", "short", "percent", "percentunit", "sci", "locale",
+    "none", "string", "percent", "percentunit", "sci", "locale",
     "bytes", "decbytes", "bits", "decbits", "kbytes", "mbytes", "gbytes",
     "pps", "binBps", "Bps", "binbps", "bps", "KiBs", "KBs", "MiBs", "MBs", "GiBs", "GBs",
     "watt", "kwatt", "mwatt", "watth", "kwatth", "joule", "ev", "volt", "amp",
@@ -51,6 +55,9 @@ VALID_UNITS = {
     "cps", "ops", "reqps", "rps", "wps", "iops", "cpm", "opm", "rpm", "wpm",
     "bool", "bool_yes_no", "bool_on_off", "celsius",
 }
+# Grafana's custom units (valueFormats.getValueFormat): count:<symbol> scales by K/M/B/T, si:<symbol> by SI
+# prefixes, suffix:<symbol> does not scale.
+CUSTOM_UNIT = re.compile(r"^(count|si|suffix):\S.*$")
 LABEL_VALUES = re.compile(r"^(label_values|label_names|metrics|query_result)\((.*?)(?:,\s*(\w+))?\)$")
 
 
@@ -111,13 +118,41 @@ def template_job_rule(d: Dashboard) -> list[str]:
 
 
 def template_instance_rule(d: Dashboard) -> list[str]:
-    """template-instance-rule (instance of the vLLM series)."""
+    """template-instance-rule (instance of the kvwatt exporter, see template_chained_rule)."""
     return _check_template(d, "instance")
 
 
-def template_server_model_rule(d: Dashboard) -> list[str]:
-    """kvwatt convention: `server` and `model_name` follow the same rules as `job`."""
-    return _check_template(d, "server") + _check_template(d, "model_name")
+def template_server_rule(d: Dashboard) -> list[str]:
+    """kvwatt convention: `server` follows the same rules as `job`."""
+    return _check_template(d, "server")
+
+
+# Each variable's query must filter on the variables before it (Grafana refreshes a variable when one it
+# references changes), and read a kvwatt series, which exists for every engine.
+CHAIN = {"instance": ("job",), "server": ("job", "instance"), "server_on": ("job", "instance"),
+         "server_off": ("job", "instance"), "window": ("job", "instance")}
+
+
+def template_chained_rule(d: Dashboard) -> list[str]:
+    """kvwatt: job -> instance -> server are chained (issue 13: no matching by hand), in that order, on
+    kvwatt series; instance is kvwatt's exporter, so no vLLM address has to be matched to a server."""
+    errors = []
+    order = [v.get("name") for v in variables(d)]
+    for name, before in CHAIN.items():
+        v = variable(d, name)
+        if v is None:
+            continue
+        m = LABEL_VALUES.match(v.get("query") or "")
+        sels = selectors(m.group(2)) if m else []
+        if len(sels) != 1 or not (sels[0].name or "").startswith("kvwatt_"):
+            errors.append(f"template {name!r} does not read one kvwatt series: {v.get('query')!r}")
+            continue
+        for label in before:
+            if not _matcher_is(sels[0], label, f"${label}"):
+                errors.append(f'template {name!r} is not chained on {label}=~"${label}"')
+            elif label in order and order.index(label) > order.index(name):
+                errors.append(f"template {name!r} comes before {label!r}, which it follows")
+    return errors
 
 
 def template_label_promql_rule(d: Dashboard) -> list[str]:
@@ -188,13 +223,48 @@ def panel_title_description_rule(d: Dashboard) -> list[str]:
     return errors
 
 
+def unit_of(p: dict[str, Any]) -> str:
+    return ((p.get("fieldConfig") or {}).get("defaults") or {}).get("unit", "")
+
+
 def panel_units_rule(d: Dashboard) -> list[str]:
-    """panel-units-rule, for every panel with queries (stricter: state-timeline too)."""
+    """panel-units-rule, for every panel with queries (stricter: state-timeline too; "short" refused; Grafana's
+    count:/suffix: custom units accepted)."""
     errors = []
     for p in query_panels(d):
-        unit = ((p.get("fieldConfig") or {}).get("defaults") or {}).get("unit", "")
-        if unit not in VALID_UNITS:
+        unit = unit_of(p)
+        if unit not in VALID_UNITS and not CUSTOM_UNIT.match(unit):
             errors.append(f"{where(p)} has no or invalid units defined: {unit!r}")
+    return errors
+
+
+# The unit a panel must have, from the name of the kvwatt series its first query reads (Prometheus naming:
+# the suffix says the unit). Longest suffix first. Exempt: flags drawn through value mappings ("none").
+UNIT_BY_SUFFIX = (
+    ("_tokens_per_second", "count:tokens/s"), ("_per_generated_token", "si:FLOP/token"),
+    ("_bytes_per_second", "Bps"), ("_per_token_joules", "joule"), ("_per_minute", "cpm"), ("_windows", "count:windows"),
+    ("_tokens", "count:tokens"), ("_seconds", "s"), ("_bytes", "bytes"), ("_watts", "watt"),
+    ("_joules_total", "watt"),  # drawn as rate(): watts
+)
+# _ratio series are shares or relative changes (percentunit) except kappa, tokens loaded per token computed.
+NOT_PERCENT_RATIOS = {"kvwatt_cached_to_prefill_ratio", "kvwatt_critical_cached_to_prefill_ratio"}
+
+
+def expected_unit(series: str) -> str | None:
+    if series.endswith("_ratio"):
+        return "none" if series in NOT_PERCENT_RATIOS else "percentunit"
+    return next((unit for suffix, unit in UNIT_BY_SUFFIX if series.endswith(suffix)), None)
+
+
+def unit_follows_series_rule(d: Dashboard) -> list[str]:
+    """kvwatt: a panel's unit is the one its first kvwatt series' name states (tokens/s, FLOP/token, tokens,
+    joules per token, ratios as percentunit, ...), never a bare number."""
+    errors = []
+    for p in query_panels(d):
+        names = [n for t in p.get("targets", [])[:1] for n in series_names_of(t["expr"]) if n.startswith("kvwatt_")]
+        want = expected_unit(names[0]) if names else None
+        if want is not None and unit_of(p) != want:
+            errors.append(f"{where(p)} reads {names[0]} but its unit is {unit_of(p)!r}, not {want!r}")
     return errors
 
 
@@ -221,18 +291,19 @@ def _matcher_is(s: Selector, label: str, value: str) -> bool:
 
 
 def target_job_rule(d: Dashboard) -> list[str]:
-    """target-job-rule: every selector has job=~"$job" (ALERTS exempt, see JOB_EXEMPT)."""
+    """target-job-rule: every kvwatt selector has job=~"$job" (ALERTS and engine series exempt, JOB_EXEMPT)."""
     return [f"{where(p, t)}: selector {s.name} has no job=~\"$job\" matcher"
             for p, t in targets(d) for s in selectors(t["expr"])
-            if s.name not in JOB_EXEMPT and not _matcher_is(s, "job", "$job")]
+            if s.name not in JOB_EXEMPT and s.name not in WIRE_SERIES and not _matcher_is(s, "job", "$job")]
 
 
 def target_labels_rule(d: Dashboard) -> list[str]:
     """kvwatt: each selector filters by the variables its series' labels allow and by no label it lacks.
 
-    kvwatt_* (labels from exporter.catalog): server=~"$server" (or $server_on/$server_off) when it has a
-    server label, window=~"$window" when it has a window label. vllm:* : model_name=~"$model_name" and
-    instance=~"$instance"; never server.
+    kvwatt_* (labels from exporter.catalog): instance=~"$instance" always, server=~"$server" (or
+    $server_on/$server_off) when it has a server label, window=~"$window" when it has a window label.
+    vllm:* : a server variable (its scrape's target label) and neither job nor instance, which are vLLM's
+    scrape's, not the kvwatt exporter's the variables pick.
     """
     errors = []
     for p, t in targets(d):
@@ -247,6 +318,8 @@ def _selector_label_errors(s: Selector, name: str) -> list[str]:
     if name in BY_NAME:
         labels = set(BY_NAME[name].labels) | SCRAPE_LABELS
         errors = [f"{name} has no label {lab!r}" for lab in sorted(used - labels)]
+        if not _matcher_is(s, "instance", "$instance"):
+            errors.append(f'{name} is not filtered by instance=~"$instance"')
         if "server" in labels:
             m = s.matcher("server")
             if m is None or m.op != "=~" or not referenced_variables(m.value) & SERVER_VARS:
@@ -256,8 +329,10 @@ def _selector_label_errors(s: Selector, name: str) -> list[str]:
         return errors
     if name in WIRE_SERIES:
         errors = [f"{name} has no label {lab!r}" for lab in sorted(used - VLLM_LABELS)]
-        errors += [f'{name} is not filtered by {lab}=~"${lab}"' for lab in ("model_name", "instance")
-                   if not _matcher_is(s, lab, f"${lab}")]
+        errors += [f"{name} is filtered by the kvwatt exporter's {lab}" for lab in sorted(used & SCRAPE_LABELS)]
+        m = s.matcher("server")
+        if m is None or m.op != "=~" or not referenced_variables(m.value) & SERVER_VARS:
+            errors.append(f"{name} is not filtered by a server variable")
         return errors
     return []
 
@@ -272,6 +347,132 @@ def series_exist_rule(d: Dashboard) -> list[str]:
     known = set(BY_NAME) | set(WIRE_SERIES) | JOB_EXEMPT
     return [f"{at}: {name} is neither a kvwatt series (exporter.catalog) nor a vLLM one (WIRE_SERIES)"
             for at, expr in exprs for name in series_names_of(expr) if name not in known]
+
+
+def engine_neutral_rule(d: Dashboard) -> list[str]:
+    """kvwatt: kvwatt_* series are engine-neutral, vllm:* series exist for vLLM servers only. A panel that
+    reads only vLLM series says "(vLLM only)" in its title; a vLLM target beside kvwatt ones says "vLLM" in
+    its legend, so a panel empty or half-drawn for another engine is never mistaken for a missing figure."""
+    errors = []
+    for p in query_panels(d):
+        names = [n for t in p.get("targets", []) for n in series_names_of(t["expr"])]
+        engine = [n for n in names if n in WIRE_SERIES]
+        if not engine:
+            continue
+        if not any(n.startswith("kvwatt_") for n in names):
+            if "(vLLM only)" not in p.get("title", ""):
+                errors.append(f"{where(p)} reads only vLLM series ({engine[0]}) but is not titled (vLLM only)")
+            continue
+        for t in p.get("targets", []):
+            if any(n in WIRE_SERIES for n in series_names_of(t["expr"])) and "vLLM" not in t.get("legendFormat", ""):
+                errors.append(f"{where(p, t)} reads a vLLM series; its legend does not say vLLM")
+    return errors
+
+
+# --- the overview's first row: is offloading paying right now? --------------------------------------------
+
+FIRST_ROW_TITLE = "Is offloading paying right now?"
+# series the first row must read, each in an instant stat, with what its value mappings must show
+FIRST_ROW_SERIES = {
+    "kvwatt_energy_saving_ratio": {},
+    "kvwatt_energy_saving_stderr_ratio": {},
+    "kvwatt_offload_enabled": {"1": "on", "0": "off"},
+    "kvwatt_marginal_energy_per_token_joules": {},
+    "kvwatt_collapse_signature": {"1": "active", "0": "clear"},
+    "kvwatt_preemption_onset": {"1": "active", "0": "clear"},
+    "kvwatt_offload_buffer_undersized": {"1": "active", "0": "clear", "-1": "no offloading"},
+}
+UNKNOWN_FILL = re.compile(r"or on \(server\) \(.*kvwatt_server_info\{[^}]*\}\) \* NaN")
+
+
+def first_row(d: Dashboard) -> list[dict[str, Any]]:
+    """The panels of the dashboard's first row (under its first row header)."""
+    out: list[dict[str, Any]] = []
+    for p in d.get("panels", [])[1:]:
+        if p.get("type") == "row":
+            break
+        out.append(p)
+    return out
+
+
+def _value_texts(p: dict[str, Any]) -> tuple[dict[str, str], str | None]:
+    mappings = ((p.get("fieldConfig") or {}).get("defaults") or {}).get("mappings", [])
+    values = {k: v.get("text") for m in mappings if m.get("type") == "value" for k, v in m["options"].items()}
+    special = next((m["options"]["result"].get("text") for m in mappings
+                    if m.get("type") == "special" and m["options"].get("match") == "null+nan"), None)
+    return values, special
+
+
+def first_row_rule(d: Dashboard) -> list[str]:
+    """kvwatt (issue 13): the overview opens with "is offloading paying right now": per server dE with its
+    baseline kind (legend) and SE, offload on/off, marginal J/token and the failure signatures, as instant
+    stats; a server whose figure is unknown reads "unknown" (a NaN filler from kvwatt_server_info mapped by a
+    null+nan mapping), never clear or off."""
+    if d.get("uid") != "kvwatt-overview":
+        return []
+    panels0 = d.get("panels", [])
+    if not panels0 or panels0[0].get("type") != "row" or panels0[0].get("title") != FIRST_ROW_TITLE:
+        return [f"the first row is not {FIRST_ROW_TITLE!r}"]
+    errors, seen = [], set()
+    for p in first_row(d):
+        values, special = _value_texts(p)
+        if p.get("type") != "stat":
+            errors.append(f"{where(p)} is a {p.get('type')}, not a stat")
+        if special != "unknown":
+            errors.append(f"{where(p)} does not show NaN / no value as 'unknown'")
+        for t in p.get("targets", []):
+            names = series_names_of(t["expr"])
+            if not t.get("instant"):
+                errors.append(f"{where(p, t)} is not an instant query (the value now)")
+            if "{{server}}" not in t.get("legendFormat", ""):
+                errors.append(f"{where(p, t)}: legend does not name the server")
+            if names and names[0] == "kvwatt_energy_saving_ratio" and "{{baseline}}" not in t["legendFormat"]:
+                errors.append(f"{where(p, t)}: dE legend does not name its baseline kind")
+            first = names[0] if names else ""
+            if first in FIRST_ROW_SERIES and first != "kvwatt_energy_saving_stderr_ratio" \
+                    and not UNKNOWN_FILL.search(t["expr"]):
+                errors.append(f"{where(p, t)}: a server without {first} would vanish instead of reading unknown")
+            for name in names[:1]:  # what the target shows; the rest only fills in unknowns
+                want = FIRST_ROW_SERIES.get(name)
+                if want is None:
+                    continue
+                seen.add(name)
+                wrong = {k: values.get(k) for k, text in want.items() if values.get(k) != text}
+                if wrong:
+                    errors.append(f"{where(p)}: mappings for {name} show {wrong}, want {want}")
+    errors += [f"the first row does not read {name}" for name in sorted(set(FIRST_ROW_SERIES) - seen)]
+    return errors
+
+
+def _threshold_values(p: dict[str, Any]) -> list[float]:
+    steps = (((p.get("fieldConfig") or {}).get("defaults") or {}).get("thresholds") or {}).get("steps", [])
+    return [s["value"] for s in steps if s.get("value") is not None]
+
+
+def de_time_series_rule(d: Dashboard) -> list[str]:
+    """kvwatt (issue 13): every dE time series draws a zero line; each dashboard has one with an SE band:
+    targets dE + SE and dE - SE, the upper filled down to the lower (fillBelowTo)."""
+    errors, bands = [], 0
+    for p in query_panels(d):
+        if p.get("type") != "timeseries" or not any(
+                "kvwatt_energy_saving_ratio" in series_names_of(t["expr"]) for t in p.get("targets", [])):
+            continue
+        custom = p["fieldConfig"]["defaults"].get("custom", {})
+        if 0 not in _threshold_values(p) or custom.get("thresholdsStyle", {}).get("mode", "off") == "off":
+            errors.append(f"{where(p)} draws no zero line")
+        legends = {t.get("legendFormat"): t["expr"] for t in p.get("targets", [])}
+        for o in p["fieldConfig"].get("overrides", []):
+            props = {prop["id"]: prop.get("value") for prop in o.get("properties", [])}
+            upper, lower = o.get("matcher", {}).get("options"), props.get("custom.fillBelowTo")
+            if lower is None:
+                continue
+            ok = all(name in legends and "kvwatt_energy_saving_stderr_ratio" in legends[name]
+                     for name in (upper, lower))
+            if not ok or " + " not in legends.get(upper, "") or " - " not in legends.get(lower, ""):
+                errors.append(f"{where(p)}: fillBelowTo {upper!r} -> {lower!r} is not dE + SE down to dE - SE")
+            else:
+                bands += 1
+    return errors + ([] if bands else ["no dE time series with an SE band (fillBelowTo)"])
 
 
 # --- dashboard rules ---------------------------------------------------------------------------------------
@@ -324,13 +525,18 @@ RULES: dict[str, Rule] = {
     "template-datasource-rule": template_datasource_rule,
     "template-job-rule": template_job_rule,
     "template-instance-rule": template_instance_rule,
-    "template-server-model-rule": template_server_model_rule,
+    "template-server-rule": template_server_rule,
+    "template-chained-rule": template_chained_rule,
     "template-label-promql-rule": template_label_promql_rule,
     "template-on-time-change-reload-rule": template_on_time_change_reload_rule,
     "template-variables-used-rule": template_variables_used_rule,
     "panel-datasource-rule": panel_datasource_rule,
     "panel-title-description-rule": panel_title_description_rule,
     "panel-units-rule": panel_units_rule,
+    "unit-follows-series-rule": unit_follows_series_rule,
+    "engine-neutral-rule": engine_neutral_rule,
+    "first-row-rule": first_row_rule,
+    "de-time-series-rule": de_time_series_rule,
     "panel-no-targets-rule": panel_no_targets_rule,
     "target-rate-interval-rule": target_rate_interval_rule,
     "target-job-rule": target_job_rule,
@@ -373,6 +579,18 @@ def _set(obj: dict[str, Any], key: str, value: Any) -> None:
     obj[key] = value
 
 
+def _swap_variables(d: Dashboard, a: str, b: str) -> None:
+    vs = d["templating"]["list"]
+    i, j = vs.index(_var(d, a)), vs.index(_var(d, b))
+    vs[i], vs[j] = vs[j], vs[i]
+
+
+def _cut_expr(d: Dashboard, title: str, at: str) -> None:
+    t = _panel(d, title)["targets"][0]
+    assert at in t["expr"], (at, t["expr"])
+    t["expr"] = t["expr"][:t["expr"].index(at)]
+
+
 def _replace_expr(d: Dashboard, title: str, old: str, new: str) -> None:
     t = _panel(d, title)["targets"][0]
     assert old in t["expr"], (old, t["expr"])
@@ -386,9 +604,13 @@ MUTATIONS: list[tuple[str, str, Callable[[Dashboard], None]]] = [
     ("template-job-rule", "allValue", lambda d: _set(_var(d, "job"), "allValue", "")),
     ("template-job-rule", "fixed datasource", lambda d: _set(_var(d, "job"), "datasource", {"uid": "abc"})),
     ("template-instance-rule", "no All", lambda d: _set(_var(d, "instance"), "includeAll", False)),
-    ("template-server-model-rule", "server allValue", lambda d: _set(_var(d, "server"), "allValue", ".*")),
-    ("template-server-model-rule", "model_name missing",
-     lambda d: d["templating"]["list"].remove(_var(d, "model_name"))),
+    ("template-server-rule", "server allValue", lambda d: _set(_var(d, "server"), "allValue", ".*")),
+    ("template-server-rule", "server missing", lambda d: d["templating"]["list"].remove(_var(d, "server"))),
+    ("template-chained-rule", "server not chained on instance",
+     lambda d: _set(_var(d, "server"), "query", 'label_values(kvwatt_server_info{job=~"$job"}, server)')),
+    ("template-chained-rule", "instance of vLLM's scrape",
+     lambda d: _set(_var(d, "instance"), "query", 'label_values(vllm:num_requests_running{job=~"$job"}, instance)')),
+    ("template-chained-rule", "server before instance", lambda d: _swap_variables(d, "server", "instance")),
     ("template-label-promql-rule", "bad function", lambda d: _set(_var(d, "server"), "query", "labels(up, x)")),
     ("template-on-time-change-reload-rule", "refresh on load", lambda d: _set(_var(d, "server"), "refresh", 1)),
     ("template-variables-used-rule", "undefined variable",
@@ -403,13 +625,51 @@ MUTATIONS: list[tuple[str, str, Callable[[Dashboard], None]]] = [
     ("panel-units-rule", "no unit", lambda d: _panel(d, "Regime now")["fieldConfig"]["defaults"].pop("unit")),
     ("panel-units-rule", "invalid unit",
      lambda d: _set(_panel(d, "Marginal energy per token")["fieldConfig"]["defaults"], "unit", "joules")),
+    ("panel-units-rule", "short", lambda d: _set(_panel(d, "Generation throughput")["fieldConfig"]["defaults"],
+                                                 "unit", "short")),
+    ("unit-follows-series-rule", "tokens/s as a bare number",
+     lambda d: _set(_panel(d, "Generation throughput")["fieldConfig"]["defaults"], "unit", "none")),
+    ("unit-follows-series-rule", "FLOP per token as FLOP/s",
+     lambda d: _set(_panel(d, "Estimated FLOPs per generated token")["fieldConfig"]["defaults"], "unit", "flops")),
+    ("unit-follows-series-rule", "token count as a bare number",
+     lambda d: _set(_panel(d, "Recompute break-even length")["fieldConfig"]["defaults"], "unit", "none")),
+    ("unit-follows-series-rule", "dE not in percent",
+     lambda d: _set(_panel(d, "Energy saving dE now")["fieldConfig"]["defaults"], "unit", "none")),
+    ("engine-neutral-rule", "vLLM-only panel not titled so",
+     lambda d: _set(_panel(d, "Time to first token (vLLM only)"), "title", "Time to first token")),
+    ("engine-neutral-rule", "vLLM target legend does not say vLLM",
+     lambda d: _set(_panel(d, "Generation throughput")["targets"][1], "legendFormat", "{{server}} (counter)")),
+    ("first-row-rule", "another row first", lambda d: _set(d["panels"][0], "title", "Regime")),
+    ("first-row-rule", "unknown shown as clear",
+     lambda d: _set(_panel(d, "Failure signatures now")["fieldConfig"]["defaults"]["mappings"][1]["options"]
+                    ["result"], "text", "clear")),
+    ("first-row-rule", "a server without a value vanishes",
+     lambda d: _cut_expr(d, "Offloading", " or on (server) (")),
+    ("first-row-rule", "range query", lambda d: _set(_panel(d, "Energy saving dE now")["targets"][0], "instant", False)),
+    ("first-row-rule", "no baseline kind",
+     lambda d: _set(_panel(d, "Energy saving dE now")["targets"][0], "legendFormat", "{{server}} dE")),
+    ("first-row-rule", "no SE", lambda d: _panel(d, "Energy saving dE now")["targets"].pop(1)),
+    ("first-row-rule", "no offload on/off", lambda d: _panel(d, "Offloading")["targets"].pop(0)),
+    ("first-row-rule", "no marginal J/token",
+     lambda d: _replace_expr(d, "Marginal energy per token now", "kvwatt_marginal_energy_per_token_joules",
+                             "kvwatt_energy_per_token_joules")),
+    ("de-time-series-rule", "no zero line",
+     lambda d: _set(_panel(d, "Energy saving dE by baseline")["fieldConfig"]["defaults"]["custom"],
+                    "thresholdsStyle", {"mode": "off"})),
+    ("de-time-series-rule", "no SE band",
+     lambda d: _set(_panel(d, "dE with its standard-error band: $server")["fieldConfig"], "overrides", [])),
     ("panel-no-targets-rule", "no targets", lambda d: _set(_panel(d, "Regime now"), "targets", [])),
     ("target-rate-interval-rule", "fixed range",
-     lambda d: _replace_expr(d, "Time to first token", "[$__rate_interval]", "[5m]")),
+     lambda d: _replace_expr(d, "Time to first token (vLLM only)", "[$__rate_interval]", "[5m]")),
     ("target-job-rule", "no job matcher", lambda d: _replace_expr(d, "Regime now", 'job=~"$job", ', "")),
     ("target-job-rule", "job equality", lambda d: _replace_expr(d, "Regime now", 'job=~"$job"', 'job="$job"')),
-    ("target-labels-rule", "server on a vLLM series",
-     lambda d: _replace_expr(d, "Time to first token", 'model_name=~"$model_name"', 'server=~"$server"')),
+    ("target-labels-rule", "kvwatt's instance on a vLLM series",
+     lambda d: _replace_expr(d, "Time to first token (vLLM only)", 'server=~"$server"',
+                             'server=~"$server", instance=~"$instance"')),
+    ("target-labels-rule", "vLLM series not following server",
+     lambda d: _replace_expr(d, "Time to first token (vLLM only)", 'server=~"$server"', 'model_name=~".+"')),
+    ("target-labels-rule", "kvwatt series not following instance",
+     lambda d: _replace_expr(d, "Regime now", 'instance=~"$instance", ', "")),
     ("target-labels-rule", "model_name on a kvwatt series",
      lambda d: _replace_expr(d, "Regime now", 'server=~"$server"', 'model_name=~"$model_name"')),
     ("target-labels-rule", "no window",

@@ -6,18 +6,23 @@ The stack, all on loopback:
   ``off`` is its high-pressure OFF twin;
 - the NVML test double (GPU 0 follows the ON scenario's power, GPU 1 the OFF server's) and a RAPL powercap
   tree whose counters a thread advances, with configured idle baselines;
-- a real ``kvwatt run`` watching both servers (``on`` paired with ``off``, model and hardware configured);
+- a real ``kvwatt run`` watching both servers (``on`` paired with ``off``, model and hardware configured) and a
+  third, ``down``, whose address nothing listens on: every figure of it is unknown, which the first row must
+  show as "unknown", never as clear or off;
 - the Debian ``prometheus`` (tests/support/prom.py) scraping kvwatt (job ``kvwatt``) and both servers (job
-  ``vllm``) every second, with kvwatt's alert rules loaded plus one probe alert: kvwatt's own alerts wait
-  minutes in ``for:``, so without it the alerts table would be legitimately empty here.
+  ``vllm``, each target labelled ``server`` with kvwatt's name of it, as deploy/ does: docs/fleet.md) every
+  second, with kvwatt's alert rules loaded plus one probe alert: kvwatt's own alerts wait minutes in ``for:``,
+  so without it the alerts table would be legitimately empty here.
 
 Then, as Grafana would: each query variable is resolved by its own ``label_values`` query (a variable without
 options fails), multi variables are substituted as All (``.+``) and, in a second pass, as a user's selection
-(both jobs: ``(kvwatt|vllm)``; the ON server and its instance, regex-escaped), single variables take their
-default or first option, ``$__rate_interval`` is 4 x the scrape interval; time-series targets run as range
+(kvwatt's job and instance, the ON server, regex-escaped), single variables take their default or first option, ``$__rate_interval`` is 4 x the scrape interval; time-series targets run as range
 queries over the last 30 s, table targets as instant queries. Every target must return at least one series,
-and every ``{{label}}`` of its legend must be a label of what it returns. Failures name the dashboard, the
-panel title and the refId, and say whether the series is missing from Prometheus altogether.
+and every ``{{label}}`` of its legend must be a label of what it returns; with one server picked, every series
+returned must be that server's (the variables are chained: picking the server is enough, vLLM's series
+included). Failures name the dashboard, the panel title and the refId, and say whether the series is missing
+from Prometheus altogether. Last, the overview's first row is read as Grafana shows it (values through the
+panel's value mappings) for each of the three servers.
 """
 
 from __future__ import annotations
@@ -32,10 +37,11 @@ import pytest
 import yaml
 
 from tests.support import powercap, prom, vllm_sim
-from tests.support.daemon import KvwattDaemon
+from tests.support.daemon import KvwattDaemon, free_port
 from tests.support.fake_gpus import FakeGpus
 from tests.support.fakevllm import FakeVllm
-from tests.support.grafana import ROOT, expand, format_value, load_dashboards, targets, variables
+from tests.support.grafana import (ROOT, displayed, expand, format_value, load_dashboards, panels, targets,
+                                   variables)
 
 pytestmark = pytest.mark.prom
 
@@ -86,8 +92,8 @@ class Stack:
     started: float
 
     @property
-    def on_instance(self) -> str:
-        return self.on.url.removeprefix("http://")
+    def kvwatt_instance(self) -> str:
+        return self.daemon.url.removeprefix("http://")
 
 
 @pytest.fixture(scope="module")
@@ -113,15 +119,17 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
                    "model": model, "hardware": hardware},
             "off": {"url": off.url, "gpus": [GPU_OFF], "reference_local_compute_share": 0.04, "model": model,
                     "hardware": hardware},
+            "down": {"url": f"http://127.0.0.1:{free_port()}"},  # nothing listens: all its figures unknown
         }
+        vllm_targets = [{"targets": [server.url.removeprefix("http://")], "labels": {"server": name}}
+                        for name, server in (("on", on), ("off", off))]
         config = {"windows": ["10s", "30s"], "powercap_root": tree.root, "min_load_duration": "3s",
                   "idle_power_watts": {GPU_ON: vllm_sim.IDLE_WATTS, GPU_OFF: vllm_sim.IDLE_WATTS,
                                        **RaplTicker.IDLE_WATTS}}
         ticker.thread.start()
         try:
             with KvwattDaemon(servers=servers, config=config, env=gpus.env()) as daemon, \
-                    prom.Prometheus(tmp, {"kvwatt": [daemon.url.removeprefix("http://")],
-                                          "vllm": [u.removeprefix("http://") for u in (on.url, off.url)]},
+                    prom.Prometheus(tmp, {"kvwatt": [daemon.url.removeprefix("http://")], "vllm": vllm_targets},
                                     rule_files=rule_files, interval=f"{SCRAPE_SECONDS}s") as p:
                 yield Stack(p, daemon, on, off, time.monotonic())
         finally:
@@ -183,6 +191,19 @@ def _hint(p: prom.Prometheus, expr: str) -> str:
     return " [series exist, not with these labels]"
 
 
+SERVER_VARIABLES = ("server_on", "server_off", "server")  # longest first: $server is a prefix of the others
+
+
+def allowed_servers(target: dict[str, Any], picks: Picks) -> set[str]:
+    """The server label values a target's series may carry when one server is picked: the pick of the server
+    variable the target uses, else (a target that follows no server variable) the dashboard's `server` pick."""
+    name = next((n for n in SERVER_VARIABLES if f"${n}" in target["expr"]), "server")
+    pick = picks[name]
+    allowed = {pick} if isinstance(pick, str) else set(pick)
+    # kvwatt_source_up and ALERTS also keep host-wide series (empty server): server=~"$server|"
+    return allowed | ({""} if f"${name}|" in target["expr"] else set())
+
+
 def problems_of(p: prom.Prometheus, picks: Picks, all_multi: bool) -> list[str]:
     problems: list[str] = []
     for filename, dashboard in DASHBOARDS.items():
@@ -204,6 +225,11 @@ def problems_of(p: prom.Prometheus, picks: Picks, all_multi: bool) -> list[str]:
             missing = set(LEGEND_LABEL.findall(target.get("legendFormat", ""))) - labels
             if missing:
                 problems.append(f"{at}: legend uses {sorted(missing)} but the result only has {sorted(labels)}")
+            if not all_multi:
+                allowed = allowed_servers(target, picks)
+                strays = {s["metric"]["server"] for s in result if "server" in s["metric"]} - allowed
+                if strays:
+                    problems.append(f"{at}: picked {sorted(allowed)}, got series of {sorted(strays)}")
     return problems
 
 
@@ -226,8 +252,87 @@ def test_every_query_returns_data_with_all_selected(stack: Stack):
 
 
 def test_every_query_returns_data_for_one_server(stack: Stack):
-    """A user looking at the offloading server: both jobs (kvwatt's and vLLM's: multi-value regex), server=on,
-    its vLLM instance, the ON/OFF pair."""
-    picks: Picks = {**PAIR, "job": ["kvwatt", "vllm"], "server": "on", "instance": stack.on_instance}
+    """A user looking at the offloading server picks kvwatt's job, its exporter and the server ``on``, nothing
+    else: every query, vLLM's included, returns data and only that server's series."""
+    picks: Picks = {**PAIR, "job": "kvwatt", "instance": stack.kvwatt_instance, "server": "on"}
     problems = wait_for_data(stack, picks, all_multi=False)
     assert not problems, f"{len(problems)} dashboard query problems:\n" + "\n".join(problems)
+
+
+def _options(p: prom.Prometheus, query: str) -> list[str]:
+    m = LABEL_VALUES.match(query)
+    assert m, query
+    now = time.time()
+    found = p.api("series", **{"match[]": m.group(1), "start": now - RANGE_SECONDS, "end": now})
+    return sorted({s[m.group(2)] for s in found if s.get(m.group(2))})
+
+
+def test_variables_are_chained(stack: Stack):
+    """job -> instance -> server: each variable's options are what the ones before it select. The instance is
+    kvwatt's exporter (not a vLLM address to match by hand), and an instance that is not picked hides its
+    servers."""
+    overview = DASHBOARDS["kvwatt-overview.json"]
+    queries = {v["name"]: v["query"] for v in variables(overview) if v["type"] == "query"}
+    p = stack.prometheus
+    assert _options(p, expand(queries["job"], {})) == ["kvwatt"]
+    assert _options(p, expand(queries["instance"], {"job": "kvwatt"})) == [stack.kvwatt_instance]
+    picked = {"job": "kvwatt", "instance": format_value({"multi": True}, [stack.kvwatt_instance])}
+    assert _options(p, expand(queries["server"], picked)) == ["down", "off", "on"]
+    elsewhere = format_value({"multi": True}, ["127.0.0.1:1"])  # an exporter that is not there
+    assert _options(p, expand(queries["server"], {**picked, "instance": elsewhere})) == []
+    assert _options(p, expand(queries["server"], {**picked, "job": "vllm"})) == []
+
+
+# --- the first row, as Grafana shows it ---------------------------------------------------------------------
+
+FIRST_ROW = "Is offloading paying right now?"
+
+
+def first_row(p: prom.Prometheus, values: dict[str, str]) -> dict[tuple[str, str], str]:
+    """(panel title, legend) -> the text Grafana shows: each instant target's value through its panel's value
+    mappings and unit (tests.support.grafana.displayed)."""
+    overview = DASHBOARDS["kvwatt-overview.json"]
+    all_panels = list(panels(overview))
+    start = next(i for i, q in enumerate(all_panels) if q["type"] == "row" and q["title"] == FIRST_ROW)
+    shown: dict[tuple[str, str], str] = {}
+    for panel in all_panels[start + 1:]:
+        if panel["type"] == "row":
+            break
+        for target in panel["targets"]:
+            for s in run_target(p, target, values):
+                legend = LEGEND_LABEL.sub(lambda m: s["metric"].get(m.group(1), ""), target["legendFormat"])
+                shown[(panel["title"], legend)] = displayed(panel, s["value"][1])
+    return shown
+
+
+def test_first_row_shows_each_server_and_unknown_as_unknown(stack: Stack):
+    overview = DASHBOARDS["kvwatt-overview.json"]
+    values = resolve_variables(stack.prometheus, overview, {}, True, [])
+    want = {
+        # the offloading server: paired with its OFF twin, an undersized buffer under high pressure
+        ("Energy saving dE now", "on dE (paired)"): "number",
+        ("Energy saving dE now", "on SE (paired)"): "number",
+        ("Offloading", "on"): "on",
+        ("Marginal energy per token now", "on gpu"): "number",
+        ("Failure signatures now", "on buffer undersized"): "active",
+        # its OFF twin: no offloading, so no buffer to be undersized
+        ("Offloading", "off"): "off",
+        ("Failure signatures now", "off buffer undersized"): "no offloading",
+        ("Failure signatures now", "off collapse"): "clear",
+        # unreachable: everything unknown, nothing clear or off
+        ("Energy saving dE now", "down dE (unknown)"): "unknown",
+        ("Offloading", "down"): "unknown",
+        ("Marginal energy per token now", "down unknown"): "unknown",
+        ("Failure signatures now", "down collapse"): "unknown",
+        ("Failure signatures now", "down preemption onset"): "unknown",
+        ("Failure signatures now", "down buffer undersized"): "unknown",
+    }
+    deadline = stack.started + DEADLINE_SECONDS
+    while True:
+        shown = first_row(stack.prometheus, values)
+        got = {k: ("number" if re.fullmatch(r"-?[0-9.]+ ?(%|mJ|J|kJ)", shown.get(k, "")) else shown.get(k))
+               for k in want}
+        if got == want or time.monotonic() > deadline:
+            break
+        time.sleep(3)
+    assert got == want, "first row as shown:\n" + "\n".join(f"{k}: {v}" for k, v in sorted(shown.items()))

@@ -7,7 +7,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -27,10 +26,14 @@ class StubVllm:
 
     def __init__(self):
         self.running, self.tokens = 0, 1000
+        self.reads, self.bump_at_read = 0, None  # tokens += 10 on that read: "busy midway", whatever the clock
         self.server = MetricsServer(self.exposition).__enter__()
         self.url = self.server.url
 
     def exposition(self):
+        self.reads += 1
+        if self.reads == self.bump_at_read:
+            self.tokens += 10
         return (f'vllm:num_requests_running{{model_name="m",engine="0"}} {self.running}\n'
                 f'vllm:num_requests_waiting{{model_name="m",engine="0"}} 0\n'
                 f'vllm:generation_tokens_total{{model_name="m",engine="0"}} {self.tokens}\n'
@@ -86,11 +89,12 @@ def test_busy_server_saves_nothing(rig):
 
 def test_server_getting_busy_midway_voids_the_measurement(rig):
     vllm, gpus, tree, state = rig
-    timer = threading.Timer(1.0, lambda: setattr(vllm, "tokens", vllm.tokens + 10))
-    timer.start()
+    # the 4th read is inside the measurement (after the start-up check and its first ticks) on any machine;
+    # a wall-clock timer fired before a loaded machine had even imported kvwatt
+    vllm.bump_at_read = 4
     out = kvwatt(["--duration", "3s", "--settle", "0", "--interval", "0.25s", "--server", f"a={vllm.url}",
                   "--state-dir", str(state), "--powercap-root", tree.root], gpus)
-    timer.cancel()
+    assert vllm.reads >= 4  # the bumped read happened (the check stops the measurement right there)
     assert out.returncode == 1 and "served tokens" in out.stderr
     assert not (state / STATE_FILE).exists()
 

@@ -124,8 +124,10 @@ def test_small_kv_cache_shows_pressure_preemptions_and_the_recomputation_tax(tmp
     md = (out / "report.md").read_text()
     row = next(line for line in md.splitlines() if line.startswith("| small-cache |"))
     assert row.count("n/a") == 2
-    for name in ("savings_vs_kv_p95.png", "energy_per_token.png", "throughput.png"):
+    for name in ("energy_throughput_bars.png", "frontier.png", "mechanism.png"):
         assert is_png(out / "plots" / name)
+    assert not (out / "plots" / "savings_vs_kv_p95.png").exists()  # OFF only: no dE to plot, the report says so
+    assert "Not drawn: savings_vs_kv_p95.png" in md
     assert not pids_serving(port)
 
 

@@ -43,7 +43,7 @@ UNIT = {"kvwatt_kv_cache_usage_p95_ratio", "kvwatt_kv_cache_usage_max_ratio", "k
 BOOLEAN = {"kvwatt_source_up", "kvwatt_kv_pressure_above_threshold", "kvwatt_preemption_onset",
            "kvwatt_offload_enabled", "kvwatt_offload_buffer_undersized", "kvwatt_collapse_signature",
            "kvwatt_collapse_condition", "kvwatt_collapse_condition_set", "kvwatt_offload_tier_undersized"}
-INFO = {"kvwatt_source_info", "kvwatt_server_info", "kvwatt_gpu_energy_method_info"}
+INFO = {"kvwatt_source_info", "kvwatt_server_info", "kvwatt_gpu_energy_method_info", "kvwatt_build_info"}
 NON_NEGATIVE = {"kvwatt_sample_duration_seconds", "kvwatt_window_covered_seconds", "kvwatt_gpu_energy_joules_total",
                 "kvwatt_gpu_power_watts", "kvwatt_host_energy_joules_total", "kvwatt_gpu_idle_power_watts",
                 "kvwatt_host_idle_power_watts", "kvwatt_idle_baseline_age_seconds", "kvwatt_energy_per_token_joules",

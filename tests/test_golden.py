@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 from dataclasses import replace
@@ -37,6 +38,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from exporter import __version__, catalog
+from exporter.build import build_info
 from exporter.config import from_mapping
 from exporter.daemon import Daemon
 from exporter.energy.baseline import BaselineBook, IdleEstimate
@@ -92,15 +94,18 @@ class Inputs:
     """What the world looks like at each tick t = 1, 2, ...: each server's /metrics text (None: unreachable),
     each GPU's cumulative energy (J) and power (W), the host zone's cumulative energy (J)."""
 
-    def __init__(self):
-        # "on" also runs vLLM's tiering with a file-system tier behind the CPU one
-        on = replace(sim.undersized_buffer_on(), tiers=("1:fs",))
-        # "off" is a build with vLLM PR #58037 (preemptions by reason)
-        off = replace(sim.high_pressure_off(), preemption_reasons=True)
-        self.sims = {"on": sim.SimEngine(on), "off": sim.SimEngine(off)}
+    def __init__(self, scenarios: dict[str, sim.Scenario] | None = None, cpu: bool = True):
+        # default: "on" also runs vLLM's tiering with a file-system tier behind the CPU one, and "off" is a
+        # build with vLLM PR #58037 (preemptions by reason)
+        scenarios = scenarios or {"on": replace(sim.undersized_buffer_on(), tiers=("1:fs",)),
+                                  "off": replace(sim.high_pressure_off(), preemption_reasons=True)}
+        self.sims = {name: sim.SimEngine(scn) for name, scn in scenarios.items()}
+        self.cpu = cpu  # the ``cpu`` server's real captures (tests/test_page.py replays other servers alone)
 
     def step(self, t: int) -> tuple[dict[str, str | None], dict[str, tuple[float, float]], float]:
-        texts: dict[str, str | None] = {"cpu": None if t < CPU_FROM else LOW[t - CPU_FROM].read_text()}
+        texts: dict[str, str | None] = {}
+        if self.cpu:
+            texts["cpu"] = None if t < CPU_FROM else LOW[t - CPU_FROM].read_text()
         gpus = {}
         for name, eng in self.sims.items():
             if t > 1:
@@ -113,11 +118,14 @@ class Inputs:
 class Scenario:
     """Builds the ticks the Sampler would hand the daemon, from Inputs, with fixed read durations."""
 
-    def __init__(self, tmp_path):
-        self.cfg = from_mapping(config_mapping(tmp_path))
+    def __init__(self, tmp_path, mapping: dict | None = None, inputs: Inputs | None = None,
+                 gpus: dict[str, tuple[str, str]] | None = None):
+        self.cfg = from_mapping(mapping or config_mapping(tmp_path))
         write_measured_host_baseline(self.cfg.state_dir)
-        self.inputs = Inputs()
-        self.adapters = {n: VllmSource(n, f"http://{n}.invalid:8000", 2.0, 1 << 24) for n in SERVERS}
+        self.inputs = inputs or Inputs()
+        self.gpus = GPUS if gpus is None else gpus  # server -> (index, uuid) of the GPU it runs on
+        self.adapters = {s.name: VllmSource(s.name, f"http://{s.name}.invalid:8000", 2.0, 1 << 24)
+                         for s in self.cfg.servers}
 
     def tick(self, t: int) -> Tick:
         texts, gpus, host_joules = self.inputs.step(t)
@@ -133,7 +141,7 @@ class Scenario:
             servers[name] = ServerRead(name, src.status(problems, READ_SECONDS["vllm"]), reading)
         energy = [DeviceReading(f"gpu:{uuid}", "gpu", {"gpu": index, "uuid": uuid}, gpus[name][0], True,
                                 gpus[name][1], "counter", 40.0 + int(index), read_at=float(t))
-                  for name, (index, uuid) in GPUS.items()]
+                  for name, (index, uuid) in self.gpus.items()]
         energy.append(DeviceReading(HOST_DEVICE, "host", dict(HOST_LABELS), host_joules, t > 1, None, "rapl",
                                     read_at=float(t)))
         statuses = (SourceStatus("nvml", "", True, "", READ_SECONDS["nvml"], "ok"),
@@ -168,6 +176,29 @@ def family_names(text: str) -> set[str]:
     return {line.split()[2] for line in text.splitlines() if line.startswith("# TYPE ")}
 
 
+BUILD_INFO_LINE = re.compile(r'^kvwatt_build_info\{.*\} 1\.0$', re.M)
+BUILD_INFO_GOLDEN = ('kvwatt_build_info{python_version="<python_version>",revision="<revision>",'
+                     'version="<version>"} 1.0')
+
+
+def kvwatt_text(exposition: str) -> str:
+    """The served exposition's kvwatt_* families, as the golden file holds them: the process' own process_*
+    and python_* families (timings, memory) left out, kvwatt_build_info's labels (this checkout's version,
+    revision and Python) replaced by placeholders after checking them."""
+    kept, keep = [], True
+    for line in exposition.splitlines(keepends=True):
+        if line.startswith("# HELP "):
+            keep = line.split()[2].startswith("kvwatt_")
+        if keep:
+            kept.append(line)
+    text = "".join(kept)
+    b = build_info()
+    want = (f'kvwatt_build_info{{python_version="{b.python_version}",revision="{b.revision}",'
+            f'version="{b.version}"}} 1.0')
+    assert BUILD_INFO_LINE.findall(text) == [want], BUILD_INFO_LINE.findall(text)
+    return BUILD_INFO_LINE.sub(BUILD_INFO_GOLDEN, text)
+
+
 def status_text(snapshot) -> str:
     """/api/status as the endpoint writes it, the version replaced by a placeholder (a release is no diff)."""
     js = _finite(status_json(snapshot))
@@ -192,7 +223,7 @@ def _compare(path: Path, got: str) -> None:
 @pytest.fixture(scope="module")
 def golden(tmp_path_factory):
     daemon = run_scenario(tmp_path_factory.mktemp("golden"))
-    return daemon.published.exposition.decode(), daemon.snapshot
+    return kvwatt_text(daemon.published.exposition.decode()), daemon.snapshot
 
 
 def test_metrics_match_the_golden_file(golden):

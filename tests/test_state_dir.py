@@ -279,6 +279,6 @@ def test_only_a_failed_bind_is_reported_as_cannot_serve(tmp_path):
                               "--state-dir", str(tmp_path / "state"), "--server", "a=http://127.0.0.1:9"],
                              cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.returncode == 2
-    errors = [line for line in out.stderr.splitlines() if " ERROR " in line]
+    errors = [line for line in out.stderr.splitlines() if " level=error " in line]
     assert len(errors) == 1 and f"cannot serve on 127.0.0.1:{port}: " in errors[0] and "in use" in errors[0]
     assert "Traceback" not in out.stderr

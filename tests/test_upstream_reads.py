@@ -20,10 +20,12 @@ from exporter.collector import MAX_LABEL_CHARS, TRUNCATION_MARKER, bounded_label
 from exporter.config import from_mapping
 from exporter.samples import REASON_CODES, reason_code
 from exporter.sampler import Sampler
+from exporter.sources.nvml import NvmlSource
 from exporter.sources.rapl import RaplSource
 from exporter.sources.vllm import VllmSource
 from tests.conftest import FIXTURES
 from tests.support import vllm_sim as sim
+from tests.support.fake_gpus import STATE_ENV, FakeGpus, load_fake_nvml
 from tests.support.daemon import KvwattDaemon
 from tests.support.fakevllm import FakeVllm
 from tests.support.httpserver import MetricsServer
@@ -187,6 +189,11 @@ def _lines(caplog, level: int, text: str) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.levelno == level and text in r.getMessage()]
 
 
+def _said(caplog, text: str) -> list[str]:
+    """Every line at info or above that mentions ``text``."""
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO and text in r.getMessage()]
+
+
 def test_a_server_going_down_and_up_is_logged_once_each(caplog):
     caplog.set_level(logging.DEBUG, logger="kvwatt")
     with FakeVllm(sim.stable_high_pressure_on(), auto=False) as fv:
@@ -209,6 +216,7 @@ def test_a_server_going_down_and_up_is_logged_once_each(caplog):
     came_up = _lines(caplog, logging.INFO, "vllm server 'a' is back up")
     assert len(went_down) == 1 and len(came_up) == 1, caplog.text
     assert "unreachable" in went_down[0] or "http_error" in went_down[0]  # refused, or the kept-alive one dropped
+    assert len(_said(caplog, "'a'")) == 2, caplog.text  # nothing else at info or above, nothing per tick
 
 
 def test_energy_sources_going_down_and_up_are_logged_once_each(tmp_path, caplog):
@@ -232,6 +240,41 @@ def test_energy_sources_going_down_and_up_are_logged_once_each(tmp_path, caplog)
     went_down = _lines(caplog, logging.WARNING, "rapl is down")
     assert len(went_down) == 1 and "unreadable: rapl:package-0:package" in went_down[0], caplog.text
     assert len(_lines(caplog, logging.INFO, "rapl is back up")) == 1, caplog.text
+    assert len(_said(caplog, "rapl")) == 2, caplog.text  # nothing else at info or above, nothing per tick
     # NVML is off by configuration: down from the first tick, said once
     nvml = _lines(caplog, logging.WARNING, "nvml is down")
     assert len(nvml) == 1 and "disabled" in nvml[0], caplog.text
+
+
+def test_a_gpu_lost_and_back_is_logged_once_each(tmp_path, caplog, monkeypatch):
+    """NVML through its test double (no GPU here; tests/test_energy_nvml.py says why a double): one of two GPUs
+    falls off the bus for many ticks (its retries back off meanwhile), then returns."""
+    caplog.set_level(logging.DEBUG, logger="kvwatt")
+    gpus = FakeGpus(tmp_path / "gpus.json", energy_read_latency=0)
+    monkeypatch.setenv(STATE_ENV, gpus.path)
+    a, b = "GPU-aaaaaaaa-0000-0000-0000-000000000001", "GPU-bbbbbbbb-0000-0000-0000-000000000002"
+    gpus.add(a)
+    gpus.add(b)
+    cfg = from_mapping({"servers": [], "interval": "1s", "powercap_root": str(tmp_path / "no-powercap")})
+
+    async def run():
+        async with Sampler(cfg, nvml=NvmlSource(module=load_fake_nvml())) as sampler:
+            await _ticks(sampler, 5)
+            gpus.update(b, lost=True)
+            lost = await _ticks(sampler, 40)  # 2 s and more: several back-off retries of the lost GPU
+            gpus.update(b, lost=False)
+            deadline = time.monotonic() + 30  # the next retry is due within the back-off (a few s)
+            back = []
+            while time.monotonic() < deadline and not (back and back[-1].energy_statuses[0].state == "ok"):
+                back += await _ticks(sampler, 5, interval=0.2)
+            back += await _ticks(sampler, 5)
+        return lost, back
+
+    lost, back = asyncio.run(run())
+    nvml = lambda ticks: [s.state for t in ticks for s in t.energy_statuses if s.source == "nvml"]  # noqa: E731
+    assert nvml(lost).count("degraded") >= 35 and nvml(back)[-1] == "ok", (nvml(lost), nvml(back))
+    # one line when it is lost (naming it), one when it is back; nothing per tick, nothing said twice
+    said = [line for line in _said(caplog, "nvml") if "measured by" not in line]
+    assert len(said) == 2, caplog.text
+    assert b in said[0] and "is down (GPU is lost)" in said[0], said
+    assert b in said[1] and said[1].endswith("is back"), said

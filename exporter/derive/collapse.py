@@ -93,7 +93,8 @@ class CollapseResult:
                 "conditions": dict(self.conditions),
                 "recent_tokens_per_second": self.recent_tokens_per_second,
                 "reference_tokens_per_second": self.reference_tokens_per_second,
-                "gpu_power_watts": self.gpu_power_watts, "gpu_idle_power_watts": self.gpu_idle_power_watts}
+                "gpu_power_watts": self.gpu_power_watts, "gpu_idle_power_watts": self.gpu_idle_power_watts,
+                "details": dict(self.details)}
 
 
 def kleene_and(values: Sequence[bool | None]) -> bool | None:

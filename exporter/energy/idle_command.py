@@ -16,8 +16,8 @@ import sys
 import time
 from dataclasses import replace
 
-from exporter.config import (ConfigError, Config, ServerConfig, check_writable, parse_duration, parse_server_flag,
-                             redacted_url, resolve)
+from exporter.config import (ConfigError, Config, ServerConfig, check_writable, parse_duration, parse_interval,
+                             parse_server_flag, redacted_url, resolve)
 from exporter.energy.attribution import assign_gpus
 from exporter.energy.baseline import BaselineBook, IdleAccumulator, IdleEstimate
 from exporter.samples import DeviceReading, Tick
@@ -165,8 +165,8 @@ async def _watch(ticks, check: IdleCheck, until: float) -> None:
 def main(args: argparse.Namespace) -> int:
     cfg, checked = _config(args)
     duration = parse_duration(args.duration, "--duration")
-    settle = cfg.idle_settle_seconds if args.settle is None else _duration_or_zero(args.settle, "--settle")
-    interval = parse_duration(args.interval, "--interval")
+    settle = cfg.idle_settle_seconds if args.settle is None else parse_duration(args.settle, "--settle", zero_ok=True)
+    interval = parse_interval(args.interval, "--interval")
     check_writable(cfg.state_dir, "--state-dir" if args.state_dir else "state_dir", directory=True)
     if not checked:
         print("warning: no vLLM server checked; with no model loaded the baseline understates idle power",
@@ -192,8 +192,3 @@ def main(args: argparse.Namespace) -> int:
         return 1
     print(f"saved to {book.path}")
     return 0
-
-
-def _duration_or_zero(value: str, key: str) -> float:
-    return 0.0 if str(value).strip() in ("0", "0s") else parse_duration(value, key)
-

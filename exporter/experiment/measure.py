@@ -24,6 +24,7 @@ from typing import Sequence
 
 from exporter.config import Config, ServerConfig
 from exporter.derive import energy as derive_energy
+from exporter.derive.offload import store_failures, transfer_rates
 from exporter.derive.pressure import kv_usage_quantile, rate_per_second
 from exporter.derive.recompute import mfu_view, token_counts, token_shares
 from exporter.derive.window import covered_seconds, gauge_values, sum_delta
@@ -202,6 +203,7 @@ def window_figures(intervals: Sequence[Interval], min_load_seconds: float) -> di
     counts = token_counts(intervals)
     kv = gauge_values(intervals, "kv_usage")
     flops_per_second, flops_per_token = mfu_view(intervals, generated)
+    rates = transfer_rates(intervals)
     return {
         "covered_seconds": covered, "intervals": len(intervals),
         "kv_usage_p95_ratio": kv_usage_quantile(intervals, 0.95), "kv_usage_max_ratio": max(kv) if kv else None,
@@ -212,6 +214,10 @@ def window_figures(intervals: Sequence[Interval], min_load_seconds: float) -> di
         "tokens_per_second": rate_per_second(intervals, "generation_tokens"),
         "prompt_tokens_by_source": counts, "prompt_token_shares": token_shares(counts),
         "flops_per_generated_token": flops_per_token,
+        # offload tier traffic (methods.md s6): the report checks residency = buffer / write rate
+        "offload_write_bytes_per_second": rates.write_bytes_per_second,
+        "offload_read_bytes_per_second": rates.read_bytes_per_second,
+        "offload_store_failures": store_failures(intervals),
         "energy": {s: f for s in SCOPES if (f := energy_figures(intervals, s, min_load_seconds)) is not None},
     }
 

@@ -1,5 +1,7 @@
 """The experiment's report from its state file: Table 1 (KV p95, preemptions, tokens/s, J/token, dE% and
-dTPS% with SE, n), Table 2 (token-source decomposition), plots, per-run rows. Written as report.md,
+dTPS%, each ± SE, n), Table 2 (token-source decomposition OFF vs ON, and the recomputation tax between OFF
+conditions), the threshold located from the sweep with its evidence, the buffer-size comparison, figures
+(plots.py) and per-run rows (docs/experiment.md "Report"). Written as report.md,
 report.html (images referenced relatively), runs.csv, conditions.csv and report.json in the output directory.
 
 Runnable alone:  python -m exporter.experiment.report OUT_DIR   (or: kvwatt experiment PLAN --report-only)
@@ -17,104 +19,11 @@ import time
 from typing import Any, Callable
 
 from exporter import atomic
+from exporter.config import ConfigError
 from exporter.derive.recompute import SOURCES
-from exporter.experiment import plots, stats
+from exporter.experiment import analysis, plots, stats, tables
+from exporter.experiment.tables import NA, num, pct_unit
 
-NA = "n/a"
-SHORT = {"local_compute": "compute", "local_cache_hit": "cache", "external_kv_transfer": "external"}
-
-
-# ------------------------------------------------------------------------------------------------------
-# formatting
-# ------------------------------------------------------------------------------------------------------
-def _num(value: float | None, digits: int = 3) -> str:
-    return NA if value is None else f"{value:.{digits}g}"
-
-
-def _pct(ratio: float | None) -> str:
-    return NA if ratio is None else f"{ratio * 100:.1f} %"
-
-
-def _pm(mean: float | None, se: float | None, fmt: str = "{:+.1f}", se_fmt: str = "{:.1f}") -> str:
-    if mean is None:
-        return NA
-    return f"{fmt.format(mean)} ± {NA if se is None else se_fmt.format(se)}"
-
-
-def _stat(summary: dict, key: str) -> tuple[float | None, float | None]:
-    s = summary.get(key) or {}
-    return s.get("mean"), s.get("se")
-
-
-# ------------------------------------------------------------------------------------------------------
-# tables: (title, header, rows, note)
-# ------------------------------------------------------------------------------------------------------
-def table1(summaries: list[dict], threshold: float, basis: str) -> tuple[str, list[str], list[list[str]]]:
-    header = ["condition", "baseline", "KV p95", "regime", "preemptions/window", "tokens/s",
-              f"J/token ({basis})", "dE %", "dTPS %", "n"]
-    rows, by_name = [], {s["condition"]: s for s in summaries}
-    for s in summaries:
-        kv = _stat(s, "kv_usage_p95_ratio")[0]
-        regime = NA if kv is None else ("high" if kv > threshold else "low")
-        jpt = s["joules_per_token"] or {}
-        energy = (NA if jpt.get("mean") is None
-                  else f"{_pm(jpt['mean'], jpt['se'], '{:.4g}', '{:.2g}')} {s['energy_scope']}")
-        c = s.get("comparison")
-        d_e = _pm(c["dE_percent"], c["dE_se_percent"]) if c else NA
-        d_tps = _pm(c["dTPS_percent"], c["dTPS_se_percent"]) if c else NA
-        n = f"{s['n']} / {by_name[s['baseline']]['n']}" if c else str(s["n"])
-        rows.append([s["condition"], s["baseline"] or "–", _pct(kv), regime,
-                     _num(_stat(s, "preemptions")[0]), _pm(*_stat(s, "tokens_per_second"), "{:.1f}"),
-                     energy, d_e, d_tps, n])
-    return "Table 1: KV pressure, throughput, energy per token and the saving of offloading", header, rows
-
-
-def table2(summaries: list[dict]) -> list[tuple[str, list[str], list[list[str]]]]:
-    by_name = {s["condition"]: s for s in summaries}
-    paired = [s for s in summaries if s.get("baseline")]
-    in_pairs = {s["condition"] for s in paired} | {s["baseline"] for s in paired}
-    tables = []
-    if paired:
-        header = ["condition", "OFF compute", "OFF cache", "ON compute", "ON cache", "ON external", "n"]
-        rows = []
-        for s in paired:
-            off = by_name[s["baseline"]]
-            rows.append([f"{s['condition']} vs {s['baseline']}",
-                         _pct(_stat(off, "share_local_compute")[0]), _pct(_stat(off, "share_local_cache_hit")[0]),
-                         _pct(_stat(s, "share_local_compute")[0]), _pct(_stat(s, "share_local_cache_hit")[0]),
-                         _pct(_stat(s, "share_external_kv_transfer")[0]), f"{s['n']} / {off['n']}"])
-        tables.append(("Table 2: token-source decomposition, OFF vs ON (shares of prompt tokens)", header, rows))
-    rest = [s for s in summaries if s["condition"] not in in_pairs]
-    if rest:
-        header = ["condition"] + list(SOURCES) + ["n"]
-        rows = [[s["condition"]] + [_pct(_stat(s, f"share_{src}")[0]) for src in SOURCES] + [str(s["n"])]
-                for s in rest]
-        title = ("Table 2: token-source decomposition by condition (shares of prompt tokens)" if not paired
-                 else "Table 2 (continued): conditions outside any ON/OFF pair")
-        tables.append((title, header, rows))
-    return tables
-
-
-def runs_table(data: dict, scope: str, basis: str) -> tuple[str, list[str], list[list[str]]]:
-    header = ["run", "condition", "KV p95", "preemptions", "tokens/s", f"J/token ({basis})", "local_compute",
-              "startup s"]
-    rows = []
-    for run in _ordered_runs(data):
-        w = run.get("window", {})
-        chosen = stats.choose_scope([run], scope, basis)
-        jpt = stats.joules_per_token(run, chosen, basis) if chosen else None
-        rows.append([run["run"], run["condition"], _pct(w.get("kv_usage_p95_ratio")), _num(w.get("preemptions")),
-                     _num(w.get("tokens_per_second"), 4), NA if jpt is None else f"{jpt:.4g} {chosen}",
-                     _pct(stats.share(run, "local_compute")), _num(run.get("startup_seconds"))])
-    return "Runs (in the order they ran)", header, rows
-
-
-def _ordered_runs(data: dict) -> list[dict]:
-    return [data["finished"][r["run_id"]] for r in data["order"] if r["run_id"] in data["finished"]]
-
-
-# ------------------------------------------------------------------------------------------------------
-# rendering
 # ------------------------------------------------------------------------------------------------------
 def markdown_table(header: list[str], rows: list[list[str]]) -> str:
     esc: Callable[[str], str] = lambda c: c.replace("|", "\\|")
@@ -153,37 +62,82 @@ def method_lines(plan: dict) -> list[str]:
         f"scope {e['scope']} (auto: gpu when every run has it, else host). dE% = (J/tok_OFF - J/tok_ON) / "
         "J/tok_OFF * 100; dTPS% = (TPS_ON - TPS_OFF) / TPS_OFF * 100; ± is the delta-method SE "
         "100 * (x_ON/x_OFF) * sqrt((SE_ON/x_ON)^2 + (SE_OFF/x_OFF)^2) over runs (methods.md s2); n = runs ON / OFF.",
-        f"KV p95: 95th percentile of vllm:kv_cache_usage_perc over the window's dense samples; regime 'high' "
-        f"when above the threshold {plan['kv_pressure_threshold']:.2f}. Preemptions: vllm:num_preemptions_total "
-        "increase over the window. Shares: vllm:prompt_tokens_by_source_total over the window (first prefills "
-        "only: re-prefill after preemption is not counted by vLLM).",
+        "KV p95: 95th percentile of vllm:kv_cache_usage_perc over the window's dense samples, ± its SE over "
+        "runs; regime: 'above' or 'below' the threshold (the located one when the sweep locates it, else the "
+        f"configured {plan['kv_pressure_threshold']:.2f}). Preemptions: vllm:num_preemptions_total increase over the "
+        "window. Shares: vllm:prompt_tokens_by_source_total over the window (first prefills only: re-prefill after "
+        "preemption is not counted by vLLM). Recomputation tax: an OFF condition's local_compute share minus that "
+        "of the same workload's lowest-pressure OFF condition without sustained preemptions (methods.md s4), in "
+        "percentage points, SE combined in quadrature.",
+        f"Threshold: with ON/OFF pairs, the KV-p95 cut that best separates pairs whose saving is significant "
+        f"(dE > {analysis.Z:g} SE) from those within noise, interval from the highest within-noise pair below to "
+        "the lowest significant pair above; otherwise the onset of preemptions (>= 0.5/min) or a tax above noise "
+        "among the OFF conditions (exporter.derive.threshold, the daemon's rule). Buffer rule (methods.md s6): "
+        "residency = buffer / offload write rate >= the trace's p99 tool latency; the plateau is the dE of the "
+        f"largest buffer, reached at >= {analysis.PLATEAU_FRACTION * 100:.0f} % of it.",
     ]
+
+
+def threshold_line(model: dict) -> str:
+    th = model["analysis"]["threshold"]
+    t = th["located"]
+    if not t:
+        return f"Threshold {th['reason']}; the regime uses the configured {model['kv_pressure_threshold']:.2f}."
+    return (f"Threshold located from the sweep at KV p95 {t['ratio'] * 100:.1f} % (interval {t['low'] * 100:.1f}–"
+            f"{t['high'] * 100:.1f} %), by {t['method']} over {t['points']} points.")
+
+
+def analyse(plan: dict, summaries: list[dict]) -> dict:
+    conditions = plan["conditions"]
+    tax = analysis.off_tax(conditions, summaries)
+    return {"z": analysis.Z, "parameters": analysis.parameters(conditions), "tax": tax,
+            "threshold": analysis.threshold(conditions, summaries, tax),
+            "buffers": analysis.buffer_comparison(conditions, summaries)}
 
 
 def build(data: dict) -> dict:
     """The report model: everything the writers render."""
     plan = data["plan"]
     summaries = stats.summarize(plan, data["finished"])
-    return {"experiment": plan["name"], "plan_path": plan["path"],
-            "protocol_fingerprint": data["fingerprints"]["protocol"],
-            "generated_unix": time.time(), "status": status_lines(data), "method": method_lines(plan),
-            "complete": not data.get("failed") and len(data["finished"]) == len(data["order"]),
-            "kv_pressure_threshold": plan["kv_pressure_threshold"], "conditions": summaries,
-            "tables": [table1(summaries, plan["kv_pressure_threshold"], plan["energy"]["basis"]),
-                       *table2(summaries), runs_table(data, plan["energy"]["scope"], plan["energy"]["basis"])],
-            "runs": [flatten_run(r) for r in _ordered_runs(data)],
-            "failed": data.get("failed"), "in_progress": data.get("in_progress")}
+    found = analyse(plan, summaries)
+    scope, basis = plan["energy"]["scope"], plan["energy"]["basis"]
+    model = {"experiment": plan["name"], "plan_path": plan["path"],
+             "protocol_fingerprint": data["fingerprints"]["protocol"],
+             "generated_unix": time.time(), "status": status_lines(data), "method": method_lines(plan),
+             "complete": not data.get("failed") and len(data["finished"]) == len(data["order"]),
+             "kv_pressure_threshold": plan["kv_pressure_threshold"], "energy_basis": basis,
+             "conditions": summaries, "analysis": found,
+             "tables": [*tables.table1(summaries, plan, found), *tables.table2(summaries, found),
+                        *tables.threshold_tables(found), *tables.buffer_tables(found),
+                        tables.runs_table(data, scope, basis)],
+             "runs": [flatten_run(r) for r in tables.ordered_runs(data)],
+             "failed": data.get("failed"), "in_progress": data.get("in_progress")}
+    model["summary"] = [threshold_line(model)]
+    return model
+
+
+def _split_tables(tables: list) -> tuple[list, list]:
+    """The result tables, then the long per-run listing (after the figures)."""
+    runs = [t for t in tables if t[0].startswith("Runs")]
+    return [t for t in tables if t not in runs], runs
 
 
 def render_markdown(model: dict, images: dict[str, str]) -> str:
     out = [f"# Experiment report: {model['experiment']}", "",
            f"Plan `{model['plan_path']}` (protocol {model['protocol_fingerprint'][:12]}).", ""]
     out += [f"**{line}**" if line.startswith("INCOMPLETE") else line for line in model["status"]] + [""]
-    for title, header, rows in model["tables"]:
+    out += model["summary"] + [""]
+    main, runs = _split_tables(model["tables"])
+    for title, header, rows in main:
         out += [f"## {title}", "", markdown_table(header, rows), ""]
-    out += ["## Method", ""] + [f"- {line}" for line in model["method"]] + [""]
     if images:
-        out += ["## Plots", ""] + [f"![{alt}]({path})" for path, alt in images.items()] + [""]
+        out += ["## Figures", ""]
+        for path, caption in images.items():
+            out += [f"![{caption}]({path})", "", f"*{caption}*", ""]
+    out += [f"Not drawn: {name}: {why}." for name, why in model.get("skipped_figures", {}).items()]
+    for title, header, rows in runs:
+        out += ["", f"## {title}", "", markdown_table(header, rows)]
+    out += ["", "## Method", ""] + [f"- {line}" for line in model["method"]] + [""]
     out += ["Machine-readable: `runs.csv`, `conditions.csv`, `report.json`; per run: `runs/<run>/` (result.json, "
             "intervals.jsonl, turns.jsonl, server.log).", ""]
     return "\n".join(out)
@@ -194,15 +148,22 @@ def render_html(model: dict, images: dict[str, str]) -> str:
              f"<p>Plan <code>{html.escape(model['plan_path'])}</code> (protocol {model['protocol_fingerprint'][:12]}).</p>"]
     warn = ' class="warn"'
     parts += [f"<p{warn if line.startswith('INCOMPLETE') else ''}>{html.escape(line)}</p>" for line in model["status"]]
-    for title, header, rows in model["tables"]:
+    parts += [f"<p><strong>{html.escape(line)}</strong></p>" for line in model["summary"]]
+    main, runs = _split_tables(model["tables"])
+    for title, header, rows in main:
+        parts += [f"<h2>{html.escape(title)}</h2>", html_table(header, rows)]
+    if images:
+        parts += ["<h2>Figures</h2>"] + [f'<figure><img src="{html.escape(p)}" alt="{html.escape(a)}">'
+                                         f"<figcaption>{html.escape(a)}</figcaption></figure>" for p, a in images.items()]
+    parts += [f"<p>Not drawn: {html.escape(n)}: {html.escape(w)}.</p>" for n, w in model.get("skipped_figures", {}).items()]
+    for title, header, rows in runs:
         parts += [f"<h2>{html.escape(title)}</h2>", html_table(header, rows)]
     parts += ["<h2>Method</h2><ul>" + "".join(f"<li>{html.escape(l)}</li>" for l in model["method"]) + "</ul>"]
-    if images:
-        parts += ["<h2>Plots</h2>"] + [f'<figure><img src="{html.escape(p)}" alt="{html.escape(a)}">'
-                                       f"<figcaption>{html.escape(a)}</figcaption></figure>" for p, a in images.items()]
-    style = ("body{font-family:sans-serif;max-width:72em;margin:2em auto}table{border-collapse:collapse}"
-             "td,th{border:1px solid #bbb;padding:.2em .5em;text-align:right}td:first-child{text-align:left}"
-             ".warn{color:#a00;font-weight:bold}img{max-width:100%}")
+    style = ("body{font-family:sans-serif;max-width:90em;margin:2em auto;padding:0 1em}"
+             "table{border-collapse:collapse;margin-bottom:1em}th{vertical-align:bottom}"
+             "td,th{border:1px solid #bbb;padding:.2em .5em;text-align:right}td{white-space:nowrap}"
+             "td:first-child,th:first-child{text-align:left}"
+             ".warn{color:#a00;font-weight:bold}img{max-width:100%}figcaption{font-size:.9em;color:#333}")
     return (f"<!DOCTYPE html><html><head><meta charset=\"utf-8\"><title>{html.escape(model['experiment'])}</title>"
             f"<style>{style}</style></head><body>{''.join(parts)}</body></html>\n")
 
@@ -260,8 +221,9 @@ def to_csv(rows: list[dict[str, Any]]) -> str:
 def write_report(out_dir: str, data: dict) -> list[str]:
     """Write every report file atomically; the paths written."""
     model = build(data)
-    images = plots.write_plots(os.path.join(out_dir, "plots"), model["conditions"], model["kv_pressure_threshold"])
+    images = plots.write_plots(os.path.join(out_dir, "plots"), model)
     images = {os.path.relpath(p, out_dir): alt for p, alt in images.items()}
+    model["skipped_figures"] = plots.skipped(model, [os.path.basename(p) for p in images])
     files = {"report.md": render_markdown(model, images), "report.html": render_html(model, images),
              "runs.csv": to_csv(model["runs"]),
              "conditions.csv": to_csv([flatten_condition(s) for s in model["conditions"]]),
@@ -278,6 +240,8 @@ def write_safely(out_dir: str, data: dict, say: Callable[[str], None]) -> None:
     """During an experiment a report failure must not lose the runs: say it and go on."""
     try:
         write_report(out_dir, data)
+    except plots.MissingDependency:
+        raise  # loud: the experiment cannot deliver its report (exit 2 with the command that installs it)
     except Exception as e:  # noqa: BLE001 - the runs matter more than the report
         say(f"warning: the report could not be written ({type(e).__name__}: {e}); "
             "kvwatt experiment PLAN --report-only retries")
@@ -288,8 +252,9 @@ def run_line(result: dict, scope: str, basis: str) -> str:
     w = result.get("window", {})
     chosen = stats.choose_scope([result], scope, basis)
     jpt = stats.joules_per_token(result, chosen, basis) if chosen else None
-    return (f"KV p95 {_pct(w.get('kv_usage_p95_ratio'))}, {_num(w.get('preemptions'))} preemptions, "
-            f"{_num(w.get('tokens_per_second'), 4)} tokens/s, local_compute {_pct(stats.share(result, 'local_compute'))}, "
+    return (f"KV p95 {pct_unit(w.get('kv_usage_p95_ratio'))}, {num(w.get('preemptions'))} preemptions, "
+            f"{num(w.get('tokens_per_second'), 4)} tokens/s, "
+            f"local_compute {pct_unit(stats.share(result, 'local_compute'))}, "
             f"J/token ({basis}) " + (NA if jpt is None else f"{jpt:.4g} {chosen}"))
 
 
@@ -300,11 +265,15 @@ def main(argv: list[str] | None = None) -> int:
     if len(args) != 1:
         print("usage: python -m exporter.experiment.report OUT_DIR", file=sys.stderr)
         return 2
-    state = ExperimentState.load(args[0])
-    if state is None:
-        print(f"kvwatt: error: {args[0]}: no experiment state (state.json) here", file=sys.stderr)
+    try:
+        state = ExperimentState.load(args[0])
+        if state is None:
+            raise ConfigError(f"{args[0]}: no experiment state (state.json) here")
+        paths = write_report(args[0], state.data)
+    except ConfigError as e:
+        print("kvwatt: error: " + " ".join(str(e).splitlines()), file=sys.stderr)
         return 2
-    for path in write_report(args[0], state.data):
+    for path in paths:
         print(path)
     return 0
 

@@ -37,8 +37,13 @@ def share(run: dict, source: str) -> float | None:
 METRICS: dict[str, Getter] = {
     "kv_usage_p95_ratio": lambda r: _window(r).get("kv_usage_p95_ratio"),
     "preemptions": lambda r: _window(r).get("preemptions"),
+    "preemptions_per_minute": lambda r: _window(r).get("preemptions_per_minute"),
     "tokens_per_second": lambda r: _window(r).get("tokens_per_second"),
     **{f"share_{s}": (lambda r, s=s: share(r, s)) for s in SOURCES},
+    "offload_write_bytes_per_second": lambda r: _window(r).get("offload_write_bytes_per_second"),
+    "offload_store_failures": lambda r: _window(r).get("offload_store_failures"),
+    # the engine's own report of its offload buffer (vllm:cache_config_info), per run
+    "offload_buffer_bytes": lambda r: (r.get("server") or {}).get("offload_buffer_bytes"),
 }
 
 
@@ -84,9 +89,17 @@ def compare(on_runs: list[dict], off_runs: list[dict], scope_pref: str, basis: s
     out: dict[str, Any] = {"energy_scope": scope, "energy_basis": basis}
     energy = [[joules_per_token(r, scope, basis) for r in runs] if scope else [] for runs in (on_runs, off_runs)]
     out["dE_percent"], out["dE_se_percent"], out["n_on"], out["n_off"] = _percent(*energy, saving)
+    out["dE_runs_percent"] = _each(*energy, lambda on, off: (off - on) / off * 100)
     tps = [[_window(r).get("tokens_per_second") for r in runs] for runs in (on_runs, off_runs)]
     out["dTPS_percent"], out["dTPS_se_percent"], out["n_on_tps"], out["n_off_tps"] = _percent(*tps, gain)
+    out["dTPS_runs_percent"] = _each(*tps, lambda on, off: (on - off) / off * 100)
     return out
+
+
+def _each(on: list, off: list, fn) -> list[float]:
+    """Each ON run against the OFF mean: the individual points drawn beside the mean and its SE."""
+    m_off = mean_and_stderr([v for v in off if v is not None])[0]
+    return [fn(v, m_off) for v in on if v is not None] if m_off else []
 
 
 def _percent(on: list, off: list, fn) -> tuple[float | None, float | None, int, int]:

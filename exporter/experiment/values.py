@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from exporter.config import ConfigError, finite_number, parse_duration, shown
+from exporter.config import ConfigError, finite_number, parse_duration, shown, unknown_key
 
 BUILTINS = ("port", "condition", "run", "repeat", "run_dir", "plan_dir")  # placeholders every template has
 
@@ -17,7 +17,7 @@ def join_key(prefix: str, name: str) -> str:
 def known_keys(data: dict, allowed: tuple[str, ...], prefix: str) -> None:
     for k in data:
         if k not in allowed:
-            raise ConfigError(f"{join_key(prefix, str(k))}: unknown key (known: {', '.join(allowed)})")
+            raise unknown_key(join_key(prefix, str(k)), k, allowed)
 
 
 def mapping(value: Any, key: str) -> dict:
@@ -67,10 +67,7 @@ def ratio(value: Any, key: str) -> float:
 
 
 def duration(value: Any, key: str, zero_ok: bool = False) -> float:
-    if zero_ok and not isinstance(value, bool) and (value == 0 or (isinstance(value, str)
-                                                                   and value.strip() in ("0", "0s"))):
-        return 0.0
-    return parse_duration(value, key)
+    return parse_duration(value, key, zero_ok)
 
 
 def _scalar(v: Any, key: str) -> str:

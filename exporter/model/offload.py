@@ -90,7 +90,7 @@ def buffer(windows: Sequence[WindowFigures], failures: float | None, cfg: Config
     rec = offload.recommended_buffer(max(writes) if writes else None, cfg.p99_tool_latency_seconds,
                                      cfg.buffer_headroom)
     return BufferFigures(under, rec, offload.gib_ceil(rec), failures, short.offload_buffer_residency_seconds,
-                         short.offload_write_bytes_per_second)
+                         short.offload_write_bytes_per_second, cfg.p99_tool_latency_seconds, cfg.buffer_headroom)
 
 
 COLLAPSE_ADVICE = ("Collapse signature: throughput stalled with zero preemptions and the GPU near idle while "

@@ -13,8 +13,8 @@ import sys
 
 import aiohttp
 
-from exporter.config import (DEFAULT_SERVER_URL, ConfigError, check_writable, is_finite, parse_duration,
-                             redacted_url, url_problem)
+from exporter.config import (DEFAULT_SERVER_URL, ConfigError, check_writable, duration_arg, is_finite,
+                             parse_duration, redacted_url, url_problem)
 from exporter.limits import MAX_CONCURRENCY, MAX_CONTEXT_TOKENS, MAX_TOKEN_ID
 from exporter.replay.client import CompletionClient
 from exporter.replay.progress import show_progress
@@ -48,10 +48,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                        help="synthetic ids from LOW (inclusive) to HIGH (exclusive); default %(default)s")
     requests = p.add_argument_group("requests")
     requests.add_argument("--retries", type=int, default=2, metavar="N", help="retries of a transient failure")
-    requests.add_argument("--retry-backoff", type=float, default=0.5, metavar="SECONDS",
-                          help="first retry wait, doubling (default 0.5)")
-    requests.add_argument("--request-timeout", type=float, default=600.0, metavar="SECONDS",
-                          help="per-request timeout (default 600)")
+    requests.add_argument("--retry-backoff", type=duration_arg(zero_ok=True), default=0.5, metavar="DURATION",
+                          help="first retry wait, doubling (500ms, or seconds; default 0.5)")
+    requests.add_argument("--request-timeout", type=duration_arg(), default=600.0, metavar="DURATION",
+                          help="per-request timeout (10m, or seconds; default 600)")
     out = p.add_argument_group("output")
     out.add_argument("--records", metavar="FILE", help="one JSON line per turn, flushed as it ends")
     out.add_argument("--summary", metavar="FILE", help="the summary as JSON")

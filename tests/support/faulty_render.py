@@ -1,5 +1,6 @@
-"""`python -m tests.support.faulty_render run ...`: the real `kvwatt run`, except that rendering the exposition
-raises while the file named by $KVWATT_FAIL_RENDER exists (fault injection for /healthz end-to-end tests).
+"""`python -m tests.support.faulty_render run ...`: the real `kvwatt run`, except that collecting the exposition's
+families raises while the file named by $KVWATT_FAIL_RENDER exists (fault injection for /healthz end-to-end
+tests).
 
     KvwattDaemon(..., module="tests.support.faulty_render", env={"KVWATT_FAIL_RENDER": flag})
 """
@@ -11,16 +12,16 @@ import os
 from exporter import daemon
 from exporter.cli import main
 
-_real_render = daemon.render
+_real_families = daemon.families
 
 
-def render(snap):
+def families(snap):
     if os.path.exists(os.environ["KVWATT_FAIL_RENDER"]):
         raise RuntimeError("injected render failure")
-    return _real_render(snap)
+    return _real_families(snap)
 
 
-daemon.render = render  # Daemon.step looks the name up in its module at each tick
+daemon.families = families  # Daemon.step looks the name up in its module at each tick
 
 if __name__ == "__main__":
     raise SystemExit(main())

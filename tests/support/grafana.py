@@ -6,11 +6,14 @@
   cannot place raises, so a query it does not understand fails the lint instead of slipping through.
 - ``expand()``: substitute template variables the way Grafana's Prometheus datasource does (All -> allValue,
   several values -> ``(a|b)`` regex-escaped, ``$__rate_interval`` -> a duration).
+- ``displayed()``: what a stat panel shows for a value: its value mappings (exact values, null/NaN), else the
+  number in the panel's unit.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,7 +62,7 @@ _TOKEN = re.compile(r"""
   | (?P<op>=~|!~|!=|==|>=|<=|[-+*/%^<>=,(){}])
 """, re.X)
 _LABEL_LIST_KEYWORDS = frozenset({"by", "without", "on", "ignoring", "group_left", "group_right"})
-_OTHER_KEYWORDS = frozenset({"and", "or", "unless", "bool", "offset", "inf", "nan"})
+_OTHER_KEYWORDS = frozenset({"and", "or", "unless", "bool", "offset", "inf", "nan"})  # case-insensitive
 
 
 @dataclass(frozen=True)
@@ -146,7 +149,7 @@ def _parse(expr: str) -> tuple[list[Selector], list[tuple[str | None, str]]]:
             calls.pop()
         elif kind == "range":
             rngs.append((calls[-1] if calls else None, text[1:-1]))
-        elif (kind == "ident" and text not in _OTHER_KEYWORDS) or (kind == "op" and text == "{"):
+        elif (kind == "ident" and text.lower() not in _OTHER_KEYWORDS) or (kind == "op" and text == "{"):
             name = text if kind == "ident" else None
             matchers: list[Matcher] = []
             j = i + 1 if kind == "ident" else i
@@ -216,3 +219,38 @@ def expand(expr: str, values: dict[str, str]) -> str:
 
 def referenced_variables(text: str) -> set[str]:
     return {m.group(1) or m.group(2) for m in _VAR.finditer(text)}
+
+
+# --- what a stat shows ------------------------------------------------------------------------------------
+
+def _mapped(mappings: list[dict[str, Any]], value: float) -> str | None:
+    """Grafana's value mappings: exact values (``String(value)``) and the special null/NaN match."""
+    for m in mappings:
+        if m["type"] == "value" and not math.isnan(value):
+            hit = m["options"].get(f"{value:g}")
+            if hit:
+                return hit["text"]
+        if m["type"] == "special" and m["options"]["match"] in ("nan", "null+nan") and math.isnan(value):
+            return m["options"]["result"]["text"]
+    return None
+
+
+def _formatted(unit: str, value: float) -> str:
+    """The few Grafana units a stat of ours shows, roughly as Grafana formats them (enough to tell a number
+    in its unit from a mapped word)."""
+    if unit == "percentunit":
+        return f"{value * 100:.1f}%"
+    if unit == "joule":
+        for factor, prefix in ((1e3, "k"), (1.0, ""), (1e-3, "m")):
+            if abs(value) >= factor or prefix == "m":
+                return f"{value / factor:.3g} {prefix}J"
+    return f"{value:g}"
+
+
+def displayed(panel: dict[str, Any], value: str) -> str:
+    """What a stat panel shows for one value as Prometheus returns it ("0.25", "NaN"): a value mapping's text
+    where one matches, else the value in the panel's unit."""
+    defaults = panel["fieldConfig"]["defaults"]
+    number = float(value)
+    mapped = _mapped(defaults.get("mappings", []), number)
+    return mapped if mapped is not None else _formatted(defaults.get("unit", ""), number)

@@ -1,0 +1,225 @@
+"""The report's tables: (title, header, rows) with units in the headers and "mean ± SE" numbers in the cells
+(docs/experiment.md "Tables"). ``found`` is the report's analysis (report.analyse: parameters, tax, threshold,
+buffers)."""
+
+from __future__ import annotations
+
+from exporter.experiment import stats
+
+NA = "n/a"
+
+
+# ------------------------------------------------------------------------------------------------------
+# formatting: units live in the headers, cells hold numbers ("94.0 ± 0.6")
+# ------------------------------------------------------------------------------------------------------
+def num(value: float | None, digits: int = 3) -> str:
+    return NA if value is None else f"{value:.{digits}g}"
+
+
+def pct(ratio: float | None) -> str:
+    return NA if ratio is None else f"{ratio * 100:.1f}"
+
+
+def pct_unit(ratio: float | None) -> str:
+    """A percentage in running text (tables keep the unit in the header)."""
+    return NA if ratio is None else f"{pct(ratio)} %"
+
+
+def _fmt(fmt: str, value: float) -> str:
+    """Formatted, without a "-0.0" for a value that rounds to zero."""
+    text = fmt.format(value)
+    return fmt.format(0.0) if text.startswith("-") and not text.strip("-+0.") else text
+
+
+def _pm(mean: float | None, se: float | None, fmt: str = "{:+.1f}", se_fmt: str = "{:.1f}") -> str:
+    if mean is None:
+        return NA
+    return f"{_fmt(fmt, mean)} ± {NA if se is None else se_fmt.format(se)}"
+
+
+def _stat(summary: dict, key: str) -> tuple[float | None, float | None]:
+    s = summary.get(key) or {}
+    return s.get("mean"), s.get("se")
+
+
+def _pm_pct(summary: dict, key: str) -> str:
+    mean, se = _stat(summary, key)
+    return _pm(None if mean is None else mean * 100, None if se is None else se * 100, "{:.1f}", "{:.1f}")
+
+
+def _pm_g(summary: dict, key: str) -> str:
+    return _pm(*_stat(summary, key), "{:.3g}", "{:.2g}")
+
+
+def _regime(kv: float | None, threshold: float) -> str:
+    """The landing page's words: above / below the threshold."""
+    return NA if kv is None else ("above" if kv > threshold else "below")
+
+
+def _params(model_params: dict[str, dict[str, str]], name: str) -> str:
+    return ", ".join(f"{k}={v}" for k, v in model_params.get(name, {}).items()) or "–"
+
+
+# ------------------------------------------------------------------------------------------------------
+# tables: (title, header, rows)
+# ------------------------------------------------------------------------------------------------------
+def regime_threshold(plan: dict, found: dict) -> tuple[float, str]:
+    located = found["threshold"]["located"]
+    return (located["ratio"], "located") if located else (plan["kv_pressure_threshold"], "configured")
+
+
+def table1(summaries: list[dict], plan: dict, found: dict) -> list[tuple[str, list[str], list[list[str]]]]:
+    """The study's Table 1 (one row per ON/OFF pair, by the OFF condition's KV p95: KV p95, regime and
+    preemptions of the OFF condition, dE %, dTPS %, each ± SE), then every condition's own figures."""
+    threshold, kind = regime_threshold(plan, found)
+    params = found["parameters"]
+    has_params = any(params.values())
+    regime = f"regime ({kind} threshold {threshold * 100:.1f} %)"
+    by_name = {s["condition"]: s for s in summaries}
+    pairs = sorted((s for s in summaries if s.get("comparison") and s["baseline"] in by_name),
+                   key=lambda s: _stat(by_name[s["baseline"]], "kv_usage_p95_ratio")[0] or 0.0)
+    out = []
+    if pairs:
+        header = (["condition (ON vs OFF)"] + (["parameters (ON)"] if has_params else [])
+                  + ["OFF KV p95 (%)", regime, "OFF preemptions per window", "dE (%)", "dTPS (%)", "n (ON / OFF runs)"])
+        rows = []
+        for s in pairs:
+            off, c = by_name[s["baseline"]], s["comparison"]
+            rows.append([f"{s['condition']} vs {off['condition']}"] + ([_params(params, s["condition"])] if has_params else [])
+                        + [_pm_pct(off, "kv_usage_p95_ratio"), _regime(_stat(off, "kv_usage_p95_ratio")[0], threshold),
+                           _pm_g(off, "preemptions"), _pm(c["dE_percent"], c["dE_se_percent"]),
+                           _pm(c["dTPS_percent"], c["dTPS_se_percent"]), f"{s['n']} / {off['n']}"])
+        out.append(("Table 1: the saving of offloading by KV pressure (ON/OFF pairs, by the OFF condition's KV p95)",
+                    header, rows))
+    out.append(conditions_table(summaries, plan, found, threshold, regime,
+                                "Table 1b: every condition's own figures" if pairs else
+                                "Table 1: KV pressure, throughput and energy per token by condition"))
+    return out
+
+
+def conditions_table(summaries: list[dict], plan: dict, found: dict, threshold: float, regime: str,
+                     title: str) -> tuple[str, list[str], list[list[str]]]:
+    basis = plan["energy"]["basis"]
+    scopes = {s["energy_scope"] for s in summaries if s.get("energy_scope")}
+    mixed = len(scopes) > 1
+    params = found["parameters"]
+    has_params = any(params.values())
+    header = (["condition", "baseline"] + (["parameters"] if has_params else [])
+              + ["KV p95 (%)", regime, "preemptions per window", "tokens/s",
+                 f"J/token ({basis}, {'scope per row' if mixed else (next(iter(scopes)) if scopes else 'n/a')})"]
+              + (["energy scope"] if mixed else []) + ["dE (%)", "dTPS (%)", "n (ON / OFF runs)"])
+    rows, by_name = [], {s["condition"]: s for s in summaries}
+    for s in summaries:
+        jpt = s["joules_per_token"] or {}
+        c = s.get("comparison")
+        row = [s["condition"], s["baseline"] or "–"] + ([_params(params, s["condition"])] if has_params else [])
+        row += [_pm_pct(s, "kv_usage_p95_ratio"), _regime(_stat(s, "kv_usage_p95_ratio")[0], threshold),
+                _pm_g(s, "preemptions"), _pm(*_stat(s, "tokens_per_second"), "{:.1f}"),
+                _pm(jpt.get("mean"), jpt.get("se"), "{:#.3g}", "{:.2g}")]
+        row += [s["energy_scope"] or NA] if mixed else []
+        row += [_pm(c["dE_percent"], c["dE_se_percent"]) if c else NA,
+                _pm(c["dTPS_percent"], c["dTPS_se_percent"]) if c else NA,
+                f"{s['n']} / {by_name[s['baseline']]['n']}" if c and s["baseline"] in by_name else str(s["n"])]
+        rows.append(row)
+    return title, header, rows
+
+
+def table2(summaries: list[dict], found: dict) -> list[tuple[str, list[str], list[list[str]]]]:
+    """The study's Table 2 (token-source shares OFF vs ON per pair), then every OFF condition's shares and
+    its recomputation tax against the same workload's low-pressure reference (methods.md s4)."""
+    by_name = {s["condition"]: s for s in summaries}
+    paired = [s for s in summaries if s.get("baseline") and s["baseline"] in by_name]
+    tables = []
+    if paired:
+        header = ["condition", "OFF compute (%)", "OFF cache (%)", "ON compute (%)", "ON cache (%)",
+                  "ON external (%)", "n (ON / OFF runs)"]
+        rows = []
+        for s in paired:
+            off = by_name[s["baseline"]]
+            rows.append([f"{s['condition']} vs {s['baseline']}", _pm_pct(off, "share_local_compute"),
+                         _pm_pct(off, "share_local_cache_hit"), _pm_pct(s, "share_local_compute"),
+                         _pm_pct(s, "share_local_cache_hit"), _pm_pct(s, "share_external_kv_transfer"),
+                         f"{s['n']} / {off['n']}"])
+        tables.append(("Table 2: token-source decomposition, OFF vs ON (shares of prompt tokens)", header, rows))
+    off_conditions = [s for s in summaries if not s.get("baseline")]
+    if off_conditions:
+        tax = found["tax"]
+        header = ["condition", "KV p95 (%)", "preemptions per minute", "compute (%)", "cache (%)", "external (%)",
+                  "recomputation tax (pp)", "tax reference", "n (runs)"]
+        rows = []
+        for s in off_conditions:
+            t = tax.get(s["condition"]) or {}
+            if t.get("reference") == s["condition"]:
+                tax_cell = "0 (reference)"
+            else:
+                tax_cell = NA if t.get("tax") is None else _pm(t["tax"] * 100, None if t.get("tax_se") is None
+                                                               else t["tax_se"] * 100)
+            rows.append([s["condition"], _pm_pct(s, "kv_usage_p95_ratio"), _pm_g(s, "preemptions_per_minute"),
+                         _pm_pct(s, "share_local_compute"), _pm_pct(s, "share_local_cache_hit"),
+                         _pm_pct(s, "share_external_kv_transfer"), tax_cell, t.get("reference") or NA, str(s["n"])])
+        title = ("Table 2b: OFF conditions, token sources and the recomputation tax between them" if paired else
+                 "Table 2: token-source decomposition and recomputation tax by condition (shares of prompt tokens)")
+        tables.append((title, header, rows))
+    return tables
+
+
+def threshold_tables(found: dict) -> list[tuple[str, list[str], list[list[str]]]]:
+    th = found["threshold"]
+    rows = []
+    for key, what in (("dE_significance", "boundary between within-noise and significant dE (ON/OFF pairs)"),
+                      ("onset", "onset of preemptions and recomputation tax (OFF conditions)")):
+        t = th[key]
+        rows.append([what, NA if not t else pct(t["ratio"]),
+                     NA if not t else f"{pct(t['low'])} – {pct(t['high'])}",
+                     NA if not t else t["method"], NA if not t else str(t["points"]),
+                     "used" if t and t is th["located"] else ("–" if t else "not located")])
+    out = [("Threshold located from the sweep", ["evidence", "KV p95 threshold (%)", "interval (%)", "method",
+                                                  "points", "in the report"], rows)]
+    if th["pairs"]:
+        z = found["z"]
+        out.append(("Threshold evidence: ON/OFF pairs by OFF KV p95",
+                    ["pair", "OFF KV p95 (%)", "dE (%)", f"significant saving (dE > {z:g} SE)"],
+                    [[f"{p['condition']} vs {p['baseline']}", pct(p["kv_p95"]),
+                      _pm(p["dE_percent"], p["dE_se_percent"]), "yes" if p["pays"] else "no"] for p in th["pairs"]]))
+    return out
+
+
+def buffer_tables(found: dict) -> list[tuple[str, list[str], list[list[str]]]]:
+    out = []
+    for g in found["buffers"]:
+        header = ["condition", "buffer (GiB)", "write rate (GiB/s)", "residency (s)", "p99 tool latency (s)",
+                  "rule: residency >= p99", "dE (%)", "of plateau (%)", "plateau reached (>= 90 %)",
+                  "rule agrees", "n (runs)"]
+        yes_no = lambda v: NA if v is None else ("yes" if v else "no")  # noqa: E731
+        rows = [[r["condition"], num(r["buffer_bytes"] / 2 ** 30),
+                 NA if r["write_bytes_per_second"] is None else f"{r['write_bytes_per_second'] / 2 ** 30:.3g}",
+                 num(r["residency_seconds"]), f"{r['p99_tool_latency_seconds']:.3g}"
+                 + ("" if r["p99_from"] == "trace" else " (default)"),
+                 {True: "sufficient", False: "undersized", None: NA}[r["rule_sufficient"]],
+                 _pm(r["dE_percent"], r["dE_se_percent"]), pct(r["captured"]), yes_no(r["reaches_plateau"]),
+                 yes_no(r["rule_agrees"]), str(r["n"])] for r in g["rows"]]
+        out.append((f"Buffer size against {g['baseline']} (plateau: dE of the largest buffer, "
+                    f"{g['plateau_dE_percent']:+.1f} %)", header, rows))
+    return out
+
+
+def runs_table(data: dict, scope: str, basis: str) -> tuple[str, list[str], list[list[str]]]:
+    header = ["run", "condition", "KV p95 (%)", "preemptions", "tokens/s", f"J/token ({basis})", "energy scope",
+              "local_compute (%)", "startup (s)"]
+    rows = []
+    for run in ordered_runs(data):
+        w = run.get("window", {})
+        chosen = stats.choose_scope([run], scope, basis)
+        jpt = stats.joules_per_token(run, chosen, basis) if chosen else None
+        rows.append([run["run"], run["condition"], pct(w.get("kv_usage_p95_ratio")), num(w.get("preemptions")),
+                     num(w.get("tokens_per_second"), 4), NA if jpt is None else f"{jpt:.4g}", chosen or NA,
+                     pct(stats.share(run, "local_compute")), num(run.get("startup_seconds"))])
+    return "Runs (in the order they ran)", header, rows
+
+
+def ordered_runs(data: dict) -> list[dict]:
+    return [data["finished"][r["run_id"]] for r in data["order"] if r["run_id"] in data["finished"]]
+
+
+# ------------------------------------------------------------------------------------------------------
+# rendering

@@ -1,0 +1,395 @@
+"""The landing page (`/`): one panel per server answering "is offloading paying, is anything wrong, what do I
+do", in words.
+
+It renders the dict /api/status serves (``exporter.web.status_json``) and nothing else: every figure on the
+page is a value of that dict, formatted, never recomputed, so the page and the JSON always agree. Unknown
+(null) reads "unknown", with the reason where the dict has one. The page refreshes itself by fetching itself
+again (exporter.page_assets); it links no external asset, so it works air-gapped.
+"""
+
+from __future__ import annotations
+
+from html import escape
+
+from exporter.page_assets import CSS, JS, REFRESH_SECONDS
+
+UNKNOWN = '<span class="unknown">unknown</span>'
+
+KIND_WORDS = {
+    "paired": "measured against the paired OFF server on the same node",
+    "recorded": "measured against a recorded OFF profile",
+    "estimated": "a model estimate, not a measurement (no OFF reference)",
+    "potential": "an estimate of what offloading would save here: the recomputation tax priced as reloads",
+}
+
+CONDITION_WORDS = {
+    "offload_enabled": "offloading is on",
+    "zero_preemptions": "no preemption in the window",
+    "throughput_collapsed": "generated tokens/s collapsed against its recent level",
+    "power_near_idle": "GPU power near its idle level",
+    "requests_pending": "requests running or waiting at every sample",
+    "engine_steps_stopped": "the engine ran no step (with requests pending: a stalled engine)",
+}
+
+
+# --- formatting -----------------------------------------------------------------------------------------------
+def _num(x, digits: int = 3) -> str:
+    return UNKNOWN if x is None else f"{x:,.{digits}g}" if abs(x) < 1000 else f"{x:,.0f}"
+
+
+def _pct(x, signed: bool = False) -> str:
+    return UNKNOWN if x is None else f"{x * 100:{'+' if signed else ''}.1f} %"
+
+
+def _pct_se(x) -> str:
+    """A standard error: two significant digits below 0.1 %, so a small SE never reads "± 0.0 %"."""
+    return UNKNOWN if x is None else f"{x * 100:.2g} %" if abs(x) < 0.001 else _pct(x)
+
+
+def _joules(x) -> str:
+    return UNKNOWN if x is None else f"{x:.3g} J"
+
+
+def _gib(n_bytes) -> str:
+    return UNKNOWN if n_bytes is None else f"{n_bytes / 2 ** 30:.3g} GiB"
+
+
+def _secs(x) -> str:
+    return UNKNOWN if x is None else f"{x:.0f} s" if abs(x) >= 10 else f"{x:.1f} s"
+
+
+def _state(v, alarm: bool = False) -> str:
+    """A three-valued condition: true / false / unknown, never a blank or "none"."""
+    word = "unknown" if v is None else "true" if v else "false"
+    return f'<span class="chip state-{word}{" alarm" if alarm else ""}">{word}</span>'
+
+
+def _chip(state: str, text: str) -> str:
+    return f'<span class="chip {escape(state)}">{escape(text)}</span>'
+
+
+def _e(x) -> str:
+    return escape(str(x))
+
+
+# --- page -----------------------------------------------------------------------------------------------------
+def render(status: dict, telemetry_path: str = "/metrics") -> str:
+    """The whole page from /api/status's dict; the Metrics link follows --web.telemetry-path."""
+    return f"""<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><meta name="viewport" content="width=device-width, initial-scale=1">
+<title>kvwatt</title><noscript><meta http-equiv="refresh" content="{REFRESH_SECONDS * 2}"></noscript>
+<style>{CSS}</style></head><body>
+<header class="top"><h1>kvwatt</h1><span class="version">{_e(status.get("version", ""))}</span>
+<nav><a href="{_e(telemetry_path)}">Metrics</a><a href="/api/status">Status (JSON)</a><a href="/healthz">Health</a></nav>
+</header>
+{content(status)}
+<footer>The page refreshes itself every {REFRESH_SECONDS} s from the same figures as
+<a href="/api/status">/api/status</a>. <span id="refresh-state"></span></footer>
+<script>{JS}</script></body></html>"""
+
+
+def content(status: dict) -> str:
+    if status.get("as_of") is None:
+        return ('<main id="content"><p class="asof" id="as-of">No figures yet: kvwatt has not completed its first '
+                'sampling tick.</p></main>')
+    sources = status.get("sources", [])
+    servers = "".join(server_panel(s) for s in status.get("servers", [])) or "<p>No server configured.</p>"
+    return f"""<main id="content">
+<p class="asof" id="as-of">Figures as of <b>{_e(status["as_of"])}</b> (the daemon's last tick).</p>
+<div class="chips" id="host-sources">{"".join(_source_chip(st) for st in sources) or _chip("unknown",
+    "no energy source read")}</div>
+{servers}</main>"""
+
+
+_SOURCE_NAMES = {"nvml": "GPU energy (NVML)", "rapl": "host energy (RAPL)", "state_dir": "state directory"}
+
+
+def _source_chip(st: dict) -> str:
+    name = _SOURCE_NAMES.get(st["source"], st["source"])
+    text = f"{name}: {st['state']}" + (f" ({st['reason']})" if st.get("reason") else "")
+    return (f'<span class="chip {escape(st["state"])}" data-source="{escape(st["source"])}" '
+            f'title="{escape(st.get("reason") or "")}">{escape(text)}</span>')
+
+
+def server_panel(s: dict) -> str:
+    name = _e(s["server"])
+    return f"""<article class="server" id="server-{name}" data-server="{name}">
+<h2>{name} {_chip(s["state"], "up" if s["up"] else "DOWN")}</h2>
+<p class="meta">{_meta(s)}</p>
+<div class="cols"><div>
+<section class="q" data-question="paying"><h3>Is offloading paying?</h3>{paying(s)}</section>
+<section class="q" data-question="wrong"><h3>Is anything wrong?</h3>{wrong(s)}</section>
+<section class="q" data-question="todo"><h3>What do I do?</h3>{todo(s)}</section>
+</div><aside><details id="windows-{name}" open><summary>Figures per window</summary>{windows_table(s)}</details>
+</aside></div></article>"""
+
+
+def _meta(s: dict) -> str:
+    bits = [_e(s.get("model_name") or "model unknown"), _e(s.get("engine") or ""), _e(s.get("url") or "")]
+    off = s.get("offload_enabled")
+    bits.append('<span data-field="offload">' + ("offloading: unknown" if off is None else
+                "offloading ON, buffer " + _gib(s.get("offload_buffer_bytes")) if off else "offloading OFF")
+                + "</span>")
+    if not s["up"] or s["state"] != "ok":
+        bits.append(f'<span data-field="source-reason">vLLM /metrics {_e(s["state"])}: {_e(s["reason"])}</span>')
+    return " · ".join(b for b in bits if b)
+
+
+def _longest(s: dict) -> tuple[str, dict] | None:
+    wins = s.get("windows") or {}
+    return max(wins.items(), key=lambda kv: kv[1]["seconds"]) if wins else None
+
+
+def _window_words(label: str, w: dict) -> str:
+    return (f'over the last {_e(label)} (<span data-field="coverage">{w["covered_seconds"]:.0f} of '
+            f'{w["seconds"]:.0f} s covered</span>)')
+
+
+# --- is offloading paying? ------------------------------------------------------------------------------------
+def paying(s: dict) -> str:
+    lead, basis = _saving_sentences(s)
+    return (f'<p class="verdict {_verdict_class(s)}" data-field="dE">{lead}</p>'
+            + (f'<p class="small" data-field="dE-basis">{basis}</p>' if basis else "")
+            + _other_savings(s) + _energy_sentence(s) + _tax_sentence(s))
+
+
+def _first_saving(s: dict):
+    lw = _longest(s)
+    if lw is None or not lw[1].get("energy_saving"):
+        return lw, None, None
+    kind, sv = next(iter(lw[1]["energy_saving"].items()))  # the strongest kind first: paired, recorded, ...
+    return lw, kind, sv
+
+
+def _collapsed(s: dict) -> bool:
+    return bool((s.get("collapse") or {}).get("signature")) and bool(s.get("offload_enabled"))
+
+
+def _verdict_class(s: dict) -> str:
+    _, kind, sv = _first_saving(s)
+    if sv is None:
+        return "unknown"
+    return "costs" if _collapsed(s) and sv["dE"] is not None else escape(sv["verdict"])
+
+
+def _saving_sentences(s: dict) -> tuple[str, str]:
+    """The answer in one sentence, and what it rests on (kind, windows, coverage, dTPS, note)."""
+    lw, kind, sv = _first_saving(s)
+    if s.get("offload_enabled") is None:
+        why = "the server has not answered yet" if not s["up"] else "its /metrics has no cache_config_info"
+        return f"Unknown: kvwatt cannot tell whether this server offloads ({_e(why)}).", ""
+    if sv is None:
+        return "Unknown: no energy-saving figure yet (no window has been sampled).", ""
+    if sv["dE"] is None:
+        return f"Unknown ({_e(kind)} dE): {_e(sv['note'] or 'no repeat window with load yet')}.", ""
+    basis = (f"{_e(kind)}: {_e(KIND_WORDS.get(kind, kind))}; {sv['windows']} repeat windows "
+             + _window_words(*lw) + ".")
+    if sv.get("dTPS") is not None:
+        basis += f" Throughput {_pct(sv['dTPS'], True)}" + (
+            f" ± {_pct_se(sv['dTPS_stderr'])}." if sv.get("dTPS_stderr") is not None else ".")
+    if sv.get("note"):
+        basis += f" {_e(sv['note'])}."
+    return _lead(kind, sv, _collapsed(s)), basis
+
+
+def _lead(kind: str, sv: dict, collapsed: bool) -> str:
+    figure = f'<b class="figure">{_pct(sv["dE"], True)}</b>'
+    se = (f"± {_pct_se(sv['dE_stderr'])} (standard error)" if sv["dE_stderr"] is not None
+          else "(standard error unknown: fewer than two windows)")
+    if collapsed:
+        return (f"No, whatever dE says: dE {figure} {se} reads as a saving, but the collapse signature holds, and "
+                "a stalled GPU near idle makes marginal J/token look cheap.")
+    if kind == "potential":
+        return {"saves": f"Offloading is off here; turning it on would save about {figure} {se} of GPU energy "
+                         "per generated token.",
+                "costs": f"Offloading is off here, and turning it on would not save energy: dE {figure} {se}.",
+                "within_noise": f"Offloading is off here; turning it on would save nothing measurable: dE {figure} "
+                                f"{se} is within two standard errors of zero."}[sv["verdict"]]
+    return {"saves": f"Yes: offloading saves {figure} {se} of GPU energy per generated token.",
+            "costs": f"No: offloading costs energy: dE {figure} {se} (more GPU energy per generated token).",
+            "within_noise": f"Not measurably: dE {figure} {se} is within two standard errors of zero."}[sv["verdict"]]
+
+
+def _other_savings(s: dict) -> str:
+    lw, kind, _ = _first_saving(s)
+    if kind is None:
+        return ""
+    rest = [(k, v) for k, v in lw[1]["energy_saving"].items() if k != kind]
+    items = "; ".join(f"{_e(k)}: {_pct(v['dE'], True)}" + (f" ± {_pct_se(v['dE_stderr'])}" if v["dE_stderr"]
+                      is not None else "") + f" ({v['windows']} windows)" for k, v in rest)
+    return f'<p class="small" data-field="other-dE">Also {items}.</p>' if items else ""
+
+
+def _energy_sentence(s: dict) -> str:
+    lw = _longest(s)
+    if lw is None:
+        return ""
+    label, w = lw
+    parts = [f"{_SCOPES[scope]} {_scope_words(w['energy'].get(scope), _SCOPES[scope])}" for scope in _SCOPES]
+    return (f'<p data-field="joules-per-token">Energy per generated token {_window_words(label, w)}: '
+            f'{"; ".join(parts)}.</p>')
+
+
+_SCOPES = {"gpu": "GPU", "host": "host"}
+
+
+def _scope_words(e: dict | None, scope: str) -> str:
+    if e is None:
+        return f"{UNKNOWN} (no {scope} energy samples for this server)"
+    if e["joules_per_token"] is None:
+        return (f"{UNKNOWN} (too little load yet: {_secs(e['loaded_seconds'])} loaded, "
+                f"{_num(e['generated_tokens'])} tokens generated)")
+    marginal = e["marginal_joules_per_token"]
+    m = f"<b>{_joules(marginal)}</b> marginal (above idle)" if marginal is not None else \
+        f"marginal {UNKNOWN} (no idle baseline)"
+    return f"{m}, {_joules(e['joules_per_token'])} in total"
+
+
+def _tax_sentence(s: dict) -> str:
+    lw = _longest(s)
+    if lw is None:
+        return ""
+    label, w = lw
+    shares, ref = w.get("prompt_token_shares"), s.get("reference_local_compute_share")
+    if shares is None:
+        body = f"{UNKNOWN} (no prompt tokens by source in the window)"
+    elif w.get("recompute_tax") is None:
+        body = (f"{UNKNOWN}: the server recomputed {_pct(shares['local_compute'])} of its prompt tokens, but its "
+                "low-pressure share is not known yet (learned from windows below the KV-pressure threshold, or "
+                "set reference_local_compute_share)")
+    else:
+        body = (f"<b>{w['recompute_tax'] * 100:+.1f} points</b>: the server recomputed "
+                f"{_pct(shares['local_compute'])} of its prompt tokens, against {_pct(ref)} at low pressure "
+                f"({_e(s.get('reference_kind'))} reference)")
+    return (f'<p data-field="recompute-tax">Recompute tax {_window_words(label, w)}: {body}. '
+            '<span class="note">The tax is the rise of the recomputed share above the same server\'s '
+            'low-pressure level: prompt tokens evicted from the KV cache and computed again, which an offload '
+            'tier can reload instead.</span></p>')
+
+
+# --- is anything wrong? ---------------------------------------------------------------------------------------
+def wrong(s: dict) -> str:
+    return _collapse(s) + _buffer(s) + _pressure(s) + _health(s)
+
+
+def _collapse(s: dict) -> str:
+    c = s.get("collapse")
+    if c is None:
+        return (f'<p class="banner unknown" data-field="collapse">Throughput collapse: {UNKNOWN} '
+                '(not evaluated yet).</p>')
+    sig = c["signature"]
+    cls, word = ("alarm", "YES") if sig else ("calm", "no") if sig is False else ("unknown", "unknown")
+    head = (f'<p class="banner {cls}" data-field="collapse">Throughput collapse: <span data-field="signature">'
+            f'{word}</span> <span class="small">({_e(c["reason"])})</span></p>')
+    rows = "".join(_condition_row(name, v, c) for name, v in c["conditions"].items())
+    return (head + f'<table class="conditions"><tr><th>condition (over the last {_e(c.get("window") or "?")})'
+            f'</th><th>state</th><th>what kvwatt sees</th></tr>{rows}</table>')
+
+
+def _condition_row(name: str, v, c: dict) -> str:
+    seen = _e(c.get("details", {}).get(name, "")) if v is None else ""
+    if name == "throughput_collapsed" and not seen:
+        seen = (f"{_num(c['recent_tokens_per_second'])} tokens/s now, reference "
+                f"{_num(c['reference_tokens_per_second'])} tokens/s")
+    elif name == "power_near_idle" and not seen:
+        seen = f"GPU {_num(c['gpu_power_watts'])} W, idle {_num(c['gpu_idle_power_watts'])} W"
+    return (f'<tr data-condition="{_e(name)}"><td>{_e(CONDITION_WORDS.get(name, name))}</td>'
+            f'<td class="state">{_state(v, bool(v and c["signature"]))}</td><td class="small">{seen}</td></tr>')
+
+
+def _buffer(s: dict) -> str:
+    b, off = s.get("offload_buffer"), s.get("offload_enabled")
+    if not off:
+        return ('<p data-field="buffer">Offload buffer: none (offloading is off).</p>' if off is False else
+                f'<p data-field="buffer">Offload buffer: {UNKNOWN}.</p>')
+    if b is None:
+        return f'<p data-field="buffer">Offload buffer: {UNKNOWN} (no window yet).</p>'
+    cls, verdict = {True: ("alarm", "undersized"), False: ("calm", "not undersized"),
+                    None: ("unknown", "unknown")}[b["undersized"]]
+    size, rate, p99 = _gib(s.get("offload_buffer_bytes")), b["write_bytes_per_second"], b["p99_tool_latency_seconds"]
+    if rate == 0:
+        holds = f"{size}, no offload writes in the shortest window"
+    elif rate is None:
+        holds = f"{size}, write rate {UNKNOWN}"
+    elif s.get("offload_buffer_bytes") is None:
+        holds = f"size {UNKNOWN} (not in the server's cache_config_info), writes at {_gib(rate)}/s"
+    else:
+        holds = (f'{size} holds <span data-field="residency">{_secs(b["residency_seconds"])}</span> of writes at '
+                 f'{_gib(rate)}/s')
+    text = (f"{holds}; the p99 tool-call latency it must outlast is {_secs(p99)} (a KV block evicted before the "
+            "tool call returns is recomputed, not reloaded).")
+    if b["store_failures"]:
+        text += f" {_num(b['store_failures'])} stores failed or were skipped in the shortest window."
+    rec = ("unknown (no write rate yet)" if b["recommended_gib"] is None else
+           f'<b data-field="recommended-buffer">{b["recommended_gib"]} GiB</b> (busiest write rate × p99 '
+           f'tool-call latency × {_num(b["headroom"])} headroom)')
+    return (f'<p class="banner {cls}" data-field="buffer-verdict">Offload buffer: {verdict}</p>'
+            f'<p data-field="buffer">{text} Recommended size: {rec}.</p>')
+
+
+def _pressure(s: dict) -> str:
+    regime, label, th = s["regime"], s.get("regime_window"), s["threshold"]
+    w = (s.get("windows") or {}).get(label) if label else None
+    thw = f"the {_pct(th)} threshold"
+    if regime == "unknown" or w is None:
+        text = f"KV pressure: {UNKNOWN} (no KV-cache usage samples yet; the threshold is {_pct(th)})."
+    elif regime == "above":
+        text = (f"KV pressure: KV-cache usage p95 <b>{_pct(w['kv_usage_p95'])}</b> over the last {_e(label)} is "
+                f"<b>above</b> {thw}, where offloading started to pay in the energy study (14–32 % saved).")
+    else:
+        text = (f"KV pressure: KV-cache usage p95 <b>{_pct(w['kv_usage_p95'])}</b> over the last {_e(label)} is "
+                f"<b>below</b> {thw}; below it the study measured no saving beyond noise. The threshold is the "
+                f"study's (kv_pressure_threshold): a server can pay a recompute tax below it.")
+    if w is not None and w.get("preemptions_per_minute") is not None:
+        onset = " (preemption onset: the leading sign of pressure)" if w.get("preemption_onset") else ""
+        text += f" Preemptions: {_num(w['preemptions_per_minute'])} per minute{onset}."
+    return f'<p data-field="pressure" data-regime="{_e(regime)}">{text}</p>'
+
+
+def _health(s: dict) -> str:
+    state = _chip(s["state"], f"vLLM /metrics: {s['state']}" + (f" ({s['reason']})" if s["reason"] else ""))
+    return f'<p data-field="health">Sources: {state} <span class="small">(host-wide sources at the top)</span></p>'
+
+
+# --- what do I do? --------------------------------------------------------------------------------------------
+def todo(s: dict) -> str:
+    recs = s.get("recommendations") or []
+    if recs:
+        return '<ul class="todo" data-field="recommendations">' + "".join(f"<li>{_e(r)}</li>" for r in recs) + "</ul>"
+    checks = [(s.get("collapse") or {}).get("signature"), (s.get("offload_buffer") or {}).get("undersized")]
+    if s.get("offload_enabled") and any(v is None for v in checks):
+        return ('<p data-field="recommendations">No recommendation, but some checks are unknown (see above): '
+                'nothing can be ruled out yet.</p>')
+    return '<p data-field="recommendations">Nothing to do: no check kvwatt makes is failing.</p>'
+
+
+# --- figures per window ---------------------------------------------------------------------------------------
+_ROWS = (
+    ("covered", lambda w: f"{w['covered_seconds']:.0f} of {w['seconds']:.0f} s"),
+    ("KV-cache usage p95", lambda w: _pct(w["kv_usage_p95"])),
+    ("KV-cache usage max", lambda w: _pct(w["kv_usage_max"])),
+    ("preemptions per minute", lambda w: _num(w["preemptions_per_minute"])),
+    ("generated tokens/s", lambda w: _num(w["generation_tokens_per_second"])),
+    ("GPU J/token, marginal", lambda w: _joules((w["energy"].get("gpu") or {}).get("marginal_joules_per_token"))),
+    ("GPU J/token, total", lambda w: _joules((w["energy"].get("gpu") or {}).get("joules_per_token"))),
+    ("host J/token, marginal", lambda w: _joules((w["energy"].get("host") or {}).get("marginal_joules_per_token"))),
+    ("host J/token, total", lambda w: _joules((w["energy"].get("host") or {}).get("joules_per_token"))),
+    ("prompt tokens recomputed", lambda w: _pct((w["prompt_token_shares"] or {}).get("local_compute"))),
+    ("prompt tokens from prefix cache", lambda w: _pct((w["prompt_token_shares"] or {}).get("local_cache_hit"))),
+    ("prompt tokens reloaded (offload)",
+     lambda w: _pct((w["prompt_token_shares"] or {}).get("external_kv_transfer"))),
+    ("recompute tax (points)", lambda w: UNKNOWN if w["recompute_tax"] is None else f"{w['recompute_tax'] * 100:+.1f}"),
+    ("offload writes", lambda w: UNKNOWN if w["offload_write_bytes_per_second"] is None
+     else _gib(w["offload_write_bytes_per_second"]) + "/s"),
+    ("buffer residency", lambda w: _secs(w["offload_buffer_residency_seconds"])),
+)
+
+
+def windows_table(s: dict) -> str:
+    wins = s.get("windows") or {}
+    if not wins:
+        return f"<p>{UNKNOWN}: no window configured.</p>"
+    head = "".join(f'<th class="num">last {_e(k)}</th>' for k in wins)
+    rows = "".join(f"<tr><th>{_e(name)}</th>" + "".join(f'<td class="num">{cell(w)}</td>' for w in wins.values())
+                   + "</tr>" for name, cell in _ROWS)
+    return f'<table class="windows"><tr><th></th>{head}</tr>{rows}</table>'

@@ -1,0 +1,327 @@
+"""The landing page (`/`, exporter.page) in a real headless Debian chromium (tests/support/browser.py).
+
+A real kvwatt Daemon (model, collector, aiohttp app with its connection guard) serves on a loopback port. It
+is fed tick by tick with what the Sampler would hand it, built as tests/test_golden.py builds them: simulated
+vLLM 0.33 expositions (tests/support/vllm_sim.py: no offloading vLLM runs on this CPU-only machine) and the
+real vLLM 0.32 CPU captures, decoded by the real vLLM adapter, GPU energy from the simulation, a RAPL zone at
+80 W. Replayed ticks, not the wall clock, so the figures on the page (and the screenshots) are exact.
+
+(a) offload ON: the golden scenario (``on`` paired with its OFF twin ``off``, undersized buffer; ``cpu``
+    down, then up with a few seconds of a 1-minute window covered);
+(b) collapse: two ON servers that collapse after a steady stretch, one with its GPU's energy (the signature
+    holds) and one without (power unknown: four conditions true, the signature unknown).
+
+The assertions compare the rendered DOM with /api/status fetched over HTTP from the same daemon: one source
+of truth. ``KVWATT_SCREENSHOTS=docs/images pytest tests/test_page.py`` also writes the README's screenshots.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import html.parser
+import io
+import json
+import os
+from pathlib import Path
+
+import aiohttp
+
+from exporter import page
+from exporter.daemon import Daemon
+from exporter.derive.collapse import CLASSIC, CONDITIONS, CollapseResult
+from exporter.figures import ServerFigures, Snapshot, WindowFigures
+from exporter.model import Model
+from exporter.sampler import Sampler
+from exporter.samples import SourceStatus
+from exporter.web import start_web, status_json
+from tests import test_golden as golden
+from tests.support import vllm_sim as sim
+from tests.support.browser import Chromium
+from tests.support.daemon import KvwattDaemon
+from tests.support.engine import free_port
+from tests.support.fake_gpus import FakeGpus
+from tests.support.fakevllm import FakeVllm
+
+SCREENSHOTS = os.environ.get("KVWATT_SCREENSHOTS")  # a directory: write the README's screenshots there
+COLLAPSE_TICKS, STEADY_SECONDS = 240, 170.0
+
+
+def _wall(t: float) -> float:
+    return golden.WALL + t  # the daemon's wall clock follows the replayed ticks
+
+
+class Replayed:
+    """A Daemon stepped through a golden-style Scenario, serving its real web app on loopback."""
+
+    def __init__(self, scenario: golden.Scenario):
+        self.sc, self.t = scenario, 0
+        self.daemon = Daemon(scenario.cfg, sampler=Sampler(scenario.cfg, energy=False),
+                             model=Model(scenario.cfg, wall_clock=lambda: _wall(self.t)))
+        self.url = ""
+
+    def step_to(self, t: int) -> None:
+        while self.t < t:
+            self.t += 1
+            self.daemon.step(self.sc.tick(self.t))
+
+    async def __aenter__(self) -> "Replayed":
+        port = free_port()
+        self.runner = await start_web(self.daemon, "127.0.0.1", port)
+        self.url = f"http://127.0.0.1:{port}/"
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.runner.cleanup()
+
+    async def status(self) -> dict:
+        async with aiohttp.ClientSession() as s, s.get(self.url + "api/status") as r:
+            return await r.json()
+
+
+def _server(status: dict, name: str) -> dict:
+    return next(s for s in status["servers"] if s["server"] == name)
+
+
+async def _screenshot(b: Chromium, tmp_path: Path, name: str) -> None:
+    """Always taken (a real PNG of the rendered page); kept in the docs when KVWATT_SCREENSHOTS says where."""
+    png = await b.screenshot(tmp_path / name)
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    if SCREENSHOTS:
+        from PIL import Image  # matplotlib's dependency (the test extra)
+
+        # a 128-colour palette keeps the page's colours (octree: median cut loses the few red text pixels) and
+        # each file under 300 KB
+        img = Image.open(io.BytesIO(png)).convert("RGB").quantize(colors=128, method=Image.Quantize.FASTOCTREE,
+                                                                   dither=Image.Dither.NONE)
+        Path(SCREENSHOTS).mkdir(parents=True, exist_ok=True)
+        img.save(Path(SCREENSHOTS) / name, optimize=True)
+
+
+def _pct(x: float, signed: bool = False) -> str:
+    return f"{x * 100:{'+' if signed else ''}.1f} %"
+
+
+# --- (a) offload ON -------------------------------------------------------------------------------------------
+def test_offload_on_page_in_chromium(tmp_path):
+    asyncio.run(_offload_on(tmp_path))
+
+
+async def _offload_on(tmp_path):
+    rep = Replayed(golden.Scenario(tmp_path))
+    rep.step_to(golden.CPU_FROM + 1)  # cpu: two captures, one interval of its 1m window
+    async with rep, Chromium() as b:
+        await b.goto(rep.url)
+        await b.eval("window.notReloaded = true")
+        st = await rep.status()
+        assert await b.text("#as-of") == f"Figures as of {st['as_of']} (the daemon's last tick)."
+        cpu = "#server-cpu "
+        assert "1 of 60 s covered" in await b.text(cpu + "[data-field=joules-per-token]")
+
+        # the page refreshes itself: the daemon moves on, the DOM follows without a reload
+        rep.step_to(golden.TICKS)
+        st = await rep.status()
+        await b.wait_for(f"document.getElementById('as-of').innerText.includes({json.dumps(st['as_of'])})",
+                         what="the page to refresh itself")
+        assert await b.eval("window.notReloaded === true")
+        assert "5 of 60 s covered" in await b.text(cpu + "[data-field=joules-per-token]")
+
+        on, s_on = "#server-on ", _server(st, "on")
+        paired = s_on["windows"]["1m"]["energy_saving"]["paired"]
+        assert await b.text(on + "[data-field=dE]") == (f"Yes: offloading saves {_pct(paired['dE'], True)} ± "
+                                                        f"{_pct(paired['dE_stderr'])} (standard error) of GPU "
+                                                        "energy per generated token.")
+        basis = await b.text(on + "[data-field=dE-basis]")
+        assert basis.startswith("paired: measured against the paired OFF server")
+        assert f"{paired['windows']} repeat windows over the last 1m (60 of 60 s covered)" in basis
+        assert f"Throughput {_pct(paired['dTPS'], True)} ± {_pct(paired['dTPS_stderr'])}" in basis
+        estimated = s_on["windows"]["1m"]["energy_saving"]["estimated"]
+        assert f"estimated: {_pct(estimated['dE'], True)} ± {estimated['dE_stderr'] * 100:.2g} %" in \
+            await b.text(on + "[data-field=other-dE]")
+        gpu = s_on["windows"]["1m"]["energy"]["gpu"]
+        jpt = await b.text(on + "[data-field=joules-per-token]")
+        assert f"GPU {gpu['marginal_joules_per_token']:.3g} J marginal" in jpt
+        host = s_on["windows"]["1m"]["energy"]["host"]
+        assert f"{gpu['joules_per_token']:.3g} J in total; host {host['marginal_joules_per_token']:.3g} J" in jpt
+
+        buf = s_on["offload_buffer"]
+        assert buf["recommended_gib"] == 27
+        assert await b.text(on + "[data-field=recommended-buffer]") == "27 GiB"
+        text = await b.text(on + "[data-field=buffer]")
+        assert f"{buf['residency_seconds']:.1f}" == "8.9" and buf["p99_tool_latency_seconds"] == 20
+        assert await b.text(on + "[data-field=buffer-verdict]") == "Offload buffer: undersized"
+        assert "8 GiB holds 8.9 s of writes at 0.9 GiB/s" in text
+        assert "tool-call latency it must outlast is 20 s" in text
+        assert "--kv-offloading-size 27" in await b.text(on + "[data-field=recommendations]")
+        pressure = await b.text(on + "[data-field=pressure]")
+        w30 = s_on["windows"]["30s"]
+        assert f"p95 {_pct(w30['kv_usage_p95'])} over the last 30s is above the 90.0 % threshold" in pressure
+        assert "Preemptions: 6 per minute (preemption onset" in pressure
+
+        assert await b.text(on + "[data-field=signature]") == "no"
+        for name, want in s_on["collapse"]["conditions"].items():
+            state = await b.text(f"{on}tr[data-condition={name}] .state")
+            assert state == {True: "true", False: "false", None: "unknown"}[want], (name, state)
+
+        off = "#server-off "
+        potential = _server(st, "off")["windows"]["1m"]["energy_saving"]["potential"]
+        text = await b.text(off + "[data-field=dE]")
+        assert text.startswith("Offloading is off here") and _pct(potential["dE"], True) in text
+        tax = await b.text(off + "[data-field=recompute-tax]")
+        w = _server(st, "off")["windows"]["1m"]
+        assert f"{w['recompute_tax'] * 100:+.1f} points" in tax and "3.9 %" in tax and "configured" in tax
+
+        for src in ("nvml", "rapl", "state_dir"):
+            assert (await b.text(f"[data-source={src}]")).endswith(": ok")
+        assert await b.text("#server-cpu [data-field=dE]") == \
+            "Unknown (potential dE): no low-pressure reference share yet (learned or configured)."
+        await _screenshot(b, tmp_path, "landing-offload-on.png")
+
+
+# --- (b) collapse ---------------------------------------------------------------------------------------------
+def _collapse_scenario(tmp_path) -> golden.Scenario:
+    gpu = ("0", "GPU-stalled")
+    mapping = {
+        "servers": [{"name": "stalled", "url": "http://stalled.invalid:8000", "gpus": [gpu[1]]},
+                    {"name": "stalled-no-gpu", "url": "http://stalled-no-gpu.invalid:8000", "gpus": []}],
+        "windows": ["30s", "2m"], "min_load_duration": "10s", "collapse_reference_window": "2m",
+        "idle_power_watts": {gpu[1]: sim.IDLE_WATTS}, "state_dir": str(tmp_path / "state"),
+        "powercap_root": str(tmp_path / "no-powercap"), "nvml": False,
+    }
+    inputs = golden.Inputs({"stalled": sim.collapsing_on(steady_seconds=STEADY_SECONDS),
+                            "stalled-no-gpu": sim.collapsing_on(steady_seconds=STEADY_SECONDS, seed=12)}, cpu=False)
+    return golden.Scenario(tmp_path, mapping, inputs, gpus={"stalled": gpu})
+
+
+def test_collapse_page_in_chromium(tmp_path):
+    asyncio.run(_collapse(tmp_path))
+
+
+async def _collapse(tmp_path):
+    rep = Replayed(_collapse_scenario(tmp_path))
+    rep.step_to(COLLAPSE_TICKS)
+    async with rep, Chromium() as b:
+        await b.goto(rep.url)
+        st = await rep.status()
+        stalled, blind = _server(st, "stalled"), _server(st, "stalled-no-gpu")
+        assert stalled["collapse"]["signature"] is True and blind["collapse"]["signature"] is None
+
+        s = "#server-stalled "
+        assert await b.text(s + "[data-field=signature]") == "YES"
+        de = await b.text(s + "[data-field=dE]")  # a stalled GPU's cheap marginal J/token is not a saving
+        assert de.startswith("No, whatever dE says: dE +") and "the collapse signature holds" in de
+        assert [await b.text(f"{s}tr[data-condition={c}] .state") for c in CLASSIC] == ["true"] * 5
+        # the simulated stall still steps (a trickle of tokens): the classic set fired, not stalled_engine
+        assert await b.text(f"{s}tr[data-condition=engine_steps_stopped] .state") == "false"
+        assert stalled["collapse"]["condition_set"] == "classic"
+        assert "Collapse signature" in await b.text(s + "[data-field=recommendations]")
+        assert "GPU 180 W, idle 150 W" in await b.text(f"{s}tr[data-condition=power_near_idle]")
+        assert await b.text(s + "[data-field=buffer-verdict]") == "Offload buffer: not undersized"
+        assert "64 GiB, no offload writes in the shortest window" in await b.text(s + "[data-field=buffer]")
+
+        n = "#server-stalled-no-gpu "
+        assert await b.text(n + "[data-field=signature]") == "unknown"
+        states = {c: await b.text(f"{n}tr[data-condition={c}] .state") for c in CONDITIONS}
+        assert states == {**dict.fromkeys(CLASSIC, "true"), "power_near_idle": "unknown",
+                          "engine_steps_stopped": "false"}, states
+        row = await b.text(f"{n}tr[data-condition=power_near_idle]")
+        assert "no GPU energy or no idle baseline" in row
+        banner = await b.text(n + "[data-field=collapse]")
+        assert "none" not in banner.lower() and "unknown" in banner
+        assert "GPU unknown (no GPU energy samples" in await b.text(n + "[data-field=joules-per-token]")
+        assert "some checks are unknown" in await b.text(n + "[data-field=recommendations]") or \
+            await b.texts(n + "[data-field=recommendations] li")
+        await _screenshot(b, tmp_path, "landing-collapse.png")
+
+
+# --- the page of a `kvwatt run` subprocess ---------------------------------------------------------------------
+def test_page_of_kvwatt_run_refreshes_in_chromium(tmp_path):
+    """The whole path in real time: a simulated offloading vLLM on loopback (tests/support/fakevllm.py), the NVML
+    double driven by it, `kvwatt run` as a subprocess, chromium loading `/` before the figures exist and
+    following them as the page refreshes itself."""
+    gpus = FakeGpus(tmp_path / "gpus.json")
+    cfg = {"windows": ["10s", "30s"], "min_load_duration": "5s", "idle_power_watts": {"GPU-on": sim.IDLE_WATTS}}
+    with FakeVllm(sim.undersized_buffer_on()) as fv:
+        fv.attach_gpu(gpus, "GPU-on")
+        with KvwattDaemon(servers={"on": {"url": fv.url, "gpus": ["GPU-on"]}}, config=cfg, env=gpus.env(),
+                          interval="250ms") as d:
+            asyncio.run(_live(d))
+
+
+async def _live(d: KvwattDaemon):
+    async with Chromium() as b:
+        await b.goto(d.url + "/")
+        await b.eval("window.notReloaded = true")
+        first = await b.text("#as-of")
+        await b.wait_for(f"document.getElementById('as-of').innerText != {json.dumps(first)}", timeout=90,
+                         what="the page to refresh itself")
+        await b.wait_for("(e => e && e.innerText == 'Offload buffer: undersized')"
+                         "(document.querySelector('#server-on [data-field=buffer-verdict]'))", timeout=90,
+                         what="the undersized buffer on the page")
+        assert await b.eval("window.notReloaded === true")  # followed by the page's own refresh
+        st = _server(d.status(), "on")
+        assert await b.text("#server-on [data-field=recommended-buffer]") == \
+            f"{st['offload_buffer']['recommended_gib']} GiB"
+        assert (await b.text("[data-source=nvml]")) == "GPU energy (NVML): ok"
+        assert "of 30 s covered" in await b.text("#server-on [data-field=joules-per-token]")
+        assert (await b.text("#as-of")).startswith("Figures as of 20")
+
+
+# --- without a browser: every figure unknown ------------------------------------------------------------------
+class _Parser(html.parser.HTMLParser):
+    def __init__(self):
+        super().__init__()
+        self.text: list[str] = []
+
+    def handle_data(self, data):
+        self.text.append(data)
+
+
+def _all_unknown_snapshot() -> Snapshot:
+    down = SourceStatus("vllm", "x", False, "unreachable: connection refused", 0.0, "down")
+    collapse = CollapseResult(dict.fromkeys(CONDITIONS), None, "unknown: everything",
+                              details={c: "not enough samples in the recent window" for c in CONDITIONS})
+    server = ServerFigures("x", "http://x.invalid:8000", down, None, 0.9, None, "none",
+                           (WindowFigures("1m", 60.0, 0.0), WindowFigures("5m", 300.0, 0.0)), collapse)
+    sources = (SourceStatus("nvml", "", False, "no NVML library", 0.0, "down"),)
+    return Snapshot(1.0, golden.WALL, (server,), sources)
+
+
+def test_page_survives_a_snapshot_of_unknowns():
+    text = page.render(status_json(_all_unknown_snapshot()))
+    p = _Parser()
+    p.feed(text)
+    words = " ".join(" ".join(p.text).split())
+    assert "DOWN" in words and "unreachable: connection refused" in words
+    assert "Throughput collapse: unknown" in words
+    assert words.count("unknown") >= 20  # every figure of both windows and every condition
+    assert "Unknown: kvwatt cannot tell whether this server offloads (the server has not answered yet)" in words
+    assert "0 of 300 s covered" in words and "GPU energy (NVML): down (no NVML library)" in words
+    assert "none" not in words.lower()  # an unknown never reads "none"
+
+
+def test_page_escapes_what_it_shows():
+    snap = _all_unknown_snapshot()
+    bad = "<script>alert(1)</script>"
+    server = snap.servers[0]
+    status = SourceStatus("vllm", "x", False, f"unreachable: {bad}", 0.0, "down")
+    snap = Snapshot(1.0, golden.WALL, (ServerFigures(f"x{bad}", server.url, status, None, 0.9, None, "none",
+                                                    server.windows, server.collapse),), snap.sources)
+    text = page.render(status_json(snap))
+    assert bad not in text and "&lt;script&gt;alert(1)&lt;/script&gt;" in text
+
+
+def test_page_before_the_first_tick():
+    text = page.render(status_json(None))
+    assert "has not completed its first sampling tick" in text and "<script>" in text
+
+
+def test_dE_verdict_words():
+    from exporter.figures import SavingFigure
+
+    def verdict(de, se):
+        return SavingFigure("paired", de, se, 6).verdict
+
+    assert verdict(None, None) == "unknown"
+    assert verdict(0.02, 0.011) == "within_noise" and verdict(-0.02, 0.011) == "within_noise"
+    assert verdict(0.02, 0.0099) == "saves" and verdict(-0.02, 0.0099) == "costs"
+    assert verdict(0.3, None) == "saves"  # no SE (one window): the sign, and the page says the SE is unknown
