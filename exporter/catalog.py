@@ -75,7 +75,19 @@ def _server_info(snap: Snapshot) -> Iterator[Sample]:
     for s in snap.servers:
         info = s.info
         yield (s.name, s.url, info.model_name if info else "",
-               (info.offload_backend if info else "") or "unknown"), 1.0
+               (info.offload_backend if info else "") or "unknown", s.engine if info else "unknown"), 1.0
+
+
+def _capabilities(snap: Snapshot) -> Iterator[Sample]:
+    for s in snap.servers:
+        for cap in sorted(s.capabilities):
+            yield (s.name, cap), 1.0
+
+
+def _tier_hits(snap: Snapshot) -> Iterator[Sample]:
+    for s in snap.servers:
+        for tier, ratio in sorted((s.tiers.hit_ratio or {}).items()):
+            yield (s.name, tier), ratio
 
 
 def _devices(kind: str, get) -> Fill:
@@ -165,9 +177,16 @@ METRICS: tuple[MetricDef, ...] = (
               "sampler.Sampler.tick", _H, _source_info),
     MetricDef("kvwatt_sample_duration_seconds", "gauge", ("source", "server"),
               "How long the last read of this source took.", "sampler.Sampler.tick", _H, _sample_duration),
-    MetricDef("kvwatt_server_info", "info", ("server", "url", "model_name", "offload_backend"),
-              "What kvwatt knows of each watched vLLM server (from vllm:cache_config_info); value 1.",
-              "sources.vllm.extract", _H, _server_info),
+    MetricDef("kvwatt_server_info", "info", ("server", "url", "model_name", "offload_backend", "engine"),
+              "What kvwatt knows of each watched server: the engine detected from its exposition (vllm, sglang, "
+              "trtllm, with +lmcache / +dynamo when those add-ons' series are there, docs/engines.md), the model "
+              "and the offload backend (vLLM: from vllm:cache_config_info); value 1.",
+              "sources.combine.read_exposition", _H, _server_info),
+    MetricDef("kvwatt_server_capability", "info", ("server", "capability"),
+              "One series per figure group the server's engine supports (kv_usage, preemptions, token_sources, "
+              "engine_steps, offload_traffic, offload_occupancy, ...): a kvwatt figure absent for a server "
+              "whose engine lacks its capability is absent by design, not missing (docs/engines.md); value 1.",
+              "sources.engine.capabilities_of", _H, _capabilities),
     MetricDef("kvwatt_window_covered_seconds", "gauge", ("server", "window"),
               "Seconds of gap-free samples the window actually holds (less than the window right after start "
               "or after a server outage).", "derive.window.covered_seconds", _H,
@@ -265,6 +284,26 @@ METRICS: tuple[MetricDef, ...] = (
     MetricDef("kvwatt_offload_read_bytes_per_second", "gauge", ("server", "window"),
               "Load rate offload tier -> GPU over the window.", "derive.offload.transfer_rates", _O,
               per_window(lambda w: w.offload_read_bytes_per_second)),
+    MetricDef("kvwatt_offload_write_tokens_per_second", "gauge", ("server", "window"),
+              "Offload stores counted in tokens over the window (engines that count tokens: SGLang HiCache "
+              "evictions to host, LMCache stored tokens, Dynamo KVBM blocks x block size).",
+              "derive.offload.token_rates", _O, per_window(lambda w: w.offload_write_tokens_per_second)),
+    MetricDef("kvwatt_offload_read_tokens_per_second", "gauge", ("server", "window"),
+              "Offload loads counted in tokens over the window (SGLang load-back, LMCache hits retrieved, "
+              "Dynamo KVBM matched tokens).", "derive.offload.token_rates", _O,
+              per_window(lambda w: w.offload_read_tokens_per_second)),
+    MetricDef("kvwatt_offload_buffer_used_ratio", "gauge", ("server",),
+              "Offload buffer occupancy as the engine last reported it: used / capacity (SGLang "
+              "hicache_host_used_tokens / hicache_host_total_tokens, TensorRT-LLM kv_cache_host_utilization). "
+              "Never vLLM's kv_offload_cpu_cache_usage_perc, which is the share pinned by transfers.",
+              "derive.offload.tier_state", _O, per_server(lambda s: s.tiers.used_ratio)),
+    MetricDef("kvwatt_offload_buffer_used_bytes", "gauge", ("server",),
+              "Bytes of KV held in the offload buffer as the engine last reported them (LMCache "
+              "local_cache_usage, summed over workers; LMCache exports no capacity, so no ratio).",
+              "derive.offload.tier_state", _O, per_server(lambda s: s.tiers.used_bytes)),
+    MetricDef("kvwatt_offload_tier_hit_ratio", "gauge", ("server", "tier"),
+              "The engine's own recent hit rate of an offload tier (host, disk), as last reported (Dynamo "
+              "KVBM's sliding window).", "derive.offload.tier_state", _O, _tier_hits),
     MetricDef("kvwatt_offload_buffer_residency_seconds", "gauge", ("server", "window"),
               "Buffer bytes / write rate: how long an offloaded block survives (methods.md s6).",
               "derive.offload.residency", _O, per_window(lambda w: w.offload_buffer_residency_seconds)),
