@@ -11,6 +11,8 @@ exporter reads them: through the registry's auto-detection, and over loopback HT
 from __future__ import annotations
 
 import asyncio
+import math
+import random
 import re
 import subprocess
 import sys
@@ -198,6 +200,32 @@ def test_out_of_range_values_make_their_key_unknown():
     assert nine != text
     replica = combine.read_exposition(nine)
     assert replica.gauges["kv_usage"] < 1 and not replica.rejected
+
+
+BAD_VALUES = ["-1", "1.7", "1e308", "1e400", "NaN", "+Inf", "-Inf", "", "abc", "0x10", "1 2 3", "-0", "5e-324"]
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_random_bad_values_never_give_a_value_out_of_range(seed):
+    """Any sample of any engine's families set to a bad value: the reading holds only finite counters in
+    [0, 1e30] and fractions in [0, 1] (the family refused, or the line skipped), or the read says parse_error."""
+    rng = random.Random(seed)
+    engine, kind = rng.choice(ENGINES), rng.choice(KINDS)
+    lines = joined(Sequence(engine, kind).texts(rng.uniform(1, 40))).split("\n")
+    samples = [i for i, ln in enumerate(lines) if ln and not ln.startswith("#")]
+    for i in rng.sample(samples, rng.choice([1, 2, 5])):
+        lines[i] = lines[i].rsplit(" ", 1)[0] + " " + rng.choice(BAD_VALUES)
+    try:
+        r = combine.read_exposition("\n".join(lines), [])
+    except SourceError as e:
+        assert e.reason == "parse_error"
+        return
+    for key, v in {**r.counters, **r.gauges}.items():
+        assert math.isfinite(v) and 0.0 <= v <= 1e30, (key, v)
+    for key in ("kv_usage", "offload_buffer_used_ratio", "offload_host_hit_ratio", "offload_disk_hit_ratio"):
+        assert 0.0 <= r.gauges.get(key, 0.0) <= 1.0, (key, r.gauges[key])
+    for values in r.engine_counters.values():
+        assert all(math.isfinite(v) and 0.0 <= v <= 1e30 for v in values.values()), values
 
 
 def test_an_addon_with_only_malformed_lines_degrades_the_read():

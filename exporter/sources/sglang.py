@@ -25,6 +25,7 @@ rank 0's are taken; ``dp_rank`` (data-parallel attention) is the rank the store 
 from __future__ import annotations
 
 from exporter.samples import VllmInfo
+from exporter.sources.vllm import MAX_VALUE
 from exporter.sources.families import EngineSpec, Parts, Pick, SpecAdapter, first_value, model_name, rank_sums
 
 STORAGE = "storage_"
@@ -89,7 +90,7 @@ class SglangAdapter(SpecAdapter):
     def _occupancy(parts: Parts) -> None:
         used = first_value(parts.series, "hicache_host_used_tokens")
         total = first_value(parts.series, "hicache_host_total_tokens")
-        if used is not None and total is not None and total > 0 and 0.0 <= used <= total:
+        if used is not None and total is not None and 0 < total <= MAX_VALUE and 0.0 <= used <= total:
             parts.gauges["offload_buffer_used_ratio"] = used / total
 
 
@@ -101,6 +102,6 @@ def _cache_config(samples: dict) -> tuple[float | None, float | None]:
             page, pages = float(lab.get("page_size", "")), float(lab.get("num_pages", ""))
         except ValueError:
             continue
-        if 0 < page <= 1e30 and 0 <= pages <= 1e30:
+        if 0 < page <= MAX_VALUE and 0 <= pages <= MAX_VALUE:
             return page, pages
     return None, None

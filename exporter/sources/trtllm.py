@@ -22,6 +22,7 @@ pool size in bytes: those figures are absent.
 from __future__ import annotations
 
 from exporter.samples import VllmInfo
+from exporter.sources.vllm import MAX_VALUE
 from exporter.sources.families import EngineSpec, Parts, Pick, SpecAdapter, first_value, model_name, rank_sums
 
 SPEC = EngineSpec(
@@ -62,8 +63,8 @@ class TrtllmAdapter(SpecAdapter):
         blocks = first_value(parts.series, "kv_cache_max_blocks")
         return VllmInfo(model_name=model_name(parts.series), offload_enabled=enabled,
                         offload_backend="host_tier" if enabled else ("none" if enabled is False else ""),
-                        num_gpu_blocks=blocks if blocks is not None and 0 <= blocks <= 1e30 else None,
-                        block_size=tokens_per_block if tokens_per_block and 0 < tokens_per_block <= 1e30 else None,
+                        num_gpu_blocks=blocks if blocks is not None and 0 <= blocks <= MAX_VALUE else None,
+                        block_size=tokens_per_block if tokens_per_block and 0 < tokens_per_block <= MAX_VALUE else None,
                         has_token_sources="prompt_local_compute" in parts.counters,
                         process_start_time_seconds=process_start)
 
