@@ -13,7 +13,9 @@ Block counters (KVBM counts blocks) become tokens once the merged reading knows 
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
+from functools import lru_cache
 
 from exporter.samples import EngineReading, VllmInfo
 from exporter.sources.engine import EngineAdapter, SourceError, adapters, capabilities_of
@@ -26,10 +28,23 @@ def is_addon(adapter: EngineAdapter) -> bool:
 
 
 def pick(text: str) -> tuple[EngineAdapter | None, list[EngineAdapter]]:
-    """(the primary engine's adapter or None, the add-ons present)."""
-    found = [a for a in adapters() if a.detect(text)]
-    primary = next((a for a in found if not is_addon(a)), None)
-    return primary, [a for a in found if is_addon(a)]
+    """(the primary engine's adapter or None, the add-ons present). Each ``detect`` scans the whole text (a
+    50k-series exposition is megabytes): engines are tried until one answers, and the add-ons' prefixes are
+    looked for in one scan first, so a plain vLLM exposition costs two scans, not one per adapter."""
+    registered = adapters()
+    primary = next((a for a in registered if not is_addon(a) and a.detect(text)), None)
+    addons = tuple(a for a in registered if is_addon(a))
+    prefixes, scan = _addon_scan(addons)
+    if not text.startswith(prefixes) and not scan.search(text):  # none of the declared prefixes: skip those
+        addons = tuple(a for a in addons if not getattr(a, "detect_prefixes", ()))
+    return primary, [a for a in addons if a.detect(text)]
+
+
+@lru_cache(maxsize=8)
+def _addon_scan(addons: tuple[EngineAdapter, ...]) -> tuple[tuple[str, ...], re.Pattern]:
+    """The add-ons' declared line prefixes, and one pattern finding a line (after the first) starting with one."""
+    prefixes = tuple(sorted({p for a in addons for p in getattr(a, "detect_prefixes", ())})) or ("\x00",)
+    return prefixes, re.compile("\n(?:" + "|".join(re.escape(p) for p in prefixes) + ")")
 
 
 def read_exposition(text: str, problems: list[str] | None = None) -> EngineReading:
