@@ -184,6 +184,34 @@ def test_stalled_counters_freeze_while_requests_wait(engine):
     assert going.counters["generation_tokens"] > after.counters["generation_tokens"]
 
 
+FIRST_USE = """
+import threading
+from exporter.sources.combine import read_exposition
+texts = [open(p).read() for p in %r]
+barrier, errors = threading.Barrier(len(texts)), []
+def go(text):
+    barrier.wait()
+    try:
+        read_exposition(text)
+    except Exception as e:
+        errors.append(repr(e))
+threads = [threading.Thread(target=go, args=(t,)) for t in texts]
+[t.start() for t in threads]
+[t.join() for t in threads]
+print(errors)
+"""
+
+
+def test_the_first_reads_in_several_threads_all_find_the_adapters():
+    """A fresh daemon decodes its servers' first expositions in worker threads at once: none may see the
+    registry before the built-in adapters are in it (it used to raise IndexError for some servers)."""
+    frames = [str(p) for p in sorted(DATA.glob("*/high-pressure/005.prom"))] * 4
+    for _ in range(3):
+        r = subprocess.run([sys.executable, "-c", FIRST_USE % frames], capture_output=True, text=True, cwd=REPO,
+                           timeout=60)
+        assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr
+
+
 # --- values out of range ----------------------------------------------------------------------------------
 def test_out_of_range_values_make_their_key_unknown():
     text = Sequence("sglang", "normal").texts(10.0)[""]

@@ -15,6 +15,7 @@ must be a pure function of its text: no shared mutable state.
 from __future__ import annotations
 
 import math
+import threading
 from typing import Protocol, runtime_checkable
 
 from exporter.samples import EngineReading, VllmInfo
@@ -141,6 +142,7 @@ class EngineAdapter(Protocol):
 
 _REGISTRY: list[EngineAdapter] = []
 _builtins_loaded = False
+_builtins_lock = threading.Lock()  # the first decodes run in several worker threads at once
 
 
 def register(adapter: EngineAdapter) -> None:
@@ -150,9 +152,14 @@ def register(adapter: EngineAdapter) -> None:
 
 
 def _ensure_builtins() -> None:
+    """Load the built-in adapters once. The flag is set only when they are in the registry, under a lock: a
+    thread that saw it set early would read an empty registry."""
     global _builtins_loaded
-    if not _builtins_loaded:
-        _builtins_loaded = True
+    if _builtins_loaded:
+        return
+    with _builtins_lock:
+        if _builtins_loaded:
+            return
         # here, not at the top: the adapters' modules import this one
         from exporter.sources.dynamo import DynamoAdapter
         from exporter.sources.lmcache import LmcacheAdapter
@@ -161,6 +168,7 @@ def _ensure_builtins() -> None:
         from exporter.sources.vllm import VllmAdapter
 
         _REGISTRY[0:0] = [VllmAdapter(), SglangAdapter(), TrtllmAdapter(), LmcacheAdapter(), DynamoAdapter()]
+        _builtins_loaded = True
 
 
 def adapters() -> tuple[EngineAdapter, ...]:
