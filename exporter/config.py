@@ -222,6 +222,12 @@ def parse_url(value: Any, key: str) -> str:
     return text.rstrip("/")
 
 
+def shown_server(server: "ServerConfig") -> str:
+    """``name=url``, with its sidecars' URLs after a ``+``, passwords masked: a server in a message."""
+    urls = "+".join(redacted_url(u) for u in (server.url, *server.sidecar_urls))
+    return f"{server.name}={urls}"
+
+
 def redacted_url(url: str) -> str:
     """``url`` with its password replaced by ``xxxxx`` (as Go's url.Redacted): the only form in which a server
     URL is shown -- labels, /api/status, the landing page, logs, messages. The sampler alone uses the real one."""

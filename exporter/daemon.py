@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from exporter import logfilter
 from exporter.collector import render
-from exporter.config import Config, ConfigError, parse_duration, redacted_url, resolve
+from exporter.config import Config, ConfigError, parse_duration, resolve, shown_server
 from exporter.energy.baseline import BaselineBook
 from exporter.figures import Snapshot
 from exporter.model import Model
@@ -107,7 +107,7 @@ async def serve(cfg: Config, limits: "WebLimits | None" = None, web_config: "Web
             raise CannotListen(e.strerror or str(e)) from e
         log.info("kvwatt listening on %s (%s), watching %s", cfg.listen,
                  web_config.describe() if web_config else "http, no auth",
-                 ", ".join(f"{s.name}={redacted_url(s.url)}" for s in cfg.servers))
+                 ", ".join(shown_server(s) for s in cfg.servers))
         try:
             await daemon.run_loop()
         finally:

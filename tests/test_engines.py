@@ -305,6 +305,26 @@ def test_a_sidecar_is_fetched_and_merged_and_its_failure_only_degrades():
     assert not status.up and reading is None and status.code == "unreachable"
 
 
+def test_a_sidecar_url_credentials_go_as_basic_auth():
+    texts = Sequence("dynamo", "normal").texts(8.0)
+    with MetricsServer(lambda: texts[""]) as main, \
+            MetricsServer(lambda: texts["sidecar"], basic_auth=("kv", "s3cret")) as side:
+        authed = side.url.replace("://", "://kv:s3cret@")
+        status, reading = _read(VllmSource("s", main.url, 2.0, 1 << 20, sidecar_urls=(authed,)))
+        assert status.state == "ok" and reading.engine == "vllm+dynamo" and side.unauthorized == 0
+        status, _ = _read(VllmSource("s", main.url, 2.0, 1 << 20, sidecar_urls=(side.url,)))
+        assert status.code == "sidecar" and "http_401" in status.reason and "s3cret" not in status.reason
+
+
+def test_check_config_shows_sidecars_with_passwords_masked(tmp_path):
+    path = tmp_path / "kvwatt.yaml"
+    path.write_text("servers: [{name: a, url: 'http://h:8000', sidecar_urls: ['http://u:secret@h:9000']}]\n")
+    r = subprocess.run([sys.executable, "-m", "exporter", "check-config", str(path)], capture_output=True,
+                       text=True, cwd=REPO, timeout=60)
+    assert r.returncode == 0 and "servers: a=http://h:8000+http://u:xxxxx@h:9000;" in r.stdout, r.stdout + r.stderr
+    assert "secret" not in r.stdout + r.stderr
+
+
 def test_sidecar_urls_are_validated():
     cfg = from_mapping({"servers": [{"name": "a", "url": "http://h:8000", "sidecar_urls": ["http://h:9000/"]}]})
     assert cfg.servers[0].sidecar_urls == ("http://h:9000",)
