@@ -230,11 +230,12 @@ METRICS: tuple[MetricDef, ...] = (
               "derive.energy.prompt_attribution", _E, _by_source("prompt_energy_per_token")),
     # --- KV pressure and recomputation ------------------------------------------------------------------
     MetricDef("kvwatt_kv_cache_usage_p95_ratio", "gauge", ("server", "window"),
-              "95th percentile of vllm:kv_cache_usage_perc over the window from kvwatt's dense samples "
-              "(methods.md s3); a 15 s scrape misses the peaks.", "derive.pressure.kv_usage_quantile", _K,
+              "95th percentile of the engine's KV-cache usage (vllm:kv_cache_usage_perc, sglang:token_usage, "
+              "trtllm_kv_cache_utilization) over the window from kvwatt's dense samples (methods.md s3); a 15 s "
+              "scrape misses the peaks.", "derive.pressure.kv_usage_quantile", _K,
               per_window(lambda w: w.kv_usage_p95)),
     MetricDef("kvwatt_kv_cache_usage_max_ratio", "gauge", ("server", "window"),
-              "Maximum of vllm:kv_cache_usage_perc over the window from dense samples.",
+              "Maximum of the engine's KV-cache usage over the window from dense samples.",
               "derive.pressure.kv_usage_quantile", _K, per_window(lambda w: w.kv_usage_max)),
     MetricDef("kvwatt_kv_pressure_threshold_ratio", "gauge", ("server",),
               "The configured KV-pressure regime threshold on p95 usage (default 0.90, methods.md s3).",
@@ -243,7 +244,8 @@ METRICS: tuple[MetricDef, ...] = (
               "1 when the window's p95 KV usage is above the threshold: offloading pays in this regime.",
               "derive.pressure.above_threshold", _K, per_window(lambda w: _b(w.above_threshold))),
     MetricDef("kvwatt_preemptions_per_minute", "gauge", ("server", "window"),
-              "Preemptions per minute over the window, from vllm:num_preemptions_total deltas.",
+              "Preemptions per minute over the window, from vllm:num_preemptions_total deltas (SGLang: "
+              "retractions, sglang:num_retracted_requests_total; absent for engines without such a counter).",
               "derive.pressure.rate_per_second", _K, per_window(lambda w: w.preemptions_per_minute)),
     MetricDef("kvwatt_preemption_onset", "gauge", ("server", "window"),
               "1 when preemptions are sustained at >= the onset rate (default 0.5/min, methods.md s3).",
@@ -273,7 +275,8 @@ METRICS: tuple[MetricDef, ...] = (
               per_window(lambda w: w.flops_per_generated_token)),
     # --- offloading ------------------------------------------------------------------------------------
     MetricDef("kvwatt_offload_enabled", "gauge", ("server",),
-              "1 when the server offloads KV to host memory (from vllm:cache_config_info or offload series).",
+              "1 when the server offloads KV to host memory (vLLM: cache_config_info or offload series; SGLang "
+              "HiCache, TensorRT-LLM host tier, LMCache, Dynamo KVBM series: docs/engines.md).",
               "sources.vllm.extract", _O, _info_attr("offload_enabled")),
     MetricDef("kvwatt_offload_buffer_bytes", "gauge", ("server",),
               "Configured host offload buffer (kv_offloading_size GiB, or kv_offload_config_info on 0.33).",
