@@ -26,11 +26,12 @@ from exporter.sources.engine import (CAPABILITIES, CAPABILITY_KEYS, COUNTER_KEYS
                                      adapter_for, adapters)
 from exporter.sources.vllm import VllmSource
 from tests.support.daemon import REPO, parse_exposition
-from tests.support.engine_expositions import (BLOCK_TOKENS, ENGINES, HOST_TOKENS, KINDS, KV_BYTES_PER_TOKEN,
+from tests.support.engine_expositions import (BLOCK_TOKENS, ENGINES, HOST_TOKENS, KINDS, KV_BYTES_PER_TOKEN, LOADS,
                                               STALL_AT, Sequence)
 from tests.support.httpserver import MetricsServer
 
 DATA = REPO / "tests" / "data"
+LOADS_HIGH = LOADS["high-pressure"]
 
 
 def joined(texts: dict[str, str]) -> str:
@@ -210,6 +211,27 @@ def test_the_first_reads_in_several_threads_all_find_the_adapters():
         r = subprocess.run([sys.executable, "-c", FIRST_USE % frames], capture_output=True, text=True, cwd=REPO,
                            timeout=60)
         assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr
+
+
+def test_a_sidecar_gap_re_bases_the_addon_counters_instead_of_a_catch_up():
+    """The add-on's counters are tracked under their own rank ids: when its sidecar misses reads, the engine's
+    counters go on, and the add-on's first reading back adds nothing (no jump of everything stored meanwhile)."""
+    from exporter.store import ServerHistory
+
+    seq = Sequence("lmcache", "high-pressure")
+    history = ServerHistory(3600.0, name="s")
+    deltas = {}
+    for t in range(1, 11):
+        texts = seq.texts(float(t))
+        text = texts[""] if 4 <= t <= 6 else joined(texts)  # the sidecar down at t = 4, 5, 6
+        interval = history.add_reading(float(t), combine.read_exposition(text))
+        if interval is not None:
+            deltas[t] = interval.deltas
+    per_second = LOADS_HIGH.store_tps
+    assert deltas[3]["offload_store_tokens"] == pytest.approx(per_second)
+    assert all("offload_store_tokens" not in deltas[t] for t in (4, 5, 6, 7))  # gone, then re-based on return
+    assert deltas[8]["offload_store_tokens"] == pytest.approx(per_second)
+    assert all(deltas[t]["generation_tokens"] == pytest.approx(LOADS_HIGH.generation_tps) for t in range(2, 11))
 
 
 # --- values out of range ----------------------------------------------------------------------------------
