@@ -93,6 +93,15 @@ def test_sglang_underscore_spelling_and_storage_tiers():
     assert r.counters["prompt_cached_disk"] == 30.0 and r.counters["prompt_cached_external"] == 12.0
 
 
+def test_sglang_before_realtime_tokens_takes_shares_from_cached_tokens():
+    seq = Sequence("sglang", "normal")
+    old = "".join(ln + "\n" for ln in seq.texts(10.0)[""].splitlines() if "realtime_tokens" not in ln)
+    r, s = combine.read_exposition(old), seq.state(10.0)
+    assert r.counters["prompt_local_cache_hit"] == pytest.approx(s["cached"])
+    assert r.counters["prompt_local_compute"] == pytest.approx(s["compute"])
+    assert "token_sources" in r.capabilities
+
+
 def test_sglang_without_hicache_says_offloading_is_off():
     text = "".join(line + "\n" for line in Sequence("sglang", "normal").texts(10.0)[""].splitlines()
                    if "hicache" not in line and "evicted" not in line and "load_back" not in line)

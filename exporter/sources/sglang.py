@@ -7,7 +7,8 @@ RadixCacheMetricsCollector):
 - KV usage: ``token_usage`` (used / ``max_total_num_tokens`` of the device pool, 0..1);
 - preemption: ``num_retracted_requests_total`` (SGLang "retracts" a running request when the KV pool runs
   out: what vLLM calls a preemption);
-- token sources: ``realtime_tokens_total{mode=prefill_compute|prefill_cache|decode}``; cached tokens by tier:
+- token sources: ``realtime_tokens_total{mode=prefill_compute|prefill_cache|decode}`` (earlier releases:
+  ``prompt_tokens_total`` minus ``cached_tokens_total``); cached tokens by tier:
   ``cached_tokens_total{cache_source=device|host|storage_<backend>}`` (``storage_file`` is the local disk,
   any other storage backend -- mooncake, hf3fs, nixl ... -- counts as external);
 - offload traffic in tokens: ``evicted_tokens_total`` (device -> host) and ``load_back_tokens_total``
@@ -62,6 +63,7 @@ class SglangAdapter(SpecAdapter):
 
     def facts(self, parts: Parts, process_start: float | None) -> VllmInfo:
         self._external_storage(parts)
+        self._shares_from_cached_tokens(parts)
         self._occupancy(parts)
         hicache = "hicache_host_total_tokens" in parts.series or \
             any(k in parts.counters for k in ("offload_store_tokens", "offload_load_tokens"))
@@ -85,6 +87,21 @@ class SglangAdapter(SpecAdapter):
         for rank, v in sums.items():
             counters = parts.by_rank.setdefault(rank, {})
             counters["prompt_cached_external"] = v - counters.get("prompt_cached_disk", 0.0)
+
+    def _shares_from_cached_tokens(self, parts: Parts) -> None:
+        """Releases before ``realtime_tokens_total``: cached = every ``cached_tokens_total`` source (``total``
+        where SGLang had no detail), computed = prompt - cached (both counted per finished request)."""
+        if "prompt_local_compute" in parts.counters or "prompt_local_cache_hit" in parts.counters:
+            return
+        sums = rank_sums(parts.series, (Pick("cached_tokens"),), self.spec, "prompt_local_cache_hit", parts.rejected)
+        if sums is None or "prompt_tokens" not in parts.counters:
+            return
+        cached = sum(sums.values())
+        if cached <= parts.counters["prompt_tokens"]:
+            parts.counters["prompt_local_cache_hit"] = cached
+            parts.counters["prompt_local_compute"] = parts.counters["prompt_tokens"] - cached
+            for key in ("prompt_local_cache_hit", "prompt_local_compute"):
+                parts.by_rank.setdefault("", {})[key] = parts.counters[key]
 
     @staticmethod
     def _occupancy(parts: Parts) -> None:
