@@ -102,6 +102,17 @@ def test_sglang_before_realtime_tokens_takes_shares_from_cached_tokens():
     assert "token_sources" in r.capabilities
 
 
+def test_sglang_data_parallel_ranks():
+    text = "".join(f'sglang:{name}{{dp_rank="{r}",tp_rank="{tp}"}} {v}\n' for r, used, usage in ((0, 10, 0.3), (1, 30, 0.8))
+                   for tp in (0, 1) for name, v in (("hicache_host_used_tokens", used),
+                                                    ("hicache_host_total_tokens", 100), ("token_usage", usage),
+                                                    ("num_retracted_requests_total", used // 10)))
+    r = combine.read_exposition(text)
+    assert r.gauges["offload_buffer_used_ratio"] == 0.2  # 40 of 200 host tokens, tp_rank 1 not counted again
+    assert r.gauges["kv_usage"] == 0.8  # the fullest rank
+    assert r.counters["preemptions"] == 4 and r.engine_counters == {"0": {"preemptions": 1}, "1": {"preemptions": 3}}
+
+
 def test_sglang_without_hicache_says_offloading_is_off():
     text = "".join(line + "\n" for line in Sequence("sglang", "normal").texts(10.0)[""].splitlines()
                    if "hicache" not in line and "evicted" not in line and "load_back" not in line)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from exporter.samples import VllmInfo
 from exporter.sources.vllm import MAX_VALUE
-from exporter.sources.families import EngineSpec, Parts, Pick, SpecAdapter, first_value, model_name, rank_sums
+from exporter.sources.families import EngineSpec, Parts, Pick, SpecAdapter, model_name, rank_sums
 
 STORAGE = "storage_"
 SPEC = EngineSpec(
@@ -103,12 +103,17 @@ class SglangAdapter(SpecAdapter):
             for key in ("prompt_local_cache_hit", "prompt_local_compute"):
                 parts.by_rank.setdefault("", {})[key] = parts.counters[key]
 
-    @staticmethod
-    def _occupancy(parts: Parts) -> None:
-        used = first_value(parts.series, "hicache_host_used_tokens")
-        total = first_value(parts.series, "hicache_host_total_tokens")
-        if used is not None and total is not None and 0 < total <= MAX_VALUE and 0.0 <= used <= total:
-            parts.gauges["offload_buffer_used_ratio"] = used / total
+    def _occupancy(self, parts: Parts) -> None:
+        """Host pool used / total, summed over data-parallel ranks (tensor-parallel rank 0's pool)."""
+        used = rank_sums(parts.series, (Pick("hicache_host_used_tokens"),), self.spec, "offload_buffer_used_ratio",
+                         parts.rejected)
+        total = rank_sums(parts.series, (Pick("hicache_host_total_tokens"),), self.spec, "offload_buffer_used_ratio",
+                          parts.rejected)
+        if used is None or total is None:
+            return
+        u, c = sum(used.values()), sum(total.values())
+        if 0 < c and u <= c:
+            parts.gauges["offload_buffer_used_ratio"] = u / c
 
 
 def _cache_config(samples: dict) -> tuple[float | None, float | None]:
