@@ -308,7 +308,8 @@ METRICS: tuple[MetricDef, ...] = (
               "The engine's own recent hit rate of an offload tier (host, disk), as last reported (Dynamo "
               "KVBM's sliding window).", "derive.offload.tier_state", _O, _tier_hits),
     MetricDef("kvwatt_offload_buffer_residency_seconds", "gauge", ("server", "window"),
-              "Buffer bytes / write rate: how long an offloaded block survives (methods.md s6).",
+              "Buffer bytes / write rate: how long an offloaded block survives (methods.md s6); in tokens for "
+              "an engine that counts them (SGLang HiCache host pool / evicted tokens per second).",
               "derive.offload.residency", _O, per_window(lambda w: w.offload_buffer_residency_seconds)),
     MetricDef("kvwatt_offload_buffer_undersized", "gauge", ("server",),
               "1 when residency is below the configured p99 tool-call latency, or stores fail.",

@@ -76,8 +76,9 @@ def test_sglang(kind):
     assert c["offload_store_tokens"] == s["store"] and c["offload_load_tokens"] == s["load"]
     assert g["kv_usage"] == s["kv_usage"] and g["waiting"] == s["waiting"] and g["running"] == s["running"]
     assert g["offload_buffer_used_ratio"] == round(s["occupancy"] * HOST_TOKENS) / HOST_TOKENS
+    assert g["offload_buffer_tokens"] == HOST_TOKENS  # the host pool: residency in tokens
     assert r.capabilities == {"kv_usage", "preemptions", "token_sources", "cached_by_tier", "engine_steps",
-                              "offload_tokens", "offload_occupancy", "requests"}
+                              "offload_tokens", "offload_occupancy", "offload_buffer", "requests"}
     assert r.info.offload_enabled and r.info.offload_backend == "hicache" and r.info.block_size == 64
     assert set(r.engine_counters) == {""} and r.engine_counters[""] == c
 

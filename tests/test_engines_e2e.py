@@ -25,7 +25,7 @@ import pytest
 
 from tests.support import prom
 from tests.support.daemon import KvwattDaemon
-from tests.support.engine_expositions import ENGINES, KINDS, LOADS, STALL_AT, Sequence
+from tests.support.engine_expositions import ENGINES, HOST_TOKENS, KINDS, LOADS, STALL_AT, Sequence
 from tests.support.grafana import expand, load_dashboards, regex_escape, series_names, targets
 from tests.support.httpserver import MetricsServer
 from tests.test_alerts_e2e import short_rules
@@ -39,7 +39,7 @@ ENGINE_NAME = {"sglang": "sglang", "trtllm": "trtllm", "lmcache": "vllm+lmcache"
 # vllm:iteration_tokens_total), so the vLLM-backed rows are checked as "at least" and "never"
 CAPS = {
     "sglang": {"kv_usage", "preemptions", "token_sources", "cached_by_tier", "engine_steps", "offload_tokens",
-               "offload_occupancy", "requests"},
+               "offload_occupancy", "offload_buffer", "requests"},
     "trtllm": {"kv_usage", "token_sources", "prefix_cache", "offload_traffic", "offload_occupancy", "requests"},
     "lmcache": {"kv_usage", "preemptions", "token_sources", "requests", "offload_tokens", "offload_used_bytes",
                 "offload_failures"},
@@ -175,6 +175,12 @@ def test_offload_figures(stack, engine):
     assert js["offload_buffer_used_ratio"] == ratio
     assert (used is not None) == (engine == "lmcache") and js["offload_buffer_used_bytes"] == used
     assert host_hit == (load.host_hit if engine == "dynamo" else None)
+    residency = value(metrics, "kvwatt_offload_buffer_residency_seconds", server=server, window=WINDOW)
+    undersized = value(metrics, "kvwatt_offload_buffer_undersized", server=server)
+    if engine == "sglang":  # host pool in tokens / evicted tokens per second
+        assert residency == pytest.approx(HOST_TOKENS / load.store_tps, rel=0.2) and undersized == 0
+    else:  # no buffer size from these engines' series (docs/engines.md)
+        assert residency is None
 
 
 @pytest.mark.parametrize("engine", ENGINES)

@@ -2,7 +2,8 @@
 
     write rate  = offload_store_bytes increase / covered seconds      (GPU -> host tier)
     read rate   = offload_load_bytes increase / covered seconds       (host tier -> GPU)
-    residency   = buffer bytes / write rate                           (how long an offloaded block survives)
+    residency   = buffer bytes / write rate                           (how long an offloaded block survives;
+                  buffer tokens / write tokens per second for an engine that counts tokens: SGLang HiCache)
     undersized  = residency < p99 tool-call latency  OR  allocation failures / skipped stores rose
     recommended = write rate x p99 tool-call latency x headroom
 

@@ -107,8 +107,16 @@ class ServerModel:
             flops, flops_per_token, self._energy(agg),
             derive_energy.prompt_attribution(agg, cfg.min_load_seconds, cfg.load_to_compute_cost_ratio),
             rates.write_bytes_per_second, rates.read_bytes_per_second,
-            offload.residency(buffer_bytes, rates.write_bytes_per_second), kappa.observed(agg),
+            self._residency(buffer_bytes, rates, tokens), kappa.observed(agg),
             self._savings(agg, now, seconds, peers), tokens.write_tokens_per_second, tokens.read_tokens_per_second)
+
+    def _residency(self, buffer_bytes: float | None, rates: offload.TransferRates,
+                   tokens: offload.TokenRates) -> float | None:
+        """Buffer / write rate in bytes; for an engine that sizes its buffer and counts its stores in tokens
+        (SGLang HiCache), in tokens (methods.md s6)."""
+        if buffer_bytes is not None:
+            return offload.residency(buffer_bytes, rates.write_bytes_per_second)
+        return offload.residency((self.gauges or {}).get("offload_buffer_tokens"), tokens.write_tokens_per_second)
 
     def _energy(self, agg: WindowAggregate) -> tuple[EnergyFigure, ...]:
         out = []

@@ -67,6 +67,7 @@ GAUGE_KEYS: dict[str, str] = {
     "kv_usage": "fraction of the KV cache in use, highest rank (0..1)",
     "offload_buffer_used_ratio": "fraction of the offload buffer holding KV (true occupancy, 0..1)",
     "offload_buffer_used_bytes": "bytes of KV held in the offload buffer",
+    "offload_buffer_tokens": "offload buffer capacity in tokens (engines that size it in tokens: SGLang HiCache)",
     "offload_host_hit_ratio": "the engine's own recent hit rate of its host (CPU) offload tier (0..1)",
     "offload_disk_hit_ratio": "the engine's own recent hit rate of its disk offload tier (0..1)",
 }
@@ -101,6 +102,7 @@ CAPABILITY_KEYS: dict[str, tuple[str, ...]] = {
     PREFIX_CACHE: ("prefix_queries", "prefix_hits"),
     MFU: ("flops",),
     OFFLOAD_TRAFFIC: ("offload_store_bytes", "offload_load_bytes"),
+    OFFLOAD_BUFFER: ("offload_buffer_tokens",),  # or a size in bytes in the reading's info
     OFFLOAD_FAILURES: ("offload_allocation_failures", "offload_stores_skipped"),
     REQUESTS: ("running", "waiting"),
     ENGINE_STEPS: ("engine_steps",),

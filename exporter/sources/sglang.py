@@ -13,7 +13,9 @@ RadixCacheMetricsCollector):
   any other storage backend -- mooncake, hf3fs, nixl ... -- counts as external);
 - offload traffic in tokens: ``evicted_tokens_total`` (device -> host) and ``load_back_tokens_total``
   (host -> device) of the hierarchical cache (HiCache);
-- buffer occupancy: ``hicache_host_used_tokens / hicache_host_total_tokens`` (published with HiCache only);
+- buffer size and occupancy: ``hicache_host_total_tokens`` (the host pool in tokens: with the offload rate in
+  tokens it gives the residency) and ``hicache_host_used_tokens / hicache_host_total_tokens`` (published with
+  HiCache only);
 - liveness: ``cuda_graph_passes_total{mode}`` counts every decode forward pass (each mode), so its sum is the
   engine's step counter while it decodes;
 - requests: ``num_running_reqs``, ``num_queue_reqs``.
@@ -114,6 +116,7 @@ class SglangAdapter(SpecAdapter):
         u, c = sum(used.values()), sum(total.values())
         if 0 < c and u <= c:
             parts.gauges["offload_buffer_used_ratio"] = u / c
+            parts.gauges["offload_buffer_tokens"] = c
 
 
 def _cache_config(samples: dict) -> tuple[float | None, float | None]:
