@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from exporter.derive.collapse import CollapseResult
 from exporter.derive.energy import EnergyPerToken
+from exporter.derive.offload import TierState
 from exporter.energy.baseline import Baseline
 from exporter.samples import DeviceReading, SourceStatus, VllmInfo
 
@@ -77,6 +78,8 @@ class WindowFigures:
     offload_buffer_residency_seconds: float | None = None
     cached_to_prefill_ratio: float | None = None
     savings: tuple[SavingFigure, ...] = ()
+    offload_write_tokens_per_second: float | None = None  # engines counting offload traffic in tokens
+    offload_read_tokens_per_second: float | None = None
 
 
 @dataclass(frozen=True)
@@ -121,6 +124,7 @@ class ServerFigures:
     recommendations: tuple[str, ...] = ()
     engine: str = "vllm"
     capabilities: frozenset[str] = frozenset()
+    tiers: TierState = TierState()  # offload tiers' occupancy and hit rates as the engine reports them
 
     @property
     def regime(self) -> str:

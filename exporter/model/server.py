@@ -31,6 +31,7 @@ class ServerModel:
         self.status = SourceStatus("vllm", server.name, False, "not_read_yet", 0.0, "down")
         self.info: VllmInfo | None = None
         self.engine, self.capabilities = "vllm", frozenset()
+        self.gauges: dict[str, float] | None = None  # the last reading's, None while the server is not read
         self.collapse: collapse.CollapseResult | None = None
         self._stats: dict[tuple[float, bool], economics.WindowStat] = {}
 
@@ -41,6 +42,7 @@ class ServerModel:
     # --- tick time: learn -------------------------------------------------------------------------------
     def read(self, t: float, status: SourceStatus, reading: EngineReading | None) -> None:
         self.status = status
+        self.gauges = reading.gauges if reading is not None else None  # down: no current value
         if reading is not None:
             self.info, self.engine, self.capabilities = reading.info, reading.engine, reading.capabilities
             self.history.add_reading(t, reading)
@@ -94,6 +96,7 @@ class ServerModel:
         shares = recompute.token_shares(recompute.token_counts(agg))
         flops, flops_per_token = recompute.mfu_view(agg, agg.delta("generation_tokens"))
         rates = offload.transfer_rates(agg)
+        tokens = offload.token_rates(agg)
         buffer_bytes = self.info.offload_buffer_bytes if self.info else None
         return WindowFigures(
             format_window(seconds), seconds, covered, p95, pressure.kv_usage_quantile(agg, 1.0),
@@ -104,8 +107,16 @@ class ServerModel:
             flops, flops_per_token, self._energy(agg),
             derive_energy.prompt_attribution(agg, cfg.min_load_seconds, cfg.load_to_compute_cost_ratio),
             rates.write_bytes_per_second, rates.read_bytes_per_second,
-            offload.residency(buffer_bytes, rates.write_bytes_per_second), kappa.observed(agg),
-            self._savings(agg, now, seconds, peers))
+            self._residency(buffer_bytes, rates, tokens), kappa.observed(agg),
+            self._savings(agg, now, seconds, peers), tokens.write_tokens_per_second, tokens.read_tokens_per_second)
+
+    def _residency(self, buffer_bytes: float | None, rates: offload.TransferRates,
+                   tokens: offload.TokenRates) -> float | None:
+        """Buffer / write rate in bytes; for an engine that sizes its buffer and counts its stores in tokens
+        (SGLang HiCache), in tokens (methods.md s6)."""
+        if buffer_bytes is not None:
+            return offload.residency(buffer_bytes, rates.write_bytes_per_second)
+        return offload.residency((self.gauges or {}).get("offload_buffer_tokens"), tokens.write_tokens_per_second)
 
     def _energy(self, agg: WindowAggregate) -> tuple[EnergyFigure, ...]:
         out = []
@@ -141,4 +152,5 @@ class ServerModel:
             self.name, redacted_url(self.server.url), self.status, self.info,
             self.cfg.kv_pressure_threshold_ratio, self.reference.value, self.reference.kind, windows, self.collapse,
             buf, self.offload.kappa,
-            offload_figures.recommendations(sig, buf, self.cfg), self.engine, self.capabilities)
+            offload_figures.recommendations(sig, buf, self.cfg), self.engine, self.capabilities,
+            offload.tier_state(self.gauges))
