@@ -67,7 +67,8 @@ async def execute_run(plan: Plan, run: RunSpec, run_dir: str, say: Say,
     condition = plan.condition(run.condition)
     launch = launch_for(plan, condition, run, plan.server.port or free_port(), run_dir)
     server = ServerProcess(launch.argv, launch.env, os.path.join(run_dir, "server.log"))
-    result = {"run": run.run_id, "condition": run.condition, "repeat": run.repeat, "argv": launch.argv,
+    result = {"run": run.run_id, "condition": run.condition, "repeat": run.repeat, "params": dict(condition.params),
+              "argv": launch.argv,
               "url": redacted_url(launch.url), "started_unix": time.time()}
     try:
         await ensure_nothing_listening(launch.url)
