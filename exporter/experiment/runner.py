@@ -140,7 +140,8 @@ async def _replay(plan: Plan, condition: Condition, run: RunSpec, run_dir: str, 
         client = CompletionClient(http, url, model, w.request_timeout_seconds)
         # the replay is stopped once the window has closed; its own duration is only a backstop
         bound_seconds = p.warmup_seconds + p.measure_seconds + 10 * plan.sample_interval_seconds + 30
-        replay = Replay(sessions, w.replay_options(bound_seconds), client, sink, TokenSource(w.seed))
+        replay = Replay(sessions, w.replay_options(bound_seconds), client, sink, TokenSource(w.seed),
+                        say=lambda message: say(f"{run.run_id}: {message}"))
         start = time.monotonic()
         task = asyncio.create_task(replay.run())
         try:
