@@ -324,9 +324,12 @@ def _conditions(value: Any, workload: Workload, plan_dir: Path, sweep_data: Any,
         out += sweep.expand(sweep_data, server.command, workload, Condition, plan_vars)
     by_name: dict[str, Condition] = {}
     for i, c in enumerate(out):
+        if c.name in by_name and i >= len(value or []):
+            first = [x.name for x in out].index(c.name)
+            raise ConfigError(f"sweep: expands into a condition named {c.name!r}, as conditions[{first}] is "
+                              "already named")
         if c.name in by_name:
-            raise ConfigError(f"conditions[{i}].name: duplicate condition name {c.name!r}"
-                              + (" (the sweep names its conditions this way)" if i >= len(value or []) else ""))
+            raise ConfigError(f"conditions[{i}].name: duplicate condition name {c.name!r}")
         by_name[c.name] = c
     for i, c in enumerate(out):
         if c.baseline is None:
