@@ -408,7 +408,8 @@ def _check_traces(plan: Plan, base: Workload) -> None:
         try:
             playable_sessions(sessions, w.replay_options(plan.phases.measure_seconds), "max_context")
         except NothingFits:
-            raise ConfigError(f"conditions[{i}].workload.max_context: no session's first turn fits in "
+            key = "workload" if w.max_context == base.max_context else f"conditions[{i}].workload"
+            raise ConfigError(f"{key}.max_context: no session's first turn fits in "
                               f"{w.max_context} tokens (condition {c.name})") from None
         except ConfigError as e:  # a session or system prompt beyond the limits (exporter/limits.py)
             raise ConfigError(f"conditions[{i}].workload: {e} (condition {c.name})") from None

@@ -36,7 +36,7 @@ DEFAULT_OFFLOAD_ARGS = ("--kv-offloading-size", "{buffer_gib}", "--kv-offloading
 _OFFLOAD_WORDS = {False: "off", True: "on", "off": "off", "on": "on"}  # YAML 1.1 reads bare on/off as booleans
 
 
-def _kv_value(key: str, name: str):
+def _kv_value(name: str):
     def parse(v: Any, k: str) -> Any:
         if name == "kv_blocks":
             return values.integer(v, k, 1)
@@ -56,7 +56,7 @@ def _offload_word(v: Any, k: str) -> str:
 
 _PARSERS = {
     "concurrency": lambda v, k: values.integer(v, k, 1, MAX_CONCURRENCY),
-    **{name: _kv_value(name, name) for name in KV_FLAGS},
+    **{name: _kv_value(name) for name in KV_FLAGS},
     "buffer_gib": lambda v, k: values.number(v, k, 0.0, True),
     "offload": _offload_word,
 }
