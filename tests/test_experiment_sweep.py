@@ -91,6 +91,7 @@ def test_listed_conditions_carry_parameters_too(tmp_path):
 
 
 BAD = [
+    ("empty sweep", lambda p: p.update(sweep=None), "sweep: expected a mapping"),
     ("unknown sweep key", lambda p: p["sweep"].update(blocks=[1]), "sweep.blocks: unknown key"),
     ("empty axis", lambda p: p["sweep"].update(kv_blocks=[]), "sweep.kv_blocks: expected a non-empty list"),
     ("axis not a list", lambda p: p["sweep"].update(concurrency=4), "sweep.concurrency: expected a non-empty list"),

