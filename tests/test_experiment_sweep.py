@@ -182,3 +182,13 @@ def test_a_swept_experiment_runs_its_pairs_and_records_their_parameters(tmp_path
     assert state_conditions["on-c3-buf8"]["params"]["concurrency"] == 3
     by = {c["condition"]: c for c in report_json(out)["conditions"]}
     assert by["on-c1-buf8"]["baseline"] == "off-c1" and by["on-c3-buf8"]["baseline"] == "off-c3"
+
+
+def test_the_example_kv_sweep_loads_and_estimates_its_wall_time(capsys):
+    example = Path(__file__).resolve().parents[1] / "examples" / "sweep-kv-cpu.yaml"
+    plan = load_plan(str(example))
+    assert [c.params["kv_blocks"] for c in plan.conditions] == [2000, 512, 256, 192, 128]
+    assert all(c.params["offload"] == "off" and c.baseline is None for c in plan.conditions)
+    assert main(["experiment", str(example), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "5 conditions x 2 repeats = 10 runs" in out and "estimated wall time: 23 min 20 s" in out
