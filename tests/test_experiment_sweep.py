@@ -142,7 +142,7 @@ def test_dry_run_prints_the_matrix_the_order_and_the_estimated_wall_time(tmp_pat
     header = next(line for line in out.splitlines() if line.startswith("condition "))
     assert header.split() == ["condition", "offload", "concurrency", "kv_blocks", "buffer_gib", "baseline"]
     row = next(line for line in out.splitlines() if line.startswith("on-c4-kv128-buf32 "))
-    assert row.split() == ["on-c4-kv128-buf32", "on", "4", "128", "32.0", "off-c4-kv128"]
+    assert row.split() == ["on-c4-kv128-buf32", "on", "4", "128", "32", "off-c4-kv128"]
     assert out.count("argv: ") == 24
     # per run: start-up 50 + settle 5 + idle 30 + warm-up 60 + measure 300 + one 1 s tick + cool-down 45 + stop
     per_run = 50 + 5 + 30 + 60 + 300 + 1 + 45 + STOP_ESTIMATE_SECONDS

@@ -28,7 +28,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", metavar="DIR", help="output directory (default: the plan's `out`)")
     p.add_argument("--resume", action="store_true",
                    help="continue an interrupted experiment in DIR, skipping the runs it finished")
-    p.add_argument("--dry-run", action="store_true", help="validate the plan, print the runs and commands, run nothing")
+    p.add_argument("--dry-run", action="store_true",
+                   help="validate the plan; print the conditions (an expanded sweep), the runs with their commands "
+                   "and the estimated wall time; run nothing")
     p.add_argument("--report-only", action="store_true", help="(re)write the report from DIR's finished runs")
 
 

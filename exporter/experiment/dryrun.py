@@ -74,6 +74,8 @@ def format_seconds(seconds: float) -> str:
 
 
 def _cell(value) -> str:
+    if isinstance(value, float):
+        return f"{value:g}"
     return "-" if value is None else str(value)
 
 
