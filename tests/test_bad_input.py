@@ -266,7 +266,7 @@ def test_context_cap_admits_a_session_beyond_the_limit(tmp_path):
     """The limit is on what is replayed: --max-context cuts the long session, so it passes validation (and the
     replay then fails to reach the closed port: exit 1)."""
     proc = kvwatt(*trace(tmp_path, session(*[(4_000_000, 1)] * 3), "--max-context", "8000002"))
-    assert proc.returncode == 1 and "cannot list models" in proc.stderr, proc.stderr[-2000:]
+    assert proc.returncode == 1 and "is unreachable" in proc.stderr, proc.stderr[-2000:]
 
 
 # ---------------------------------------------------------------------------------------------------------
