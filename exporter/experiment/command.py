@@ -16,7 +16,7 @@ import sys
 
 from exporter import atomic
 from exporter.config import ConfigError, check_writable
-from exporter.experiment import report
+from exporter.experiment import plots, report
 from exporter.experiment.dryrun import dry_run
 from exporter.experiment.plan import Plan, load_plan, run_order
 from exporter.experiment.runner import run_experiment
@@ -55,6 +55,7 @@ def main(args: argparse.Namespace) -> int:
         return dry_run(plan, out_dir)
     if args.report_only:
         return report_only(out_dir)
+    plots.require()  # before hours of runs, not after the first one: exit 2 with the install command
     with DirectoryLock(out_dir):
         state = open_state(out_dir, plan, run_order(plan), args.resume)
         with open(plan.path, encoding="utf-8") as f:
