@@ -86,7 +86,19 @@ def _server_info(snap: Snapshot) -> Iterator[Sample]:
     for s in snap.servers:
         info = s.info
         yield (s.name, s.url, info.model_name if info else "",
-               (info.offload_backend if info else "") or "unknown"), 1.0
+               (info.offload_backend if info else "") or "unknown", s.engine if info else "unknown"), 1.0
+
+
+def _capabilities(snap: Snapshot) -> Iterator[Sample]:
+    for s in snap.servers:
+        for cap in sorted(s.capabilities):
+            yield (s.name, cap), 1.0
+
+
+def _tier_hits(snap: Snapshot) -> Iterator[Sample]:
+    for s in snap.servers:
+        for tier, ratio in sorted((s.tiers.hit_ratio or {}).items()):
+            yield (s.name, tier), ratio
 
 
 def _devices(kind: str, get) -> Fill:
@@ -202,9 +214,16 @@ METRICS: tuple[MetricDef, ...] = (
               "sampler.Sampler.tick", _H, _source_info),
     MetricDef("kvwatt_sample_duration_seconds", "gauge", ("source", "server"),
               "How long the last read of this source took.", "sampler.Sampler.tick", _H, _sample_duration),
-    MetricDef("kvwatt_server_info", "info", ("server", "url", "model_name", "offload_backend"),
-              "What kvwatt knows of each watched vLLM server (from vllm:cache_config_info); value 1.",
-              "sources.vllm.extract", _H, _server_info),
+    MetricDef("kvwatt_server_info", "info", ("server", "url", "model_name", "offload_backend", "engine"),
+              "What kvwatt knows of each watched server: the engine detected from its exposition (vllm, sglang, "
+              "trtllm, with +lmcache / +dynamo when those add-ons' series are there, docs/engines.md), the model "
+              "and the offload backend (vLLM: from vllm:cache_config_info); value 1.",
+              "sources.combine.read_exposition", _H, _server_info),
+    MetricDef("kvwatt_server_capability", "info", ("server", "capability"),
+              "One series per figure group the server's engine supports (kv_usage, preemptions, token_sources, "
+              "engine_steps, offload_traffic, offload_occupancy, ...): a kvwatt figure absent for a server "
+              "whose engine lacks its capability is absent by design, not missing (docs/engines.md); value 1.",
+              "sources.engine.capabilities_of", _H, _capabilities),
     MetricDef("kvwatt_window_covered_seconds", "gauge", ("server", "window"),
               "Seconds of gap-free samples the window actually holds (less than the window right after start "
               "or after a server outage).", "derive.window.covered_seconds", _H,
@@ -248,11 +267,12 @@ METRICS: tuple[MetricDef, ...] = (
               "derive.energy.prompt_attribution", _E, _by_source("prompt_energy_per_token")),
     # --- KV pressure and recomputation ------------------------------------------------------------------
     MetricDef("kvwatt_kv_cache_usage_p95_ratio", "gauge", ("server", "window"),
-              "95th percentile of vllm:kv_cache_usage_perc over the window from kvwatt's dense samples "
-              "(methods.md s3); a 15 s scrape misses the peaks.", "derive.pressure.kv_usage_quantile", _K,
+              "95th percentile of the engine's KV-cache usage (vllm:kv_cache_usage_perc, sglang:token_usage, "
+              "trtllm_kv_cache_utilization) over the window from kvwatt's dense samples (methods.md s3); a 15 s "
+              "scrape misses the peaks.", "derive.pressure.kv_usage_quantile", _K,
               per_window(lambda w: w.kv_usage_p95)),
     MetricDef("kvwatt_kv_cache_usage_max_ratio", "gauge", ("server", "window"),
-              "Maximum of vllm:kv_cache_usage_perc over the window from dense samples.",
+              "Maximum of the engine's KV-cache usage over the window from dense samples.",
               "derive.pressure.kv_usage_quantile", _K, per_window(lambda w: w.kv_usage_max)),
     MetricDef("kvwatt_kv_pressure_threshold_ratio", "gauge", ("server",),
               "The configured KV-pressure regime threshold on p95 usage (default 0.90, methods.md s3).",
@@ -261,7 +281,8 @@ METRICS: tuple[MetricDef, ...] = (
               "1 when the window's p95 KV usage is above the threshold: offloading pays in this regime.",
               "derive.pressure.above_threshold", _K, per_window(lambda w: _b(w.above_threshold))),
     MetricDef("kvwatt_preemptions_per_minute", "gauge", ("server", "window"),
-              "Preemptions per minute over the window, from vllm:num_preemptions_total deltas.",
+              "Preemptions per minute over the window, from vllm:num_preemptions_total deltas (SGLang: "
+              "retractions, sglang:num_retracted_requests_total; absent for engines without such a counter).",
               "derive.pressure.rate_per_second", _K, per_window(lambda w: w.preemptions_per_minute)),
     MetricDef("kvwatt_preemption_onset", "gauge", ("server", "window"),
               "1 when preemptions are sustained at >= the onset rate (default 0.5/min, methods.md s3).",
@@ -320,7 +341,8 @@ METRICS: tuple[MetricDef, ...] = (
               per_window(lambda w: w.flops_per_generated_token)),
     # --- offloading ------------------------------------------------------------------------------------
     MetricDef("kvwatt_offload_enabled", "gauge", ("server",),
-              "1 when the server offloads KV to host memory (from vllm:cache_config_info or offload series).",
+              "1 when the server offloads KV to host memory (vLLM: cache_config_info or offload series; SGLang "
+              "HiCache, TensorRT-LLM host tier, LMCache, Dynamo KVBM series: docs/engines.md).",
               "sources.vllm.extract", _O, _info_attr("offload_enabled")),
     MetricDef("kvwatt_offload_buffer_bytes", "gauge", ("server",),
               "Configured host offload buffer (kv_offloading_size GiB, or kv_offload_config_info on 0.33).",
@@ -331,8 +353,29 @@ METRICS: tuple[MetricDef, ...] = (
     MetricDef("kvwatt_offload_read_bytes_per_second", "gauge", ("server", "window"),
               "Load rate offload tier -> GPU over the window.", "derive.offload.transfer_rates", _O,
               per_window(lambda w: w.offload_read_bytes_per_second)),
+    MetricDef("kvwatt_offload_write_tokens_per_second", "gauge", ("server", "window"),
+              "Offload stores counted in tokens over the window (engines that count tokens: SGLang HiCache "
+              "evictions to host, LMCache stored tokens, Dynamo KVBM blocks x block size).",
+              "derive.offload.token_rates", _O, per_window(lambda w: w.offload_write_tokens_per_second)),
+    MetricDef("kvwatt_offload_read_tokens_per_second", "gauge", ("server", "window"),
+              "Offload loads counted in tokens over the window (SGLang load-back, LMCache hits retrieved, "
+              "Dynamo KVBM matched tokens).", "derive.offload.token_rates", _O,
+              per_window(lambda w: w.offload_read_tokens_per_second)),
+    MetricDef("kvwatt_offload_buffer_used_ratio", "gauge", ("server",),
+              "Offload buffer occupancy as the engine last reported it: used / capacity (SGLang "
+              "hicache_host_used_tokens / hicache_host_total_tokens, TensorRT-LLM kv_cache_host_utilization). "
+              "Never vLLM's kv_offload_cpu_cache_usage_perc, which is the share pinned by transfers.",
+              "derive.offload.tier_state", _O, per_server(lambda s: s.tiers.used_ratio)),
+    MetricDef("kvwatt_offload_buffer_used_bytes", "gauge", ("server",),
+              "Bytes of KV held in the offload buffer as the engine last reported them (LMCache "
+              "local_cache_usage, summed over workers; LMCache exports no capacity, so no ratio).",
+              "derive.offload.tier_state", _O, per_server(lambda s: s.tiers.used_bytes)),
+    MetricDef("kvwatt_offload_tier_hit_ratio", "gauge", ("server", "tier"),
+              "The engine's own recent hit rate of an offload tier (host, disk), as last reported (Dynamo "
+              "KVBM's sliding window).", "derive.offload.tier_state", _O, _tier_hits),
     MetricDef("kvwatt_offload_buffer_residency_seconds", "gauge", ("server", "window"),
-              "Buffer bytes / write rate: how long an offloaded block survives (methods.md s6).",
+              "Buffer bytes / write rate: how long an offloaded block survives (methods.md s6); in tokens for "
+              "an engine that counts them (SGLang HiCache host pool / evicted tokens per second).",
               "derive.offload.residency", _O, per_window(lambda w: w.offload_buffer_residency_seconds)),
     MetricDef("kvwatt_offload_tier_write_bytes_per_second", "gauge", ("server", "tier", "window"),
               "vLLM tiering (0.28+): bytes/s written from the primary CPU tier to a secondary tier (tier = "

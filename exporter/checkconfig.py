@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from exporter.config import format_window, load_file, redacted_url
+from exporter.config import format_window, load_file, shown_server
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -13,7 +13,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     cfg = load_file(args.file)
-    servers = (", ".join(f"{s.name}={redacted_url(s.url)}" for s in cfg.servers)
+    servers = (", ".join(shown_server(s) for s in cfg.servers)
                or "none (default http://127.0.0.1:8000)")
     windows = ", ".join(format_window(w) for w in cfg.windows_seconds)
     print(f"{args.file}: ok; servers: {servers}; windows: {windows}; listen {cfg.listen}")

@@ -139,6 +139,8 @@ class ServerConfig:
     hardware: dict[str, float] = field(default_factory=dict)  # flops_per_second, host_device_bytes_per_second
     pair_off_server: str | None = None  # paired dE%: the OFF twin of this (ON) server
     recorded_baseline_path: str | None = None  # OFF profile from `kvwatt baseline record`
+    # further /metrics of the same server (LMCache's or Dynamo KVBM's own port), merged into its reading
+    sidecar_urls: tuple[str, ...] = ()
     offload_tier_bytes: dict[str, float] = field(default_factory=dict)  # vLLM tiering: tier label -> capacity
 
 
@@ -256,6 +258,12 @@ def parse_url(value: Any, key: str) -> str:
     return text.rstrip("/")
 
 
+def shown_server(server: "ServerConfig") -> str:
+    """``name=url``, with its sidecars' URLs after a ``+``, passwords masked: a server in a message."""
+    urls = "+".join(redacted_url(u) for u in (server.url, *server.sidecar_urls))
+    return f"{server.name}={urls}"
+
+
 def redacted_url(url: str) -> str:
     """``url`` with its password replaced by ``xxxxx`` (as Go's url.Redacted): the only form in which a server
     URL is shown -- labels, /api/status, the landing page, logs, messages. The sampler alone uses the real one."""
@@ -354,6 +362,7 @@ SERVER_KEYS = {
     "hardware": "hardware",
     "pair_off_server": "pair_off_server",
     "recorded_baseline": "recorded_baseline_path",
+    "sidecar_urls": "sidecar_urls",
     "offload_tier_bytes": "offload_tier_bytes",
 }
 
@@ -388,11 +397,23 @@ def _server(item: Any, key: str) -> ServerConfig:
     for k in ("model_config", "pair_off_server", "recorded_baseline"):
         if k in item:
             kw[SERVER_KEYS[k]] = _str(item[k], f"{key}.{k}")
+    if "sidecar_urls" in item:
+        kw["sidecar_urls"] = _sidecar_urls(item["sidecar_urls"], f"{key}.sidecar_urls")
     if "offload_tier_bytes" in item:
         kw["offload_tier_bytes"] = _tier_bytes(item["offload_tier_bytes"], f"{key}.offload_tier_bytes")
     kw["model"] = _numbers(item.get("model", {}), f"{key}.model", MODEL_KEYS)
     kw["hardware"] = _numbers(item.get("hardware", {}), f"{key}.hardware", HARDWARE_KEYS)
     return ServerConfig(**kw)
+
+
+MAX_SIDECARS = 4
+
+
+def _sidecar_urls(value: Any, key: str) -> tuple[str, ...]:
+    """A short list of http(s) URLs (LMCache's, KVBM's port): each is read with the server's deadline."""
+    if not isinstance(value, list) or not 1 <= len(value) <= MAX_SIDECARS:
+        raise ConfigError(f"{key}: expected a list of 1 to {MAX_SIDECARS} URLs, got {shown(value)}")
+    return tuple(parse_url(u, f"{key}[{i}]") for i, u in enumerate(value))
 
 
 def _tier_bytes(value: Any, key: str) -> dict[str, float]:

@@ -18,7 +18,7 @@ from exporter import logsetup
 from exporter.build import VersionAction, build_info
 from exporter.collector import families, runtime_families
 from exporter.config import (Config, ConfigError, parse_duration, parse_log_format, parse_log_level,
-                             parse_telemetry_path, redacted_url, resolve)
+                             parse_telemetry_path, resolve, shown_server)
 from exporter.exposition import Exposition
 from exporter.energy.baseline import BaselineBook
 from exporter.figures import Snapshot
@@ -119,7 +119,7 @@ async def serve(cfg: Config, limits: "WebLimits | None" = None, web_config: "Web
             raise CannotListen(e.strerror or str(e)) from e
         log.info("%s listening on %s%s (%s), watching %s", build_info().line(), cfg.listen, telemetry_path,
                  web_config.describe() if web_config else "http, no auth",
-                 ", ".join(f"{s.name}={redacted_url(s.url)}" for s in cfg.servers))
+                 ", ".join(shown_server(s) for s in cfg.servers))
         try:
             await daemon.run_loop()
         finally:

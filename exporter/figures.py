@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from exporter.derive.collapse import CollapseResult
 from exporter.derive.energy import EnergyPerToken
-from exporter.derive.offload import TierFlows
+from exporter.derive.offload import TierFlows, TierState
 from exporter.energy.baseline import Baseline
 from exporter.samples import DeviceReading, SourceStatus, VllmInfo
 
@@ -78,6 +78,8 @@ class WindowFigures:
     offload_buffer_residency_seconds: float | None = None
     cached_to_prefill_ratio: float | None = None
     savings: tuple[SavingFigure, ...] = ()
+    offload_write_tokens_per_second: float | None = None  # engines counting offload traffic in tokens
+    offload_read_tokens_per_second: float | None = None
     cached_tier_shares: dict[str, float] | None = None  # cached prompt tokens by tier (device, host, disk, ...)
     preemptions_per_request: dict[str, float] | None = None  # "p50", "p99" -> preemptions (upper edge)
     preempted_requests_share: dict[str, float] | None = None  # "lower" / "upper" bound of the share preempted
@@ -128,6 +130,7 @@ class ServerFigures:
     recommendations: tuple[str, ...] = ()
     engine: str = "vllm"
     capabilities: frozenset[str] = frozenset()
+    tiers: TierState = TierState()  # offload tiers' occupancy and hit rates as the engine reports them
     kv_fetch_waiting: dict[str, float] | None = None  # stage -> waiting requests at the last read
 
     @property

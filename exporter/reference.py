@@ -17,10 +17,14 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 # key -> (default as written in YAML, meaning)
 CONFIG_DOCS: dict[str, tuple[str, str]] = {
     "servers": ("`[{name: default, url: http://127.0.0.1:8000}]`",
-                "vLLM servers to watch: `name`, `url` (server root; `http://user:password@host:port` for basic "
-                "auth, the password shown nowhere), optional `gpus` (indices or UUIDs), "
-                "`reference_local_compute_share`, `model_config` (path to the model's config.json), `model` "
-                "and `hardware` parameters, `pair_off_server`, `recorded_baseline` (docs/offload.md)"),
+                "servers to watch (vLLM, SGLang, TensorRT-LLM: the engine is detected, docs/engines.md): `name`, "
+                "`url` (server root; `http://user:password@host:port` for basic auth, the password shown "
+                "nowhere), optional `gpus` (indices or UUIDs), `reference_local_compute_share`, `model_config` "
+                "(path to the model's config.json), `model` and `hardware` parameters, `pair_off_server`, "
+                "`recorded_baseline` (docs/offload.md), `sidecar_urls` (1 to 4 further /metrics of the same "
+                "server, e.g. LMCache's or Dynamo KVBM's own port, merged into its reading: docs/engines.md), "
+                "`offload_tier_bytes` (capacity in bytes of each vLLM tiering tier, e.g. `{\"1:fs\": 2e12}`: "
+                "vLLM exports none; gives the tier's residency, docs/offload.md)"),
     "listen": ("`0.0.0.0:8492`", "address of /metrics, /, /healthz, /api/status"),
     "interval": ("`1s`", "sampling interval of every source (dense samples for the p95)"),
     "windows": ("`[1m, 5m]`", "rolling windows of the derived figures (label `window`)"),

@@ -136,8 +136,8 @@ class Sampler:
 
         self.cfg = cfg
         servers = cfg.servers if servers is None else servers
-        self.vllm = {s.name: VllmSource(s.name, s.url, cfg.http_timeout_seconds, cfg.max_body_bytes)
-                     for s in servers}
+        self.vllm = {s.name: VllmSource(s.name, s.url, cfg.http_timeout_seconds, cfg.max_body_bytes,
+                                        sidecar_urls=s.sidecar_urls) for s in servers}
         self.energy: list[_EnergySource] = []
         if energy:
             if nvml is None:

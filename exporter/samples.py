@@ -17,6 +17,7 @@ REASON_CODES = frozenset({
     "not_read_yet",  # a server before its first read completed
     # vllm (exporter/sources/vllm.py)
     "timeout", "unreachable", "redirect", "http_error", "body_too_large", "parse_error", "out_of_range",
+    "sidecar",  # a server's sidecar exposition (LMCache's, KVBM's port) failed; the server's own was read
     # the sampler (exporter/sampler.py)
     "deadline", "error",
     # nvml, rapl

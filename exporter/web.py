@@ -67,6 +67,8 @@ def _window_json(w: WindowFigures) -> dict:
                              "marginal_joules_per_token": e.marginal_joules_per_token} for e in w.energy},
         "offload_write_bytes_per_second": w.offload_write_bytes_per_second,
         "offload_buffer_residency_seconds": w.offload_buffer_residency_seconds,
+        "offload_write_tokens_per_second": w.offload_write_tokens_per_second,
+        "offload_read_tokens_per_second": w.offload_read_tokens_per_second,
     }
     if savings:
         out["energy_saving"] = savings
@@ -81,6 +83,8 @@ def _server_json(v: ServerFigures) -> dict:
         "model_name": v.info.model_name if v.info else None,
         "offload_enabled": v.info.offload_enabled if v.info else None,
         "offload_buffer_bytes": v.info.offload_buffer_bytes if v.info else None,
+        "offload_buffer_used_ratio": v.tiers.used_ratio, "offload_buffer_used_bytes": v.tiers.used_bytes,
+        "offload_tier_hit_ratio": v.tiers.hit_ratio,
         "regime": v.regime, "regime_window": v.regime_window, "threshold": v.threshold,
         "reference_local_compute_share": v.reference_share, "reference_kind": v.reference_kind,
         "signatures": v.signatures, "recommendations": list(v.recommendations),

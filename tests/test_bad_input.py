@@ -145,6 +145,10 @@ CASES: list[tuple[str, Callable[[Path], list[str]], str | tuple[str, ...]]] = [
      "servers[0].url: the port must be 1-65535"),
     ("unclosed IPv6 URL", lambda t: config(t, "servers: [{name: a, url: 'http://[::1:8000'}]\n"),
      "servers[0].url: expected an http(s) URL"),
+    ("sidecar URL not http", lambda t: config(t, "servers: [{name: a, url: 'http://h:1', sidecar_urls: ['ftp://h:2']}]\n"),
+     "servers[0].sidecar_urls[0]: expected an http(s) URL"),
+    ("sidecar_urls not a list", lambda t: config(t, "servers: [{name: a, url: 'http://h:1', sidecar_urls: 'http://h:2'}]\n"),
+     "servers[0].sidecar_urls: expected a list of 1 to 4 URLs"),
     ("listen port in superscript digits", lambda t: config(t, "listen: '0.0.0.0:\u00b2'\n"),
      "listen: expected HOST:PORT with a port in 1-65535"),
     ("state_dir with NUL", lambda t: config(t, 'state_dir: "/var/lib/a\\0b"\n'), "state_dir: contains a NUL"),
@@ -262,7 +266,7 @@ def test_context_cap_admits_a_session_beyond_the_limit(tmp_path):
     """The limit is on what is replayed: --max-context cuts the long session, so it passes validation (and the
     replay then fails to reach the closed port: exit 1)."""
     proc = kvwatt(*trace(tmp_path, session(*[(4_000_000, 1)] * 3), "--max-context", "8000002"))
-    assert proc.returncode == 1 and "cannot list models" in proc.stderr, proc.stderr[-2000:]
+    assert proc.returncode == 1 and "is unreachable" in proc.stderr, proc.stderr[-2000:]
 
 
 # ---------------------------------------------------------------------------------------------------------

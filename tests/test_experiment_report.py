@@ -412,6 +412,13 @@ def test_missing_matplotlib_fails_loudly_with_the_install_command(tmp_path):
         assert "the experiment report needs matplotlib, which is not installed" in lines[0]
         assert f"{sys.executable} -m pip install 'matplotlib>=3.8,<4'" in lines[0]
     assert not (out / "plots").exists()
+    # a real experiment stops before its first run (no server started, no state written)
+    fresh = tmp_path / "fresh"
+    proc = subprocess.run([sys.executable, "-c", BLOCK_MATPLOTLIB + "from exporter.cli import main; "
+                           f"sys.exit(main(['experiment', {str(plan)!r}, '--out', {str(fresh)!r}]))"],
+                          capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 2 and "needs matplotlib" in proc.stderr, proc.stderr
+    assert not (fresh / "state.json").exists() and "starting" not in proc.stderr
     # the CLI itself still starts without it (the daemon and the other commands do not need it)
     proc = subprocess.run([sys.executable, "-c", BLOCK_MATPLOTLIB + "from exporter.cli import main; "
                            "sys.exit(main(['--version']))"], capture_output=True, text=True, cwd=REPO)

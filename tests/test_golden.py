@@ -4,7 +4,7 @@ them; review the diff like code.
 
 Deterministic: Daemon.step() is driven with Ticks built here at virtual times t = 1, 2, 3 ..., a fixed wall
 clock and fixed read durations (kvwatt_sample_duration_seconds is a timing: its statuses are built with a fixed
-duration_seconds). Three servers:
+duration_seconds). Four servers:
 
 - ``cpu``: the real vLLM 0.32 CPU expositions (tests/data/vllm-0.32-cpu/low-pressure, offloading off by its
   cache_config_info), decoded by the vLLM adapter (VllmSource.decode). Down ("unreachable") until the last
@@ -14,6 +14,9 @@ duration_seconds). Three servers:
   secondary tier ``1:fs`` behind the CPU tier (vLLM tiering, 0.28+ series).
 - ``off``: its simulated OFF twin (high_pressure_off), with a configured reference share (potential dE),
   exporting preemptions by reason (vLLM PR #58037, unreleased).
+- ``sgl``: SGLang with HiCache under high pressure, with LMCache's and Dynamo KVBM's series beside it, built
+  from the engines' own metric definitions (tests/support/engine_expositions.py; none runs without CUDA): the
+  figures only other engines have (occupancy, tier hit rates, offload tokens). No GPU.
 
 Energy: DeviceReadings built here with read_at = t: one GPU per simulated server (the paired dE needs GPU
 J/token on both sides; the joules are the simulation's own), one RAPL package zone at a constant 80 W. GPU
@@ -49,6 +52,7 @@ from exporter.sources.vllm import VllmSource
 from exporter.web import _finite, status_json
 from tests.conftest import FIXTURES
 from tests.support import vllm_sim as sim
+from tests.support.engine_expositions import Sequence
 
 GOLDEN = Path(__file__).resolve().parent / "data" / "golden"
 METRICS_FILE, STATUS_FILE = GOLDEN / "metrics.prom", GOLDEN / "status.json"
@@ -72,6 +76,7 @@ def config_mapping(tmp_path, urls: dict[str, str] | None = None) -> dict:
              "model": LLAMA_8B, "hardware": {"gpu_model": "H100-SXM"},
              "offload_tier_bytes": {"1:fs": 2 ** 40}},  # a 1 TiB file-system tier
             {"name": "off", "url": urls["off"], "gpus": ["GPU-off"], "reference_local_compute_share": 0.039},
+            {"name": "sgl", "url": urls["sgl"], "gpus": []},
         ],
         "windows": ["30s", "1m"], "min_load_duration": "5s", "collapse_reference_window": "30s",
         "idle_power_watts": {"GPU-on": GPU_IDLE_WATTS, "GPU-off": GPU_IDLE_WATTS},
@@ -79,7 +84,10 @@ def config_mapping(tmp_path, urls: dict[str, str] | None = None) -> dict:
     }
 
 
-SERVERS = ("cpu", "on", "off")
+SERVERS = ("cpu", "on", "off", "sgl")
+# the sgl server: SGLang with HiCache, with LMCache's and Dynamo KVBM's series beside it (their own ports in a
+# real deployment, read as sidecars; here one text: the adapters read it the same way, sources/combine.py)
+SGL = [Sequence(e, "high-pressure", start_time=WALL - 600) for e in ("sglang", "lmcache", "dynamo")]
 GPUS = {"on": ("0", "GPU-on"), "off": ("1", "GPU-off")}  # server -> (index, uuid)
 HOST_DEVICE, HOST_LABELS = "rapl:package-0:package", {"zone": "package-0", "domain": "package"}
 
@@ -94,13 +102,14 @@ class Inputs:
     """What the world looks like at each tick t = 1, 2, ...: each server's /metrics text (None: unreachable),
     each GPU's cumulative energy (J) and power (W), the host zone's cumulative energy (J)."""
 
-    def __init__(self, scenarios: dict[str, sim.Scenario] | None = None, cpu: bool = True):
+    def __init__(self, scenarios: dict[str, sim.Scenario] | None = None, cpu: bool = True, sgl: bool = True):
         # default: "on" also runs vLLM's tiering with a file-system tier behind the CPU one, and "off" is a
         # build with vLLM PR #58037 (preemptions by reason)
         scenarios = scenarios or {"on": replace(sim.undersized_buffer_on(), tiers=("1:fs",)),
                                   "off": replace(sim.high_pressure_off(), preemption_reasons=True)}
         self.sims = {name: sim.SimEngine(scn) for name, scn in scenarios.items()}
         self.cpu = cpu  # the ``cpu`` server's real captures (tests/test_page.py replays other servers alone)
+        self.sgl = sgl  # the ``sgl`` server: SGLang with LMCache and Dynamo KVBM sidecars
 
     def step(self, t: int) -> tuple[dict[str, str | None], dict[str, tuple[float, float]], float]:
         texts: dict[str, str | None] = {}
@@ -112,6 +121,8 @@ class Inputs:
                 eng.advance(1.0)
             texts[name] = eng.render()
             gpus[name] = (round(eng.gpu_energy_joules, 6), round(eng.gpu_power_watts, 6))
+        if self.sgl:
+            texts["sgl"] = SGL[0].texts(t)[""] + SGL[1].texts(t)["sidecar"] + SGL[2].texts(t)["sidecar"]
         return texts, gpus, HOST_WATTS * (t - 1)
 
 
@@ -284,7 +295,16 @@ def test_golden_scenario_figures(golden):
     assert v("kvwatt_throughput_gain_ratio", server="on", baseline="paired", window="1m") is not None
     assert v("kvwatt_offload_buffer_undersized", server="on") == 1
     js = status_json(snap)
-    assert [s["server"] for s in js["servers"]] == ["cpu", "on", "off"]
+    assert [s["server"] for s in js["servers"]] == ["cpu", "on", "off", "sgl"]
+    # engines and their add-ons detected from the expositions; figures only where the engine has the series
+    assert v("kvwatt_server_info", server="on", engine="vllm") == 1
+    assert v("kvwatt_server_info", server="sgl", engine="sglang+lmcache+dynamo", offload_backend="hicache") == 1
+    assert v("kvwatt_server_capability", server="sgl", capability="offload_occupancy") == 1
+    assert v("kvwatt_server_capability", server="on", capability="offload_occupancy") is None
+    assert v("kvwatt_offload_buffer_used_ratio", server="sgl") == 0.92
+    assert v("kvwatt_offload_buffer_used_ratio", server="on") is None  # vLLM exports no occupancy
+    assert v("kvwatt_offload_tier_hit_ratio", server="sgl", tier="host") == 0.85
+    assert v("kvwatt_offload_write_tokens_per_second", server="sgl", window="1m") == pytest.approx(400.0)
 
 
 def test_promtool_accepts_the_golden_exposition(golden):

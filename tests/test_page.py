@@ -188,7 +188,7 @@ def _collapse_scenario(tmp_path) -> golden.Scenario:
         "powercap_root": str(tmp_path / "no-powercap"), "nvml": False,
     }
     inputs = golden.Inputs({"stalled": sim.collapsing_on(steady_seconds=STEADY_SECONDS),
-                            "stalled-no-gpu": sim.collapsing_on(steady_seconds=STEADY_SECONDS, seed=12)}, cpu=False)
+                            "stalled-no-gpu": sim.collapsing_on(steady_seconds=STEADY_SECONDS, seed=12)}, cpu=False, sgl=False)
     return golden.Scenario(tmp_path, mapping, inputs, gpus={"stalled": gpu})
 
 

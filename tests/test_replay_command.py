@@ -69,7 +69,7 @@ def test_unwritable_records_path(capsys, tmp_path):
 
 def test_unreachable_server_is_one_line_exit_1(capsys, tmp_path):
     code, err = _run(capsys, str(SAMPLE), "--url", _closed_port_url(), "--records", str(tmp_path / "r.jsonl"))
-    assert code == 1 and "cannot list models" in err and err.count("\n") == 1
+    assert code == 1 and "is unreachable" in err and "pass --model" not in err and err.count("\n") == 1
 
 
 def test_requests_that_cannot_connect_are_retried_and_recorded(capsys, tmp_path):

@@ -98,6 +98,14 @@ def test_scale_tokens_keeps_nonzero_lengths_nonzero():
     assert scale_tokens(10, 2.5) == 25
 
 
+def test_scale_tokens_rounds_halves_up_as_the_docs_say():
+    # 9 x 0.5 = 4.5 and 5 x 0.5 = 2.5 exactly: halves go up (round-half-to-even would give 4 and 2)
+    assert scale_tokens(9, 0.5) == 5
+    assert scale_tokens(5, 0.5) == 3
+    assert scale_tokens(7, 0.5) == 4  # 3.5: the same either way
+    assert scale_tokens(11, 0.1) == 1  # 1.1: down to the nearest
+
+
 def test_scale_session_scales_lengths_not_latencies():
     s = Session("a", (Turn(900, 10, 0.5), Turn(0, 3, 2.0)), 1024)
     scaled = scale_session(s, 0.1)

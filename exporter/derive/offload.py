@@ -2,7 +2,8 @@
 
     write rate  = offload_store_bytes increase / covered seconds      (GPU -> host tier)
     read rate   = offload_load_bytes increase / covered seconds       (host tier -> GPU)
-    residency   = buffer bytes / write rate                           (how long an offloaded block survives)
+    residency   = buffer bytes / write rate                           (how long an offloaded block survives;
+                  buffer tokens / write tokens per second for an engine that counts tokens: SGLang HiCache)
     undersized  = residency < p99 tool-call latency  OR  allocation failures / skipped stores rose
     recommended = write rate x p99 tool-call latency x headroom
 
@@ -35,6 +36,41 @@ class TransferRates:
 def transfer_rates(x: WindowAggregate | Sequence[Interval]) -> TransferRates:
     return TransferRates(rate_per_second(x, "offload_store_bytes"),
                          rate_per_second(x, "offload_load_bytes"))
+
+
+@dataclass(frozen=True)
+class TokenRates:
+    """Offload traffic counted in tokens (engines that count tokens, not bytes: SGLang, LMCache, KVBM)."""
+
+    write_tokens_per_second: float | None
+    read_tokens_per_second: float | None
+
+
+def token_rates(x: WindowAggregate | Sequence[Interval]) -> TokenRates:
+    return TokenRates(rate_per_second(x, "offload_store_tokens"), rate_per_second(x, "offload_load_tokens"))
+
+
+TIER_HIT_KEYS = {"host": "offload_host_hit_ratio", "disk": "offload_disk_hit_ratio"}
+
+
+@dataclass(frozen=True)
+class TierState:
+    """The offload tiers as the engine last reported them (gauges the engine computes itself)."""
+
+    used_ratio: float | None = None  # true occupancy 0..1 (SGLang HiCache, TensorRT-LLM host pool)
+    used_bytes: float | None = None  # bytes held (LMCache: no capacity exported, so no ratio)
+    hit_ratio: dict[str, float] | None = None  # tier -> the engine's own recent hit rate (Dynamo KVBM)
+
+
+def tier_state(gauges: dict[str, float] | None) -> TierState:
+    """From the last reading's gauges; all None when the server is not up (a stale value is not shown as
+    current). Never vLLM's kv_offload_cpu_cache_usage_perc: that is the share pinned by transfers in flight,
+    not occupancy (vllm #45737)."""
+    if not gauges:
+        return TierState()
+    hits = {tier: gauges[key] for tier, key in TIER_HIT_KEYS.items() if key in gauges}
+    return TierState(gauges.get("offload_buffer_used_ratio"), gauges.get("offload_buffer_used_bytes"),
+                     hits or None)
 
 
 def residency(buffer_bytes: float | None, write_bytes_per_second: float | None) -> float | None:

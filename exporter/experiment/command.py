@@ -15,10 +15,11 @@ import signal
 import sys
 
 from exporter import atomic
-from exporter.config import ConfigError, check_writable, redacted_url
-from exporter.experiment import report
+from exporter.config import ConfigError, check_writable
+from exporter.experiment import plots, report
+from exporter.experiment.dryrun import dry_run
 from exporter.experiment.plan import Plan, load_plan, run_order
-from exporter.experiment.runner import launch_for, run_experiment
+from exporter.experiment.runner import run_experiment
 from exporter.experiment.state import DirectoryLock, ExperimentState, open_state
 
 
@@ -27,31 +28,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", metavar="DIR", help="output directory (default: the plan's `out`)")
     p.add_argument("--resume", action="store_true",
                    help="continue an interrupted experiment in DIR, skipping the runs it finished")
-    p.add_argument("--dry-run", action="store_true", help="validate the plan, print the runs and commands, run nothing")
+    p.add_argument("--dry-run", action="store_true",
+                   help="validate the plan; print the conditions (an expanded sweep), the runs with their commands "
+                   "and the estimated wall time; run nothing")
     p.add_argument("--report-only", action="store_true", help="(re)write the report from DIR's finished runs")
 
 
 def say(message: str) -> None:
     print(f"kvwatt experiment: {message}", file=sys.stderr, flush=True)
-
-
-def dry_run(plan: Plan, out_dir: str) -> int:
-    print(f"plan {plan.name}: {len(plan.conditions)} conditions x {plan.repeats} repeats; output {out_dir}")
-    for index, run in enumerate(run_order(plan), start=1):
-        condition = plan.condition(run.condition)
-        run_dir = os.path.join(out_dir, "runs", run.run_id)
-        launch = launch_for(plan, condition, run, plan.server.port or 0, run_dir)
-        port_note = "" if plan.server.port else "  (port: a free one at run time; 0 shown)"
-        print(f"[{index}] {run.run_id}  {redacted_url(launch.url)}{port_note}")
-        print("    argv: " + " ".join(_quote(a) for a in launch.argv))
-        for k, v in sorted(launch.env.items()):
-            print(f"    env: {k}={v}")
-    return 0
-
-
-def _quote(arg: str) -> str:
-    """Display only: an element with spaces or quotes printed as a Python string literal."""
-    return repr(arg) if not arg or any(c in arg for c in " \t\"'\\;&|$`") else arg
 
 
 def report_only(out_dir: str) -> int:
@@ -71,6 +55,7 @@ def main(args: argparse.Namespace) -> int:
         return dry_run(plan, out_dir)
     if args.report_only:
         return report_only(out_dir)
+    plots.require()  # before hours of runs, not after the first one: exit 2 with the install command
     with DirectoryLock(out_dir):
         state = open_state(out_dir, plan, run_order(plan), args.resume)
         with open(plan.path, encoding="utf-8") as f:

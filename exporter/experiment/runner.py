@@ -67,7 +67,8 @@ async def execute_run(plan: Plan, run: RunSpec, run_dir: str, say: Say,
     condition = plan.condition(run.condition)
     launch = launch_for(plan, condition, run, plan.server.port or free_port(), run_dir)
     server = ServerProcess(launch.argv, launch.env, os.path.join(run_dir, "server.log"))
-    result = {"run": run.run_id, "condition": run.condition, "repeat": run.repeat, "argv": launch.argv,
+    result = {"run": run.run_id, "condition": run.condition, "repeat": run.repeat, "params": dict(condition.params),
+              "argv": launch.argv,
               "url": redacted_url(launch.url), "started_unix": time.time()}
     try:
         await ensure_nothing_listening(launch.url)
@@ -139,7 +140,8 @@ async def _replay(plan: Plan, condition: Condition, run: RunSpec, run_dir: str, 
         client = CompletionClient(http, url, model, w.request_timeout_seconds)
         # the replay is stopped once the window has closed; its own duration is only a backstop
         bound_seconds = p.warmup_seconds + p.measure_seconds + 10 * plan.sample_interval_seconds + 30
-        replay = Replay(sessions, w.replay_options(bound_seconds), client, sink, TokenSource(w.seed))
+        replay = Replay(sessions, w.replay_options(bound_seconds), client, sink, TokenSource(w.seed),
+                        say=lambda message: say(f"{run.run_id}: {message}"))
         start = time.monotonic()
         task = asyncio.create_task(replay.run())
         try:

@@ -85,8 +85,9 @@ def buffer(windows: Sequence[WindowFigures], failures: float | None, cfg: Config
     for the busy minute, not the average), methods.md s6."""
     short = min(windows, key=lambda w: w.seconds)
     writes = [w.offload_write_bytes_per_second for w in windows if w.offload_write_bytes_per_second is not None]
-    under = offload.undersized(short.offload_buffer_residency_seconds, short.offload_write_bytes_per_second,
-                               failures, cfg.p99_tool_latency_seconds)
+    write = short.offload_write_bytes_per_second  # only whether anything is written matters to undersized
+    write = write if write is not None else short.offload_write_tokens_per_second
+    under = offload.undersized(short.offload_buffer_residency_seconds, write, failures, cfg.p99_tool_latency_seconds)
     rec = offload.recommended_buffer(max(writes) if writes else None, cfg.p99_tool_latency_seconds,
                                      cfg.buffer_headroom)
     return BufferFigures(under, rec, offload.gib_ceil(rec), failures, short.offload_buffer_residency_seconds,

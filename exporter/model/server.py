@@ -32,8 +32,8 @@ class ServerModel:
         self.status = SourceStatus("vllm", server.name, False, "not_read_yet", 0.0, "down")
         self.info: VllmInfo | None = None
         self.engine, self.capabilities = "vllm", frozenset()
+        self.gauges: dict[str, float] | None = None  # the last reading's, None while the server is not read
         self.collapse: collapse.CollapseResult | None = None
-        self.kv_fetch_waiting: dict[str, float] | None = None
         self._stats: dict[tuple[float, bool], economics.WindowStat] = {}
 
     @property
@@ -43,9 +43,9 @@ class ServerModel:
     # --- tick time: learn -------------------------------------------------------------------------------
     def read(self, t: float, status: SourceStatus, reading: EngineReading | None) -> None:
         self.status = status
+        self.gauges = reading.gauges if reading is not None else None  # down: no current value
         if reading is not None:
             self.info, self.engine, self.capabilities = reading.info, reading.engine, reading.capabilities
-            self.kv_fetch_waiting = labelled(reading.gauges, "kv_fetch") or None
             self.history.add_reading(t, reading)
 
     def learn(self, now: float) -> None:
@@ -97,6 +97,7 @@ class ServerModel:
         shares = recompute.token_shares(recompute.token_counts(agg))
         flops, flops_per_token = recompute.mfu_view(agg, agg.delta("generation_tokens"))
         rates = offload.transfer_rates(agg)
+        tokens = offload.token_rates(agg)
         buffer_bytes = self.info.offload_buffer_bytes if self.info else None
         return WindowFigures(
             format_window(seconds), seconds, covered, p95, pressure.kv_usage_quantile(agg, 1.0),
@@ -107,9 +108,17 @@ class ServerModel:
             flops, flops_per_token, self._energy(agg),
             derive_energy.prompt_attribution(agg, cfg.min_load_seconds, cfg.load_to_compute_cost_ratio),
             rates.write_bytes_per_second, rates.read_bytes_per_second,
-            offload.residency(buffer_bytes, rates.write_bytes_per_second), kappa.observed(agg),
-            self._savings(agg, now, seconds, peers), cached_tier_shares=recompute.cached_tier_shares(agg),
-            **self._newest_series(agg))
+            self._residency(buffer_bytes, rates, tokens), kappa.observed(agg),
+            self._savings(agg, now, seconds, peers), tokens.write_tokens_per_second, tokens.read_tokens_per_second,
+            cached_tier_shares=recompute.cached_tier_shares(agg), **self._newest_series(agg))
+
+    def _residency(self, buffer_bytes: float | None, rates: offload.TransferRates,
+                   tokens: offload.TokenRates) -> float | None:
+        """Buffer / write rate in bytes; for an engine that sizes its buffer and counts its stores in tokens
+        (SGLang HiCache), in tokens (methods.md s6)."""
+        if buffer_bytes is not None:
+            return offload.residency(buffer_bytes, rates.write_bytes_per_second)
+        return offload.residency((self.gauges or {}).get("offload_buffer_tokens"), tokens.write_tokens_per_second)
 
     def _newest_series(self, agg: WindowAggregate) -> dict:
         """The figures from vLLM's newest series (issue 14): preemptions per request, admission rejections,
@@ -157,4 +166,4 @@ class ServerModel:
             self.cfg.kv_pressure_threshold_ratio, self.reference.value, self.reference.kind, windows, self.collapse,
             buf, self.offload.kappa,
             offload_figures.recommendations(sig, buf, self.cfg), self.engine, self.capabilities,
-            self.kv_fetch_waiting)
+            offload.tier_state(self.gauges), labelled(self.gauges or {}, "kv_fetch") or None)

@@ -38,6 +38,7 @@ class Outcome:
     completion: Completion | None = None  # None: every attempt failed
     attempts: int = 0
     error: str | None = None  # the last failure, kept after a successful retry
+    transient: bool = False  # the last failure was transient (connection, timeout, 5xx): the server may be down
 
 
 def request_body(model: str, prompt_ids: list[int], output_tokens: int) -> dict:
@@ -49,7 +50,8 @@ def request_body(model: str, prompt_ids: list[int], output_tokens: int) -> dict:
 class CompletionClient:
     def __init__(self, http: aiohttp.ClientSession, base_url: str, model: str, timeout_seconds: float):
         self.http = http
-        self.url = base_url.rstrip("/") + "/v1/completions"
+        self.base_url = base_url.rstrip("/")
+        self.url = self.base_url + "/v1/completions"
         self.model = model
         self.timeout = aiohttp.ClientTimeout(total=timeout_seconds)
 
@@ -86,6 +88,7 @@ class CompletionClient:
                 return outcome  # after a retry, ``error`` keeps the last transient failure
             except RequestError as e:
                 outcome.error = str(e)
+                outcome.transient = e.retryable
                 if not e.retryable or attempt == retries:
                     return outcome
             await asyncio.sleep(backoff_seconds * 2 ** attempt)

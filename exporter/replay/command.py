@@ -171,7 +171,7 @@ async def _replay(args, options, sessions, sink, tokens, progress: bool) -> tupl
     async with aiohttp.ClientSession(connector=connector) as http:
         model = args.model or await _first_model(http, args.url)
         replay = Replay(sessions, options, CompletionClient(http, args.url, model, args.request_timeout), sink,
-                        tokens)
+                        tokens, say=_say)
         received: list[int] = []
         _install_signal_handlers(replay, received)
         bar = asyncio.create_task(show_progress(replay)) if progress else None
@@ -185,14 +185,38 @@ async def _replay(args, options, sessions, sink, tokens, progress: bool) -> tupl
     return summary, _EXIT_BY_SIGNAL.get(received[0], 0) if received else 0
 
 
+def _say(message: str) -> None:
+    print(f"kvwatt replay: {message}", file=sys.stderr, flush=True)
+
+
 async def _first_model(http: aiohttp.ClientSession, base_url: str) -> str:
+    """The first model the server lists. A server that cannot be reached is said to be unreachable (passing
+    --model would not help); one that answers without a usable list is asked for --model."""
     url = base_url.rstrip("/") + "/v1/models"
+    shown_url, status = redacted_url(url), None
     try:
         async with http.get(url, timeout=aiohttp.ClientTimeout(total=30)) as resp:
+            status = resp.status
             body = await resp.json(content_type=None)
+    except (aiohttp.ClientConnectionError, asyncio.TimeoutError, OSError) as e:
+        raise _Unreachable(f"the server at {redacted_url(base_url)} is unreachable ({_reason(e)}); is it running, "
+                           "and is --url right?") from None
+    except (aiohttp.ClientError, ValueError) as e:
+        answered = f"HTTP {status}, " if status is not None else ""
+        raise _Unreachable(f"cannot list models at {shown_url} ({answered}{type(e).__name__}); pass --model") from None
+    try:
         return body["data"][0]["id"]
-    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, IndexError, TypeError) as e:
-        raise _Unreachable(f"cannot list models at {url} ({type(e).__name__}: {e}); pass --model") from None
+    except (KeyError, IndexError, TypeError):
+        raise _Unreachable(f"cannot list models at {shown_url} (HTTP {status}, no model in the answer); "
+                           "pass --model") from None
+
+
+def _reason(error: BaseException) -> str:
+    """A connection failure in a few words, without the URL (its credentials are already redacted above)."""
+    if isinstance(error, asyncio.TimeoutError):
+        return "no answer within 30 s"
+    cause = getattr(error, "os_error", None) or error
+    return getattr(cause, "strerror", None) or type(error).__name__
 
 
 def _install_signal_handlers(replay: Replay, received: list[int]) -> None:

@@ -13,10 +13,11 @@ import random
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Callable
 
 from exporter.replay.client import CompletionClient, Outcome
 from exporter.replay.records import RecordSink, TurnRecord
-from exporter.config import ConfigError
+from exporter.config import ConfigError, redacted_url
 from exporter.limits import MAX_CONTEXT_TOKENS
 from exporter.replay.session import Conversation, context_needed, fits
 from exporter.replay.tokens import TokenSource
@@ -35,6 +36,14 @@ class ReplayOptions:
     max_sessions: int | None = None  # None: each session once, or unbounded when a duration is set
     retries: int = 2
     retry_backoff_seconds: float = 0.5
+
+
+# While turns keep failing with transient errors (the server is down or restarting), a closed-loop worker
+# waits before it starts its next session: 0.5 s after the first failed turn, doubling with every further one
+# (all workers' failures count), at most 10 s. Without it a dead server made --duration write ~470 error
+# records a second. The first successful turn ends the pause.
+OUTAGE_BACKOFF_FIRST_SECONDS = 0.5
+OUTAGE_BACKOFF_MAX_SECONDS = 10.0
 
 
 class SessionQueue:
@@ -95,8 +104,10 @@ def playable_sessions(sessions: Sequence[Session], options: ReplayOptions,
 
 class Replay:
     def __init__(self, sessions: Sequence[Session], options: ReplayOptions, client: CompletionClient,
-                 sink: RecordSink, tokens: TokenSource | None = None):
+                 sink: RecordSink, tokens: TokenSource | None = None, say: Callable[[str], None] | None = None):
         self.options = options
+        self.say = say or (lambda message: None)  # told once when the server stops answering, once when it is back
+        self.failing_turns = 0  # consecutive turns failed with a transient error (OUTAGE_BACKOFF_*)
         self.client = client
         self.sink = sink
         self.tokens = tokens or TokenSource(options.seed)
@@ -161,7 +172,30 @@ class Replay:
 
     async def _worker(self, worker: int) -> None:
         while not self.stopping.is_set() and (item := self.queue.take()) is not None:
+            if self.failing_turns and not await self._sleep_until(time.monotonic() + self.outage_backoff_seconds()):
+                return
             await self._play(*item, worker=worker)
+
+    def outage_backoff_seconds(self) -> float:
+        """The pause before a new session while turns fail (OUTAGE_BACKOFF_*); 0 when the last turn succeeded."""
+        if not self.failing_turns:
+            return 0.0
+        exponent = min(self.failing_turns - 1, 32)
+        return min(OUTAGE_BACKOFF_FIRST_SECONDS * 2 ** exponent, OUTAGE_BACKOFF_MAX_SECONDS)
+
+    def _note_outcome(self, outcome: Outcome) -> None:
+        """Count consecutive transient failures; say so when the server stops answering and when it is back."""
+        if outcome.completion is not None:
+            if self.failing_turns:
+                self.say(f"the server at {redacted_url(self.client.base_url)} answers again "
+                         f"(after {self.failing_turns} failed turns)")
+            self.failing_turns = 0
+        elif outcome.transient:
+            if not self.failing_turns:
+                self.say(f"the server at {redacted_url(self.client.base_url)} is not answering ({outcome.error}); "
+                         f"new sessions wait {OUTAGE_BACKOFF_FIRST_SECONDS:g} s, doubling up to "
+                         f"{OUTAGE_BACKOFF_MAX_SECONDS:g} s, until a turn succeeds")
+            self.failing_turns += 1
 
     async def _open_loop(self) -> None:
         arrivals = poisson_arrival_offsets(self.options.rate_sessions_per_second, self.options.seed)
@@ -208,22 +242,36 @@ class Replay:
                         self.options.max_context_tokens):
                 self.counts["sessions_skipped_by_context" if index == 0 else "sessions_cut_by_context"] += 1
                 return
-            wait_seconds = turn.tool_latency_seconds * self.options.latency_scale
-            if index == len(session.turns) - 1:
-                wait_seconds = 0.0
-            if not await self._turn(conversation, index, worker, wait_seconds):
+            wait_seconds = await self._turn(conversation, index, worker)
+            if wait_seconds is None:
                 return
             if wait_seconds > 0 and not await self._sleep_until(time.monotonic() + wait_seconds):
                 return
         self.counts["sessions_completed"] += 1
 
-    async def _turn(self, conversation: Conversation, index: int, worker: int | None, wait_seconds: float) -> bool:
-        """Send one turn and record it; True when the session can go on."""
+    def _tool_wait_seconds(self, conversation: Conversation, index: int) -> float:
+        """The tool latency after turn ``index``, or 0 when no next turn will be sent: after the last turn, and
+        after a turn whose successor the context cap cuts (the session ends now, and the next one starts at
+        once, so N sessions stay live; measured from the context actually held, responses included)."""
+        turns = conversation.session.turns
+        if index + 1 >= len(turns):
+            return 0.0
+        following = turns[index + 1]
+        if not fits(conversation.context_tokens + following.input_tokens, following.output_tokens,
+                    self.options.max_context_tokens):
+            return 0.0
+        return turns[index].tool_latency_seconds * self.options.latency_scale
+
+    async def _turn(self, conversation: Conversation, index: int, worker: int | None) -> float | None:
+        """Send one turn and record it; the tool latency to wait before the next turn, None when the session
+        cannot go on (the record of a failed turn carries the trace's latency, which is not waited)."""
         session, turn = conversation.session, conversation.session.turns[index]
+        last = index + 1 >= len(session.turns)
+        planned_wait = 0.0 if last else turn.tool_latency_seconds * self.options.latency_scale
         prompt = conversation.prompt_for(index)
         record = TurnRecord(session.session_id, conversation.iteration, index, "error", 0, len(prompt),
                             turn.output_tokens, start_unix_seconds=round(time.time(), 6),
-                            start_offset_seconds=self._offset(), tool_latency_seconds=_round(wait_seconds),
+                            start_offset_seconds=self._offset(), tool_latency_seconds=_round(planned_wait),
                             worker=worker)
         self._enter_request()
         outcome = Outcome()
@@ -239,11 +287,15 @@ class Replay:
             self.in_flight_requests -= 1
         record.end_offset_seconds = self._offset()
         self._fill(record, outcome)
-        self.sink.write(record)
+        self._note_outcome(outcome)
         if outcome.completion is None:
-            return False
+            self.sink.write(record)
+            return None
         conversation.add_response(self._response_ids(conversation, index, outcome))
-        return True
+        wait_seconds = self._tool_wait_seconds(conversation, index)
+        record.tool_latency_seconds = _round(wait_seconds)
+        self.sink.write(record)
+        return wait_seconds
 
     def _enter_request(self) -> None:
         self.in_flight_requests += 1

@@ -9,6 +9,7 @@ naming the file and line.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Iterable
@@ -177,10 +178,12 @@ def _check_unique_ids(sessions: list[Session], path: Path) -> None:
 
 
 def scale_tokens(count_tokens: int, length_scale: float, minimum: int = 0) -> int:
-    """``count_tokens * length_scale`` rounded; a non-zero length stays >= 1, and never below ``minimum``."""
+    """``count_tokens * length_scale`` rounded to the nearest integer, halves up (``floor(x + 0.5)`` on the
+    floating-point product: 2.5 -> 3, where Python's round() would give 2); a non-zero length stays >= 1, and
+    never below ``minimum``."""
     if count_tokens == 0:
         return max(0, minimum)
-    return max(1, minimum, round(count_tokens * length_scale))
+    return max(1, minimum, math.floor(count_tokens * length_scale + 0.5))
 
 
 def scale_session(session: Session, length_scale: float) -> Session:

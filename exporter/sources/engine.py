@@ -15,6 +15,7 @@ must be a pure function of its text: no shared mutable state.
 from __future__ import annotations
 
 import math
+import threading
 from typing import Protocol, runtime_checkable
 
 from exporter.samples import EngineReading, VllmInfo
@@ -46,12 +47,16 @@ COUNTER_KEYS: dict[str, str] = {
     "offload_load_bytes": "bytes copied offload tier -> GPU",
     "offload_allocation_failures": "offload-tier allocations that failed",
     "offload_stores_skipped": "stores to the offload tier skipped",
-    "engine_steps": "engine iterations (forward steps) run; stops rising when the engine stalls",
-    "prompt_cached_device": "prompt tokens served from the cache on the accelerator (device tier)",
-    "prompt_cached_host": "prompt tokens served from the host-memory (CPU) cache tier",
-    "prompt_cached_disk": "prompt tokens served from the disk / file-system cache tier",
-    "prompt_cached_p2p": "prompt tokens whose cached KV came from another instance (peer to peer)",
-    "prompt_cached_external": "prompt tokens served from an external cache of unspecified tier",
+    "engine_steps": "engine iterations (scheduler steps / forward passes)",
+    "prompt_cached_device": "cached prompt tokens found in device (GPU) memory",
+    "prompt_cached_host": "cached prompt tokens loaded from host (CPU) memory",
+    "prompt_cached_disk": "cached prompt tokens loaded from local disk",
+    "prompt_cached_p2p": "cached prompt tokens received from a peer server",
+    "prompt_cached_external": "cached prompt tokens loaded from an external or unspecified store",
+    "offload_store_tokens": "tokens whose KV was copied GPU -> offload tier",
+    "offload_load_tokens": "tokens whose KV was loaded offload tier -> GPU",
+    "offload_store_blocks": "KV blocks copied GPU -> offload tier (tokens once the block size is known)",
+    "offload_load_blocks": "KV blocks loaded offload tier -> GPU (tokens once the block size is known)",
     "preemption_hist_count": "finished requests observed by the preemptions-per-request histogram",
     "preemption_hist_sum": "preemptions of those requests, summed",
     "offload_stores_dropped_full": "stores to the offload tier dropped because it was full",
@@ -91,6 +96,11 @@ GAUGE_KEYS: dict[str, str] = {
     "waiting_capacity": "requests waiting because KV capacity is short",
     "waiting_deferred": "requests waiting, deferred for another reason",
     "kv_usage": "fraction of the KV cache in use, highest rank (0..1)",
+    "offload_buffer_used_ratio": "fraction of the offload buffer holding KV (true occupancy, 0..1)",
+    "offload_buffer_used_bytes": "bytes of KV held in the offload buffer",
+    "offload_buffer_tokens": "offload buffer capacity in tokens (engines that size it in tokens: SGLang HiCache)",
+    "offload_host_hit_ratio": "the engine's own recent hit rate of its host (CPU) offload tier (0..1)",
+    "offload_disk_hit_ratio": "the engine's own recent hit rate of its disk offload tier (0..1)",
 }
 
 # --- capabilities -------------------------------------------------------------------------------------------
@@ -103,14 +113,19 @@ OFFLOAD_TRAFFIC = "offload_traffic"  # offload store/load bytes
 OFFLOAD_BUFFER = "offload_buffer"  # offload buffer size known
 OFFLOAD_FAILURES = "offload_failures"  # offload allocation failures / skipped stores
 REQUESTS = "requests"  # running / waiting request gauges
-ENGINE_STEPS = "engine_steps"  # engine iteration counter (liveness: a stalled engine stops stepping)
-CACHED_BY_TIER = "cached_by_tier"  # cached prompt tokens split by cache tier (device / host / disk / p2p / ...)
+ENGINE_STEPS = "engine_steps"  # cumulative engine iterations (liveness: a stalled engine stops stepping)
+CACHED_BY_TIER = "cached_by_tier"  # cached prompt tokens by the tier they came from
+OFFLOAD_OCCUPANCY = "offload_occupancy"  # offload buffer occupancy (used/capacity, 0..1)
+OFFLOAD_USED_BYTES = "offload_used_bytes"  # bytes held in the offload buffer (capacity unknown)
+OFFLOAD_TOKENS = "offload_tokens"  # offload store/load counted in tokens
+OFFLOAD_HIT_RATE = "offload_hit_rate"  # the engine's own hit rate per offload tier
 PREEMPTIONS_PER_REQUEST = "preemptions_per_request"  # histogram of preemptions per finished request
 OFFLOAD_TIERS = "offload_tiers"  # per-tier offload traffic (vLLM tiering: primary CPU tier + secondary tiers)
 
 CAPABILITIES: frozenset[str] = frozenset({KV_USAGE, PREEMPTIONS, TOKEN_SOURCES, PREFIX_CACHE, MFU,
                                           OFFLOAD_TRAFFIC, OFFLOAD_BUFFER, OFFLOAD_FAILURES, REQUESTS,
-                                          ENGINE_STEPS, CACHED_BY_TIER, PREEMPTIONS_PER_REQUEST,
+                                          ENGINE_STEPS, CACHED_BY_TIER, OFFLOAD_OCCUPANCY, OFFLOAD_USED_BYTES,
+                                          OFFLOAD_TOKENS, OFFLOAD_HIT_RATE, PREEMPTIONS_PER_REQUEST,
                                           OFFLOAD_TIERS})
 
 # capability -> the counter/gauge keys any one of which shows it
@@ -121,11 +136,16 @@ CAPABILITY_KEYS: dict[str, tuple[str, ...]] = {
     PREFIX_CACHE: ("prefix_queries", "prefix_hits"),
     MFU: ("flops",),
     OFFLOAD_TRAFFIC: ("offload_store_bytes", "offload_load_bytes"),
+    OFFLOAD_BUFFER: ("offload_buffer_tokens",),  # or a size in bytes in the reading's info
     OFFLOAD_FAILURES: ("offload_allocation_failures", "offload_stores_skipped", "offload_stores_dropped_full"),
     REQUESTS: ("running", "waiting"),
     ENGINE_STEPS: ("engine_steps",),
     CACHED_BY_TIER: ("prompt_cached_device", "prompt_cached_host", "prompt_cached_disk", "prompt_cached_p2p",
                      "prompt_cached_external"),
+    OFFLOAD_OCCUPANCY: ("offload_buffer_used_ratio",),
+    OFFLOAD_USED_BYTES: ("offload_buffer_used_bytes",),
+    OFFLOAD_TOKENS: ("offload_store_tokens", "offload_load_tokens"),
+    OFFLOAD_HIT_RATE: ("offload_host_hit_ratio", "offload_disk_hit_ratio"),
     PREEMPTIONS_PER_REQUEST: ("preemption_hist_count",),
 }
 # capability -> labelled counter prefixes any one of which shows it
@@ -149,6 +169,8 @@ class EngineAdapter(Protocol):
     """Turns one engine's /metrics text into an EngineReading."""
 
     name: str  # "vllm", ...; becomes EngineReading.engine
+    # An adapter may also say ``addon = True``: its component runs beside an engine (LMCache, Dynamo's KVBM)
+    # and its reading is merged into the engine's (sources/combine.py). Without the attribute: an engine.
 
     def detect(self, text: str) -> bool:
         """Does this exposition come from my engine? Cheap (a substring test), never raises."""
@@ -163,6 +185,7 @@ class EngineAdapter(Protocol):
 
 _REGISTRY: list[EngineAdapter] = []
 _builtins_loaded = False
+_builtins_lock = threading.Lock()  # the first decodes run in several worker threads at once
 
 
 def register(adapter: EngineAdapter) -> None:
@@ -172,16 +195,28 @@ def register(adapter: EngineAdapter) -> None:
 
 
 def _ensure_builtins() -> None:
+    """Load the built-in adapters once. The flag is set only when they are in the registry, under a lock: a
+    thread that saw it set early would read an empty registry."""
     global _builtins_loaded
-    if not _builtins_loaded:
-        _builtins_loaded = True
-        from exporter.sources.vllm import VllmAdapter  # here, not at the top: vllm.py imports this module
+    if _builtins_loaded:
+        return
+    with _builtins_lock:
+        if _builtins_loaded:
+            return
+        # here, not at the top: the adapters' modules import this one
+        from exporter.sources.dynamo import DynamoAdapter
+        from exporter.sources.lmcache import LmcacheAdapter
+        from exporter.sources.sglang import SglangAdapter
+        from exporter.sources.trtllm import TrtllmAdapter
+        from exporter.sources.vllm import VllmAdapter
 
-        _REGISTRY.insert(0, VllmAdapter())
+        _REGISTRY[0:0] = [VllmAdapter(), SglangAdapter(), TrtllmAdapter(), LmcacheAdapter(), DynamoAdapter()]
+        _builtins_loaded = True
 
 
 def adapters() -> tuple[EngineAdapter, ...]:
-    """The registered adapters, vLLM first."""
+    """The registered adapters: vLLM, SGLang, TensorRT-LLM, then the add-ons LMCache and Dynamo, then any
+    registered later."""
     _ensure_builtins()
     return tuple(_REGISTRY)
 

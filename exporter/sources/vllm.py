@@ -23,8 +23,8 @@ from yarl import URL
 
 from exporter.expfmt import Exposition, Labels, parse, parse_families, process_start_time
 from exporter.samples import EngineReading, SourceStatus, VllmInfo, VllmReading
-from exporter.sources.engine import (OFFLOAD_BUFFER, EngineAdapter, SourceError, adapter_for, capabilities_of,
-                                     labelled_key)
+from exporter.sources.combine import read_exposition
+from exporter.sources.engine import OFFLOAD_BUFFER, EngineAdapter, SourceError, capabilities_of, labelled_key
 from exporter.vllm_names import RENAMES
 
 __all__ = ["COUNTERS", "DEPRECATED_OFFLOAD", "GAUGES_SUM", "GIB", "MAX_VALUE", "NEEDED_FAMILIES", "OUT_OF_RANGE",
@@ -404,29 +404,39 @@ def _redirect_target(resp: aiohttp.ClientResponse) -> str:
     return _bounded(target)
 
 
+def _endpoint(url: str) -> tuple[aiohttp.BasicAuth | None, str]:
+    """(basic auth from the URL's credentials, the /metrics URL without them)."""
+    u = URL(url)
+    auth = aiohttp.BasicAuth(u.user or "", u.password or "") if u.user or u.password else None
+    return auth, str(u.with_user(None)).rstrip("/") + "/metrics"
+
+
 class VllmSource:
     """Reads one server. ``read()`` returns (status, reading or None); it never raises.
 
-    ``adapter`` fixes the engine adapter; by default each exposition picks its own (``adapter_for``: vLLM
-    unless another registered engine recognises it)."""
+    ``adapter`` fixes the engine adapter; by default each exposition picks its own (sources/combine.py: the
+    engine a registered adapter recognises, vLLM when none does, with the add-ons found beside it).
+
+    ``sidecar_urls``: further expositions of the same server (LMCache's port beside vLLM's, Dynamo KVBM's
+    port), fetched at the same time as the server's with the same timeout and merged into its reading; one
+    that fails degrades the read (reason ``sidecar``), it does not fail it."""
 
     def __init__(self, name: str, url: str, timeout_seconds: float, max_body_bytes: int,
-                 adapter: EngineAdapter | None = None):
+                 adapter: EngineAdapter | None = None, sidecar_urls: tuple[str, ...] = ()):
         self.name = name
         # credentials in the URL go as basic auth and nowhere else: metrics_url is safe to show in a reason
-        u = URL(url)
-        self.auth = aiohttp.BasicAuth(u.user or "", u.password or "") if u.user or u.password else None
-        self.metrics_url = str(u.with_user(None)).rstrip("/") + "/metrics"
+        self.auth, self.metrics_url = _endpoint(url)
+        self.sidecars = [_endpoint(u) for u in sidecar_urls]
         self.timeout = aiohttp.ClientTimeout(total=timeout_seconds)
         self.max_body_bytes = max_body_bytes
         self.adapter = adapter
         self._rejected: frozenset[str] = frozenset()  # families refused as out of range at the last read
 
-    async def fetch(self, session: aiohttp.ClientSession) -> str:
+    async def fetch(self, session: aiohttp.ClientSession, endpoint: tuple | None = None) -> str:
+        auth, url = endpoint or (self.auth, self.metrics_url)
         try:
             # a redirect is not followed: another host's or port's data must never pass as this server's
-            async with session.get(self.metrics_url, timeout=self.timeout, auth=self.auth,
-                                   allow_redirects=False) as resp:
+            async with session.get(url, timeout=self.timeout, auth=auth, allow_redirects=False) as resp:
                 if 300 <= resp.status < 400:
                     raise SourceError("redirect", f"{resp.status} to {_redirect_target(resp)}")
                 if resp.status != 200:
@@ -451,7 +461,7 @@ class VllmSource:
         """Parse and extract one exposition (CPU only, no I/O: call it from a worker thread). Raises
         SourceError("parse_error", ...) when nothing usable; skipped bad lines are appended to ``problems``."""
         try:
-            reading = (self.adapter or adapter_for(text)).read(text, problems)
+            reading = self.adapter.read(text, problems) if self.adapter else read_exposition(text, problems)
         except SourceError:
             raise
         except Exception as e:  # a bug in an adapter must not take the daemon down: this server is down
@@ -489,8 +499,27 @@ class VllmSource:
         start = time.perf_counter()
         problems: list[str] = []
         try:
-            text = await self.fetch(session)
+            text = await self._fetch_all(session, problems)
             reading = await asyncio.to_thread(self.decode, text, problems)  # never on the event loop
         except SourceError as e:
             return self.down(e, time.perf_counter() - start), None
         return self.status(problems, time.perf_counter() - start), reading
+
+    async def _fetch_all(self, session: aiohttp.ClientSession, problems: list[str]) -> str:
+        """The server's exposition followed by each sidecar's that answered (one text: the adapters read
+        them together). The server failing fails the read; a sidecar failing is a problem."""
+        if not self.sidecars:
+            return await self.fetch(session)
+        results = await asyncio.gather(self.fetch(session), *(self.fetch(session, e) for e in self.sidecars),
+                                       return_exceptions=True)
+        if isinstance(results[0], BaseException):
+            raise results[0]
+        texts = [results[0]]
+        for (_, url), result in zip(self.sidecars, results[1:]):
+            if isinstance(result, SourceError):
+                problems.append(f"sidecar: {url} {result}")
+            elif isinstance(result, BaseException):
+                raise result
+            else:
+                texts.append(result)
+        return "\n".join(t.rstrip("\n") for t in texts) + "\n"

@@ -1,0 +1,54 @@
+"""NVIDIA Dynamo adapter: a Dynamo worker's KV statistics and the KV Block Manager (KVBM), an add-on to the
+engine the worker runs (tests/data/dynamo/README.md names the source).
+
+A Dynamo worker's /metrics (``DYN_SYSTEM_PORT``) carries its backend engine's own series (``vllm:``,
+``sglang:``, ``trtllm_``) next to ``dynamo_component_*``; KVBM serves ``kvbm_*`` on its own port
+(``DYN_KVBM_METRICS_PORT``, 6880), read as a sidecar (docs/engines.md). sources/combine.py merges this
+adapter's keys into the backend engine's reading, the engine's own series winning.
+
+Series read, from lib/runtime/src/metrics/prometheus_names.rs (modules ``kvstats`` and ``kvbm``):
+
+- KV usage: ``dynamo_component_kvstats_gpu_cache_usage_percent`` (0..1 despite its name; label ``dp_rank``);
+- offload traffic in blocks: ``kvbm_offload_blocks_d2h`` + ``kvbm_offload_blocks_d2d`` (device -> host,
+  device -> disk) and ``kvbm_onboard_blocks_h2d`` + ``kvbm_onboard_blocks_d2d`` (host -> device, disk ->
+  device); tokens once the engine's block size is known (combine.py);
+- tokens found in KVBM's tiers and loaded: ``kvbm_matched_tokens``;
+- the engine's own hit rates of its tiers: ``kvbm_host_cache_hit_rate``, ``kvbm_disk_cache_hit_rate``
+  (a sliding window kept by KVBM, 0..1).
+
+KVBM exports no tier capacity or occupancy, and no offload bytes: those figures are absent. Host -> disk
+(``kvbm_offload_blocks_h2d``) moves blocks between tiers, not to or from the GPU: not offload traffic.
+"""
+
+from __future__ import annotations
+
+from exporter.samples import VllmInfo
+from exporter.sources.families import EngineSpec, Parts, Pick, SpecAdapter, model_name
+
+KVSTATS = "dynamo_component_kvstats_"
+SPEC = EngineSpec(
+    prefixes=("",),
+    counters={
+        "offload_store_blocks": (Pick("kvbm_offload_blocks_d2h"), Pick("kvbm_offload_blocks_d2d")),
+        "offload_load_blocks": (Pick("kvbm_onboard_blocks_h2d"), Pick("kvbm_onboard_blocks_d2d")),
+        "offload_load_tokens": (Pick("kvbm_matched_tokens"),),
+    },
+    fractions={
+        "kv_usage": Pick(KVSTATS + "gpu_cache_usage_percent"),
+        "offload_host_hit_ratio": Pick("kvbm_host_cache_hit_rate"),
+        "offload_disk_hit_ratio": Pick("kvbm_disk_cache_hit_rate"),
+    },
+    rank_label="dp_rank",
+)
+
+
+class DynamoAdapter(SpecAdapter):
+    name = "dynamo"
+    addon = True
+    spec = SPEC
+    detect_prefixes = (KVSTATS, "kvbm_")
+
+    def facts(self, parts: Parts, process_start: float | None) -> VllmInfo:
+        kvbm = any(name.startswith("kvbm_") for name in parts.series)
+        return VllmInfo(model_name=model_name(parts.series), offload_enabled=True if kvbm else None,
+                        offload_backend="kvbm" if kvbm else "", process_start_time_seconds=process_start)

@@ -1,0 +1,211 @@
+"""Engine adapters described as data: which of an engine's series feed which kvwatt key (sources/engine.py).
+
+SGLang, TensorRT-LLM, LMCache and Dynamo (sources/sglang.py, trtllm.py, lmcache.py, dynamo.py) each declare an
+``EngineSpec`` and subclass ``SpecAdapter`` for what a table cannot say (a share computed from two series, the
+slow-changing facts). This module does the rest the same way for all of them, with the vLLM adapter's rules
+(docs/architecture.md "Data-parallel engines and value ranges"):
+
+- only the families a spec names are parsed (``expfmt.parse_families``), under every spelling: each of the
+  engine's prefixes (``sglang:`` in the code, ``sglang_`` seen in the wild), with and without ``_total``;
+- a counter or summed gauge is summed per data-parallel rank (``rank_label``) and the reading keeps each
+  rank's counters (``engine_counters``), so the store sees one rank reset or vanish;
+- samples of a replica (``replica_labels``: a tensor-parallel rank reporting the same figure as rank 0) are
+  left out unless a series says ``all_replicas`` (bytes each rank holds for its own shard);
+- a fraction (0..1) takes the highest rank; a value out of range makes its key unknown (absent, never
+  clamped) and is named in ``rejected``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from exporter.expfmt import Exposition, Labels, parse_families, process_start_time
+from exporter.samples import EngineReading, VllmInfo
+from exporter.sources.engine import OFFLOAD_BUFFER, SourceError, capabilities_of
+from exporter.sources.vllm import MAX_VALUE
+
+Series = dict[Labels, float]
+
+
+@dataclass(frozen=True)
+class Pick:
+    """The samples of one family (``name``: without the engine's prefix and without ``_total``) that count."""
+
+    name: str
+    match: tuple[tuple[str, str], ...] = ()  # labels that must have exactly these values
+    label_prefix: tuple[str, str] | None = None  # (label, prefix its value must start with)
+    all_replicas: bool = False  # sum every replica too (per-shard bytes), not only rank 0's copy
+
+    def keeps(self, lab: dict[str, str], replica_labels: tuple[str, ...]) -> bool:
+        if any(lab.get(k) != v for k, v in self.match):
+            return False
+        if self.label_prefix is not None and not lab.get(self.label_prefix[0], "").startswith(self.label_prefix[1]):
+            return False
+        return self.all_replicas or all(lab.get(r, "0") == "0" for r in replica_labels)
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    prefixes: tuple[str, ...]  # wire prefixes, tried in order ("" when the names carry their own)
+    counters: dict[str, tuple[Pick, ...]] = field(default_factory=dict)  # key -> picks, summed
+    gauges: dict[str, tuple[Pick, ...]] = field(default_factory=dict)  # key -> picks, summed (counts, bytes)
+    fractions: dict[str, Pick] = field(default_factory=dict)  # key -> a 0..1 gauge, highest rank
+    info: tuple[str, ...] = ()  # further families the adapter's ``facts`` reads
+    rank_label: str = ""  # the data-parallel rank label, "" when the engine has none
+    replica_labels: tuple[str, ...] = ()  # labels whose non-zero values repeat rank 0's figures
+
+    def names(self) -> frozenset[str]:
+        return frozenset(p.name for picks in (*self.counters.values(), *self.gauges.values()) for p in picks) | \
+            {p.name for p in self.fractions.values()} | set(self.info)
+
+    def wire_names(self) -> frozenset[str]:
+        return frozenset(f"{prefix}{name}{suffix}" for prefix in self.prefixes for name in self.names()
+                         for suffix in ("", "_total"))
+
+
+def canonical(exp: Exposition, spec: EngineSpec) -> dict[str, Series]:
+    """Series keyed by the spec's names: the prefix and ``_total`` stripped; the first spelling seen wins."""
+    names = spec.names()
+    out: dict[str, Series] = {}
+    for wire, samples in exp.series.items():
+        for prefix in spec.prefixes:
+            if wire.startswith(prefix):
+                name = wire[len(prefix):]
+                name = name if name in names else name.removesuffix("_total")
+                if name in names and name not in out:
+                    out[name] = samples
+                    break
+    return out
+
+
+def _detail(name: str, labels: Labels, v: float, high: float) -> str:
+    shown = ",".join(f'{k}="{val}"' for k, val in labels)
+    return f"{name}{{{shown}}} = {v!r} outside [0, {high:g}]"
+
+
+def rank_sums(series: dict[str, Series], picks: tuple[Pick, ...], spec: EngineSpec, key: str,
+              rejected: dict[str, str]) -> dict[str, float] | None:
+    """Per rank, the sum of the picked samples; None when none is on the wire or (``rejected[key]`` says why)
+    one of them or the sum is out of [0, MAX_VALUE]."""
+    sums: dict[str, float] = {}
+    for pick in picks:
+        for labels, v in series.get(pick.name, {}).items():
+            lab = dict(labels)
+            if not pick.keeps(lab, spec.replica_labels):
+                continue
+            if not 0.0 <= v <= MAX_VALUE:  # NaN fails too
+                rejected[key] = _detail(pick.name, labels, v, MAX_VALUE)
+                return None
+            rank = lab.get(spec.rank_label, "") if spec.rank_label else ""
+            sums[rank] = sums.get(rank, 0.0) + v
+    if not sums:
+        return None
+    if sum(sums.values()) > MAX_VALUE:
+        rejected[key] = f"{key} summed = {sum(sums.values())!r} above {MAX_VALUE:g}"
+        return None
+    return sums
+
+
+def highest(series: dict[str, Series], pick: Pick, spec: EngineSpec, key: str,
+            rejected: dict[str, str]) -> float | None:
+    """The highest picked sample of a fraction (the fullest rank), None when absent or out of [0, 1]."""
+    values = []
+    for labels, v in series.get(pick.name, {}).items():
+        if pick.keeps(dict(labels), spec.replica_labels):
+            if not 0.0 <= v <= 1.0:
+                rejected[key] = _detail(pick.name, labels, v, 1.0)
+                return None
+            values.append(v)
+    return max(values) if values else None
+
+
+def model_name(series: dict[str, Series]) -> str:
+    for samples in series.values():
+        for labels in samples:
+            name = dict(labels).get("model_name", "")
+            if name:
+                return name
+    return ""
+
+
+def first_value(series: dict[str, Series], name: str) -> float | None:
+    samples = series.get(name)
+    return next(iter(samples.values())) if samples else None
+
+
+@dataclass
+class Parts:
+    """A reading being built: what the spec's tables gave, for ``SpecAdapter.facts`` to complete."""
+
+    series: dict[str, Series]
+    counters: dict[str, float]
+    by_rank: dict[str, dict[str, float]]
+    gauges: dict[str, float]
+    rejected: dict[str, str]
+
+    def derive_counter(self, key: str, fn, *inputs: str) -> None:
+        """``key`` = fn(inputs) server-wide and per rank, where every input is known (a share of two counters)."""
+        if key in self.counters or not all(k in self.counters for k in inputs):
+            return
+        value = fn(*(self.counters[k] for k in inputs))
+        if value is None or not 0.0 <= value <= MAX_VALUE:
+            return
+        self.counters[key] = value
+        for counters in self.by_rank.values():
+            if all(k in counters for k in inputs):
+                v = fn(*(counters[k] for k in inputs))
+                if v is not None and 0.0 <= v <= MAX_VALUE:
+                    counters[key] = v
+
+
+class SpecAdapter:
+    """An engine adapter (sources/engine.py EngineAdapter) driven by an ``EngineSpec``.
+
+    ``detect_prefixes``: an exposition is this engine's when a line starts with one of them. ``addon``: the
+    component runs beside a primary engine (an offload library, a KV block manager), so its reading is merged
+    into the engine's (sources/combine.py)."""
+
+    name = ""
+    addon = False
+    spec: EngineSpec
+    detect_prefixes: tuple[str, ...] = ()
+
+    def detect(self, text: str) -> bool:
+        return any(text.startswith(p) or f"\n{p}" in text for p in self.detect_prefixes)
+
+    def read(self, text: str, problems: list[str] | None = None) -> EngineReading:
+        exp = parse_families(text, self.spec.wire_names())
+        if not exp.series:
+            detail = f"{exp.errors} malformed lines" if exp.errors else f"no usable {self.name} series in the exposition"
+            raise SourceError("parse_error", detail)
+        if exp.errors and problems is not None:
+            problems.append(f"parse_error: {exp.errors} bad lines skipped")
+        return self.extract(exp, process_start_time(text))
+
+    def extract(self, exp: Exposition, process_start: float | None = None) -> EngineReading:
+        spec = self.spec
+        parts = Parts(canonical(exp, spec), {}, {}, {}, {})
+        for key, picks in spec.counters.items():
+            sums = rank_sums(parts.series, picks, spec, key, parts.rejected)
+            if sums is not None:
+                parts.counters[key] = sum(sums.values())
+                for rank, v in sums.items():
+                    parts.by_rank.setdefault(rank, {})[key] = v
+        for key, picks in spec.gauges.items():
+            sums = rank_sums(parts.series, picks, spec, key, parts.rejected)
+            if sums is not None:
+                parts.gauges[key] = sum(sums.values())
+        for key, pick in spec.fractions.items():
+            v = highest(parts.series, pick, spec, key, parts.rejected)
+            if v is not None:
+                parts.gauges[key] = v
+        info = self.facts(parts, process_start)
+        seen = {**parts.gauges, **dict.fromkeys(parts.rejected, 0.0)}  # refused: on the wire, unknown now
+        caps = capabilities_of(parts.counters, seen, info)
+        if "offload_buffer_bytes" in parts.rejected:
+            caps |= {OFFLOAD_BUFFER}
+        return EngineReading(parts.counters, parts.gauges, info, caps, self.name, parts.by_rank, parts.rejected)
+
+    def facts(self, parts: Parts, process_start: float | None) -> VllmInfo:
+        """The slow-changing facts; may also complete ``parts`` (derived counters, dropped gauges)."""
+        return VllmInfo(model_name=model_name(parts.series), process_start_time_seconds=process_start)

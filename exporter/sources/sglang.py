@@ -1,0 +1,132 @@
+"""SGLang adapter: the scheduler's and tokenizer manager's series (tests/data/sglang/README.md names the source).
+
+Series read (``sglang:`` in SGLang's code, ``sglang_`` in some exports; both accepted), from
+python/sglang/srt/observability/metrics_collector.py (SchedulerMetricsCollector, TokenizerMetricsCollector,
+RadixCacheMetricsCollector):
+
+- KV usage: ``token_usage`` (used / ``max_total_num_tokens`` of the device pool, 0..1);
+- preemption: ``num_retracted_requests_total`` (SGLang "retracts" a running request when the KV pool runs
+  out: what vLLM calls a preemption);
+- token sources: ``realtime_tokens_total{mode=prefill_compute|prefill_cache|decode}`` (earlier releases:
+  ``prompt_tokens_total`` minus ``cached_tokens_total``); cached tokens by tier:
+  ``cached_tokens_total{cache_source=device|host|storage_<backend>}`` (``storage_file`` is the local disk,
+  any other storage backend -- mooncake, hf3fs, nixl ... -- counts as external);
+- offload traffic in tokens: ``evicted_tokens_total`` (device -> host) and ``load_back_tokens_total``
+  (host -> device) of the hierarchical cache (HiCache);
+- buffer size and occupancy: ``hicache_host_total_tokens`` (the host pool in tokens: with the offload rate in
+  tokens it gives the residency) and ``hicache_host_used_tokens / hicache_host_total_tokens`` (published with
+  HiCache only);
+- liveness: ``cuda_graph_passes_total{mode}`` counts every decode forward pass (each mode), so its sum is the
+  engine's step counter while it decodes;
+- requests: ``num_running_reqs``, ``num_queue_reqs``.
+
+SGLang has no FLOP estimate, no offload bytes and no failed-store counter: those figures are absent.
+Tensor- and pipeline-parallel ranks report the same scheduler figures (labels ``tp_rank``, ``pp_rank``):
+rank 0's are taken; ``dp_rank`` (data-parallel attention) is the rank the store tracks.
+"""
+
+from __future__ import annotations
+
+from exporter.samples import VllmInfo
+from exporter.sources.vllm import MAX_VALUE
+from exporter.sources.families import EngineSpec, Parts, Pick, SpecAdapter, model_name, rank_sums
+
+STORAGE = "storage_"
+SPEC = EngineSpec(
+    prefixes=("sglang:", "sglang_"),
+    counters={
+        "generation_tokens": (Pick("generation_tokens"),),
+        "prompt_tokens": (Pick("prompt_tokens"),),
+        "preemptions": (Pick("num_retracted_requests"),),
+        "prompt_local_compute": (Pick("realtime_tokens", (("mode", "prefill_compute"),)),),
+        "prompt_local_cache_hit": (Pick("realtime_tokens", (("mode", "prefill_cache"),)),),
+        "prompt_cached_device": (Pick("cached_tokens", (("cache_source", "device"),)),),
+        "prompt_cached_host": (Pick("cached_tokens", (("cache_source", "host"),)),),
+        "prompt_cached_disk": (Pick("cached_tokens", (("cache_source", "storage_file"),)),),
+        "offload_store_tokens": (Pick("evicted_tokens"),),
+        "offload_load_tokens": (Pick("load_back_tokens"),),
+        "engine_steps": (Pick("cuda_graph_passes"),),
+    },
+    gauges={
+        "running": (Pick("num_running_reqs"),),
+        "waiting": (Pick("num_queue_reqs"),),
+    },
+    fractions={"kv_usage": Pick("token_usage")},
+    info=("hicache_host_used_tokens", "hicache_host_total_tokens", "cache_config_info", "max_total_num_tokens"),
+    rank_label="dp_rank",
+    replica_labels=("tp_rank", "pp_rank"),
+)
+
+
+class SglangAdapter(SpecAdapter):
+    name = "sglang"
+    spec = SPEC
+    detect_prefixes = SPEC.prefixes
+
+    def facts(self, parts: Parts, process_start: float | None) -> VllmInfo:
+        self._external_storage(parts)
+        self._shares_from_cached_tokens(parts)
+        self._occupancy(parts)
+        hicache = "hicache_host_total_tokens" in parts.series or \
+            any(k in parts.counters for k in ("offload_store_tokens", "offload_load_tokens"))
+        scheduler = "kv_usage" in parts.gauges or "max_total_num_tokens" in parts.series
+        enabled = True if hicache else (False if scheduler else None)  # HiCache series exist only with HiCache
+        page_size, pages = _cache_config(parts.series.get("cache_config_info", {}))
+        return VllmInfo(model_name=model_name(parts.series), offload_enabled=enabled,
+                        offload_backend="hicache" if enabled else ("none" if enabled is False else ""),
+                        num_gpu_blocks=pages, block_size=page_size,
+                        has_token_sources="prompt_local_compute" in parts.counters,
+                        process_start_time_seconds=process_start)
+
+    def _external_storage(self, parts: Parts) -> None:
+        """Cached tokens from a storage backend other than the local file one: the external tier."""
+        pick = Pick("cached_tokens", label_prefix=("cache_source", STORAGE))
+        sums = rank_sums(parts.series, (pick,), self.spec, "prompt_cached_external", parts.rejected)
+        if sums is None:
+            return
+        disk = parts.counters.get("prompt_cached_disk", 0.0)
+        parts.counters["prompt_cached_external"] = sum(sums.values()) - disk
+        for rank, v in sums.items():
+            counters = parts.by_rank.setdefault(rank, {})
+            counters["prompt_cached_external"] = v - counters.get("prompt_cached_disk", 0.0)
+
+    def _shares_from_cached_tokens(self, parts: Parts) -> None:
+        """Releases before ``realtime_tokens_total``: cached = every ``cached_tokens_total`` source (``total``
+        where SGLang had no detail), computed = prompt - cached (both counted per finished request)."""
+        if "prompt_local_compute" in parts.counters or "prompt_local_cache_hit" in parts.counters:
+            return
+        sums = rank_sums(parts.series, (Pick("cached_tokens"),), self.spec, "prompt_local_cache_hit", parts.rejected)
+        if sums is None or "prompt_tokens" not in parts.counters:
+            return
+        cached = sum(sums.values())
+        if cached <= parts.counters["prompt_tokens"]:
+            parts.counters["prompt_local_cache_hit"] = cached
+            parts.counters["prompt_local_compute"] = parts.counters["prompt_tokens"] - cached
+            for key in ("prompt_local_cache_hit", "prompt_local_compute"):
+                parts.by_rank.setdefault("", {})[key] = parts.counters[key]
+
+    def _occupancy(self, parts: Parts) -> None:
+        """Host pool used / total, summed over data-parallel ranks (tensor-parallel rank 0's pool)."""
+        used = rank_sums(parts.series, (Pick("hicache_host_used_tokens"),), self.spec, "offload_buffer_used_ratio",
+                         parts.rejected)
+        total = rank_sums(parts.series, (Pick("hicache_host_total_tokens"),), self.spec, "offload_buffer_used_ratio",
+                          parts.rejected)
+        if used is None or total is None:
+            return
+        u, c = sum(used.values()), sum(total.values())
+        if 0 < c and u <= c:
+            parts.gauges["offload_buffer_used_ratio"] = u / c
+            parts.gauges["offload_buffer_tokens"] = c
+
+
+def _cache_config(samples: dict) -> tuple[float | None, float | None]:
+    """(page size in tokens, pages in the device pool) from sglang:cache_config_info{page_size, num_pages}."""
+    for labels in samples:
+        lab = dict(labels)
+        try:
+            page, pages = float(lab.get("page_size", "")), float(lab.get("num_pages", ""))
+        except ValueError:
+            continue
+        if 0 < page <= MAX_VALUE and 0 <= pages <= MAX_VALUE:
+            return page, pages
+    return None, None
