@@ -115,6 +115,12 @@ class Config:
     interval_seconds: float = 1.0
     windows_seconds: tuple[float, ...] = (60.0, 300.0)
     kv_pressure_threshold_ratio: float = 0.90
+    # regime threshold: "located" (from the server's own history once there is evidence, methods.md s10; the
+    # configured one until then) or "configured" (always kv_pressure_threshold)
+    kv_pressure_threshold_source: str = "located"
+    threshold_window_seconds: float = 60.0  # one evidence point per completed window of this grid
+    threshold_history_seconds: float = 6 * 3600.0  # evidence kept (in windows: history / window)
+    threshold_min_windows: int = 6  # evidence windows a located threshold needs (methods.md s10)
     preemption_onset_per_minute: float = 0.5
     http_timeout_seconds: float = 2.0
     max_body_bytes: int = 8 * 1024 * 1024
@@ -169,6 +175,15 @@ def _int_pos(value: Any, key: str) -> int:
 def _bool(value: Any, key: str) -> bool:
     if not isinstance(value, bool):
         raise ConfigError(f"{key}: expected true or false, got {shown(value)}")
+    return value
+
+
+THRESHOLD_SOURCES = ("located", "configured")
+
+
+def _choice(value: Any, key: str, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise ConfigError(f"{key}: expected one of {', '.join(choices)}, got {shown(value)}")
     return value
 
 
@@ -253,6 +268,10 @@ KEYS: dict[str, tuple[str, Any]] = {
     "interval": ("interval_seconds", lambda v, k: _checked_interval(parse_duration(v, k), k)),
     "windows": ("windows_seconds", _windows),
     "kv_pressure_threshold": ("kv_pressure_threshold_ratio", _float_range(0.0, 1.0, lo_open=True)),
+    "kv_pressure_threshold_source": ("kv_pressure_threshold_source", lambda v, k: _choice(v, k, THRESHOLD_SOURCES)),
+    "threshold_window": ("threshold_window_seconds", parse_duration),
+    "threshold_history": ("threshold_history_seconds", parse_duration),
+    "threshold_min_windows": ("threshold_min_windows", _int_pos),
     "preemption_onset_per_minute": ("preemption_onset_per_minute", _float_range(0.0, lo_open=True)),
     "http_timeout": ("http_timeout_seconds", parse_duration),
     "max_body_bytes": ("max_body_bytes", _int_pos),

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from exporter.derive.collapse import CollapseResult
 from exporter.derive.energy import EnergyPerToken
+from exporter.derive.threshold import LocatedThreshold
 from exporter.energy.baseline import Baseline
 from exporter.samples import DeviceReading, SourceStatus, VllmInfo
 
@@ -62,6 +63,9 @@ class WindowFigures:
     offload_buffer_residency_seconds: float | None = None
     cached_to_prefill_ratio: float | None = None
     savings: tuple[SavingFigure, ...] = ()
+    # the p95's order-statistic interval (methods.md s10); above_threshold flips only outside it
+    kv_usage_p95_low: float | None = None
+    kv_usage_p95_high: float | None = None
 
 
 @dataclass(frozen=True)
@@ -104,6 +108,13 @@ class ServerFigures:
     recommendations: tuple[str, ...] = ()
     engine: str = "vllm"
     capabilities: frozenset[str] = frozenset()
+    # the threshold located from the server's own history (methods.md s10) and the one the regime flag uses
+    located: LocatedThreshold | None = None
+    threshold_in_use: float | None = None
+    threshold_source: str = "configured"  # located | configured
+    evidence_windows: int = 0  # evidence windows held (clean, pressured or unknown)
+    reference_windows: int = 0  # windows the learned reference share rests on
+    reference_spread: float | None = None  # their standard deviation: the noise of one window's tax
 
     @property
     def regime(self) -> str:

@@ -11,7 +11,9 @@ duration_seconds). Three servers:
   ticks, then its six captures one per tick. No GPU (a CPU engine).
 - ``on``: a simulated offloading vLLM 0.33 (tests/support/vllm_sim undersized_buffer_on: no offloading fixture
   of a real engine exists), paired with ``off`` and with model + hardware parameters configured.
-- ``off``: its simulated OFF twin (high_pressure_off), with a configured reference share (potential dE).
+- ``off``: its simulated OFF twin, with a configured reference share (potential dE): low pressure
+  (low_pressure_off) for its first 45 s, then high pressure (high_pressure_off), so that the threshold located
+  from its 10 s evidence windows (methods.md s10) has clean windows below and pressured ones above.
 
 Energy: DeviceReadings built here with read_at = t: one GPU per simulated server (the paired dE needs GPU
 J/token on both sides; the joules are the simulation's own), one RAPL package zone at a constant 80 W. GPU
@@ -28,6 +30,7 @@ import json
 import os
 import shutil
 import subprocess
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -68,6 +71,7 @@ def config_mapping(tmp_path, urls: dict[str, str] | None = None) -> dict:
             {"name": "off", "url": urls["off"], "gpus": ["GPU-off"], "reference_local_compute_share": 0.039},
         ],
         "windows": ["30s", "1m"], "min_load_duration": "5s", "collapse_reference_window": "30s",
+        "threshold_window": "10s",
         "idle_power_watts": {"GPU-on": GPU_IDLE_WATTS, "GPU-off": GPU_IDLE_WATTS},
         "state_dir": str(tmp_path / "state"), "powercap_root": str(tmp_path / "no-powercap"), "nvml": False,
     }
@@ -84,12 +88,18 @@ def write_measured_host_baseline(state_dir: str) -> None:
         [IdleEstimate(HOST_DEVICE, 40.0, 60.0, 45.0)], "measured")
 
 
+def ramping_off() -> sim.Scenario:
+    """high_pressure_off preceded by 45 s of low_pressure_off's phase (the same seed and engine)."""
+    low, high = sim.low_pressure_off().timeline[0], sim.high_pressure_off()
+    return replace(high, name="ramping_off", timeline=(replace(low, duration_seconds=45.0), *high.timeline))
+
+
 class Inputs:
     """What the world looks like at each tick t = 1, 2, ...: each server's /metrics text (None: unreachable),
     each GPU's cumulative energy (J) and power (W), the host zone's cumulative energy (J)."""
 
     def __init__(self):
-        self.sims = {"on": sim.SimEngine(sim.undersized_buffer_on()), "off": sim.SimEngine(sim.high_pressure_off())}
+        self.sims = {"on": sim.SimEngine(sim.undersized_buffer_on()), "off": sim.SimEngine(ramping_off())}
 
     def step(self, t: int) -> tuple[dict[str, str | None], dict[str, tuple[float, float]], float]:
         texts: dict[str, str | None] = {"cpu": None if t < CPU_FROM else LOW[t - CPU_FROM].read_text()}

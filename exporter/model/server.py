@@ -1,5 +1,5 @@
-"""One watched server at tick time: its history and windows, its learners (low-pressure reference share,
-collapse latch), and the typed figures derived from them once per tick."""
+"""One watched server at tick time: its history and windows, its learners (located threshold and low-pressure
+reference share: model/pressure.py; collapse latch), and the typed figures derived from them once per tick."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from exporter.derive import energy as derive_energy
 from exporter.derive.window import WindowAggregate, covered_seconds
 from exporter.figures import EnergyFigure, ServerFigures, WindowFigures
 from exporter.model import offload as offload_figures
+from exporter.model import pressure as pressure_model
 from exporter.samples import EngineReading, SourceStatus, VllmInfo
 from exporter.store import ServerHistory
 
@@ -25,8 +26,15 @@ class ServerModel:
         keep = keep_seconds if keep_seconds is not None else \
             max(max(cfg.windows_seconds), cfg.collapse_reference_seconds + self.collapse_th.recent_seconds) + 60
         self.history = ServerHistory(keep, windows=tuple(cfg.windows_seconds),
-                                     grids=(self.repeat_seconds, self.collapse_th.recent_seconds), name=server.name)
-        self.reference = recompute.ReferenceShare(server.reference_local_compute_share)
+                                     grids=(self.repeat_seconds, self.collapse_th.recent_seconds,
+                                            cfg.threshold_window_seconds), name=server.name)
+        self.reference = pressure_model.LowPressureReference(server.reference_local_compute_share)
+        self.pressure = pressure_model.ThresholdLearner(
+            cfg.threshold_window_seconds, max(int(cfg.threshold_history_seconds // cfg.threshold_window_seconds), 1),
+            cfg.threshold_min_windows, cfg.preemption_onset_per_minute, cfg.kv_pressure_threshold_ratio,
+            cfg.kv_pressure_threshold_source == "located", self.reference)
+        self._p95: dict[float, pressure_model.P95] = {}  # per window length, as of the last learn()
+        self._regime: dict[float, bool | None] = {}  # per window length: hysteresis state (methods.md s10)
         self.offload = offload_figures.setup(server)
         self.status = SourceStatus("vllm", server.name, False, "not_read_yet", 0.0, "down")
         self.info: VllmInfo | None = None
@@ -45,14 +53,15 @@ class ServerModel:
             self.info, self.engine, self.capabilities = reading.info, reading.engine, reading.capabilities
             self.history.add_reading(t, reading)
 
-    def learn(self, now: float) -> None:
+    def learn(self, now: float, wall: float | None = None) -> None:
         """Once per tick, after every read: slide the windows, then feed the learners (all O(1) in window
-        length: they read running aggregates)."""
+        length: they read running aggregates and the buckets completed since the last tick)."""
         self.history.advance(now)
-        longest = max(self.cfg.windows_seconds)
-        agg = self.history.aggregate(longest)
-        self.reference.observe(now, longest, agg.covered_seconds, pressure.kv_usage_quantile(agg, 0.95),
-                               self.cfg.kv_pressure_threshold_ratio, recompute.token_counts(agg))
+        pl = self.pressure
+        pl.observe(self.history.buckets(pl.width, pl.last_t1, now), wall)
+        for seconds in self.cfg.windows_seconds:
+            p = self._p95[seconds] = pressure_model.p95_of(self.history.aggregate(seconds))
+            self._regime[seconds] = pressure_model.regime(p, pl.threshold, self._regime.get(seconds))
         self.collapse = self._collapse(now)
 
     def _collapse(self, now: float) -> collapse.CollapseResult:
@@ -89,6 +98,7 @@ class ServerModel:
         if agg.n == 0:
             return WindowFigures(format_window(seconds), seconds, covered)
         p95 = pressure.kv_usage_quantile(agg, 0.95)
+        p95_interval = self._p95.get(seconds) or pressure_model.p95_of(agg)
         per_second = pressure.rate_per_second(agg, "preemptions")
         per_minute = None if per_second is None else per_second * 60.0
         shares = recompute.token_shares(recompute.token_counts(agg))
@@ -97,7 +107,7 @@ class ServerModel:
         buffer_bytes = self.info.offload_buffer_bytes if self.info else None
         return WindowFigures(
             format_window(seconds), seconds, covered, p95, pressure.kv_usage_quantile(agg, 1.0),
-            pressure.above_threshold(p95, cfg.kv_pressure_threshold_ratio), per_minute,
+            self._regime.get(seconds), per_minute,
             pressure.preemption_onset(per_minute, covered, seconds, cfg.preemption_onset_per_minute),
             pressure.rate_per_second(agg, "generation_tokens"), shares,
             recompute.recompute_tax(shares["local_compute"] if shares else None, self.reference.value),
@@ -105,7 +115,7 @@ class ServerModel:
             derive_energy.prompt_attribution(agg, cfg.min_load_seconds, cfg.load_to_compute_cost_ratio),
             rates.write_bytes_per_second, rates.read_bytes_per_second,
             offload.residency(buffer_bytes, rates.write_bytes_per_second), kappa.observed(agg),
-            self._savings(agg, now, seconds, peers))
+            self._savings(agg, now, seconds, peers), p95_interval.low, p95_interval.high)
 
     def _energy(self, agg: WindowAggregate) -> tuple[EnergyFigure, ...]:
         out = []
@@ -141,4 +151,6 @@ class ServerModel:
             self.name, redacted_url(self.server.url), self.status, self.info,
             self.cfg.kv_pressure_threshold_ratio, self.reference.value, self.reference.kind, windows, self.collapse,
             buf, self.offload.kappa,
-            offload_figures.recommendations(sig, buf, self.cfg), self.engine, self.capabilities)
+            offload_figures.recommendations(sig, buf, self.cfg), self.engine, self.capabilities,
+            self.pressure.located, self.pressure.threshold, self.pressure.source, len(self.pressure.points),
+            self.reference.windows, self.reference.spread)
