@@ -468,6 +468,13 @@ def parse_server_flag(text: str, key: str = "--server") -> ServerConfig:
     return _server({"name": name, "url": url}, f"{key} {name}")
 
 
+def keep_settings(configured: tuple[ServerConfig, ...], given: tuple[ServerConfig, ...]) -> tuple[ServerConfig, ...]:
+    """Servers given as NAME=URL (--server, KVWATT_SERVERS) keep the per-server settings (gpus, reference
+    share, model, pairing ...) the configuration file has for the same NAME; only the URL is replaced."""
+    by_name = {s.name: s for s in configured}
+    return tuple(replace(by_name[s.name], url=s.url) if s.name in by_name else s for s in given)
+
+
 def apply_environment(cfg: Config, env: dict[str, str] | None = None) -> Config:
     """KVWATT_LISTEN, KVWATT_INTERVAL, KVWATT_SERVERS ("a=URL,b=URL"), KVWATT_STATE_DIR, KVWATT_POWERCAP_ROOT."""
     env = os.environ if env is None else env
@@ -478,9 +485,9 @@ def apply_environment(cfg: Config, env: dict[str, str] | None = None) -> Config:
         kw["interval_seconds"] = _checked_interval(parse_duration(env["KVWATT_INTERVAL"], "KVWATT_INTERVAL"),
                                                    "KVWATT_INTERVAL")
     if env.get("KVWATT_SERVERS"):
-        kw["servers"] = _servers([{"name": n, "url": u} for n, u in
-                                  (p.partition("=")[::2] for p in env["KVWATT_SERVERS"].split(","))],
-                                 "KVWATT_SERVERS")
+        kw["servers"] = keep_settings(cfg.servers, _servers(
+            [{"name": n, "url": u} for n, u in (p.partition("=")[::2] for p in env["KVWATT_SERVERS"].split(","))],
+            "KVWATT_SERVERS"))
     if env.get("KVWATT_STATE_DIR"):
         kw["state_dir"] = env["KVWATT_STATE_DIR"]
     if env.get("KVWATT_POWERCAP_ROOT"):
@@ -494,15 +501,12 @@ def resolve(config_path: str | None, servers: list[str] | None = None, listen: s
     env = os.environ if env is None else env
     path = config_path or env.get("KVWATT_CONFIG")
     cfg = load_file(path) if path else Config()
+    from_file = cfg.servers
     cfg = apply_environment(cfg, env)
     kw: dict[str, Any] = {k: v for k, v in overrides.items() if v is not None}
     if servers:
-        kw["servers"] = _servers([{"name": s.name, "url": s.url} for s in map(parse_server_flag, servers)],
-                                 "--server")
-        # keep per-server settings from the file for servers named the same
-        by_name = {s.name: s for s in cfg.servers}
-        kw["servers"] = tuple(replace(by_name[s.name], url=s.url) if s.name in by_name else s
-                              for s in kw["servers"])
+        kw["servers"] = keep_settings(from_file, _servers(
+            [{"name": s.name, "url": s.url} for s in map(parse_server_flag, servers)], "--server"))
     if listen:
         kw["listen"] = parse_listen(listen, "--listen")
     if interval:
