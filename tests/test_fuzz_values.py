@@ -37,7 +37,10 @@ WALL = 1.75e9
 
 # every family, by what its values may be (a new family must be placed here: the fuzz then covers it)
 UNIT = {"kvwatt_kv_cache_usage_p95_ratio", "kvwatt_kv_cache_usage_max_ratio", "kvwatt_prompt_token_share_ratio",
-        "kvwatt_recompute_reference_share_ratio", "kvwatt_kv_pressure_threshold_ratio"}
+        "kvwatt_recompute_reference_share_ratio", "kvwatt_kv_pressure_threshold_ratio",
+        "kvwatt_kv_cache_usage_p95_lower_ratio", "kvwatt_kv_cache_usage_p95_upper_ratio",
+        "kvwatt_kv_pressure_threshold_located_ratio", "kvwatt_kv_pressure_threshold_located_low_ratio",
+        "kvwatt_kv_pressure_threshold_located_high_ratio", "kvwatt_kv_pressure_threshold_in_use_ratio"}
 BOOLEAN = {"kvwatt_source_up", "kvwatt_kv_pressure_above_threshold", "kvwatt_preemption_onset",
            "kvwatt_offload_enabled", "kvwatt_offload_buffer_undersized", "kvwatt_collapse_signature",
            "kvwatt_collapse_condition"}
@@ -51,7 +54,8 @@ NON_NEGATIVE = {"kvwatt_sample_duration_seconds", "kvwatt_window_covered_seconds
                 "kvwatt_offload_read_bytes_per_second", "kvwatt_offload_buffer_residency_seconds",
                 "kvwatt_offload_recommended_buffer_bytes", "kvwatt_comparison_windows",
                 "kvwatt_cached_to_prefill_ratio", "kvwatt_critical_cached_to_prefill_ratio",
-                "kvwatt_recompute_breakeven_tokens", "kvwatt_prompt_energy_per_token_joules"}
+                "kvwatt_recompute_breakeven_tokens", "kvwatt_prompt_energy_per_token_joules",
+                "kvwatt_kv_pressure_threshold_located_windows", "kvwatt_recompute_reference_windows"}
 # differences and stale-baseline figures: any finite sign (marginal J/token < 0 when P_idle is stale)
 SIGNED = {"kvwatt_marginal_energy_per_token_joules", "kvwatt_recompute_tax_ratio", "kvwatt_energy_saving_ratio",
           "kvwatt_energy_saving_stderr_ratio", "kvwatt_throughput_gain_ratio",
