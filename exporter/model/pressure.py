@@ -29,6 +29,7 @@ from exporter.derive.window import WindowAggregate
 REFERENCE_MARGIN = 0.05     # a learning window's p95 upper bound stays this far under the threshold in force
 MIN_PROMPT_TOKENS = 100.0   # fewer prompt tokens in a window: its share is not worth a point or a sample
 MIN_COVERED = 0.8           # a bucket less covered than this is not a window of evidence
+MAX_EVIDENCE_WINDOWS = 10_000  # bounds memory and the sort in locate whatever history / window asks
 
 
 @dataclass(frozen=True)
@@ -126,7 +127,7 @@ class ThresholdLearner:
     def __init__(self, width_seconds: float, keep_windows: int, min_windows: int, onset_per_minute: float,
                  configured_threshold: float, use_located: bool, reference: LowPressureReference) -> None:
         self.width = width_seconds
-        self.points: deque[PressurePoint] = deque(maxlen=keep_windows)
+        self.points: deque[PressurePoint] = deque(maxlen=min(keep_windows, MAX_EVIDENCE_WINDOWS))
         self.min_windows = min_windows
         self.onset = onset_per_minute
         self.configured = configured_threshold
