@@ -36,12 +36,13 @@ class Engine:
                prompt_per_second: float = 1000.0) -> EngineReading:
         self.c["prompt_local_compute"] += prompt_per_second * share
         self.c["prompt_local_cache_hit"] += prompt_per_second * (1 - share)
-        self.c["generation_tokens"] += 100.0
+        self.c["generation_tokens"] += 100.0 if prompt_per_second else 0.0
         self.carry += preemptions_per_minute / 60.0
         whole = int(self.carry)
         self.c["preemptions"] += whole
         self.carry -= whole
-        return EngineReading(dict(self.c), {"kv_usage": kv, "running": 4.0, "waiting": 0.0}, VllmInfo(),
+        running = 4.0 if prompt_per_second else 0.0
+        return EngineReading(dict(self.c), {"kv_usage": kv, "running": running, "waiting": 0.0}, VllmInfo(),
                              frozenset({"token_sources"}))
 
 
@@ -56,11 +57,12 @@ class Run:
     def __init__(self, m: Model, engine: Engine | None = None):
         self.m, self.engine, self.t = m, engine or Engine(), 0.0
 
-    def seconds(self, n: int, kv, share: float, preemptions_per_minute: float = 0.0, each=None) -> None:
+    def seconds(self, n: int, kv, share: float, preemptions_per_minute: float = 0.0, each=None,
+                prompt_per_second: float = 1000.0) -> None:
         for _ in range(n):
             self.t += 1.0
             level = kv() if callable(kv) else kv
-            reading = self.engine.second(level, share, preemptions_per_minute)
+            reading = self.engine.second(level, share, preemptions_per_minute, prompt_per_second)
             self.m.ingest(Tick(self.t, {"s": ServerRead("s", SourceStatus("vllm", "s", True), reading)}, (), ()))
             if each:
                 each(self.fig())
@@ -117,6 +119,16 @@ def test_threshold_located_from_the_servers_own_windows_and_used_by_the_regime(t
     assert f.threshold_source == "located" and f.threshold_in_use == loc.ratio
     assert f.windows[0].above_threshold is True  # p95 ~0.82 < the configured 0.90, above the located one
     assert f.reference_share == pytest.approx(0.30)  # preempting windows never taught it
+
+
+def test_idle_and_half_seen_windows_are_no_evidence(tmp_path):
+    run = Run(model(tmp_path))
+    run.seconds(10 * 60, 0.0, 0.0, prompt_per_second=0.0)  # an idle server: no pressure either way
+    assert run.fig().evidence_windows == 0 and run.fig().reference_share is None
+    run.seconds(3 * 60, 0.40, 0.30)
+    run.seconds(3 * 60, 0.80, 0.30, preemptions_per_minute=3.0)
+    f = run.fig()
+    assert f.evidence_windows == 6 and f.located.ratio == pytest.approx(0.60, abs=0.01)
 
 
 def test_configured_source_keeps_the_regime_on_the_configured_threshold(tmp_path):

@@ -2,7 +2,7 @@
 low-pressure reference share, and the regime flag with hysteresis on the p95's interval.
 
 Every completed bucket of a fixed grid (``threshold_window``, 1 minute by default: the shared monotonic clock's
-``k * W``, as the repeat windows) becomes one ``PressurePoint`` (its KV p95 with the order-statistic interval,
+``k * W``, as the repeat windows), at least 80 % covered and at least half loaded, becomes one ``PressurePoint`` (its KV p95 with the order-statistic interval,
 preemptions per minute, the tax against the reference in force and the reference's spread as its noise). The
 last ``threshold_history`` of them are kept; ``derive.threshold.locate`` runs when a point is added (not every
 tick: the points only change then).
@@ -160,8 +160,8 @@ class ThresholdLearner:
         return added
 
     def _bucket(self, agg: WindowAggregate, t1: float, wall: float | None) -> bool:
-        if agg.covered_seconds < MIN_COVERED * self.width:
-            return False
+        if agg.covered_seconds < MIN_COVERED * self.width or agg.loaded_seconds < 0.5 * agg.covered_seconds:
+            return False  # too little of the window seen, or mostly idle: no evidence of pressure either way
         p = p95_of(agg)
         if p.value is None:
             return False
