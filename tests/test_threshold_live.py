@@ -105,7 +105,8 @@ def test_a_noisy_series_near_the_threshold_does_not_flip(tmp_path):
     assert run.fig().windows[0].above_threshold is True
 
 
-def test_threshold_located_from_the_servers_own_windows_and_used_by_the_regime(tmp_path):
+def test_threshold_located_from_the_servers_own_windows_and_used_by_the_regime(tmp_path, caplog):
+    caplog.set_level("INFO", logger="kvwatt.pressure")
     run = Run(model(tmp_path))
     run.seconds(5 * 60, lambda: 0.40 + 0.02 * run.engine.rng.random(), 0.30)
     f = run.fig()
@@ -119,6 +120,8 @@ def test_threshold_located_from_the_servers_own_windows_and_used_by_the_regime(t
     assert f.threshold_source == "located" and f.threshold_in_use == loc.ratio
     assert f.windows[0].above_threshold is True  # p95 ~0.82 < the configured 0.90, above the located one
     assert f.reference_share == pytest.approx(0.30)  # preempting windows never taught it
+    lines = [r.getMessage() for r in caplog.records if r.name == "kvwatt.pressure"]
+    assert len(lines) == 1 and lines[0].startswith("s: KV-pressure threshold located at p95 0.")  # once, not per window
 
 
 def test_idle_and_half_seen_windows_are_no_evidence(tmp_path):

@@ -16,6 +16,7 @@ threshold) never enter it.
 
 from __future__ import annotations
 
+import logging
 import math
 import statistics
 from collections import deque
@@ -25,6 +26,8 @@ from typing import Iterable
 from exporter.derive import pressure, recompute
 from exporter.derive.threshold import LocatedThreshold, PressurePoint, locate, quantile_bounds, taxed
 from exporter.derive.window import WindowAggregate
+
+log = logging.getLogger("kvwatt.pressure")
 
 REFERENCE_MARGIN = 0.05     # a learning window's p95 upper bound stays this far under the threshold in force
 MIN_PROMPT_TOKENS = 100.0   # fewer prompt tokens in a window: its share is not worth a point or a sample
@@ -125,7 +128,9 @@ class ThresholdLearner:
     """The points of one server, its located threshold, and the reference share learned alongside."""
 
     def __init__(self, width_seconds: float, keep_windows: int, min_windows: int, onset_per_minute: float,
-                 configured_threshold: float, use_located: bool, reference: LowPressureReference) -> None:
+                 configured_threshold: float, use_located: bool, reference: LowPressureReference,
+                 name: str = "") -> None:
+        self.name = name  # the server's, for the log
         self.width = width_seconds
         self.points: deque[PressurePoint] = deque(maxlen=min(keep_windows, MAX_EVIDENCE_WINDOWS))
         self.min_windows = min_windows
@@ -155,9 +160,24 @@ class ThresholdLearner:
             self.last_t1 = b.t1
             added |= self._bucket(b.agg, b.t1, wall)
         if added:
+            before = self.located
             self.located = locate(self.points, self.min_windows, min_side=2.0, onset_per_minute=self.onset)
             self.reference.threshold = self.threshold
+            self._log_change(before)
         return added
+
+    def _log_change(self, before: LocatedThreshold | None) -> None:
+        """One line when a threshold is first located, lost, or its method changes (not as it moves)."""
+        now = self.located
+        if (before is None) == (now is None) and (now is None or now.method == before.method):
+            return
+        if now is None:
+            log.info("%s: located KV-pressure threshold lost (evidence aged out); regime on %.3f (%s)", self.name,
+                     self.threshold, self.source)
+        else:
+            log.info("%s: KV-pressure threshold located at p95 %.3f [%.3f, %.3f] (%s, %d windows); regime on "
+                     "%.3f (%s)", self.name, now.ratio, now.low, now.high, now.method, now.points, self.threshold,
+                     self.source)
 
     def _bucket(self, agg: WindowAggregate, t1: float, wall: float | None) -> bool:
         if agg.covered_seconds < MIN_COVERED * self.width or agg.loaded_seconds < 0.5 * agg.covered_seconds:

@@ -32,7 +32,7 @@ class ServerModel:
         self.pressure = pressure_model.ThresholdLearner(
             cfg.threshold_window_seconds, max(int(cfg.threshold_history_seconds // cfg.threshold_window_seconds), 1),
             cfg.threshold_min_windows, cfg.preemption_onset_per_minute, cfg.kv_pressure_threshold_ratio,
-            cfg.kv_pressure_threshold_source == "located", self.reference)
+            cfg.kv_pressure_threshold_source == "located", self.reference, server.name)
         self._p95: dict[float, pressure_model.P95] = {}  # per window length, as of the last learn()
         self._regime: dict[float, bool | None] = {}  # per window length: hysteresis state (methods.md s10)
         self.offload = offload_figures.setup(server)
