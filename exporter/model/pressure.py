@@ -2,7 +2,8 @@
 low-pressure reference share, and the regime flag with hysteresis on the p95's interval.
 
 Every completed bucket of a fixed grid (``threshold_window``, 1 minute by default: the shared monotonic clock's
-``k * W``, as the repeat windows), at least 80 % covered and at least half loaded, becomes one ``PressurePoint`` (its KV p95 with the order-statistic interval,
+``k * W``, as the repeat windows), at least 80 % covered and serving >= 100 prompt tokens (or preempting),
+becomes one ``PressurePoint`` (its KV p95 with the order-statistic interval,
 preemptions per minute, the tax against the reference in force and the reference's spread as its noise). The
 last ``threshold_history`` of them are kept; ``derive.threshold.locate`` runs when a point is added (not every
 tick: the points only change then).
@@ -180,15 +181,15 @@ class ThresholdLearner:
                      self.source)
 
     def _bucket(self, agg: WindowAggregate, t1: float, wall: float | None) -> bool:
-        if agg.covered_seconds < MIN_COVERED * self.width or agg.loaded_seconds < 0.5 * agg.covered_seconds:
-            return False  # too little of the window seen, or mostly idle: no evidence of pressure either way
-        p = p95_of(agg)
-        if p.value is None:
+        if agg.covered_seconds < MIN_COVERED * self.width:
             return False
+        p = p95_of(agg)
         per_second = pressure.rate_per_second(agg, "preemptions")
         counts = recompute.token_counts(agg)
         shares = recompute.token_shares(counts) if counts and sum(counts.values()) >= MIN_PROMPT_TOKENS else None
         share = shares["local_compute"] if shares else None
+        if p.value is None or (share is None and not per_second):
+            return False  # a window that served (almost) nothing shows no pressure either way
         point = PressurePoint(p.value, None if per_second is None else per_second * 60.0,
                               recompute.recompute_tax(share, self.reference.value), self.reference.spread,
                               1.0, p.low, p.high, t1)
