@@ -183,7 +183,7 @@ def test_bad_reference_file_and_failed_write_are_state_dir_reasons(tmp_path):
     state = tmp_path / "state"
     state.mkdir()
     (state / STATE_FILE).write_text(json.dumps({"version": 1, "servers": {
-        "s": [{"share": 0.4, "p95_high": 0.3, "at": WALL - 60}, {"share": 7, "p95_high": 0.3, "at": WALL}]}}))
+        "s": [{"share": 0.4, "p95": 0.3, "at": WALL - 60}, {"share": 7, "p95": 0.3, "at": WALL}]}}))
     m = model(tmp_path, ReferenceBook(str(state), lambda: WALL))
     assert m.servers["s"].reference.value == pytest.approx(0.4)  # the good entry is kept
     st = next(s for s in m.snapshot().sources if s.source == "state_dir")

@@ -9,7 +9,7 @@ last ``threshold_history`` of them are kept; ``derive.threshold.locate`` runs wh
 tick: the points only change then).
 
 The same bucket then teaches the reference share (``LowPressureReference``) when it is truly low pressure: no
-preemption at all, no tax evidence against the current reference, and its p95's upper bound at least
+preemption at all, no tax evidence against the current reference, and its p95 at least
 ``REFERENCE_MARGIN`` below the threshold in force. So the reference is there a minute after the first quiet
 minute, and windows of preemption onset (on a real engine: share 0.751 against 0.724, p95 under a 0.90
 threshold) never enter it.
@@ -30,7 +30,7 @@ from exporter.derive.window import WindowAggregate
 
 log = logging.getLogger("kvwatt.pressure")
 
-REFERENCE_MARGIN = 0.05     # a learning window's p95 upper bound stays this far under the threshold in force
+REFERENCE_MARGIN = 0.05     # a learning window's p95 stays this far under the threshold in force
 MIN_PROMPT_TOKENS = 100.0   # fewer prompt tokens in a window: its share is not worth a point or a sample
 MIN_COVERED = 0.8           # a bucket less covered than this is not a window of evidence
 MAX_EVIDENCE_WINDOWS = 10_000  # bounds memory and the sort in locate whatever history / window asks
@@ -39,7 +39,7 @@ MAX_EVIDENCE_WINDOWS = 10_000  # bounds memory and the sort in locate whatever h
 @dataclass(frozen=True)
 class ReferenceSample:
     share: float          # local_compute share of the window
-    p95_high: float       # upper bound of its KV p95
+    p95: float            # its KV p95 (the point estimate: at low load the upper bound is near the max)
     t: float              # monotonic end of the window (this run); persisted ones carry the wall clock instead
     wall: float | None = None
 
@@ -56,7 +56,7 @@ class LowPressureReference:
         self.changed = False       # a sample was added since the owner last persisted
 
     def eligible(self) -> list[ReferenceSample]:
-        return [s for s in self.samples if s.p95_high <= self.threshold - REFERENCE_MARGIN]
+        return [s for s in self.samples if s.p95 <= self.threshold - REFERENCE_MARGIN]
 
     @property
     def value(self) -> float | None:
@@ -79,14 +79,14 @@ class LowPressureReference:
     def kind(self) -> str:
         return "configured" if self.configured is not None else ("learned" if self.eligible() else "none")
 
-    def offer(self, point: PressurePoint, preemptions: float | None, share: float | None, p95_high: float,
+    def offer(self, point: PressurePoint, preemptions: float | None, share: float | None, p95: float,
               t: float, wall: float | None = None) -> bool:
         """Learn the window when it is truly low pressure (module docstring); True when learned."""
         if share is None or (preemptions or 0.0) > 0 or taxed(point):
             return False
-        if p95_high > self.threshold - REFERENCE_MARGIN:
+        if p95 > self.threshold - REFERENCE_MARGIN:
             return False
-        self.samples.append(ReferenceSample(share, p95_high, t, wall))
+        self.samples.append(ReferenceSample(share, p95, t, wall))
         self.changed = True
         return True
 
@@ -194,5 +194,5 @@ class ThresholdLearner:
                               recompute.recompute_tax(share, self.reference.value), self.reference.spread,
                               1.0, p.low, p.high, t1)
         self.points.append(point)
-        self.reference.offer(point, agg.delta("preemptions"), share, p.high, t1, wall)
+        self.reference.offer(point, agg.delta("preemptions"), share, p.value, t1, wall)
         return True

@@ -65,7 +65,7 @@ class ReferenceBook:
             return
         now = self.wall_clock()
         body = {"version": FORMAT_VERSION, "servers": {
-            name: [{"share": s.share, "p95_high": s.p95_high, "at": s.wall if s.wall is not None else now}
+            name: [{"share": s.share, "p95": s.p95, "at": s.wall if s.wall is not None else now}
                    for s in items] for name, items in sorted(samples.items())}}
         try:
             atomic.write_json(self.path, body)
@@ -107,9 +107,9 @@ def parse_file(data: Any, now_wall: float) -> tuple[dict[str, list[ReferenceSamp
 def parse_entry(entry: Any, now_wall: float) -> ReferenceSample:
     if not isinstance(entry, dict):
         raise ValueError("not an entry")
-    missing = [k for k in ("share", "p95_high", "at") if k not in entry]
+    missing = [k for k in ("share", "p95", "at") if k not in entry]
     if missing:
         raise ValueError(f"{', '.join(missing)} missing")
     at = _number(entry["at"], "at", 0.0, now_wall + FUTURE_SLACK_SECONDS)
-    return ReferenceSample(_number(entry["share"], "share", 0.0, 1.0), _number(entry["p95_high"], "p95_high", 0.0, 1.0),
+    return ReferenceSample(_number(entry["share"], "share", 0.0, 1.0), _number(entry["p95"], "p95", 0.0, 1.0),
                            -1.0, at)
