@@ -134,6 +134,19 @@ def test_idle_and_half_seen_windows_are_no_evidence(tmp_path):
     assert f.evidence_windows == 6 and f.located.ratio == pytest.approx(0.60, abs=0.01)
 
 
+def test_reference_survives_a_threshold_located_just_above_bursty_low_load(tmp_path):
+    # the real engine at one session: KV usage is 0 most of each minute with short peaks, so the p95 is ~0 but
+    # its upper bound is near the peak; a threshold located at ~0.25 must not drop those windows
+    run = Run(model(tmp_path))
+    run.seconds(4 * 60, lambda: 0.31 if run.t % 20 == 0 else 0.0, 0.06)
+    f = run.fig()
+    assert f.windows[0].kv_usage_p95_high >= 0.3 and f.reference_share == pytest.approx(0.06)
+    run.seconds(3 * 60, 0.50, 0.40)  # a tax, no preemption
+    f = run.fig()
+    assert f.located.method == "tax_onset" and f.located.ratio == pytest.approx(0.25, abs=0.02)
+    assert f.reference_share == pytest.approx(0.06) and f.windows[0].recompute_tax == pytest.approx(0.34)
+
+
 def test_configured_source_keeps_the_regime_on_the_configured_threshold(tmp_path):
     run = Run(model(tmp_path, kv_pressure_threshold_source="configured"))
     run.seconds(5 * 60, 0.40, 0.30)
