@@ -611,11 +611,13 @@ RECOMPUTE = Row("Recomputation", (
 
 PRESSURE = Row("KV pressure", (
     Panel("KV cache usage vs threshold", "p95 and max of KV usage over the window from kvwatt's 1 s samples, the "
-          "configured regime threshold (dashed), and the scraped vLLM gauge, which misses the peaks.",
+          "regime threshold in use (dashed: located from the server's own history once there is evidence, else "
+          "the configured one; docs/pressure.md), and the scraped vLLM gauge, which misses the peaks.",
           "percentunit",
           (Target(_by("server", kv("kvwatt_kv_cache_usage_p95_ratio")), "{{server}} p95"),
            Target(_by("server", kv("kvwatt_kv_cache_usage_max_ratio")), "{{server}} max"),
-           Target(_by("server", kv("kvwatt_kv_pressure_threshold_ratio")), "{{server}} threshold"),
+           Target(_by("server, source", kv("kvwatt_kv_pressure_threshold_in_use_ratio")),
+                  "{{server}} threshold ({{source}})"),
            Target(f"max by (server) ({vl('vllm:kv_cache_usage_perc')})", "{{server}} scraped (vLLM gauge)")),
           w=8, min=0, max=1, dashed_refids=("C",)),
     Panel("Requests running and waiting (vLLM only)", "vLLM's scheduler gauges summed over its engine cores: "

@@ -169,6 +169,20 @@ def _info_attr(attr: str) -> Fill:
     return per_server(get)
 
 
+def _located(attr: str) -> Fill:
+    """A located threshold's figure, labelled with its method; nothing before there is evidence."""
+    def fill(snap: Snapshot) -> Iterator[Sample]:
+        for s in snap.servers:
+            if s.located is not None:
+                yield (s.name, s.located.method), getattr(s.located, attr)
+    return fill
+
+
+def _threshold_in_use(snap: Snapshot) -> Iterator[Sample]:
+    for s in snap.servers:
+        yield (s.name, s.threshold_source), s.threshold_in_use
+
+
 def _conditions(snap: Snapshot) -> Iterator[Sample]:
     for s in snap.servers:
         if s.collapse is not None:
@@ -277,9 +291,36 @@ METRICS: tuple[MetricDef, ...] = (
     MetricDef("kvwatt_kv_pressure_threshold_ratio", "gauge", ("server",),
               "The configured KV-pressure regime threshold on p95 usage (default 0.90, methods.md s3).",
               "config.resolve", _K, per_server(lambda s: s.threshold)),
+    MetricDef("kvwatt_kv_cache_usage_p95_lower_ratio", "gauge", ("server", "window"),
+              "Lower bound of the ~95 % order-statistic interval of the window's p95 KV usage (methods.md s10; "
+              "assumes independent samples, so the real uncertainty is larger).",
+              "derive.threshold.quantile_bounds", _K, per_window(lambda w: w.kv_usage_p95_low)),
+    MetricDef("kvwatt_kv_cache_usage_p95_upper_ratio", "gauge", ("server", "window"),
+              "Upper bound of the ~95 % order-statistic interval of the window's p95 KV usage (methods.md s10).",
+              "derive.threshold.quantile_bounds", _K, per_window(lambda w: w.kv_usage_p95_high)),
+    MetricDef("kvwatt_kv_pressure_threshold_located_ratio", "gauge", ("server", "method"),
+              "KV-p95 threshold located from this server's own history: the p95 cut between clean windows and "
+              "windows with sustained preemptions (method=preemption_onset) or a recomputation tax above noise "
+              "(method=tax_onset), methods.md s10. Absent until the evidence is there.",
+              "derive.threshold.locate", _K, _located("ratio")),
+    MetricDef("kvwatt_kv_pressure_threshold_located_low_ratio", "gauge", ("server", "method"),
+              "Lower end of the located threshold's interval: the highest clean window's p95 (its lower bound).",
+              "derive.threshold.locate", _K, _located("low")),
+    MetricDef("kvwatt_kv_pressure_threshold_located_high_ratio", "gauge", ("server", "method"),
+              "Upper end of the located threshold's interval: the lowest pressured window's p95 (its upper bound).",
+              "derive.threshold.locate", _K, _located("high")),
+    MetricDef("kvwatt_kv_pressure_threshold_located_windows", "gauge", ("server", "method"),
+              "Number of evidence windows (threshold_window each, clean or pressured) the located threshold "
+              "rests on.", "derive.threshold.locate", _K, _located("points")),
+    MetricDef("kvwatt_kv_pressure_threshold_in_use_ratio", "gauge", ("server", "source"),
+              "The threshold the regime flag uses: source=located once located (kv_pressure_threshold_source: "
+              "located), else source=configured.", "model.pressure.ThresholdLearner.observe", _K,
+              _threshold_in_use),
     MetricDef("kvwatt_kv_pressure_above_threshold", "gauge", ("server", "window"),
-              "1 when the window's p95 KV usage is above the threshold: offloading pays in this regime.",
-              "derive.pressure.above_threshold", _K, per_window(lambda w: _b(w.above_threshold))),
+              "1 when the window's p95 KV usage is above the threshold in use: offloading pays in this regime. "
+              "Flips up only when the p95's lower bound clears the threshold, down only when its upper bound is "
+              "under it (hysteresis, methods.md s10).",
+              "model.pressure.regime", _K, per_window(lambda w: _b(w.above_threshold))),
     MetricDef("kvwatt_preemptions_per_minute", "gauge", ("server", "window"),
               "Preemptions per minute over the window, from vllm:num_preemptions_total deltas (SGLang: "
               "retractions, sglang:num_retracted_requests_total; absent for engines without such a counter).",
@@ -329,8 +370,13 @@ METRICS: tuple[MetricDef, ...] = (
               "derive.recompute.recompute_tax", _K, per_window(lambda w: w.recompute_tax)),
     MetricDef("kvwatt_recompute_reference_share_ratio", "gauge", ("server",),
               "The low-pressure local_compute reference share the tax is measured against (learned or "
-              "configured).", "derive.recompute.ReferenceShare.observe", _K,
-              per_server(lambda s: s.reference_share)),
+              "configured). Learned from windows of true low pressure only: no preemption, no tax above "
+              "noise, p95 well under the threshold in use (methods.md s10); persisted in the state directory.",
+              "model.pressure.LowPressureReference.offer", _K, per_server(lambda s: s.reference_share)),
+    MetricDef("kvwatt_recompute_reference_windows", "gauge", ("server",),
+              "Number of low-pressure windows (threshold_window each) the learned reference share rests on; 0 "
+              "when configured.", "model.pressure.LowPressureReference.offer", _K,
+              per_server(lambda s: s.reference_windows)),
     MetricDef("kvwatt_estimated_flops_per_second", "gauge", ("server", "window"),
               "FLOP/s vLLM estimated for the tokens it actually scheduled (MFU counters, --enable-mfu-metrics); "
               "includes re-prefill after preemption, which the token counters miss.",

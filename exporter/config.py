@@ -151,6 +151,12 @@ class Config:
     interval_seconds: float = 1.0
     windows_seconds: tuple[float, ...] = (60.0, 300.0)
     kv_pressure_threshold_ratio: float = 0.90
+    # regime threshold: "located" (from the server's own history once there is evidence, methods.md s10; the
+    # configured one until then) or "configured" (always kv_pressure_threshold)
+    kv_pressure_threshold_source: str = "located"
+    threshold_window_seconds: float = 60.0  # one evidence point per completed window of this grid
+    threshold_history_seconds: float = 6 * 3600.0  # evidence kept (in windows: history / window)
+    threshold_min_windows: int = 6  # evidence windows a located threshold needs (methods.md s10)
     preemption_onset_per_minute: float = 0.5
     http_timeout_seconds: float = 2.0
     max_body_bytes: int = 8 * 1024 * 1024
@@ -207,6 +213,15 @@ def _int_pos(value: Any, key: str) -> int:
 def _bool(value: Any, key: str) -> bool:
     if not isinstance(value, bool):
         raise ConfigError(f"{key}: expected true or false, got {shown(value)}")
+    return value
+
+
+THRESHOLD_SOURCES = ("located", "configured")
+
+
+def _choice(value: Any, key: str, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise ConfigError(f"{key}: expected one of {', '.join(choices)}, got {shown(value)}")
     return value
 
 
@@ -330,6 +345,10 @@ KEYS: dict[str, tuple[str, Any]] = {
     "interval": ("interval_seconds", parse_interval),
     "windows": ("windows_seconds", _windows),
     "kv_pressure_threshold": ("kv_pressure_threshold_ratio", _float_range(0.0, 1.0, lo_open=True)),
+    "kv_pressure_threshold_source": ("kv_pressure_threshold_source", lambda v, k: _choice(v, k, THRESHOLD_SOURCES)),
+    "threshold_window": ("threshold_window_seconds", parse_duration),
+    "threshold_history": ("threshold_history_seconds", parse_duration),
+    "threshold_min_windows": ("threshold_min_windows", _int_pos),
     "preemption_onset_per_minute": ("preemption_onset_per_minute", _float_range(0.0, lo_open=True)),
     "http_timeout": ("http_timeout_seconds", parse_duration),
     "max_body_bytes": ("max_body_bytes", _int_pos),
@@ -545,6 +564,13 @@ def parse_server_flag(text: str, key: str = "--server") -> ServerConfig:
     return _server({"name": name, "url": url}, f"{key} {name}")
 
 
+def keep_settings(configured: tuple[ServerConfig, ...], given: tuple[ServerConfig, ...]) -> tuple[ServerConfig, ...]:
+    """Servers given as NAME=URL (--server, KVWATT_SERVERS) keep the per-server settings (gpus, reference
+    share, model, pairing ...) the configuration file has for the same NAME; only the URL is replaced."""
+    by_name = {s.name: s for s in configured}
+    return tuple(replace(by_name[s.name], url=s.url) if s.name in by_name else s for s in given)
+
+
 def apply_environment(cfg: Config, env: dict[str, str] | None = None) -> Config:
     """KVWATT_LISTEN, KVWATT_INTERVAL, KVWATT_SERVERS ("a=URL,b=URL"), KVWATT_STATE_DIR, KVWATT_POWERCAP_ROOT,
     KVWATT_LOG_LEVEL, KVWATT_LOG_FORMAT."""
@@ -555,9 +581,9 @@ def apply_environment(cfg: Config, env: dict[str, str] | None = None) -> Config:
     if env.get("KVWATT_INTERVAL"):
         kw["interval_seconds"] = parse_interval(env["KVWATT_INTERVAL"], "KVWATT_INTERVAL")
     if env.get("KVWATT_SERVERS"):
-        kw["servers"] = _servers([{"name": n, "url": u} for n, u in
-                                  (p.partition("=")[::2] for p in env["KVWATT_SERVERS"].split(","))],
-                                 "KVWATT_SERVERS")
+        kw["servers"] = keep_settings(cfg.servers, _servers(
+            [{"name": n, "url": u} for n, u in (p.partition("=")[::2] for p in env["KVWATT_SERVERS"].split(","))],
+            "KVWATT_SERVERS"))
     if env.get("KVWATT_STATE_DIR"):
         kw["state_dir"] = env["KVWATT_STATE_DIR"]
     if env.get("KVWATT_POWERCAP_ROOT"):
@@ -575,15 +601,12 @@ def resolve(config_path: str | None, servers: list[str] | None = None, listen: s
     env = os.environ if env is None else env
     path = config_path or env.get("KVWATT_CONFIG")
     cfg = load_file(path) if path else Config()
+    from_file = cfg.servers
     cfg = apply_environment(cfg, env)
     kw: dict[str, Any] = {k: v for k, v in overrides.items() if v is not None}
     if servers:
-        kw["servers"] = _servers([{"name": s.name, "url": s.url} for s in map(parse_server_flag, servers)],
-                                 "--server")
-        # keep per-server settings from the file for servers named the same
-        by_name = {s.name: s for s in cfg.servers}
-        kw["servers"] = tuple(replace(by_name[s.name], url=s.url) if s.name in by_name else s
-                              for s in kw["servers"])
+        kw["servers"] = keep_settings(from_file, _servers(
+            [{"name": s.name, "url": s.url} for s in map(parse_server_flag, servers)], "--server"))
     if listen:
         kw["listen"] = parse_listen(listen, "--listen")
     if interval:

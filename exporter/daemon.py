@@ -21,6 +21,7 @@ from exporter.config import (Config, ConfigError, parse_duration, parse_log_form
                              parse_telemetry_path, resolve, shown_server)
 from exporter.exposition import Exposition
 from exporter.energy.baseline import BaselineBook
+from exporter.model.reference_book import ReferenceBook
 from exporter.figures import Snapshot
 from exporter.model import Model
 from exporter.samples import Tick
@@ -108,7 +109,8 @@ async def serve(cfg: Config, limits: "WebLimits | None" = None, web_config: "Web
     try:
         cfg = replace(cfg, state_dir=state.path)
         book = BaselineBook(state.path, cfg.idle_power_watts, read_only_reason=state.reason)
-        daemon = Daemon(cfg, model=Model(cfg, book=book))
+        refs = ReferenceBook(state.path, time.time, read_only_reason=state.reason)
+        daemon = Daemon(cfg, model=Model(cfg, book=book, references=refs))
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, daemon.stop)

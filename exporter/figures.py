@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from exporter.derive.collapse import CollapseResult
 from exporter.derive.energy import EnergyPerToken
 from exporter.derive.offload import TierFlows, TierState
+from exporter.derive.threshold import LocatedThreshold
 from exporter.energy.baseline import Baseline
 from exporter.samples import DeviceReading, SourceStatus, VllmInfo
 
@@ -86,6 +87,9 @@ class WindowFigures:
     admission_rejections_per_minute: dict[str, float] | None = None  # reason -> rejections per minute
     preemptions_by_reason_per_minute: dict[str, float] | None = None  # reason -> preemptions per minute
     offload_tiers: tuple[TierFlows, ...] = ()  # vLLM tiering: each secondary tier's flows
+    # the p95's order-statistic interval (methods.md s10); above_threshold flips only outside it
+    kv_usage_p95_low: float | None = None
+    kv_usage_p95_high: float | None = None
 
 
 @dataclass(frozen=True)
@@ -132,6 +136,13 @@ class ServerFigures:
     capabilities: frozenset[str] = frozenset()
     tiers: TierState = TierState()  # offload tiers' occupancy and hit rates as the engine reports them
     kv_fetch_waiting: dict[str, float] | None = None  # stage -> waiting requests at the last read
+    # the threshold located from the server's own history (methods.md s10) and the one the regime flag uses
+    located: LocatedThreshold | None = None
+    threshold_in_use: float | None = None
+    threshold_source: str = "configured"  # located | configured
+    evidence_windows: int = 0  # evidence windows held (clean, pressured or unknown)
+    reference_windows: int = 0  # windows the learned reference share rests on
+    reference_spread: float | None = None  # their standard deviation: the noise of one window's tax
 
     @property
     def regime(self) -> str:

@@ -28,7 +28,16 @@ CONFIG_DOCS: dict[str, tuple[str, str]] = {
     "listen": ("`0.0.0.0:8492`", "address of /metrics, /, /healthz, /api/status"),
     "interval": ("`1s`", "sampling interval of every source (dense samples for the p95)"),
     "windows": ("`[1m, 5m]`", "rolling windows of the derived figures (label `window`)"),
-    "kv_pressure_threshold": ("`0.90`", "p95 KV usage above which offloading pays (methods.md s3)"),
+    "kv_pressure_threshold": ("`0.90`", "configured p95 KV usage above which offloading pays (methods.md s3); "
+                              "the regime flag uses it until a threshold is located"),
+    "kv_pressure_threshold_source": ("`located`", "`located`: the regime flag uses the threshold located from "
+                                     "the server's own history once there is evidence (methods.md s10), the "
+                                     "configured one until then; `configured`: always `kv_pressure_threshold`"),
+    "threshold_window": ("`1m`", "one evidence point per completed window of this fixed grid "
+                         "(KV p95, preemptions, tax; methods.md s10); the reference share learns from the same"),
+    "threshold_history": ("`6h`", "how long evidence windows are kept for locating the threshold"),
+    "threshold_min_windows": ("`6`", "evidence windows (clean and pressured, at least 2 of each) a located "
+                              "threshold needs"),
     "preemption_onset_per_minute": ("`0.5`", "sustained preemption rate that marks onset (methods.md s3)"),
     "http_timeout": ("`2s`", "timeout of one /metrics read; a slow server is down with reason `timeout`"),
     "max_body_bytes": ("`8388608`", "largest /metrics body read (reason `body_too_large` above)"),

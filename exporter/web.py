@@ -72,7 +72,21 @@ def _window_json(w: WindowFigures) -> dict:
     }
     if savings:
         out["energy_saving"] = savings
+    out["kv_usage_p95_interval"] = [w.kv_usage_p95_low, w.kv_usage_p95_high]  # methods.md s10
     return out
+
+
+def _threshold_json(v: ServerFigures) -> dict:
+    """The located threshold and the reference's evidence (methods.md s10)."""
+    loc = v.located
+    return {
+        "threshold_in_use": v.threshold_in_use, "threshold_source": v.threshold_source,
+        "threshold_located": None if loc is None else {
+            "ratio": loc.ratio, "low": loc.low, "high": loc.high, "method": loc.method, "windows": loc.points,
+            "clean_below": loc.clean_below, "pressured_above": loc.pressured_above, "misplaced": loc.misplaced},
+        "evidence_windows": v.evidence_windows, "reference_windows": v.reference_windows,
+        "reference_spread": v.reference_spread,
+    }
 
 
 def _server_json(v: ServerFigures) -> dict:
@@ -94,6 +108,7 @@ def _server_json(v: ServerFigures) -> dict:
                   "breakeven_tokens_mha": v.kappa.breakeven_tokens_mha, "model": v.kappa.model_source,
                   "hardware": v.kappa.hardware_source},
     }
+    out.update(_threshold_json(v))
     if v.collapse is not None:
         out["collapse"] = {**v.collapse.as_status(), "window": v.collapse_window}
     if v.buffer is not None:

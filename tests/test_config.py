@@ -61,6 +61,23 @@ def test_precedence_file_then_environment_then_flags(tmp_path):
     assert resolve(None, env={"KVWATT_SERVERS": "x=http://e:1"}).servers[0].url == "http://e:1"
 
 
+def test_server_flag_and_environment_keep_the_files_per_server_settings(tmp_path):
+    f = tmp_path / "k.yaml"
+    f.write_text("servers:\n  - {name: a, url: 'http://f:1', gpus: [0], reference_local_compute_share: 0.04}\n"
+                 "kv_pressure_threshold_source: configured\nthreshold_window: 30s\nthreshold_min_windows: 8\n")
+    for cfg in (resolve(str(f), servers=["a=http://flag:2"], env={}),
+                resolve(str(f), env={"KVWATT_SERVERS": "a=http://flag:2"}),
+                resolve(str(f), servers=["a=http://flag:2"], env={"KVWATT_SERVERS": "b=http://e:1"})):
+        (a,) = cfg.servers
+        assert (a.url, a.gpus, a.reference_local_compute_share) == ("http://flag:2", ("0",), 0.04)
+    assert (cfg.kv_pressure_threshold_source, cfg.threshold_window_seconds, cfg.threshold_min_windows) == \
+        ("configured", 30.0, 8)
+    assert resolve(None, env={}).kv_pressure_threshold_source == "located"
+    with pytest.raises(ConfigError, match="^kv_pressure_threshold_source: expected one of located, configured, "
+                                          "got 'auto'$"):
+        from_mapping({"kv_pressure_threshold_source": "auto"})
+
+
 def run_cli(*args):
     return subprocess.run([sys.executable, "-m", "exporter", *args], cwd=REPO, capture_output=True, text=True)
 

@@ -62,21 +62,6 @@ def test_no_prompt_tokens_means_unknown_shares_not_zero():
     assert recompute.token_counts([iv(1, {})]) is None
 
 
-def test_reference_share_learns_only_from_full_low_pressure_windows():
-    ref = recompute.ReferenceShare()
-    counts = {"local_compute": 200.0, "local_cache_hit": 800.0, "external_kv_transfer": 0.0}
-    ref.observe(60, 60, covered=60, p95=0.95, threshold=0.9, counts=counts)  # high pressure: ignored
-    ref.observe(61, 60, covered=30, p95=0.5, threshold=0.9, counts=counts)  # half covered: ignored
-    assert ref.value is None and ref.kind == "none"
-    ref.observe(62, 60, covered=60, p95=0.5, threshold=0.9, counts=counts)
-    assert ref.value == pytest.approx(0.2) and ref.kind == "learned"
-    ref.observe(70, 60, covered=60, p95=0.5, threshold=0.9,
-                counts={"local_compute": 1000.0, "local_cache_hit": 0.0, "external_kv_transfer": 0.0})
-    assert ref.value == pytest.approx(0.2)  # overlapping window: not learned twice
-    assert recompute.recompute_tax(1.0, ref.value) == pytest.approx(0.8)
-    assert recompute.ReferenceShare(configured=0.05).value == 0.05
-
-
 def test_mfu_view_is_unknown_when_the_server_has_mfu_metrics_off():
     on = [iv(1, {"flops": 4e10, "generation_tokens": 100}), iv(2, {"flops": 6e10, "generation_tokens": 100})]
     assert recompute.mfu_view(on, 200) == (pytest.approx(5e10), pytest.approx(5e8))

@@ -12,8 +12,10 @@ duration_seconds). Four servers:
 - ``on``: a simulated offloading vLLM 0.33 (tests/support/vllm_sim undersized_buffer_on: no offloading fixture
   of a real engine exists), paired with ``off`` and with model + hardware parameters configured; with one
   secondary tier ``1:fs`` behind the CPU tier (vLLM tiering, 0.28+ series).
-- ``off``: its simulated OFF twin (high_pressure_off), with a configured reference share (potential dE),
-  exporting preemptions by reason (vLLM PR #58037, unreleased).
+- ``off``: its simulated OFF twin, with a configured reference share (potential dE): low pressure
+  (low_pressure_off) for its first 45 s, then high pressure (high_pressure_off), so that the threshold located
+  from its 10 s evidence windows (methods.md s10) has clean windows below and pressured ones above; exporting
+  preemptions by reason (vLLM PR #58037, unreleased).
 - ``sgl``: SGLang with HiCache under high pressure, with LMCache's and Dynamo KVBM's series beside it, built
   from the engines' own metric definitions (tests/support/engine_expositions.py; none runs without CUDA): the
   figures only other engines have (occupancy, tier hit rates, offload tokens). No GPU.
@@ -79,6 +81,7 @@ def config_mapping(tmp_path, urls: dict[str, str] | None = None) -> dict:
             {"name": "sgl", "url": urls["sgl"], "gpus": []},
         ],
         "windows": ["30s", "1m"], "min_load_duration": "5s", "collapse_reference_window": "30s",
+        "threshold_window": "10s",
         "idle_power_watts": {"GPU-on": GPU_IDLE_WATTS, "GPU-off": GPU_IDLE_WATTS},
         "state_dir": str(tmp_path / "state"), "powercap_root": str(tmp_path / "no-powercap"), "nvml": False,
     }
@@ -98,15 +101,21 @@ def write_measured_host_baseline(state_dir: str) -> None:
         [IdleEstimate(HOST_DEVICE, 40.0, 60.0, 45.0)], "measured")
 
 
+def ramping_off() -> sim.Scenario:
+    """high_pressure_off preceded by 45 s of low_pressure_off's phase (the same seed and engine)."""
+    low, high = sim.low_pressure_off().timeline[0], sim.high_pressure_off()
+    return replace(high, name="ramping_off", timeline=(replace(low, duration_seconds=45.0), *high.timeline))
+
+
 class Inputs:
     """What the world looks like at each tick t = 1, 2, ...: each server's /metrics text (None: unreachable),
     each GPU's cumulative energy (J) and power (W), the host zone's cumulative energy (J)."""
 
     def __init__(self, scenarios: dict[str, sim.Scenario] | None = None, cpu: bool = True, sgl: bool = True):
-        # default: "on" also runs vLLM's tiering with a file-system tier behind the CPU one, and "off" is a
-        # build with vLLM PR #58037 (preemptions by reason)
+        # default: "on" also runs vLLM's tiering with a file-system tier behind the CPU one, and "off" (low, then
+        # high pressure) is a build with vLLM PR #58037 (preemptions by reason)
         scenarios = scenarios or {"on": replace(sim.undersized_buffer_on(), tiers=("1:fs",)),
-                                  "off": replace(sim.high_pressure_off(), preemption_reasons=True)}
+                                  "off": replace(ramping_off(), preemption_reasons=True)}
         self.sims = {name: sim.SimEngine(scn) for name, scn in scenarios.items()}
         self.cpu = cpu  # the ``cpu`` server's real captures (tests/test_page.py replays other servers alone)
         self.sgl = sgl  # the ``sgl`` server: SGLang with LMCache and Dynamo KVBM sidecars

@@ -3,8 +3,6 @@ reference; the MFU-counter view that also sees re-prefill after preemption (vllm
 
 from __future__ import annotations
 
-import statistics
-from collections import deque
 from typing import Sequence
 
 from exporter.derive.window import WindowAggregate, as_aggregate, seconds_with, sum_delta
@@ -63,39 +61,6 @@ def recompute_tax(local_compute_share: float | None, reference_share: float | No
     if local_compute_share is None or reference_share is None:
         return None
     return local_compute_share - reference_share
-
-
-class ReferenceShare:
-    """The same server's local_compute share under low pressure, learned from whole windows whose p95 KV
-    usage stayed under the threshold (median of the last ``keep``), unless configured."""
-
-    def __init__(self, configured: float | None = None, keep: int = 20, min_prompt_tokens: float = 100.0):
-        self.configured = configured
-        self.samples: deque[float] = deque(maxlen=keep)
-        self.min_prompt_tokens = min_prompt_tokens
-        self.last_learned_t: float | None = None
-
-    def observe(self, now: float, window_seconds: float, covered: float, p95: float | None,
-                threshold: float, counts: dict[str, float] | None) -> None:
-        """Feed one full window at most once per window length (non-overlapping samples)."""
-        if self.last_learned_t is not None and now - self.last_learned_t < window_seconds:
-            return
-        shares = token_shares(counts)
-        if (p95 is None or p95 >= threshold or shares is None or covered < 0.9 * window_seconds
-                or sum(counts.values()) < self.min_prompt_tokens):
-            return
-        self.samples.append(shares["local_compute"])
-        self.last_learned_t = now
-
-    @property
-    def value(self) -> float | None:
-        if self.configured is not None:
-            return self.configured
-        return statistics.median(self.samples) if self.samples else None
-
-    @property
-    def kind(self) -> str:
-        return "configured" if self.configured is not None else ("learned" if self.samples else "none")
 
 
 def mfu_view(x: WindowAggregate | Sequence[Interval],

@@ -11,23 +11,33 @@ Used by `kvwatt run` (exporter.daemon), `kvwatt baseline record` and the experim
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Callable
 
 from exporter.config import Config
 from exporter.energy.baseline import BaselineBook
 from exporter.figures import Snapshot
 from exporter.model.energy import EnergyLedger, is_idle
+from exporter.model.reference_book import ReferenceBook
 from exporter.model.server import ServerModel
 from exporter.samples import Tick
 
 
 class Model:
     def __init__(self, cfg: Config, book: BaselineBook | None = None, wall_clock: Callable[[], float] = time.time,
-                 keep_seconds: float | None = None, learn_idle: bool = True) -> None:
+                 keep_seconds: float | None = None, learn_idle: bool = True,
+                 references: ReferenceBook | None = None) -> None:
+        """``references``: where the learned reference shares persist (the daemon's state directory); None
+        keeps them in memory only (the experiment, `baseline record`)."""
         self.cfg = cfg
         self.wall_clock = wall_clock
         self.servers = {s.name: ServerModel(s, cfg, keep_seconds) for s in cfg.servers}
         self.energy = EnergyLedger(cfg, book, wall_clock, learn_idle)
+        self.references = references
+        if references is not None:
+            for name, samples in references.load().items():
+                if name in self.servers:
+                    self.servers[name].reference.restore(samples)
         self.last_t: float | None = None
 
     def ingest(self, tick: Tick) -> None:
@@ -38,15 +48,31 @@ class Model:
             read = tick.servers.get(name)
             if read is not None:
                 sm.read(t, read.status, read.reading)
-            sm.learn(t)
+            sm.learn(t, self.wall_clock())
         self.energy.learn(t, {name: is_idle(sm.status, _last(sm), t) for name, sm in self.servers.items()})
+        self._persist_references()
         self.last_t = t
+
+    def _persist_references(self) -> None:
+        """Write the reference shares when one learned a window (at most once per threshold window each)."""
+        changed = [sm.reference for sm in self.servers.values() if sm.reference.changed]
+        if not changed:
+            return
+        for ref in changed:
+            ref.changed = False
+        if self.references is not None:
+            self.references.save({name: sm.reference.samples for name, sm in self.servers.items()
+                                  if sm.reference.samples})
 
     def snapshot(self) -> Snapshot:
         t = self.last_t if self.last_t is not None else time.monotonic()
         servers = tuple(sm.figures(t, self.servers) for sm in self.servers.values())
         now_wall = self.wall_clock()
         state = self.energy.book.status()  # the state directory's health sits with the host-wide sources
+        more = self.references.problems() if self.references is not None else []
+        if state is not None and more:
+            reason = "; ".join(p for p in (state.reason, *more) if p)
+            state = replace(state, reason=reason, state="degraded")
         sources = tuple(self.energy.statuses) + (() if state is None else (state,))
         return Snapshot(t, now_wall, servers, sources, self.energy.devices(now_wall))
 

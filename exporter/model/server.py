@@ -1,5 +1,5 @@
-"""One watched server at tick time: its history and windows, its learners (low-pressure reference share,
-collapse latch), and the typed figures derived from them once per tick."""
+"""One watched server at tick time: its history and windows, its learners (located threshold and low-pressure
+reference share: model/pressure.py; collapse latch), and the typed figures derived from them once per tick."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from exporter.derive import energy as derive_energy
 from exporter.derive.window import WindowAggregate, covered_seconds
 from exporter.figures import EnergyFigure, ServerFigures, WindowFigures
 from exporter.model import offload as offload_figures
+from exporter.model import pressure as pressure_model
 from exporter.samples import EngineReading, SourceStatus, VllmInfo
 from exporter.sources.engine import labelled
 from exporter.store import ServerHistory
@@ -26,8 +27,15 @@ class ServerModel:
         keep = keep_seconds if keep_seconds is not None else \
             max(max(cfg.windows_seconds), cfg.collapse_reference_seconds + self.collapse_th.recent_seconds) + 60
         self.history = ServerHistory(keep, windows=tuple(cfg.windows_seconds),
-                                     grids=(self.repeat_seconds, self.collapse_th.recent_seconds), name=server.name)
-        self.reference = recompute.ReferenceShare(server.reference_local_compute_share)
+                                     grids=(self.repeat_seconds, self.collapse_th.recent_seconds,
+                                            cfg.threshold_window_seconds), name=server.name)
+        self.reference = pressure_model.LowPressureReference(server.reference_local_compute_share)
+        self.pressure = pressure_model.ThresholdLearner(
+            cfg.threshold_window_seconds, max(int(cfg.threshold_history_seconds // cfg.threshold_window_seconds), 1),
+            cfg.threshold_min_windows, cfg.preemption_onset_per_minute, cfg.kv_pressure_threshold_ratio,
+            cfg.kv_pressure_threshold_source == "located", self.reference, server.name)
+        self._p95: dict[float, pressure_model.P95] = {}  # per window length, as of the last learn()
+        self._regime: dict[float, bool | None] = {}  # per window length: hysteresis state (methods.md s10)
         self.offload = offload_figures.setup(server)
         self.status = SourceStatus("vllm", server.name, False, "not_read_yet", 0.0, "down")
         self.info: VllmInfo | None = None
@@ -48,14 +56,15 @@ class ServerModel:
             self.info, self.engine, self.capabilities = reading.info, reading.engine, reading.capabilities
             self.history.add_reading(t, reading)
 
-    def learn(self, now: float) -> None:
+    def learn(self, now: float, wall: float | None = None) -> None:
         """Once per tick, after every read: slide the windows, then feed the learners (all O(1) in window
-        length: they read running aggregates)."""
+        length: they read running aggregates and the buckets completed since the last tick)."""
         self.history.advance(now)
-        longest = max(self.cfg.windows_seconds)
-        agg = self.history.aggregate(longest)
-        self.reference.observe(now, longest, agg.covered_seconds, pressure.kv_usage_quantile(agg, 0.95),
-                               self.cfg.kv_pressure_threshold_ratio, recompute.token_counts(agg))
+        pl = self.pressure
+        pl.observe(self.history.buckets(pl.width, pl.last_t1, now), wall)
+        for seconds in self.cfg.windows_seconds:
+            p = self._p95[seconds] = pressure_model.p95_of(self.history.aggregate(seconds))
+            self._regime[seconds] = pressure_model.regime(p, pl.threshold, self._regime.get(seconds))
         self.collapse = self._collapse(now)
 
     def _collapse(self, now: float) -> collapse.CollapseResult:
@@ -92,6 +101,7 @@ class ServerModel:
         if agg.n == 0:
             return WindowFigures(format_window(seconds), seconds, covered)
         p95 = pressure.kv_usage_quantile(agg, 0.95)
+        p95_interval = self._p95.get(seconds) or pressure_model.p95_of(agg)
         per_second = pressure.rate_per_second(agg, "preemptions")
         per_minute = None if per_second is None else per_second * 60.0
         shares = recompute.token_shares(recompute.token_counts(agg))
@@ -101,7 +111,7 @@ class ServerModel:
         buffer_bytes = self.info.offload_buffer_bytes if self.info else None
         return WindowFigures(
             format_window(seconds), seconds, covered, p95, pressure.kv_usage_quantile(agg, 1.0),
-            pressure.above_threshold(p95, cfg.kv_pressure_threshold_ratio), per_minute,
+            self._regime.get(seconds), per_minute,
             pressure.preemption_onset(per_minute, covered, seconds, cfg.preemption_onset_per_minute),
             pressure.rate_per_second(agg, "generation_tokens"), shares,
             recompute.recompute_tax(shares["local_compute"] if shares else None, self.reference.value),
@@ -110,7 +120,8 @@ class ServerModel:
             rates.write_bytes_per_second, rates.read_bytes_per_second,
             self._residency(buffer_bytes, rates, tokens), kappa.observed(agg),
             self._savings(agg, now, seconds, peers), tokens.write_tokens_per_second, tokens.read_tokens_per_second,
-            cached_tier_shares=recompute.cached_tier_shares(agg), **self._newest_series(agg))
+            cached_tier_shares=recompute.cached_tier_shares(agg), kv_usage_p95_low=p95_interval.low,
+            kv_usage_p95_high=p95_interval.high, **self._newest_series(agg))
 
     def _residency(self, buffer_bytes: float | None, rates: offload.TransferRates,
                    tokens: offload.TokenRates) -> float | None:
@@ -166,4 +177,7 @@ class ServerModel:
             self.cfg.kv_pressure_threshold_ratio, self.reference.value, self.reference.kind, windows, self.collapse,
             buf, self.offload.kappa,
             offload_figures.recommendations(sig, buf, self.cfg), self.engine, self.capabilities,
-            offload.tier_state(self.gauges), labelled(self.gauges or {}, "kv_fetch") or None)
+            offload.tier_state(self.gauges), labelled(self.gauges or {}, "kv_fetch") or None,
+            located=self.pressure.located, threshold_in_use=self.pressure.threshold,
+            threshold_source=self.pressure.source, evidence_windows=len(self.pressure.points),
+            reference_windows=self.reference.windows, reference_spread=self.reference.spread)

@@ -1,0 +1,115 @@
+"""Persistence of the learned low-pressure reference shares (model/pressure.py), like the idle baselines
+(energy/baseline.py BaselineBook): ``<state_dir>/reference-share.json``, written atomically (exporter.atomic)
+when a server learned a window, read back at start, so a restarted daemon has its reference (and its tax)
+at once.
+
+Never fatal: an unreadable file, dropped entries, a failed write or a read-only state directory (locked by
+another daemon, not writable) are reasons on the ``state_dir`` source (``problems``), logged once each; the
+references keep working in memory.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Any, Callable, Iterable, Mapping
+
+from exporter import atomic
+from exporter.energy.baseline import FUTURE_SLACK_SECONDS, _number
+from exporter.model.pressure import ReferenceSample
+
+log = logging.getLogger("kvwatt.reference")
+
+STATE_FILE = "reference-share.json"
+FORMAT_VERSION = 1
+
+
+class ReferenceBook:
+    def __init__(self, state_dir: str | None, wall_clock: Callable[[], float],
+                 read_only_reason: str = "") -> None:
+        self.path = os.path.join(state_dir, STATE_FILE) if state_dir else None
+        self.wall_clock = wall_clock
+        self.read_only_reason = read_only_reason
+        self.load_error = ""
+        self.write_error = ""
+
+    def problems(self) -> list[str]:
+        """Reasons for the state_dir source (the read-only reason is the idle baselines' too: not repeated)."""
+        return [p for p in (self.write_error, self.load_error) if p]
+
+    def load(self) -> dict[str, list[ReferenceSample]]:
+        """server -> its stored samples, oldest first; {} without a file. Bad entries are dropped (a reason)."""
+        if not self.path:
+            return {}
+        try:
+            with open(self.path, encoding="utf-8") as f:
+                data = json.load(f)
+            good, bad = parse_file(data, self.wall_clock())
+        except (FileNotFoundError, NotADirectoryError):
+            return {}
+        except (OSError, ValueError) as e:
+            self._note(f"ignored: {self.path} ({e})")
+            return {}
+        more = " ..." if len(bad) > 3 else ""
+        self._note(f"dropped: {self.path}: {len(bad)} bad entries ({'; '.join(bad[:3])}{more})" if bad else "")
+        return good
+
+    def _note(self, error: str) -> None:
+        if error and error != self.load_error:
+            log.warning("reference share: %s", error)
+        self.load_error = error
+
+    def save(self, samples: Mapping[str, Iterable[ReferenceSample]]) -> None:
+        if not self.path or self.read_only_reason:
+            return
+        now = self.wall_clock()
+        body = {"version": FORMAT_VERSION, "servers": {
+            name: [{"share": s.share, "p95": s.p95, "at": s.wall if s.wall is not None else now}
+                   for s in items] for name, items in sorted(samples.items())}}
+        try:
+            atomic.write_json(self.path, body)
+        except OSError as e:
+            error = f"not persisted: writing {self.path} failed ({e.strerror or e})"
+            if error != self.write_error:
+                log.warning("reference share: %s; kept in memory", error)
+            self.write_error = error
+            return
+        if self.write_error:
+            log.info("reference share: %s written again", self.path)
+        self.write_error = ""
+
+
+def parse_file(data: Any, now_wall: float) -> tuple[dict[str, list[ReferenceSample]], list[str]]:
+    """The file's JSON -> (server -> valid samples, 'server[i]: why' per dropped one). ValueError when the file
+    as a whole is not a reference file."""
+    if not isinstance(data, dict):
+        raise ValueError(f"not a JSON object but {type(data).__name__}")
+    if data.get("version") != FORMAT_VERSION:
+        raise ValueError(f"unknown version {data.get('version')!r}")
+    servers = data.get("servers", {})
+    if not isinstance(servers, dict):
+        raise ValueError(f"servers is not a mapping but {type(servers).__name__}")
+    good: dict[str, list[ReferenceSample]] = {}
+    bad: list[str] = []
+    for name, items in servers.items():
+        if not isinstance(items, list):
+            bad.append(f"{name}: not a list")
+            continue
+        for i, entry in enumerate(items):
+            try:
+                good.setdefault(name, []).append(parse_entry(entry, now_wall))
+            except ValueError as e:
+                bad.append(f"{name}[{i}]: {e}")
+    return good, bad
+
+
+def parse_entry(entry: Any, now_wall: float) -> ReferenceSample:
+    if not isinstance(entry, dict):
+        raise ValueError("not an entry")
+    missing = [k for k in ("share", "p95", "at") if k not in entry]
+    if missing:
+        raise ValueError(f"{', '.join(missing)} missing")
+    at = _number(entry["at"], "at", 0.0, now_wall + FUTURE_SLACK_SECONDS)
+    return ReferenceSample(_number(entry["share"], "share", 0.0, 1.0), _number(entry["p95"], "p95", 0.0, 1.0),
+                           -1.0, at)
