@@ -327,19 +327,36 @@ def _buffer(s: dict) -> str:
             f'<p data-field="buffer">{text} Recommended size: {rec}.</p>')
 
 
+def _threshold_words(s: dict) -> tuple[float | None, str]:
+    """The threshold the regime flag uses, and where it comes from (methods.md s10)."""
+    loc, th = s.get("threshold_located"), s.get("threshold_in_use", s["threshold"])
+    if s.get("threshold_source") == "located" and loc:
+        why = "preemptions began" if loc["method"] == "preemption_onset" else "a recompute tax appeared"
+        return th, (f" The threshold is this server's own, located at {_pct(loc['ratio'])} "
+                    f"({_pct(loc['low'])}–{_pct(loc['high'])}) from {loc['windows']} windows of its history: "
+                    f"the KV-usage p95 above which {why}.")
+    if loc:
+        return th, (f" The threshold is the configured one (kv_pressure_threshold); this server's own history puts "
+                    f"it at {_pct(loc['ratio'])} ({_pct(loc['low'])}–{_pct(loc['high'])}, {loc['windows']} windows).")
+    return th, (" The threshold is the configured one (kv_pressure_threshold, the study's): a server can pay a "
+                "recompute tax below it; kvwatt locates this server's own once its history holds windows below "
+                "and above the onset.")
+
+
 def _pressure(s: dict) -> str:
-    regime, label, th = s["regime"], s.get("regime_window"), s["threshold"]
+    regime, label = s["regime"], s.get("regime_window")
+    th, where = _threshold_words(s)
     w = (s.get("windows") or {}).get(label) if label else None
     thw = f"the {_pct(th)} threshold"
     if regime == "unknown" or w is None:
         text = f"KV pressure: {UNKNOWN} (no KV-cache usage samples yet; the threshold is {_pct(th)})."
-    elif regime == "above":
-        text = (f"KV pressure: KV-cache usage p95 <b>{_pct(w['kv_usage_p95'])}</b> over the last {_e(label)} is "
-                f"<b>above</b> {thw}, where offloading started to pay in the energy study (14–32 % saved).")
     else:
-        text = (f"KV pressure: KV-cache usage p95 <b>{_pct(w['kv_usage_p95'])}</b> over the last {_e(label)} is "
-                f"<b>below</b> {thw}; below it the study measured no saving beyond noise. The threshold is the "
-                f"study's (kv_pressure_threshold): a server can pay a recompute tax below it.")
+        lo, hi = w.get("kv_usage_p95_interval") or (None, None)
+        p95 = f"<b>{_pct(w['kv_usage_p95'])}</b>" + (f" ({_pct(lo)}–{_pct(hi)})" if lo is not None else "")
+        side = ("<b>above</b> {thw}, where offloading starts to pay" if regime == "above"
+                else "<b>below</b> {thw}, where offloading saves nothing beyond noise").format(thw=thw)
+        text = f"KV pressure: KV-cache usage p95 {p95} over the last {_e(label)} is {side}."
+    text += where
     if w is not None and w.get("preemptions_per_minute") is not None:
         onset = " (preemption onset: the leading sign of pressure)" if w.get("preemption_onset") else ""
         text += f" Preemptions: {_num(w['preemptions_per_minute'])} per minute{onset}."

@@ -154,7 +154,9 @@ async def _offload_on(tmp_path):
         assert "--kv-offloading-size 27" in await b.text(on + "[data-field=recommendations]")
         pressure = await b.text(on + "[data-field=pressure]")
         w30 = s_on["windows"]["30s"]
-        assert f"p95 {_pct(w30['kv_usage_p95'])} over the last 30s is above the 90.0 % threshold" in pressure
+        lo, hi = w30["kv_usage_p95_interval"]
+        assert (f"p95 {_pct(w30['kv_usage_p95'])} ({_pct(lo)}–{_pct(hi)}) over the last 30s is above the 90.0 % "
+                "threshold") in pressure and "the configured one" in pressure
         assert "Preemptions: 6 per minute (preemption onset" in pressure
 
         assert await b.text(on + "[data-field=signature]") == "no"
@@ -169,6 +171,16 @@ async def _offload_on(tmp_path):
         tax = await b.text(off + "[data-field=recompute-tax]")
         w = _server(st, "off")["windows"]["1m"]
         assert f"{w['recompute_tax'] * 100:+.1f} points" in tax and "3.9 %" in tax and "configured" in tax
+
+        # off ramps from low to high pressure: its own threshold is located and the regime flag uses it
+        s_off = _server(st, "off")
+        loc = s_off["threshold_located"]
+        assert s_off["threshold_source"] == "located" and loc["method"] == "preemption_onset"
+        pressure = await b.text(off + "[data-field=pressure]")
+        assert (f"this server's own, located at {_pct(loc['ratio'])} ({_pct(loc['low'])}–{_pct(loc['high'])}) "
+                f"from {loc['windows']} windows of its history: the KV-usage p95 above which preemptions began"
+                ) in pressure
+        assert f"the {_pct(s_off['threshold_in_use'])} threshold" in pressure
 
         for src in ("nvml", "rapl", "state_dir"):
             assert (await b.text(f"[data-source={src}]")).endswith(": ok")
