@@ -161,15 +161,19 @@ def test_second_daemon_on_one_state_dir_warns_and_does_not_write(tmp_path):
 
 
 WRITER = """
-import sys
+import sys, time
 sys.path.insert(0, {repo!r})
+from exporter import atomic
 from exporter.energy.baseline import BaselineBook, IdleEstimate
 book = BaselineBook({state!r})
-print("ready", flush=True)
-i = 0
-while True:
-    i += 1
-    book.record([IdleEstimate(f"gpu:GPU-{{n}}", 50.0 + i % 7, float(i), 30.0) for n in range(400)], "learned")
+estimates = lambda i: [IdleEstimate(f"gpu:GPU-{{n}}", 50.0 + i % 7, float(i), 30.0) for n in range(400)]
+for i in range(3):  # whole writes first: the state file exists
+    book.record(estimates(i), "learned")
+def stall(tmp, path):  # the temporary file is written and fsynced, the rename not done: kill -9 lands here
+    print("mid-write", flush=True)
+    time.sleep(60)
+atomic.os.replace = stall
+book.record(estimates(3), "learned")
 """
 
 
@@ -179,18 +183,15 @@ def kvwatt_tmp_files(directory) -> list[str]:
 
 def test_orphans_of_killed_writes_are_removed_at_start(tmp_path):
     state = tmp_path / "state"
-    for attempt in range(60):  # kill -9 a writer mid-write until a few temporary files are left behind
+    for _ in range(3):  # kill -9 a writer mid-write (between its temporary file and the rename), three times
         proc = subprocess.Popen([sys.executable, "-c", WRITER.format(repo=str(REPO), state=str(state))],
                                 stdout=subprocess.PIPE, text=True)
-        assert proc.stdout.readline().strip() == "ready"
-        time.sleep(0.05 + 0.013 * (attempt % 10))
+        assert proc.stdout.readline().strip() == "mid-write"
         proc.kill()
         proc.wait()
         proc.stdout.close()
-        if len(kvwatt_tmp_files(state)) >= 3:
-            break
     orphans = kvwatt_tmp_files(state)
-    assert len(orphans) >= 3 and all(n.startswith(atomic.TMP_PREFIX) for n in orphans)
+    assert len(orphans) == 3 and all(n.startswith(atomic.TMP_PREFIX) for n in orphans)
     (state / ".tmp-notes.txt").write_text("someone else's")  # not a name kvwatt writes: kept
     time.sleep(atomic.FRESH_SECONDS)
     with KvwattDaemon(config={"state_dir": str(state), "nvml": False}, interval="250ms") as d:
