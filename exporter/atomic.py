@@ -9,6 +9,7 @@ whose it is (``.tmp-kvwatt-<pid>-<random>``), so ``remove_orphans`` can clear th
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import tempfile
@@ -52,6 +53,21 @@ def write_text(path: str, text: str) -> None:
 
 def write_json(path: str, obj: Any) -> None:
     write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+def persist_json(path: str, obj: Any, what: str, previous_error: str, log: logging.Logger) -> str:
+    """write_json for the state directory's files: a failure is kept in memory and logged once per change (a
+    full disk would otherwise log every tick), a recovery once. Returns the write error, "" when written."""
+    try:
+        write_json(path, obj)
+    except OSError as e:
+        error = f"not persisted: writing {path} failed ({e.strerror or e})"
+        if error != previous_error:
+            log.warning("%s: %s; kept in memory", what, error)
+        return error
+    if previous_error:
+        log.info("%s: %s written again", what, path)
+    return ""
 
 
 def _writer_gone(pid: int) -> bool:

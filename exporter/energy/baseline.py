@@ -265,18 +265,11 @@ class BaselineBook:
         return new
 
     def _write(self, baselines: Mapping[str, Baseline]) -> None:
-        try:
-            atomic.write_json(self.path, {"version": FORMAT_VERSION, "devices": {
-                d: {k: v for k, v in asdict(b).items() if k != "device"} for d, b in sorted(baselines.items())}})
-        except OSError as e:
-            error = f"not persisted: writing {self.path} failed ({e.strerror or e})"
-            if error != self.write_error:
-                log.warning("idle baseline: %s; kept in memory", error)
-            self.write_error = error
-            return
+        body = {"version": FORMAT_VERSION, "devices": {
+            d: {k: v for k, v in asdict(b).items() if k != "device"} for d, b in sorted(baselines.items())}}
+        self.write_error = atomic.persist_json(self.path, body, "idle baseline", self.write_error, log)
         if self.write_error:
-            log.info("idle baseline: %s written again", self.path)
-        self.write_error = ""
+            return
         self._file_sig = self._signature()
         self.load_error = ""  # the file is now what was just written: only valid entries
 

@@ -67,17 +67,7 @@ class ReferenceBook:
         body = {"version": FORMAT_VERSION, "servers": {
             name: [{"share": s.share, "p95": s.p95, "at": s.wall if s.wall is not None else now}
                    for s in items] for name, items in sorted(samples.items())}}
-        try:
-            atomic.write_json(self.path, body)
-        except OSError as e:
-            error = f"not persisted: writing {self.path} failed ({e.strerror or e})"
-            if error != self.write_error:
-                log.warning("reference share: %s; kept in memory", error)
-            self.write_error = error
-            return
-        if self.write_error:
-            log.info("reference share: %s written again", self.path)
-        self.write_error = ""
+        self.write_error = atomic.persist_json(self.path, body, "reference share", self.write_error, log)
 
 
 def parse_file(data: Any, now_wall: float) -> tuple[dict[str, list[ReferenceSample]], list[str]]:
