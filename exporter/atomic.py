@@ -14,7 +14,7 @@ import os
 import re
 import tempfile
 import time
-from typing import Any
+from typing import Any, Callable
 
 TMP_PREFIX = ".tmp-kvwatt-"
 _OURS = re.compile(r"^\.tmp-kvwatt-(\d+)-[a-z0-9_]+$")
@@ -53,6 +53,22 @@ def write_text(path: str, text: str) -> None:
 
 def write_json(path: str, obj: Any) -> None:
     write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+def read_state_json(path: str, parse: Callable[[Any, float], tuple[Any, list[str]]],
+                    now_wall: float) -> tuple[Any, str]:
+    """A state-directory file through ``parse(data, now_wall) -> (good entries, 'why' per dropped entry)``:
+    (good, problem or ""). No file: (None, ""); an unreadable or foreign file: (None, "ignored: ...")."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+        good, bad = parse(data, now_wall)
+    except (FileNotFoundError, NotADirectoryError):  # a directory that is not one: exporter.statedir says it
+        return None, ""
+    except (OSError, ValueError) as e:  # ValueError: JSONDecodeError, UnicodeDecodeError, parse's own
+        return None, f"ignored: {path} ({e})"
+    more = " ..." if len(bad) > 3 else ""
+    return good, (f"dropped: {path}: {len(bad)} bad entries ({'; '.join(bad[:3])}{more})" if bad else "")
 
 
 def persist_json(path: str, obj: Any, what: str, previous_error: str, log: logging.Logger) -> str:

@@ -12,7 +12,6 @@ mid-write leaves the old file or the new one).
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -227,20 +226,9 @@ class BaselineBook:
         """The file's valid entries. A bad entry is dropped, a bad file ignored; either is logged once."""
         if not self.path:
             return {}
-        try:
-            with open(self.path, encoding="utf-8") as f:
-                data = json.load(f)
-            good, bad = parse_file(data, self.wall_clock())
-        except (FileNotFoundError, NotADirectoryError):
-            self._note_load_error("")  # no file yet (a directory that is not one: exporter.statedir says it)
-            return {}
-        except (OSError, ValueError) as e:  # ValueError: JSONDecodeError, UnicodeDecodeError, parse_file
-            self._note_load_error(f"ignored: {self.path} ({e})")
-            return {}
-        more = " ..." if len(bad) > 3 else ""
-        self._note_load_error(f"dropped: {self.path}: {len(bad)} bad entries ({'; '.join(bad[:3])}{more})"
-                              if bad else "")
-        return good
+        good, problem = atomic.read_state_json(self.path, parse_file, self.wall_clock())
+        self._note_load_error(problem)
+        return good or {}
 
     def _note_load_error(self, error: str) -> None:
         if error and error != self.load_error:

@@ -10,7 +10,6 @@ references keep working in memory.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from typing import Any, Callable, Iterable, Mapping
@@ -42,18 +41,9 @@ class ReferenceBook:
         """server -> its stored samples, oldest first; {} without a file. Bad entries are dropped (a reason)."""
         if not self.path:
             return {}
-        try:
-            with open(self.path, encoding="utf-8") as f:
-                data = json.load(f)
-            good, bad = parse_file(data, self.wall_clock())
-        except (FileNotFoundError, NotADirectoryError):
-            return {}
-        except (OSError, ValueError) as e:
-            self._note(f"ignored: {self.path} ({e})")
-            return {}
-        more = " ..." if len(bad) > 3 else ""
-        self._note(f"dropped: {self.path}: {len(bad)} bad entries ({'; '.join(bad[:3])}{more})" if bad else "")
-        return good
+        good, problem = atomic.read_state_json(self.path, parse_file, self.wall_clock())
+        self._note(problem)
+        return good or {}
 
     def _note(self, error: str) -> None:
         if error and error != self.load_error:
