@@ -232,7 +232,6 @@ def buffer_comparison(conditions: list[dict], summaries: list[dict]) -> list[dic
     """One group per OFF condition with ON conditions at two or more distinct buffer sizes (the engine's
     reported size, else the plan's params.buffer_gib): per ON condition its dE, the residency rule's verdict and whether the measured dE
     reaches the plateau (>= 90 % of the largest buffer's dE)."""
-    by_name = {s["condition"]: s for s in summaries}
     cond = {c["name"]: c for c in conditions}
     cache: dict = {}
     groups = []
