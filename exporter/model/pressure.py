@@ -109,7 +109,7 @@ def p95_of(agg: WindowAggregate) -> P95:
     bounds = quantile_bounds(s, 0.95)
     if bounds is None:
         return P95(None, None, None)
-    return P95(agg.quantile("kv_usage", 0.95), bounds[0], bounds[1])
+    return P95(pressure.kv_usage_quantile(agg, 0.95), bounds[0], bounds[1])
 
 
 def regime(p: P95, threshold: float, previous: bool | None) -> bool | None:

@@ -100,8 +100,8 @@ class ServerModel:
         covered = covered_seconds(agg)
         if agg.n == 0:
             return WindowFigures(format_window(seconds), seconds, covered)
-        p95 = pressure.kv_usage_quantile(agg, 0.95)
-        p95_interval = self._p95.get(seconds) or pressure_model.p95_of(agg)
+        p95_interval = self._p95.get(seconds) or pressure_model.p95_of(agg)  # learn() computed it this tick
+        p95 = p95_interval.value
         per_second = pressure.rate_per_second(agg, "preemptions")
         per_minute = None if per_second is None else per_second * 60.0
         shares = recompute.token_shares(recompute.token_counts(agg))
