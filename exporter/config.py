@@ -219,9 +219,11 @@ def _bool(value: Any, key: str) -> bool:
 THRESHOLD_SOURCES = ("located", "configured")
 
 
-def _choice(value: Any, key: str, choices: tuple[str, ...]) -> str:
+def _choice(value: Any, key: str, choices: tuple[str, ...], given: Any = None) -> str:
+    """``value`` when it is one of ``choices``; the error shows ``given`` (what the user wrote) if set."""
     if value not in choices:
-        raise ConfigError(f"{key}: expected one of {', '.join(choices)}, got {shown(value)}")
+        got = shown(value if given is None else given)
+        raise ConfigError(f"{key}: expected one of {', '.join(choices)}, got {got}")
     return value
 
 
@@ -296,20 +298,18 @@ LOG_LEVELS = ("debug", "info", "warn", "error")
 LOG_FORMATS = ("logfmt", "json")
 
 
+def _lowered(value: Any) -> Any:
+    return value.strip().lower() if isinstance(value, str) else value
+
+
 def parse_log_level(value: Any, key: str) -> str:
     """debug, info, warn or error (Prometheus' spelling; 'warning' is taken for warn), any case."""
-    text = value.strip().lower() if isinstance(value, str) else value
-    text = "warn" if text == "warning" else text
-    if text not in LOG_LEVELS:
-        raise ConfigError(f"{key}: expected one of {', '.join(LOG_LEVELS)}, got {shown(value)}")
-    return text
+    text = _lowered(value)
+    return _choice("warn" if text == "warning" else text, key, LOG_LEVELS, value)
 
 
 def parse_log_format(value: Any, key: str) -> str:
-    text = value.strip().lower() if isinstance(value, str) else value
-    if text not in LOG_FORMATS:
-        raise ConfigError(f"{key}: expected one of {', '.join(LOG_FORMATS)}, got {shown(value)}")
-    return text
+    return _choice(_lowered(value), key, LOG_FORMATS, value)
 
 
 RESERVED_PATHS = ("/", "/healthz", "/api/status")  # kvwatt's other endpoints (exporter/web.py)
