@@ -2,7 +2,7 @@
 # `make test` installs everything the tests need and runs the whole suite.
 ARGS ?=
 
-.PHONY: run test bench generate check
+.PHONY: run test bench generate check lab
 
 run: .venv/.kvwatt-installed
 	.venv/bin/kvwatt run $(ARGS)
@@ -14,6 +14,10 @@ run: .venv/.kvwatt-installed
 
 test:
 	scripts/test.sh
+
+# the lab (kvwatt replay, kvwatt experiment, reports with matplotlib): its own distribution in lab/
+lab: .venv/.kvwatt-installed
+	.venv/bin/pip install --no-cache-dir -q -e ./lab
 
 bench: .venv/.kvwatt-installed
 	.venv/bin/python bench/run_all.py

@@ -6,7 +6,7 @@ In-process, no I/O: each configuration's exporter.model.Model is fed --seconds o
 (exporter.samples.Tick: every server read OK with counters and gauges built from the vLLM 0.32 fixture and
 moved by a load pattern with busy and idle phases, one counter GPU per server with its energy), then
 --measure more ticks are timed: ingest, snapshot, and the render of the snapshot's exposition
-(exporter.collector.render: the families + prometheus_client generate_latest, done once per tick by the
+(exporter.serve.collector.render: the families + prometheus_client generate_latest, done once per tick by the
 daemon; a scrape itself only copies those bytes). Also printed: the time of one full garbage collection with
 that history in memory (a pause of every thread, the event loop's included, whenever CPython runs one). The fill ingests without deriving (Model.snapshot is pure,
 the history does not depend on it), so the hour takes seconds, not minutes.
@@ -27,11 +27,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _support import FIXTURE, percentile, table  # noqa: E402
 
-from exporter.collector import render  # noqa: E402
+from exporter.serve.collector import render  # noqa: E402
 from exporter.config import Config, ServerConfig  # noqa: E402
 from exporter.model import Model  # noqa: E402
 from exporter.samples import DeviceReading, EngineReading, ServerRead, SourceStatus, Tick  # noqa: E402
-from exporter.sources.vllm import VllmSource  # noqa: E402
+from exporter.sources.vllm import EngineSource  # noqa: E402
+from exporter.sources.endpoint import EngineSource
 
 T0 = 10_000.0  # monotonic start of the synthetic run
 WALL0 = 1.75e9
@@ -50,7 +51,7 @@ class Workload:
     baselines get learned), KV usage and throughput following the load, a preemption now and then."""
 
     def __init__(self, servers: int) -> None:
-        base = VllmSource("fixture", "http://fixture", 2.0, 1 << 23).decode(FIXTURE.read_text())
+        base = EngineSource("fixture", "http://fixture", 2.0, 1 << 23).decode(FIXTURE.read_text())
         self.base = base
         self.names = [f"s{i}" for i in range(servers)]
         self.counters = [dict(base.counters) for _ in range(servers)]

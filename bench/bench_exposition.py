@@ -5,7 +5,7 @@ the first scrape that asks, then kept with the tick), a cached scrape's lookup, 
     .venv/bin/python bench/bench_exposition.py [--seconds 600] [--measure 30] [--servers 8,32]
 
 In-process, no I/O, the synthetic workload of bench_derive.py. Per tick: the families collected once
-(exporter.collector: the catalog's and the process' process_*/python_*), then exporter.exposition.Exposition
+(exporter.serve.collector: the catalog's and the process' process_*/python_*), then exporter.serve.exposition.Exposition
 (the text format), then each other form once, as a Prometheus scraping every tick would cost (it asks for
 OpenMetrics, gzipped). Thread CPU time, medians over --measure ticks.
 """
@@ -22,8 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _support import percentile, table  # noqa: E402
 from bench_derive import CLOCK, SHORT, Case  # noqa: E402
 
-from exporter.collector import families, runtime_families  # noqa: E402
-from exporter.exposition import Exposition  # noqa: E402
+from exporter.serve.collector import families, runtime_families  # noqa: E402
+from exporter.serve.exposition import Exposition  # noqa: E402
 
 PROMETHEUS_ACCEPT = ("application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;"
                      "q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1")  # what Prometheus 2.42 sends

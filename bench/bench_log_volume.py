@@ -26,7 +26,7 @@ from pathlib import Path
 
 from _support import FIXTURE, REPO
 
-from exporter.experiment.server import free_port
+from kvwatt_lab.experiment.server import free_port
 
 TEXT = FIXTURE.read_text()
 

@@ -72,7 +72,7 @@ async def _in_process(servers: FixtureServers, gpus_path: str, seconds: float, t
     from exporter.daemon import Daemon
     from exporter.sampler import Sampler
     from exporter.sources.nvml import NvmlSource
-    from exporter.web import start_web
+    from exporter.serve.web import start_web
     from tests.support.fake_gpus import load_fake_nvml
 
     # the idle loop's floor first

@@ -30,7 +30,7 @@ REPO = HERE.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from exporter.expfmt import parse  # noqa: E402
+from exporter.sources.expfmt import parse  # noqa: E402
 from exporter.sources.vllm import extract  # noqa: E402
 from tests.support.daemon import KvwattDaemon  # noqa: E402
 from tests.support.engine import VllmEngine, build_tiny_model  # noqa: E402

@@ -9,7 +9,7 @@ no ``__inputs``; every panel and query uses the ``${datasource}`` variable. Buil
 provisioning paths: dashboards/README.md.
 
 Selectors are built by ``kv()`` (kvwatt series) and ``vl()`` (vLLM series), which look the name up in
-``exporter.catalog`` / ``exporter.vllm_names`` and add exactly the matchers that series' labels allow, so a
+``exporter.catalog`` / ``exporter.sources.vllm_names`` and add exactly the matchers that series' labels allow, so a
 query cannot filter on a label its series does not carry.
 """
 
@@ -28,7 +28,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 from exporter.catalog import BY_NAME  # noqa: E402
-from exporter.vllm_names import WIRE_SERIES  # noqa: E402
+from exporter.sources.vllm_names import WIRE_SERIES  # noqa: E402
 
 SCHEMA_VERSION = 42
 DS: dict[str, str] = {"type": "prometheus", "uid": "${datasource}"}

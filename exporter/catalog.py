@@ -1,7 +1,7 @@
 """Every series kvwatt exports, one definition each: name, type, labels, HELP, where its value is computed,
 and the function that fills it from the tick's typed figures (exporter.figures), side by side.
 
-The collector emits only these families (exporter.collector walks this table), the README's metric
+The collector emits only these families (exporter.serve.collector walks this table), the README's metric
 reference is generated from it (exporter.reference), and the alert/dashboard generators refuse a query naming
 a ``kvwatt_`` series missing from it. To find a metric's computation: search its name here and follow
 ``computed_in`` (tests/test_catalog.py proves each one is really called for its series). Formulas cite
@@ -10,7 +10,7 @@ docs/methods.md sections.
 A fill yields ``(label values in the order of labels, value)``; a None value is left out (unknown, never 0).
 
 The one exception: /metrics also carries prometheus_client's standard ``process_*`` and ``python_*`` families
-(ProcessCollector, PlatformCollector, GCCollector; exporter.collector.runtime_families), which describe the
+(ProcessCollector, PlatformCollector, GCCollector; exporter.serve.collector.runtime_families), which describe the
 kvwatt process itself, as every Prometheus client library's do. They are not listed here because their
 names, help and labels are the library's, the same in every exporter.
 """

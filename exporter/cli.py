@@ -1,25 +1,39 @@
 """`kvwatt` command line. Each command lives in its own module exposing add_arguments(parser) and
-main(args) -> exit status; this file only wires them. Bad input anywhere: one line on stderr, exit 2."""
+main(args) -> exit status; this file only wires them. Bad input anywhere: one line on stderr, exit 2.
+
+The daemon's commands are in exporter/commands/. The lab's (`replay`, `experiment`) belong to the separate
+distribution in lab/ and register themselves through the ``kvwatt.commands`` entry points, so the daemon
+never imports the lab; without it installed they answer with the one line that says how to install it."""
 
 from __future__ import annotations
 
 import argparse
 import importlib
 import sys
+from importlib.metadata import entry_points
 
 from exporter.build import VersionAction
 from exporter.config import ConfigError
 
 # command path -> (module, one-line help). Sub-commands of "baseline" are "baseline idle" etc.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "run": ("exporter.daemon", "run the daemon: sample vLLM, NVML and RAPL and serve /metrics"),
-    "check-config": ("exporter.checkconfig", "validate a configuration file (exit 2 on the first problem)"),
-    "baseline idle": ("exporter.energy.idle_command", "measure the idle power baseline now and persist it"),
-    "baseline record": ("exporter.offload.record_command",
+    "run": ("exporter.commands.run", "run the daemon: sample vLLM, NVML and RAPL and serve /metrics"),
+    "check-config": ("exporter.commands.check_config", "validate a configuration file (exit 2 on the first problem)"),
+    "baseline idle": ("exporter.commands.baseline_idle", "measure the idle power baseline now and persist it"),
+    "baseline record": ("exporter.commands.baseline_record",
                         "record an OFF-condition profile (J/token, tokens/s by KV-pressure band)"),
-    "replay": ("exporter.replay.command", "replay agentic traces against an OpenAI-compatible server"),
-    "experiment": ("exporter.experiment.command", "run a paired ON/OFF experiment plan and write its report"),
 }
+# The lab's commands (lab/pyproject.toml entry points): name -> help shown when the lab is not installed.
+LAB_COMMANDS: dict[str, str] = {
+    "replay": "replay agentic traces against an OpenAI-compatible server (kvwatt lab)",
+    "experiment": "run a paired ON/OFF experiment plan and write its report (kvwatt lab)",
+}
+LAB_INSTALL = "pip install ./lab from a kvwatt checkout (or `make lab`)"
+
+
+def lab_modules() -> dict[str, str]:
+    """The installed lab's commands: name -> module (``kvwatt.commands`` entry points)."""
+    return {ep.name: ep.value for ep in entry_points(group="kvwatt.commands") if ep.name in LAB_COMMANDS}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -44,6 +58,12 @@ def _missing(name: str) -> int:
     return 2
 
 
+def _lab_missing(command: str) -> int:
+    print(f"kvwatt: error: `kvwatt {command}` is part of the kvwatt lab, which is not installed: {LAB_INSTALL}",
+          file=sys.stderr)
+    return 2
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="kvwatt", description="Watch vLLM servers with KV offloading: KV pressure, recomputation and energy per token.")
     parser.add_argument("--version", action=VersionAction)
@@ -62,6 +82,17 @@ def build_parser() -> argparse.ArgumentParser:
         if module is None:
             p.set_defaults(_main=lambda _a, m=module_name: _missing(m))
             continue
+        module.add_arguments(p)
+        p.set_defaults(_main=module.main)
+    installed = lab_modules()
+    for name, help_ in LAB_COMMANDS.items():
+        if name not in installed:  # parse anything: the command itself then says how to get the lab
+            p = sub.add_parser(name, help=f"{help_}; not installed", add_help=False)
+            p.add_argument("rest", nargs=argparse.REMAINDER)
+            p.set_defaults(_main=lambda _a, n=name: _lab_missing(n))
+            continue
+        p = sub.add_parser(name, help=help_, description=help_)
+        module = importlib.import_module(installed[name])
         module.add_arguments(p)
         p.set_defaults(_main=module.main)
     return parser

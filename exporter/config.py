@@ -173,7 +173,7 @@ class Config:
     collapse_power_near_idle_ratio: float = 1.5
     collapse_reference_seconds: float = 600.0
     load_to_compute_cost_ratio: float = 0.1
-    web_config_path: str | None = None  # TLS / basic auth of the endpoints (exporter/webconfig.py)
+    web_config_path: str | None = None  # TLS / basic auth of the endpoints (exporter/serve/webconfig.py)
     log_level: str = "info"  # debug | info | warn | error (exporter/logsetup.py)
     log_format: str = "logfmt"  # logfmt | json
 
@@ -312,7 +312,7 @@ def parse_log_format(value: Any, key: str) -> str:
     return _choice(_lowered(value), key, LOG_FORMATS, value)
 
 
-RESERVED_PATHS = ("/", "/healthz", "/api/status")  # kvwatt's other endpoints (exporter/web.py)
+RESERVED_PATHS = ("/", "/healthz", "/api/status")  # kvwatt's other endpoints (exporter/serve/web.py)
 _PATH_RE = re.compile(r"^/[A-Za-z0-9._~!$&'()*+,;=:@/-]*$")
 
 

@@ -1,6 +1,6 @@
 """Typed figures: everything kvwatt knows at one tick, computed once by exporter.model and only read after.
 
-/metrics (exporter.catalog fills each family from these), /api/status and the landing page (exporter.web)
+/metrics (exporter.catalog fills each family from these), /api/status and the landing page (exporter.serve.web)
 serialise the same Snapshot, so they always agree. None means unknown: the exposition omits the series and
 the JSON says null, never a fake 0. Frozen: a scrape cannot change what it reads.
 """
@@ -14,7 +14,7 @@ from exporter.derive.energy import EnergyPerToken
 from exporter.derive.offload import TierFlows, TierState
 from exporter.derive.threshold import LocatedThreshold
 from exporter.energy.baseline import Baseline
-from exporter.samples import DeviceReading, SourceStatus, VllmInfo
+from exporter.samples import DeviceReading, SourceStatus, EngineInfo
 
 
 @dataclass(frozen=True)
@@ -123,7 +123,7 @@ class ServerFigures:
     name: str
     url: str  # password masked (config.redacted_url): figures are for showing
     status: SourceStatus
-    info: VllmInfo | None
+    info: EngineInfo | None
     threshold: float
     reference_share: float | None
     reference_kind: str

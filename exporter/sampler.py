@@ -132,12 +132,12 @@ class HealthLog:
 class Sampler:
     def __init__(self, cfg: Config, servers: Sequence[ServerConfig] | None = None, nvml: Any = None,
                  rapl: Any = None, energy: bool = True, deadline_seconds: float | None = None) -> None:
-        from exporter.sources.vllm import VllmSource
+        from exporter.sources.endpoint import EngineSource
 
         self.cfg = cfg
         servers = cfg.servers if servers is None else servers
-        self.vllm = {s.name: VllmSource(s.name, s.url, cfg.http_timeout_seconds, cfg.max_body_bytes,
-                                        sidecar_urls=s.sidecar_urls) for s in servers}
+        self.engines = {s.name: EngineSource(s.name, s.url, cfg.http_timeout_seconds, cfg.max_body_bytes,
+                                          sidecar_urls=s.sidecar_urls) for s in servers}
         self.energy: list[_EnergySource] = []
         if energy:
             if nvml is None:
@@ -181,7 +181,7 @@ class Sampler:
         """Read every source for the tick at monotonic time ``t``; returns within ~``deadline`` seconds, or up
         to 80 % of the interval while an energy read is still running (``energy_grace``)."""
         assert self.session is not None, "use `async with Sampler(...)`"
-        for name, src in self.vllm.items():
+        for name, src in self.engines.items():
             if name not in self.pending:
                 self.pending[name] = asyncio.create_task(src.read(self.session))
         started = [(e, e.start(t, self.deadline)) for e in self.energy]

@@ -58,7 +58,7 @@ class SourceStatus:
 
 
 @dataclass(frozen=True)
-class VllmInfo:
+class EngineInfo:
     """Slow-changing facts about a server, from vllm:cache_config_info and friends."""
 
     model_name: str = ""
@@ -86,14 +86,13 @@ class EngineReading:
 
     counters: dict[str, float]
     gauges: dict[str, float]
-    info: VllmInfo
+    info: EngineInfo
     capabilities: frozenset[str] = frozenset()
     engine: str = "vllm"
     engine_counters: dict[str, dict[str, float]] = field(default_factory=dict)
     rejected: dict[str, str] = field(default_factory=dict)
 
 
-VllmReading = EngineReading  # the vLLM adapter was the only engine before the seam existed
 
 
 @dataclass(frozen=True)

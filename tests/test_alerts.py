@@ -3,7 +3,7 @@
 - ``promtool check rules`` on both generated files and ``promtool test rules`` on every tests/alerts/*.yaml
   (each alert fires on its signature, stays silent on near misses and healthy series, is pending before its
   ``for:``; annotations exact; recording rules by promql_expr_test);
-- every series a rule or a unit test names is one vLLM puts on the wire (exporter.vllm_names.WIRE_SERIES),
+- every series a rule or a unit test names is one vLLM puts on the wire (exporter.sources.vllm_names.WIRE_SERIES),
   one kvwatt exports (exporter.catalog), one of our recording rules, or ``up``;
 - ``amtool check-config`` and ``amtool config routes test`` for the receiver of every alert;
 - ``alerts/generate.py --check`` and its settings; the runbook has a section for every alert and mentions
@@ -25,7 +25,7 @@ import pytest
 import yaml
 
 from exporter.catalog import BY_NAME
-from exporter.vllm_names import WIRE_SERIES
+from exporter.sources.vllm_names import WIRE_SERIES
 from tests.support.prom import missing_binaries
 
 REPO = Path(__file__).resolve().parents[1]

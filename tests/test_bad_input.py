@@ -307,7 +307,7 @@ def test_duplicate_check_compares_names_a_linear_number_of_times():
 def test_trace_turn_limit_is_checked_line_by_line(tmp_path, monkeypatch):
     """A trace holding more turns than MAX_TRACE_TURNS is refused at the line that passes it (the real limit,
     10,000,000 turns, is lowered here so the file stays small)."""
-    from exporter.replay import traces
+    from kvwatt_lab.replay import traces
 
     monkeypatch.setattr(traces, "MAX_TRACE_TURNS", 5)
     path = trace_file(tmp_path, session((1, 1), (1, 1), (1, 1), session_id="a")

@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from exporter import catalog
-from exporter.collector import families
+from exporter.serve.collector import families
 import exporter.config as config_module
 from exporter.daemon import Daemon
 from exporter.model import Model

@@ -60,7 +60,7 @@ def test_sequence_of_real_expositions_gives_the_counter_deltas():
         first = LOW[0]
         share = d.value("kvwatt_prompt_token_share_ratio", server="live", source="local_compute", window="1m")
         # expected from the fixtures themselves: deltas between the first and the last exposition
-        from exporter.expfmt import parse
+        from exporter.sources.expfmt import parse
         from exporter.sources.vllm import extract
         a, b = extract(parse(first)).counters, extract(parse(LOW[-1])).counters
         lc = b["prompt_local_compute"] - a["prompt_local_compute"]
@@ -78,7 +78,7 @@ def test_counter_reset_from_a_restarted_server_never_goes_negative():
             assert v is not None and v >= 0
         # the restart step counts the new values since restart, not a drop of 12,000 tokens
         gen_first = 0  # LOW[0] is the first capture: generation tokens since start
-        from exporter.expfmt import parse
+        from exporter.sources.expfmt import parse
         from exporter.sources.vllm import extract
         gen_first = extract(parse(LOW[0])).counters["generation_tokens"]
         covered = d.value("kvwatt_window_covered_seconds", server="live", window="1m")

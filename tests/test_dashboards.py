@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from exporter.catalog import BY_NAME
-from exporter.vllm_names import WIRE_SERIES
+from exporter.sources.vllm_names import WIRE_SERIES
 from tests.support.grafana import (DASHBOARD_DIR, QUERY_PANEL_TYPES, ROOT, Selector, expand, load_dashboards,
                                    panels, ranges, referenced_variables, selectors, targets, variables)
 

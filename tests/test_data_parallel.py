@@ -4,7 +4,7 @@ the store took the whole new sum as the step's increase, and a long-running serv
 tokens per second for a true few thousand.
 
 Real vLLM 0.32 expositions (tests/data/vllm-0.32-cpu/low-pressure), made data-parallel by relabelling
-(tests/support/expositions.py), served over real loopback HTTP and read by the real VllmSource into the real
+(tests/support/expositions.py), served over real loopback HTTP and read by the real EngineSource into the real
 Model; the figures are the snapshot's."""
 
 from __future__ import annotations
@@ -15,10 +15,11 @@ import aiohttp
 import pytest
 
 from exporter.config import from_mapping
-from exporter.expfmt import parse
+from exporter.sources.expfmt import parse
 from exporter.model import Model
 from exporter.samples import ServerRead, Tick
-from exporter.sources.vllm import VllmSource, extract
+from exporter.sources.vllm import extract
+from exporter.sources.endpoint import EngineSource
 from tests.conftest import FIXTURES
 from tests.support.expositions import data_parallel, offset_counters
 from tests.support.httpserver import MetricsServer
@@ -62,7 +63,7 @@ def expected_deltas() -> list[float]:
     return out
 
 
-def _read(src: VllmSource):
+def _read(src: EngineSource):
     async def go():
         async with aiohttp.ClientSession() as session:
             return await src.read(session)
@@ -83,7 +84,7 @@ def test_an_engine_vanishing_reappearing_or_restarting_gives_no_huge_rate(tmp_pa
     model = Model(cfg, wall_clock=lambda: 1.75e9)
     step = {"i": 0}
     with MetricsServer(lambda: exposition(step["i"])) as srv:
-        src = VllmSource("dp", srv.url, 5.0, 1 << 24)
+        src = EngineSource("dp", srv.url, 5.0, 1 << 24)
         for i in range(len(LOW)):
             step["i"] = i
             status, reading = _read(src)

@@ -35,7 +35,7 @@ import jsonschema
 import pytest
 import yaml
 
-from exporter.experiment.server import free_port
+from kvwatt_lab.experiment.server import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "tests" / "data"
@@ -384,10 +384,14 @@ def test_image_build_stage_replayed(tmp_path):
     r = subprocess.run([str(exe), "check-config", str(COMPOSE_DIR / "kvwatt.yaml")], cwd=outside,
                        env=_clean_env(), capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
-    # the runtime dependencies, the experiment report's matplotlib among them, but not the test extra
-    r = subprocess.run([str(venv / "bin" / "python"), "-c", "import matplotlib"], cwd=outside,
-                       env=_clean_env(), capture_output=True, text=True)
-    assert r.returncode == 0, "the image lacks matplotlib (a base dependency: kvwatt experiment's report)"
+    # the daemon's runtime dependencies only: neither the lab (lab/, kvwatt_lab) nor its matplotlib, nor the
+    # test extra
+    for module in ("matplotlib", "kvwatt_lab"):
+        r = subprocess.run([str(venv / "bin" / "python"), "-c", f"import {module}"], cwd=outside,
+                           env=_clean_env(), capture_output=True, text=True)
+        assert r.returncode != 0, f"the daemon's image installs {module} (the lab's, not the daemon's)"
+    r = subprocess.run([str(exe), "replay", "x"], cwd=outside, env=_clean_env(), capture_output=True, text=True)
+    assert r.returncode == 2 and "part of the kvwatt lab" in r.stderr and "pip install ./lab" in r.stderr, r.stderr
     r = subprocess.run([str(venv / "bin" / "python"), "-c", "import pytest"], cwd=outside,
                        env=_clean_env(), capture_output=True, text=True)
     assert r.returncode != 0, "the image installs the test extra"

@@ -10,7 +10,7 @@ import time
 import pytest
 import requests
 
-from exporter.expfmt import parse
+from exporter.sources.expfmt import parse
 from exporter.sources.vllm import extract
 from tests.support.daemon import KvwattDaemon
 from tests.support.engine import VllmEngine, build_tiny_model

@@ -1,7 +1,7 @@
 """Attribution of device energy to servers, and the model's energy side tick by tick (NVML double + a
 powercap tree, virtual tick times: nothing waits on the clock). The test builds each exporter.samples.Tick
 itself, as the Sampler would, and feeds exporter.model.Model; figures come from its Snapshot and are
-rendered by the collector (exporter.collector.families)."""
+rendered by the collector (exporter.serve.collector.families)."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from exporter import catalog
-from exporter.collector import KvwattCollector, families
+from exporter.serve.collector import KvwattCollector, families
 from exporter.config import Config, ServerConfig
 from exporter.energy.attribution import assign_gpus, host_shares
 from exporter.energy.baseline import BaselineBook
 from exporter.model import Model
-from exporter.samples import DeviceReading, EngineReading, ServerRead, SourceStatus, Tick, VllmInfo
+from exporter.samples import DeviceReading, EngineReading, ServerRead, SourceStatus, Tick, EngineInfo
 from exporter.sources.nvml import NvmlSource
 from exporter.sources.rapl import RaplSource
 from tests.support.fake_gpus import FakeGpus, load_fake_nvml
@@ -101,7 +101,7 @@ class Rig:
             n = tokens.get(s.name, 0.0)
             self.tokens[s.name] += n
             reading = EngineReading({"generation_tokens": self.tokens[s.name], "prompt_tokens": 0.0},
-                                    {"running": 1.0 if n else 0.0, "waiting": 0.0}, VllmInfo())
+                                    {"running": 1.0 if n else 0.0, "waiting": 0.0}, EngineInfo())
             reads[s.name] = ServerRead(s.name, SourceStatus("vllm", s.name, True), reading)
         self.model.ingest(Tick(self.t, reads, (nv_status, host_status), tuple(gpus + zones)))
 

@@ -16,13 +16,14 @@ from pathlib import Path
 
 import pytest
 
-from exporter.expfmt import parse, parse_families, process_start_time
-from exporter.samples import EngineReading, VllmInfo
+from exporter.sources.expfmt import parse, parse_families, process_start_time
+from exporter.samples import EngineReading, EngineInfo
 from exporter.sources import engine
 from exporter.sources.engine import (CAPABILITIES, CAPABILITY_KEYS, COUNTER_KEYS, GAUGE_KEYS, EngineAdapter,
                                      SourceError, adapter_for, adapters)
-from exporter.sources.vllm import (COUNTERS, GAUGES_SUM, NEEDED_FAMILIES, VllmAdapter, VllmSource, extract)
-from exporter.vllm_names import RENAMES
+from exporter.sources.vllm import COUNTERS, GAUGES_SUM, NEEDED_FAMILIES, VllmAdapter, extract
+from exporter.sources.endpoint import EngineSource
+from exporter.sources.vllm_names import RENAMES
 from tests.conftest import FIXTURES
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "fixtures"
@@ -64,14 +65,14 @@ def test_a_registered_adapter_is_detected(monkeypatch):
             return text.startswith("fake:")
 
         def read(self, text, problems=None):
-            return EngineReading({"generation_tokens": 1.0}, {}, VllmInfo(), frozenset(), "fake")
+            return EngineReading({"generation_tokens": 1.0}, {}, EngineInfo(), frozenset(), "fake")
 
     monkeypatch.setattr(engine, "_REGISTRY", list(adapters()))
     engine.register(Fake())
     assert [a.name for a in adapters()] == ["vllm", "sglang", "trtllm", "lmcache", "dynamo", "fake"]
     assert adapter_for("fake:tokens 3\n").name == "fake"
     assert adapter_for("vllm:generation_tokens_total 3\n").name == "vllm"
-    reading = VllmSource("s", "http://x", 1, 1).decode("fake:tokens 3\n")
+    reading = EngineSource("s", "http://x", 1, 1).decode("fake:tokens 3\n")
     assert reading.engine == "fake"
 
 
@@ -244,9 +245,9 @@ def synthetic_exposition(series: int) -> str:
     return "\n".join(out[:series]) + "\n"
 
 
-# --- VllmSource: decoding off the event loop --------------------------------------------------------------
+# --- EngineSource: decoding off the event loop --------------------------------------------------------------
 def test_decode_raises_and_status_is_degraded_on_bad_lines():
-    src = VllmSource("s", "http://127.0.0.1:1", 1.0, 1 << 20)
+    src = EngineSource("s", "http://127.0.0.1:1", 1.0, 1 << 20)
     with pytest.raises(SourceError):
         src.decode("# nothing\n")
     problems: list[str] = []
@@ -266,7 +267,7 @@ def test_adapter_bug_becomes_parse_error():
             raise KeyError("oops")
 
     with pytest.raises(SourceError) as e:
-        VllmSource("s", "http://x", 1, 1, adapter=Broken()).decode("vllm:x 1")
+        EngineSource("s", "http://x", 1, 1, adapter=Broken()).decode("vllm:x 1")
     assert e.value.reason == "parse_error"
 
 
@@ -284,7 +285,7 @@ def test_read_decodes_in_a_worker_thread_and_the_loop_keeps_running():
             time.sleep(0.3)  # a 50k-series exposition on a slow core
             return VllmAdapter().read(text, problems)
 
-    src = VllmSource("s", "http://x", 1.0, 1 << 20, adapter=Slow())
+    src = EngineSource("s", "http://x", 1.0, 1 << 20, adapter=Slow())
 
     async def fetch(_session):
         return "vllm:generation_tokens_total 7\n"

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from exporter.expfmt import parse
+from exporter.sources.expfmt import parse
 from exporter.sources.vllm import extract
 from tests.support.daemon import KvwattDaemon
 from tests.support.engine import VOCAB_SIZE, VllmEngine, build_tiny_model

@@ -24,7 +24,7 @@ from exporter.config import ConfigError, from_mapping
 from exporter.sources import combine
 from exporter.sources.engine import (CAPABILITIES, CAPABILITY_KEYS, COUNTER_KEYS, GAUGE_KEYS, SourceError,
                                      adapter_for, adapters)
-from exporter.sources.vllm import VllmSource
+from exporter.sources.endpoint import EngineSource
 from tests.support.daemon import REPO, parse_exposition
 from tests.support.engine_expositions import (BLOCK_TOKENS, ENGINES, HOST_TOKENS, KINDS, KV_BYTES_PER_TOKEN, LOADS,
                                               STALL_AT, Sequence)
@@ -35,7 +35,7 @@ LOADS_HIGH = LOADS["high-pressure"]
 
 
 def joined(texts: dict[str, str]) -> str:
-    """The server's exposition and its sidecar's, as VllmSource hands them to the adapters."""
+    """The server's exposition and its sidecar's, as EngineSource hands them to the adapters."""
     return "\n".join(t.rstrip("\n") for t in texts.values()) + "\n"
 
 
@@ -323,7 +323,7 @@ def test_committed_frames_are_current_and_parse():
 
 
 # --- sidecars over loopback ---------------------------------------------------------------------------------
-def _read(src: VllmSource):
+def _read(src: EngineSource):
     async def go():
         async with aiohttp.ClientSession() as session:
             return await src.read(session)
@@ -335,7 +335,7 @@ def test_a_sidecar_is_fetched_and_merged_and_its_failure_only_degrades():
     sidecar_up = [True]
     with MetricsServer(lambda: texts[""]) as main, \
             MetricsServer(lambda: texts["sidecar"] if sidecar_up[0] else None) as side:
-        src = VllmSource("s", main.url, 2.0, 1 << 20, sidecar_urls=(side.url,))
+        src = EngineSource("s", main.url, 2.0, 1 << 20, sidecar_urls=(side.url,))
         status, reading = _read(src)
         assert status.state == "ok" and reading.engine == "vllm+lmcache"
         assert reading.gauges["offload_buffer_used_bytes"] > 0
@@ -353,9 +353,9 @@ def test_a_sidecar_url_credentials_go_as_basic_auth():
     with MetricsServer(lambda: texts[""]) as main, \
             MetricsServer(lambda: texts["sidecar"], basic_auth=("kv", "s3cret")) as side:
         authed = side.url.replace("://", "://kv:s3cret@")
-        status, reading = _read(VllmSource("s", main.url, 2.0, 1 << 20, sidecar_urls=(authed,)))
+        status, reading = _read(EngineSource("s", main.url, 2.0, 1 << 20, sidecar_urls=(authed,)))
         assert status.state == "ok" and reading.engine == "vllm+dynamo" and side.unauthorized == 0
-        status, _ = _read(VllmSource("s", main.url, 2.0, 1 << 20, sidecar_urls=(side.url,)))
+        status, _ = _read(EngineSource("s", main.url, 2.0, 1 << 20, sidecar_urls=(side.url,)))
         assert status.code == "sidecar" and "http_401" in status.reason and "s3cret" not in status.reason
 
 

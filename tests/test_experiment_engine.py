@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from exporter.experiment.plan import load_plan, run_order
+from kvwatt_lab.experiment.plan import load_plan, run_order
 from tests.support.engine import VllmEngine, build_tiny_model, engine_available, free_port
 from tests.support.experiment import (SAMPLE_TRACES, is_png, kill_server_group, load_state, pids_serving,
                                       report_json, run_experiment, write_plan)

@@ -16,10 +16,10 @@ import yaml
 
 from exporter.cli import main
 from exporter.config import ConfigError
-from exporter.experiment.plan import load_plan, run_order, template_values
-from exporter.experiment.runner import launch_for
-from exporter.experiment.server import ServerProcess
-from exporter.experiment.template import render_argv, substitute
+from kvwatt_lab.experiment.plan import load_plan, run_order, template_values
+from kvwatt_lab.experiment.runner import launch_for
+from kvwatt_lab.experiment.server import ServerProcess
+from kvwatt_lab.experiment.template import render_argv, substitute
 
 SAMPLE = Path(__file__).parent / "data" / "office_work_8k.sample.jsonl"
 REPO = Path(__file__).resolve().parents[1]
@@ -192,7 +192,7 @@ def test_run_order_is_a_blocked_shuffle_fixed_by_the_seed(tmp_path):
 
 def test_run_order_does_not_depend_on_hash_randomisation(tmp_path):
     path = write(tmp_path, BASE)
-    code = ("import json, sys; from exporter.experiment.plan import load_plan, run_order; "
+    code = ("import json, sys; from kvwatt_lab.experiment.plan import load_plan, run_order; "
             "print(json.dumps([r.run_id for r in run_order(load_plan(sys.argv[1]))]))")
     outs = {subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, cwd=REPO,
                            env={**os.environ, "PYTHONHASHSEED": str(h)}, check=True).stdout for h in (1, 2)}

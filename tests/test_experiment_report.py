@@ -13,9 +13,9 @@ import pytest
 import yaml
 
 from exporter.cli import main
-from exporter.experiment import report
-from exporter.experiment.plan import load_plan, run_order
-from exporter.experiment.state import ExperimentState
+from kvwatt_lab.experiment import report
+from kvwatt_lab.experiment.plan import load_plan, run_order
+from kvwatt_lab.experiment.state import ExperimentState
 
 REPO = Path(__file__).resolve().parents[1]
 SAMPLE = REPO / "tests" / "data" / "office_work_8k.sample.jsonl"
@@ -172,7 +172,7 @@ def test_off_only_plan_marks_savings_na_and_lists_shares_per_condition(tmp_path)
 def test_files_plots_and_standalone_entry_points(tmp_path, capsys):
     plan = plan_file(tmp_path, PAIRED)
     out = state_for(tmp_path, plan, paired_runs()[:7])  # two runs of off-c2 still to come
-    proc = subprocess.run([sys.executable, "-m", "exporter.experiment.report", str(out)], capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "kvwatt_lab.experiment.report", str(out)], capture_output=True,
                           text=True, cwd=REPO)
     assert proc.returncode == 0, proc.stderr
     for name in ("savings_vs_kv_p95.png", "energy_throughput_bars.png", "frontier.png", "mechanism.png"):
@@ -345,7 +345,7 @@ def _gid_points(fig, gid: str) -> int:
 
 
 def test_sweep_figures_plot_every_condition_pair_and_run(tmp_path):
-    from exporter.experiment import plots
+    from kvwatt_lab.experiment import plots
 
     model = report.build(model_data(sweep_state(tmp_path)))
     figs = {name: fig for name, _, fig in plots.figures(model)}
@@ -398,12 +398,12 @@ BLOCK_MATPLOTLIB = "import sys; sys.modules['matplotlib'] = None\n"
 
 def test_missing_matplotlib_fails_loudly_with_the_install_command(tmp_path):
     """matplotlib is a base dependency; if it is nevertheless missing, the report says what and how to install
-    it on one line and exits 2 (kvwatt experiment --report-only and python -m exporter.experiment.report)."""
+    it on one line and exits 2 (kvwatt experiment --report-only and python -m kvwatt_lab.experiment.report)."""
     out = sweep_state(tmp_path)
     plan = tmp_path / "plan.yaml"
     for argv in ([f"from exporter.cli import main; sys.exit(main(['experiment', {str(plan)!r}, '--out', "
                   f"{str(out)!r}, '--report-only']))"],
-                 [f"from exporter.experiment.report import main; sys.exit(main([{str(out)!r}]))"]):
+                 [f"from kvwatt_lab.experiment.report import main; sys.exit(main([{str(out)!r}]))"]):
         proc = subprocess.run([sys.executable, "-c", BLOCK_MATPLOTLIB + argv[0]], capture_output=True, text=True,
                               cwd=REPO)
         assert proc.returncode == 2, proc.stderr
@@ -428,7 +428,7 @@ def test_missing_matplotlib_fails_loudly_with_the_install_command(tmp_path):
 def test_a_running_experiment_does_not_swallow_a_missing_matplotlib(tmp_path, monkeypatch):
     """write_safely (after each run) says and ignores report failures, except this one: it must stop the
     experiment loudly rather than run for hours without figures."""
-    from exporter.experiment import plots
+    from kvwatt_lab.experiment import plots
 
     out = state_for(tmp_path, plan_file(tmp_path, PAIRED), paired_runs())
     said: list[str] = []

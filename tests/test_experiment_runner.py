@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from exporter.experiment.plan import load_plan, run_order
+from kvwatt_lab.experiment.plan import load_plan, run_order
 from tests.support.experiment import (FAKE_SERVER, SAMPLE_TRACES, is_png, kill_server_group, load_state,
                                       pids_serving, report_json, run_experiment, write_plan)
 from tests.support.engine import free_port

@@ -15,9 +15,9 @@ import pytest
 import yaml
 
 from exporter.config import ConfigError
-from exporter.experiment.plan import load_plan, run_order
-from exporter.experiment.server import group_alive, process_start_ticks
-from exporter.experiment.state import DirectoryLock, ExperimentState, open_state, reap_leftover_server
+from kvwatt_lab.experiment.plan import load_plan, run_order
+from kvwatt_lab.experiment.server import group_alive, process_start_ticks
+from kvwatt_lab.experiment.state import DirectoryLock, ExperimentState, open_state, reap_leftover_server
 
 REPO = Path(__file__).resolve().parents[1]
 SAMPLE = REPO / "tests" / "data" / "office_work_8k.sample.jsonl"
@@ -70,8 +70,8 @@ def test_a_failed_write_leaves_the_previous_state(tmp_path, monkeypatch):
 
 WRITER = """
 import sys
-from exporter.experiment.plan import load_plan, run_order
-from exporter.experiment.state import open_state
+from kvwatt_lab.experiment.plan import load_plan, run_order
+from kvwatt_lab.experiment.state import open_state
 plan = load_plan(sys.argv[1])
 state = open_state(sys.argv[2], plan, run_order(plan), resume=True)
 i = len(state.finished)

@@ -1,4 +1,4 @@
-"""Experiment plan sweeps (exporter/experiment/sweep.py): a matrix of concurrency x KV size x buffer x ON/OFF
+"""Experiment plan sweeps (lab/kvwatt_lab/experiment/sweep.py): a matrix of concurrency x KV size x buffer x ON/OFF
 expands into conditions and ON/OFF pairs with their parameters; bad sweeps exit 2 with one line naming the key;
 --dry-run prints the matrix and the estimated wall time; a swept experiment runs end to end against the
 stand-in server (tests/support/fake_openai_server.py) with every run's parameters in its results."""
@@ -15,8 +15,8 @@ import pytest
 import yaml
 
 from exporter.cli import main
-from exporter.experiment.plan import STOP_ESTIMATE_SECONDS, load_plan, run_order
-from exporter.experiment.runner import launch_for
+from kvwatt_lab.experiment.plan import STOP_ESTIMATE_SECONDS, load_plan, run_order
+from kvwatt_lab.experiment.runner import launch_for
 from exporter.limits import MAX_RUNS
 from tests.support.engine import free_port
 from tests.support.experiment import FAKE_SERVER, SAMPLE_TRACES, load_state, report_json, run_experiment, write_plan

@@ -4,7 +4,7 @@ import math
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from exporter.expfmt import KEPT_BUCKETS, parse
+from exporter.sources.expfmt import KEPT_BUCKETS, parse
 from tests.conftest import FIXTURES
 
 
@@ -56,7 +56,7 @@ def test_agrees_with_prometheus_client_on_real_expositions():
 
 
 def test_parse_families_reads_only_the_named_families_including_the_first_line():
-    from exporter.expfmt import parse_families
+    from exporter.sources.expfmt import parse_families
     text = ('vllm:num_requests_waiting{engine="0"} 2\nvllm:num_requests_waiting_by_reason{reason="capacity"} 1\n'
             'vllm:num_requests_waitingx 9\nvllm:other 3\nvllm:num_requests_waiting{engine="0"} 5\n'
             'vllm:num_requests_waiting{engine="1" 4\nvllm:other{ 1\n')
@@ -70,7 +70,7 @@ def test_parse_families_reads_only_the_named_families_including_the_first_line()
 
 def test_tabs_separate_tokens_as_the_text_format_allows():
     """Hardening issue item 11a: blanks or tabs separate a sample's tokens (prometheus_client agrees)."""
-    from exporter.expfmt import parse_families
+    from exporter.sources.expfmt import parse_families
     text = ('vllm:generation_tokens_total\t5\nvllm:prompt_tokens_total{engine="0"}\t7\t1700000000000\n'
             'vllm:num_requests_running \t 2\nvllm:num_requests_waiting\t{engine="0",model_name="a\tb"} 3\n'
             'vllm:kv_cache_usage_perc{engine="0"} 0.5\n')

@@ -1,5 +1,5 @@
 """Exposition values end to end (hardening issue items 5, 6, 11a): real vLLM expositions with single values,
-lines and labels mutated, pushed in sequences through the real decode path (VllmSource.decode, the vLLM
+lines and labels mutated, pushed in sequences through the real decode path (EngineSource.decode, the vLLM
 adapter), the real Model, the collector and /api/status, as tests/test_golden.py pushes its fixtures.
 
 Whatever a server writes: no exception; every exported value finite or absent; rates >= 0; ratios, shares
@@ -19,13 +19,14 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from exporter import catalog
-from exporter.collector import render
+from exporter.serve.collector import render
 from exporter.config import from_mapping
 from exporter.model import Model
 from exporter.samples import DeviceReading, ServerRead, SourceStatus, Tick
 from exporter.sources.engine import SourceError
-from exporter.sources.vllm import NEEDED_FAMILIES, VllmSource
-from exporter.web import status_json
+from exporter.sources.vllm import NEEDED_FAMILIES
+from exporter.sources.endpoint import EngineSource
+from exporter.serve.web import status_json
 from tests.conftest import FIXTURES
 from tests.support.expositions import data_parallel, offset_counters
 
@@ -246,7 +247,7 @@ def run_sequence(seq: int, tmp_path) -> int:
     rng = random.Random(SEED * 1000 + seq)
     shape = Shape(dp=rng.random() < 0.4, served_before=rng.choice([0.0, 0.0, 1e7, 1e12]), offload=rng.random() < 0.4)
     model = Model(config(tmp_path), wall_clock=lambda: WALL)
-    src = VllmSource("s", "http://s.invalid:8000", 2.0, 1 << 24)
+    src = EngineSource("s", "http://s.invalid:8000", 2.0, 1 << 24)
     refused = 0
     for i in range(len(LOW)):
         tag = f"sequence {seq} tick {i}"
@@ -296,7 +297,7 @@ def _replace_value(text: str, prefix: str, value: str) -> str:
 def run_texts(texts: list[str], tmp_path):
     """The texts as one server's reads at t = 1, 2, ...: the statuses and the snapshot after each tick."""
     model = Model(config(tmp_path), wall_clock=lambda: WALL)
-    src = VllmSource("s", "http://s.invalid:8000", 2.0, 1 << 24)
+    src = EngineSource("s", "http://s.invalid:8000", 2.0, 1 << 24)
     out = []
     for i, text in enumerate(texts):
         problems: list[str] = []

@@ -7,7 +7,7 @@ clock and fixed read durations (kvwatt_sample_duration_seconds is a timing: its 
 duration_seconds). Four servers:
 
 - ``cpu``: the real vLLM 0.32 CPU expositions (tests/data/vllm-0.32-cpu/low-pressure, offloading off by its
-  cache_config_info), decoded by the vLLM adapter (VllmSource.decode). Down ("unreachable") until the last
+  cache_config_info), decoded by the vLLM adapter (EngineSource.decode). Down ("unreachable") until the last
   ticks, then its six captures one per tick. No GPU (a CPU engine).
 - ``on``: a simulated offloading vLLM 0.33 (tests/support/vllm_sim undersized_buffer_on: no offloading fixture
   of a real engine exists), paired with ``off`` and with model + hardware parameters configured; with one
@@ -50,8 +50,8 @@ from exporter.energy.baseline import BaselineBook, IdleEstimate
 from exporter.model import Model
 from exporter.samples import DeviceReading, ServerRead, SourceStatus, Tick
 from exporter.sampler import Sampler
-from exporter.sources.vllm import VllmSource
-from exporter.web import _finite, status_json
+from exporter.sources.endpoint import EngineSource
+from exporter.serve.web import _finite, status_json
 from tests.conftest import FIXTURES
 from tests.support import vllm_sim as sim
 from tests.support.engine_expositions import Sequence
@@ -144,7 +144,7 @@ class Scenario:
         write_measured_host_baseline(self.cfg.state_dir)
         self.inputs = inputs or Inputs()
         self.gpus = GPUS if gpus is None else gpus  # server -> (index, uuid) of the GPU it runs on
-        self.adapters = {s.name: VllmSource(s.name, f"http://{s.name}.invalid:8000", 2.0, 1 << 24)
+        self.adapters = {s.name: EngineSource(s.name, f"http://{s.name}.invalid:8000", 2.0, 1 << 24)
                          for s in self.cfg.servers}
 
     def tick(self, t: int) -> Tick:
@@ -157,7 +157,7 @@ class Scenario:
                                                                READ_SECONDS["vllm"], "down"))
                 continue
             problems: list[str] = []
-            reading = src.decode(text, problems)  # the vLLM adapter, as VllmSource.read runs it
+            reading = src.decode(text, problems)  # the vLLM adapter, as EngineSource.read runs it
             servers[name] = ServerRead(name, src.status(problems, READ_SECONDS["vllm"]), reading)
         energy = [DeviceReading(f"gpu:{uuid}", "gpu", {"gpu": index, "uuid": uuid}, gpus[name][0], True,
                                 gpus[name][1], "counter", 40.0 + int(index), read_at=float(t))

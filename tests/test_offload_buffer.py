@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from exporter.derive import offload as O
-from exporter.expfmt import parse
+from exporter.sources.expfmt import parse
 from exporter.samples import Interval
 from exporter.sources.vllm import extract
 from exporter.store import ServerHistory

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from exporter.derive import collapse as C
-from exporter.expfmt import parse
+from exporter.sources.expfmt import parse
 from exporter.samples import Interval
 from exporter.sources.vllm import extract
 from exporter.store import ServerHistory

@@ -13,10 +13,10 @@ from exporter.config import ConfigError, from_mapping
 from exporter.daemon import Daemon
 from exporter.model import Model
 from exporter.offload import profile as P
-from exporter.offload.record_command import build_profile
+from exporter.commands.baseline_record import build_profile
 from exporter.sampler import Sampler
 from exporter.sources.nvml import NvmlSource
-from exporter.web import status_json
+from exporter.serve.web import status_json
 from tests.support import vllm_sim as sim
 from tests.support.daemon import parse_exposition
 from tests.support.fake_gpus import FakeGpus, load_fake_nvml

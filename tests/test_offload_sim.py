@@ -8,9 +8,9 @@ import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
-from exporter.expfmt import parse
+from exporter.sources.expfmt import parse
 from exporter.sources.vllm import extract
-from exporter.vllm_names import WIRE_SERIES
+from exporter.sources.vllm_names import WIRE_SERIES
 from tests.support import vllm_sim as sim
 from tests.support.fake_gpus import FakeGpus
 from tests.support.fakevllm import FakeVllm

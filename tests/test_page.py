@@ -1,4 +1,4 @@
-"""The landing page (`/`, exporter.page) in a real headless Debian chromium (tests/support/browser.py).
+"""The landing page (`/`, exporter.serve.page) in a real headless Debian chromium (tests/support/browser.py).
 
 A real kvwatt Daemon (model, collector, aiohttp app with its connection guard) serves on a loopback port. It
 is fed tick by tick with what the Sampler would hand it, built as tests/test_golden.py builds them: simulated
@@ -26,14 +26,14 @@ from pathlib import Path
 
 import aiohttp
 
-from exporter import page
+from exporter.serve import page
 from exporter.daemon import Daemon
 from exporter.derive.collapse import CLASSIC, CONDITIONS, CollapseResult
 from exporter.figures import ServerFigures, Snapshot, WindowFigures
 from exporter.model import Model
 from exporter.sampler import Sampler
 from exporter.samples import SourceStatus
-from exporter.web import start_web, status_json
+from exporter.serve.web import start_web, status_json
 from tests import test_golden as golden
 from tests.support import vllm_sim as sim
 from tests.support.browser import Chromium

@@ -22,8 +22,8 @@ import pytest
 from aiohttp import web
 
 from exporter.cli import main
-from exporter.replay.runner import poisson_arrival_offsets
-from exporter.replay.traces import scale_tokens
+from kvwatt_lab.replay.runner import poisson_arrival_offsets
+from kvwatt_lab.replay.traces import scale_tokens
 from tests.support.engine import VllmEngine, build_tiny_model, engine_available, free_port
 
 pytestmark = [pytest.mark.engine,

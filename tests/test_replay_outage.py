@@ -21,7 +21,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from exporter.cli import main
-from exporter.replay.runner import OUTAGE_BACKOFF_MAX_SECONDS
+from kvwatt_lab.replay.runner import OUTAGE_BACKOFF_MAX_SECONDS
 from tests.support.experiment import FAKE_SERVER, SAMPLE_TRACES
 
 

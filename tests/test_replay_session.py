@@ -7,12 +7,12 @@ import statistics
 
 import pytest
 
-from exporter.replay.client import SseSplitter
-from exporter.replay.records import Stats, TurnRecord, _percentile
-from exporter.replay.runner import SessionQueue, poisson_arrival_offsets
-from exporter.replay.session import Conversation, planned_prompt_tokens, turns_within_context
-from exporter.replay.tokens import TokenSource
-from exporter.replay.traces import Session, Turn
+from kvwatt_lab.replay.client import SseSplitter
+from kvwatt_lab.replay.records import Stats, TurnRecord, _percentile
+from kvwatt_lab.replay.runner import SessionQueue, poisson_arrival_offsets
+from kvwatt_lab.replay.session import Conversation, planned_prompt_tokens, turns_within_context
+from kvwatt_lab.replay.tokens import TokenSource
+from kvwatt_lab.replay.traces import Session, Turn
 
 TURNS = (Turn(900, 10, 0.5), Turn(300, 20, 1.0), Turn(40, 70, 0.0))
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from exporter.config import ConfigError
-from exporter.replay.traces import Session, Turn, load_sessions, scale_session, scale_tokens
+from kvwatt_lab.replay.traces import Session, Turn, load_sessions, scale_session, scale_tokens
 
 SAMPLE = Path(__file__).parent / "data" / "office_work_8k.sample.jsonl"
 

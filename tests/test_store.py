@@ -1,11 +1,11 @@
 """Window store: counter resets, restarts mid-window, gap-free energy attribution, bounded history."""
 
-from exporter.samples import DeviceReading, VllmInfo, VllmReading
+from exporter.samples import DeviceReading, EngineInfo, EngineReading
 from exporter.store import DeviceTracker, ServerHistory, counter_deltas, engine_deltas
 
 
 def reading(counters, gauges=None, start=None):
-    return VllmReading(dict(counters), dict(gauges or {}), VllmInfo(process_start_time_seconds=start))
+    return EngineReading(dict(counters), dict(gauges or {}), EngineInfo(process_start_time_seconds=start))
 
 
 def test_counter_reset_re_bases_never_a_negative_or_catch_up_delta():
@@ -27,8 +27,8 @@ def test_per_engine_deltas_an_engine_vanishing_reappearing_or_resetting_adds_not
 
 def test_history_of_two_engines_counts_no_catch_up_and_logs_the_change_once(caplog):
     h = ServerHistory(max_age_seconds=600, name="dp")
-    both = lambda g0, g1: VllmReading({"g": g0 + g1}, {}, VllmInfo(), engine_counters={"0": {"g": g0}, "1": {"g": g1}})
-    one = lambda g0: VllmReading({"g": g0}, {}, VllmInfo(), engine_counters={"0": {"g": g0}})
+    both = lambda g0, g1: EngineReading({"g": g0 + g1}, {}, EngineInfo(), engine_counters={"0": {"g": g0}, "1": {"g": g1}})
+    one = lambda g0: EngineReading({"g": g0}, {}, EngineInfo(), engine_counters={"0": {"g": g0}})
     h.add_reading(0.0, both(1e9, 1e9))
     with caplog.at_level("INFO", logger="kvwatt.store"):
         deltas = [h.add_reading(float(t), r).deltas.get("g") for t, r in
@@ -122,10 +122,10 @@ def test_registered_windows_slide_on_advance_even_without_a_reading():
 
 def test_a_reading_without_counters_is_no_engine_change(caplog):
     h = ServerHistory(max_age_seconds=600, name="s")
-    one = lambda g: VllmReading({"g": g}, {}, VllmInfo(), engine_counters={"0": {"g": g}})
+    one = lambda g: EngineReading({"g": g}, {}, EngineInfo(), engine_counters={"0": {"g": g}})
     h.add_reading(0.0, one(10.0))
     with caplog.at_level("INFO", logger="kvwatt.store"):
-        assert h.add_reading(1.0, VllmReading({}, {"kv_usage": 0.5}, VllmInfo())).deltas == {}
+        assert h.add_reading(1.0, EngineReading({}, {"kv_usage": 0.5}, EngineInfo())).deltas == {}
         assert h.add_reading(2.0, one(20.0)).deltas == {}  # back: re-based, no catch-up of 10
         assert h.add_reading(3.0, one(25.0)).deltas == {"g": 5.0}
     assert [r.getMessage() for r in caplog.records] == ["s: engine(s) ['0'] vanished: they count for nothing "

@@ -18,7 +18,7 @@ from exporter.figures import ServerFigures
 from exporter.model import Model
 from exporter.model.pressure import P95, regime
 from exporter.model.reference_book import STATE_FILE, ReferenceBook
-from exporter.samples import EngineReading, ServerRead, SourceStatus, Tick, VllmInfo
+from exporter.samples import EngineReading, ServerRead, SourceStatus, Tick, EngineInfo
 
 WALL = 1_750_000_000.0
 
@@ -42,7 +42,7 @@ class Engine:
         self.c["preemptions"] += whole
         self.carry -= whole
         running = 4.0 if prompt_per_second else 0.0
-        return EngineReading(dict(self.c), {"kv_usage": kv, "running": running, "waiting": 0.0}, VllmInfo(),
+        return EngineReading(dict(self.c), {"kv_usage": kv, "running": running, "waiting": 0.0}, EngineInfo(),
                              frozenset({"token_sources"}))
 
 

@@ -16,13 +16,13 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from exporter.collector import MAX_LABEL_CHARS, TRUNCATION_MARKER, bounded_label
+from exporter.serve.collector import MAX_LABEL_CHARS, TRUNCATION_MARKER, bounded_label
 from exporter.config import from_mapping
 from exporter.samples import REASON_CODES, reason_code
 from exporter.sampler import Sampler
 from exporter.sources.nvml import NvmlSource
 from exporter.sources.rapl import RaplSource
-from exporter.sources.vllm import VllmSource
+from exporter.sources.endpoint import EngineSource
 from tests.conftest import FIXTURES
 from tests.support import vllm_sim as sim
 from tests.support.fake_gpus import STATE_ENV, FakeGpus, load_fake_nvml
@@ -68,7 +68,7 @@ class Redirector:
 def _read(url: str):
     async def go():
         async with aiohttp.ClientSession() as s:
-            return await VllmSource("s", url, 2.0, 1_000_000).read(s)
+            return await EngineSource("s", url, 2.0, 1_000_000).read(s)
     return asyncio.run(go())
 
 

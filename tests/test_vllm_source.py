@@ -8,8 +8,9 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from exporter.expfmt import parse
-from exporter.sources.vllm import GIB, VllmSource, extract
+from exporter.sources.expfmt import parse
+from exporter.sources.vllm import GIB, extract
+from exporter.sources.endpoint import EngineSource
 from tests.conftest import FIXTURES
 
 
@@ -109,7 +110,7 @@ def _serve(handler):
 def _read(url, timeout=0.5, max_body=1_000_000):
     async def go():
         async with aiohttp.ClientSession() as s:
-            return await VllmSource("s", url, timeout, max_body).read(s)
+            return await EngineSource("s", url, timeout, max_body).read(s)
     return asyncio.run(go())
 
 
@@ -203,9 +204,9 @@ def _dp_gen(a: str, b: str) -> str:
      "offload_buffer_bytes"),
 ], ids=lambda x: x if len(x) < 40 else None)
 def test_an_out_of_range_value_makes_its_family_unknown_with_a_fixed_reason(text, family, caplog):
-    src = VllmSource("s", "http://x", 1.0, 1 << 24)
+    src = EngineSource("s", "http://x", 1.0, 1 << 24)
     good = src.decode(REAL)
-    with caplog.at_level("INFO", logger="kvwatt.vllm"):
+    with caplog.at_level("INFO", logger="kvwatt.engine"):
         for _ in range(3):
             problems = []
             r = src.decode(text, problems)

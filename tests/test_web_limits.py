@@ -103,7 +103,7 @@ def test_connections_stuck_before_their_tls_handshake_are_capped_too(tmp_path):
 
 
 def test_max_connections_fit_the_open_file_limit():
-    from exporter.connections import fit_max_connections
+    from exporter.serve.connections import fit_max_connections
 
     assert fit_max_connections(512, 256) == 64  # 256 - 2 accept batches of 64 - 64 reserved
     assert fit_max_connections(512, 1024) == 512

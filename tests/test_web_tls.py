@@ -157,7 +157,7 @@ def test_invalid_web_config_files_name_the_key(tmp_path, pki, text, message):
                                                     "ca.crt": "ca"}[name]).read_bytes())
     path = tmp_path / "web.yml"
     path.write_text(text + "\n")
-    from exporter.webconfig import load
+    from exporter.serve.webconfig import load
 
     with pytest.raises(ConfigError) as e:
         load(str(path))

@@ -18,7 +18,7 @@ from exporter.derive import offload as O
 from exporter.derive import pressure as P
 from exporter.derive import recompute as R
 from exporter.derive import window as W
-from exporter.samples import Interval, VllmInfo, VllmReading
+from exporter.samples import Interval, EngineInfo, EngineReading
 from exporter.store import Bucket, ServerHistory
 
 KEYS = ("generation_tokens", "preemptions", "prompt_local_compute", "prompt_local_cache_hit",
@@ -241,7 +241,7 @@ class Stream:
         self.present = {k: self.rng.random() < 0.7 for k in KEYS}
         self.start = 1000.0
 
-    def reading(self) -> VllmReading:
+    def reading(self) -> EngineReading:
         rng = self.rng
         for k in KEYS:
             if rng.random() < 0.02:
@@ -260,7 +260,7 @@ class Stream:
             if rng.random() < 0.85:
                 gauges[g] = rng.choice([0.0, 1.0, 0.5, round(rng.random(), 3), float(rng.randint(0, 20))])
         counters = {k: v for k, v in self.counters.items() if self.present[k]}
-        return VllmReading(counters, gauges, VllmInfo(process_start_time_seconds=self.start))
+        return EngineReading(counters, gauges, EngineInfo(process_start_time_seconds=self.start))
 
     def energy(self, h: ServerHistory):
         rng = self.rng
@@ -365,7 +365,7 @@ def test_long_stream_with_eviction_by_count_and_age():
 def test_unbounded_history_keeps_every_bucket():
     h = ServerHistory(math.inf, windows=(30.0,), grids=(60.0,))
     for t in range(0, 3601):
-        h.add_reading(float(t), VllmReading({"generation_tokens": t * 10.0}, {"kv_usage": 0.5}, VllmInfo()))
+        h.add_reading(float(t), EngineReading({"generation_tokens": t * 10.0}, {"kv_usage": 0.5}, EngineInfo()))
     got = h.buckets(60.0, 0.0, 3600.0)
     assert [(b.t0, b.t1) for b in got] == [(k * 60.0, k * 60.0 + 60.0) for k in range(60)]
     assert got[0].agg.n == 60 and got[0].agg.delta("generation_tokens") == 600.0  # t1 = 1..60
@@ -374,7 +374,7 @@ def test_unbounded_history_keeps_every_bucket():
 
 def test_grid_is_anchored_at_zero_and_a_bucket_completes_when_now_reaches_its_end():
     h = ServerHistory(600.0, grids=(10.0,))
-    r = lambda g: VllmReading({"generation_tokens": g}, {}, VllmInfo())
+    r = lambda g: EngineReading({"generation_tokens": g}, {}, EngineInfo())
     h.add_reading(3.0, r(0.0))
     h.add_reading(7.0, r(40.0))    # t1 = 7 -> bucket [0, 10)
     h.add_reading(10.0, r(70.0))   # t1 = 10 -> bucket [0, 10) (ends in (0, 10])

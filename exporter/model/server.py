@@ -12,7 +12,7 @@ from exporter.derive.window import WindowAggregate, covered_seconds
 from exporter.figures import EnergyFigure, ServerFigures, WindowFigures
 from exporter.model import offload as offload_figures
 from exporter.model import pressure as pressure_model
-from exporter.samples import EngineReading, SourceStatus, VllmInfo
+from exporter.samples import EngineReading, SourceStatus, EngineInfo
 from exporter.sources.engine import labelled
 from exporter.store import ServerHistory
 
@@ -38,7 +38,7 @@ class ServerModel:
         self._regime: dict[float, bool | None] = {}  # per window length: hysteresis state (methods.md s10)
         self.offload = offload_figures.setup(server)
         self.status = SourceStatus("vllm", server.name, False, "not_read_yet", 0.0, "down")
-        self.info: VllmInfo | None = None
+        self.info: EngineInfo | None = None
         self.engine, self.capabilities = "vllm", frozenset()
         self.gauges: dict[str, float] | None = None  # the last reading's, None while the server is not read
         self.collapse: collapse.CollapseResult | None = None

@@ -17,7 +17,7 @@ import re
 from dataclasses import replace
 from functools import lru_cache
 
-from exporter.samples import EngineReading, VllmInfo
+from exporter.samples import EngineReading, EngineInfo
 from exporter.sources.engine import EngineAdapter, SourceError, adapters, capabilities_of
 
 BLOCKS_TO_TOKENS = {"offload_store_blocks": "offload_store_tokens", "offload_load_blocks": "offload_load_tokens"}
@@ -95,7 +95,7 @@ def merge(base: EngineReading, addon: EngineReading) -> EngineReading:
     return EngineReading(counters, gauges, info, frozenset(caps), f"{base.engine}+{addon.engine}", ranks, rejected)
 
 
-def _merge_info(base: VllmInfo, addon: VllmInfo) -> VllmInfo:
+def _merge_info(base: EngineInfo, addon: EngineInfo) -> EngineInfo:
     """The primary's facts; offloading is on when the add-on offloads (vLLM's cache_config_info says "off"
     when LMCache, not its native offloading, holds the KV)."""
     if not addon.offload_enabled or base.offload_enabled:

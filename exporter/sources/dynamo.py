@@ -22,7 +22,7 @@ KVBM exports no tier capacity or occupancy, and no offload bytes: those figures 
 
 from __future__ import annotations
 
-from exporter.samples import VllmInfo
+from exporter.samples import EngineInfo
 from exporter.sources.families import EngineSpec, Parts, Pick, SpecAdapter, model_name
 
 KVSTATS = "dynamo_component_kvstats_"
@@ -48,7 +48,7 @@ class DynamoAdapter(SpecAdapter):
     spec = SPEC
     detect_prefixes = (KVSTATS, "kvbm_")
 
-    def facts(self, parts: Parts, process_start: float | None) -> VllmInfo:
+    def facts(self, parts: Parts, process_start: float | None) -> EngineInfo:
         kvbm = any(name.startswith("kvbm_") for name in parts.series)
-        return VllmInfo(model_name=model_name(parts.series), offload_enabled=True if kvbm else None,
+        return EngineInfo(model_name=model_name(parts.series), offload_enabled=True if kvbm else None,
                         offload_backend="kvbm" if kvbm else "", process_start_time_seconds=process_start)

@@ -18,7 +18,7 @@ import math
 import threading
 from typing import Protocol, runtime_checkable
 
-from exporter.samples import EngineReading, VllmInfo
+from exporter.samples import EngineReading, EngineInfo
 
 
 class SourceError(Exception):
@@ -154,7 +154,7 @@ CAPABILITY_PREFIXES: dict[str, tuple[str, ...]] = {
 }
 
 
-def capabilities_of(counters: dict[str, float], gauges: dict[str, float], info: VllmInfo) -> frozenset[str]:
+def capabilities_of(counters: dict[str, float], gauges: dict[str, float], info: EngineInfo) -> frozenset[str]:
     """The capabilities a reading shows, from which keys it carries (any adapter can use this)."""
     caps = {cap for cap, keys in CAPABILITY_KEYS.items() if any(k in counters or k in gauges for k in keys)}
     caps |= {cap for cap, prefixes in CAPABILITY_PREFIXES.items()

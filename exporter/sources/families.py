@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from exporter.expfmt import Exposition, Labels, parse_families, process_start_time
-from exporter.samples import EngineReading, VllmInfo
+from exporter.sources.expfmt import Exposition, Labels, parse_families, process_start_time
+from exporter.samples import EngineReading, EngineInfo
 from exporter.sources.engine import OFFLOAD_BUFFER, SourceError, capabilities_of
 from exporter.sources.vllm import MAX_VALUE
 
@@ -206,6 +206,6 @@ class SpecAdapter:
             caps |= {OFFLOAD_BUFFER}
         return EngineReading(parts.counters, parts.gauges, info, caps, self.name, parts.by_rank, parts.rejected)
 
-    def facts(self, parts: Parts, process_start: float | None) -> VllmInfo:
+    def facts(self, parts: Parts, process_start: float | None) -> EngineInfo:
         """The slow-changing facts; may also complete ``parts`` (derived counters, dropped gauges)."""
-        return VllmInfo(model_name=model_name(parts.series), process_start_time_seconds=process_start)
+        return EngineInfo(model_name=model_name(parts.series), process_start_time_seconds=process_start)

@@ -24,7 +24,7 @@ Tensor-parallel workers (label ``worker_id``) retrieve the same tokens for their
 
 from __future__ import annotations
 
-from exporter.samples import VllmInfo
+from exporter.samples import EngineInfo
 from exporter.sources.families import EngineSpec, Parts, Pick, SpecAdapter, model_name
 
 SPEC = EngineSpec(
@@ -47,6 +47,6 @@ class LmcacheAdapter(SpecAdapter):
     spec = SPEC
     detect_prefixes = SPEC.prefixes
 
-    def facts(self, parts: Parts, process_start: float | None) -> VllmInfo:
-        return VllmInfo(model_name=model_name(parts.series), offload_enabled=True, offload_backend="lmcache",
+    def facts(self, parts: Parts, process_start: float | None) -> EngineInfo:
+        return EngineInfo(model_name=model_name(parts.series), offload_enabled=True, offload_backend="lmcache",
                         process_start_time_seconds=process_start)

@@ -27,7 +27,7 @@ rank 0's are taken; ``dp_rank`` (data-parallel attention) is the rank the store 
 
 from __future__ import annotations
 
-from exporter.samples import VllmInfo
+from exporter.samples import EngineInfo
 from exporter.sources.vllm import MAX_VALUE
 from exporter.sources.families import EngineSpec, Parts, Pick, SpecAdapter, model_name, rank_sums
 
@@ -63,7 +63,7 @@ class SglangAdapter(SpecAdapter):
     spec = SPEC
     detect_prefixes = SPEC.prefixes
 
-    def facts(self, parts: Parts, process_start: float | None) -> VllmInfo:
+    def facts(self, parts: Parts, process_start: float | None) -> EngineInfo:
         self._external_storage(parts)
         self._shares_from_cached_tokens(parts)
         self._occupancy(parts)
@@ -72,7 +72,7 @@ class SglangAdapter(SpecAdapter):
         scheduler = "kv_usage" in parts.gauges or "max_total_num_tokens" in parts.series
         enabled = True if hicache else (False if scheduler else None)  # HiCache series exist only with HiCache
         page_size, pages = _cache_config(parts.series.get("cache_config_info", {}))
-        return VllmInfo(model_name=model_name(parts.series), offload_enabled=enabled,
+        return EngineInfo(model_name=model_name(parts.series), offload_enabled=enabled,
                         offload_backend="hicache" if enabled else ("none" if enabled is False else ""),
                         num_gpu_blocks=pages, block_size=page_size,
                         has_token_sources="prompt_local_compute" in parts.counters,

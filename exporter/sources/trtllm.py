@@ -21,7 +21,7 @@ pool size in bytes: those figures are absent.
 
 from __future__ import annotations
 
-from exporter.samples import VllmInfo
+from exporter.samples import EngineInfo
 from exporter.sources.vllm import MAX_VALUE
 from exporter.sources.families import EngineSpec, Parts, Pick, SpecAdapter, first_value, model_name, rank_sums
 
@@ -50,7 +50,7 @@ class TrtllmAdapter(SpecAdapter):
     spec = SPEC
     detect_prefixes = SPEC.prefixes
 
-    def facts(self, parts: Parts, process_start: float | None) -> VllmInfo:
+    def facts(self, parts: Parts, process_start: float | None) -> EngineInfo:
         parts.derive_counter("prompt_local_compute", lambda p, c: p - c if p >= c else None,
                              "prompt_tokens", "prompt_local_cache_hit")
         tokens_per_block = first_value(parts.series, "kv_cache_tokens_per_block")
@@ -61,7 +61,7 @@ class TrtllmAdapter(SpecAdapter):
         if not enabled:
             parts.gauges.pop("offload_buffer_used_ratio", None)  # no host tier: its utilization reads 0
         blocks = first_value(parts.series, "kv_cache_max_blocks")
-        return VllmInfo(model_name=model_name(parts.series), offload_enabled=enabled,
+        return EngineInfo(model_name=model_name(parts.series), offload_enabled=enabled,
                         offload_backend="host_tier" if enabled else ("none" if enabled is False else ""),
                         num_gpu_blocks=blocks if blocks is not None and 0 <= blocks <= MAX_VALUE else None,
                         block_size=tokens_per_block if tokens_per_block and 0 < tokens_per_block <= MAX_VALUE else None,

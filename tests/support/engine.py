@@ -26,7 +26,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from exporter.experiment.server import free_port, group_members  # noqa: F401 (re-exported for the tests)
+from kvwatt_lab.experiment.server import free_port, group_members  # noqa: F401 (re-exported for the tests)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SERVED_MODEL_NAME = "tiny"

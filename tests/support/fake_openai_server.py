@@ -1,5 +1,5 @@
 """A stand-in for `vllm serve` that starts in a fraction of a second: /health, /v1/models, streamed
-/v1/completions with token ids and usage (what exporter.replay.client reads) and a vLLM 0.32-style /metrics
+/v1/completions with token ids and usage (what kvwatt_lab.replay.client reads) and a vLLM 0.32-style /metrics
 whose counters follow the requests it served. Standard library only; run it as a server command:
 
     python tests/support/fake_openai_server.py --port 8123 --kv-usage 0.95 --cache-hit-ratio 0.2 \\

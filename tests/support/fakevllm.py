@@ -31,7 +31,7 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from exporter.experiment.server import free_port
+from kvwatt_lab.experiment.server import free_port
 from tests.support.vllm_sim import Scenario, SimEngine
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

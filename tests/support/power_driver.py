@@ -24,7 +24,7 @@ import time
 
 import requests
 
-from exporter.expfmt import parse
+from exporter.sources.expfmt import parse
 from exporter.sources.vllm import extract
 
 WRITE_SECONDS = 0.02

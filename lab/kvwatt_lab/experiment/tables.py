@@ -4,7 +4,7 @@ buffers)."""
 
 from __future__ import annotations
 
-from exporter.experiment import stats
+from kvwatt_lab.experiment import stats
 
 NA = "n/a"
 

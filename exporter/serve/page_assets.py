@@ -1,4 +1,4 @@
-"""The landing page's inline style and script (exporter.page). Inline, never linked: the page must work
+"""The landing page's inline style and script (exporter.serve.page). Inline, never linked: the page must work
 air-gapped, behind basic auth and TLS alike, with nothing but the daemon to ask."""
 
 REFRESH_SECONDS = 5

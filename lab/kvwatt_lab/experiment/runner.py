@@ -18,18 +18,18 @@ import aiohttp
 
 from exporter import atomic
 from exporter.config import redacted_url
-from exporter.experiment import report
-from exporter.experiment.measure import RunSampler, interval_rows, window_figures
-from exporter.experiment.plan import Condition, Plan, RunSpec, template_values
-from exporter.experiment.server import (RunFailed, ServerProcess, describe_exit, ensure_nothing_listening,
+from kvwatt_lab.experiment import report
+from kvwatt_lab.experiment.measure import RunSampler, interval_rows, window_figures
+from kvwatt_lab.experiment.plan import Condition, Plan, RunSpec, template_values
+from kvwatt_lab.experiment.server import (RunFailed, ServerProcess, describe_exit, ensure_nothing_listening,
                                         first_model, free_port)
-from exporter.experiment.state import ExperimentState
-from exporter.experiment.template import render_argv, substitute
-from exporter.replay.client import CompletionClient
-from exporter.replay.records import RecordSink
-from exporter.replay.runner import Replay
-from exporter.replay.tokens import TokenSource
-from exporter.replay.traces import load_sessions, scale_session
+from kvwatt_lab.experiment.state import ExperimentState
+from kvwatt_lab.experiment.template import render_argv, substitute
+from kvwatt_lab.replay.client import CompletionClient
+from kvwatt_lab.replay.records import RecordSink
+from kvwatt_lab.replay.runner import Replay
+from kvwatt_lab.replay.tokens import TokenSource
+from kvwatt_lab.replay.traces import load_sessions, scale_session
 
 Say = Callable[[str], None]
 WATCH_SECONDS = 0.2

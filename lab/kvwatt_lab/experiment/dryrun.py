@@ -6,8 +6,8 @@ from __future__ import annotations
 import os
 
 from exporter.config import redacted_url
-from exporter.experiment.plan import STOP_ESTIMATE_SECONDS, Plan, run_order
-from exporter.experiment.runner import launch_for
+from kvwatt_lab.experiment.plan import STOP_ESTIMATE_SECONDS, Plan, run_order
+from kvwatt_lab.experiment.runner import launch_for
 
 
 def dry_run(plan: Plan, out_dir: str) -> int:

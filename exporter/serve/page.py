@@ -1,17 +1,17 @@
 """The landing page (`/`): one panel per server answering "is offloading paying, is anything wrong, what do I
 do", in words.
 
-It renders the dict /api/status serves (``exporter.web.status_json``) and nothing else: every figure on the
+It renders the dict /api/status serves (``exporter.serve.web.status_json``) and nothing else: every figure on the
 page is a value of that dict, formatted, never recomputed, so the page and the JSON always agree. Unknown
 (null) reads "unknown", with the reason where the dict has one. The page refreshes itself by fetching itself
-again (exporter.page_assets); it links no external asset, so it works air-gapped.
+again (exporter.serve.page_assets); it links no external asset, so it works air-gapped.
 """
 
 from __future__ import annotations
 
 from html import escape
 
-from exporter.page_assets import CSS, JS, REFRESH_SECONDS
+from exporter.serve.page_assets import CSS, JS, REFRESH_SECONDS
 
 UNKNOWN = '<span class="unknown">unknown</span>'
 

@@ -16,12 +16,12 @@ import aiohttp
 from exporter.config import (DEFAULT_SERVER_URL, ConfigError, check_writable, duration_arg, is_finite,
                              parse_duration, redacted_url, url_problem)
 from exporter.limits import MAX_CONCURRENCY, MAX_CONTEXT_TOKENS, MAX_TOKEN_ID
-from exporter.replay.client import CompletionClient
-from exporter.replay.progress import show_progress
-from exporter.replay.records import RecordSink, summary_line, write_summary
-from exporter.replay.runner import Replay, ReplayOptions, playable_sessions
-from exporter.replay.tokens import DEFAULT_TOKEN_ID_RANGE, TokenSource
-from exporter.replay.traces import FORMATS, load_sessions, scale_session, scale_tokens
+from kvwatt_lab.replay.client import CompletionClient
+from kvwatt_lab.replay.progress import show_progress
+from kvwatt_lab.replay.records import RecordSink, summary_line, write_summary
+from kvwatt_lab.replay.runner import Replay, ReplayOptions, playable_sessions
+from kvwatt_lab.replay.tokens import DEFAULT_TOKEN_ID_RANGE, TokenSource
+from kvwatt_lab.replay.traces import FORMATS, load_sessions, scale_session, scale_tokens
 
 _EXIT_BY_SIGNAL = {signal.SIGINT: 130, signal.SIGTERM: 143}
 

@@ -1,17 +1,17 @@
-"""HTTP endpoints: /metrics (the collector), / (landing page, exporter.page), /healthz, /api/status (JSON).
+"""HTTP endpoints: /metrics (the collector), / (landing page, exporter.serve.page), /healthz, /api/status (JSON).
 
 Each serialises the daemon's latest Snapshot and nothing else: no figure is computed here, and a request
 cannot change state. The metric families are collected once per tick, with the snapshot (exporter.daemon),
 and each form of the exposition (text or OpenMetrics, plain or gzipped: negotiated as prometheus_client does,
-exporter/exposition.py) is serialised at most once per tick, the text format with the tick. A scrape of a
+exporter/serve/exposition.py) is serialised at most once per tick, the text format with the tick. A scrape of a
 form already serialised costs the loop a dict lookup and a memory copy; a form not yet serialised, or a
 ``name[]`` subset, is serialised in a thread of its own (never the tick's), so a scrape flood never slows
 sampling.
 
-Connections are bounded (exporter/connections.py: a cap, eviction of the least recently active, TLS per
+Connections are bounded (exporter/serve/connections.py: a cap, eviction of the least recently active, TLS per
 connection); a connection that sends no complete request within ``read_timeout_seconds`` -- idle after a
 response, or a client trickling its headers -- is closed by aiohttp's keep-alive timer, armed at connect and
-after each response. With a web configuration file (exporter/webconfig.py) every endpoint needs basic auth
+after each response. With a web configuration file (exporter/serve/webconfig.py) every endpoint needs basic auth
 and/or is served over TLS.
 """
 
@@ -29,12 +29,13 @@ from datetime import datetime, timezone
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from exporter import __version__, page
-from exporter.connections import ConnectionGuard, GuardedSite
-from exporter.exposition import Exposition, wanted_names
+from exporter import __version__
+from exporter.serve import page
+from exporter.serve.connections import ConnectionGuard, GuardedSite
+from exporter.serve.exposition import Exposition, wanted_names
 from exporter.figures import ServerFigures, Snapshot, WindowFigures
 from exporter.samples import SourceStatus
-from exporter.webconfig import BasicAuth, WebConfig
+from exporter.serve.webconfig import BasicAuth, WebConfig
 
 log = logging.getLogger("kvwatt.web")
 MALFORMED_LOG_INTERVAL_SECONDS = 60.0
@@ -130,7 +131,7 @@ def status_json(snap: Snapshot | None) -> dict:
     """Per server: health, regime, active signatures, figures per window, recommendations; the health of the
     host-wide sources (nvml, rapl, state_dir); when the figures were derived (``as_of``: the tick's wall
     clock, null before the first tick). Strict JSON: a NaN or infinite figure is written null here, so no
-    caller can serialise one (RFC 8259 has neither). The landing page (exporter.page) renders this dict."""
+    caller can serialise one (RFC 8259 has neither). The landing page (exporter.serve.page) renders this dict."""
     servers = [] if snap is None else [_server_json(v) for v in snap.servers]
     sources = [] if snap is None else [_source_json(st) for st in snap.sources]
     as_of = None if snap is None else snap.wall_time
@@ -199,7 +200,7 @@ NOTHING_YET = Exposition([])  # before the first tick: no family, in whatever fo
 
 
 def build_app(daemon, auth: BasicAuth | None = None, telemetry_path: str = "/metrics") -> web.Application:
-    # serialises what a tick has not yet (exporter/exposition.py); one thread, apart from the tick's
+    # serialises what a tick has not yet (exporter/serve/exposition.py); one thread, apart from the tick's
     render_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvwatt-render")
 
     async def metrics(request: web.Request):

@@ -4,7 +4,7 @@ conditions), the threshold located from the sweep with its evidence, the buffer-
 (plots.py) and per-run rows (docs/experiment.md "Report"). Written as report.md,
 report.html (images referenced relatively), runs.csv, conditions.csv and report.json in the output directory.
 
-Runnable alone:  python -m exporter.experiment.report OUT_DIR   (or: kvwatt experiment PLAN --report-only)
+Runnable alone:  python -m kvwatt_lab.experiment.report OUT_DIR   (or: kvwatt experiment PLAN --report-only)
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from typing import Any, Callable
 from exporter import atomic
 from exporter.config import ConfigError
 from exporter.derive.recompute import SOURCES
-from exporter.experiment import analysis, plots, stats, tables
-from exporter.experiment.tables import NA, num, pct_unit
+from kvwatt_lab.experiment import analysis, plots, stats, tables
+from kvwatt_lab.experiment.tables import NA, num, pct_unit
 
 # ------------------------------------------------------------------------------------------------------
 def markdown_table(header: list[str], rows: list[list[str]]) -> str:
@@ -259,11 +259,11 @@ def run_line(result: dict, scope: str, basis: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from exporter.experiment.state import ExperimentState
+    from kvwatt_lab.experiment.state import ExperimentState
 
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
-        print("usage: python -m exporter.experiment.report OUT_DIR", file=sys.stderr)
+        print("usage: python -m kvwatt_lab.experiment.report OUT_DIR", file=sys.stderr)
         return 2
     try:
         state = ExperimentState.load(args[0])

@@ -11,7 +11,7 @@ Without a bound, ~1,100 idle TCP connections exhausted a 1,024 open-file limit: 
   always gets in and accept() does not hit the limit;
 - the TLS handshake is done per connection after it is counted (``loop.start_tls``), so connections stuck
   in a handshake are capped and evicted like any other, and a handshake has the read timeout as deadline;
-- idle and slow-header connections are closed by aiohttp's keep-alive timer (exporter/web.py), armed at
+- idle and slow-header connections are closed by aiohttp's keep-alive timer (exporter/serve/web.py), armed at
   connect and after each response.
 
 ``GuardProtocol`` sits between the socket transport and aiohttp's ``RequestHandler``, forwarding every

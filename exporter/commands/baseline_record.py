@@ -58,7 +58,7 @@ async def sample(cfg: Config, server: ServerConfig, duration_seconds: float, ene
                  nvml=None, rapl=None):
     """Read the server (and energy) every cfg.interval_seconds for duration_seconds with the daemon's own
     Sampler and Model (one server, every interval kept, no idle learning: P_idle must not change halfway).
-    Returns (intervals, last VllmInfo or None, last vLLM status)."""
+    Returns (intervals, last EngineInfo or None, last vLLM status)."""
     model = Model(cfg, keep_seconds=duration_seconds + 3600.0, learn_idle=False)
     sm = model.servers[server.name]
     start = time.monotonic()

@@ -15,13 +15,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Callable
 
-from exporter.replay.client import CompletionClient, Outcome
-from exporter.replay.records import RecordSink, TurnRecord
+from kvwatt_lab.replay.client import CompletionClient, Outcome
+from kvwatt_lab.replay.records import RecordSink, TurnRecord
 from exporter.config import ConfigError, redacted_url
 from exporter.limits import MAX_CONTEXT_TOKENS
-from exporter.replay.session import Conversation, context_needed, fits
-from exporter.replay.tokens import TokenSource
-from exporter.replay.traces import Session
+from kvwatt_lab.replay.session import Conversation, context_needed, fits
+from kvwatt_lab.replay.tokens import TokenSource
+from kvwatt_lab.replay.traces import Session
 
 
 @dataclass(frozen=True)

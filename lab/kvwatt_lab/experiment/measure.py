@@ -29,7 +29,7 @@ from exporter.derive.pressure import kv_usage_quantile, rate_per_second
 from exporter.derive.recompute import mfu_view, token_counts, token_shares
 from exporter.derive.window import covered_seconds, gauge_values, sum_delta
 from exporter.energy.baseline import IdleAccumulator
-from exporter.experiment.plan import Plan
+from kvwatt_lab.experiment.plan import Plan
 from exporter.model import Model
 from exporter.model.energy import SCOPES, is_idle
 from exporter.samples import Interval, Tick

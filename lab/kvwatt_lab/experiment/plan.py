@@ -17,11 +17,11 @@ from typing import Any, Callable
 
 
 from exporter.config import ConfigError, finite_number, parse_url, read_yaml, shown
-from exporter.experiment import sweep, template, values
-from exporter.experiment.values import BUILTINS
+from kvwatt_lab.experiment import sweep, template, values
+from kvwatt_lab.experiment.values import BUILTINS
 from exporter.limits import MAX_CONCURRENCY, MAX_CONTEXT_TOKENS, MAX_RUNS
-from exporter.replay.runner import NothingFits, ReplayOptions, playable_sessions
-from exporter.replay.traces import FORMATS, load_sessions, scale_session, scale_tokens
+from kvwatt_lab.replay.runner import NothingFits, ReplayOptions, playable_sessions
+from kvwatt_lab.replay.traces import FORMATS, load_sessions, scale_session, scale_tokens
 
 TOP_KEYS = ("name", "seed", "repeats", "out", "sample_interval", "kv_pressure_threshold", "vars", "phases",
             "server", "workload", "energy", "conditions", "sweep")
@@ -313,7 +313,7 @@ def _energy(value: Any) -> EnergySpec:
 
 def _conditions(value: Any, workload: Workload, plan_dir: Path, sweep_data: Any, server: ServerSpec,
                 plan_vars: dict[str, str]) -> tuple[Condition, ...]:
-    """The listed conditions, then the sweep's (exporter/experiment/sweep.py); names unique across both."""
+    """The listed conditions, then the sweep's (lab/kvwatt_lab/experiment/sweep.py); names unique across both."""
     out: list[Condition] = []
     if value is not None or sweep_data is _NO_SWEEP:
         if not isinstance(value, list) or not value:

@@ -16,11 +16,11 @@ import sys
 
 from exporter import atomic
 from exporter.config import ConfigError, check_writable
-from exporter.experiment import plots, report
-from exporter.experiment.dryrun import dry_run
-from exporter.experiment.plan import Plan, load_plan, run_order
-from exporter.experiment.runner import run_experiment
-from exporter.experiment.state import DirectoryLock, ExperimentState, open_state
+from kvwatt_lab.experiment import plots, report
+from kvwatt_lab.experiment.dryrun import dry_run
+from kvwatt_lab.experiment.plan import Plan, load_plan, run_order
+from kvwatt_lab.experiment.runner import run_experiment
+from kvwatt_lab.experiment.state import DirectoryLock, ExperimentState, open_state
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -6,7 +6,7 @@ import asyncio
 import sys
 from typing import TextIO
 
-from exporter.replay.runner import Replay
+from kvwatt_lab.replay.runner import Replay
 
 _WIDTH = 24
 

@@ -16,8 +16,8 @@ from typing import Any
 
 from exporter import atomic
 from exporter.config import ConfigError
-from exporter.experiment.plan import Plan, RunSpec
-from exporter.experiment.server import ServerProcess, process_start_ticks
+from kvwatt_lab.experiment.plan import Plan, RunSpec
+from kvwatt_lab.experiment.server import ServerProcess, process_start_ticks
 
 STATE_FILE = "state.json"
 LOCK_FILE = ".lock"

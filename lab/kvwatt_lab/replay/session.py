@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from exporter.replay.tokens import TokenSource
-from exporter.replay.traces import Session, Turn
+from kvwatt_lab.replay.tokens import TokenSource
+from kvwatt_lab.replay.traces import Session, Turn
 
 
 def planned_prompt_tokens(system_prompt_tokens: int, turns: Sequence[Turn]) -> list[int]:

@@ -205,7 +205,7 @@ def threshold(conditions: list[dict], summaries: list[dict], tax: dict[str, dict
 def p99_tool_latency(condition: dict, cache: dict) -> tuple[float, str]:
     """Seconds and where from: the 99th percentile of the condition's trace's tool latencies x latency_scale,
     or the default 20 s when the trace cannot be read here."""
-    from exporter.replay.traces import load_sessions
+    from kvwatt_lab.replay.traces import load_sessions
 
     w = condition.get("workload") or {}
     key = (w.get("trace"), w.get("format", "auto"))

@@ -1,0 +1,1 @@
+"""kvwatt's commands: thin layers over the libraries (argument parsing, then one call); exporter/cli.py wires them."""

@@ -1,0 +1,158 @@
+"""The HTTP read of one watched server: its /metrics (and its sidecars'), bounded in time and size, decoded by
+the engine adapters (sources/combine.py) in a worker thread. Never raises: a failure is a SourceStatus."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import aiohttp
+from yarl import URL
+
+from exporter.samples import EngineReading, SourceStatus
+from exporter.sources.combine import read_exposition
+from exporter.sources.engine import EngineAdapter, SourceError
+from exporter.sources.vllm import OUT_OF_RANGE
+
+log = logging.getLogger("kvwatt.engine")
+
+
+MAX_DETAIL_CHARS = 300  # a reason's detail may quote upstream data (an error message, a Location header)
+
+
+def _bounded(text: str) -> str:
+    return text if len(text) <= MAX_DETAIL_CHARS else text[:MAX_DETAIL_CHARS] + "..."
+
+
+def _redirect_target(resp: aiohttp.ClientResponse) -> str:
+    """Where a 3xx answer points, resolved against the URL read, without credentials, bounded."""
+    location = resp.headers.get("Location", "")
+    if not location:
+        return "(no Location header)"
+    try:
+        target = str(resp.url.join(URL(location)).with_user(None))
+    except ValueError:  # not a URL: quote it as it came
+        target = location
+    return _bounded(target)
+
+
+def _endpoint(url: str) -> tuple[aiohttp.BasicAuth | None, str]:
+    """(basic auth from the URL's credentials, the /metrics URL without them)."""
+    u = URL(url)
+    auth = aiohttp.BasicAuth(u.user or "", u.password or "") if u.user or u.password else None
+    return auth, str(u.with_user(None)).rstrip("/") + "/metrics"
+
+
+class EngineSource:
+    """Reads one engine server's exposition (whichever engine it is: the adapters decide). ``read()`` returns (status, reading or None); it never raises.
+
+    ``adapter`` fixes the engine adapter; by default each exposition picks its own (sources/combine.py: the
+    engine a registered adapter recognises, vLLM when none does, with the add-ons found beside it).
+
+    ``sidecar_urls``: further expositions of the same server (LMCache's port beside vLLM's, Dynamo KVBM's
+    port), fetched at the same time as the server's with the same timeout and merged into its reading; one
+    that fails degrades the read (reason ``sidecar``), it does not fail it."""
+
+    def __init__(self, name: str, url: str, timeout_seconds: float, max_body_bytes: int,
+                 adapter: EngineAdapter | None = None, sidecar_urls: tuple[str, ...] = ()):
+        self.name = name
+        # credentials in the URL go as basic auth and nowhere else: metrics_url is safe to show in a reason
+        self.auth, self.metrics_url = _endpoint(url)
+        self.sidecars = [_endpoint(u) for u in sidecar_urls]
+        self.timeout = aiohttp.ClientTimeout(total=timeout_seconds)
+        self.max_body_bytes = max_body_bytes
+        self.adapter = adapter
+        self._rejected: frozenset[str] = frozenset()  # families refused as out of range at the last read
+
+    async def fetch(self, session: aiohttp.ClientSession, endpoint: tuple | None = None) -> str:
+        auth, url = endpoint or (self.auth, self.metrics_url)
+        try:
+            # a redirect is not followed: another host's or port's data must never pass as this server's
+            async with session.get(url, timeout=self.timeout, auth=auth, allow_redirects=False) as resp:
+                if 300 <= resp.status < 400:
+                    raise SourceError("redirect", f"{resp.status} to {_redirect_target(resp)}")
+                if resp.status != 200:
+                    raise SourceError(f"http_{resp.status}", _bounded(resp.reason or ""))
+                if (resp.content_length or 0) > self.max_body_bytes:
+                    raise SourceError("body_too_large", f"more than {self.max_body_bytes} bytes")
+                chunks, size = [], 0
+                async for chunk in resp.content.iter_chunked(1 << 16):
+                    size += len(chunk)
+                    if size > self.max_body_bytes:  # chunked bodies announce no length: count as we go
+                        raise SourceError("body_too_large", f"more than {self.max_body_bytes} bytes")
+                    chunks.append(chunk)
+                return b"".join(chunks).decode("utf-8", errors="replace")
+        except asyncio.TimeoutError:
+            raise SourceError("timeout", f"no answer within {self.timeout.total:g} s") from None
+        except aiohttp.ClientConnectorError as e:
+            raise SourceError("unreachable", str(e.os_error or e)) from None
+        except aiohttp.ClientError as e:
+            raise SourceError("http_error", type(e).__name__) from None
+
+    def decode(self, text: str, problems: list[str] | None = None) -> EngineReading:
+        """Parse and extract one exposition (CPU only, no I/O: call it from a worker thread). Raises
+        SourceError("parse_error", ...) when nothing usable; skipped bad lines are appended to ``problems``."""
+        try:
+            reading = self.adapter.read(text, problems) if self.adapter else read_exposition(text, problems)
+        except SourceError:
+            raise
+        except Exception as e:  # a bug in an adapter must not take the daemon down: this server is down
+            log.exception("%s: decoding the exposition failed", self.name)
+            raise SourceError("parse_error", f"{type(e).__name__}: {e}") from None
+        self._note_rejected(reading.rejected)
+        if reading.rejected and problems is not None:
+            problems.append(OUT_OF_RANGE)  # a fixed word: it becomes a label value (kvwatt_source_info)
+        return reading
+
+    def _note_rejected(self, rejected: dict[str, str]) -> None:
+        """Log the refused values when the set of refused families changes, not at every read (one read of
+        a server is in flight at a time, so this state is not shared between threads)."""
+        families = frozenset(rejected)
+        if families == self._rejected:
+            return
+        self._rejected = families
+        if families:
+            log.warning("%s: values out of range, these families are unknown until they are back in range: %s",
+                        self.name, "; ".join(f"{k}: {d}" for k, d in sorted(rejected.items())))
+        else:
+            log.info("%s: values back in range", self.name)
+
+    def status(self, problems: list[str], seconds: float) -> SourceStatus:
+        """The status of a read that produced a reading: ok, or degraded with the problems as the reason."""
+        if problems:
+            return SourceStatus("vllm", self.name, True, _bounded("; ".join(problems)), seconds, "degraded")
+        return SourceStatus("vllm", self.name, True, "", seconds, "ok")
+
+    def down(self, error: SourceError, seconds: float) -> SourceStatus:
+        """Down, the reason's word first (the label), then its detail (for the log and /api/status)."""
+        return SourceStatus("vllm", self.name, False, _bounded(str(error)), seconds, "down")
+
+    async def read(self, session: aiohttp.ClientSession) -> tuple[SourceStatus, EngineReading | None]:
+        start = time.perf_counter()
+        problems: list[str] = []
+        try:
+            text = await self._fetch_all(session, problems)
+            reading = await asyncio.to_thread(self.decode, text, problems)  # never on the event loop
+        except SourceError as e:
+            return self.down(e, time.perf_counter() - start), None
+        return self.status(problems, time.perf_counter() - start), reading
+
+    async def _fetch_all(self, session: aiohttp.ClientSession, problems: list[str]) -> str:
+        """The server's exposition followed by each sidecar's that answered (one text: the adapters read
+        them together). The server failing fails the read; a sidecar failing is a problem."""
+        if not self.sidecars:
+            return await self.fetch(session)
+        results = await asyncio.gather(self.fetch(session), *(self.fetch(session, e) for e in self.sidecars),
+                                       return_exceptions=True)
+        if isinstance(results[0], BaseException):
+            raise results[0]
+        texts = [results[0]]
+        for (_, url), result in zip(self.sidecars, results[1:]):
+            if isinstance(result, SourceError):
+                problems.append(f"sidecar: {url} {result}")
+            elif isinstance(result, BaseException):
+                raise result
+            else:
+                texts.append(result)
+        return "\n".join(t.rstrip("\n") for t in texts) + "\n"
