@@ -7,11 +7,15 @@ clock); this file covers cycles and the directions between packages."""
 from __future__ import annotations
 
 import ast
-import importlib.util
+import os
+import re
+import subprocess
 import sys
 import tomllib
 from functools import lru_cache
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = {"exporter": ROOT / "exporter", "kvwatt_lab": ROOT / "lab" / "kvwatt_lab"}
@@ -74,8 +78,9 @@ def _edges(sources: str | tuple[str, ...], targets: str | tuple[str, ...]) -> li
 
 
 def _cycles(graph: dict[str, frozenset[str]]) -> list[list[str]]:
-    """One cycle (a path back to its start) per strongly connected component of more than one module or with a
-    self-import (Tarjan's algorithm, iterative: the graph has hundreds of modules)."""
+    """The shortest cycle (a path back to its start) through each module that is on one, duplicates dropped:
+    within each strongly connected component of more than one module or with a self-import (Tarjan's
+    algorithm, iterative: the graph has hundreds of modules)."""
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
@@ -113,12 +118,16 @@ def _cycles(graph: dict[str, frozenset[str]]) -> list[list[str]]:
                         break
                 if len(component) > 1 or node in graph[node]:
                     components.append(component)
-    return [_path_around(graph, component) for component in components]
+    cycles: dict[frozenset[tuple[str, str]], list[str]] = {}
+    for component in components:
+        for start in sorted(component):
+            cycle = _path_around(graph, component, start)
+            cycles.setdefault(frozenset(zip(cycle, cycle[1:])), cycle)
+    return list(cycles.values())
 
 
-def _path_around(graph: dict[str, frozenset[str]], component: set[str]) -> list[str]:
-    """A shortest cycle through the component's first module (breadth-first within the component)."""
-    start = min(component)
+def _path_around(graph: dict[str, frozenset[str]], component: set[str], start: str) -> list[str]:
+    """A shortest cycle through ``start`` (breadth-first within its component)."""
     previous: dict[str, str] = {}
     frontier = [start]
     while frontier:
@@ -146,6 +155,9 @@ def test_the_graph_sees_function_level_and_relative_imports(tmp_path):
                                                        "exporter.sampler", "exporter.sources.vllm"}
     assert _cycles({"a": frozenset({"b"}), "b": frozenset({"c"}), "c": frozenset({"a"}), "d": frozenset({"a"})}) \
         == [["a", "b", "c", "a"]]
+    assert _cycles({"a": frozenset({"b"}), "b": frozenset({"a", "c"}), "c": frozenset({"b"})}) \
+        == [["a", "b", "a"], ["c", "b", "c"]]
+    assert _cycles({"a": frozenset({"a"})}) == [["a", "a"]]
     assert _cycles({"a": frozenset({"b"}), "b": frozenset()}) == []
 
 
@@ -206,3 +218,50 @@ def test_library_packages_do_not_import_commands_or_the_cli():
                             not any(_within(m, c) for c in COMMAND_SIDE)}))
     offending = _edges(library, COMMAND_SIDE)
     assert not offending, "a library module imports the command side:\n" + "\n".join(offending)
+
+
+# --- two products: the daemon's install pulls no lab and no matplotlib ---------------------------------------
+def _project(pyproject: Path) -> dict:
+    with pyproject.open("rb") as f:
+        return tomllib.load(f)["project"]
+
+
+def _requirement_names(project: dict) -> set[str]:
+    """Distribution names of the runtime dependencies, normalised (PEP 503: case, '-', '_' and '.' alike)."""
+    names = set()
+    for requirement in project.get("dependencies", []):
+        name = re.split(r"[\s<>=!~;\[(@]", requirement.strip(), maxsplit=1)[0]
+        names.add(re.sub(r"[-_.]+", "-", name).lower())
+    return names
+
+
+def test_a_daemon_only_install_pulls_neither_the_lab_nor_matplotlib():
+    daemon = _requirement_names(_project(ROOT / "pyproject.toml"))
+    assert "prometheus-client" in daemon  # the parse found the list
+    offending = daemon & {"matplotlib", "kvwatt-lab"}
+    assert not offending, f"pyproject.toml [project] dependencies: {sorted(offending)}"
+
+
+def test_the_lab_depends_on_the_daemon_and_matplotlib_and_declares_its_commands():
+    lab = _project(ROOT / "lab" / "pyproject.toml")
+    assert {"kvwatt", "matplotlib"} <= _requirement_names(lab), f"lab/pyproject.toml dependencies: {lab['dependencies']}"
+    commands = lab.get("entry-points", {}).get("kvwatt.commands", {})
+    assert {"replay", "experiment"} <= commands.keys(), f"lab/pyproject.toml kvwatt.commands: {commands}"
+    for name, module in commands.items():
+        path = _files().get(module)
+        assert path is not None, f"entry point {name} = {module}: no such module under lab/"
+        defined = {node.name for node in ast.parse(path.read_text()).body if isinstance(node, ast.FunctionDef)}
+        assert {"add_arguments", "main"} <= defined, f"{path}: a command defines add_arguments and main"
+
+
+@pytest.mark.parametrize("argv", [["replay"], ["experiment", "plan.yaml", "--out", "x"]])
+def test_a_lab_command_without_the_lab_says_how_to_install_it(argv):
+    """No ``kvwatt.commands`` entry points (the lab not installed): one line with the install command, exit 2."""
+    code = ("import sys\nimport exporter.cli as cli\ncli.lab_modules = lambda: {}\n"
+            f"sys.exit(cli.main({argv!r}))\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}  # the daemon alone: lab/ is not on the path
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=60)
+    lines = r.stderr.splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and r.stdout == "", r.stdout + r.stderr
+    assert f"`kvwatt {argv[0]}` is part of the kvwatt lab" in lines[0] and "pip install ./lab" in lines[0], lines
