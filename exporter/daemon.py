@@ -1,4 +1,4 @@
-"""The daemon's loop (`kvwatt run`, exporter/commands/run.py, starts it). It only orchestrates: each tick the Sampler reads every source (each with
+"""The daemon's loop (`kvwatt run` starts it through exporter/service.py). It only orchestrates: each tick the Sampler reads every source (each with
 its own deadline, off the loop), the Model ingests the Tick and derives the figures once, and the daemon
 publishes the Snapshot. /metrics, /api/status and / only serialise the latest snapshot (docs/architecture.md).
 """

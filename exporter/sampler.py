@@ -34,6 +34,9 @@ import aiohttp
 
 from exporter.config import Config, ServerConfig
 from exporter.samples import DeviceReading, ServerRead, SourceStatus, Tick
+from exporter.sources.endpoint import EngineSource
+from exporter.sources.nvml import NvmlSource
+from exporter.sources.rapl import RaplSource
 
 log = logging.getLogger("kvwatt.sampler")
 
@@ -132,8 +135,6 @@ class HealthLog:
 class Sampler:
     def __init__(self, cfg: Config, servers: Sequence[ServerConfig] | None = None, nvml: Any = None,
                  rapl: Any = None, energy: bool = True, deadline_seconds: float | None = None) -> None:
-        from exporter.sources.endpoint import EngineSource
-
         self.cfg = cfg
         servers = cfg.servers if servers is None else servers
         self.engines = {s.name: EngineSource(s.name, s.url, cfg.http_timeout_seconds, cfg.max_body_bytes,
@@ -141,10 +142,8 @@ class Sampler:
         self.energy: list[_EnergySource] = []
         if energy:
             if nvml is None:
-                from exporter.sources.nvml import NvmlSource
                 nvml = NvmlSource(cfg.nvml_enabled)
             if rapl is None:
-                from exporter.sources.rapl import RaplSource
                 rapl = RaplSource(cfg.powercap_root)
             self.energy = [_EnergySource("nvml", nvml), _EnergySource("rapl", rapl)]
         self.deadline = deadline_seconds if deadline_seconds is not None else \

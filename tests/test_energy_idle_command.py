@@ -136,7 +136,7 @@ def test_slow_first_read_does_not_dilute_the_power(tmp_path):
     import asyncio
 
     from exporter.config import Config
-    from exporter.commands.baseline_idle import measure
+    from exporter.energy.idle import measure
     from exporter.sources.nvml import NvmlSource
     from exporter.sources.rapl import RaplSource
     from tests.support.fake_gpus import load_fake_nvml

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import random
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -47,7 +50,7 @@ def test_source_error_moved_and_still_importable_from_vllm():
 
 
 def test_registry_has_vllm_first_and_auto_detects():
-    assert adapters()[0].name == "vllm" and engine.ADAPTERS[0].name == "vllm"
+    assert adapters()[0].name == "vllm" and engine.adapters()[0].name == "vllm"
     assert isinstance(adapters()[0], EngineAdapter)
     text = (FIXTURES / "idle" / "000.prom").read_text()
     assert adapter_for(text).name == "vllm"
@@ -67,13 +70,38 @@ def test_a_registered_adapter_is_detected(monkeypatch):
         def read(self, text, problems=None):
             return EngineReading({"generation_tokens": 1.0}, {}, EngineInfo(), frozenset(), "fake")
 
-    monkeypatch.setattr(engine, "_REGISTRY", list(adapters()))
+    monkeypatch.setattr(engine, "_REGISTRY", list(engine._REGISTRY))
     engine.register(Fake())
     assert [a.name for a in adapters()] == ["vllm", "sglang", "trtllm", "lmcache", "dynamo", "fake"]
     assert adapter_for("fake:tokens 3\n").name == "fake"
     assert adapter_for("vllm:generation_tokens_total 3\n").name == "vllm"
     reading = EngineSource("s", "http://x", 1, 1).decode("fake:tokens 3\n")
     assert reading.engine == "fake"
+
+
+def test_an_adapter_registered_with_an_order_takes_that_place(monkeypatch):
+    class Fake:
+        name = "fake"
+
+        def detect(self, text):
+            return False
+
+        def read(self, text, problems=None):
+            raise SourceError("parse_error")
+
+    monkeypatch.setattr(engine, "_REGISTRY", list(engine._REGISTRY))
+    engine.register(Fake(), order=engine.TRTLLM_ORDER + 1)  # an engine, tried before the add-ons
+    assert [a.name for a in adapters()] == ["vllm", "sglang", "trtllm", "fake", "lmcache", "dynamo"]
+
+
+def test_the_registry_is_complete_when_only_the_seam_is_imported():
+    """The adapters register themselves at import and the package imports them: a fresh interpreter that
+    imports nothing but engine.py already sees every built-in adapter, in order."""
+    code = "import exporter.sources.engine as e; print(' '.join(a.name for a in e.adapters()))"
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root, env=env)
+    assert out.stdout.split() == ["vllm", "sglang", "trtllm", "lmcache", "dynamo"]
 
 
 def test_neutral_keys_cover_what_the_vllm_adapter_produces():

@@ -13,7 +13,7 @@ from exporter.config import ConfigError, from_mapping
 from exporter.daemon import Daemon
 from exporter.model import Model
 from exporter.offload import profile as P
-from exporter.commands.baseline_record import build_profile
+from exporter.offload.profile import build_profile
 from exporter.sampler import Sampler
 from exporter.sources.nvml import NvmlSource
 from exporter.serve.web import status_json

@@ -15,17 +15,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime as dt
 import sys
-import time
 from dataclasses import replace
 
 from exporter.config import Config, ConfigError, ServerConfig, check_writable, format_window, parse_duration, \
     parse_server_flag, resolve
-from exporter.derive.economics import DEFAULT_BANDS, build_bands, window_stats
+from exporter.model.recording import record_intervals
 from exporter.offload import profile as profile_mod
-from exporter.model import Model
-from exporter.sampler import Sampler
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -54,38 +50,6 @@ def _config(args: argparse.Namespace) -> tuple[Config, ServerConfig]:
         raise ConfigError(f"--server: no configured server named {args.server!r} (known: {known})") from None
 
 
-async def sample(cfg: Config, server: ServerConfig, duration_seconds: float, energy: bool = True,
-                 nvml=None, rapl=None):
-    """Read the server (and energy) every cfg.interval_seconds for duration_seconds with the daemon's own
-    Sampler and Model (one server, every interval kept, no idle learning: P_idle must not change halfway).
-    Returns (intervals, last EngineInfo or None, last vLLM status)."""
-    model = Model(cfg, keep_seconds=duration_seconds + 3600.0, learn_idle=False)
-    sm = model.servers[server.name]
-    start = time.monotonic()
-    async with Sampler(cfg, (server,), nvml=nvml, rapl=rapl, energy=energy) as sampler:
-        async for tick in sampler.ticks(cfg.interval_seconds, until=start + duration_seconds):
-            read = tick.servers.get(server.name)
-            if read is not None and read.reading is not None and read.reading.info.offload_enabled:
-                raise ConfigError(f"--server {server.name}: the server offloads KV "
-                                  "(kv_offloading_size is set); record the OFF twin")
-            model.ingest(tick)
-    return list(sm.history.intervals), sm.info, sm.status
-
-
-def build_profile(intervals, info, server: ServerConfig, duration_seconds: float, window_seconds: float
-                  ) -> profile_mod.Profile:
-    with_energy = [iv for iv in intervals if "gpu" in iv.energy_joules]
-    marginal = bool(with_energy) and all("gpu" in iv.idle_joules for iv in with_energy)
-    windows = window_stats(intervals, window_seconds, "gpu", marginal=marginal)
-    return profile_mod.Profile(
-        server=server.name, model_name=info.model_name if info else "",
-        offload_enabled=info.offload_enabled if info else None,
-        recorded_at=dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        duration_seconds=duration_seconds, window_seconds=window_seconds,
-        bands=tuple(build_bands(windows, DEFAULT_BANDS)), scope="gpu",
-        energy="marginal" if marginal else "total")
-
-
 def main(args: argparse.Namespace) -> int:
     cfg, server = _config(args)
     duration = parse_duration(args.duration, "--duration")
@@ -94,8 +58,8 @@ def main(args: argparse.Namespace) -> int:
         raise ConfigError(f"--window: {args.window} is longer than --duration {args.duration}")
     check_writable(args.out, "--out")  # now, not after recording for --duration
     cfg = replace(cfg, servers=(server,))
-    intervals, info, status = asyncio.run(sample(cfg, server, duration))
-    prof = build_profile(intervals, info, server, duration, window)
+    intervals, info, status = asyncio.run(record_intervals(cfg, server, duration))
+    prof = profile_mod.build_profile(intervals, info, server, duration, window)
     if prof.windows == 0:
         why = f"vLLM {status.reason}" if status is not None and not status.up else "no window carried load"
         print(f"kvwatt: nothing recorded for {server.name} ({why}); {args.out} not written", file=sys.stderr)

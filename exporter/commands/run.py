@@ -1,64 +1,21 @@
-"""`kvwatt run`: the flags, the state directory, the web server and the daemon's loop (exporter.daemon)."""
+"""`kvwatt run`: the flags and the web settings; the service itself (state directory, model, web server, the
+daemon's loop) is exporter/service.py."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import logging
-import signal
-import time
-from dataclasses import replace
-from typing import TYPE_CHECKING
 
 from exporter import logsetup
-from exporter.build import VersionAction, build_info
+from exporter.build import VersionAction
 from exporter.config import (Config, ConfigError, parse_duration, parse_log_format, parse_log_level,
-                             parse_telemetry_path, resolve, shown_server)
-from exporter.daemon import Daemon
-from exporter.energy.baseline import BaselineBook
-from exporter.model import Model
-from exporter.model.reference_book import ReferenceBook
-from exporter.statedir import open_state_dir
-
-if TYPE_CHECKING:  # imported when serving: other commands import this module for its parser only
-    from exporter.serve.web import WebLimits
-    from exporter.serve.webconfig import WebConfig
+                             parse_telemetry_path, resolve)
+from exporter.serve import connections, webconfig
+from exporter.serve.web import WebLimits
+from exporter.service import CannotListen, serve
 
 log = logging.getLogger("kvwatt")
-
-
-class CannotListen(Exception):
-    """Binding the HTTP address failed (port taken, address not local): the one start failure that exits."""
-
-
-async def serve(cfg: Config, limits: "WebLimits | None" = None, web_config: "WebConfig | None" = None,
-                telemetry_path: str = "/metrics") -> None:
-    from exporter.serve.web import WebLimits, start_web
-
-    state = open_state_dir(cfg.state_dir)  # locked for the daemon's life; never fatal (exporter.statedir)
-    try:
-        cfg = replace(cfg, state_dir=state.path)
-        book = BaselineBook(state.path, cfg.idle_power_watts, read_only_reason=state.reason)
-        refs = ReferenceBook(state.path, time.time, read_only_reason=state.reason)
-        daemon = Daemon(cfg, model=Model(cfg, book=book, references=refs))
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, daemon.stop)
-        try:
-            runner = await start_web(daemon, cfg.host, cfg.port, limits or WebLimits(), web_config,
-                                     telemetry_path)
-        except OSError as e:  # only here: an OSError elsewhere (e.g. the state dir) is not about serving
-            raise CannotListen(e.strerror or str(e)) from e
-        log.info("%s listening on %s%s (%s), watching %s", build_info().line(), cfg.listen, telemetry_path,
-                 web_config.describe() if web_config else "http, no auth",
-                 ", ".join(shown_server(s) for s in cfg.servers))
-        try:
-            await daemon.run_loop()
-        finally:
-            await runner.cleanup()
-    finally:
-        state.close()
-    log.info("kvwatt stopped")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -99,9 +56,6 @@ def config_from_args(args: argparse.Namespace) -> Config:
 
 def web_settings(args: argparse.Namespace, cfg: Config):
     """The web limits and configuration from the flags (ConfigError on bad input); raises the fd limit."""
-    from exporter.serve import connections, webconfig
-    from exporter.serve.web import WebLimits
-
     if args.web_max_connections <= 0:
         raise ConfigError(f"--web.max-connections: expected a positive integer, got {args.web_max_connections}")
     read_timeout = parse_duration(args.web_read_timeout, "--web.read-timeout")

@@ -21,7 +21,7 @@ from typing import Sequence
 from exporter.derive.pressure import rate_per_second
 from exporter.derive.window import WindowAggregate, as_aggregate, sum_delta
 from exporter.samples import Interval
-from exporter.sources.engine import labelled_key
+from exporter.keys import labelled_key
 
 # native connector (0.24+ / 0.26+), and the SimpleCPU connector's stores dropped because its pool was full
 FAILURE_KEYS = ("offload_allocation_failures", "offload_stores_skipped", "offload_stores_dropped_full")

@@ -24,7 +24,7 @@ from typing import Sequence
 
 from exporter.derive.window import WindowAggregate, as_aggregate
 from exporter.samples import Interval
-from exporter.sources.engine import labelled
+from exporter.keys import labelled
 
 QUANTILES = (0.5, 0.99)
 _LE = "preemption_hist_le"

@@ -13,7 +13,7 @@ from exporter.figures import EnergyFigure, ServerFigures, WindowFigures
 from exporter.model import offload as offload_figures
 from exporter.model import pressure as pressure_model
 from exporter.samples import EngineReading, SourceStatus, EngineInfo
-from exporter.sources.engine import labelled
+from exporter.keys import labelled
 from exporter.store import ServerHistory
 
 SCOPES = ("gpu", "host")

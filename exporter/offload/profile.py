@@ -16,12 +16,14 @@ Loading validates everything and raises ConfigError naming the file and the prob
 
 from __future__ import annotations
 
+import datetime as dt
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 from exporter import atomic
-from exporter.config import ConfigError, is_finite, read_json, shown
-from exporter.derive.economics import BandProfile
+from exporter.config import ConfigError, ServerConfig, is_finite, read_json, shown
+from exporter.derive.economics import DEFAULT_BANDS, BandProfile, build_bands, window_stats
+from exporter.samples import EngineInfo, Interval
 
 FORMAT = "kvwatt-offload-profile"
 VERSION = 1
@@ -42,6 +44,23 @@ class Profile:
     @property
     def windows(self) -> int:
         return sum(b.windows for b in self.bands)
+
+
+def build_profile(intervals: Sequence[Interval], info: EngineInfo | None, server: ServerConfig,
+                  duration_seconds: float, window_seconds: float) -> Profile:
+    """The profile of a recording: its intervals cut into non-overlapping windows, J/token and tokens/s per
+    KV-pressure band (docs/methods.md §1 and §3). J/token is marginal when every interval with GPU energy
+    also has an idle baseline, else total."""
+    with_energy = [iv for iv in intervals if "gpu" in iv.energy_joules]
+    marginal = bool(with_energy) and all("gpu" in iv.idle_joules for iv in with_energy)
+    windows = window_stats(intervals, window_seconds, "gpu", marginal=marginal)
+    return Profile(
+        server=server.name, model_name=info.model_name if info else "",
+        offload_enabled=info.offload_enabled if info else None,
+        recorded_at=dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        duration_seconds=duration_seconds, window_seconds=window_seconds,
+        bands=tuple(build_bands(windows, DEFAULT_BANDS)), scope="gpu",
+        energy="marginal" if marginal else "total")
 
 
 def to_json(p: Profile) -> dict[str, Any]:

@@ -23,6 +23,7 @@ KVBM exports no tier capacity or occupancy, and no offload bytes: those figures 
 from __future__ import annotations
 
 from exporter.samples import EngineInfo
+from exporter.sources.engine import DYNAMO_ORDER, register
 from exporter.sources.families import EngineSpec, Parts, Pick, SpecAdapter, model_name
 
 KVSTATS = "dynamo_component_kvstats_"
@@ -52,3 +53,6 @@ class DynamoAdapter(SpecAdapter):
         kvbm = any(name.startswith("kvbm_") for name in parts.series)
         return EngineInfo(model_name=model_name(parts.series), offload_enabled=True if kvbm else None,
                         offload_backend="kvbm" if kvbm else "", process_start_time_seconds=process_start)
+
+
+register(DynamoAdapter(), order=DYNAMO_ORDER)

@@ -13,7 +13,7 @@ from yarl import URL
 from exporter.samples import EngineReading, SourceStatus
 from exporter.sources.combine import read_exposition
 from exporter.sources.engine import EngineAdapter, SourceError
-from exporter.sources.vllm import OUT_OF_RANGE
+from exporter.sources.ranges import OUT_OF_RANGE
 
 log = logging.getLogger("kvwatt.engine")
 

@@ -3,10 +3,10 @@
 An adapter turns one exposition into an engine-neutral ``EngineReading`` (exporter/samples.py): cumulative
 counters and gauges under kvwatt's own keys below, slow-changing facts, and the capabilities the exposition
 showed. Everything after the adapter (store, derivations, figures) only knows these keys, so adding an
-engine (SGLang, TensorRT-LLM, ...) means writing one adapter and registering it here -- no derivation
-changes. An adapter maps what its engine has onto these keys and leaves out what it does not have; the
-capability set then tells the figures that depend on a missing key that they cannot exist for this server
-(absent, not zero).
+engine (SGLang, TensorRT-LLM, ...) means writing one adapter whose module calls ``register`` below and
+importing that module in exporter/sources/__init__.py -- no derivation changes. An adapter maps what its engine
+has onto these keys and leaves out what it does not have; the capability set then tells the figures that depend
+on a missing key that they cannot exist for this server (absent, not zero).
 
 Adapters run in a worker thread (the vLLM source calls ``read`` through ``asyncio.to_thread``), so ``read``
 must be a pure function of its text: no shared mutable state.
@@ -18,6 +18,7 @@ import math
 import threading
 from typing import Protocol, runtime_checkable
 
+from exporter.keys import labelled, labelled_key  # noqa: F401  (the seam's names for adapters)
 from exporter.samples import EngineReading, EngineInfo
 
 
@@ -81,14 +82,6 @@ LABELLED_GAUGE_KEYS: dict[str, str] = {
 }
 
 
-def labelled_key(prefix: str, value: str) -> str:
-    return f"{prefix}@{value}"
-
-
-def labelled(counters: dict[str, float], prefix: str) -> dict[str, float]:
-    """{label value: v} of one labelled counter family in a counters (or deltas) mapping."""
-    head = prefix + "@"
-    return {k[len(head):]: v for k, v in counters.items() if k.startswith(head)}
 # Gauges: the value at read time. Request counts are summed over ranks; kv_usage is the fullest rank (0..1).
 GAUGE_KEYS: dict[str, str] = {
     "running": "requests running",
@@ -183,42 +176,29 @@ class EngineAdapter(Protocol):
         ...
 
 
-_REGISTRY: list[EngineAdapter] = []
-_builtins_loaded = False
-_builtins_lock = threading.Lock()  # the first decodes run in several worker threads at once
+# The registry (node_exporter's registerCollector, in Python): each adapter's module registers its adapter at
+# import, and exporter/sources/__init__.py imports the built-in modules, so the registry is complete whenever
+# the package is imported -- before any worker thread reads it. (order, registration number, adapter); kept sorted.
+_REGISTRY: list[tuple[float, int, EngineAdapter]] = []
+_registry_lock = threading.Lock()  # a plugin may register while worker threads read the registry
+
+# The built-in adapters' places (auto-detection tries them in this order: the engines, then the add-ons that run
+# beside one). An adapter registered without an order goes after every ordered one, in registration order.
+VLLM_ORDER, SGLANG_ORDER, TRTLLM_ORDER, LMCACHE_ORDER, DYNAMO_ORDER = 10, 20, 30, 40, 50
 
 
-def register(adapter: EngineAdapter) -> None:
-    """Add an adapter after the built-in ones (auto-detection tries them in order)."""
-    _ensure_builtins()
-    _REGISTRY.append(adapter)
-
-
-def _ensure_builtins() -> None:
-    """Load the built-in adapters once. The flag is set only when they are in the registry, under a lock: a
-    thread that saw it set early would read an empty registry."""
-    global _builtins_loaded
-    if _builtins_loaded:
-        return
-    with _builtins_lock:
-        if _builtins_loaded:
-            return
-        # here, not at the top: the adapters' modules import this one
-        from exporter.sources.dynamo import DynamoAdapter
-        from exporter.sources.lmcache import LmcacheAdapter
-        from exporter.sources.sglang import SglangAdapter
-        from exporter.sources.trtllm import TrtllmAdapter
-        from exporter.sources.vllm import VllmAdapter
-
-        _REGISTRY[0:0] = [VllmAdapter(), SglangAdapter(), TrtllmAdapter(), LmcacheAdapter(), DynamoAdapter()]
-        _builtins_loaded = True
+def register(adapter: EngineAdapter, order: float = math.inf) -> None:
+    """Add an adapter at ``order`` (lower is tried first; equal orders keep registration order)."""
+    global _REGISTRY
+    with _registry_lock:
+        # a new sorted list, swapped in whole: a reader holding the old one sees a complete registry
+        _REGISTRY = sorted([*_REGISTRY, (order, len(_REGISTRY), adapter)], key=lambda entry: entry[:2])
 
 
 def adapters() -> tuple[EngineAdapter, ...]:
     """The registered adapters: vLLM, SGLang, TensorRT-LLM, then the add-ons LMCache and Dynamo, then any
     registered later."""
-    _ensure_builtins()
-    return tuple(_REGISTRY)
+    return tuple(adapter for _, _, adapter in _REGISTRY)
 
 
 def adapter_for(text: str) -> EngineAdapter:
@@ -228,9 +208,3 @@ def adapter_for(text: str) -> EngineAdapter:
         if adapter.detect(text):
             return adapter
     return found[0]
-
-
-def __getattr__(name: str):  # ADAPTERS is built on first use (the vLLM adapter's module imports this one)
-    if name == "ADAPTERS":
-        return adapters()
-    raise AttributeError(name)

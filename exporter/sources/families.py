@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from exporter.sources.expfmt import Exposition, Labels, parse_families, process_start_time
 from exporter.samples import EngineReading, EngineInfo
 from exporter.sources.engine import OFFLOAD_BUFFER, SourceError, capabilities_of
-from exporter.sources.vllm import MAX_VALUE
+from exporter.sources.ranges import MAX_VALUE
 
 Series = dict[Labels, float]
 

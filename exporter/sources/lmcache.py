@@ -25,6 +25,7 @@ Tensor-parallel workers (label ``worker_id``) retrieve the same tokens for their
 from __future__ import annotations
 
 from exporter.samples import EngineInfo
+from exporter.sources.engine import LMCACHE_ORDER, register
 from exporter.sources.families import EngineSpec, Parts, Pick, SpecAdapter, model_name
 
 SPEC = EngineSpec(
@@ -50,3 +51,6 @@ class LmcacheAdapter(SpecAdapter):
     def facts(self, parts: Parts, process_start: float | None) -> EngineInfo:
         return EngineInfo(model_name=model_name(parts.series), offload_enabled=True, offload_backend="lmcache",
                         process_start_time_seconds=process_start)
+
+
+register(LmcacheAdapter(), order=LMCACHE_ORDER)

@@ -28,7 +28,8 @@ rank 0's are taken; ``dp_rank`` (data-parallel attention) is the rank the store 
 from __future__ import annotations
 
 from exporter.samples import EngineInfo
-from exporter.sources.vllm import MAX_VALUE
+from exporter.sources.engine import SGLANG_ORDER, register
+from exporter.sources.ranges import MAX_VALUE
 from exporter.sources.families import EngineSpec, Parts, Pick, SpecAdapter, model_name, rank_sums
 
 STORAGE = "storage_"
@@ -130,3 +131,6 @@ def _cache_config(samples: dict) -> tuple[float | None, float | None]:
         if 0 < page <= MAX_VALUE and 0 <= pages <= MAX_VALUE:
             return page, pages
     return None, None
+
+
+register(SglangAdapter(), order=SGLANG_ORDER)

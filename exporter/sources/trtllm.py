@@ -22,7 +22,8 @@ pool size in bytes: those figures are absent.
 from __future__ import annotations
 
 from exporter.samples import EngineInfo
-from exporter.sources.vllm import MAX_VALUE
+from exporter.sources.engine import TRTLLM_ORDER, register
+from exporter.sources.ranges import MAX_VALUE
 from exporter.sources.families import EngineSpec, Parts, Pick, SpecAdapter, first_value, model_name, rank_sums
 
 SPEC = EngineSpec(
@@ -82,3 +83,6 @@ class TrtllmAdapter(SpecAdapter):
         parts.counters["prefix_queries"] = (hits + misses) * tokens_per_block
         rank = parts.by_rank.setdefault("", {})
         rank["prefix_hits"], rank["prefix_queries"] = parts.counters["prefix_hits"], parts.counters["prefix_queries"]
+
+
+register(TrtllmAdapter(), order=TRTLLM_ORDER)

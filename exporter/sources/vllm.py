@@ -18,7 +18,9 @@ import logging
 
 from exporter.sources.expfmt import Exposition, Labels, parse, parse_families, process_start_time
 from exporter.samples import EngineReading, EngineInfo
-from exporter.sources.engine import OFFLOAD_BUFFER, EngineAdapter, SourceError, capabilities_of, labelled_key
+from exporter.sources.engine import (OFFLOAD_BUFFER, VLLM_ORDER, EngineAdapter, SourceError, capabilities_of,
+                                     labelled_key, register)
+from exporter.sources.ranges import GIB, MAX_VALUE, OUT_OF_RANGE
 from exporter.sources.vllm_names import RENAMES
 
 __all__ = ["COUNTERS", "DEPRECATED_OFFLOAD", "GAUGES_SUM", "GIB", "MAX_VALUE", "NEEDED_FAMILIES", "OUT_OF_RANGE",
@@ -88,12 +90,6 @@ GAUGES_SUM = {
     "waiting_deferred": ("num_requests_waiting_by_reason", {"reason": "deferred"}),
 }
 INFO_BASES = ("kv_cache_usage_perc", "cache_config_info", "kv_offload_config_info")
-GIB = 2 ** 30
-# The largest counter or gauge value taken (docs/architecture.md "Data-parallel engines and value ranges"):
-# no real server comes near (FLOPs per GPU at 1e16/s for 30 years is 1e25), and below it a window's sum of
-# deltas stays finite, so every figure does. A value above it, negative, NaN or infinite is refused.
-MAX_VALUE = 1e30
-OUT_OF_RANGE = "out_of_range"  # the fixed reason word in the source status (details go to the log)
 
 
 def _needed() -> tuple[frozenset[str], frozenset[str]]:
@@ -377,3 +373,6 @@ class VllmAdapter:
         if exp.errors and problems is not None:
             problems.append(f"parse_error: {exp.errors} bad lines skipped")
         return extract(exp, process_start_time(text))
+
+
+register(VllmAdapter(), order=VLLM_ORDER)

@@ -1,0 +1,29 @@
+"""Recording one server for `kvwatt baseline record`: the daemon's own Sampler and Model, every interval kept,
+for a fixed duration. The profile is then built from the intervals (exporter/offload/profile.py)."""
+
+from __future__ import annotations
+
+import time
+
+from exporter.config import Config, ConfigError, ServerConfig
+from exporter.model import Model
+from exporter.sampler import Sampler
+
+
+async def record_intervals(cfg: Config, server: ServerConfig, duration_seconds: float, energy: bool = True,
+                           nvml=None, rapl=None):
+    """Read the server (and energy) every cfg.interval_seconds for duration_seconds with the daemon's own
+    Sampler and Model (one server, every interval kept, no idle learning: P_idle must not change halfway).
+    Returns (intervals, last EngineInfo or None, last vLLM status). ConfigError when the server offloads: an
+    OFF profile must come from an OFF server."""
+    model = Model(cfg, keep_seconds=duration_seconds + 3600.0, learn_idle=False)
+    sm = model.servers[server.name]
+    start = time.monotonic()
+    async with Sampler(cfg, (server,), nvml=nvml, rapl=rapl, energy=energy) as sampler:
+        async for tick in sampler.ticks(cfg.interval_seconds, until=start + duration_seconds):
+            read = tick.servers.get(server.name)
+            if read is not None and read.reading is not None and read.reading.info.offload_enabled:
+                raise ConfigError(f"--server {server.name}: the server offloads KV "
+                                  "(kv_offloading_size is set); record the OFF twin")
+            model.ingest(tick)
+    return list(sm.history.intervals), sm.info, sm.status

@@ -1,0 +1,56 @@
+"""The daemon as a service (`kvwatt run`): the state directory, the idle and reference books, the model, the
+signal handlers, the web server and the daemon's loop (exporter.daemon), for the life of the process."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from dataclasses import replace
+
+from exporter.build import build_info
+from exporter.config import Config, shown_server
+from exporter.daemon import Daemon
+from exporter.energy.baseline import BaselineBook
+from exporter.model import Model
+from exporter.model.reference_book import ReferenceBook
+from exporter.serve.web import WebLimits, start_web
+from exporter.serve.webconfig import WebConfig
+from exporter.statedir import open_state_dir
+
+log = logging.getLogger("kvwatt")
+
+
+class CannotListen(Exception):
+    """Binding the HTTP address failed (port taken, address not local): the one start failure that exits."""
+
+
+async def serve(cfg: Config, limits: WebLimits | None = None, web_config: WebConfig | None = None,
+                telemetry_path: str = "/metrics") -> None:
+    """Open the state directory, build the model with its books, serve the web endpoints and run the
+    daemon's loop until SIGTERM or SIGINT. CannotListen when the address cannot be bound."""
+    state = open_state_dir(cfg.state_dir)  # locked for the daemon's life; never fatal (exporter.statedir)
+    try:
+        cfg = replace(cfg, state_dir=state.path)
+        book = BaselineBook(state.path, cfg.idle_power_watts, read_only_reason=state.reason)
+        refs = ReferenceBook(state.path, time.time, read_only_reason=state.reason)
+        daemon = Daemon(cfg, model=Model(cfg, book=book, references=refs))
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, daemon.stop)
+        try:
+            runner = await start_web(daemon, cfg.host, cfg.port, limits or WebLimits(), web_config,
+                                     telemetry_path)
+        except OSError as e:  # only here: an OSError elsewhere (e.g. the state dir) is not about serving
+            raise CannotListen(e.strerror or str(e)) from e
+        log.info("%s listening on %s%s (%s), watching %s", build_info().line(), cfg.listen, telemetry_path,
+                 web_config.describe() if web_config else "http, no auth",
+                 ", ".join(shown_server(s) for s in cfg.servers))
+        try:
+            await daemon.run_loop()
+        finally:
+            await runner.cleanup()
+    finally:
+        state.close()
+    log.info("kvwatt stopped")
