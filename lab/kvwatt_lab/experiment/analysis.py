@@ -18,6 +18,7 @@ import math
 from typing import Any
 
 from exporter.config import ConfigError
+from exporter.rules import PREEMPTION_ONSET_PER_MINUTE as ONSET
 from exporter.derive import offload
 from exporter.derive.pressure import quantile
 from exporter.derive.threshold import PressurePoint, locate
@@ -105,7 +106,7 @@ def off_tax(conditions: list[dict], summaries: list[dict]) -> dict[str, dict]:
             groups.setdefault(_workload_key(c), []).append(s)
     out = {}
     for members in groups.values():
-        calm = [s for s in members if (_mean(s, "preemptions_per_minute") or 0.0) < 0.5] or members
+        calm = [s for s in members if (_mean(s, "preemptions_per_minute") or 0.0) < ONSET.default] or members
         ref = min(calm, key=lambda s: _mean(s, "kv_usage_p95_ratio"))
         r_mean, r_se = _mean(ref, "share_local_compute"), _se(ref, "share_local_compute")
         for s in members:
