@@ -155,9 +155,10 @@ class Config:
     # regime threshold: "located" (from the server's own history once there is evidence, methods.md s10; the
     # configured one until then) or "configured" (always kv_pressure_threshold)
     kv_pressure_threshold_source: str = "located"
-    threshold_window_seconds: float = rules.THRESHOLD_WINDOW.default  # one evidence point per completed window of this grid
-    threshold_history_seconds: float = rules.THRESHOLD_HISTORY.default  # evidence kept (in windows: history / window)
-    threshold_min_windows: int = rules.THRESHOLD_MIN_WINDOWS.default  # evidence windows a located threshold needs (methods.md s10)
+    # located-threshold evidence (methods.md s10): one point per completed threshold window, kept for the history
+    threshold_window_seconds: float = rules.THRESHOLD_WINDOW.default
+    threshold_history_seconds: float = rules.THRESHOLD_HISTORY.default
+    threshold_min_windows: int = rules.THRESHOLD_MIN_WINDOWS.default
     preemption_onset_per_minute: float = rules.PREEMPTION_ONSET_PER_MINUTE.default
     http_timeout_seconds: float = 2.0
     max_body_bytes: int = 8 * 1024 * 1024

@@ -49,8 +49,9 @@ def test_alert_settings_default_to_the_rules():
     for key, rule in shared.items():
         assert ALERTS_GEN.SETTINGS[key].default == rule.default, key
     # the daemon's collapse (methods.md s5) is the alert's: 0.2 and 1.5, not the fallback's old 0.35 and 2.0
-    assert ALERTS_GEN.SETTINGS["collapse_throughput_drop_ratio"].default == config.Config().collapse_throughput_drop_ratio
-    assert ALERTS_GEN.SETTINGS["collapse_power_near_idle_ratio"].default == config.Config().collapse_power_near_idle_ratio
+    daemon = config.Config()
+    assert ALERTS_GEN.SETTINGS["collapse_throughput_drop_ratio"].default == daemon.collapse_throughput_drop_ratio == 0.2
+    assert ALERTS_GEN.SETTINGS["collapse_power_near_idle_ratio"].default == daemon.collapse_power_near_idle_ratio == 1.5
     assert ALERTS_GEN.SETTINGS["kvwatt_window"].default == config.format_window(max(config.Config().windows_seconds))
 
 
@@ -94,7 +95,8 @@ def test_a_literal_copy_is_found(source, rule):
 
 
 @pytest.mark.parametrize("source", [
-    "threshold_line=0", "QUANTILES = (0.5, 0.99)", "per_minute = per_second * 60.0", "if tool_latency_seconds > 0: pass",
+    "threshold_line=0", "QUANTILES = (0.5, 0.99)", "per_minute = per_second * 60.0",
+    "if tool_latency_seconds > 0: pass",
     "x = rules.KV_PRESSURE_THRESHOLD.default", "MIN_COVERAGE_RATIO = 0.5", "windows_seconds[0]",
 ])
 def test_not_a_copy(source):

@@ -27,7 +27,8 @@ from exporter.derive.threshold import PressurePoint, locate
 Z = 2.0                       # a saving is significant when dE% > Z * SE (one-sided ~97.7 %)
 P95_Z = 1.96                  # a condition's KV p95 interval: mean ± 1.96 SE over its runs
 PLATEAU_FRACTION = 0.9        # methods.md s6: a sufficient buffer captures > 90 % of the achievable saving
-DEFAULT_P99_TOOL_LATENCY = rules.P99_TOOL_LATENCY.default  # methods.md s6, the study's traces; used when the trace cannot be read
+# methods.md s6, the study's traces; used when the trace cannot be read
+DEFAULT_P99_TOOL_LATENCY = rules.P99_TOOL_LATENCY.default
 SKIP_KEYS = ("name", "baseline", "args", "env")   # shown in the plan; ON/OFF is the baseline column
 
 

@@ -90,7 +90,8 @@ class EnergySpec:
     nvml: bool = True
     powercap_root: str = "/sys/class/powercap"
     gpus: tuple[str, ...] = ()       # the server's GPUs (indices or UUIDs); empty: every GPU
-    min_load_seconds: float = rules.MIN_LOAD_DURATION.default  # J/token needs this much load in the window (energy-measurement rule 9)
+    # J/token needs this much load in the window (energy-measurement rule 9)
+    min_load_seconds: float = rules.MIN_LOAD_DURATION.default
     scope: str = "auto"              # energy used for dE: auto (gpu when measured, else host), gpu, host
     basis: str = "marginal"          # marginal (idle-subtracted, methods.md s1) or total J/token
 
@@ -203,7 +204,8 @@ def load_plan(path: str) -> Plan:
         seed=values.integer(data.get("seed", 0), "seed", 0), repeats=_repeats(data.get("repeats", 3), conditions),
         out_dir=str(plan_dir / values.string(data.get("out", f"{Path(path).stem}-results"), "out")),
         sample_interval_seconds=_interval(data.get("sample_interval", rules.INTERVAL.default)),
-        kv_pressure_threshold=values.ratio(data.get("kv_pressure_threshold", rules.KV_PRESSURE_THRESHOLD.default), "kv_pressure_threshold"),
+        kv_pressure_threshold=values.ratio(data.get("kv_pressure_threshold", rules.KV_PRESSURE_THRESHOLD.default),
+                                           "kv_pressure_threshold"),
         vars=plan_vars, phases=_phases(data.get("phases", {})), server=server,
         energy=_energy(data.get("energy", {})), conditions=conditions)
     _check_templates(plan)
