@@ -27,6 +27,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
+from exporter import rulecopies, rules  # noqa: E402
 from exporter.catalog import BY_NAME  # noqa: E402
 from exporter.sources.vllm_names import WIRE_SERIES  # noqa: E402
 
@@ -37,6 +38,10 @@ PROVISIONED_DS_NAME = "kvwatt Prometheus"
 TAGS = ["kvwatt", "vllm", "kv-offload"]
 SERIES_RE = re.compile(r"\b(?:kvwatt_[a-z0-9_]+|vllm:[a-z0-9_:]+)")
 SERVER_VARS = ("server", "server_on", "server_off")
+
+# the dashed reference lines: the daemon's defaults (exporter/rules.py), never a copy
+ONSET_PER_MINUTE = rules.PREEMPTION_ONSET_PER_MINUTE.default
+P99_TOOL_LATENCY_SECONDS = rules.P99_TOOL_LATENCY.default
 
 
 # --- selectors ---------------------------------------------------------------------------------------------
@@ -597,11 +602,12 @@ RECOMPUTE = Row("Recomputation", (
            Target(_by("server", kv("kvwatt_recompute_reference_share_ratio")), "{{server}} reference share")),
           w=6, dashed_refids=("B",)),
     Panel("Preemptions per minute", "Preemptions per minute from kvwatt's dense samples and from the rate of "
-          "vLLM's counter. Dashed line: the default onset rate 0.5/min (preemption_onset_per_minute).", "cpm",
+          "vLLM's counter. Dashed line: the default onset rate "
+          f"{ONSET_PER_MINUTE:g}/min (preemption_onset_per_minute).", "cpm",
           (Target(_by("server", kv("kvwatt_preemptions_per_minute")), "{{server}} (kvwatt window)"),
            Target(f"sum by (server) ({rate(vl('vllm:num_preemptions_total'))}) * 60",
                   "{{server}} (vLLM counter)")),
-          w=6, min=0, threshold_line=0.5),
+          w=6, min=0, threshold_line=ONSET_PER_MINUTE),
     Panel("Estimated FLOPs per generated token", "vLLM's MFU estimate of FLOPs per generated token "
           "(--enable-mfu-metrics): rises with every kind of recomputation, re-prefill after preemption included, "
           "which the token counters miss.", FLOP_PER_TOKEN,
@@ -629,9 +635,10 @@ PRESSURE = Row("KV pressure", (
           w=8, min=0),
     Panel("Offload buffer residency", "How long an offloaded block survives: buffer bytes / write rate "
           "(methods.md s6). It should exceed the workload's p99 tool-call latency (dashed: the default "
-          "p99_tool_latency 20 s); kvwatt_offload_buffer_undersized compares against the configured value.", "s",
+          f"p99_tool_latency {P99_TOOL_LATENCY_SECONDS:g} s); kvwatt_offload_buffer_undersized compares against "
+          "the configured value.", "s",
           (Target(_by("server", kv("kvwatt_offload_buffer_residency_seconds")), "{{server}} residency"),),
-          w=8, min=0, threshold_line=20),
+          w=8, min=0, threshold_line=P99_TOOL_LATENCY_SECONDS),
     Panel("Offload buffer: configured vs recommended", "The configured host offload buffer and the size that "
           "keeps residency above the p99 tool-call latency with the configured headroom.", "bytes",
           (Target(_by("server", kv("kvwatt_offload_buffer_bytes")), "{{server}} configured"),
@@ -795,7 +802,8 @@ def dumps(d: Dashboard) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 if the committed JSON is stale")
+    parser.add_argument("--check", action="store_true", help="exit 1 if the committed JSON is stale or a "
+                        "generator copies a rule of exporter/rules.py as a literal")
     parser.add_argument("--dir", type=Path, default=HERE, help="where the JSON files live (default: %(default)s)")
     args = parser.parse_args(argv)
     stale: list[str] = []
@@ -814,8 +822,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {path}")
     if stale:
         print(f"stale: {', '.join(stale)}; run: python dashboards/generate.py", file=sys.stderr)
-        return 1
-    return 0
+    copies = rulecopies.find_copies() if args.check else []
+    for c in copies:
+        print(c, file=sys.stderr)
+    return 1 if stale or copies else 0
 
 
 if __name__ == "__main__":

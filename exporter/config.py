@@ -20,6 +20,7 @@ from urllib.parse import urlparse, urlsplit
 
 import yaml
 
+from exporter import rules
 from exporter.limits import MAX_FILE_BYTES
 
 DEFAULT_SERVER_URL = "http://127.0.0.1:8000"
@@ -148,31 +149,32 @@ class ServerConfig:
 class Config:
     servers: tuple[ServerConfig, ...] = ()
     listen: str = DEFAULT_LISTEN
-    interval_seconds: float = 1.0
-    windows_seconds: tuple[float, ...] = (60.0, 300.0)
-    kv_pressure_threshold_ratio: float = 0.90
+    interval_seconds: float = rules.INTERVAL.default
+    windows_seconds: tuple[float, ...] = rules.WINDOWS.default
+    kv_pressure_threshold_ratio: float = rules.KV_PRESSURE_THRESHOLD.default
     # regime threshold: "located" (from the server's own history once there is evidence, methods.md s10; the
     # configured one until then) or "configured" (always kv_pressure_threshold)
     kv_pressure_threshold_source: str = "located"
-    threshold_window_seconds: float = 60.0  # one evidence point per completed window of this grid
-    threshold_history_seconds: float = 6 * 3600.0  # evidence kept (in windows: history / window)
-    threshold_min_windows: int = 6  # evidence windows a located threshold needs (methods.md s10)
-    preemption_onset_per_minute: float = 0.5
+    # located-threshold evidence (methods.md s10): one point per completed threshold window, kept for the history
+    threshold_window_seconds: float = rules.THRESHOLD_WINDOW.default
+    threshold_history_seconds: float = rules.THRESHOLD_HISTORY.default
+    threshold_min_windows: int = rules.THRESHOLD_MIN_WINDOWS.default
+    preemption_onset_per_minute: float = rules.PREEMPTION_ONSET_PER_MINUTE.default
     http_timeout_seconds: float = 2.0
     max_body_bytes: int = 8 * 1024 * 1024
     state_dir: str = DEFAULT_STATE_DIR
     powercap_root: str = "/sys/class/powercap"
     nvml_enabled: bool = True
-    idle_settle_seconds: float = 30.0
-    idle_min_seconds: float = 30.0
-    min_load_seconds: float = 30.0
+    idle_settle_seconds: float = rules.IDLE_SETTLE.default
+    idle_min_seconds: float = rules.IDLE_MIN_DURATION.default
+    min_load_seconds: float = rules.MIN_LOAD_DURATION.default
     idle_power_watts: dict[str, float] = field(default_factory=dict)  # device id -> W (override)
-    p99_tool_latency_seconds: float = 20.0
-    buffer_headroom: float = 1.5
-    collapse_throughput_drop_ratio: float = 0.2
-    collapse_power_near_idle_ratio: float = 1.5
-    collapse_reference_seconds: float = 600.0
-    load_to_compute_cost_ratio: float = 0.1
+    p99_tool_latency_seconds: float = rules.P99_TOOL_LATENCY.default
+    buffer_headroom: float = rules.BUFFER_HEADROOM.default
+    collapse_throughput_drop_ratio: float = rules.COLLAPSE_THROUGHPUT_DROP_RATIO.default
+    collapse_power_near_idle_ratio: float = rules.COLLAPSE_POWER_NEAR_IDLE_RATIO.default
+    collapse_reference_seconds: float = rules.COLLAPSE_REFERENCE_WINDOW.default
+    load_to_compute_cost_ratio: float = rules.LOAD_TO_COMPUTE_COST_RATIO.default
     web_config_path: str | None = None  # TLS / basic auth of the endpoints (exporter/serve/webconfig.py)
     log_level: str = "info"  # debug | info | warn | error (exporter/logsetup.py)
     log_format: str = "logfmt"  # logfmt | json
@@ -340,31 +342,36 @@ def _watts_map(value: Any, key: str) -> dict[str, float]:
     return {str(k): _float_range(0.0)(v, f"{key}.{k}") for k, v in value.items()}
 
 
+def _from_rule(rule: rules.Rule, parse: Any) -> dict[str, tuple[str, Any]]:
+    """A KEYS entry for a shared rule: its YAML key and Config attribute come from exporter/rules.py."""
+    return {rule.key: (rule.attribute, parse)}
+
+
 KEYS: dict[str, tuple[str, Any]] = {
     "listen": ("listen", parse_listen),
-    "interval": ("interval_seconds", parse_interval),
-    "windows": ("windows_seconds", _windows),
-    "kv_pressure_threshold": ("kv_pressure_threshold_ratio", _float_range(0.0, 1.0, lo_open=True)),
+    **_from_rule(rules.INTERVAL, parse_interval),
+    **_from_rule(rules.WINDOWS, _windows),
+    **_from_rule(rules.KV_PRESSURE_THRESHOLD, _float_range(0.0, 1.0, lo_open=True)),
     "kv_pressure_threshold_source": ("kv_pressure_threshold_source", lambda v, k: _choice(v, k, THRESHOLD_SOURCES)),
-    "threshold_window": ("threshold_window_seconds", parse_duration),
-    "threshold_history": ("threshold_history_seconds", parse_duration),
-    "threshold_min_windows": ("threshold_min_windows", _int_pos),
-    "preemption_onset_per_minute": ("preemption_onset_per_minute", _float_range(0.0, lo_open=True)),
+    **_from_rule(rules.THRESHOLD_WINDOW, parse_duration),
+    **_from_rule(rules.THRESHOLD_HISTORY, parse_duration),
+    **_from_rule(rules.THRESHOLD_MIN_WINDOWS, _int_pos),
+    **_from_rule(rules.PREEMPTION_ONSET_PER_MINUTE, _float_range(0.0, lo_open=True)),
     "http_timeout": ("http_timeout_seconds", parse_duration),
     "max_body_bytes": ("max_body_bytes", _int_pos),
     "state_dir": ("state_dir", _str),
     "powercap_root": ("powercap_root", _str),
     "nvml": ("nvml_enabled", _bool),
-    "idle_settle": ("idle_settle_seconds", parse_duration),
-    "idle_min_duration": ("idle_min_seconds", parse_duration),
-    "min_load_duration": ("min_load_seconds", parse_duration),
+    **_from_rule(rules.IDLE_SETTLE, parse_duration),
+    **_from_rule(rules.IDLE_MIN_DURATION, parse_duration),
+    **_from_rule(rules.MIN_LOAD_DURATION, parse_duration),
     "idle_power_watts": ("idle_power_watts", _watts_map),
-    "p99_tool_latency": ("p99_tool_latency_seconds", parse_duration),
-    "buffer_headroom": ("buffer_headroom", _float_range(1.0)),
-    "collapse_throughput_drop_ratio": ("collapse_throughput_drop_ratio", _float_range(0.0, 1.0, lo_open=True)),
-    "collapse_power_near_idle_ratio": ("collapse_power_near_idle_ratio", _float_range(1.0)),
-    "collapse_reference_window": ("collapse_reference_seconds", parse_duration),
-    "load_to_compute_cost_ratio": ("load_to_compute_cost_ratio", _float_range(0.0)),
+    **_from_rule(rules.P99_TOOL_LATENCY, parse_duration),
+    **_from_rule(rules.BUFFER_HEADROOM, _float_range(1.0)),
+    **_from_rule(rules.COLLAPSE_THROUGHPUT_DROP_RATIO, _float_range(0.0, 1.0, lo_open=True)),
+    **_from_rule(rules.COLLAPSE_POWER_NEAR_IDLE_RATIO, _float_range(1.0)),
+    **_from_rule(rules.COLLAPSE_REFERENCE_WINDOW, parse_duration),
+    **_from_rule(rules.LOAD_TO_COMPUTE_COST_RATIO, _float_range(0.0)),
     "web_config_file": ("web_config_path", _str),
     "log_level": ("log_level", parse_log_level),
     "log_format": ("log_format", parse_log_format),

@@ -365,3 +365,29 @@ def test_grouping_and_inhibition():
     target = re.fullmatch(r'severity=~"(.+)"', inhibit["target_matchers"][0]).group(1).split("|")
     warnings = {r["labels"]["severity"] for r in ALERT_RULES} - {"critical", "none"}
     assert warnings <= set(target), "some non-critical alert would not be inhibited"
+
+
+# --- one configuration (exporter/rules.py) -----------------------------------------------------------------
+
+def test_fallbacks_use_the_daemons_thresholds():
+    """The PromQL fallbacks compare with the daemon's defaults: one definition of collapse (methods.md s5),
+    of the regime threshold (s3) and of the onset rate (s3)."""
+    from exporter import rules
+    collapse = _alert(RULES, "KVOffloadCollapse")["expr"]
+    assert f"< {rules.COLLAPSE_THROUGHPUT_DROP_RATIO.default:g}\n" in collapse and "0.35" not in collapse
+    assert f"< {rules.COLLAPSE_POWER_NEAR_IDLE_RATIO.default:g})" in collapse
+    pressure = _alert(RULES, "KVPressureAboveThreshold")["expr"]
+    assert f"> {rules.KV_PRESSURE_THRESHOLD.default:g}\n" in pressure
+    assert f">= {rules.PREEMPTION_ONSET_PER_MINUTE.default:g}\n" in _alert(RULES, "KVPreemptionOnset")["expr"]
+
+
+@pytest.mark.parametrize("alert, verdict", [
+    ("KVPressureAboveThreshold", "kvwatt_kv_pressure_above_threshold{window=\"5m\"}) == 1"),
+    ("KVPreemptionOnset", "kvwatt_preemption_onset{window=\"5m\"}) == 1"),
+    ("KVRecomputeTaxHigh", "kvwatt_recompute_tax_ratio{window=\"5m\"}"),
+    ("KVOffloadCollapse", "kvwatt_collapse_signature) == 1"),
+])
+def test_alerts_read_kvwatts_verdict_and_fall_back_only_where_kvwatt_does_not_watch(alert, verdict):
+    expr = _alert(RULES, alert)["expr"]
+    assert verdict in expr
+    assert "unless on (server) (kvwatt_server_info or " in re.sub(r"\s+", " ", expr)

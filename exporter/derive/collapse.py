@@ -43,6 +43,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
+from exporter import rules
 from exporter.derive.pressure import quantile
 from exporter.derive.window import WindowAggregate, aggregate_of, as_aggregate, seconds_with, sum_delta
 from exporter.samples import Interval
@@ -58,9 +59,9 @@ REFERENCE_QUANTILE = 0.9
 
 @dataclass(frozen=True)
 class CollapseThresholds:
-    throughput_drop_ratio: float = 0.2      # Config.collapse_throughput_drop_ratio
-    power_near_idle_ratio: float = 1.5     # Config.collapse_power_near_idle_ratio
-    reference_seconds: float = 600.0        # Config.collapse_reference_seconds
+    throughput_drop_ratio: float = rules.COLLAPSE_THROUGHPUT_DROP_RATIO.default
+    power_near_idle_ratio: float = rules.COLLAPSE_POWER_NEAR_IDLE_RATIO.default
+    reference_seconds: float = rules.COLLAPSE_REFERENCE_WINDOW.default
     recent_seconds: float = 60.0            # the shortest configured window
 
     @classmethod

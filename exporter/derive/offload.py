@@ -18,6 +18,7 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
+from exporter import rules
 from exporter.derive.pressure import rate_per_second
 from exporter.derive.window import WindowAggregate, as_aggregate, sum_delta
 from exporter.samples import Interval
@@ -143,7 +144,7 @@ class TierFlows:
 
 
 def tier_flows(x: WindowAggregate | Sequence[Interval], capacities: dict[str, float] | None = None,
-               p99_tool_latency_seconds: float = 20.0) -> tuple[TierFlows, ...]:
+               p99_tool_latency_seconds: float = rules.P99_TOOL_LATENCY.default) -> tuple[TierFlows, ...]:
     """Every tier that carries a tiering counter in the window, sorted by tier label; ``capacities``: the
     configured bytes of each tier."""
     agg = as_aggregate(x)

@@ -17,7 +17,9 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
-ONSET_PER_MINUTE = 0.5   # methods.md s3: >= 0.5 preemptions per minute sustained marks onset
+from exporter import rules
+
+ONSET_PER_MINUTE = rules.PREEMPTION_ONSET_PER_MINUTE.default  # methods.md s3: sustained preemptions mark onset
 TAX_Z = 2.0              # a tax is evidence when it exceeds TAX_Z times its noise ...
 MIN_TAX = 0.02           # ... and at least 2 percentage points of the prompt tokens
 MIN_TAX_UNKNOWN_SE = 0.05  # without a noise estimate: at least 5 points

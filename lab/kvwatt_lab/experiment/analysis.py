@@ -18,6 +18,8 @@ import math
 from typing import Any
 
 from exporter.config import ConfigError
+from exporter import rules
+from exporter.rules import PREEMPTION_ONSET_PER_MINUTE as ONSET
 from exporter.derive import offload
 from exporter.derive.pressure import quantile
 from exporter.derive.threshold import PressurePoint, locate
@@ -25,7 +27,8 @@ from exporter.derive.threshold import PressurePoint, locate
 Z = 2.0                       # a saving is significant when dE% > Z * SE (one-sided ~97.7 %)
 P95_Z = 1.96                  # a condition's KV p95 interval: mean ± 1.96 SE over its runs
 PLATEAU_FRACTION = 0.9        # methods.md s6: a sufficient buffer captures > 90 % of the achievable saving
-DEFAULT_P99_TOOL_LATENCY = 20.0   # methods.md s6, the study's traces; used when the trace cannot be read
+# methods.md s6, the study's traces; used when the trace cannot be read
+DEFAULT_P99_TOOL_LATENCY = rules.P99_TOOL_LATENCY.default
 SKIP_KEYS = ("name", "baseline", "args", "env")   # shown in the plan; ON/OFF is the baseline column
 
 
@@ -105,7 +108,7 @@ def off_tax(conditions: list[dict], summaries: list[dict]) -> dict[str, dict]:
             groups.setdefault(_workload_key(c), []).append(s)
     out = {}
     for members in groups.values():
-        calm = [s for s in members if (_mean(s, "preemptions_per_minute") or 0.0) < 0.5] or members
+        calm = [s for s in members if (_mean(s, "preemptions_per_minute") or 0.0) < ONSET.default] or members
         ref = min(calm, key=lambda s: _mean(s, "kv_usage_p95_ratio"))
         r_mean, r_se = _mean(ref, "share_local_compute"), _se(ref, "share_local_compute")
         for s in members:

@@ -198,6 +198,8 @@ def energy_figures(intervals: Sequence[Interval], scope: str, min_load_seconds: 
 
 def window_figures(intervals: Sequence[Interval], min_load_seconds: float) -> dict:
     covered = covered_seconds(intervals)
+    # per second of the intervals that carry the counter, as the daemon's kvwatt_preemptions_per_minute
+    preemptions_per_second = rate_per_second(intervals, "preemptions")
     generated = sum_delta(intervals, "generation_tokens")
     preemptions = sum_delta(intervals, "preemptions")
     counts = token_counts(intervals)
@@ -209,7 +211,7 @@ def window_figures(intervals: Sequence[Interval], min_load_seconds: float) -> di
         "kv_usage_p95_ratio": kv_usage_quantile(intervals, 0.95), "kv_usage_max_ratio": max(kv) if kv else None,
         "kv_samples": len(kv),
         "preemptions": preemptions,
-        "preemptions_per_minute": None if preemptions is None or covered <= 0 else preemptions / covered * 60,
+        "preemptions_per_minute": None if preemptions_per_second is None else preemptions_per_second * 60.0,
         "generation_tokens": generated, "prompt_tokens": sum_delta(intervals, "prompt_tokens"),
         "tokens_per_second": rate_per_second(intervals, "generation_tokens"),
         "prompt_tokens_by_source": counts, "prompt_token_shares": token_shares(counts),

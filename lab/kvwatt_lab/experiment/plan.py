@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 
+from exporter import rules
 from exporter.config import ConfigError, finite_number, parse_url, read_yaml, shown
 from kvwatt_lab.experiment import sweep, template, values
 from kvwatt_lab.experiment.values import BUILTINS
@@ -89,7 +90,8 @@ class EnergySpec:
     nvml: bool = True
     powercap_root: str = "/sys/class/powercap"
     gpus: tuple[str, ...] = ()       # the server's GPUs (indices or UUIDs); empty: every GPU
-    min_load_seconds: float = 30.0   # J/token needs this much load in the window (energy-measurement rule 9)
+    # J/token needs this much load in the window (energy-measurement rule 9)
+    min_load_seconds: float = rules.MIN_LOAD_DURATION.default
     scope: str = "auto"              # energy used for dE: auto (gpu when measured, else host), gpu, host
     basis: str = "marginal"          # marginal (idle-subtracted, methods.md s1) or total J/token
 
@@ -201,8 +203,9 @@ def load_plan(path: str) -> Plan:
         path=str(Path(path).resolve()), name=values.string(data.get("name", Path(path).stem), "name"),
         seed=values.integer(data.get("seed", 0), "seed", 0), repeats=_repeats(data.get("repeats", 3), conditions),
         out_dir=str(plan_dir / values.string(data.get("out", f"{Path(path).stem}-results"), "out")),
-        sample_interval_seconds=_interval(data.get("sample_interval", "1s")),
-        kv_pressure_threshold=values.ratio(data.get("kv_pressure_threshold", 0.90), "kv_pressure_threshold"),
+        sample_interval_seconds=_interval(data.get("sample_interval", rules.INTERVAL.default)),
+        kv_pressure_threshold=values.ratio(data.get("kv_pressure_threshold", rules.KV_PRESSURE_THRESHOLD.default),
+                                           "kv_pressure_threshold"),
         vars=plan_vars, phases=_phases(data.get("phases", {})), server=server,
         energy=_energy(data.get("energy", {})), conditions=conditions)
     _check_templates(plan)

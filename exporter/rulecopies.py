@@ -1,0 +1,158 @@
+"""Finds literal copies of a shared rule (exporter/rules.py) in the modules that use the rules.
+
+A copy is a number written in the source where a rule belongs: a numeric literal assigned to, passed as, given
+as the default of, keyed by or compared with a name that names a rule (its key or Config attribute, or a
+suffix or prefix of either of three words or more: ``onset_per_minute`` names ``preemption_onset_per_minute``),
+or a ``threshold`` name given a rule's default (``threshold_line=0.5``). The value
+does not matter: a copy that agrees today (0.9) drifts tomorrow, one that disagrees (0.35) already has. Run by
+``alerts/generate.py --check``, ``dashboards/generate.py --check`` and tests/test_rules.py.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from exporter import rules
+
+REPO = Path(__file__).resolve().parents[1]
+SCANNED = ("alerts/generate.py", "dashboards/generate.py", "deploy/kubernetes/generate.py", "exporter/config.py",
+           "exporter/reference.py", "exporter/derive/*.py", "exporter/model/*.py",
+           "lab/kvwatt_lab/experiment/plan.py", "lab/kvwatt_lab/experiment/measure.py",
+           "lab/kvwatt_lab/experiment/analysis.py")
+_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+@dataclass(frozen=True)
+class Copy:
+    path: str
+    line: int
+    name: str
+    value: float
+    rule: str
+
+    def __str__(self) -> str:
+        return (f"{self.path}:{self.line}: {self.name} = {self.value!r} is a literal copy of rule {self.rule!r}: "
+                f"read exporter/rules.py instead")
+
+
+def rule_named(name: str) -> str | None:
+    """The key of the rule ``name`` names, or None."""
+    n = name.lower().strip("_")
+    for rule in rules.RULES.values():
+        for k in {rule.key, rule.attribute}:
+            suffix_or_prefix = n.count("_") >= 2 and (k.endswith("_" + n) or k.startswith(n + "_"))
+            if n == k or ("_" in k and k in n) or suffix_or_prefix:
+                return rule.key
+    return None
+
+
+def _threshold_copy(name: str, value: float) -> str | None:
+    """A threshold (``threshold_line=0.5``) equal to a rule's default: the rule it copies."""
+    if "threshold" not in name.lower():
+        return None
+    return next((r.key for r in rules.RULES.values() if r.default == value), None)
+
+
+def _names(node: ast.AST) -> list[str]:
+    """Names a statement or expression binds its numbers to (targets, keywords, dict keys, string arguments)."""
+    if isinstance(node, ast.Name):
+        return [node.id]
+    if isinstance(node, ast.Attribute):
+        return [node.attr]
+    if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant) and isinstance(node.slice.value, str):
+        return [node.slice.value]
+    return []
+
+
+def _is_number(node: ast.AST) -> bool:
+    return isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool)
+
+
+class _Finder(ast.NodeVisitor):
+    def __init__(self, path: str):
+        self.path, self.names, self.found = path, [], []
+
+    def _with(self, names: list[str], *children: ast.AST | None) -> None:
+        self.names.extend(names)
+        for child in children:
+            if child is not None:
+                self.visit(child)
+        del self.names[len(self.names) - len(names):]
+
+    def visit_Constant(self, node: ast.Constant) -> None:
+        if not _is_number(node):
+            return
+        for name in reversed(self.names):
+            key = rule_named(name) or _threshold_copy(name, node.value)
+            if key:
+                self.found.append(Copy(self.path, node.lineno, name, node.value, key))
+                return
+
+    def visit_Subscript(self, node: ast.Subscript) -> None:
+        self.visit(node.value)  # an index is not a value
+
+    def visit_Assign(self, node: ast.Assign) -> None:
+        self._with([n for t in node.targets for n in _names(t)], node.value)
+
+    def visit_AnnAssign(self, node: ast.AnnAssign) -> None:
+        self._with(_names(node.target), node.value)
+
+    def visit_keyword(self, node: ast.keyword) -> None:
+        self._with([node.arg] if node.arg else [], node.value)
+
+    def visit_Dict(self, node: ast.Dict) -> None:
+        for k, v in zip(node.keys, node.values):
+            key = k.value if isinstance(k, ast.Constant) and isinstance(k.value, str) else None
+            self._with([key] if key else [], v)
+
+    def visit_Call(self, node: ast.Call) -> None:
+        # data.get("kv_pressure_threshold", 0.9): a string argument names the call's other arguments
+        strings = [a.value for a in node.args if isinstance(a, ast.Constant) and isinstance(a.value, str)
+                   and _IDENTIFIER.match(a.value)]
+        self.visit(node.func)
+        self._with(strings, *node.args, *node.keywords)
+
+    def visit_arguments(self, node: ast.arguments) -> None:
+        positional = node.posonlyargs + node.args
+        for arg, default in zip(positional[len(positional) - len(node.defaults):], node.defaults):
+            self._with([arg.arg], default)
+        for arg, default in zip(node.kwonlyargs, node.kw_defaults):
+            self._with([arg.arg], default)
+
+    def visit_Compare(self, node: ast.Compare) -> None:
+        # ``x > 0`` is a sign test, not a threshold
+        numbers = [c for c in node.comparators if not (_is_number(c) and c.value == 0)]
+        self._with(_names(node.left), node.left, *numbers)
+
+
+def copies_in(source: str, path: str = "<source>") -> list[Copy]:
+    finder = _Finder(path)
+    finder.visit(ast.parse(source, path))
+    return finder.found
+
+
+def scanned_files(root: Path) -> list[Path]:
+    return sorted({p for pattern in SCANNED for p in root.glob(pattern)})
+
+
+def find_copies(root: Path | None = None) -> list[Copy]:
+    """Every literal copy of a rule in the SCANNED modules under ``root`` (default: this checkout)."""
+    root = REPO if root is None else root
+    out: list[Copy] = []
+    for path in scanned_files(root):
+        out += copies_in(path.read_text(encoding="utf-8"), str(path.relative_to(root)))
+    return out
+
+
+def main() -> int:
+    found = find_copies()
+    for c in found:
+        print(c)
+    return 1 if found else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,83 @@
+"""Every threshold, window and rate kvwatt's artefacts share, defined once (kubernetes-mixin ``_config`` style).
+
+The daemon's Config defaults (exporter/config.py), the alert rules' settings (alerts/generate.py), the dashboards
+(dashboards/generate.py), the experiment plan's default (kvwatt_lab) and the README's configuration table
+(exporter/reference.py) all read the entries below; none types a value of its own. ``key`` is the YAML key of
+the daemon's configuration (and the alert setting of the same name); ``field`` the Config attribute where it
+differs. exporter/rulecopies.py (run by each generator's ``--check`` and tests/test_rules.py) refuses a
+literal copy of a rule in the modules that use them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Rule:
+    key: str
+    default: float | tuple[float, ...]
+    unit: str  # ratio | per minute | seconds | factor | count
+    meaning: str
+    section: str  # docs/methods.md section ("s3"), "" where the rule is operational
+    field: str = ""  # Config attribute, when it is not the key
+
+    @property
+    def attribute(self) -> str:
+        return self.field or self.key
+
+
+INTERVAL = Rule("interval", 1.0, "seconds", "sampling interval of every source (dense samples for the p95)", "s3",
+                "interval_seconds")
+WINDOWS = Rule("windows", (60.0, 300.0), "seconds", "rolling windows of the derived figures (label `window`); "
+               "the alerts read the longest", "s3", "windows_seconds")
+KV_PRESSURE_THRESHOLD = Rule(
+    "kv_pressure_threshold", 0.90, "ratio", "configured p95 KV usage above which offloading pays (methods.md s3); "
+    "the regime flag uses it until a threshold is located", "s3", "kv_pressure_threshold_ratio")
+THRESHOLD_WINDOW = Rule(
+    "threshold_window", 60.0, "seconds", "one evidence point per completed window of this fixed grid "
+    "(KV p95, preemptions, tax; methods.md s10); the reference share learns from the same", "s10",
+    "threshold_window_seconds")
+THRESHOLD_HISTORY = Rule("threshold_history", 6 * 3600.0, "seconds",
+                         "how long evidence windows are kept for locating the threshold", "s10",
+                         "threshold_history_seconds")
+THRESHOLD_MIN_WINDOWS = Rule("threshold_min_windows", 6, "count", "evidence windows (clean and pressured, at "
+                             "least 2 of each) a located threshold needs", "s10")
+PREEMPTION_ONSET_PER_MINUTE = Rule("preemption_onset_per_minute", 0.5, "per minute",
+                                   "sustained preemption rate that marks onset (methods.md s3)", "s3")
+RECOMPUTE_TAX_THRESHOLD = Rule("recompute_tax_threshold", 0.10, "ratio",
+                               "local_compute share of prompt tokens above the reference share that counts as a "
+                               "high recomputation tax (alert KVRecomputeTaxHigh; methods.md s4)", "s4")
+IDLE_SETTLE = Rule("idle_settle", 30.0, "seconds", "settle delay after load before an idle stretch counts", "s1",
+                   "idle_settle_seconds")
+IDLE_MIN_DURATION = Rule("idle_min_duration", 30.0, "seconds", "idle stretch needed to learn P_idle", "s1",
+                         "idle_min_seconds")
+MIN_LOAD_DURATION = Rule("min_load_duration", 30.0, "seconds",
+                         "load needed in a window before a J/token figure is given", "s1", "min_load_seconds")
+P99_TOOL_LATENCY = Rule("p99_tool_latency", 20.0, "seconds",
+                        "the workload's p99 tool-call latency, for buffer sizing (methods.md s6)", "s6",
+                        "p99_tool_latency_seconds")
+BUFFER_HEADROOM = Rule("buffer_headroom", 1.5, "factor", "factor on the recommended buffer size (methods.md s6)",
+                       "s6")
+COLLAPSE_THROUGHPUT_DROP_RATIO = Rule("collapse_throughput_drop_ratio", 0.2, "ratio",
+                                      "throughput below this share of its recent level = collapsed (methods.md s5)",
+                                      "s5")
+COLLAPSE_POWER_NEAR_IDLE_RATIO = Rule("collapse_power_near_idle_ratio", 1.5, "factor",
+                                      "GPU power below this multiple of P_idle = near idle (methods.md s5)", "s5")
+COLLAPSE_REFERENCE_WINDOW = Rule("collapse_reference_window", 600.0, "seconds",
+                                 "how far back the recent throughput level is taken (methods.md s5)", "s5",
+                                 "collapse_reference_seconds")
+LOAD_TO_COMPUTE_COST_RATIO = Rule("load_to_compute_cost_ratio", 0.1, "ratio",
+                                  "energy of reloading a token vs recomputing it (attribution model, methods.md s7)",
+                                  "s7")
+
+RULES: dict[str, Rule] = {r.key: r for r in (
+    INTERVAL, WINDOWS, KV_PRESSURE_THRESHOLD, THRESHOLD_WINDOW, THRESHOLD_HISTORY, THRESHOLD_MIN_WINDOWS,
+    PREEMPTION_ONSET_PER_MINUTE, RECOMPUTE_TAX_THRESHOLD, IDLE_SETTLE, IDLE_MIN_DURATION, MIN_LOAD_DURATION,
+    P99_TOOL_LATENCY, BUFFER_HEADROOM, COLLAPSE_THROUGHPUT_DROP_RATIO, COLLAPSE_POWER_NEAR_IDLE_RATIO,
+    COLLAPSE_REFERENCE_WINDOW, LOAD_TO_COMPUTE_COST_RATIO)}
+
+
+def longest_window_seconds() -> float:
+    """The default window the alerts and dashboards read kvwatt's per-window series at."""
+    return max(WINDOWS.default)
