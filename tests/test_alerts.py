@@ -374,7 +374,7 @@ def test_fallbacks_use_the_daemons_thresholds():
     of the regime threshold (s3) and of the onset rate (s3)."""
     from exporter import rules
     collapse = _alert(RULES, "KVOffloadCollapse")["expr"]
-    assert f"< {rules.COLLAPSE_THROUGHPUT_DROP_RATIO.default:g}\n" in collapse and "0.35" not in collapse
+    assert f"< {rules.COLLAPSE_THROUGHPUT_DROP_RATIO.default:g}\n" in collapse and "< 0.2\n" not in collapse
     assert f"< {rules.COLLAPSE_POWER_NEAR_IDLE_RATIO.default:g})" in collapse
     pressure = _alert(RULES, "KVPressureAboveThreshold")["expr"]
     assert f"> {rules.KV_PRESSURE_THRESHOLD.default:g}\n" in pressure
