@@ -506,7 +506,7 @@ METRICS: tuple[MetricDef, ...] = (
               "Estimated FLOPs per generated token over the window (MFU counters): rises with every kind of "
               "recomputation, preemption re-prefill included.", exporter.derive.recompute.mfu_view, _K,
               status=window_key("estimated_flops_per_generated_token", lambda w: w.flops_per_generated_token),
-              words=(Words("FLOPs per generated token (estimated)", "number"),)),
+              words=(Words("FLOPs per generated token (estimated)", "gigaflops"),)),
     # --- offloading ------------------------------------------------------------------------------------
     MetricDef("kvwatt_offload_enabled", "gauge", ("server",),
               "1 when the server offloads KV to host memory (vLLM: cache_config_info or offload series; SGLang "
