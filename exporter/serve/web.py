@@ -45,9 +45,10 @@ MALFORMED_LOG_INTERVAL_SECONDS = 60.0
 @dataclass(frozen=True)
 class Block:
     """A structured part of a server's or a window's /api/status dict that is not one figure (energy by scope,
-    savings by baseline, ...): the catalog declarations it serialises, and its small serialiser, which returns
-    the keys it writes (one nested key, or a few flat ones), or {} to leave them out."""
+    savings by baseline, ...): the keys it writes (one nested key, or a few flat ones), the catalog declarations
+    it serialises, and its small serialiser, which returns those keys, or {} to leave them out."""
 
+    keys: tuple[str, ...]
     serialises: tuple[catalog.MetricDef, ...]
     write: Callable[[object], dict]
 
@@ -80,13 +81,17 @@ def _tiers_json(w: WindowFigures) -> dict:
 
 
 WINDOW_BLOCKS: tuple[Block, ...] = (
-    Block(_named("kvwatt_marginal_energy_per_token_joules", "kvwatt_energy_per_token_joules"), _energy_json),
-    Block(_named("kvwatt_energy_saving_ratio", "kvwatt_energy_saving_stderr_ratio", "kvwatt_throughput_gain_ratio",
+    Block(("energy",), _named("kvwatt_marginal_energy_per_token_joules", "kvwatt_energy_per_token_joules"),
+          _energy_json),
+    Block(("energy_saving",),
+          _named("kvwatt_energy_saving_ratio", "kvwatt_energy_saving_stderr_ratio", "kvwatt_throughput_gain_ratio",
                  "kvwatt_throughput_gain_stderr_ratio", "kvwatt_comparison_windows"), _savings_json),
-    Block(_named("kvwatt_offload_tier_write_bytes_per_second", "kvwatt_offload_tier_read_bytes_per_second",
+    Block(("offload_tiers",),
+          _named("kvwatt_offload_tier_write_bytes_per_second", "kvwatt_offload_tier_read_bytes_per_second",
                  "kvwatt_offload_tier_chunk_hit_ratio", "kvwatt_offload_tier_job_failures",
                  "kvwatt_offload_tier_residency_seconds", "kvwatt_offload_tier_undersized"), _tiers_json),
-    Block(_named("kvwatt_kv_cache_usage_p95_lower_ratio", "kvwatt_kv_cache_usage_p95_upper_ratio"),  # methods.md s10
+    Block(("kv_usage_p95_interval",),  # methods.md s10
+          _named("kvwatt_kv_cache_usage_p95_lower_ratio", "kvwatt_kv_cache_usage_p95_upper_ratio"),
           lambda w: {"kv_usage_p95_interval": [w.kv_usage_p95_low, w.kv_usage_p95_high]}),
 )
 
@@ -98,6 +103,10 @@ def _identity_json(v: ServerFigures) -> dict:
 
 def _source_status_json(v: ServerFigures) -> dict:
     return {"up": v.status.up, "state": v.status.state, "reason_code": v.status.code, "reason": v.status.reason}
+
+
+THRESHOLD_KEYS = ("threshold_in_use", "threshold_source", "threshold_located", "evidence_windows",
+                  "reference_windows", "reference_spread")
 
 
 def _threshold_json(v: ServerFigures) -> dict:
@@ -134,23 +143,45 @@ def _buffer_json(v: ServerFigures) -> dict:
 
 
 SERVER_BLOCKS: tuple[Block, ...] = (
-    Block(_named("kvwatt_server_info", "kvwatt_server_capability"), _identity_json),
-    Block(_named("kvwatt_source_up", "kvwatt_source_info"), _source_status_json),
-    Block(_named("kvwatt_kv_pressure_above_threshold"),  # the shortest window's flag, in words
+    Block(("server", "url", "engine", "capabilities", "model_name"),
+          _named("kvwatt_server_info", "kvwatt_server_capability"), _identity_json),
+    Block(("up", "state", "reason_code", "reason"), _named("kvwatt_source_up", "kvwatt_source_info"),
+          _source_status_json),
+    Block(("regime", "regime_window"), _named("kvwatt_kv_pressure_above_threshold"),  # the shortest window's, in words
           lambda v: {"regime": v.regime, "regime_window": v.regime_window}),
-    Block(_named("kvwatt_recompute_reference_share_ratio"), lambda v: {"reference_kind": v.reference_kind}),
-    Block(_named("kvwatt_collapse_signature"), lambda v: {"signatures": v.signatures}),
-    Block(_named("kvwatt_offload_buffer_undersized", "kvwatt_offload_recommended_buffer_bytes",
+    Block(("reference_kind",), _named("kvwatt_recompute_reference_share_ratio"),
+          lambda v: {"reference_kind": v.reference_kind}),
+    Block(("signatures",), _named("kvwatt_collapse_signature"), lambda v: {"signatures": v.signatures}),
+    Block(("recommendations",),  # words drawn from the buffer and collapse checks
+          _named("kvwatt_offload_buffer_undersized", "kvwatt_offload_recommended_buffer_bytes",
                  "kvwatt_collapse_signature"), lambda v: {"recommendations": list(v.recommendations)}),
-    Block(_named("kvwatt_kv_pressure_threshold_in_use_ratio", "kvwatt_kv_pressure_threshold_located_ratio",
+    Block(THRESHOLD_KEYS,
+          _named("kvwatt_kv_pressure_threshold_in_use_ratio", "kvwatt_kv_pressure_threshold_located_ratio",
                  "kvwatt_kv_pressure_threshold_located_low_ratio", "kvwatt_kv_pressure_threshold_located_high_ratio",
                  "kvwatt_kv_pressure_threshold_located_windows", "kvwatt_recompute_reference_windows"),
           _threshold_json),
-    Block(_named("kvwatt_critical_cached_to_prefill_ratio", "kvwatt_recompute_breakeven_tokens"), _kappa_json),
-    Block(_named("kvwatt_collapse_signature", "kvwatt_collapse_condition_set", "kvwatt_collapse_condition"),
+    Block(("kappa",), _named("kvwatt_critical_cached_to_prefill_ratio", "kvwatt_recompute_breakeven_tokens"),
+          _kappa_json),
+    Block(("collapse",),
+          _named("kvwatt_collapse_signature", "kvwatt_collapse_condition_set", "kvwatt_collapse_condition"),
           _collapse_json),
-    Block(_named("kvwatt_offload_buffer_undersized", "kvwatt_offload_recommended_buffer_bytes"), _buffer_json),
+    Block(("offload_buffer",), _named("kvwatt_offload_buffer_undersized", "kvwatt_offload_recommended_buffer_bytes"),
+          _buffer_json),
 )
+
+
+def status_paths(d: catalog.MetricDef) -> list[str]:
+    """Where a declaration's figure is in /api/status (servers[].<path>), for the README's reference."""
+    if isinstance(d.status, catalog.StatusKey):
+        keys, scope = [d.status.key], d.status.scope
+    else:
+        keys, scope = [], catalog.SERVER
+        for blocks, scope_of in ((WINDOW_BLOCKS, catalog.WINDOW), (SERVER_BLOCKS, catalog.SERVER)):
+            for b in blocks:
+                if d in b.serialises:
+                    keys, scope = keys + list(b.keys), scope_of
+    prefix = "windows.<window>." if scope == catalog.WINDOW else ""
+    return [prefix + k for k in keys]
 
 # The order /api/status has always written these keys in (clients and tests/data/golden/status.json read it
 # as text); a key declared since is appended after them, in catalog order. Names only: no value comes from here.
