@@ -24,8 +24,8 @@ import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable
 from datetime import datetime, timezone
+from typing import Callable
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
@@ -105,6 +105,7 @@ def _source_status_json(v: ServerFigures) -> dict:
     return {"up": v.status.up, "state": v.status.state, "reason_code": v.status.code, "reason": v.status.reason}
 
 
+# the keys _threshold_json writes: extend the two together (tests/test_figures_declared.py checks they agree)
 THRESHOLD_KEYS = ("threshold_in_use", "threshold_source", "threshold_located", "evidence_windows",
                   "reference_windows", "reference_spread")
 
@@ -196,7 +197,8 @@ SERVER_KEY_ORDER = (
     "server", "url", "up", "state", "reason_code", "reason", "engine", "capabilities", "model_name",
     "offload_enabled", "offload_buffer_bytes", "offload_buffer_used_ratio", "offload_buffer_used_bytes",
     "offload_tier_hit_ratio", "regime", "regime_window", "threshold", "reference_local_compute_share",
-    "reference_kind", "signatures", "recommendations", "requests_waiting_for_kv", "windows", "kappa")
+    "reference_kind", "signatures", "recommendations", "requests_waiting_for_kv", "windows", "kappa",
+    *THRESHOLD_KEYS, "collapse", "offload_buffer")
 
 
 def _figures_json(fig, scope: str, blocks: tuple[Block, ...], order: tuple[str, ...], **fixed) -> dict:
