@@ -1,13 +1,18 @@
-"""Every series kvwatt exports, one definition each: name, type, labels, HELP, where its value is computed,
-and the function that fills it from the tick's typed figures (exporter.figures), side by side.
+"""Every figure kvwatt exports, declared once: its series (name, type, labels, HELP), the function that
+computes it, where it appears in /api/status and how the landing page words it, side by side.
 
-The collector emits only these families (exporter.serve.collector walks this table), the README's metric
-reference is generated from it (exporter.reference), and the alert/dashboard generators refuse a query naming
-a ``kvwatt_`` series missing from it. To find a metric's computation: search its name here and follow
-``computed_in`` (tests/test_catalog.py proves each one is really called for its series). Formulas cite
-docs/methods.md sections.
+Derived from these declarations, never copied by hand: the collector (exporter.serve.collector walks
+METRICS), /api/status's per-window and per-server figure keys (exporter.serve.web), the landing page's table
+of figures per window (exporter.serve.page), and the README's metric reference (exporter.reference). The
+alert/dashboard generators refuse a query naming a ``kvwatt_`` series missing from it. To find a metric's
+computation: search its name here; ``computes`` is the function itself (tests/test_catalog.py proves it is
+really called for its series). Formulas cite docs/methods.md sections.
 
 A fill yields ``(label values in the order of labels, value)``; a None value is left out (unknown, never 0).
+A declaration with a ``status`` key fills its series from the same getter as its JSON value; structured JSON
+blocks that are not one figure each (energy by scope, savings by baseline, ...) are serialised in
+exporter.serve.web, each naming the declarations it serialises; a figure in neither says so with ``Elsewhere``
+(tests/test_figures_declared.py walks a real /api/status and proves each key has exactly one owner).
 
 The one exception: /metrics also carries prometheus_client's standard ``process_*`` and ``python_*`` families
 (ProcessCollector, PlatformCollector, GCCollector; exporter.serve.collector.runtime_families), which describe the
@@ -20,11 +25,75 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator
 
+# the modules whose functions compute the figures: each declaration names its function directly
+import exporter.build
+import exporter.config
+import exporter.derive.collapse
+import exporter.derive.energy
+import exporter.derive.kappa
+import exporter.derive.offload
+import exporter.derive.preemption
+import exporter.derive.pressure
+import exporter.derive.recompute
+import exporter.derive.threshold
+import exporter.derive.window
+import exporter.energy.baseline
+import exporter.model.offload
+import exporter.model.pressure
+import exporter.sampler
+import exporter.sources.combine
+import exporter.sources.engine
+import exporter.sources.nvml
+import exporter.sources.rapl
+import exporter.sources.vllm
 from exporter.build import build_info
 from exporter.figures import ServerFigures, Snapshot, WindowFigures
 
 Sample = tuple[tuple[str, ...], "float | bool | None"]
 Fill = Callable[[Snapshot], Iterable[Sample]]
+
+WINDOW, SERVER = "window", "server"  # scopes of /api/status: servers[].windows.<label>, servers[]
+
+
+@dataclass(frozen=True)
+class StatusKey:
+    """Where a figure appears in /api/status: ``key`` in the dict of its scope (WINDOW or SERVER). ``value`` reads
+    it from the figures (WindowFigures or ServerFigures) for the JSON and, unless the declaration has a fill of its
+    own, for the series; ``json`` when the JSON writes it differently (rounded)."""
+
+    scope: str
+    key: str
+    value: Callable[[object], object]
+    json: Callable[[object], object] | None = None
+
+    def json_value(self, fig) -> object:
+        return (self.json or self.value)(fig)
+
+
+def window_key(key: str, value: Callable[[WindowFigures], object], json=None) -> StatusKey:
+    return StatusKey(WINDOW, key, value, json)
+
+
+def server_key(key: str, value: Callable[[ServerFigures], object], json=None) -> StatusKey:
+    return StatusKey(SERVER, key, value, json)
+
+
+@dataclass(frozen=True)
+class Elsewhere:
+    """A series with no key among /api/status's per-server and per-window figures, and why."""
+
+    why: str
+
+
+@dataclass(frozen=True)
+class Words:
+    """A row of the landing page's table of figures per window: its label, the unit it is formatted in (one of
+    exporter.serve.page.FORMATS) and, when the figure's JSON value is a dict, the path to the value shown
+    (default: the figure's own key)."""
+
+    label: str
+    unit: str
+    path: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -33,20 +102,39 @@ class MetricDef:
     type: str  # "gauge" | "counter" | "info"
     labels: tuple[str, ...]
     help: str
-    where: str  # module.function (under exporter.) that computes the value
+    computes: Callable  # the function (or method) that computes the value
     section: str
-    fill: Fill
+    fill: Fill | None = None  # None: derived from status.value (one sample per window or server, or per dict key)
+    # where the figure is in /api/status; None: a block of exporter.serve.web names it (the test checks that)
+    status: StatusKey | Elsewhere | None = None
+    words: tuple[Words, ...] = ()  # rows of the page's table of figures per window
+
+    def __post_init__(self):
+        if self.fill is None:
+            if not isinstance(self.status, StatusKey):
+                raise ValueError(f"{self.name}: no fill and no status key to derive it from")
+            object.__setattr__(self, "fill", _fill_from(self.status, len(self.labels)))
+
+    @property
+    def where(self) -> str:
+        """The dotted path of ``computes`` under exporter. (the README's "computed in" column)."""
+        fn = self.computes.fget if isinstance(self.computes, property) else self.computes
+        return f"{fn.__module__.removeprefix('exporter.')}.{fn.__qualname__}"
 
 
 def _b(v: bool | None) -> float | None:
     return None if v is None else (1.0 if v else 0.0)
 
 
+def _series(v):
+    return _b(v) if isinstance(v, bool) else v
+
+
 # --- fill helpers: walk the snapshot -------------------------------------------------------------------
 def per_server(get: Callable[[ServerFigures], "float | bool | None"]) -> Fill:
     def fill(snap: Snapshot) -> Iterator[Sample]:
         for s in snap.servers:
-            yield (s.name,), get(s)
+            yield (s.name,), _series(get(s))
     return fill
 
 
@@ -54,8 +142,33 @@ def per_window(get: Callable[[WindowFigures], "float | bool | None"]) -> Fill:
     def fill(snap: Snapshot) -> Iterator[Sample]:
         for s in snap.servers:
             for w in s.windows:
-                yield (s.name, w.window), get(w)
+                yield (s.name, w.window), _series(get(w))
     return fill
+
+
+def per_server_key(get: Callable[[ServerFigures], "dict | None"]) -> Fill:
+    """A dict-valued server figure: one sample per key (the second label)."""
+    def fill(snap: Snapshot) -> Iterator[Sample]:
+        for s in snap.servers:
+            for key, value in (get(s) or {}).items():
+                yield (s.name, key), _series(value)
+    return fill
+
+
+def per_window_key(get: Callable[[WindowFigures], "dict | None"]) -> Fill:
+    """A dict-valued window figure: one sample per key (the label between server and window)."""
+    def fill(snap: Snapshot) -> Iterator[Sample]:
+        for s in snap.servers:
+            for w in s.windows:
+                for key, value in (get(w) or {}).items():
+                    yield (s.name, key, w.window), value
+    return fill
+
+
+def _fill_from(status: StatusKey, n_labels: int) -> Fill:
+    plain, keyed = (per_window, per_window_key) if status.scope == WINDOW else (per_server, per_server_key)
+    one = 2 if status.scope == WINDOW else 1  # labels of a one-value figure: (server, window) or (server,)
+    return plain(status.value) if n_labels == one else keyed(status.value)
 
 
 def _build_info(_snap: Snapshot) -> Iterator[Sample]:
@@ -131,42 +244,17 @@ def _energy(attr: str) -> Fill:
     return fill
 
 
-def _by_source(attr: str) -> Fill:
-    def fill(snap: Snapshot) -> Iterator[Sample]:
-        for s in snap.servers:
-            for w in s.windows:
-                for source, value in (getattr(w, attr) or {}).items():
-                    yield (s.name, source, w.window), value
-    return fill
-
-
-def _kv_fetch(snap: Snapshot) -> Iterator[Sample]:
-    for s in snap.servers:
-        for stage, value in (s.kv_fetch_waiting or {}).items():
-            yield (s.name, stage), value
-
-
 def _tiers(attr: str) -> Fill:
     def fill(snap: Snapshot) -> Iterator[Sample]:
         for s in snap.servers:
             for w in s.windows:
                 for t in w.offload_tiers:
-                    v = getattr(t, attr)
-                    yield (s.name, t.tier, w.window), _b(v) if isinstance(v, bool) else v
+                    yield (s.name, t.tier, w.window), _series(getattr(t, attr))
     return fill
 
 
 def _buffer(attr: str) -> Fill:
     return per_server(lambda s: getattr(s.buffer, attr) if s.buffer and s.info and s.info.offload_enabled else None)
-
-
-def _info_attr(attr: str) -> Fill:
-    def get(s: ServerFigures):
-        if s.info is None:
-            return None
-        v = getattr(s.info, attr)
-        return _b(v) if isinstance(v, bool) else v
-    return per_server(get)
 
 
 def _located(attr: str) -> Fill:
@@ -207,6 +295,8 @@ def _savings(get, throughput: bool = False) -> Fill:
     return fill
 
 
+DEVICES = Elsewhere("a host-wide device reading (GPU, RAPL zone), not a server's figure: /metrics only")
+
 _H = "Sources"
 _E = "Energy"
 _K = "KV pressure and recomputation"
@@ -215,282 +305,326 @@ _O = "Offloading"
 METRICS: tuple[MetricDef, ...] = (
     MetricDef("kvwatt_build_info", "info", ("version", "revision", "python_version"),
               "The running kvwatt: version, source revision (git commit, or unknown) and Python version; "
-              "value 1 (as `kvwatt --version` prints them).", "build.build_info", "Exporter", _build_info),
+              "value 1 (as `kvwatt --version` prints them).", exporter.build.build_info, "Exporter", _build_info,
+              status=Elsewhere("the running kvwatt, not a server's figure: /api/status's top-level version")),
     # --- health of the sources -------------------------------------------------------------------------
     MetricDef("kvwatt_source_up", "gauge", ("source", "server"),
               "1 if the last read of this source succeeded, 0 if not (see kvwatt_source_info for the reason). "
               "server is empty for host-wide sources (nvml, rapl, state_dir: where idle baselines persist).",
-              "sampler.Sampler.tick", _H, _source_up),
+              exporter.sampler.Sampler.tick, _H, _source_up),
     MetricDef("kvwatt_source_info", "info", ("source", "server", "state", "reason"),
               "Why a source is down or degraded: one word from a fixed list (README, Metrics), e.g. timeout, "
               "unreachable, redirect, http_503, parse_error, deadline, permission, absent, gpu_lost, "
               "not_persisted; the details are in /api/status and the log; value 1.",
-              "sampler.Sampler.tick", _H, _source_info),
+              exporter.sampler.Sampler.tick, _H, _source_info),
     MetricDef("kvwatt_sample_duration_seconds", "gauge", ("source", "server"),
-              "How long the last read of this source took.", "sampler.Sampler.tick", _H, _sample_duration),
+              "How long the last read of this source took.", exporter.sampler.Sampler.tick, _H, _sample_duration,
+              status=Elsewhere("a read timing: /metrics only")),
     MetricDef("kvwatt_server_info", "info", ("server", "url", "model_name", "offload_backend", "engine"),
               "What kvwatt knows of each watched server: the engine detected from its exposition (vllm, sglang, "
               "trtllm, with +lmcache / +dynamo when those add-ons' series are there, docs/engines.md), the model "
               "and the offload backend (vLLM: from vllm:cache_config_info); value 1.",
-              "sources.combine.read_exposition", _H, _server_info),
+              exporter.sources.combine.read_exposition, _H, _server_info),
     MetricDef("kvwatt_server_capability", "info", ("server", "capability"),
               "One series per figure group the server's engine supports (kv_usage, preemptions, token_sources, "
               "engine_steps, offload_traffic, offload_occupancy, ...): a kvwatt figure absent for a server "
               "whose engine lacks its capability is absent by design, not missing (docs/engines.md); value 1.",
-              "sources.engine.capabilities_of", _H, _capabilities),
+              exporter.sources.engine.capabilities_of, _H, _capabilities),
     MetricDef("kvwatt_window_covered_seconds", "gauge", ("server", "window"),
               "Seconds of gap-free samples the window actually holds (less than the window right after start "
-              "or after a server outage).", "derive.window.covered_seconds", _H,
-              per_window(lambda w: w.covered_seconds)),
+              "or after a server outage).", exporter.derive.window.covered_seconds, _H,
+              status=window_key("covered_seconds", lambda w: w.covered_seconds,
+                                 json=lambda w: round(w.covered_seconds, 3)),
+              words=(Words("covered", "coverage"),)),
     # --- energy ---------------------------------------------------------------------------------------
     MetricDef("kvwatt_gpu_energy_joules_total", "counter", ("gpu", "uuid"),
               "GPU energy since kvwatt started watching it (NVML total-energy counter, or integrated instant "
-              "power where the counter is missing). rate() gives watts.", "sources.nvml.NvmlSource.read", _E,
-              _devices("gpu", lambda d: (_gpu_labels(d), d.reading.joules_total))),
+              "power where the counter is missing). rate() gives watts.", exporter.sources.nvml.NvmlSource.read, _E,
+              _devices("gpu", lambda d: (_gpu_labels(d), d.reading.joules_total)), status=DEVICES),
     MetricDef("kvwatt_gpu_energy_method_info", "info", ("gpu", "uuid", "method"),
               "How that GPU's energy is measured: counter or power_integration; value 1.",
-              "sources.nvml.NvmlSource.read", _E,
-              _devices("gpu", lambda d: ((*_gpu_labels(d), d.reading.method), 1.0))),
+              exporter.sources.nvml.NvmlSource.read, _E,
+              _devices("gpu", lambda d: ((*_gpu_labels(d), d.reading.method), 1.0)), status=DEVICES),
     MetricDef("kvwatt_gpu_power_watts", "gauge", ("gpu", "uuid"),
               "Current board power (NVML power usage; a 1 s trailing average on Ampere and newer).",
-              "sources.nvml.NvmlSource.read", _E,
-              _devices("gpu", lambda d: (_gpu_labels(d), d.reading.power_watts))),
+              exporter.sources.nvml.NvmlSource.read, _E,
+              _devices("gpu", lambda d: (_gpu_labels(d), d.reading.power_watts)), status=DEVICES),
     MetricDef("kvwatt_host_energy_joules_total", "counter", ("zone", "domain"),
               "RAPL energy of a package or dram zone since kvwatt started watching it, wrap-corrected.",
-              "sources.rapl.RaplSource.read", _E,
-              _devices("host", lambda d: (_host_labels(d), d.reading.joules_total))),
+              exporter.sources.rapl.RaplSource.read, _E,
+              _devices("host", lambda d: (_host_labels(d), d.reading.joules_total)), status=DEVICES),
     MetricDef("kvwatt_gpu_idle_power_watts", "gauge", ("gpu", "uuid"),
               "Idle baseline P_idle of this GPU (learned, measured or configured).",
-              "energy.baseline.BaselineBook.get", _E,
-              _devices("gpu", lambda d: (_gpu_labels(d), d.baseline.watts if d.baseline else None))),
+              exporter.energy.baseline.BaselineBook.get, _E,
+              _devices("gpu", lambda d: (_gpu_labels(d), d.baseline.watts if d.baseline else None)), status=DEVICES),
     MetricDef("kvwatt_host_idle_power_watts", "gauge", ("zone", "domain"),
-              "Idle baseline P_idle of this RAPL zone.", "energy.baseline.BaselineBook.get", _E,
-              _devices("host", lambda d: (_host_labels(d), d.baseline.watts if d.baseline else None))),
+              "Idle baseline P_idle of this RAPL zone.", exporter.energy.baseline.BaselineBook.get, _E,
+              _devices("host", lambda d: (_host_labels(d), d.baseline.watts if d.baseline else None)), status=DEVICES),
     MetricDef("kvwatt_idle_baseline_age_seconds", "gauge", ("device",),
-              "Seconds since that device's idle baseline was measured.", "energy.baseline.Baseline.age_seconds",
-              _E, _idle_age),
+              "Seconds since that device's idle baseline was measured.", exporter.energy.baseline.Baseline.age_seconds,
+              _E, _idle_age, status=DEVICES),
     MetricDef("kvwatt_marginal_energy_per_token_joules", "gauge", ("server", "scope", "window"),
               "(E - P_idle*dt) / generated tokens over the window (methods.md s1). Absent without >= 30 s of "
-              "load or without tokens.", "derive.energy.qualified", _E, _energy("marginal_joules_per_token")),
+              "load or without tokens.", exporter.derive.energy.qualified, _E,
+              _energy("marginal_joules_per_token"),
+              words=(Words("GPU J/token, marginal", "joules", ("energy", "gpu", "marginal_joules_per_token")),
+                     Words("host J/token, marginal", "joules", ("energy", "host", "marginal_joules_per_token")))),
     MetricDef("kvwatt_energy_per_token_joules", "gauge", ("server", "scope", "window"),
               "E / generated tokens over the window, no idle subtraction. Absent without enough load.",
-              "derive.energy.qualified", _E, _energy("joules_per_token")),
+              exporter.derive.energy.qualified, _E, _energy("joules_per_token"),
+              words=(Words("GPU J/token, total", "joules", ("energy", "gpu", "joules_per_token")),
+                     Words("host J/token, total", "joules", ("energy", "host", "joules_per_token")))),
     MetricDef("kvwatt_prompt_energy_per_token_joules", "gauge", ("server", "source", "window"),
               "Attribution model, not a measurement: marginal GPU joules per prompt token by token source, "
               "pricing reloaded tokens at the configured load/compute cost ratio (docs/energy.md).",
-              "derive.energy.prompt_attribution", _E, _by_source("prompt_energy_per_token")),
+              exporter.derive.energy.prompt_attribution, _E,
+              status=window_key("prompt_energy_per_token_joules", lambda w: w.prompt_energy_per_token)),
     # --- KV pressure and recomputation ------------------------------------------------------------------
     MetricDef("kvwatt_kv_cache_usage_p95_ratio", "gauge", ("server", "window"),
               "95th percentile of the engine's KV-cache usage (vllm:kv_cache_usage_perc, sglang:token_usage, "
               "trtllm_kv_cache_utilization) over the window from kvwatt's dense samples (methods.md s3); a 15 s "
-              "scrape misses the peaks.", "derive.pressure.kv_usage_quantile", _K,
-              per_window(lambda w: w.kv_usage_p95)),
+              "scrape misses the peaks.", exporter.derive.pressure.kv_usage_quantile, _K,
+              status=window_key("kv_usage_p95", lambda w: w.kv_usage_p95),
+              words=(Words("KV-cache usage p95", "percent"),)),
     MetricDef("kvwatt_kv_cache_usage_max_ratio", "gauge", ("server", "window"),
               "Maximum of the engine's KV-cache usage over the window from dense samples.",
-              "derive.pressure.kv_usage_quantile", _K, per_window(lambda w: w.kv_usage_max)),
+              exporter.derive.pressure.kv_usage_quantile, _K,
+              status=window_key("kv_usage_max", lambda w: w.kv_usage_max),
+              words=(Words("KV-cache usage max", "percent"),)),
     MetricDef("kvwatt_kv_pressure_threshold_ratio", "gauge", ("server",),
               "The configured KV-pressure regime threshold on p95 usage (default 0.90, methods.md s3).",
-              "config.resolve", _K, per_server(lambda s: s.threshold)),
+              exporter.config.resolve, _K, status=server_key("threshold", lambda s: s.threshold)),
     MetricDef("kvwatt_kv_cache_usage_p95_lower_ratio", "gauge", ("server", "window"),
               "Lower bound of the ~95 % order-statistic interval of the window's p95 KV usage (methods.md s10; "
               "assumes independent samples, so the real uncertainty is larger).",
-              "derive.threshold.quantile_bounds", _K, per_window(lambda w: w.kv_usage_p95_low)),
+              exporter.derive.threshold.quantile_bounds, _K, per_window(lambda w: w.kv_usage_p95_low)),
     MetricDef("kvwatt_kv_cache_usage_p95_upper_ratio", "gauge", ("server", "window"),
               "Upper bound of the ~95 % order-statistic interval of the window's p95 KV usage (methods.md s10).",
-              "derive.threshold.quantile_bounds", _K, per_window(lambda w: w.kv_usage_p95_high)),
+              exporter.derive.threshold.quantile_bounds, _K, per_window(lambda w: w.kv_usage_p95_high)),
     MetricDef("kvwatt_kv_pressure_threshold_located_ratio", "gauge", ("server", "method"),
               "KV-p95 threshold located from this server's own history: the p95 cut between clean windows and "
               "windows with sustained preemptions (method=preemption_onset) or a recomputation tax above noise "
               "(method=tax_onset), methods.md s10. Absent until the evidence is there.",
-              "derive.threshold.locate", _K, _located("ratio")),
+              exporter.derive.threshold.locate, _K, _located("ratio")),
     MetricDef("kvwatt_kv_pressure_threshold_located_low_ratio", "gauge", ("server", "method"),
               "Lower end of the located threshold's interval: the highest clean window's p95 (its lower bound).",
-              "derive.threshold.locate", _K, _located("low")),
+              exporter.derive.threshold.locate, _K, _located("low")),
     MetricDef("kvwatt_kv_pressure_threshold_located_high_ratio", "gauge", ("server", "method"),
               "Upper end of the located threshold's interval: the lowest pressured window's p95 (its upper bound).",
-              "derive.threshold.locate", _K, _located("high")),
+              exporter.derive.threshold.locate, _K, _located("high")),
     MetricDef("kvwatt_kv_pressure_threshold_located_windows", "gauge", ("server", "method"),
               "Number of evidence windows (threshold_window each, clean or pressured) the located threshold "
-              "rests on.", "derive.threshold.locate", _K, _located("points")),
+              "rests on.", exporter.derive.threshold.locate, _K, _located("points")),
     MetricDef("kvwatt_kv_pressure_threshold_in_use_ratio", "gauge", ("server", "source"),
               "The threshold the regime flag uses: source=located once located (kv_pressure_threshold_source: "
-              "located), else source=configured.", "model.pressure.ThresholdLearner.observe", _K,
+              "located), else source=configured.", exporter.model.pressure.ThresholdLearner.observe, _K,
               _threshold_in_use),
     MetricDef("kvwatt_kv_pressure_above_threshold", "gauge", ("server", "window"),
               "1 when the window's p95 KV usage is above the threshold in use: offloading pays in this regime. "
               "Flips up only when the p95's lower bound clears the threshold, down only when its upper bound is "
               "under it (hysteresis, methods.md s10).",
-              "model.pressure.regime", _K, per_window(lambda w: _b(w.above_threshold))),
+              exporter.model.pressure.regime, _K, status=window_key("above_threshold", lambda w: w.above_threshold)),
     MetricDef("kvwatt_preemptions_per_minute", "gauge", ("server", "window"),
               "Preemptions per minute over the window, from vllm:num_preemptions_total deltas (SGLang: "
               "retractions, sglang:num_retracted_requests_total; absent for engines without such a counter).",
-              "derive.pressure.rate_per_second", _K, per_window(lambda w: w.preemptions_per_minute)),
+              exporter.derive.pressure.rate_per_second, _K,
+              status=window_key("preemptions_per_minute", lambda w: w.preemptions_per_minute),
+              words=(Words("preemptions per minute", "number"),)),
     MetricDef("kvwatt_preemption_onset", "gauge", ("server", "window"),
               "1 when preemptions are sustained at >= the onset rate (default 0.5/min, methods.md s3).",
-              "derive.pressure.preemption_onset", _K, per_window(lambda w: _b(w.preemption_onset))),
+              exporter.derive.pressure.preemption_onset, _K,
+              status=window_key("preemption_onset", lambda w: w.preemption_onset)),
     MetricDef("kvwatt_generation_tokens_per_second", "gauge", ("server", "window"),
-              "Generated tokens per second over the window.", "derive.pressure.rate_per_second", _K,
-              per_window(lambda w: w.generation_tokens_per_second)),
+              "Generated tokens per second over the window.", exporter.derive.pressure.rate_per_second, _K,
+              status=window_key("generation_tokens_per_second", lambda w: w.generation_tokens_per_second),
+              words=(Words("generated tokens/s", "number"),)),
     MetricDef("kvwatt_prompt_token_share_ratio", "gauge", ("server", "source", "window"),
               "Share of prompt tokens by source (local_compute, local_cache_hit, external_kv_transfer) over the "
               "window; sums to 1. vLLM < 0.16: estimated from prefix-cache counters. First prefills only: "
               "re-prefill after preemption is not counted (see kvwatt_estimated_flops_per_generated_token).",
-              "derive.recompute.token_shares", _K, _by_source("token_shares")),
+              exporter.derive.recompute.token_shares, _K,
+              status=window_key("prompt_token_shares", lambda w: w.token_shares),
+              words=(Words("prompt tokens recomputed", "percent", ("prompt_token_shares", "local_compute")),
+                     Words("prompt tokens from prefix cache", "percent",
+                           ("prompt_token_shares", "local_cache_hit")),
+                     Words("prompt tokens reloaded (offload)", "percent",
+                           ("prompt_token_shares", "external_kv_transfer")))),
     MetricDef("kvwatt_cached_prompt_token_share_ratio", "gauge", ("server", "tier", "window"),
               "Share of the prompt tokens served from a cache by the tier that supplied them (device, host, "
               "disk, p2p, external) over the window; sums to 1 (vllm:prompt_tokens_cached_by_source_total, "
               "0.32+): a reload from host memory and one from disk are told apart.",
-              "derive.recompute.cached_tier_shares", _K, _by_source("cached_tier_shares")),
+              exporter.derive.recompute.cached_tier_shares, _K,
+              status=window_key("cached_prompt_token_shares", lambda w: w.cached_tier_shares)),
     MetricDef("kvwatt_preemptions_per_request", "gauge", ("server", "percentile", "window"),
               "Preemptions per request finished in the window at the percentile (p50, p99), from the histogram "
               "vllm:request_num_preemptions (0.30+): the upper edge of the bucket holding it (at most this "
               "many; vLLM's first bucket holds 0 and 1 together); absent above the largest bucket.",
-              "derive.preemption.quantiles", _K, _by_source("preemptions_per_request")),
+              exporter.derive.preemption.quantiles, _K,
+              status=window_key("preemptions_per_request", lambda w: w.preemptions_per_request)),
     MetricDef("kvwatt_preempted_requests_ratio", "gauge", ("server", "bound", "window"),
               "Share of the requests finished in the window that were preempted at least once, as a lower and "
               "an upper bound (equal when the histogram's buckets and sum tell it exactly), from "
-              "vllm:request_num_preemptions (0.30+).", "derive.preemption.preempted_share", _K,
-              _by_source("preempted_requests_share")),
+              "vllm:request_num_preemptions (0.30+).", exporter.derive.preemption.preempted_share, _K,
+              status=window_key("preempted_requests_share", lambda w: w.preempted_requests_share)),
     MetricDef("kvwatt_preemptions_by_reason_per_minute", "gauge", ("server", "reason", "window"),
               "Preemptions per minute over the window by reason (kv_full, priority, prefix_cache_reset) where "
               "vLLM exports vllm:num_preemptions_by_reason_total (vLLM PR #58037, not in a release yet): only "
-              "kv_full is KV pressure.", "derive.pressure.labelled_per_minute", _K,
-              _by_source("preemptions_by_reason_per_minute")),
+              "kv_full is KV pressure.", exporter.derive.pressure.labelled_per_minute, _K,
+              status=window_key("preemptions_by_reason_per_minute", lambda w: w.preemptions_by_reason_per_minute)),
     MetricDef("kvwatt_admission_rejections_per_minute", "gauge", ("server", "reason", "window"),
               "Requests refused at admission per minute over the window, by reason (a queue limit: "
               "max_num_queued_reqs, max_num_queued_tokens), from vllm:admission_rejections_total (0.32+).",
-              "derive.pressure.labelled_per_minute", _K, _by_source("admission_rejections_per_minute")),
+              exporter.derive.pressure.labelled_per_minute, _K, status=window_key("admission_rejections_per_minute",
+                                                    lambda w: w.admission_rejections_per_minute)),
     MetricDef("kvwatt_requests_waiting_for_kv", "gauge", ("server", "stage"),
               "Waiting requests by asynchronous KV load stage (waiting_to_start, in_progress, "
               "completed_waiting) at the last read, from vllm:num_requests_kv_fetch_by_stage (0.32, with a "
               "connector that loads KV). Requests held in_progress while nothing runs point at the async-load "
-              "stall (vLLM #57841).", "sources.vllm.extract", _K, _kv_fetch),
+              "stall (vLLM #57841).", exporter.sources.vllm.extract, _K,
+              status=server_key("requests_waiting_for_kv", lambda s: s.kv_fetch_waiting)),
     MetricDef("kvwatt_recompute_tax_ratio", "gauge", ("server", "window"),
               "local_compute share minus this server's low-pressure reference share (methods.md s4).",
-              "derive.recompute.recompute_tax", _K, per_window(lambda w: w.recompute_tax)),
+              exporter.derive.recompute.recompute_tax, _K,
+              status=window_key("recompute_tax", lambda w: w.recompute_tax),
+              words=(Words("recompute tax (points)", "points"),)),
     MetricDef("kvwatt_recompute_reference_share_ratio", "gauge", ("server",),
               "The low-pressure local_compute reference share the tax is measured against (learned or "
               "configured). Learned from windows of true low pressure only: no preemption, no tax above "
               "noise, p95 well under the threshold in use (methods.md s10); persisted in the state directory.",
-              "model.pressure.LowPressureReference.offer", _K, per_server(lambda s: s.reference_share)),
+              exporter.model.pressure.LowPressureReference.offer, _K,
+              status=server_key("reference_local_compute_share", lambda s: s.reference_share)),
     MetricDef("kvwatt_recompute_reference_windows", "gauge", ("server",),
               "Number of low-pressure windows (threshold_window each) the learned reference share rests on; 0 "
-              "when configured.", "model.pressure.LowPressureReference.offer", _K,
+              "when configured.", exporter.model.pressure.LowPressureReference.offer, _K,
               per_server(lambda s: s.reference_windows)),
     MetricDef("kvwatt_estimated_flops_per_second", "gauge", ("server", "window"),
               "FLOP/s vLLM estimated for the tokens it actually scheduled (MFU counters, --enable-mfu-metrics); "
               "includes re-prefill after preemption, which the token counters miss.",
-              "derive.recompute.mfu_view", _K, per_window(lambda w: w.flops_per_second)),
+              exporter.derive.recompute.mfu_view, _K,
+              status=window_key("estimated_flops_per_second", lambda w: w.flops_per_second)),
     MetricDef("kvwatt_estimated_flops_per_generated_token", "gauge", ("server", "window"),
               "Estimated FLOPs per generated token over the window (MFU counters): rises with every kind of "
-              "recomputation, preemption re-prefill included.", "derive.recompute.mfu_view", _K,
-              per_window(lambda w: w.flops_per_generated_token)),
+              "recomputation, preemption re-prefill included.", exporter.derive.recompute.mfu_view, _K,
+              status=window_key("estimated_flops_per_generated_token", lambda w: w.flops_per_generated_token),
+              words=(Words("FLOPs per generated token (estimated)", "gigaflops"),)),
     # --- offloading ------------------------------------------------------------------------------------
     MetricDef("kvwatt_offload_enabled", "gauge", ("server",),
               "1 when the server offloads KV to host memory (vLLM: cache_config_info or offload series; SGLang "
               "HiCache, TensorRT-LLM host tier, LMCache, Dynamo KVBM series: docs/engines.md).",
-              "sources.vllm.extract", _O, _info_attr("offload_enabled")),
+              exporter.sources.vllm.extract, _O,
+              status=server_key("offload_enabled", lambda s: s.info.offload_enabled if s.info else None)),
     MetricDef("kvwatt_offload_buffer_bytes", "gauge", ("server",),
               "Configured host offload buffer (kv_offloading_size GiB, or kv_offload_config_info on 0.33).",
-              "sources.vllm.extract", _O, _info_attr("offload_buffer_bytes")),
+              exporter.sources.vllm.extract, _O,
+              status=server_key("offload_buffer_bytes", lambda s: s.info.offload_buffer_bytes if s.info else None)),
     MetricDef("kvwatt_offload_write_bytes_per_second", "gauge", ("server", "window"),
-              "Store rate GPU -> offload tier over the window.", "derive.offload.transfer_rates", _O,
-              per_window(lambda w: w.offload_write_bytes_per_second)),
+              "Store rate GPU -> offload tier over the window.", exporter.derive.offload.transfer_rates, _O,
+              status=window_key("offload_write_bytes_per_second", lambda w: w.offload_write_bytes_per_second),
+              words=(Words("offload writes", "bytes_per_second"),)),
     MetricDef("kvwatt_offload_read_bytes_per_second", "gauge", ("server", "window"),
-              "Load rate offload tier -> GPU over the window.", "derive.offload.transfer_rates", _O,
-              per_window(lambda w: w.offload_read_bytes_per_second)),
+              "Load rate offload tier -> GPU over the window.", exporter.derive.offload.transfer_rates, _O,
+              status=window_key("offload_read_bytes_per_second", lambda w: w.offload_read_bytes_per_second),
+              words=(Words("offload reads", "bytes_per_second"),)),
     MetricDef("kvwatt_offload_write_tokens_per_second", "gauge", ("server", "window"),
               "Offload stores counted in tokens over the window (engines that count tokens: SGLang HiCache "
               "evictions to host, LMCache stored tokens, Dynamo KVBM blocks x block size).",
-              "derive.offload.token_rates", _O, per_window(lambda w: w.offload_write_tokens_per_second)),
+              exporter.derive.offload.token_rates, _O,
+              status=window_key("offload_write_tokens_per_second", lambda w: w.offload_write_tokens_per_second)),
     MetricDef("kvwatt_offload_read_tokens_per_second", "gauge", ("server", "window"),
               "Offload loads counted in tokens over the window (SGLang load-back, LMCache hits retrieved, "
-              "Dynamo KVBM matched tokens).", "derive.offload.token_rates", _O,
-              per_window(lambda w: w.offload_read_tokens_per_second)),
+              "Dynamo KVBM matched tokens).", exporter.derive.offload.token_rates, _O,
+              status=window_key("offload_read_tokens_per_second", lambda w: w.offload_read_tokens_per_second)),
     MetricDef("kvwatt_offload_buffer_used_ratio", "gauge", ("server",),
               "Offload buffer occupancy as the engine last reported it: used / capacity (SGLang "
               "hicache_host_used_tokens / hicache_host_total_tokens, TensorRT-LLM kv_cache_host_utilization). "
               "Never vLLM's kv_offload_cpu_cache_usage_perc, which is the share pinned by transfers.",
-              "derive.offload.tier_state", _O, per_server(lambda s: s.tiers.used_ratio)),
+              exporter.derive.offload.tier_state, _O,
+              status=server_key("offload_buffer_used_ratio", lambda s: s.tiers.used_ratio)),
     MetricDef("kvwatt_offload_buffer_used_bytes", "gauge", ("server",),
               "Bytes of KV held in the offload buffer as the engine last reported them (LMCache "
               "local_cache_usage, summed over workers; LMCache exports no capacity, so no ratio).",
-              "derive.offload.tier_state", _O, per_server(lambda s: s.tiers.used_bytes)),
+              exporter.derive.offload.tier_state, _O,
+              status=server_key("offload_buffer_used_bytes", lambda s: s.tiers.used_bytes)),
     MetricDef("kvwatt_offload_tier_hit_ratio", "gauge", ("server", "tier"),
               "The engine's own recent hit rate of an offload tier (host, disk), as last reported (Dynamo "
-              "KVBM's sliding window).", "derive.offload.tier_state", _O, _tier_hits),
+              "KVBM's sliding window).", exporter.derive.offload.tier_state, _O, _tier_hits,
+              status=server_key("offload_tier_hit_ratio", lambda s: s.tiers.hit_ratio)),
     MetricDef("kvwatt_offload_buffer_residency_seconds", "gauge", ("server", "window"),
               "Buffer bytes / write rate: how long an offloaded block survives (methods.md s6); in tokens for "
               "an engine that counts them (SGLang HiCache host pool / evicted tokens per second).",
-              "derive.offload.residency", _O, per_window(lambda w: w.offload_buffer_residency_seconds)),
+              exporter.derive.offload.residency, _O,
+              status=window_key("offload_buffer_residency_seconds", lambda w: w.offload_buffer_residency_seconds),
+              words=(Words("buffer residency", "seconds"),)),
     MetricDef("kvwatt_offload_tier_write_bytes_per_second", "gauge", ("server", "tier", "window"),
               "vLLM tiering (0.28+): bytes/s written from the primary CPU tier to a secondary tier (tier = "
               '"<index>:<type>", e.g. "1:fs") over the window (vllm:kv_offload_tiering_write_bytes_total).',
-              "derive.offload.tier_flows", _O, _tiers("write_bytes_per_second")),
+              exporter.derive.offload.tier_flows, _O, _tiers("write_bytes_per_second")),
     MetricDef("kvwatt_offload_tier_read_bytes_per_second", "gauge", ("server", "tier", "window"),
               "vLLM tiering: bytes/s read from a secondary tier back into the primary tier (promotions) over "
-              "the window (vllm:kv_offload_tiering_read_bytes_total).", "derive.offload.tier_flows", _O,
+              "the window (vllm:kv_offload_tiering_read_bytes_total).", exporter.derive.offload.tier_flows, _O,
               _tiers("read_bytes_per_second")),
     MetricDef("kvwatt_offload_tier_chunk_hit_ratio", "gauge", ("server", "tier", "window"),
               "vLLM tiering: chunk lookups that hit in the tier / lookups sent to it over the window.",
-              "derive.offload.tier_flows", _O, _tiers("chunk_hit_ratio")),
+              exporter.derive.offload.tier_flows, _O, _tiers("chunk_hit_ratio")),
     MetricDef("kvwatt_offload_tier_job_failures", "gauge", ("server", "tier", "window"),
               "vLLM tiering: failed promotion (read) and cascade (write) jobs of the tier in the window.",
-              "derive.offload.tier_flows", _O, _tiers("job_failures")),
+              exporter.derive.offload.tier_flows, _O, _tiers("job_failures")),
     MetricDef("kvwatt_offload_tier_residency_seconds", "gauge", ("server", "tier", "window"),
               "vLLM tiering: the tier's configured capacity (servers[].offload_tier_bytes: vLLM exports none) / "
               "its write rate: how long a block written to it survives (methods.md s6).",
-              "derive.offload.tier_flows", _O, _tiers("residency_seconds")),
+              exporter.derive.offload.tier_flows, _O, _tiers("residency_seconds")),
     MetricDef("kvwatt_offload_tier_undersized", "gauge", ("server", "tier", "window"),
               "vLLM tiering: 1 when the tier's residency is below the p99 tool-call latency or one of its "
               "promotion or cascade jobs failed in the window (the CPU tier's flag is "
-              "kvwatt_offload_buffer_undersized).", "derive.offload.tier_flows", _O, _tiers("undersized")),
+              "kvwatt_offload_buffer_undersized).", exporter.derive.offload.tier_flows, _O, _tiers("undersized")),
     MetricDef("kvwatt_offload_buffer_undersized", "gauge", ("server",),
               "1 when residency is below the configured p99 tool-call latency, or stores fail.",
-              "derive.offload.undersized", _O, _buffer("undersized")),
+              exporter.derive.offload.undersized, _O, _buffer("undersized")),
     MetricDef("kvwatt_offload_recommended_buffer_bytes", "gauge", ("server",),
               "Buffer size that keeps residency above the p99 tool-call latency with the configured headroom.",
-              "derive.offload.recommended_buffer", _O, _buffer("recommended_bytes")),
+              exporter.derive.offload.recommended_buffer, _O, _buffer("recommended_bytes")),
     MetricDef("kvwatt_collapse_signature", "gauge", ("server",),
               "1 while the collapse signature holds (methods.md s5): one of its condition sets holds "
               "(kvwatt_collapse_condition_set says which).",
-              "derive.collapse.evaluate_aggregates", _O,
+              exporter.derive.collapse.evaluate_aggregates, _O,
               per_server(lambda s: _b(s.collapse.signature) if s.collapse else None)),
     MetricDef("kvwatt_collapse_condition_set", "gauge", ("server", "condition_set"),
               "Each condition set of the collapse signature: stalled_engine (engine steps stopped while "
               "requests are pending; only where the engine exports a step counter) and classic (all five "
               "throughput conditions). 1 holds, 0 not; absent while unknown.",
-              "derive.collapse.evaluate_aggregates", _O, _condition_sets),
+              exporter.derive.collapse.evaluate_aggregates, _O, _condition_sets),
     MetricDef("kvwatt_collapse_condition", "gauge", ("server", "condition"),
               "Each collapse condition on its own: offload_enabled, zero_preemptions, throughput_collapsed, "
               "power_near_idle, requests_pending (classic), engine_steps_stopped (stalled_engine, with "
-              "requests_pending).", "derive.collapse.evaluate_aggregates", _O, _conditions),
+              "requests_pending).", exporter.derive.collapse.evaluate_aggregates, _O, _conditions),
     MetricDef("kvwatt_energy_saving_ratio", "gauge", ("server", "baseline", "window"),
               "dE as a ratio (0.26 = 26 % less energy per token with offloading, methods.md s2). "
               "baseline=estimated is a model estimate, baseline=potential the saving a server without "
               "offloading would see with it (a model estimate too), see docs/offload.md.",
-              "model.offload.savings", _O, _savings(lambda sv: sv.energy_saving)),
+              exporter.model.offload.savings, _O, _savings(lambda sv: sv.energy_saving)),
     MetricDef("kvwatt_energy_saving_stderr_ratio", "gauge", ("server", "baseline", "window"),
               "Standard error of dE (delta method, methods.md s2), where there are repeats.",
-              "model.offload.savings", _O, _savings(lambda sv: sv.energy_saving_stderr)),
+              exporter.model.offload.savings, _O, _savings(lambda sv: sv.energy_saving_stderr)),
     MetricDef("kvwatt_throughput_gain_ratio", "gauge", ("server", "baseline", "window"),
-              "dTPS as a ratio (methods.md s2).", "model.offload.savings", _O,
+              "dTPS as a ratio (methods.md s2).", exporter.model.offload.savings, _O,
               _savings(lambda sv: sv.throughput_gain, throughput=True)),
     MetricDef("kvwatt_throughput_gain_stderr_ratio", "gauge", ("server", "baseline", "window"),
-              "Standard error of dTPS, where there are repeats.", "model.offload.savings", _O,
+              "Standard error of dTPS, where there are repeats.", exporter.model.offload.savings, _O,
               _savings(lambda sv: sv.throughput_gain_stderr, throughput=True)),
     MetricDef("kvwatt_comparison_windows", "gauge", ("server", "baseline", "window"),
-              "Number of windows the dE/dTPS comparison rests on.", "model.offload.savings", _O,
+              "Number of windows the dE/dTPS comparison rests on.", exporter.model.offload.savings, _O,
               _savings(lambda sv: sv.windows if sv.energy_saving is not None else None)),
     MetricDef("kvwatt_cached_to_prefill_ratio", "gauge", ("server", "window"),
               "kappa observed: external_kv_transfer / local_compute prompt tokens over the window "
-              "(methods.md s7).", "derive.kappa.observed", _O, per_window(lambda w: w.cached_to_prefill_ratio)),
+              "(methods.md s7).", exporter.derive.kappa.observed, _O,
+              status=window_key("cached_to_prefill_ratio", lambda w: w.cached_to_prefill_ratio),
+              words=(Words("cached-to-prefill ratio (kappa)", "number"),)),
     MetricDef("kvwatt_critical_cached_to_prefill_ratio", "gauge", ("server",),
               "kappa_crit from model and hardware parameters (roofline form, methods.md s7).",
-              "derive.kappa.critical", _O, per_server(lambda s: s.kappa.critical)),
+              exporter.derive.kappa.critical, _O, per_server(lambda s: s.kappa.critical)),
     MetricDef("kvwatt_recompute_breakeven_tokens", "gauge", ("server",),
               "Sequence length above which reloading KV beats recomputing it (Tetris form with GQA width, "
-              "methods.md s7).", "derive.kappa.breakeven", _O, per_server(lambda s: s.kappa.breakeven_tokens)),
+              "methods.md s7).", exporter.derive.kappa.breakeven, _O, per_server(lambda s: s.kappa.breakeven_tokens)),
 )
 
 BY_NAME: dict[str, MetricDef] = {m.name: m for m in METRICS}

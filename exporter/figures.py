@@ -1,7 +1,7 @@
 """Typed figures: everything kvwatt knows at one tick, computed once by exporter.model and only read after.
 
-/metrics (exporter.catalog fills each family from these), /api/status and the landing page (exporter.serve.web)
-serialise the same Snapshot, so they always agree. None means unknown: the exposition omits the series and
+/metrics, /api/status and the landing page (exporter.serve) serialise the same Snapshot, each through the
+figure's one declaration in exporter.catalog, so they always agree. None means unknown: the exposition omits the series and
 the JSON says null, never a fake 0. Frozen: a scrape cannot change what it reads.
 """
 

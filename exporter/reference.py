@@ -1,6 +1,8 @@
 """Generates the README's configuration and metric reference from the code (config.KEYS with its defaults from
 Config() and the shared rules' meanings from exporter/rules.py, catalog.METRICS).
 
+The metric reference also says where /api/status carries each figure (exporter.serve.web.status_paths).
+
     python -m exporter.reference --write   # rewrite the README sections between the markers
     python -m exporter.reference --check   # exit 1 when the README is stale (tests/test_reference.py)
 """
@@ -12,6 +14,7 @@ import sys
 from pathlib import Path
 
 from exporter import catalog, config, rules
+from exporter.serve import web
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -83,13 +86,17 @@ def config_table() -> str:
 
 
 def metric_table() -> str:
+    """One row per catalog declaration; "in /api/status" is where servers[] carries the figure (web.status_paths:
+    its own key, or the block that serialises it), "-" where it is in /metrics only."""
     out = []
     for section in dict.fromkeys(m.section for m in catalog.METRICS):
-        out += [f"**{section}**", "", "| series | type | labels | meaning | computed in |", "|---|---|---|---|---|"]
+        out += [f"**{section}**", "", "| series | type | labels | meaning | computed in | in /api/status |",
+                "|---|---|---|---|---|---|"]
         for m in catalog.METRICS:
             if m.section == section:
                 labels = ", ".join(f"`{label}`" for label in m.labels)
-                out.append(f"| `{m.name}` | {m.type} | {labels} | {m.help.replace('|', '/')} | `{m.where}` |")
+                where = ", ".join(f"`{p}`" for p in web.status_paths(m)) or "-"
+                out.append(f"| `{m.name}` | {m.type} | {labels} | {m.help.replace('|', '/')} | `{m.where}` | {where} |")
         out.append("")
     return "\n".join(out).rstrip()
 

@@ -99,7 +99,7 @@ class ServerModel:
         agg: WindowAggregate = self.history.aggregate(seconds)
         covered = covered_seconds(agg)
         if agg.n == 0:
-            return WindowFigures(format_window(seconds), seconds, covered)
+            return WindowFigures(window=format_window(seconds), seconds=seconds, covered_seconds=covered)
         p95_interval = self._p95.get(seconds) or pressure_model.p95_of(agg)  # learn() computed it this tick
         p95 = p95_interval.value
         per_second = pressure.rate_per_second(agg, "preemptions")
@@ -110,18 +110,25 @@ class ServerModel:
         tokens = offload.token_rates(agg)
         buffer_bytes = self.info.offload_buffer_bytes if self.info else None
         return WindowFigures(
-            format_window(seconds), seconds, covered, p95, pressure.kv_usage_quantile(agg, 1.0),
-            self._regime.get(seconds), per_minute,
-            pressure.preemption_onset(per_minute, covered, seconds, cfg.preemption_onset_per_minute),
-            pressure.rate_per_second(agg, "generation_tokens"), shares,
-            recompute.recompute_tax(shares["local_compute"] if shares else None, self.reference.value),
-            flops, flops_per_token, self._energy(agg),
-            derive_energy.prompt_attribution(agg, cfg.min_load_seconds, cfg.load_to_compute_cost_ratio),
-            rates.write_bytes_per_second, rates.read_bytes_per_second,
-            self._residency(buffer_bytes, rates, tokens), kappa.observed(agg),
-            self._savings(agg, now, seconds, peers), tokens.write_tokens_per_second, tokens.read_tokens_per_second,
-            cached_tier_shares=recompute.cached_tier_shares(agg), kv_usage_p95_low=p95_interval.low,
-            kv_usage_p95_high=p95_interval.high, **self._newest_series(agg))
+            window=format_window(seconds), seconds=seconds, covered_seconds=covered,
+            kv_usage_p95=p95, kv_usage_max=pressure.kv_usage_quantile(agg, 1.0),
+            kv_usage_p95_low=p95_interval.low, kv_usage_p95_high=p95_interval.high,
+            above_threshold=self._regime.get(seconds), preemptions_per_minute=per_minute,
+            preemption_onset=pressure.preemption_onset(per_minute, covered, seconds, cfg.preemption_onset_per_minute),
+            generation_tokens_per_second=pressure.rate_per_second(agg, "generation_tokens"),
+            token_shares=shares, cached_tier_shares=recompute.cached_tier_shares(agg),
+            recompute_tax=recompute.recompute_tax(shares["local_compute"] if shares else None, self.reference.value),
+            flops_per_second=flops, flops_per_generated_token=flops_per_token,
+            energy=self._energy(agg),
+            prompt_energy_per_token=derive_energy.prompt_attribution(agg, cfg.min_load_seconds,
+                                                                     cfg.load_to_compute_cost_ratio),
+            offload_write_bytes_per_second=rates.write_bytes_per_second,
+            offload_read_bytes_per_second=rates.read_bytes_per_second,
+            offload_write_tokens_per_second=tokens.write_tokens_per_second,
+            offload_read_tokens_per_second=tokens.read_tokens_per_second,
+            offload_buffer_residency_seconds=self._residency(buffer_bytes, rates, tokens),
+            cached_to_prefill_ratio=kappa.observed(agg),
+            savings=self._savings(agg, now, seconds, peers), **self._newest_series(agg))
 
     def _residency(self, buffer_bytes: float | None, rates: offload.TransferRates,
                    tokens: offload.TokenRates) -> float | None:
@@ -173,11 +180,12 @@ class ServerModel:
             buf = offload_figures.buffer(windows, offload.store_failures(self.history.aggregate(short)), self.cfg)
         sig = self.collapse.signature if self.collapse else None
         return ServerFigures(
-            self.name, redacted_url(self.server.url), self.status, self.info,
-            self.cfg.kv_pressure_threshold_ratio, self.reference.value, self.reference.kind, windows, self.collapse,
-            buf, self.offload.kappa,
-            offload_figures.recommendations(sig, buf, self.cfg), self.engine, self.capabilities,
-            offload.tier_state(self.gauges), labelled(self.gauges or {}, "kv_fetch") or None,
+            name=self.name, url=redacted_url(self.server.url), status=self.status, info=self.info,
+            engine=self.engine, capabilities=self.capabilities,
+            threshold=self.cfg.kv_pressure_threshold_ratio, reference_share=self.reference.value,
+            reference_kind=self.reference.kind, windows=windows, collapse=self.collapse, buffer=buf,
+            kappa=self.offload.kappa, recommendations=offload_figures.recommendations(sig, buf, self.cfg),
+            tiers=offload.tier_state(self.gauges), kv_fetch_waiting=labelled(self.gauges or {}, "kv_fetch") or None,
             located=self.pressure.located, threshold_in_use=self.pressure.threshold,
             threshold_source=self.pressure.source, evidence_windows=len(self.pressure.points),
             reference_windows=self.reference.windows, reference_spread=self.reference.spread)

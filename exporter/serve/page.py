@@ -4,13 +4,17 @@ do", in words.
 It renders the dict /api/status serves (``exporter.serve.web.status_json``) and nothing else: every figure on the
 page is a value of that dict, formatted, never recomputed, so the page and the JSON always agree. Unknown
 (null) reads "unknown", with the reason where the dict has one. The page refreshes itself by fetching itself
-again (exporter.serve.page_assets); it links no external asset, so it works air-gapped.
+again (exporter.serve.page_assets); it links no external asset, so it works air-gapped. The table of figures
+per window takes its rows from the catalog's declarations (exporter.catalog, each figure's ``words``): a figure
+declared with words is a row, read from the dict at its /api/status key.
 """
 
 from __future__ import annotations
 
 from html import escape
+from typing import Callable
 
+from exporter import catalog
 from exporter.serve.page_assets import CSS, JS, REFRESH_SECONDS
 
 UNKNOWN = '<span class="unknown">unknown</span>'
@@ -381,25 +385,40 @@ def todo(s: dict) -> str:
 
 
 # --- figures per window ---------------------------------------------------------------------------------------
-_ROWS = (
-    ("covered", lambda w: f"{w['covered_seconds']:.0f} of {w['seconds']:.0f} s"),
-    ("KV-cache usage p95", lambda w: _pct(w["kv_usage_p95"])),
-    ("KV-cache usage max", lambda w: _pct(w["kv_usage_max"])),
-    ("preemptions per minute", lambda w: _num(w["preemptions_per_minute"])),
-    ("generated tokens/s", lambda w: _num(w["generation_tokens_per_second"])),
-    ("GPU J/token, marginal", lambda w: _joules((w["energy"].get("gpu") or {}).get("marginal_joules_per_token"))),
-    ("GPU J/token, total", lambda w: _joules((w["energy"].get("gpu") or {}).get("joules_per_token"))),
-    ("host J/token, marginal", lambda w: _joules((w["energy"].get("host") or {}).get("marginal_joules_per_token"))),
-    ("host J/token, total", lambda w: _joules((w["energy"].get("host") or {}).get("joules_per_token"))),
-    ("prompt tokens recomputed", lambda w: _pct((w["prompt_token_shares"] or {}).get("local_compute"))),
-    ("prompt tokens from prefix cache", lambda w: _pct((w["prompt_token_shares"] or {}).get("local_cache_hit"))),
-    ("prompt tokens reloaded (offload)",
-     lambda w: _pct((w["prompt_token_shares"] or {}).get("external_kv_transfer"))),
-    ("recompute tax (points)", lambda w: UNKNOWN if w["recompute_tax"] is None else f"{w['recompute_tax'] * 100:+.1f}"),
-    ("offload writes", lambda w: UNKNOWN if w["offload_write_bytes_per_second"] is None
-     else _gib(w["offload_write_bytes_per_second"]) + "/s"),
-    ("buffer residency", lambda w: _secs(w["offload_buffer_residency_seconds"])),
-)
+def _points(x) -> str:
+    return UNKNOWN if x is None else f"{x * 100:+.1f}"
+
+
+# a row's unit (catalog.Words.unit) -> its formatting of the value, given the window's dict
+FORMATS: dict[str, Callable[[object, dict], str]] = {
+    "coverage": lambda x, w: f"{x:.0f} of {w['seconds']:.0f} s",
+    "percent": lambda x, _w: _pct(x),
+    "number": lambda x, _w: _num(x),
+    "joules": lambda x, _w: _joules(x),
+    "points": lambda x, _w: _points(x),
+    "bytes_per_second": lambda x, _w: UNKNOWN if x is None else _gib(x) + "/s",
+    "seconds": lambda x, _w: _secs(x),
+    "gigaflops": lambda x, _w: UNKNOWN if x is None else f"{x / 1e9:,.3g} GFLOP",
+}
+
+
+def _at(w: dict, path: tuple[str, ...]):
+    """The value at ``path`` in a window's dict; None where a level is missing or null (unknown)."""
+    x = w
+    for key in path:
+        x = x.get(key) if isinstance(x, dict) else None
+    return x
+
+
+def window_rows() -> list[tuple[str, Callable[[dict], str]]]:
+    """The table's rows, from the catalog's declarations (their ``words``), in catalog order."""
+    rows = []
+    for d in catalog.METRICS:
+        for words in d.words:
+            path = words.path or (d.status.key,)
+            fmt = FORMATS[words.unit]
+            rows.append((words.label, lambda w, path=path, fmt=fmt: fmt(_at(w, path), w)))
+    return rows
 
 
 def windows_table(s: dict) -> str:
@@ -408,5 +427,5 @@ def windows_table(s: dict) -> str:
         return f"<p>{UNKNOWN}: no window configured.</p>"
     head = "".join(f'<th class="num">last {_e(k)}</th>' for k in wins)
     rows = "".join(f"<tr><th>{_e(name)}</th>" + "".join(f'<td class="num">{cell(w)}</td>' for w in wins.values())
-                   + "</tr>" for name, cell in _ROWS)
+                   + "</tr>" for name, cell in window_rows())
     return f'<table class="windows"><tr><th></th>{head}</tr>{rows}</table>'

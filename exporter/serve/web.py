@@ -25,11 +25,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from typing import Callable
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from exporter import __version__
+from exporter import __version__, catalog
 from exporter.serve import page
 from exporter.serve.connections import ConnectionGuard, GuardedSite
 from exporter.serve.exposition import Exposition, wanted_names
@@ -41,40 +42,72 @@ log = logging.getLogger("kvwatt.web")
 MALFORMED_LOG_INTERVAL_SECONDS = 60.0
 
 
-def _window_json(w: WindowFigures) -> dict:
+@dataclass(frozen=True)
+class Block:
+    """A structured part of a server's or a window's /api/status dict that is not one figure (energy by scope,
+    savings by baseline, ...): the keys it writes (one nested key, or a few flat ones), the catalog declarations
+    it serialises, and its small serialiser, which returns those keys, or {} to leave them out."""
+
+    keys: tuple[str, ...]
+    serialises: tuple[catalog.MetricDef, ...]
+    write: Callable[[object], dict]
+
+
+def _named(*names: str) -> tuple[catalog.MetricDef, ...]:
+    return tuple(catalog.get(n) for n in names)  # a name missing from the catalog fails at import
+
+
+def _energy_json(w: WindowFigures) -> dict:
+    return {"energy": {e.scope: {"joules": e.basis.energy_joules, "idle_joules": e.basis.idle_joules,
+                                 "generated_tokens": e.basis.tokens, "seconds": e.basis.seconds,
+                                 "loaded_seconds": e.basis.loaded_seconds, "joules_per_token": e.joules_per_token,
+                                 "marginal_joules_per_token": e.marginal_joules_per_token} for e in w.energy}}
+
+
+def _savings_json(w: WindowFigures) -> dict:
     savings = {sv.baseline: {"dE": sv.energy_saving, "dE_stderr": sv.energy_saving_stderr, "verdict": sv.verdict,
-                             "windows": sv.windows,
-                             "reference_windows": sv.reference_windows, "note": sv.note,
+                             "windows": sv.windows, "reference_windows": sv.reference_windows, "note": sv.note,
                              "dTPS": sv.throughput_gain, "dTPS_stderr": sv.throughput_gain_stderr}
                for sv in w.savings}
-    out = {
-        "seconds": w.seconds, "covered_seconds": round(w.covered_seconds, 3), "kv_usage_p95": w.kv_usage_p95,
-        "kv_usage_max": w.kv_usage_max, "above_threshold": w.above_threshold,
-        "preemptions_per_minute": w.preemptions_per_minute, "preemption_onset": w.preemption_onset,
-        "generation_tokens_per_second": w.generation_tokens_per_second,
-        "prompt_token_shares": w.token_shares, "recompute_tax": w.recompute_tax,
-        "cached_prompt_token_shares": w.cached_tier_shares,
-        "preemptions_per_request": w.preemptions_per_request, "preempted_requests_share": w.preempted_requests_share,
-        "admission_rejections_per_minute": w.admission_rejections_per_minute,
-        "preemptions_by_reason_per_minute": w.preemptions_by_reason_per_minute,
-        "offload_tiers": {t.tier: {"write_bytes_per_second": t.write_bytes_per_second,
-                                   "read_bytes_per_second": t.read_bytes_per_second,
-                                   "chunk_hit_ratio": t.chunk_hit_ratio, "job_failures": t.job_failures,
-                                   "residency_seconds": t.residency_seconds, "undersized": t.undersized}
-                          for t in w.offload_tiers},
-        "energy": {e.scope: {"joules": e.basis.energy_joules, "idle_joules": e.basis.idle_joules,
-                             "generated_tokens": e.basis.tokens, "seconds": e.basis.seconds,
-                             "loaded_seconds": e.basis.loaded_seconds, "joules_per_token": e.joules_per_token,
-                             "marginal_joules_per_token": e.marginal_joules_per_token} for e in w.energy},
-        "offload_write_bytes_per_second": w.offload_write_bytes_per_second,
-        "offload_buffer_residency_seconds": w.offload_buffer_residency_seconds,
-        "offload_write_tokens_per_second": w.offload_write_tokens_per_second,
-        "offload_read_tokens_per_second": w.offload_read_tokens_per_second,
-    }
-    if savings:
-        out["energy_saving"] = savings
-    out["kv_usage_p95_interval"] = [w.kv_usage_p95_low, w.kv_usage_p95_high]  # methods.md s10
-    return out
+    return {"energy_saving": savings} if savings else {}
+
+
+def _tiers_json(w: WindowFigures) -> dict:
+    return {"offload_tiers": {t.tier: {"write_bytes_per_second": t.write_bytes_per_second,
+                                       "read_bytes_per_second": t.read_bytes_per_second,
+                                       "chunk_hit_ratio": t.chunk_hit_ratio, "job_failures": t.job_failures,
+                                       "residency_seconds": t.residency_seconds, "undersized": t.undersized}
+                              for t in w.offload_tiers}}
+
+
+WINDOW_BLOCKS: tuple[Block, ...] = (
+    Block(("energy",), _named("kvwatt_marginal_energy_per_token_joules", "kvwatt_energy_per_token_joules"),
+          _energy_json),
+    Block(("energy_saving",),
+          _named("kvwatt_energy_saving_ratio", "kvwatt_energy_saving_stderr_ratio", "kvwatt_throughput_gain_ratio",
+                 "kvwatt_throughput_gain_stderr_ratio", "kvwatt_comparison_windows"), _savings_json),
+    Block(("offload_tiers",),
+          _named("kvwatt_offload_tier_write_bytes_per_second", "kvwatt_offload_tier_read_bytes_per_second",
+                 "kvwatt_offload_tier_chunk_hit_ratio", "kvwatt_offload_tier_job_failures",
+                 "kvwatt_offload_tier_residency_seconds", "kvwatt_offload_tier_undersized"), _tiers_json),
+    Block(("kv_usage_p95_interval",),  # methods.md s10
+          _named("kvwatt_kv_cache_usage_p95_lower_ratio", "kvwatt_kv_cache_usage_p95_upper_ratio"),
+          lambda w: {"kv_usage_p95_interval": [w.kv_usage_p95_low, w.kv_usage_p95_high]}),
+)
+
+
+def _identity_json(v: ServerFigures) -> dict:
+    return {"server": v.name, "url": v.url, "engine": v.engine, "capabilities": sorted(v.capabilities),
+            "model_name": v.info.model_name if v.info else None}
+
+
+def _source_status_json(v: ServerFigures) -> dict:
+    return {"up": v.status.up, "state": v.status.state, "reason_code": v.status.code, "reason": v.status.reason}
+
+
+# the keys _threshold_json writes: extend the two together (tests/test_figures_declared.py checks they agree)
+THRESHOLD_KEYS = ("threshold_in_use", "threshold_source", "threshold_located", "evidence_windows",
+                  "reference_windows", "reference_spread")
 
 
 def _threshold_json(v: ServerFigures) -> dict:
@@ -90,36 +123,102 @@ def _threshold_json(v: ServerFigures) -> dict:
     }
 
 
+def _kappa_json(v: ServerFigures) -> dict:
+    k = v.kappa
+    return {"kappa": {"critical": k.critical, "breakeven_tokens_gqa": k.breakeven_tokens_gqa,
+                      "breakeven_tokens_mha": k.breakeven_tokens_mha, "model": k.model_source,
+                      "hardware": k.hardware_source}}
+
+
+def _collapse_json(v: ServerFigures) -> dict:
+    return {} if v.collapse is None else {"collapse": {**v.collapse.as_status(), "window": v.collapse_window}}
+
+
+def _buffer_json(v: ServerFigures) -> dict:
+    b = v.buffer
+    return {} if b is None else {"offload_buffer": {
+        "undersized": b.undersized, "recommended_bytes": b.recommended_bytes, "recommended_gib": b.recommended_gib,
+        "store_failures": b.store_failures, "residency_seconds": b.residency_seconds,
+        "write_bytes_per_second": b.write_bytes_per_second, "p99_tool_latency_seconds": b.p99_tool_latency_seconds,
+        "headroom": b.headroom}}
+
+
+SERVER_BLOCKS: tuple[Block, ...] = (
+    Block(("server", "url", "engine", "capabilities", "model_name"),
+          _named("kvwatt_server_info", "kvwatt_server_capability"), _identity_json),
+    Block(("up", "state", "reason_code", "reason"), _named("kvwatt_source_up", "kvwatt_source_info"),
+          _source_status_json),
+    Block(("regime", "regime_window"), _named("kvwatt_kv_pressure_above_threshold"),  # the shortest window's, in words
+          lambda v: {"regime": v.regime, "regime_window": v.regime_window}),
+    Block(("reference_kind",), _named("kvwatt_recompute_reference_share_ratio"),
+          lambda v: {"reference_kind": v.reference_kind}),
+    Block(("signatures",), _named("kvwatt_collapse_signature"), lambda v: {"signatures": v.signatures}),
+    Block(("recommendations",),  # words drawn from the buffer and collapse checks
+          _named("kvwatt_offload_buffer_undersized", "kvwatt_offload_recommended_buffer_bytes",
+                 "kvwatt_collapse_signature"), lambda v: {"recommendations": list(v.recommendations)}),
+    Block(THRESHOLD_KEYS,
+          _named("kvwatt_kv_pressure_threshold_in_use_ratio", "kvwatt_kv_pressure_threshold_located_ratio",
+                 "kvwatt_kv_pressure_threshold_located_low_ratio", "kvwatt_kv_pressure_threshold_located_high_ratio",
+                 "kvwatt_kv_pressure_threshold_located_windows", "kvwatt_recompute_reference_windows"),
+          _threshold_json),
+    Block(("kappa",), _named("kvwatt_critical_cached_to_prefill_ratio", "kvwatt_recompute_breakeven_tokens"),
+          _kappa_json),
+    Block(("collapse",),
+          _named("kvwatt_collapse_signature", "kvwatt_collapse_condition_set", "kvwatt_collapse_condition"),
+          _collapse_json),
+    Block(("offload_buffer",), _named("kvwatt_offload_buffer_undersized", "kvwatt_offload_recommended_buffer_bytes"),
+          _buffer_json),
+)
+
+
+def status_paths(d: catalog.MetricDef) -> list[str]:
+    """Where a declaration's figure is in /api/status (servers[].<path>), for the README's reference."""
+    if isinstance(d.status, catalog.StatusKey):
+        keys, scope = [d.status.key], d.status.scope
+    else:
+        keys, scope = [], catalog.SERVER
+        for blocks, scope_of in ((WINDOW_BLOCKS, catalog.WINDOW), (SERVER_BLOCKS, catalog.SERVER)):
+            for b in blocks:
+                if d in b.serialises:
+                    keys, scope = keys + list(b.keys), scope_of
+    prefix = "windows.<window>." if scope == catalog.WINDOW else ""
+    return [prefix + k for k in keys]
+
+# The order /api/status has always written these keys in (clients and tests/data/golden/status.json read it
+# as text); a key declared since is appended after them, in catalog order. Names only: no value comes from here.
+WINDOW_KEY_ORDER = (
+    "seconds", "covered_seconds", "kv_usage_p95", "kv_usage_max", "above_threshold", "preemptions_per_minute",
+    "preemption_onset", "generation_tokens_per_second", "prompt_token_shares", "recompute_tax",
+    "cached_prompt_token_shares", "preemptions_per_request", "preempted_requests_share",
+    "admission_rejections_per_minute", "preemptions_by_reason_per_minute", "offload_tiers", "energy",
+    "offload_write_bytes_per_second", "offload_buffer_residency_seconds", "offload_write_tokens_per_second",
+    "offload_read_tokens_per_second", "energy_saving", "kv_usage_p95_interval")
+SERVER_KEY_ORDER = (
+    "server", "url", "up", "state", "reason_code", "reason", "engine", "capabilities", "model_name",
+    "offload_enabled", "offload_buffer_bytes", "offload_buffer_used_ratio", "offload_buffer_used_bytes",
+    "offload_tier_hit_ratio", "regime", "regime_window", "threshold", "reference_local_compute_share",
+    "reference_kind", "signatures", "recommendations", "requests_waiting_for_kv", "windows", "kappa",
+    *THRESHOLD_KEYS, "collapse", "offload_buffer")
+
+
+def _figures_json(fig, scope: str, blocks: tuple[Block, ...], order: tuple[str, ...], **fixed) -> dict:
+    """The scope's figure keys from the catalog's declarations, then its blocks' keys, in ``order``."""
+    out = dict(fixed)
+    out.update((d.status.key, d.status.json_value(fig)) for d in catalog.METRICS
+               if isinstance(d.status, catalog.StatusKey) and d.status.scope == scope)
+    for b in blocks:
+        out.update(b.write(fig))
+    rank = {k: i for i, k in enumerate(order)}
+    return dict(sorted(out.items(), key=lambda kv: rank.get(kv[0], len(rank))))  # stable: new keys in catalog order
+
+
+def _window_json(w: WindowFigures) -> dict:
+    return _figures_json(w, catalog.WINDOW, WINDOW_BLOCKS, WINDOW_KEY_ORDER, seconds=w.seconds)
+
+
 def _server_json(v: ServerFigures) -> dict:
-    out = {
-        "server": v.name, "url": v.url, "up": v.status.up, "state": v.status.state,
-        "reason_code": v.status.code, "reason": v.status.reason,
-        "engine": v.engine, "capabilities": sorted(v.capabilities),
-        "model_name": v.info.model_name if v.info else None,
-        "offload_enabled": v.info.offload_enabled if v.info else None,
-        "offload_buffer_bytes": v.info.offload_buffer_bytes if v.info else None,
-        "offload_buffer_used_ratio": v.tiers.used_ratio, "offload_buffer_used_bytes": v.tiers.used_bytes,
-        "offload_tier_hit_ratio": v.tiers.hit_ratio,
-        "regime": v.regime, "regime_window": v.regime_window, "threshold": v.threshold,
-        "reference_local_compute_share": v.reference_share, "reference_kind": v.reference_kind,
-        "signatures": v.signatures, "recommendations": list(v.recommendations),
-        "requests_waiting_for_kv": v.kv_fetch_waiting,
-        "windows": {w.window: _window_json(w) for w in v.windows},
-        "kappa": {"critical": v.kappa.critical, "breakeven_tokens_gqa": v.kappa.breakeven_tokens_gqa,
-                  "breakeven_tokens_mha": v.kappa.breakeven_tokens_mha, "model": v.kappa.model_source,
-                  "hardware": v.kappa.hardware_source},
-    }
-    out.update(_threshold_json(v))
-    if v.collapse is not None:
-        out["collapse"] = {**v.collapse.as_status(), "window": v.collapse_window}
-    if v.buffer is not None:
-        b = v.buffer
-        out["offload_buffer"] = {"undersized": b.undersized, "recommended_bytes": b.recommended_bytes,
-                                 "recommended_gib": b.recommended_gib, "store_failures": b.store_failures,
-                                 "residency_seconds": b.residency_seconds,
-                                 "write_bytes_per_second": b.write_bytes_per_second,
-                                 "p99_tool_latency_seconds": b.p99_tool_latency_seconds, "headroom": b.headroom}
-    return out
+    return _figures_json(v, catalog.SERVER, SERVER_BLOCKS, SERVER_KEY_ORDER,
+                         windows={w.window: _window_json(w) for w in v.windows})
 
 
 def _source_json(st: SourceStatus) -> dict:
