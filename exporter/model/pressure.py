@@ -135,7 +135,8 @@ def no_reference_reason(points: list[PressurePoint], limit: float) -> str:
         return "no low-pressure window seen yet: no evidence window completed"
     lowest = min(p.kv_p95 for p in points)
     if lowest > limit:
-        return f"no low-pressure window seen yet: {len(points)} windows, all with p95 >= {lowest:.2f}"
+        floor = math.floor(lowest * 100) / 100  # ">= 0.87" for 0.876: never rounded above what was seen
+        return f"no low-pressure window seen yet: {len(points)} windows, all with p95 >= {floor:.2f}"
     return (f"no low-pressure window seen yet: {len(points)} windows; those with p95 <= {limit:.2f} preempted, "
             f"had requests waiting for KV, touched KV usage >= {LOW_PRESSURE_MAX:.2f} or paid a tax")
 
@@ -349,25 +350,26 @@ def _weighted(point: PressurePoint, preemptions: float | None) -> PressurePoint:
 
 
 def contradicted(flag: bool | None, per_minute: float | None, onset: bool | None, follow_evidence: bool) -> bool | None:
-    """Preemptions under the threshold in force contradict a *below*: sustained ones (onset, methods.md s3)
-    turn the flag *above* when the regime follows the evidence (source located); else it stays as it is and
-    ``regime_judgement`` says the regime is unknown."""
-    if flag is False and onset and follow_evidence:
-        return True
+    """Preemptions under the threshold in force contradict a *below*. When the regime follows the evidence
+    (source located), sustained ones (onset, methods.md s3) turn the flag *above*, fewer (or over a window not
+    yet covered enough to call them sustained) make it unknown (None). With source configured the flag stays on
+    the configured threshold as asked, and ``regime_judgement`` says the regime is unknown."""
+    if flag is False and per_minute and follow_evidence:
+        return True if onset else None
     return flag
 
 
 def regime_judgement(flag: bool | None, p: P95, threshold: float, per_minute: float | None, onset: bool | None,
                      learner: ThresholdLearner) -> tuple[str, str]:
     """(state, reason) of one window's regime (methods.md s10)."""
-    if flag is None:
-        return "unknown", "no KV usage sampled in the window"
     if per_minute and p.value is not None and p.value <= threshold:
         seen = f"{per_minute:.1f} preemptions/min at p95 {p.value:.3f}, under the threshold in use {threshold:.3f}"
         if flag and onset:
             return "known", f"above (onset): {seen}"
-        if not flag:
+        if not flag:  # False (source configured) or None (too few preemptions to call it onset)
             return "unknown", f"contradicted: {seen}"
+    if flag is None:
+        return "unknown", "no KV usage sampled in the window"
     if learner.source == "configured":
         if learner.use_located:
             return "provisional", f"on the configured threshold {threshold:.2f}: none located yet ({learner.why_not})"

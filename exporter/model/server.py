@@ -76,6 +76,8 @@ class ServerModel:
         p = self._p95[seconds] = pressure_model.p95_of(agg)
         per_second = pressure.rate_per_second(agg, "preemptions")
         per_minute = None if per_second is None else per_second * 60.0
+        if (agg.delta("preemptions") or 0.0) > pressure_model.plausible_preemptions(agg):
+            per_minute = None  # a counter glitch says nothing about the regime either
         onset = pressure.preemption_onset(per_minute, covered_seconds(agg), seconds,
                                           self.cfg.preemption_onset_per_minute)
         flag = pressure_model.regime(p, pl.threshold, self._regime.get(seconds))
