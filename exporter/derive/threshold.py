@@ -145,7 +145,7 @@ def locate_why(points: Sequence[PressurePoint], min_points: int = 3, min_side: f
     i, clean_w, pressured_w = _best_supported(cuts, total_pressured)
     above_pressured, above_clean = total_pressured - pressured_w, total_clean - clean_w
     if clean_w < min_side or above_pressured < min_side:
-        return None, (f"evidence weight {clean_w:g} clean below and {above_pressured:g} pressured above the best "
+        return None, (f"evidence weight {clean_w:.3g} clean below and {above_pressured:.3g} pressured above the best "
                       f"cut ({min_side:g} needed each side)")
     if above_pressured <= above_clean or clean_w <= pressured_w:
         return None, "no cut with each side mostly what it should be"
@@ -180,17 +180,17 @@ def judge(loc: LocatedThreshold) -> tuple[str, str]:
     KNOWN_WIDTH wide and at most KNOWN_MISPLACED of the weight is misplaced; else ``provisional`` with why."""
     why = []
     if loc.clean_below < KNOWN_SIDE_WEIGHT:
-        why.append(f"clean weight below {loc.clean_below:g} < {KNOWN_SIDE_WEIGHT:g}")
+        why.append(f"clean weight below {loc.clean_below:.3g} < {KNOWN_SIDE_WEIGHT:g}")
     if loc.pressured_above < KNOWN_SIDE_WEIGHT:
-        why.append(f"pressured weight above {loc.pressured_above:g} < {KNOWN_SIDE_WEIGHT:g}")
+        why.append(f"pressured weight above {loc.pressured_above:.3g} < {KNOWN_SIDE_WEIGHT:g}")
     if loc.high - loc.low > KNOWN_WIDTH:
         why.append(f"interval [{loc.low:.3f}, {loc.high:.3f}] wider than {KNOWN_WIDTH:.2f}")
     total = loc.clean_below + loc.pressured_above + loc.misplaced
     if total and loc.misplaced > KNOWN_MISPLACED * total:
-        why.append(f"{loc.misplaced:g} of {total:g} evidence weight on the wrong side")
+        why.append(f"{loc.misplaced:.3g} of {total:.3g} evidence weight on the wrong side")
     if why:
         return "provisional", "; ".join(why)
-    return "known", (f"{loc.clean_below:g} clean below, {loc.pressured_above:g} pressured above, interval "
+    return "known", (f"{loc.clean_below:.3g} clean below, {loc.pressured_above:.3g} pressured above, interval "
                      f"[{loc.low:.3f}, {loc.high:.3f}]")
 
 

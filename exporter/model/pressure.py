@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 from typing import Iterable
 
 from exporter.derive import pressure, recompute
-from exporter.derive.threshold import (Evidence, LocatedThreshold, PressurePoint, classify, locate_why,
+from exporter.derive.threshold import (Evidence, LocatedThreshold, PressurePoint, classify, locate, locate_why,
                                        quantile_bounds, taxed)
 from exporter.derive.window import WindowAggregate
 from exporter.model import epoch as epochs
@@ -285,8 +285,9 @@ class ThresholdLearner:
 
     def _relocate(self) -> None:
         before = self.located
-        self.located, self.why_not = locate_why(self.points, self.min_windows, min_side=2.0,
-                                                onset_per_minute=self.onset)
+        args = (self.points, self.min_windows, 2.0, self.onset)
+        self.located = locate(*args)  # catalog: the located families' where
+        self.why_not = "" if self.located is not None else locate_why(*args)[1]
         self.reference.threshold = self.threshold
         self._log_change(before)
 
