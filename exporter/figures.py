@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from exporter.derive.collapse import CollapseResult
 from exporter.derive.energy import EnergyPerToken
 from exporter.derive.offload import TierFlows, TierState
-from exporter.derive.threshold import LocatedThreshold
+from exporter.derive.threshold import Evidence, LocatedThreshold
 from exporter.energy.baseline import Baseline
 from exporter.samples import DeviceReading, SourceStatus, EngineInfo
 
@@ -143,6 +143,19 @@ class ServerFigures:
     evidence_windows: int = 0  # evidence windows held (clean, pressured or unknown)
     reference_windows: int = 0  # windows the learned reference share rests on
     reference_spread: float | None = None  # their standard deviation: the noise of one window's tax
+    # evidence before judgement (methods.md s10): each learned figure's state (known | provisional | unknown)
+    # and why, the evidence windows they rest on, and the evidence epoch (set aside when the engine changed)
+    threshold_state: str = "unknown"
+    threshold_reason: str = ""
+    reference_state: str = "unknown"
+    reference_reason: str = ""
+    tax_state: str = "unknown"
+    tax_reason: str = ""
+    regime_state: str = "unknown"
+    regime_reason: str = ""
+    evidence: Evidence = Evidence()
+    epoch_started_wall: float | None = None
+    epoch_cause: str = ""
 
     @property
     def regime(self) -> str:

@@ -1,6 +1,7 @@
 """Locating the KV-pressure threshold (derive/threshold.py, methods.md s10), against hand-worked cases."""
 
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -17,7 +18,8 @@ def test_classify_needs_preemptions_or_a_tax_above_its_noise():
     assert classify(pt(0.5, pre=0.4)) is False
     assert classify(pt(0.5, pre=0.0, tax=0.10, se=0.02)) is True
     assert classify(pt(0.5, pre=0.0, tax=0.03, se=0.02)) is False  # inside 2 SE
-    assert classify(pt(0.5, pre=0.0, tax=0.015, se=0.001)) is False  # above 2 SE but under 2 points
+    assert classify(pt(0.5, pre=0.0, tax=0.015, se=0.001)) is False  # above 2 SE but under 5 points
+    assert classify(pt(0.5, pre=0.0, tax=0.025, se=0.007)) is False  # the 4-session window: 2.5 points, no preemption
     assert classify(pt(0.5, pre=None, tax=None)) is None
     assert classify(pt(0.5, pre=None, tax=-0.2, se=0.01)) is False  # a negative tax is no pressure
     assert taxed(pt(0.5, tax=0.06)) and not taxed(pt(0.5, tax=0.04))  # unknown SE: 5 points
@@ -29,7 +31,9 @@ def test_vllm_cpu_block_sweep_locates_between_the_last_clean_and_first_taxed_p95
     sweep = [pt(0.08, 0, 0.0, 0.01, 3), pt(0.34, 0, 0.0, 0.01, 3), pt(0.77, 0, 0.29, 0.01, 3),
              pt(0.79, 0, 0.59, 0.01, 3), pt(0.79, 4.0, 0.82, 0.01, 3)]
     got = locate(sweep)
-    assert got == LocatedThreshold(pytest.approx(0.555), 0.34, 0.77, "tax_onset", 5, 6.0, 9.0, 0.0)
+    assert replace(got, reason="") == LocatedThreshold(pytest.approx(0.555), 0.34, 0.77, "tax_onset", 5, 6.0, 9.0,
+                                                       0.0, "provisional")
+    assert got.reason == "interval [0.340, 0.770] wider than 0.30"  # 0.43 between the last clean and first taxed
 
 
 def test_preemption_only_evidence_names_its_method():

@@ -4,8 +4,11 @@ A ``PressurePoint`` is one observation of a server at one pressure level: a live
 or condition. It is *pressured* when it shows sustained preemptions (>= ``onset_per_minute``, methods.md s3) or
 a recomputation tax above its noise (methods.md s4), *clean* when what is known of both says neither, and
 *unknown* (ignored) when neither is known. ``locate`` puts the threshold at the KV-p95 cut that best separates
-clean points (below) from pressured ones (above): a one-dimensional decision stump, weighted by the windows or
-runs behind each point, ties going to the lowest cut (the lowest p95 band where pressure is sustained).
+clean points (below) from pressured ones (above): a one-dimensional decision stump, weighted by the evidence
+behind each point (windows or runs; a live window with a single preemption weighs a third), ties going to the
+cut with the most evidence on its thinner side, then the lowest. A cut at the idle floor is not a threshold;
+a located one is ``known`` only with sustained evidence on both sides and a narrow interval, else
+``provisional`` (``judge``; methods.md s10).
 
 ``quantile_bounds`` is the order-statistic interval of a quantile of dense samples (the uncertainty of a
 window's p95).
@@ -14,15 +17,20 @@ window's p95).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 from exporter import rules
 
 ONSET_PER_MINUTE = rules.PREEMPTION_ONSET_PER_MINUTE.default  # methods.md s3: sustained preemptions mark onset
 TAX_Z = 2.0              # a tax is evidence when it exceeds TAX_Z times its noise ...
-MIN_TAX = 0.02           # ... and at least 2 percentage points of the prompt tokens
+MIN_TAX = 0.05           # ... and at least 5 percentage points of the prompt tokens (methods.md s10)
 MIN_TAX_UNKNOWN_SE = 0.05  # without a noise estimate: at least 5 points
+# methods.md s10 "Evidence before judgement": the numbers and why they are what they are are stated there
+IDLE_FLOOR = 0.10          # a cut under this KV p95 separates idle from busy, not low from high pressure
+KNOWN_SIDE_WEIGHT = 3.0    # evidence weight each side of a known threshold needs (three full windows)
+KNOWN_WIDTH = 0.30         # a known threshold's interval is at most this wide (in KV p95)
+KNOWN_MISPLACED = 0.2      # ... and at most this share of its evidence weight lies on the wrong side
 
 
 @dataclass(frozen=True)
@@ -37,6 +45,8 @@ class PressurePoint:
     kv_p95_low: float | None = None        # the p95's own uncertainty interval (None: the p95 itself)
     kv_p95_high: float | None = None
     t: float | None = None                 # when (live windows: the window's end); not used by locate
+    wall: float | None = None              # live windows: the unix time of the window's end (persisted)
+    kv_max: float | None = None            # live windows: the highest KV usage sampled in the window
 
 
 @dataclass(frozen=True)
@@ -49,6 +59,23 @@ class LocatedThreshold:
     clean_below: float = 0.0    # weight of the clean points below the cut
     pressured_above: float = 0.0  # weight of the pressured points above it
     misplaced: float = 0.0      # weight of the points on the wrong side (pressured below, clean above)
+    state: str = "provisional"  # known | provisional (judge); an unlocated threshold is unknown: None
+    reason: str = ""            # why the state is what it is, in words
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """What a server's learned figures rest on (methods.md s10): its evidence windows in the current epoch."""
+
+    windows: int = 0            # evidence windows held
+    clean: int = 0              # of them: clean, pressured, unknown (neither preemptions nor tax known)
+    pressured: int = 0
+    unknown: int = 0
+    rejected: int = 0           # windows not taken as evidence: implausible counters (this run)
+    span_seconds: float = 0.0   # from the oldest window's end to the newest's
+    oldest_wall: float | None = None
+    newest_wall: float | None = None
+    low_pressure: int = 0       # windows with positive signs of no pressure (the reference's candidates)
 
 
 def preempting(p: PressurePoint, onset_per_minute: float = ONSET_PER_MINUTE) -> bool:
@@ -76,20 +103,28 @@ def classify(p: PressurePoint, onset_per_minute: float = ONSET_PER_MINUTE) -> bo
 
 def locate(points: Sequence[PressurePoint], min_points: int = 3, min_side: float = 1.0,
            onset_per_minute: float = ONSET_PER_MINUTE) -> LocatedThreshold | None:
-    """The KV-p95 threshold the points show, or None when the evidence is not there.
+    """The KV-p95 threshold the points show, or None when the evidence is not there (locate_why)."""
+    return locate_why(points, min_points, min_side, onset_per_minute)[0]
+
+
+def locate_why(points: Sequence[PressurePoint], min_points: int = 3, min_side: float = 1.0,
+               onset_per_minute: float = ONSET_PER_MINUTE) -> tuple[LocatedThreshold | None, str]:
+    """The located threshold and "", or None and why not (in words).
 
     Rule (methods.md s10): sort the known points by p95; among the cuts between two distinct p95 values, take
-    the one with the least weight on the wrong side (pressured below, clean above), the lowest such cut on a tie.
+    the one with the least weight on the wrong side (pressured below, clean above); on a tie the one with the
+    most weight on its thinner side (min of clean below, pressured above), then the lowest.
     It stands only when at least ``min_points`` points are known, the clean weight below the cut and the
-    pressured weight above it are each at least ``min_side``, and each side is mostly what it should be
-    (pressured weight above > clean weight above; clean below > pressured below). The ratio is the middle of
-    the gap at the cut; the interval runs from the highest clean point below the lowest optimal cut to the
-    lowest pressured point above the highest optimal cut, widened by those points' own p95 intervals.
-    The method names the evidence of the lowest pressured point above the cut: preemptions first."""
+    pressured weight above it are each at least ``min_side``, each side is mostly what it should be
+    (pressured weight above > clean weight above; clean below > pressured below), and the cut is above the
+    idle floor. The ratio is the middle of the gap at the cut; the interval runs from the highest clean point
+    below the lowest optimal cut to the lowest pressured point above the highest optimal cut, widened by those
+    points' own p95 intervals. The method names the evidence of the lowest pressured point above the cut:
+    preemptions first. ``judge`` gives its state."""
     known = sorted(((p, c) for p in points if (c := classify(p, onset_per_minute)) is not None),
                    key=lambda pc: pc[0].kv_p95)
     if len(known) < max(min_points, 2):
-        return None
+        return None, f"{len(known)} windows with known pressure ({max(min_points, 2)} needed)"
     total_clean = sum(p.weight for p, c in known if not c)
     pressured_below = clean_below = 0.0
     best, cuts = math.inf, []
@@ -107,13 +142,15 @@ def locate(points: Sequence[PressurePoint], min_points: int = 3, min_side: float
         elif cost <= best + 1e-12:
             cuts.append((i, clean_below, pressured_below))
     if not cuts:
-        return None
-    i, clean_w, pressured_w = cuts[0]
+        return None, "no cut between distinct KV p95 values"
     total_pressured = sum(p.weight for p, c in known if c)
+    i, clean_w, pressured_w = _best_supported(cuts, total_pressured)
     above_pressured, above_clean = total_pressured - pressured_w, total_clean - clean_w
-    if (clean_w < min_side or above_pressured < min_side or above_pressured <= above_clean
-            or clean_w <= pressured_w):
-        return None
+    if clean_w < min_side or above_pressured < min_side:
+        return None, (f"evidence weight {clean_w:.3g} clean below and {above_pressured:.3g} pressured above the best "
+                      f"cut ({min_side:g} needed each side)")
+    if above_pressured <= above_clean or clean_w <= pressured_w:
+        return None, "no cut with each side mostly what it should be"
     edge_clean = max((p for p, c in known[:i] if not c), key=lambda p: p.kv_p95)
     j = cuts[-1][0]
     first_pressured = min((p for p, c in known[i:] if c), key=lambda p: p.kv_p95)
@@ -121,8 +158,42 @@ def locate(points: Sequence[PressurePoint], min_points: int = 3, min_side: float
     ratio = (known[i - 1][0].kv_p95 + known[i][0].kv_p95) / 2
     low = min(_lower(edge_clean), ratio)
     high = max(_upper(edge_pressured), ratio)
+    if ratio < IDLE_FLOOR:
+        return None, (f"degenerate cut at p95 {ratio:.3f}: the clean windows below it are idle (p95 <= "
+                      f"{known[i - 1][0].kv_p95:.3f}, under the {IDLE_FLOOR:.2f} idle floor)")
     method = "preemption_onset" if preempting(first_pressured, onset_per_minute) else "tax_onset"
-    return LocatedThreshold(ratio, low, high, method, len(known), clean_w, above_pressured, best)
+    found = LocatedThreshold(ratio, low, high, method, len(known), clean_w, above_pressured, best)
+    state, reason = judge(found)
+    return replace(found, state=state, reason=reason), ""
+
+
+def _best_supported(cuts: list[tuple[int, float, float]], total_pressured: float) -> tuple[int, float, float]:
+    """Among equally good cuts, the one whose thinner side carries the most evidence (a cut resting on one
+    window either side is the one a single new window would move), then the lowest (says "above" sooner)."""
+    def support(cut):
+        _, clean_w, pressured_w = cut
+        return min(clean_w, total_pressured - pressured_w)
+    top = max(support(c) for c in cuts)
+    return next(c for c in cuts if support(c) >= top - 1e-12)
+
+
+def judge(loc: LocatedThreshold) -> tuple[str, str]:
+    """``known`` when sustained evidence stands on both sides (KNOWN_SIDE_WEIGHT each), the interval is at most
+    KNOWN_WIDTH wide and at most KNOWN_MISPLACED of the weight is misplaced; else ``provisional`` with why."""
+    why = []
+    if loc.clean_below < KNOWN_SIDE_WEIGHT:
+        why.append(f"clean weight below {loc.clean_below:.3g} < {KNOWN_SIDE_WEIGHT:g}")
+    if loc.pressured_above < KNOWN_SIDE_WEIGHT:
+        why.append(f"pressured weight above {loc.pressured_above:.3g} < {KNOWN_SIDE_WEIGHT:g}")
+    if loc.high - loc.low > KNOWN_WIDTH:
+        why.append(f"interval [{loc.low:.3f}, {loc.high:.3f}] wider than {KNOWN_WIDTH:.2f}")
+    total = loc.clean_below + loc.pressured_above + loc.misplaced
+    if total and loc.misplaced > KNOWN_MISPLACED * total:
+        why.append(f"{loc.misplaced:.3g} of {total:.3g} evidence weight on the wrong side")
+    if why:
+        return "provisional", "; ".join(why)
+    return "known", (f"{loc.clean_below:.3g} clean below, {loc.pressured_above:.3g} pressured above, interval "
+                     f"[{loc.low:.3f}, {loc.high:.3f}]")
 
 
 def _lower(p: PressurePoint) -> float:

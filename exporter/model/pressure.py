@@ -1,18 +1,21 @@
 """Per-server KV-pressure learners (methods.md s10): the threshold located from the server's own history, the
-low-pressure reference share, and the regime flag with hysteresis on the p95's interval.
+low-pressure reference share, and the regime flag with hysteresis on the p95's interval, each with the evidence
+it rests on and a state ``known`` / ``provisional`` / ``unknown`` with a reason.
 
 Every completed bucket of a fixed grid (``threshold_window``, 1 minute by default: the shared monotonic clock's
 ``k * W``, as the repeat windows), at least 80 % covered and serving >= 100 prompt tokens (or preempting),
-becomes one ``PressurePoint`` (its KV p95 with the order-statistic interval,
-preemptions per minute, the tax against the reference in force and the reference's spread as its noise). The
-last ``threshold_history`` of them are kept; ``derive.threshold.locate`` runs when a point is added (not every
-tick: the points only change then).
+becomes one ``PressurePoint`` (its KV p95 with the order-statistic interval, its KV max, preemptions per minute,
+the tax against the reference in force and the reference's spread as its noise), unless its preemption count
+is implausible for the window (``plausible_preemptions``: a counter glitch is no evidence). A window pressured
+by preemptions alone weighs ``preemptions / SUSTAINED_PREEMPTIONS`` (at most 1): one preemption is a third of
+a window of evidence. The last ``threshold_history`` of points are kept; ``derive.threshold.locate_why`` runs
+when a point is added (the points only change then).
 
-The same bucket then teaches the reference share (``LowPressureReference``) when it is truly low pressure: no
-preemption at all, no tax evidence against the current reference, and its p95 at least
-``REFERENCE_MARGIN`` below the threshold in force. So the reference is there a minute after the first quiet
-minute, and windows of preemption onset (on a real engine: share 0.751 against 0.724, p95 under a 0.90
-threshold) never enter it.
+The same bucket then teaches the reference share (``LowPressureReference``) only on positive signs of no
+pressure (``quiet``): no preemption, nobody waiting for KV, KV max under ``LOW_PRESSURE_MAX``, p95 under both
+``LOW_PRESSURE_P95`` and the threshold in force less ``REFERENCE_MARGIN``, no tax against the reference so far.
+The reference is ``known`` from ``REFERENCE_KNOWN_WINDOWS`` such windows; a server first seen under load has
+none, and its tax is unknown with the reason.
 """
 
 from __future__ import annotations
@@ -21,16 +24,23 @@ import logging
 import math
 import statistics
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterable
 
 from exporter.derive import pressure, recompute
-from exporter.derive.threshold import LocatedThreshold, PressurePoint, locate, quantile_bounds, taxed
+from exporter.derive.threshold import (Evidence, LocatedThreshold, PressurePoint, classify, locate, locate_why,
+                                       quantile_bounds, taxed)
 from exporter.derive.window import WindowAggregate
+from exporter.model import epoch as epochs
 
 log = logging.getLogger("kvwatt.pressure")
 
 REFERENCE_MARGIN = 0.05     # a learning window's p95 stays this far under the threshold in force
+LOW_PRESSURE_P95 = 0.50     # ... and under this absolute KV p95 (methods.md s10: below every onset seen)
+LOW_PRESSURE_MAX = 0.80     # ... and its KV max under this (a window that touched 80 % came near preempting)
+REFERENCE_KNOWN_WINDOWS = 3  # low-pressure windows before the reference is known (fewer: provisional)
+SUSTAINED_PREEMPTIONS = 3.0  # preemptions in a window that make it a full window of pressure evidence
+MAX_STEPS_PER_SECOND = 1000.0  # engine steps per second when the engine does not count them (1 ms a step)
 MIN_PROMPT_TOKENS = 100.0   # fewer prompt tokens in a window: its share is not worth a point or a sample
 MIN_COVERED = 0.8           # a bucket less covered than this is not a window of evidence
 MAX_EVIDENCE_WINDOWS = 10_000  # bounds memory and the sort in locate whatever history / window asks
@@ -46,17 +56,21 @@ class ReferenceSample:
 
 class LowPressureReference:
     """The local_compute share of the same server under true low pressure: the median of the last ``keep``
-    clean windows still well under the threshold in force (a threshold located later re-filters them), unless
+    quiet windows still well under the threshold in force (a threshold located later re-filters them), unless
     configured. ``spread`` (their standard deviation) is the noise of one window's tax."""
 
     def __init__(self, configured: float | None = None, keep: int = 20) -> None:
         self.configured = configured
         self.samples: deque[ReferenceSample] = deque(maxlen=keep)
         self.threshold = math.inf  # the threshold in force, set by the learner before each use
-        self.changed = False       # a sample was added since the owner last persisted
+        self.changed = False       # a sample was added (or the samples set aside) since the owner persisted
+
+    def limit(self) -> float:
+        """The highest p95 a reference window may have under the threshold in force."""
+        return min(self.threshold - REFERENCE_MARGIN, LOW_PRESSURE_P95)
 
     def eligible(self) -> list[ReferenceSample]:
-        return [s for s in self.samples if s.p95 <= self.threshold - REFERENCE_MARGIN]
+        return [s for s in self.samples if s.p95 <= self.limit()]
 
     @property
     def value(self) -> float | None:
@@ -79,20 +93,52 @@ class LowPressureReference:
     def kind(self) -> str:
         return "configured" if self.configured is not None else ("learned" if self.eligible() else "none")
 
-    def offer(self, point: PressurePoint, preemptions: float | None, share: float | None, p95: float,
-              t: float, wall: float | None = None) -> bool:
+    def offer(self, point: PressurePoint, share: float | None, quiet: bool, t: float,
+              wall: float | None = None) -> bool:
         """Learn the window when it is truly low pressure (module docstring); True when learned."""
-        if share is None or (preemptions or 0.0) > 0 or taxed(point):
+        if share is None or not quiet or taxed(point) or point.kv_p95 > self.limit():
             return False
-        if p95 > self.threshold - REFERENCE_MARGIN:
-            return False
-        self.samples.append(ReferenceSample(share, p95, t, wall))
+        self.samples.append(ReferenceSample(share, point.kv_p95, t, wall))
         self.changed = True
         return True
 
     def restore(self, samples: Iterable[ReferenceSample]) -> None:
         for s in samples:
             self.samples.append(s)
+
+    def set_aside(self) -> None:
+        if self.samples:
+            self.samples.clear()
+            self.changed = True
+
+    def judgement(self, points: Iterable[PressurePoint]) -> tuple[str, str]:
+        """(state, reason) of the reference share, and so of the tax resting on it (methods.md s10)."""
+        if self.configured is not None:
+            return "known", f"configured reference_local_compute_share {self.configured:g}"
+        good = self.eligible()
+        if len(good) >= REFERENCE_KNOWN_WINDOWS:
+            return "known", (f"median of {len(good)} low-pressure windows{_span(good)} (p95 <= {self.limit():.2f}, "
+                             "no preemption)")
+        if good:
+            return "provisional", (f"{len(good)} low-pressure window{'s' if len(good) > 1 else ''}{_span(good)} "
+                                   f"({REFERENCE_KNOWN_WINDOWS} needed before it is known)")
+        return "unknown", no_reference_reason(list(points), self.limit())
+
+
+def _span(samples: list[ReferenceSample]) -> str:
+    walls = [s.wall for s in samples if s.wall is not None]
+    return f" over {(max(walls) - min(walls)) / 60.0:.0f} min" if len(walls) > 1 else ""
+
+
+def no_reference_reason(points: list[PressurePoint], limit: float) -> str:
+    if not points:
+        return "no low-pressure window seen yet: no evidence window completed"
+    lowest = min(p.kv_p95 for p in points)
+    if lowest > limit:
+        floor = math.floor(lowest * 100) / 100  # ">= 0.87" for 0.876: never rounded above what was seen
+        return f"no low-pressure window seen yet: {len(points)} windows, all with p95 >= {floor:.2f}"
+    return (f"no low-pressure window seen yet: {len(points)} windows; those with p95 <= {limit:.2f} preempted, "
+            f"had requests waiting for KV, touched KV usage >= {LOW_PRESSURE_MAX:.2f} or paid a tax")
 
 
 @dataclass(frozen=True)
@@ -125,8 +171,41 @@ def regime(p: P95, threshold: float, previous: bool | None) -> bool | None:
     return previous if previous is not None else pressure.above_threshold(p.value, threshold)
 
 
+def plausible_preemptions(agg: WindowAggregate) -> float:
+    """The most preemptions a window can hold: each engine step can preempt at most the requests there are
+    (running + waiting, at least 1), and there are at most the steps the engine counted (else
+    MAX_STEPS_PER_SECOND over the covered seconds). A counter that jumps past it is a glitch, not evidence."""
+    requests = max((agg.gauge_max("running") or 0.0) + (agg.gauge_max("waiting") or 0.0), 1.0)
+    steps = agg.delta("engine_steps")
+    if not steps:
+        steps = MAX_STEPS_PER_SECOND * agg.covered_seconds
+    return requests * steps
+
+
+def quiet(agg: WindowAggregate, p: P95) -> bool:
+    """Positive signs of no pressure in a window (the threshold-relative test is the reference's): preemptions
+    counted and zero, KV max under LOW_PRESSURE_MAX, nobody waiting for KV (waiting_capacity where the engine
+    tells, else no request waiting for most of the window)."""
+    if agg.delta("preemptions") != 0 or p.value is None:
+        return False
+    kv_max = agg.gauge_max("kv_usage")
+    if kv_max is None or kv_max >= LOW_PRESSURE_MAX:
+        return False
+    if agg.gauge_count("waiting_capacity"):
+        return not agg.gauge_max("waiting_capacity")
+    return not agg.quantile("waiting", 0.5)
+
+
+def evidence_weight(preemptions: float | None, taxed_: bool) -> float:
+    """A window pressured only by preemptions weighs count / SUSTAINED_PREEMPTIONS (at most 1)."""
+    if taxed_ or not preemptions:
+        return 1.0
+    return min(1.0, preemptions / SUSTAINED_PREEMPTIONS)
+
+
 class ThresholdLearner:
-    """The points of one server, its located threshold, and the reference share learned alongside."""
+    """The evidence windows of one server in its current epoch, its located threshold (with why it is or is
+    not located), and the reference share learned alongside."""
 
     def __init__(self, width_seconds: float, keep_windows: int, min_windows: int, onset_per_minute: float,
                  configured_threshold: float, use_located: bool, reference: LowPressureReference,
@@ -140,7 +219,11 @@ class ThresholdLearner:
         self.use_located = use_located
         self.reference = reference
         self.located: LocatedThreshold | None = None
+        self.why_not = "no evidence window completed yet"  # why there is no located threshold
         self.last_t1: float = -math.inf
+        self.rejected = 0          # windows refused as evidence this run (implausible counters)
+        self.epoch = epochs.Epoch()
+        self.changed = False       # evidence added or set aside since the owner last persisted
         reference.threshold = configured_threshold
 
     @property
@@ -152,6 +235,41 @@ class ThresholdLearner:
     def source(self) -> str:
         return "located" if self.use_located and self.located is not None else "configured"
 
+    @property
+    def history_seconds(self) -> float:
+        return self.width * (self.points.maxlen or 0)
+
+    # --- epochs and persistence ------------------------------------------------------------------------
+    def engine_facts(self, info, wall: float | None) -> None:
+        """Compare the reading's engine facts with the epoch's: a change sets the evidence aside (logged once)."""
+        facts = epochs.facts_of(info)
+        if self.epoch.started_wall is None:  # first reading of this run, no stored epoch
+            self.epoch = epochs.Epoch(wall, "first reading", facts)
+            self.changed = True
+            return
+        changed = epochs.changes(self.epoch.facts, facts)
+        if changed:
+            self.new_epoch("engine changed: " + "; ".join(changed), facts, wall)
+        elif any(k not in self.epoch.facts for k in facts):
+            self.epoch = epochs.Epoch(self.epoch.started_wall, self.epoch.cause, {**self.epoch.facts, **facts})
+            self.changed = True
+
+    def new_epoch(self, cause: str, facts, wall: float | None) -> None:
+        log.warning("%s: %s; %d evidence windows and %d reference windows set aside (a new evidence epoch)",
+                    self.name, cause, len(self.points), len(self.reference.samples))
+        self.points.clear()
+        self.reference.set_aside()
+        self.epoch = epochs.Epoch(wall, cause, dict(facts))
+        self.changed = True
+        self._relocate()
+
+    def restore(self, epoch: epochs.Epoch, points: Iterable[PressurePoint]) -> None:
+        """The stored epoch and its windows (oldest first); located again at once."""
+        self.epoch = epoch
+        self.points.extend(points)
+        self._relocate()
+
+    # --- learning --------------------------------------------------------------------------------------
     def observe(self, buckets: Iterable, wall: float | None = None) -> bool:
         """Feed the completed buckets not seen yet (store.Bucket: t0, t1, agg). True when a point was added."""
         added = False
@@ -161,11 +279,17 @@ class ThresholdLearner:
             self.last_t1 = b.t1
             added |= self._bucket(b.agg, b.t1, wall)
         if added:
-            before = self.located
-            self.located = locate(self.points, self.min_windows, min_side=2.0, onset_per_minute=self.onset)
-            self.reference.threshold = self.threshold
-            self._log_change(before)
+            self.changed = True
+            self._relocate()
         return added
+
+    def _relocate(self) -> None:
+        before = self.located
+        args = (self.points, self.min_windows, 2.0, self.onset)
+        self.located = locate(*args)  # catalog: the located families' where
+        self.why_not = "" if self.located is not None else locate_why(*args)[1]
+        self.reference.threshold = self.threshold
+        self._log_change(before)
 
     def _log_change(self, before: LocatedThreshold | None) -> None:
         """One line when a threshold is first located, lost, or its method changes (not as it moves)."""
@@ -173,17 +297,23 @@ class ThresholdLearner:
         if (before is None) == (now is None) and (now is None or now.method == before.method):
             return
         if now is None:
-            log.info("%s: located KV-pressure threshold lost (evidence aged out); regime on %.3f (%s)", self.name,
+            log.info("%s: located KV-pressure threshold lost (%s); regime on %.3f (%s)", self.name, self.why_not,
                      self.threshold, self.source)
         else:
-            log.info("%s: KV-pressure threshold located at p95 %.3f [%.3f, %.3f] (%s, %d windows); regime on "
-                     "%.3f (%s)", self.name, now.ratio, now.low, now.high, now.method, now.points, self.threshold,
-                     self.source)
+            log.info("%s: KV-pressure threshold located at p95 %.3f [%.3f, %.3f] (%s, %d windows, %s); regime on "
+                     "%.3f (%s)", self.name, now.ratio, now.low, now.high, now.method, now.points, now.state,
+                     self.threshold, self.source)
 
     def _bucket(self, agg: WindowAggregate, t1: float, wall: float | None) -> bool:
         if agg.covered_seconds < MIN_COVERED * self.width:
             return False
         p = p95_of(agg)
+        preemptions = agg.delta("preemptions")
+        if preemptions and preemptions > plausible_preemptions(agg):
+            self.rejected += 1
+            log.warning("%s: %g preemptions in one %gs window is implausible (at most %g); not evidence",
+                        self.name, preemptions, self.width, plausible_preemptions(agg))
+            return False
         per_second = pressure.rate_per_second(agg, "preemptions")
         counts = recompute.token_counts(agg)
         shares = recompute.token_shares(counts) if counts and sum(counts.values()) >= MIN_PROMPT_TOKENS else None
@@ -192,7 +322,59 @@ class ThresholdLearner:
             return False  # a window that served (almost) nothing shows no pressure either way
         point = PressurePoint(p.value, None if per_second is None else per_second * 60.0,
                               recompute.recompute_tax(share, self.reference.value), self.reference.spread,
-                              1.0, p.low, p.high, t1)
+                              1.0, p.low, p.high, t1, wall, agg.gauge_max("kv_usage"))
+        point = _weighted(point, preemptions)
         self.points.append(point)
-        self.reference.offer(point, agg.delta("preemptions"), share, p.value, t1, wall)
+        self.reference.offer(point, share, quiet(agg, p), t1, wall)
         return True
+
+    # --- judgement -------------------------------------------------------------------------------------
+    def evidence(self) -> Evidence:
+        kinds = [classify(p, self.onset) for p in self.points]
+        walls = [p.wall for p in self.points if p.wall is not None]
+        limit = self.reference.limit()
+        return Evidence(len(self.points), kinds.count(False), kinds.count(True), kinds.count(None), self.rejected,
+                        (max(walls) - min(walls)) if walls else 0.0, min(walls, default=None),
+                        max(walls, default=None),
+                        sum(1 for p in self.points if p.kv_p95 <= limit and not p.preemptions_per_minute
+                            and (p.kv_max is None or p.kv_max < LOW_PRESSURE_MAX)))
+
+    def judgement(self) -> tuple[str, str]:
+        """(state, reason) of the located threshold; unknown when none is located."""
+        if self.located is None:
+            return "unknown", f"not located: {self.why_not}"
+        return self.located.state, self.located.reason
+
+
+def _weighted(point: PressurePoint, preemptions: float | None) -> PressurePoint:
+    return replace(point, weight=evidence_weight(preemptions, taxed(point)))
+
+
+def contradicted(flag: bool | None, per_minute: float | None, onset: bool | None, follow_evidence: bool) -> bool | None:
+    """Preemptions under the threshold in force contradict a *below*. When the regime follows the evidence
+    (source located), sustained ones (onset, methods.md s3) turn the flag *above*, fewer (or over a window not
+    yet covered enough to call them sustained) make it unknown (None). With source configured the flag stays on
+    the configured threshold as asked, and ``regime_judgement`` says the regime is unknown."""
+    if flag is False and per_minute and follow_evidence:
+        return True if onset else None
+    return flag
+
+
+def regime_judgement(flag: bool | None, p: P95, threshold: float, per_minute: float | None, onset: bool | None,
+                     learner: ThresholdLearner) -> tuple[str, str]:
+    """(state, reason) of one window's regime (methods.md s10)."""
+    if per_minute and p.value is not None and p.value <= threshold:
+        seen = f"{per_minute:.1f} preemptions/min at p95 {p.value:.3f}, under the threshold in use {threshold:.3f}"
+        if flag and onset:
+            return "known", f"above (onset): {seen}"
+        if not flag:  # False (source configured) or None (too few preemptions to call it onset)
+            return "unknown", f"contradicted: {seen}"
+    if flag is None:
+        return "unknown", "no KV usage sampled in the window"
+    if learner.source == "configured":
+        if learner.use_located:
+            return "provisional", f"on the configured threshold {threshold:.2f}: none located yet ({learner.why_not})"
+        return "known", f"on the configured threshold {threshold:.2f} (kv_pressure_threshold_source: configured)"
+    state, reason = learner.judgement()
+    loc = learner.located
+    return state, f"on the located threshold {loc.ratio:.3f} [{loc.low:.3f}, {loc.high:.3f}]: {reason}"

@@ -27,6 +27,7 @@ FORMAT_VERSION = 1
 class ReferenceBook:
     def __init__(self, state_dir: str | None, wall_clock: Callable[[], float],
                  read_only_reason: str = "") -> None:
+        self.state_dir = state_dir  # the evidence windows persist beside it (model/evidence_book.py)
         self.path = os.path.join(state_dir, STATE_FILE) if state_dir else None
         self.wall_clock = wall_clock
         self.read_only_reason = read_only_reason

@@ -36,6 +36,7 @@ class ServerModel:
             cfg.kv_pressure_threshold_source == "located", self.reference, server.name)
         self._p95: dict[float, pressure_model.P95] = {}  # per window length, as of the last learn()
         self._regime: dict[float, bool | None] = {}  # per window length: hysteresis state (methods.md s10)
+        self._regime_why: dict[float, tuple[str, str]] = {}  # per window length: the regime's state, reason
         self.offload = offload_figures.setup(server)
         self.status = SourceStatus("vllm", server.name, False, "not_read_yet", 0.0, "down")
         self.info: EngineInfo | None = None
@@ -61,11 +62,27 @@ class ServerModel:
         length: they read running aggregates and the buckets completed since the last tick)."""
         self.history.advance(now)
         pl = self.pressure
+        if self.info is not None:
+            pl.engine_facts(self.info, wall)  # a changed engine sets the evidence aside (model/epoch.py)
         pl.observe(self.history.buckets(pl.width, pl.last_t1, now), wall)
         for seconds in self.cfg.windows_seconds:
-            p = self._p95[seconds] = pressure_model.p95_of(self.history.aggregate(seconds))
-            self._regime[seconds] = pressure_model.regime(p, pl.threshold, self._regime.get(seconds))
+            self._learn_regime(seconds)
         self.collapse = self._collapse(now)
+
+    def _learn_regime(self, seconds: float) -> None:
+        """The window's regime with hysteresis, contradicted by sustained preemptions under the threshold in
+        force, and its state and reason (methods.md s10)."""
+        pl, agg = self.pressure, self.history.aggregate(seconds)
+        p = self._p95[seconds] = pressure_model.p95_of(agg)
+        per_second = pressure.rate_per_second(agg, "preemptions")
+        per_minute = None if per_second is None else per_second * 60.0
+        if (agg.delta("preemptions") or 0.0) > pressure_model.plausible_preemptions(agg):
+            per_minute = None  # a counter glitch says nothing about the regime either
+        onset = pressure.preemption_onset(per_minute, covered_seconds(agg), seconds,
+                                          self.cfg.preemption_onset_per_minute)
+        flag = pressure_model.regime(p, pl.threshold, self._regime.get(seconds))
+        flag = self._regime[seconds] = pressure_model.contradicted(flag, per_minute, onset, pl.use_located)
+        self._regime_why[seconds] = pressure_model.regime_judgement(flag, p, pl.threshold, per_minute, onset, pl)
 
     def _collapse(self, now: float) -> collapse.CollapseResult:
         """methods.md s5; the previous result latches the reference level while the signature holds."""
@@ -188,4 +205,18 @@ class ServerModel:
             tiers=offload.tier_state(self.gauges), kv_fetch_waiting=labelled(self.gauges or {}, "kv_fetch") or None,
             located=self.pressure.located, threshold_in_use=self.pressure.threshold,
             threshold_source=self.pressure.source, evidence_windows=len(self.pressure.points),
-            reference_windows=self.reference.windows, reference_spread=self.reference.spread)
+            reference_windows=self.reference.windows, reference_spread=self.reference.spread,
+            **self._judgements(windows))
+
+    def _judgements(self, windows) -> dict:
+        """Each learned figure's state and reason, and the evidence and epoch they rest on (methods.md s10)."""
+        pl = self.pressure
+        threshold_state, threshold_reason = pl.judgement()
+        reference_state, reference_reason = self.reference.judgement(pl.points)
+        regime_seconds = next((w.seconds for w in windows if w.above_threshold is not None), None)
+        regime_state, regime_reason = self._regime_why.get(regime_seconds, ("unknown", "no window with a KV p95"))
+        return {"threshold_state": threshold_state, "threshold_reason": threshold_reason,
+                "reference_state": reference_state, "reference_reason": reference_reason,
+                "tax_state": reference_state, "tax_reason": reference_reason,  # the tax rests on the reference
+                "regime_state": regime_state, "regime_reason": regime_reason, "evidence": pl.evidence(),
+                "epoch_started_wall": pl.epoch.started_wall, "epoch_cause": pl.epoch.cause}

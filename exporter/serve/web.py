@@ -120,6 +120,12 @@ def _threshold_json(v: ServerFigures) -> dict:
             "clean_below": loc.clean_below, "pressured_above": loc.pressured_above, "misplaced": loc.misplaced},
         "evidence_windows": v.evidence_windows, "reference_windows": v.reference_windows,
         "reference_spread": v.reference_spread,
+        "threshold_state": v.threshold_state, "threshold_reason": v.threshold_reason,
+        "reference_state": v.reference_state, "reference_reason": v.reference_reason,
+        "tax_state": v.tax_state, "tax_reason": v.tax_reason,
+        "regime_state": v.regime_state, "regime_reason": v.regime_reason,
+        "evidence": dict(vars(v.evidence)),
+        "epoch": {"started": v.epoch_started_wall, "cause": v.epoch_cause},
     }
 
 

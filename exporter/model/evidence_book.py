@@ -1,0 +1,149 @@
+"""Persistence of the evidence windows and their epoch (model/pressure.py, model/epoch.py), beside the reference
+shares (model/reference_book.py): ``<state_dir>/evidence-windows.json``, written atomically (exporter.atomic)
+when a server added or set aside a window (at most once per threshold window), read back at start, so a
+restarted daemon has its located threshold, and the regime resting on it, at once: within its epoch only (the
+first reading whose engine facts differ from the stored ones sets them aside, model/pressure.py).
+
+Hardened as the other state files: a regular file only (not a link, a FIFO or a device), at most
+``MAX_FILE_BYTES``; entries that fail validation are dropped with a reason; windows older than the history
+are dropped silently (they would have aged out). Never fatal: problems are reasons on the ``state_dir`` source.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+from typing import Any, Callable, Mapping
+
+from exporter import atomic
+from exporter.derive.threshold import PressurePoint
+from exporter.energy.baseline import FUTURE_SLACK_SECONDS, _number
+from exporter.model.epoch import FACTS, Epoch
+
+log = logging.getLogger("kvwatt.evidence")
+
+STATE_FILE = "evidence-windows.json"
+FORMAT_VERSION = 1
+MAX_FILE_BYTES = 8 << 20   # 10,000 windows x a few servers at ~250 bytes each; more is not ours
+MAX_WINDOWS = 10_000       # per server (model.pressure.MAX_EVIDENCE_WINDOWS)
+
+Stored = dict[str, tuple[Epoch, list[PressurePoint]]]
+
+
+class EvidenceBook:
+    def __init__(self, state_dir: str | None, wall_clock: Callable[[], float],
+                 read_only_reason: str = "") -> None:
+        self.path = os.path.join(state_dir, STATE_FILE) if state_dir else None
+        self.wall_clock = wall_clock
+        self.read_only_reason = read_only_reason
+        self.load_error = ""
+        self.write_error = ""
+
+    def problems(self) -> list[str]:
+        return [p for p in (self.write_error, self.load_error) if p]
+
+    def load(self) -> Stored:
+        """server -> (its epoch, its windows oldest first); {} without a file."""
+        if not self.path:
+            return {}
+        problem = _not_ours(self.path)
+        good = None
+        if not problem:
+            good, problem = atomic.read_state_json(self.path, parse_file, self.wall_clock())
+        if problem and problem != self.load_error:
+            log.warning("evidence windows: %s", problem)
+        self.load_error = problem
+        return good or {}
+
+    def save(self, servers: Mapping[str, tuple[Epoch, list[PressurePoint]]]) -> None:
+        if not self.path or self.read_only_reason:
+            return
+        now = self.wall_clock()
+        body = {"version": FORMAT_VERSION, "servers": {
+            name: {"epoch": {"started": ep.started_wall, "cause": ep.cause, "engine": dict(ep.facts)},
+                   "windows": [_entry(p, now) for p in points[-MAX_WINDOWS:]]}
+            for name, (ep, points) in sorted(servers.items())}}
+        self.write_error = atomic.persist_json(self.path, body, "evidence windows", self.write_error, log)
+
+
+def _not_ours(path: str) -> str:
+    """A reason to ignore the file before reading it: not a regular file, or too large."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return ""  # absent: read_state_json says nothing either
+    if not stat.S_ISREG(st.st_mode):
+        return f"ignored: {path} (not a regular file)"
+    if st.st_size > MAX_FILE_BYTES:
+        return f"ignored: {path} ({st.st_size} bytes, over the {MAX_FILE_BYTES} limit)"
+    return ""
+
+
+def _entry(p: PressurePoint, now: float) -> dict:
+    return {"p95": p.kv_p95, "low": p.kv_p95_low, "high": p.kv_p95_high, "max": p.kv_max,
+            "preemptions_per_minute": p.preemptions_per_minute, "tax": p.tax, "tax_se": p.tax_se,
+            "weight": p.weight, "at": p.wall if p.wall is not None else now}
+
+
+def parse_file(data: Any, now_wall: float) -> tuple[Stored, list[str]]:
+    """The file's JSON -> (server -> (epoch, valid windows), 'server[i]: why' per dropped one). ValueError when
+    the file as a whole is not an evidence file."""
+    if not isinstance(data, dict):
+        raise ValueError(f"not a JSON object but {type(data).__name__}")
+    if data.get("version") != FORMAT_VERSION:
+        raise ValueError(f"unknown version {data.get('version')!r}")
+    servers = data.get("servers", {})
+    if not isinstance(servers, dict):
+        raise ValueError(f"servers is not a mapping but {type(servers).__name__}")
+    good: Stored = {}
+    bad: list[str] = []
+    for name, item in servers.items():
+        try:
+            ep = parse_epoch(item.get("epoch") if isinstance(item, dict) else None, now_wall)
+        except ValueError as e:
+            bad.append(f"{name}: {e}")
+            continue
+        windows = item.get("windows")
+        if not isinstance(windows, list):
+            bad.append(f"{name}: windows is not a list")
+            continue
+        points = []
+        for i, entry in enumerate(windows[-MAX_WINDOWS:]):
+            try:
+                points.append(parse_entry(entry, now_wall))
+            except ValueError as e:
+                bad.append(f"{name}[{i}]: {e}")
+        good[name] = (ep, points)
+    return good, bad
+
+
+def parse_epoch(entry: Any, now_wall: float) -> Epoch:
+    if not isinstance(entry, dict):
+        raise ValueError("no epoch")
+    started = entry.get("started")
+    started = None if started is None else _number(started, "started", 0.0, now_wall + FUTURE_SLACK_SECONDS)
+    cause, engine = entry.get("cause", ""), entry.get("engine", {})
+    if not isinstance(cause, str) or not isinstance(engine, dict):
+        raise ValueError("epoch cause or engine malformed")
+    facts = {k: v for k, v in engine.items()
+             if k in FACTS and isinstance(v, (str, int, float, bool)) and not (isinstance(v, str) and len(v) > 512)}
+    return Epoch(started, cause[:512], facts)
+
+
+def _optional(entry: dict, key: str, lo: float, hi: float) -> float | None:
+    return None if entry.get(key) is None else _number(entry[key], key, lo, hi)
+
+
+def parse_entry(entry: Any, now_wall: float) -> PressurePoint:
+    if not isinstance(entry, dict):
+        raise ValueError("not an entry")
+    missing = [k for k in ("p95", "weight", "at") if k not in entry]
+    if missing:
+        raise ValueError(f"{', '.join(missing)} missing")
+    at = _number(entry["at"], "at", 0.0, now_wall + FUTURE_SLACK_SECONDS)
+    return PressurePoint(_number(entry["p95"], "p95", 0.0, 1.0),
+                         _optional(entry, "preemptions_per_minute", 0.0, 1e9),
+                         _optional(entry, "tax", -1.0, 1.0), _optional(entry, "tax_se", 0.0, 1.0),
+                         _number(entry["weight"], "weight", 0.0, 1e6), _optional(entry, "low", 0.0, 1.0),
+                         _optional(entry, "high", 0.0, 1.0), None, at, _optional(entry, "max", 0.0, 1.0))
