@@ -107,7 +107,9 @@ def _source_status_json(v: ServerFigures) -> dict:
 
 # the keys _threshold_json writes: extend the two together (tests/test_figures_declared.py checks they agree)
 THRESHOLD_KEYS = ("threshold_in_use", "threshold_source", "threshold_located", "evidence_windows",
-                  "reference_windows", "reference_spread")
+                  "reference_windows", "reference_spread", "threshold_state", "threshold_reason",
+                  "reference_state", "reference_reason", "tax_state", "tax_reason", "regime_state",
+                  "regime_reason", "evidence", "epoch")
 
 
 def _threshold_json(v: ServerFigures) -> dict:
