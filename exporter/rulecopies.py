@@ -56,6 +56,13 @@ def _threshold_copy(name: str, value: float) -> str | None:
     return next((r.key for r in rules.RULES.values() if r.default == value), None)
 
 
+def _could_copy(key: str, value: float) -> bool:
+    """A number can copy a scalar rule whatever its value; a rule whose default is a list of numbers (``windows``)
+    only through one of them, so a count named like it (``windows: int = 0``) is not a copy."""
+    default = rules.RULES[key].default
+    return not isinstance(default, (list, tuple)) or value in default
+
+
 def _names(node: ast.AST) -> list[str]:
     """Names a statement or expression binds its numbers to (targets, keywords, dict keys, string arguments)."""
     if isinstance(node, ast.Name):
@@ -87,7 +94,7 @@ class _Finder(ast.NodeVisitor):
             return
         for name in reversed(self.names):
             key = rule_named(name) or _threshold_copy(name, node.value)
-            if key:
+            if key and _could_copy(key, node.value):
                 self.found.append(Copy(self.path, node.lineno, name, node.value, key))
                 return
 
