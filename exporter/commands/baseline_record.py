@@ -26,6 +26,7 @@ from exporter.derive.economics import DEFAULT_BANDS, build_bands, window_stats
 from exporter.offload import profile as profile_mod
 from exporter.model import Model
 from exporter.sampler import Sampler
+from exporter.store import buckets_of
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -76,7 +77,7 @@ def build_profile(intervals, info, server: ServerConfig, duration_seconds: float
                   ) -> profile_mod.Profile:
     with_energy = [iv for iv in intervals if "gpu" in iv.energy_joules]
     marginal = bool(with_energy) and all("gpu" in iv.idle_joules for iv in with_energy)
-    windows = window_stats(intervals, window_seconds, "gpu", marginal=marginal)
+    windows = window_stats(buckets_of(intervals, window_seconds), window_seconds, "gpu", marginal=marginal)
     return profile_mod.Profile(
         server=server.name, model_name=info.model_name if info else "",
         offload_enabled=info.offload_enabled if info else None,

@@ -26,7 +26,7 @@ from typing import Iterable
 
 from exporter.derive import pressure, recompute
 from exporter.derive.threshold import LocatedThreshold, PressurePoint, locate, quantile_bounds, taxed
-from exporter.derive.window import WindowAggregate
+from exporter.store import WindowAggregate
 
 log = logging.getLogger("kvwatt.pressure")
 

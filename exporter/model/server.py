@@ -8,13 +8,12 @@ from typing import Mapping
 from exporter.config import Config, ServerConfig, format_window, redacted_url
 from exporter.derive import collapse, economics, kappa, offload, preemption, pressure, recompute
 from exporter.derive import energy as derive_energy
-from exporter.derive.window import WindowAggregate, covered_seconds
 from exporter.figures import EnergyFigure, ServerFigures, WindowFigures
 from exporter.model import offload as offload_figures
 from exporter.model import pressure as pressure_model
 from exporter.samples import EngineReading, SourceStatus, EngineInfo
 from exporter.sources.engine import labelled
-from exporter.store import ServerHistory
+from exporter.store import ServerHistory, WindowAggregate
 
 SCOPES = ("gpu", "host")
 
@@ -97,7 +96,7 @@ class ServerModel:
     def window(self, now: float, seconds: float, peers: Mapping[str, "ServerModel"]) -> WindowFigures:
         cfg = self.cfg
         agg: WindowAggregate = self.history.aggregate(seconds)
-        covered = covered_seconds(agg)
+        covered = agg.covered_seconds
         if agg.n == 0:
             return WindowFigures(format_window(seconds), seconds, covered)
         p95_interval = self._p95.get(seconds) or pressure_model.p95_of(agg)  # learn() computed it this tick
