@@ -240,7 +240,7 @@ METRICS: tuple[MetricDef, ...] = (
               "sources.engine.capabilities_of", _H, _capabilities),
     MetricDef("kvwatt_window_covered_seconds", "gauge", ("server", "window"),
               "Seconds of gap-free samples the window actually holds (less than the window right after start "
-              "or after a server outage).", "store.WindowAggregate.covered_seconds", _H,
+              "or after a server outage).", "model.server.ServerModel.window", _H,
               per_window(lambda w: w.covered_seconds)),
     # --- energy ---------------------------------------------------------------------------------------
     MetricDef("kvwatt_gpu_energy_joules_total", "counter", ("gpu", "uuid"),

@@ -40,7 +40,8 @@ def test_host_scope_is_separate():
 def test_no_figure_without_enough_load_or_tokens():
     assert per_token(aggregate_of(window()), "gpu", min_load_seconds=31) is None  # 30 s of load < 31
     idle_window = [iv(0, 60, 0, {"gpu": 6000.0}, {"gpu": 6000.0}, running=0.0)]
-    assert per_token(aggregate_of(idle_window), "gpu", min_load_seconds=30) is None  # no load, no tokens: absent, not inf
+    # no load, no tokens: absent, not inf
+    assert per_token(aggregate_of(idle_window), "gpu", min_load_seconds=30) is None
     running_no_tokens = [iv(0, 60, 0, {"gpu": 9000.0}, {"gpu": 6000.0}, running=4.0)]
     assert window_energy(aggregate_of(running_no_tokens), "gpu").loaded_seconds == 60.0
     assert per_token(aggregate_of(running_no_tokens), "gpu", min_load_seconds=30) is None  # zero tokens

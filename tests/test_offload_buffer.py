@@ -25,7 +25,8 @@ def test_rates_hand_computed():
     r = O.transfer_rates(aggregate_of(data))
     assert r.write_bytes_per_second == pytest.approx(0.4 * GIB)  # 8 GiB / 20 s
     assert r.read_bytes_per_second == pytest.approx(0.1 * GIB)
-    assert O.transfer_rates(aggregate_of([iv(0, 10, generation_tokens=5)])).write_bytes_per_second is None  # no series
+    no_series = aggregate_of([iv(0, 10, generation_tokens=5)])
+    assert O.transfer_rates(no_series).write_bytes_per_second is None
 
 
 def test_residency_and_the_studys_observations():

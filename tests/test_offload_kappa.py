@@ -111,8 +111,10 @@ def test_observed_kappa():
     ivs = [Interval(0, 1, {"prompt_external_kv_transfer": 165.0, "prompt_local_compute": 33.0}, {}),
            Interval(1, 2, {"prompt_external_kv_transfer": 35.0, "prompt_local_compute": 17.0}, {})]
     assert K.observed(aggregate_of(ivs)) == pytest.approx(200 / 50)
-    assert K.observed(aggregate_of([Interval(0, 1, {"prompt_local_compute": 0.0, "prompt_external_kv_transfer": 0.0}, {})])) is None
-    assert K.observed(aggregate_of([Interval(0, 1, {"prompt_local_compute": 0.0, "prompt_external_kv_transfer": 5.0}, {})])) == math.inf
+    none = {"prompt_local_compute": 0.0, "prompt_external_kv_transfer": 0.0}
+    assert K.observed(aggregate_of([Interval(0, 1, none, {})])) is None
+    only_loaded = {"prompt_local_compute": 0.0, "prompt_external_kv_transfer": 5.0}
+    assert K.observed(aggregate_of([Interval(0, 1, only_loaded, {})])) == math.inf
     assert K.observed(aggregate_of([Interval(0, 1, {"prompt_tokens": 5.0}, {})])) is None  # vLLM < 0.16
 
 
