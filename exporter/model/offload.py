@@ -19,7 +19,7 @@ from exporter.sources import model_config
 class OffloadSetup:
     """What a server's configuration fixes: model and hardware parameters, kappa_crit, the OFF profile."""
 
-    model: kappa.ModelParams | None
+    model: model_config.ModelParams | None
     hardware: kappa.HardwareParams | None
     kappa: KappaFigures
     profile: profile_mod.Profile | None
