@@ -31,8 +31,7 @@ from exporter.serve.collector import render  # noqa: E402
 from exporter.config import Config, ServerConfig  # noqa: E402
 from exporter.model import Model  # noqa: E402
 from exporter.samples import DeviceReading, EngineReading, ServerRead, SourceStatus, Tick  # noqa: E402
-from exporter.sources.vllm import EngineSource  # noqa: E402
-from exporter.sources.endpoint import EngineSource
+from exporter.sources.endpoint import EngineSource  # noqa: E402
 
 T0 = 10_000.0  # monotonic start of the synthetic run
 WALL0 = 1.75e9

@@ -36,10 +36,10 @@ import exporter.derive.preemption
 import exporter.derive.pressure
 import exporter.derive.recompute
 import exporter.derive.threshold
-import exporter.derive.window
 import exporter.energy.baseline
 import exporter.model.offload
 import exporter.model.pressure
+import exporter.model.server
 import exporter.sampler
 import exporter.sources.combine
 import exporter.sources.engine
@@ -332,7 +332,7 @@ METRICS: tuple[MetricDef, ...] = (
               exporter.sources.engine.capabilities_of, _H, _capabilities),
     MetricDef("kvwatt_window_covered_seconds", "gauge", ("server", "window"),
               "Seconds of gap-free samples the window actually holds (less than the window right after start "
-              "or after a server outage).", exporter.derive.window.covered_seconds, _H,
+              "or after a server outage).", exporter.model.server.ServerModel.window, _H,
               status=window_key("covered_seconds", lambda w: w.covered_seconds,
                                  json=lambda w: round(w.covered_seconds, 3)),
               words=(Words("covered", "coverage"),)),

@@ -162,3 +162,29 @@ class Interval:
     @property
     def seconds(self) -> float:
         return self.t1 - self.t0
+
+
+# A served model's parameters (methods.md s7): read by sources/model_config.py, used by derive/kappa.py.
+@dataclass(frozen=True)
+class ModelParams:
+    layers: int
+    kv_heads: int
+    head_dim: int
+    dtype_bytes: float
+    active_parameters: float | None = None  # N_act: parameters touched per token (incl. embeddings)
+    hidden_size: int | None = None          # D_m (Tetris)
+    attention_width: int | None = None      # heads * head_dim (attention FLOPs); hidden_size if unknown
+    source: str = ""
+
+    @property
+    def kv_bytes_per_token(self) -> float:
+        return kv_bytes_per_token(self.layers, self.kv_heads, self.head_dim, self.dtype_bytes)
+
+    @property
+    def kv_width(self) -> int:
+        return self.kv_heads * self.head_dim
+
+
+def kv_bytes_per_token(layers: int, kv_heads: int, head_dim: int, dtype_bytes: float) -> float:
+    """K and V, every layer: 2 * layers * kv_heads * head_dim * dtype_bytes."""
+    return 2.0 * layers * kv_heads * head_dim * dtype_bytes

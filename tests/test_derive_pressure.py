@@ -4,6 +4,7 @@ import pytest
 
 from exporter.derive import pressure, recompute
 from exporter.samples import Interval
+from tests.support.aggregates import aggregate_of
 
 
 def iv(t, deltas=None, gauges=None, dt=1.0):
@@ -20,9 +21,9 @@ def test_quantile_matches_promql_linear_interpolation():
 def test_p95_sees_peaks_that_a_sparse_scrape_would_miss():
     usage = [0.5] * 90 + [0.99] * 10  # 10 s of peak in 100 s of 1 s samples
     ivs = [iv(t + 1, gauges={"kv_usage": u}) for t, u in enumerate(usage)]
-    assert pressure.kv_usage_quantile(ivs, 0.95) == pytest.approx(0.99)
+    assert pressure.kv_usage_quantile(aggregate_of(ivs), 0.95) == pytest.approx(0.99)
     sparse = ivs[::15]  # what a 15 s scrape sees
-    assert pressure.kv_usage_quantile(sparse, 0.95) < 0.9
+    assert pressure.kv_usage_quantile(aggregate_of(sparse), 0.95) < 0.9
 
 
 def test_above_threshold_is_strict_and_unknown_without_samples():
@@ -33,8 +34,8 @@ def test_above_threshold_is_strict_and_unknown_without_samples():
 
 def test_rates_use_only_intervals_that_carry_the_counter():
     ivs = [iv(1, {"preemptions": 1}), iv(2, {"preemptions": 0}), iv(3, {})]
-    assert pressure.rate_per_second(ivs, "preemptions") == pytest.approx(0.5)
-    assert pressure.rate_per_second([iv(1, {})], "preemptions") is None
+    assert pressure.rate_per_second(aggregate_of(ivs), "preemptions") == pytest.approx(0.5)
+    assert pressure.rate_per_second(aggregate_of([iv(1, {})]), "preemptions") is None
 
 
 def test_preemption_onset_needs_a_mostly_covered_window():
@@ -45,25 +46,25 @@ def test_preemption_onset_needs_a_mostly_covered_window():
 
 def test_token_shares_from_by_source_counters_sum_to_one():
     ivs = [iv(1, {"prompt_local_compute": 8280, "prompt_local_cache_hit": 30720, "prompt_external_kv_transfer": 0})]
-    shares = recompute.token_shares(recompute.token_counts(ivs))
+    shares = recompute.token_shares(recompute.token_counts(aggregate_of(ivs)))
     assert shares["local_compute"] == pytest.approx(8280 / 39000)
     assert sum(shares.values()) == pytest.approx(1.0)
 
 
 def test_token_shares_fall_back_to_prefix_cache_counters_before_0_16():
     ivs = [iv(1, {"prefix_queries": 39000, "prefix_hits": 30720})]
-    counts = recompute.token_counts(ivs)
+    counts = recompute.token_counts(aggregate_of(ivs))
     assert counts == {"local_compute": 8280, "local_cache_hit": 30720, "external_kv_transfer": 0.0}
 
 
 def test_no_prompt_tokens_means_unknown_shares_not_zero():
     ivs = [iv(1, {"prompt_local_compute": 0, "prompt_local_cache_hit": 0, "prompt_external_kv_transfer": 0})]
-    assert recompute.token_shares(recompute.token_counts(ivs)) is None
-    assert recompute.token_counts([iv(1, {})]) is None
+    assert recompute.token_shares(recompute.token_counts(aggregate_of(ivs))) is None
+    assert recompute.token_counts(aggregate_of([iv(1, {})])) is None
 
 
 def test_mfu_view_is_unknown_when_the_server_has_mfu_metrics_off():
     on = [iv(1, {"flops": 4e10, "generation_tokens": 100}), iv(2, {"flops": 6e10, "generation_tokens": 100})]
-    assert recompute.mfu_view(on, 200) == (pytest.approx(5e10), pytest.approx(5e8))
+    assert recompute.mfu_view(aggregate_of(on), 200) == (pytest.approx(5e10), pytest.approx(5e8))
     off = [iv(1, {"flops": 0, "generation_tokens": 100})]
-    assert recompute.mfu_view(off, 100) == (None, None)
+    assert recompute.mfu_view(aggregate_of(off), 100) == (None, None)

@@ -3,6 +3,7 @@ rate_per_second: over the seconds of the intervals that carry the counter), not 
 
 from exporter.derive.pressure import rate_per_second
 from exporter.samples import Interval
+from exporter.store import aggregate_of
 from kvwatt_lab.experiment.measure import window_figures
 
 
@@ -14,7 +15,7 @@ def test_preemptions_per_minute_is_the_daemons_rate():
     figures = window_figures(intervals, min_load_seconds=30.0)
     assert figures["covered_seconds"] == 60.0
     assert figures["preemptions"] == 15.0
-    assert figures["preemptions_per_minute"] == rate_per_second(intervals, "preemptions") * 60.0 == 30.0
+    assert figures["preemptions_per_minute"] == rate_per_second(aggregate_of(intervals), "preemptions") * 60.0 == 30.0
 
 
 def test_no_preemption_counter_no_rate():

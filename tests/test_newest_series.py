@@ -13,6 +13,7 @@ from exporter.derive import offload, preemption, pressure, recompute
 from exporter.samples import Interval
 from exporter.sources.vllm import VllmAdapter
 from exporter.store import ServerHistory
+from tests.support.aggregates import aggregate_of
 from tests.conftest import FIXTURES
 from tests.support.daemon import KvwattDaemon
 from tests.support.httpserver import MetricsServer
@@ -22,11 +23,11 @@ MIB = 2 ** 20
 
 
 def window(prefix: str, seconds: float = 10.0):
-    """The intervals of two captures read ``seconds`` apart, through the adapter and the store."""
+    """The window over two captures read ``seconds`` apart, through the adapter and the store (its aggregate)."""
     hist = ServerHistory(600)
     for i, t in enumerate((0.0, seconds)):
         hist.add_reading(t, VllmAdapter().read((DEFS / f"{prefix}-00{i}.prom").read_text()))
-    return list(hist.intervals)
+    return hist.aggregate(seconds)
 
 
 # --- cached prompt tokens by tier -----------------------------------------------------------------------------
@@ -40,13 +41,13 @@ def test_cached_tokens_by_tier_on_the_real_engine():
     hist = ServerHistory(600)
     for t, name in enumerate(("000", "005")):
         hist.add_reading(float(t), VllmAdapter().read((FIXTURES / "low-pressure" / f"{name}.prom").read_text()))
-    assert recompute.cached_tier_shares(list(hist.intervals))["device"] == 1.0
+    assert recompute.cached_tier_shares(hist.aggregate(600))["device"] == 1.0
 
 
 def test_no_cached_tokens_no_shares():
     iv = Interval(0, 1, {"prompt_cached_device": 0.0, "prompt_cached_host": 0.0}, {}, {}, {})
-    assert recompute.cached_tier_shares([iv]) is None
-    assert recompute.cached_tier_shares([Interval(0, 1, {"generation_tokens": 5.0}, {}, {}, {})]) is None
+    assert recompute.cached_tier_shares(aggregate_of([iv])) is None
+    assert recompute.cached_tier_shares(aggregate_of([Interval(0, 1, {"generation_tokens": 5.0}, {}, {}, {})])) is None
 
 
 # --- preemptions per request ----------------------------------------------------------------------------------
@@ -54,7 +55,7 @@ def hist_interval(n, s, cum, bounds=(1, 2, 3, 4, 5, 10, 20)):
     deltas = {"preemption_hist_count": n, "preemption_hist_sum": s}
     deltas.update({f"preemption_hist_le@{float(b)}": c for b, c in zip(bounds, cum)})
     deltas["preemption_hist_le@+Inf"] = n
-    return [Interval(0, 1, deltas, {}, {}, {})]
+    return aggregate_of([Interval(0, 1, deltas, {}, {}, {})])
 
 
 def test_preemptions_per_request_hand_computed():

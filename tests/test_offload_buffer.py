@@ -10,6 +10,7 @@ from exporter.samples import Interval
 from exporter.sources.vllm import extract
 from exporter.store import ServerHistory
 from tests.support import vllm_sim as sim
+from tests.support.aggregates import aggregate_of
 
 GIB = 2 ** 30
 
@@ -21,10 +22,11 @@ def iv(t0, t1, **deltas):
 def test_rates_hand_computed():
     data = [iv(0, 10, offload_store_bytes=5 * GIB, offload_load_bytes=1 * GIB),
             iv(10, 20, offload_store_bytes=3 * GIB, offload_load_bytes=1 * GIB)]
-    r = O.transfer_rates(data)
+    r = O.transfer_rates(aggregate_of(data))
     assert r.write_bytes_per_second == pytest.approx(0.4 * GIB)  # 8 GiB / 20 s
     assert r.read_bytes_per_second == pytest.approx(0.1 * GIB)
-    assert O.transfer_rates([iv(0, 10, generation_tokens=5)]).write_bytes_per_second is None  # no series
+    no_series = aggregate_of([iv(0, 10, generation_tokens=5)])
+    assert O.transfer_rates(no_series).write_bytes_per_second is None
 
 
 def test_residency_and_the_studys_observations():
@@ -48,8 +50,8 @@ def test_undersized_logic():
 
 def test_failures_sum_both_counters():
     data = [iv(0, 1, offload_allocation_failures=2, offload_stores_skipped=3), iv(1, 2, offload_stores_skipped=1)]
-    assert O.store_failures(data) == 6
-    assert O.store_failures([iv(0, 1, offload_store_bytes=1)]) is None
+    assert O.store_failures(aggregate_of(data)) == 6
+    assert O.store_failures(aggregate_of([iv(0, 1, offload_store_bytes=1)])) is None
 
 
 def test_recommended_size_hand_computed():
@@ -69,11 +71,11 @@ def test_undersized_scenario_end_to_end(version):
         hist.add_reading(float(t), reading)
         eng.advance(1.0)
     data = hist.window(60.0, 60.0)
-    rates = O.transfer_rates(data)
+    rates = O.transfer_rates(aggregate_of(data))
     assert rates.write_bytes_per_second == pytest.approx(0.9 * GIB, rel=0.01)
     res = O.residency(reading.info.offload_buffer_bytes, rates.write_bytes_per_second)
     assert res == pytest.approx(8 / 0.9, rel=0.01)
-    failures = O.store_failures(data)
+    failures = O.store_failures(aggregate_of(data))
     assert (failures is None) == (version == "0.17") and (failures or 0) >= (200 if version != "0.17" else 0)
     assert O.undersized(res, rates.write_bytes_per_second, failures, 20.0) is True
     assert O.gib_ceil(O.recommended_buffer(rates.write_bytes_per_second, 20.0, 1.5)) in (27, 28)  # ~27 GiB
@@ -81,9 +83,9 @@ def test_undersized_scenario_end_to_end(version):
 
 def test_stable_large_buffer_is_not_undersized():
     ivs = sim.simulate_intervals(sim.stable_high_pressure_on(), 120)
-    rates = O.transfer_rates(ivs)
+    rates = O.transfer_rates(aggregate_of(ivs))
     # (compute 3.2 % x 24k + 2.4k generated) tok/s x 128 KiB = ~0.39 GiB/s -> 64 GiB lasts ~160 s
     assert rates.write_bytes_per_second == pytest.approx((0.032 * 24000 + 2400) * 131072, rel=0.02)
     res = O.residency(64 * GIB, rates.write_bytes_per_second)
     assert res > 150
-    assert O.undersized(res, rates.write_bytes_per_second, O.store_failures(ivs), 20.0) is False
+    assert O.undersized(res, rates.write_bytes_per_second, O.store_failures(aggregate_of(ivs)), 20.0) is False

@@ -12,6 +12,7 @@ from exporter.samples import Interval
 from exporter.sources.vllm import extract
 from exporter.store import ServerHistory
 from tests.support import vllm_sim as sim
+from tests.support.aggregates import collapse_at
 from tests.support.fakevllm import FakeVllm
 
 TH = C.CollapseThresholds(throughput_drop_ratio=0.2, power_near_idle_ratio=1.25, reference_seconds=600,
@@ -35,7 +36,7 @@ def test_all_five_hold_hand_computed():
     # 600 s at 2000 tok/s (every 1-minute bucket 2000 -> p90 reference 2000), then 60 s stalled at 100 tok/s
     data = ivs([(660, 2000, 0, 500, 20, 5)])[:600] + ivs([(60, 100, 0, 180, 20, 5)])
     data = [Interval(i, i + 1, iv.deltas, iv.gauges, iv.energy_joules, iv.idle_joules) for i, iv in enumerate(data)]
-    r = C.evaluate(data, 660.0, True, TH)
+    r = collapse_at(data, 660.0, True, TH)
     assert r.reference_tokens_per_second == 2000
     assert r.recent_tokens_per_second == 100          # 100 < 0.2 * 2000 = 400
     assert r.gpu_power_watts == 180 and r.gpu_idle_power_watts == 150  # 180 <= 1.25 * 150 = 187.5
@@ -51,15 +52,15 @@ def test_all_five_hold_hand_computed():
 ])
 def test_threshold_edges(recent_tps, watts, expect):
     data = ivs([(600, 2000, 0, 500, 20, 5), (60, recent_tps, 0, watts, 20, 5)])
-    assert C.evaluate(data, 660.0, True, TH).signature is expect
+    assert collapse_at(data, 660.0, True, TH).signature is expect
 
 
 def test_each_condition_can_veto():
     base = [(600, 2000, 0, 500, 20, 5)]
-    assert C.evaluate(ivs(base + [(60, 100, 0, 180, 20, 5)]), 660, False, TH).signature is False
-    r = C.evaluate(ivs(base + [(59, 100, 0, 180, 20, 5), (1, 100, 1, 180, 20, 5)]), 660, True, TH)
+    assert collapse_at(ivs(base + [(60, 100, 0, 180, 20, 5)]), 660, False, TH).signature is False
+    r = collapse_at(ivs(base + [(59, 100, 0, 180, 20, 5), (1, 100, 1, 180, 20, 5)]), 660, True, TH)
     assert r.conditions["zero_preemptions"] is False and r.signature is False
-    r = C.evaluate(ivs(base + [(59, 100, 0, 180, 20, 5), (1, 100, 0, 180, 0, 0)]), 660, True, TH)
+    r = collapse_at(ivs(base + [(59, 100, 0, 180, 20, 5), (1, 100, 0, 180, 0, 0)]), 660, True, TH)
     assert r.conditions["requests_pending"] is False and r.signature is False  # one idle sample suffices
     assert "requests_pending" in r.reason
 
@@ -68,33 +69,33 @@ def test_reference_is_the_90th_percentile_of_minute_buckets():
     # ten reference buckets: nine idle minutes and one at 1000 tok/s -> sorted [0]*9 + [1000];
     # rank 0.9 * 9 = 8.1 -> 0 + 0.1 * (1000 - 0) = 100
     data = ivs([(540, 0, 0, 150, 0, 0), (60, 1000, 0, 450, 8, 0), (60, 10, 0, 160, 3, 0)])
-    r = C.evaluate(data, 660.0, True, TH)
+    r = collapse_at(data, 660.0, True, TH)
     assert r.reference_tokens_per_second == pytest.approx(100.0)
     assert r.conditions["throughput_collapsed"] is True  # 10 < 20
 
 
 def test_unknown_power_makes_the_signature_unknown_not_false():
     data = ivs([(600, 2000, 0, 500, 20, 5), (60, 100, 0, 180, 20, 5)], energy=False)
-    r = C.evaluate(data, 660.0, True, TH)
+    r = collapse_at(data, 660.0, True, TH)
     assert r.conditions["power_near_idle"] is None and r.signature is None
     assert r.reason.startswith("unknown: power_near_idle")
     # ... but a False condition still denies it (Kleene AND)
     data = ivs([(600, 2000, 0, 500, 20, 5), (60, 2000, 0, 500, 20, 5)], energy=False)
-    assert C.evaluate(data, 660.0, True, TH).signature is False
+    assert collapse_at(data, 660.0, True, TH).signature is False
     # no idle baseline: energy but no idle joules
     data = ivs([(600, 2000, 0, 500, 20, 5), (60, 100, 0, 180, 20, 5)], idle_watts=None)
-    assert C.evaluate(data, 660.0, True, TH).conditions["power_near_idle"] is None
+    assert collapse_at(data, 660.0, True, TH).conditions["power_near_idle"] is None
 
 
 def test_no_history_no_reference():
-    r = C.evaluate(ivs([(60, 100, 0, 180, 20, 5)]), 60.0, True, TH)
+    r = collapse_at(ivs([(60, 100, 0, 180, 20, 5)]), 60.0, True, TH)
     assert r.conditions["throughput_collapsed"] is None and r.signature is None
     assert "no reference level" in r.details["throughput_collapsed"]
 
 
 def test_sparse_recent_window_is_unknown():
     data = ivs([(600, 2000, 0, 500, 20, 5), (20, 100, 0, 180, 20, 5)])  # only 20 s of the last 60
-    r = C.evaluate(data, 660.0, True, TH)
+    r = collapse_at(data, 660.0, True, TH)
     assert r.conditions["throughput_collapsed"] is None and r.conditions["zero_preemptions"] is None
 
 
@@ -102,16 +103,16 @@ def test_reference_is_latched_while_the_signature_holds():
     stall = ivs([(600, 2000, 0, 500, 20, 5), (1200, 100, 0, 180, 20, 5)])
     prev = None
     for t in range(660, 1801, 10):
-        prev = C.evaluate(stall, float(t), True, TH, prev)
+        prev = collapse_at(stall, float(t), True, TH, prev)
         assert prev.signature is True, t
     # by t=1800 the unlatched reference is the stalled level itself: without the latch it would clear
-    assert C.evaluate(stall, 1800.0, True, TH).signature is False
+    assert collapse_at(stall, 1800.0, True, TH).signature is False
     assert prev.reference_tokens_per_second == 2000
 
 
 def test_offload_unknown_is_reported():
     data = ivs([(600, 2000, 0, 500, 20, 5), (60, 100, 0, 180, 20, 5)])
-    r = C.evaluate(data, 660.0, None, TH)
+    r = collapse_at(data, 660.0, None, TH)
     assert r.signature is None and "offload_enabled" in r.reason
     assert r.as_status()["conditions"]["offload_enabled"] is None
 
@@ -132,7 +133,7 @@ def stepping(spec, offload=True):
 @pytest.mark.parametrize("kv", [0.99, 0.0])  # terminal KV usage nearly full in #45387, 0 % in #45414
 def test_stalled_engine_fires_whatever_the_kv_usage(kv):
     data = stepping([(600, 20, 4, 3, 0.5), (60, 0, 4, 3, kv)])
-    r = C.evaluate(data, 660.0, False, TH)  # no offloading, no GPU energy: the classic set is False
+    r = collapse_at(data, 660.0, False, TH)  # no offloading, no GPU energy: the classic set is False
     assert r.conditions["engine_steps_stopped"] is True and r.conditions["requests_pending"] is True
     assert r.condition_sets == {"stalled_engine": True, "classic": False}
     assert r.signature is True and r.condition_set == "stalled_engine"
@@ -142,7 +143,7 @@ def test_stalled_engine_fires_whatever_the_kv_usage(kv):
 
 def test_one_step_in_the_window_is_not_a_stall():
     data = stepping([(600, 20, 4, 3, 0.5), (59, 0, 4, 3, 0.5), (1, 1, 4, 3, 0.5)])
-    r = C.evaluate(data, 660.0, False, TH)
+    r = collapse_at(data, 660.0, False, TH)
     assert r.conditions["engine_steps_stopped"] is False and r.signature is False
     assert r.condition_set is None and "engine_steps_stopped" in r.reason
 
@@ -150,22 +151,22 @@ def test_one_step_in_the_window_is_not_a_stall():
 def test_idle_engine_is_not_stalled():
     """Zero steps and nothing waiting or running: idle, not stalled."""
     data = stepping([(600, 20, 4, 3, 0.5), (60, 0, 0, 0, 0.0)])
-    r = C.evaluate(data, 660.0, False, TH)
+    r = collapse_at(data, 660.0, False, TH)
     assert r.conditions["engine_steps_stopped"] is True and r.conditions["requests_pending"] is False
     assert r.condition_sets["stalled_engine"] is False and r.signature is False
 
 
 def test_stalled_engine_needs_a_covered_window():
     data = stepping([(600, 20, 4, 3, 0.5), (20, 0, 4, 3, 0.5)])  # the last 40 s not sampled
-    r = C.evaluate(data, 660.0, False, TH)
+    r = collapse_at(data, 660.0, False, TH)
     assert r.conditions["engine_steps_stopped"] is None
     assert r.details["engine_steps_stopped"] == "not enough samples in the recent window"
 
 
 def test_stall_clears_when_steps_resume():
     data = stepping([(600, 20, 4, 3, 0.5), (60, 0, 4, 3, 0.5), (5, 20, 4, 3, 0.5)])
-    assert C.evaluate(data[:660], 660.0, False, TH).signature is True
-    r = C.evaluate(data, 665.0, False, TH)
+    assert collapse_at(data[:660], 660.0, False, TH).signature is True
+    r = collapse_at(data, 665.0, False, TH)
     assert r.conditions["engine_steps_stopped"] is False and r.signature is False
 
 
@@ -173,7 +174,7 @@ def test_both_sets_name_the_stalled_engine_first():
     data = ivs([(600, 2000, 0, 500, 20, 5), (60, 0, 0, 180, 20, 5)])
     data = [Interval(iv.t0, iv.t1, {**iv.deltas, "engine_steps": iv.deltas["generation_tokens"] / 10},
                      iv.gauges, iv.energy_joules, iv.idle_joules) for iv in data]
-    r = C.evaluate(data, 660.0, True, TH)
+    r = collapse_at(data, 660.0, True, TH)
     assert r.condition_sets == {"stalled_engine": True, "classic": True}
     assert r.condition_set == "stalled_engine" and r.reason.count(":") == 2  # both named in the reason
 
@@ -188,7 +189,7 @@ def sweep(scn, seconds=1200, step=5, **kw):
     prev, out = None, []
     for t in range(60, int(seconds) + 1, step):
         sub = [iv for iv in data if iv.t1 <= t]
-        prev = C.evaluate(sub, float(t), scn.offload_enabled, TH, prev)
+        prev = collapse_at(sub, float(t), scn.offload_enabled, TH, prev)
         out.append((float(t), prev))
     return out
 
@@ -259,7 +260,10 @@ def test_pipeline_through_http_store_and_restart():
                 continue
             reading = extract(parse(text), _process_start(text))
             hist.add_reading(float(t), reading)
-            prev = C.evaluate(list(hist.intervals), float(t), reading.info.offload_enabled, TH, prev)
+            rates = C.reference_rates_from_buckets(hist.buckets(TH.recent_seconds, *C.reference_span(t, TH)),
+                                                   TH.recent_seconds)
+            prev = C.evaluate_aggregates(hist.aggregate(TH.recent_seconds), rates, float(t),
+                                         reading.info.offload_enabled, TH, prev)
             assert prev.signature is not True, (t, fv.phase, prev.reason)
     assert seen_down >= 15 and hist.restarts == 1
     assert prev.signature is False  # load is back, healthy

@@ -11,7 +11,13 @@ import pytest
 
 from exporter.derive import economics as E
 from exporter.samples import Interval
+from exporter.store import buckets_of
 from tests.support import vllm_sim as sim
+
+
+def stats(ivs, width, **kw):
+    """The repeat windows of a list of intervals: the store's grid buckets, then one WindowStat each."""
+    return E.window_stats(buckets_of(ivs, width), width, **kw)
 
 
 def test_delta_method_hand_computed():
@@ -40,14 +46,14 @@ def test_window_stats_hand_computed():
     # 10 s intervals on a 30 s grid: window [0,30) has t1 = 10, 20, 30 -> t1=30 belongs to [0,30)
     ivs = [_iv(0, 10, 100, 500), _iv(10, 20, 100, 500), _iv(20, 30, 100, 500), _iv(30, 40, 50, 300, kv=0.97),
            _iv(40, 50, 50, None), _iv(50, 60, 50, 300)]
-    w = E.window_stats(ivs, 30.0)
+    w = stats(ivs, 30.0)
     assert [(x.t0, x.t1) for x in w] == [(0, 30), (30, 60)]
     assert w[0].joules == 1500 - 300 and w[0].joules_per_token == pytest.approx(1200 / 300)
     assert w[0].tokens_per_second == 10 and w[0].loaded
     assert w[1].joules is None and w[1].joules_per_token is None  # one interval lacked energy
-    total = E.window_stats(ivs, 30.0, marginal=False)
+    total = stats(ivs, 30.0, marginal=False)
     assert total[0].joules_per_token == 5.0
-    assert E.window_stats(ivs[:2], 30.0)[0].loaded is False  # 20 of 30 s covered
+    assert stats(ivs[:2], 30.0)[0].loaded is False  # 20 of 30 s covered
 
 
 def test_estimated_reaches_a_pre_016_server_through_the_prefix_cache_counters():
@@ -56,7 +62,7 @@ def test_estimated_reaches_a_pre_016_server_through_the_prefix_cache_counters():
     ivs = [Interval(t, t + 1, {"generation_tokens": 50.0, "prefix_queries": 1000.0, "prefix_hits": 400.0,
                                "external_prefix_hits": 250.0}, {"kv_usage": 0.95}, {"gpu": 500.0}, {"gpu": 150.0})
            for t in range(120)]
-    ws = E.window_stats(ivs, 60)
+    ws = stats(ivs, 60)
     assert [(w.computed_prompt_tokens, w.loaded_prompt_tokens, w.prompt_tokens) for w in ws] == \
         [(60 * 350.0, 60 * 250.0, 60 * 1000.0)] * 2
     est = E.estimated(ws, 0.02, 0.1)
@@ -103,13 +109,12 @@ def test_estimated_hand_computed():
     assert est.value == pytest.approx(45 / 145) and est.stderr == 0.0 and est.windows == 2
     assert est.kind == "estimated" and "estimate" in est.note
     assert E.estimated([w], None, 0.1).value is None
-    assert E.price_from_flops(1000.0, 1e15, 8e9) == pytest.approx(1000 / 1e15 * 1.6e10)
 
 
 def test_estimated_from_the_simulated_on_server():
     """Stable ON run: 16.5 % of 24k prompt tok/s reloaded; priced at a known J per computed token."""
     ivs = sim.simulate_intervals(sim.stable_high_pressure_on(), 300)
-    ws = E.window_stats(ivs, 60)
+    ws = stats(ivs, 60)
     est = E.estimated(ws, 0.02, 0.1)
     # per second: 500 W - 150 W idle = 350 J marginal; saved 0.165 x 24,000 x 0.02 J x 0.9 = 71.3 J
     saved = 0.165 * 24000 * 0.02 * 0.9
@@ -121,8 +126,8 @@ def test_estimated_from_the_simulated_on_server():
 def _table1_windows(cond, seed=None):
     on, off = sim.table1_pair(cond, seed=seed)
     seconds = sim.TABLE1_WINDOWS * 60
-    return (E.window_stats(sim.simulate_intervals(on, seconds), 60),
-            E.window_stats(sim.simulate_intervals(off, seconds), 60))
+    return (stats(sim.simulate_intervals(on, seconds), 60),
+            stats(sim.simulate_intervals(off, seconds), 60))
 
 
 @pytest.mark.parametrize("cond", sim.TABLE1, ids=[c.name for c in sim.TABLE1])

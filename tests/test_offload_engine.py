@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from exporter.derive import kappa
+from exporter.sources import model_config
 from exporter.sources.expfmt import parse
 from exporter.sources.vllm import extract
 from tests.support.daemon import KvwattDaemon
@@ -71,7 +71,7 @@ def test_off_server_kappa_and_potential_saving_from_real_counters(tmp_path):
                                                  "prompt_external_kv_transfer"))
     tax_tokens = local - REFERENCE * prompt
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    n_act = kappa.estimate_parameters(cfg)
+    n_act = model_config.estimate_parameters(cfg)
     j_c = 2 * n_act / HARDWARE["flops_per_second"] * (GPU_WATTS - IDLE_WATTS)  # roofline price per token
     # dE is the mean over loaded 4 s windows of tax_w * J_c * 0.9 / E_w, with E_w >= (200 - 50) W * 0.9 * 4 s
     # (windows count when >= 90 % covered). tax_w = max(local_w - ref * prompt_w, 0) <= local_w, and the

@@ -14,7 +14,9 @@ import pytest
 
 from exporter.config import ConfigError
 from exporter.derive import kappa as K
+from exporter.sources import model_config as MC
 from exporter.samples import Interval
+from tests.support.aggregates import aggregate_of
 
 LLAMA_8B = {"hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32, "num_hidden_layers": 32,
             "num_key_value_heads": 8, "vocab_size": 128256, "torch_dtype": "bfloat16",
@@ -47,7 +49,7 @@ CASES = {
 @pytest.mark.parametrize("name", CASES)
 def test_kappa_crit_reproduces_methods_examples(name):
     cfg, n_act, b_kv, rounded = CASES[name]
-    m = K.from_hf_config(cfg)
+    m = MC.from_hf_config(cfg)
     assert m.active_parameters == n_act
     assert m.kv_bytes_per_token == b_kv
     expected = 2 * n_act * B / (F * b_kv)
@@ -56,36 +58,27 @@ def test_kappa_crit_reproduces_methods_examples(name):
 
 
 def test_parameter_counts_match_model_cards():
-    assert K.estimate_parameters(LLAMA_8B) / 1e9 == pytest.approx(8.03, abs=0.01)
-    assert K.estimate_parameters(QWEN3_32B) / 1e9 == pytest.approx(32.8, abs=0.05)
-    assert K.estimate_parameters(LLAMA_70B) / 1e9 == pytest.approx(70.6, abs=0.06)
+    assert MC.estimate_parameters(LLAMA_8B) / 1e9 == pytest.approx(8.03, abs=0.01)
+    assert MC.estimate_parameters(QWEN3_32B) / 1e9 == pytest.approx(32.8, abs=0.05)
+    assert MC.estimate_parameters(LLAMA_70B) / 1e9 == pytest.approx(70.6, abs=0.06)
 
 
 def test_kappa_crit_exact_values():
     # 8B:  2 x  8,030,261,248 x 50e9 / (494.75e12 x 131,072) = 12.383
     # 32B: 2 x 32,762,106,880 x 50e9 / (494.75e12 x 262,144) = 25.261
     # 70B: 2 x 70,553,706,496 x 50e9 / (494.75e12 x 327,680) = 43.520
-    assert K.critical(K.from_hf_config(LLAMA_8B), H100) == pytest.approx(12.383, abs=0.001)
-    assert K.critical(K.from_hf_config(QWEN3_32B), H100) == pytest.approx(25.261, abs=0.001)
-    assert K.critical(K.from_hf_config(LLAMA_70B), H100) == pytest.approx(43.520, abs=0.001)
+    assert K.critical(MC.from_hf_config(LLAMA_8B), H100) == pytest.approx(12.383, abs=0.001)
+    assert K.critical(MC.from_hf_config(QWEN3_32B), H100) == pytest.approx(25.261, abs=0.001)
+    assert K.critical(MC.from_hf_config(LLAMA_70B), H100) == pytest.approx(43.520, abs=0.001)
 
 
-def test_attention_form_hand_computed():
-    m = K.from_hf_config(LLAMA_8B)
-    assert K.critical_with_attention(m, H100, 0) == pytest.approx(K.critical(m, H100))
-    # P = 1000: num = (2 x 8.03e9 + 2 x 32 x 4096 x 1000) x 50e9; den = 131072 x 494.75e12 - 4 x 32 x 4096 x 1000 x 50e9
-    num = (2 * 8_030_261_248 + 2 * 32 * 4096 * 1000) * 50e9
-    den = 131072 * 494.75e12 - 4 * 32 * 4096 * 1000 * 50e9
-    assert K.critical_with_attention(m, H100, 1000) == pytest.approx(num / den)
-    assert num / den == pytest.approx(21.13, abs=0.01)
-    # beyond P* = b_kv F / (4 L d B) = 2474 fresh tokens the attention over loaded context outruns the link
-    assert K.critical_with_attention(m, H100, 2500) == math.inf
+def test_attention_width_is_heads_times_head_dim():
     # Qwen3-32B's attention width is heads x head_dim = 8192, not hidden 5120
-    assert K.from_hf_config(QWEN3_32B).attention_width == 8192
+    assert MC.from_hf_config(QWEN3_32B).attention_width == 8192
 
 
 def test_breakeven_mha_is_tetris_and_gqa_falls():
-    m = K.from_hf_config(LLAMA_8B)
+    m = MC.from_hf_config(LLAMA_8B)
     be = K.breakeven(m, H100)
     # Tetris MHA fp16: K = 2 x 494.75e12 / 50e9 - 6 x 4096 = 19,790 - 24,576 = -4,786
     assert be.mha_tokens == pytest.approx(-4786.0)
@@ -99,14 +92,14 @@ def test_breakeven_mha_is_tetris_and_gqa_falls():
 @pytest.mark.parametrize("name,mha,gqa", [("Qwen3-32B", 19790 - 30720, 19790 * 1024 / 5120 - 30720),
                                           ("Llama-3.1-70B", 19790 - 49152, 19790 * 1024 / 8192 - 49152)])
 def test_breakeven_other_models(name, mha, gqa):
-    be = K.breakeven(K.from_hf_config(CASES[name][0]), H100)
+    be = K.breakeven(MC.from_hf_config(CASES[name][0]), H100)
     assert be.mha_tokens == pytest.approx(mha) and be.gqa_tokens == pytest.approx(gqa)
 
 
 def test_breakeven_positive_on_a_slow_tier():
     # 5 GB/s (an NVMe-class tier): B_comp/B_mem = 98,950 FLOP/byte
     slow = K.HardwareParams("slow", F, 5e9)
-    be = K.breakeven(K.from_hf_config(LLAMA_8B), slow)
+    be = K.breakeven(MC.from_hf_config(LLAMA_8B), slow)
     assert be.mha_tokens == pytest.approx(2 * 98950 - 24576)          # 173,324
     assert be.gqa_tokens == pytest.approx(0.25 * 2 * 98950 - 24576)   # 24,899
     assert be.exported_tokens == be.gqa_tokens
@@ -117,40 +110,42 @@ def test_breakeven_positive_on_a_slow_tier():
 def test_observed_kappa():
     ivs = [Interval(0, 1, {"prompt_external_kv_transfer": 165.0, "prompt_local_compute": 33.0}, {}),
            Interval(1, 2, {"prompt_external_kv_transfer": 35.0, "prompt_local_compute": 17.0}, {})]
-    assert K.observed(ivs) == pytest.approx(200 / 50)
-    assert K.observed([Interval(0, 1, {"prompt_local_compute": 0.0, "prompt_external_kv_transfer": 0.0}, {})]) is None
-    assert K.observed([Interval(0, 1, {"prompt_local_compute": 0.0, "prompt_external_kv_transfer": 5.0}, {})]) == math.inf
-    assert K.observed([Interval(0, 1, {"prompt_tokens": 5.0}, {})]) is None  # vLLM < 0.16
+    assert K.observed(aggregate_of(ivs)) == pytest.approx(200 / 50)
+    none = {"prompt_local_compute": 0.0, "prompt_external_kv_transfer": 0.0}
+    assert K.observed(aggregate_of([Interval(0, 1, none, {})])) is None
+    only_loaded = {"prompt_local_compute": 0.0, "prompt_external_kv_transfer": 5.0}
+    assert K.observed(aggregate_of([Interval(0, 1, only_loaded, {})])) == math.inf
+    assert K.observed(aggregate_of([Interval(0, 1, {"prompt_tokens": 5.0}, {})])) is None  # vLLM < 0.16
 
 
 def test_config_file_and_overrides(tmp_path):
     path = tmp_path / "config.json"
     path.write_text(json.dumps(LLAMA_8B))
-    m = K.model_params(str(path), {})
+    m = MC.model_params(str(path), {})
     assert m.layers == 32 and m.kv_heads == 8 and m.head_dim == 128 and m.dtype_bytes == 2
-    m = K.model_params(str(path), {"dtype_bytes": 1.0})  # fp8 KV cache: configured key wins
+    m = MC.model_params(str(path), {"dtype_bytes": 1.0})  # fp8 KV cache: configured key wins
     assert m.kv_bytes_per_token == 65536
-    only = K.model_params(None, {"layers": 32, "kv_heads": 8, "head_dim": 128, "dtype_bytes": 2,
+    only = MC.model_params(None, {"layers": 32, "kv_heads": 8, "head_dim": 128, "dtype_bytes": 2,
                                  "active_parameters": 8.03e9, "hidden_size": 4096})
     assert K.critical(only, H100) == pytest.approx(2 * 8.03e9 * B / (F * 131072))
-    assert K.model_params(None, {"layers": 32}) is None
-    assert K.critical(K.model_params(None, {"layers": 32, "kv_heads": 8, "head_dim": 128, "dtype_bytes": 2}),
+    assert MC.model_params(None, {"layers": 32}) is None
+    assert K.critical(MC.model_params(None, {"layers": 32, "kv_heads": 8, "head_dim": 128, "dtype_bytes": 2}),
                       H100) is None  # no active parameters: unknown, not 0
 
 
 def test_bad_config_files(tmp_path):
     with pytest.raises(ConfigError, match="cannot read"):
-        K.load_hf_config(str(tmp_path / "missing.json"))
+        MC.load_hf_config(str(tmp_path / "missing.json"))
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
     with pytest.raises(ConfigError, match="not valid JSON"):
-        K.load_hf_config(str(bad))
+        MC.load_hf_config(str(bad))
     bad.write_text(json.dumps({"hidden_size": 4096}))
     with pytest.raises(ConfigError, match="not a usable decoder"):
-        K.load_hf_config(str(bad))
+        MC.load_hf_config(str(bad))
     bad.write_text(json.dumps({**LLAMA_8B, "torch_dtype": "int3"}))
     with pytest.raises(ConfigError, match="dtype"):
-        K.load_hf_config(str(bad))
+        MC.load_hf_config(str(bad))
 
 
 def test_hardware_defaults_and_overrides():
@@ -175,4 +170,4 @@ def test_moe_active_parameters():
            "moe_intermediate_size": 768, "torch_dtype": "bfloat16", "tie_word_embeddings": True}
     attn = 2048 * 16 * 128 + 2 * 2048 * 4 * 128 + 16 * 128 * 2048
     mlp = 3 * 2048 * 768 * 2 + 2048 * 8
-    assert K.estimate_parameters(moe) == 2 * (attn + mlp + 2 * 2048) + 1000 * 2048 + 2048
+    assert MC.estimate_parameters(moe) == 2 * (attn + mlp + 2 * 2048) + 1000 * 2048 + 2048

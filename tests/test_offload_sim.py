@@ -107,7 +107,8 @@ def test_rates_and_shares_match_the_phase():
 def test_stable_high_pressure_kv_p95_is_about_093():
     ivs = sim.simulate_intervals(sim.stable_high_pressure_on(), 300)
     from exporter.derive.pressure import kv_usage_quantile
-    assert kv_usage_quantile(ivs, 0.95) == pytest.approx(0.93, abs=0.01)
+    from exporter.store import aggregate_of
+    assert kv_usage_quantile(aggregate_of(ivs), 0.95) == pytest.approx(0.93, abs=0.01)
 
 
 def test_collapse_phase_power_and_truth():

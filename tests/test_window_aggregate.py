@@ -17,9 +17,10 @@ from exporter.derive import kappa as K
 from exporter.derive import offload as O
 from exporter.derive import pressure as P
 from exporter.derive import recompute as R
-from exporter.derive import window as W
 from exporter.samples import Interval, EngineInfo, EngineReading
-from exporter.store import Bucket, ServerHistory
+from exporter.store import Bucket, ServerHistory, buckets_of
+from exporter.store import aggregate as W
+from tests.support.aggregates import aggregate_of, collapse_at
 
 KEYS = ("generation_tokens", "preemptions", "prompt_local_compute", "prompt_local_cache_hit",
         "prompt_external_kv_transfer", "prefix_queries", "prefix_hits", "external_prefix_hits", "flops",
@@ -59,7 +60,7 @@ def ref_window_energy(ivs, scope):
     idle = sum(iv.idle_joules[scope] for iv in used) if all(scope in iv.idle_joules for iv in used) else None
     return EN.EnergyPerToken(scope, sum(iv.energy_joules[scope] for iv in used), idle,
                              sum(iv.deltas.get("generation_tokens") or 0.0 for iv in used),
-                             sum(iv.seconds for iv in used), sum(iv.seconds for iv in used if EN.is_loaded(iv)))
+                             sum(iv.seconds for iv in used), sum(iv.seconds for iv in used if W.is_loaded(iv)))
 
 
 def ref_token_counts(ivs):
@@ -142,12 +143,9 @@ def check_aggregate(agg, ivs, tag):
     assert agg.n == len(ivs) == len(agg), tag
     assert list(agg.intervals) == ivs, tag
     assert_close(agg.covered_seconds, sum(iv.seconds for iv in ivs), f"{tag} covered")
-    assert_close(W.covered_seconds(agg), W.covered_seconds(ivs), f"{tag} covered()")
     for key in KEYS:
         assert_close(agg.delta(key), ref_sum(ivs, key), f"{tag} delta {key}")
-        assert_close(W.sum_delta(agg, key), W.sum_delta(ivs, key), f"{tag} sum_delta {key}")
         assert_close(agg.seconds_with(key), ref_seconds_with(ivs, key), f"{tag} seconds_with {key}")
-        assert_close(W.seconds_with(agg, key), W.seconds_with(ivs, key), f"{tag} seconds_with() {key}")
     for key, values in (("kv_usage", [iv.gauges["kv_usage"] for iv in ivs if "kv_usage" in iv.gauges]),
                         ("pending", ref_pending(ivs))):
         assert W.gauge_values(agg, key) == values == W.gauge_values(ivs, key), f"{tag} gauge_values {key}"
@@ -166,16 +164,17 @@ def check_aggregate(agg, ivs, tag):
         assert_close(sc.energy_joules, sum(iv.energy_joules[scope] for iv in used), f"{tag} {scope} energy")
         idle = sum(iv.idle_joules[scope] for iv in used) if all(scope in iv.idle_joules for iv in used) else None
         assert_close(sc.idle_joules, idle, f"{tag} {scope} idle")
-        assert_close(sc.loaded_seconds, sum(iv.seconds for iv in used if EN.is_loaded(iv)), f"{tag} {scope} loaded")
+        assert_close(sc.loaded_seconds, sum(iv.seconds for iv in used if W.is_loaded(iv)), f"{tag} {scope} loaded")
         for key in KEYS:
             assert_close(sc.delta(key), ref_sum(used, key), f"{tag} {scope} delta {key}")
             assert_close(sc.seconds_with(key), ref_seconds_with(used, key), f"{tag} {scope} seconds_with {key}")
 
 
 def check_derivations(agg, ivs, tag):
-    """Every derive function, given the aggregate and given the list."""
+    """Every derive function, given the incremental aggregate and given a fresh aggregate of the list."""
+    fresh = aggregate_of(ivs)
     for q in (0.5, 0.95, 0.99):
-        assert P.kv_usage_quantile(agg, q) == P.kv_usage_quantile(ivs, q) == ref_quantile(
+        assert P.kv_usage_quantile(agg, q) == P.kv_usage_quantile(fresh, q) == ref_quantile(
             [iv.gauges["kv_usage"] for iv in ivs if "kv_usage" in iv.gauges], q), tag
     for key in KEYS:
         rate = None
@@ -183,16 +182,16 @@ def check_derivations(agg, ivs, tag):
         if s is not None and secs > 0:
             rate = s / secs
         assert_close(P.rate_per_second(agg, key), rate, f"{tag} rate {key}")
-        assert_close(P.rate_per_second(ivs, key), rate, f"{tag} rate(list) {key}")
+        assert_close(P.rate_per_second(fresh, key), rate, f"{tag} rate(list) {key}")
     assert_dict_close(R.token_counts(agg), ref_token_counts(ivs), f"{tag} token_counts")
-    assert_dict_close(R.token_counts(ivs), ref_token_counts(ivs), f"{tag} token_counts(list)")
+    assert_dict_close(R.token_counts(fresh), ref_token_counts(ivs), f"{tag} token_counts(list)")
     gen = ref_sum(ivs, "generation_tokens")
-    for a, b in zip(R.mfu_view(agg, gen), R.mfu_view(ivs, gen)):
+    for a, b in zip(R.mfu_view(agg, gen), R.mfu_view(fresh, gen)):
         assert_close(a, b, f"{tag} mfu_view")
     for scope in ("gpu", "host"):
         ref = ref_window_energy(ivs, scope)
         assert_energy_close(EN.window_energy(agg, scope), ref, f"{tag} window_energy {scope}")
-        assert_energy_close(EN.window_energy(ivs, scope), ref, f"{tag} window_energy(list) {scope}")
+        assert_energy_close(EN.window_energy(fresh, scope), ref, f"{tag} window_energy(list) {scope}")
         for min_load in (0.0, 5.0):
             assert_energy_close(EN.per_token(agg, scope, min_load), EN.qualified(ref, min_load),
                                 f"{tag} per_token {scope}")
@@ -206,8 +205,8 @@ def check_derivations(agg, ivs, tag):
             unit = (w.energy_joules - w.idle_joules) / units
             expect = {"local_compute": unit, "external_kv_transfer": 0.1 * unit}
     assert_dict_close(EN.prompt_attribution(agg, 2.0, 0.1), expect, f"{tag} prompt_attribution")
-    assert_dict_close(EN.prompt_attribution(ivs, 2.0, 0.1), expect, f"{tag} prompt_attribution(list)")
-    a, b = O.transfer_rates(agg), O.transfer_rates(ivs)
+    assert_dict_close(EN.prompt_attribution(fresh, 2.0, 0.1), expect, f"{tag} prompt_attribution(list)")
+    a, b = O.transfer_rates(agg), O.transfer_rates(fresh)
     assert_close(a.write_bytes_per_second, b.write_bytes_per_second, f"{tag} write rate")
     assert_close(a.read_bytes_per_second, b.read_bytes_per_second, f"{tag} read rate")
     parts = [ref_sum(ivs, k) for k in O.FAILURE_KEYS]
@@ -218,7 +217,7 @@ def check_derivations(agg, ivs, tag):
         math.inf if local == 0 else ext / local)
     assert_close(K.observed(agg), kappa, f"{tag} kappa")
     for span in (5.0, 20.0):
-        assert_close(C.generation_rate(agg, span), C.generation_rate(ivs, span), f"{tag} generation_rate")
+        assert_close(C.generation_rate(agg, span), C.generation_rate(fresh, span), f"{tag} generation_rate")
     both = [iv for iv in ivs if "gpu" in iv.energy_joules and "gpu" in iv.idle_joules]
     secs = sum(iv.seconds for iv in both)
     mp = (None, None) if secs <= 0 else (sum(iv.energy_joules["gpu"] for iv in both) / secs,
@@ -306,9 +305,9 @@ def run_stream(seed, ticks=300, check_every=1):
             got = h.buckets(width, start, t)
             assert all(isinstance(b, Bucket) for b in got)
             ivs = list(h.intervals)
-            want = E.window_stats(ivs, width, start=start, end=t)
+            want = E.window_stats(buckets_of(ivs, width, start, t), width)
             ref = ref_window_stats(ivs, width, start=start, end=t)
-            stats = E.window_stats_of_buckets(got, width)
+            stats = E.window_stats(got, width)
             assert [(b.t0, b.t1) for b in got] == [(x.t0, x.t1) for x in want] == [r[:2] for r in ref], \
                 f"seed {seed} tick {i} grid {width}"
             for b in got:
@@ -324,12 +323,12 @@ def run_stream(seed, ticks=300, check_every=1):
                           "loaded_prompt_tokens", "prompt_tokens"):
                     assert_close(getattr(x, f), getattr(y, f), f"{tag} {f}")
                 assert_close(x.joules, y.joules, tag, scale=10000.0 * x.covered_seconds)
-        # collapse: the daemon's aggregate form against the list form
+        # collapse: the daemon's incremental aggregates against the same cut made afresh from the list
         start, end = C.reference_span(t, TH)
         rates = C.reference_rates_from_buckets(h.buckets(TH.recent_seconds, start, end), TH.recent_seconds)
         offload = rng.choice([True, None])
         inc = C.evaluate_aggregates(h.aggregate(TH.recent_seconds), rates, t, offload, TH, prev_inc)
-        lst = C.evaluate(list(h.intervals), t, offload, TH, prev_list)
+        lst = collapse_at(list(h.intervals), t, offload, TH, prev_list)
         assert inc.conditions == lst.conditions and inc.signature == lst.signature, f"seed {seed} tick {i}"
         assert inc.reason == lst.reason
         for f in ("recent_tokens_per_second", "reference_tokens_per_second", "gpu_power_watts",
@@ -485,15 +484,17 @@ def test_per_interval_work_is_amortized_constant_in_window_length(monkeypatch):
         assert agg.delta("g") == length
 
 
-def test_derive_functions_accept_either_form():
+def test_derive_functions_read_an_aggregate_or_a_scope_of_it():
     ivs = [Interval(i, i + 1, {"generation_tokens": 10.0, "prefix_queries": 100.0, "prefix_hits": 60.0,
                                "external_prefix_hits": 30.0}, {"kv_usage": i / 10, "running": 1.0},
                     {"gpu": 500.0}, {"gpu": 200.0}) for i in range(10)]
-    agg = W.aggregate_of(ivs)
-    assert W.as_aggregate(agg) is agg and isinstance(W.as_aggregate(ivs), W.WindowAggregate)
-    assert R.token_counts(agg) == R.token_counts(ivs) == {"local_compute": 100.0, "local_cache_hit": 600.0,
-                                                          "external_kv_transfer": 300.0}
+    agg = aggregate_of(ivs)
+    assert isinstance(agg, W.WindowAggregate) and list(agg) == ivs
+    assert R.token_counts(agg) == {"local_compute": 100.0, "local_cache_hit": 600.0,
+                                   "external_kv_transfer": 300.0}
     assert R.token_counts(agg.scope("gpu")) == R.token_counts(agg)
-    assert EN.per_token(agg, "gpu", 5) == EN.per_token(ivs, "gpu", 5)
-    assert EN.prompt_attribution(agg, 5, 0.1) == EN.prompt_attribution(ivs, 5, 0.1)
-    assert P.kv_usage_quantile(agg, 0.95) == P.kv_usage_quantile(ivs, 0.95) == pytest.approx(0.855)
+    w = EN.per_token(agg, "gpu", 5)
+    assert (w.energy_joules, w.idle_joules, w.tokens) == (5000.0, 2000.0, 100.0)
+    assert EN.prompt_attribution(agg, 5, 0.1) == pytest.approx({"local_compute": 3000.0 / 230.0,
+                                                                "external_kv_transfer": 300.0 / 230.0})
+    assert P.kv_usage_quantile(agg, 0.95) == pytest.approx(0.855)

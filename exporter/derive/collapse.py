@@ -39,14 +39,12 @@ OR over the applicable sets); ``condition_set`` says which one fired (stalled_en
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Iterable, Sequence
 
 from exporter import rules
-from exporter.derive.pressure import quantile
-from exporter.derive.window import WindowAggregate, aggregate_of, as_aggregate, seconds_with, sum_delta
-from exporter.samples import Interval
+from exporter.quantile import quantile
+from exporter.store import Bucket, WindowAggregate
 
 CLASSIC = ("offload_enabled", "zero_preemptions", "throughput_collapsed", "power_near_idle", "requests_pending")
 STALLED_ENGINE = ("engine_steps_stopped", "requests_pending")
@@ -114,41 +112,23 @@ def kleene_or(values: Sequence[bool | None]) -> bool | None:
     return None
 
 
-def _in_span(intervals: Sequence[Interval], start: float, end: float) -> list[Interval]:
-    """Intervals whose end falls in (start, end]: each interval belongs to exactly one span."""
-    return [iv for iv in intervals if start < iv.t1 <= end]
-
-
-def generation_rate(x: WindowAggregate | Sequence[Interval], span_seconds: float) -> float | None:
+def generation_rate(x: WindowAggregate, span_seconds: float) -> float | None:
     """Generated tokens/s over the covered part of a span; None below MIN_COVERAGE_RATIO coverage."""
-    covered = seconds_with(x, "generation_tokens")
+    covered = x.seconds_with("generation_tokens")
     if covered < MIN_COVERAGE_RATIO * span_seconds or covered <= 0:
         return None
-    return sum_delta(x, "generation_tokens") / covered
+    return x.delta("generation_tokens") / covered
 
 
-def bucket_rate(bucket_agg: WindowAggregate | Sequence[Interval], width: float) -> float | None:
+def bucket_rate(bucket_agg: WindowAggregate, width: float) -> float | None:
     """One reference bucket's generated tokens/s; None when samples cover less than MIN_COVERAGE_RATIO of it."""
     return generation_rate(bucket_agg, width)
 
 
-def reference_rates_from_buckets(buckets: Iterable[Any], width: float) -> list[float]:
-    """The rates of the buckets (store.Bucket, an aggregate or a list of intervals) that are covered enough."""
-    rates = (bucket_rate(b.agg if hasattr(b, "agg") else b, width) for b in buckets)
+def reference_rates_from_buckets(buckets: Iterable[Bucket], width: float) -> list[float]:
+    """The rates of the grid buckets (ServerHistory.buckets: the store's one bucket rule) covered enough."""
+    rates = (bucket_rate(b.agg, width) for b in buckets)
     return [r for r in rates if r is not None]
-
-
-def _grid_buckets(intervals: Sequence[Interval], width: float, start: float, end: float) -> list[list[Interval]]:
-    """The list counterpart of ServerHistory.buckets: intervals grouped by k = floor((t1 - 1e-9) / width) on the
-    grid anchored at 0 of the monotonic clock, buckets [k*W, (k+1)*W) lying wholly inside [start, end]."""
-    groups: dict[int, list[Interval]] = {}
-    for iv in intervals:
-        if iv.t1 > end + 1e-9:
-            continue
-        k = math.floor((iv.t1 - 1e-9) / width)
-        if k * width >= start - 1e-9 and (k + 1) * width <= end + 1e-9:
-            groups.setdefault(k, []).append(iv)
-    return [groups[k] for k in sorted(groups)]
 
 
 def reference_span(now: float, th: CollapseThresholds) -> tuple[float, float]:
@@ -157,17 +137,9 @@ def reference_span(now: float, th: CollapseThresholds) -> tuple[float, float]:
     return end - th.reference_seconds, end
 
 
-def reference_rate(intervals: Sequence[Interval], now: float, th: CollapseThresholds) -> float | None:
-    """REFERENCE_QUANTILE of the rates of the completed grid buckets (width recent_seconds) in the reference
-    period before the recent window."""
-    start, end = reference_span(now, th)
-    buckets = _grid_buckets(intervals, th.recent_seconds, start, end)
-    return quantile(reference_rates_from_buckets(buckets, th.recent_seconds), REFERENCE_QUANTILE)
-
-
-def mean_power(x: WindowAggregate | Sequence[Interval], scope: str = "gpu") -> tuple[float | None, float | None]:
+def mean_power(x: WindowAggregate, scope: str = "gpu") -> tuple[float | None, float | None]:
     """(mean power, mean idle power) in W over the intervals carrying both energy and idle energy."""
-    sc = as_aggregate(x).scope(scope)
+    sc = x.scope(scope)
     if sc is None:
         return None, None
     secs = sc.idle_subset_seconds
@@ -176,39 +148,17 @@ def mean_power(x: WindowAggregate | Sequence[Interval], scope: str = "gpu") -> t
     return sc.idle_subset_energy_joules / secs, sc.idle_subset_idle_joules / secs
 
 
-def recent_intervals(intervals: Sequence[Interval], now: float, seconds: float) -> list[Interval]:
-    """The list counterpart of the daemon's sliding window: ended by ``now`` and started inside the window
-    (the ServerHistory.window rule), so an interval spanning an outage does not stretch it."""
-    lo = now - seconds - 1e-6
-    return [iv for iv in intervals if iv.t0 >= lo and iv.t1 <= now + 1e-9]
-
-
-def evaluate(intervals: Sequence[Interval], now: float, offload_enabled: bool | None,
-             th: CollapseThresholds = CollapseThresholds(), previous: CollapseResult | None = None) -> CollapseResult:
-    """Evaluate the signature at time ``now`` from one server's intervals (oldest first, any length).
-
-    The list form of ``evaluate_aggregates``: the recent window and the reference buckets are cut from the
-    list the way ServerHistory keeps them incrementally. ``previous`` is this function's last result for the
-    same server (latches the reference level while the signature holds). Pure: no state outside the arguments.
-    """
-    recent = aggregate_of(recent_intervals(intervals, now, th.recent_seconds))
-    start, end = reference_span(now, th)
-    rates = reference_rates_from_buckets(_grid_buckets(intervals, th.recent_seconds, start, end),
-                                         th.recent_seconds)
-    return evaluate_aggregates(recent, rates, now, offload_enabled, th, previous)
-
-
-def evaluate_aggregates(recent: WindowAggregate | Sequence[Interval], reference_rates: Sequence[float | None],
+def evaluate_aggregates(recent: WindowAggregate, reference_rates: Sequence[float | None],
                         now: float, offload_enabled: bool | None, th: CollapseThresholds = CollapseThresholds(),
                         previous: CollapseResult | None = None) -> CollapseResult:
     """Evaluate the signature from the recent window's aggregate and the reference bucket rates.
 
     The daemon passes its shortest window's aggregate (history.aggregate(th.recent_seconds)) and
     ``reference_rates_from_buckets(history.buckets(th.recent_seconds, *reference_span(now, th)), ...)``;
-    ``now`` is kept for symmetry with ``evaluate`` (the aggregates are already cut at it). Cost: O(number of
-    reference buckets), independent of the windows' lengths.
+    ``previous`` is this function's last result for the same server (latches the reference level while the
+    signature holds). ``now`` is informational (the aggregates are already cut at it). Pure; cost: O(number
+    of reference buckets), independent of the windows' lengths.
     """
-    recent = as_aggregate(recent)
     details: dict[str, str] = {}
     cond: dict[str, bool | None] = dict.fromkeys(CONDITIONS)
     cond["offload_enabled"] = offload_enabled

@@ -4,8 +4,9 @@
     dTPS = (TPS_ON - TPS_OFF) / TPS_OFF
     SE   = (x_ON/x_OFF) * sqrt((SE_ON/x_ON)^2 + (SE_OFF/x_OFF)^2)   delta method, ratio of independent means
 
-The repeat unit is a non-overlapping window (``window_stats``) on a grid aligned to the shared monotonic
-clock, so two servers read by the same daemon tick have the same windows. J/token is the marginal GPU figure
+The repeat unit is a non-overlapping window (``window_stats``): a bucket of the store's fixed grid on the
+shared monotonic clock (exporter/store/buckets.py), so two servers read by the same daemon tick have the
+same windows. J/token is the marginal GPU figure
 of methods.md s1 by default. Every result carries the number of windows it rests on; SE is None without
 repeats (fewer than two windows on a side).
 
@@ -22,12 +23,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from exporter.derive.pressure import kv_usage_quantile
 from exporter.derive.recompute import token_counts
-from exporter.derive.window import WindowAggregate, aggregate_of, as_aggregate, sum_delta
-from exporter.samples import Interval
+from exporter.store import Bucket, WindowAggregate
 
 DEFAULT_BANDS: tuple[tuple[float, float], ...] = ((0.0, 0.8), (0.8, 0.9), (0.9, 0.95), (0.95, 1.0))
 MIN_COVERAGE_RATIO = 0.9  # a window counts when samples cover 90 % of it
@@ -70,15 +70,14 @@ class Estimate:
     bands: dict[str, dict] = field(default_factory=dict)
 
 
-def window_stat(agg: WindowAggregate | Sequence[Interval], t0: float, t1: float, width: float, scope: str = "gpu",
+def window_stat(agg: WindowAggregate, t0: float, t1: float, width: float, scope: str = "gpu",
                 marginal: bool = True) -> WindowStat:
     """One repeat window [t0, t1) of ``width`` seconds from the aggregate of the intervals that ended in it
-    (a store.Bucket's ``agg``, or a list). Uses the shared window functions, so token sources follow
-    recompute.token_counts (vLLM < 0.16: the prefix-cache estimate). Energy is known only when every interval
-    of the window has it (marginal: and its idle energy)."""
-    agg = as_aggregate(agg)
+    (a store.Bucket's ``agg``). Token sources follow recompute.token_counts (vLLM < 0.16: the prefix-cache
+    estimate). Energy is known only when every interval of the window has it (marginal: and its idle
+    energy)."""
     covered = agg.covered_seconds
-    gen = sum_delta(agg, "generation_tokens") or 0.0
+    gen = agg.delta("generation_tokens") or 0.0
     joules = None
     used = agg.scope(scope)
     if used is not None and used.n == agg.n:
@@ -96,28 +95,10 @@ def window_stat(agg: WindowAggregate | Sequence[Interval], t0: float, t1: float,
                       covered >= MIN_COVERAGE_RATIO * width and gen > 0, prompt)
 
 
-def window_stats(intervals: Sequence[Interval], window_seconds: float, scope: str = "gpu", marginal: bool = True,
-                 start: float | None = None, end: float | None = None, anchor: float = 0.0) -> list[WindowStat]:
-    """Split intervals (by their end time) into windows [anchor + k*W, anchor + (k+1)*W) of the shared clock,
-    keeping the windows wholly inside [start, end]. With anchor 0 these are ServerHistory's grid buckets
-    (``window_stats_of_buckets`` builds the same from them without the list); two servers read at the same
-    ticks get the same windows. Energy is known only when every interval of the window has it."""
-    buckets: dict[int, list[Interval]] = {}
-    for iv in intervals:
-        k = math.floor((iv.t1 - anchor - 1e-9) / window_seconds)
-        buckets.setdefault(k, []).append(iv)
-    out = []
-    for k in sorted(buckets):
-        t0, t1 = anchor + k * window_seconds, anchor + (k + 1) * window_seconds
-        if (start is not None and t0 < start - 1e-9) or (end is not None and t1 > end + 1e-9):
-            continue
-        out.append(window_stat(aggregate_of(buckets[k]), t0, t1, window_seconds, scope, marginal))
-    return out
-
-
-def window_stats_of_buckets(buckets: Iterable[Any], width: float, scope: str = "gpu",
-                            marginal: bool = True) -> list[WindowStat]:
-    """WindowStats of store.Bucket objects (ServerHistory.buckets(width, start, end))."""
+def window_stats(buckets: Iterable[Bucket], width: float, scope: str = "gpu",
+                 marginal: bool = True) -> list[WindowStat]:
+    """WindowStats of grid buckets of ``width`` seconds (ServerHistory.buckets, or store.buckets_of over a
+    recorded list of intervals): the same windows for every server read at the same ticks."""
     return [window_stat(b.agg, b.t0, b.t1, width, scope, marginal) for b in buckets]
 
 
@@ -192,9 +173,6 @@ class BandProfile:
     @property
     def label(self) -> str:
         return f"{self.lo:g}-{self.hi:g}"
-
-    def contains(self, kv: float) -> bool:
-        return self.lo <= kv < self.hi or (self.hi >= 1.0 and kv >= self.hi)
 
 
 def band_of(bands: Sequence[BandProfile | tuple[float, float]], kv: float | None) -> int | None:
@@ -331,11 +309,3 @@ def price_from_roofline(active_parameters: float, flops_per_second: float) -> Ca
         return seconds_per_token * (w.joules / w.covered_seconds)
     return price
 
-
-def price_from_flops(marginal_joules: float, flops: float, active_parameters: float) -> float | None:
-    """J per computed prompt token by FLOP share: marginal J / estimated FLOPs x 2*N_act. The MFU counters
-    count decode FLOPs too, and decode burns more J per FLOP than prefill, so this leans high (overstates
-    the saving); price_from_roofline is preferred when model and hardware parameters are known."""
-    if flops <= 0 or marginal_joules <= 0:
-        return None
-    return marginal_joules / flops * 2.0 * active_parameters

@@ -11,14 +11,11 @@ generated tokens (rule 9: the counters are noise over short windows).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
 
 from exporter.derive.recompute import token_counts
-from exporter.derive.window import RUNNING_KEY, TOKENS_KEY, WindowAggregate, as_aggregate, is_loaded
-from exporter.samples import Interval
+from exporter.store import WindowAggregate
 
-__all__ = ["RUNNING_KEY", "TOKENS_KEY", "EnergyPerToken", "is_loaded", "window_energy", "qualified", "per_token",
-           "prompt_attribution"]
+TOKENS_KEY = "generation_tokens"
 
 
 @dataclass(frozen=True)
@@ -42,9 +39,9 @@ class EnergyPerToken:
         return (self.energy_joules - self.idle_joules) / self.tokens
 
 
-def window_energy(x: WindowAggregate | Sequence[Interval], scope: str) -> EnergyPerToken | None:
+def window_energy(x: WindowAggregate, scope: str) -> EnergyPerToken | None:
     """Sums over the intervals with an energy sample for ``scope``; None when there is none."""
-    used = as_aggregate(x).scope(scope)
+    used = x.scope(scope)
     if used is None:
         return None
     return EnergyPerToken(
@@ -66,13 +63,13 @@ def qualified(w: EnergyPerToken | None, min_load_seconds: float) -> EnergyPerTok
     return w
 
 
-def per_token(x: WindowAggregate | Sequence[Interval], scope: str,
+def per_token(x: WindowAggregate, scope: str,
               min_load_seconds: float) -> EnergyPerToken | None:
     """The window's figure for ``scope`` ("gpu" | "host"), or None without enough load or tokens."""
     return qualified(window_energy(x, scope), min_load_seconds)
 
 
-def prompt_attribution(x: WindowAggregate | Sequence[Interval], min_load_seconds: float,
+def prompt_attribution(agg: WindowAggregate, min_load_seconds: float,
                        load_to_compute_cost_ratio: float) -> dict[str, float] | None:
     """ATTRIBUTION MODEL, not a measurement: marginal GPU joules per prompt token by token source.
 
@@ -84,7 +81,6 @@ def prompt_attribution(x: WindowAggregate | Sequence[Interval], min_load_seconds
     a marginal figure or without prompt tokens by source. Energy, tokens and prompt tokens all come from
     the intervals with a GPU energy sample (the window's "gpu" scope).
     """
-    agg = as_aggregate(x)
     w = per_token(agg, "gpu", min_load_seconds)
     if w is None or w.marginal_joules_per_token is None:
         return None

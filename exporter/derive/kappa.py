@@ -11,134 +11,23 @@ Tetris break-even length (recompute 4L(6*S*D^2 + S^2*D)/B_comp vs moving the KV 
     K = transfers * dtype_bytes * d_kv * B_comp / (2 * D * B_mem) - 6*D
     MHA, fp16, transfers=2 (Tetris' accounting: store + load):  K = 2*B_comp/B_mem - 6*D
 Negative K: reloading beats recomputing at every length; the exported gauge is clamped at 0.
+
+Pure: the model's numbers (ModelParams) come from the configuration side (sources/model_config.py reads a
+config.json at start-up); nothing here reads a file.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
-from exporter.config import ConfigError, read_json
-from exporter.derive.window import WindowAggregate, sum_delta
-from exporter.samples import Interval
+from exporter.config import ConfigError
+from exporter.samples import ModelParams
+from exporter.store import WindowAggregate
 
-DTYPE_BYTES = {"float32": 4.0, "float": 4.0, "bfloat16": 2.0, "float16": 2.0, "half": 2.0,
-               "float8_e4m3fn": 1.0, "float8_e5m2": 1.0, "fp8": 1.0}
-
-
-# --------------------------------------------------------------------------------------------------------
-# model parameters
-# --------------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class ModelParams:
-    layers: int
-    kv_heads: int
-    head_dim: int
-    dtype_bytes: float
-    active_parameters: float | None = None  # N_act: parameters touched per token (incl. embeddings)
-    hidden_size: int | None = None          # D_m (Tetris)
-    attention_width: int | None = None      # heads * head_dim (attention FLOPs); hidden_size if unknown
-    source: str = ""
-
-    @property
-    def kv_bytes_per_token(self) -> float:
-        return kv_bytes_per_token(self.layers, self.kv_heads, self.head_dim, self.dtype_bytes)
-
-    @property
-    def kv_width(self) -> int:
-        return self.kv_heads * self.head_dim
-
-
-def kv_bytes_per_token(layers: int, kv_heads: int, head_dim: int, dtype_bytes: float) -> float:
-    """K and V, every layer: 2 * layers * kv_heads * head_dim * dtype_bytes."""
-    return 2.0 * layers * kv_heads * head_dim * dtype_bytes
-
-
-def _get(cfg: Mapping[str, Any], *keys: str) -> Any:
-    for k in keys:
-        if cfg.get(k) is not None:
-            return cfg[k]
-    return None
-
-
-def estimate_parameters(cfg: Mapping[str, Any]) -> float:
-    """Parameters a token passes through, from a HF config.json of a decoder (Llama/Qwen/Mistral family):
-    embeddings + lm_head (unless tied) + per layer [q, k, v, o projections (+ biases if attention_bias),
-    gated MLP 3*hidden*intermediate, or for MoE experts_per_tok routed + shared experts + router, two norms]
-    + final norm. This reproduces the model-card sizes (8.03B, 32.8B, 70.6B) that methods.md's kappa_crit
-    examples use; counting the input embedding (a lookup, no FLOPs) overstates compute by 3-7 %."""
-    h = int(cfg["hidden_size"])
-    layers = int(cfg["num_hidden_layers"])
-    heads = int(cfg["num_attention_heads"])
-    kv = int(_get(cfg, "num_key_value_heads") or heads)
-    hd = int(_get(cfg, "head_dim") or h // heads)
-    vocab = int(cfg.get("vocab_size", 0))
-    attn = h * heads * hd + 2 * h * kv * hd + heads * hd * h
-    if cfg.get("attention_bias") or cfg.get("model_type") == "qwen2":
-        attn += heads * hd + 2 * kv * hd
-    experts = _get(cfg, "num_experts", "num_local_experts", "n_routed_experts")
-    if experts:
-        per_tok = int(_get(cfg, "num_experts_per_tok", "moe_topk") or 1)
-        moe_inter = int(_get(cfg, "moe_intermediate_size", "intermediate_size"))
-        shared_inter = int(_get(cfg, "shared_expert_intermediate_size") or 0)
-        shared_inter += int(_get(cfg, "n_shared_experts") or 0) * moe_inter
-        mlp = 3 * h * moe_inter * per_tok + 3 * h * shared_inter + h * int(experts)
-    else:
-        mlp = 3 * h * int(cfg["intermediate_size"])
-    per_layer = attn + mlp + 2 * h
-    embed = vocab * h * (1 if cfg.get("tie_word_embeddings") else 2)
-    return float(layers * per_layer + embed + h)
-
-
-def from_hf_config(cfg: Mapping[str, Any], source: str = "config.json") -> ModelParams:
-    """ModelParams from a HF config.json mapping (text_config is used for multimodal wrappers)."""
-    if "text_config" in cfg and "num_hidden_layers" not in cfg:
-        cfg = cfg["text_config"]
-    if not isinstance(cfg, Mapping):
-        raise ConfigError(f"{source}: not a usable decoder config.json (text_config is not an object)")
-    if "kv_lora_rank" in cfg:
-        raise ConfigError(f"{source}: MLA models (kv_lora_rank) are not supported; configure model.* instead")
-    try:
-        h = int(cfg["hidden_size"])
-        heads = int(cfg["num_attention_heads"])
-        head_dim = int(_get(cfg, "head_dim") or h // heads)
-        dtype = str(_get(cfg, "torch_dtype", "dtype") or "bfloat16").replace("torch.", "")
-        if dtype not in DTYPE_BYTES:
-            raise ConfigError(f"{source}: unknown torch_dtype {dtype!r}; set model.dtype_bytes")
-        return ModelParams(layers=int(cfg["num_hidden_layers"]),
-                           kv_heads=int(_get(cfg, "num_key_value_heads") or heads), head_dim=head_dim,
-                           dtype_bytes=DTYPE_BYTES[dtype], active_parameters=estimate_parameters(cfg),
-                           hidden_size=h, attention_width=heads * head_dim, source=source)
-    except (KeyError, TypeError, ValueError, ArithmeticError) as e:  # ArithmeticError: a size of 0 or 1e400
-        raise ConfigError(f"{source}: not a usable decoder config.json ({type(e).__name__}: {e})") from None
-
-
-def load_hf_config(path: str) -> ModelParams:
-    data = read_json(path)
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a JSON object")
-    return from_hf_config(data, path)
-
-
-def model_params(model_config_path: str | None, model: Mapping[str, float]) -> ModelParams | None:
-    """The server's model: config.json if given, then each configured model.* key overrides it.
-    None when layers, kv_heads, head_dim or dtype_bytes stay unknown (kappa_crit then absent)."""
-    base = load_hf_config(model_config_path) if model_config_path else None
-    def pick(key: str, attr: str):
-        if key in model:
-            return model[key]
-        return getattr(base, attr) if base else None
-    vals = {k: pick(k, k) for k in ("layers", "kv_heads", "head_dim", "dtype_bytes", "active_parameters",
-                                    "hidden_size")}
-    if any(vals[k] is None for k in ("layers", "kv_heads", "head_dim", "dtype_bytes")):
-        return None
-    width = base.attention_width if base and "hidden_size" not in model else vals["hidden_size"]
-    return ModelParams(int(vals["layers"]), int(vals["kv_heads"]), int(vals["head_dim"]),
-                       float(vals["dtype_bytes"]), vals["active_parameters"],
-                       int(vals["hidden_size"]) if vals["hidden_size"] else None,
-                       int(width) if width else None,
-                       source=" + ".join(x for x in (model_config_path, "configured" if model else None) if x))
+__all__ = ["ModelParams", "HardwareParams", "GPU_TABLE", "gpu_defaults", "hardware_params", "observed",
+           "critical", "breakeven_tokens", "tetris_mha_breakeven_tokens", "Breakeven", "breakeven"]
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -209,12 +98,12 @@ def hardware_params(hardware: Mapping[str, Any], nvml_name: str | None = None) -
 # --------------------------------------------------------------------------------------------------------
 # the ratios
 # --------------------------------------------------------------------------------------------------------
-def observed(x: WindowAggregate | Sequence[Interval]) -> float | None:
-    """kappa over the window (an aggregate or a list of intervals): external_kv_transfer / local_compute
+def observed(x: WindowAggregate) -> float | None:
+    """kappa over the window: external_kv_transfer / local_compute
     prompt tokens. None without the token-source counters (vLLM < 0.16) or without prompt tokens; +inf when
     only loaded tokens arrived."""
-    ext = sum_delta(x, "prompt_external_kv_transfer")
-    local = sum_delta(x, "prompt_local_compute")
+    ext = x.delta("prompt_external_kv_transfer")
+    local = x.delta("prompt_local_compute")
     if ext is None or local is None or (ext == 0 and local == 0):
         return None
     return math.inf if local == 0 else ext / local
@@ -225,21 +114,6 @@ def critical(m: ModelParams, hw: HardwareParams) -> float | None:
     if m.active_parameters is None:
         return None
     return 2.0 * m.active_parameters * hw.host_device_bytes_per_second / (hw.flops_per_second * m.kv_bytes_per_token)
-
-
-def critical_with_attention(m: ModelParams, hw: HardwareParams, fresh_tokens: float) -> float | None:
-    """kappa_crit(P) = (2*N_act + 2*L*d*P)*B / (b_kv*F - 4*L*d*P*B); +inf when attention over the loaded
-    context alone outruns the link (never transfer-bound)."""
-    if m.active_parameters is None:
-        return None
-    d = m.attention_width or m.hidden_size
-    if d is None:
-        return None
-    B, F, L, P = hw.host_device_bytes_per_second, hw.flops_per_second, m.layers, fresh_tokens
-    den = m.kv_bytes_per_token * F - 4.0 * L * d * P * B
-    if den <= 0:
-        return math.inf
-    return (2.0 * m.active_parameters + 2.0 * L * d * P) * B / den
 
 
 def breakeven_tokens(hidden_size: float, kv_width: float, dtype_bytes: float, flops_per_second: float,

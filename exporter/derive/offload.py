@@ -16,13 +16,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
-
 from exporter import rules
 from exporter.derive.pressure import rate_per_second
-from exporter.derive.window import WindowAggregate, as_aggregate, sum_delta
-from exporter.samples import Interval
 from exporter.keys import labelled_key
+from exporter.store import WindowAggregate
 
 # native connector (0.24+ / 0.26+), and the SimpleCPU connector's stores dropped because its pool was full
 FAILURE_KEYS = ("offload_allocation_failures", "offload_stores_skipped", "offload_stores_dropped_full")
@@ -34,7 +31,7 @@ class TransferRates:
     read_bytes_per_second: float | None
 
 
-def transfer_rates(x: WindowAggregate | Sequence[Interval]) -> TransferRates:
+def transfer_rates(x: WindowAggregate) -> TransferRates:
     return TransferRates(rate_per_second(x, "offload_store_bytes"),
                          rate_per_second(x, "offload_load_bytes"))
 
@@ -47,7 +44,7 @@ class TokenRates:
     read_tokens_per_second: float | None
 
 
-def token_rates(x: WindowAggregate | Sequence[Interval]) -> TokenRates:
+def token_rates(x: WindowAggregate) -> TokenRates:
     return TokenRates(rate_per_second(x, "offload_store_tokens"), rate_per_second(x, "offload_load_tokens"))
 
 
@@ -84,10 +81,10 @@ def residency(buffer_bytes: float | None, write_bytes_per_second: float | None) 
     return seconds if math.isfinite(seconds) else None
 
 
-def store_failures(x: WindowAggregate | Sequence[Interval]) -> float | None:
+def store_failures(x: WindowAggregate) -> float | None:
     """Allocation failures (0.26+) plus skipped stores (0.24+) plus the SimpleCPU connector's stores dropped
     with its pool full, in the window; None when none is exported."""
-    parts = [sum_delta(x, k) for k in FAILURE_KEYS]
+    parts = [x.delta(k) for k in FAILURE_KEYS]
     known = [p for p in parts if p is not None]
     return sum(known) if known else None
 
@@ -143,11 +140,10 @@ class TierFlows:
     residency_seconds: float | None = None  # configured capacity / write rate
 
 
-def tier_flows(x: WindowAggregate | Sequence[Interval], capacities: dict[str, float] | None = None,
+def tier_flows(agg: WindowAggregate, capacities: dict[str, float] | None = None,
                p99_tool_latency_seconds: float = rules.P99_TOOL_LATENCY.default) -> tuple[TierFlows, ...]:
     """Every tier that carries a tiering counter in the window, sorted by tier label; ``capacities``: the
     configured bytes of each tier."""
-    agg = as_aggregate(x)
     keys = agg.keys()
     tiers = sorted({k.split("@", 1)[1] for k in keys if k.startswith(("tier_write_bytes@", "tier_read_bytes@",
                                                                        "tier_chunk_queries@", "tier_job_failures@"))})

@@ -20,20 +20,16 @@ among them, and F(b) requests preempted at most b times for each bucket bound b.
 from __future__ import annotations
 
 import math
-from typing import Sequence
-
-from exporter.derive.window import WindowAggregate, as_aggregate
-from exporter.samples import Interval
 from exporter.keys import labelled
+from exporter.store import WindowAggregate
 
 QUANTILES = (0.5, 0.99)
 _LE = "preemption_hist_le"
 
 
-def histogram(x: WindowAggregate | Sequence[Interval]) -> tuple[float, float, list[tuple[float, float]]] | None:
+def histogram(agg: WindowAggregate) -> tuple[float, float, list[tuple[float, float]]] | None:
     """(N, S, [(bound, F(bound)) for the finite bounds, ascending]) over the window; None without the
     histogram, without a finished request, or when the window's deltas are not a histogram."""
-    agg = as_aggregate(x)
     n, s = agg.delta("preemption_hist_count"), agg.delta("preemption_hist_sum")
     if n is None or s is None or n <= 0:
         return None

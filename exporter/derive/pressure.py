@@ -2,41 +2,34 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from exporter.quantile import quantile
+from exporter.store import WindowAggregate
 
-from exporter.derive.window import WindowAggregate, as_aggregate, interpolate_sorted, seconds_with, sum_delta
-from exporter.samples import Interval
-
-
-def quantile(values: Sequence[float], q: float) -> float | None:
-    """q-quantile with linear interpolation between closest ranks, as PromQL's quantile_over_time does."""
-    if not values:
-        return None
-    return interpolate_sorted(sorted(values), q)
+__all__ = ["quantile", "kv_usage_quantile", "above_threshold", "rate_per_second", "labelled_per_minute",
+           "preemption_onset"]
 
 
-def kv_usage_quantile(x: WindowAggregate | Sequence[Interval], q: float) -> float | None:
+def kv_usage_quantile(x: WindowAggregate, q: float) -> float | None:
     """Quantile of vllm:kv_cache_usage_perc over the window's dense (tick) samples."""
-    return as_aggregate(x).quantile("kv_usage", q)
+    return x.quantile("kv_usage", q)
 
 
 def above_threshold(p95: float | None, threshold: float) -> bool | None:
     return None if p95 is None else p95 > threshold
 
 
-def rate_per_second(x: WindowAggregate | Sequence[Interval], key: str) -> float | None:
+def rate_per_second(x: WindowAggregate, key: str) -> float | None:
     """Counter increase per second over the intervals that carry the counter; None without any."""
-    seconds = seconds_with(x, key)
-    total = sum_delta(x, key)
+    seconds = x.seconds_with(key)
+    total = x.delta(key)
     if total is None or seconds <= 0:
         return None
     return total / seconds
 
 
-def labelled_per_minute(x: WindowAggregate | Sequence[Interval], prefix: str) -> dict[str, float] | None:
+def labelled_per_minute(agg: WindowAggregate, prefix: str) -> dict[str, float] | None:
     """{label value: increase per minute} of a labelled counter family (sources/engine.py
     LABELLED_COUNTER_KEYS, e.g. admission_rejections by reason); None when the family is not exported."""
-    agg = as_aggregate(x)
     head = prefix + "@"
     out = {k[len(head):]: r * 60.0 for k in agg.keys() if k.startswith(head)
            for r in (rate_per_second(agg, k),) if r is not None}

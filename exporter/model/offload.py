@@ -12,13 +12,14 @@ from exporter.derive import economics, kappa, offload
 from exporter.derive.energy import prompt_attribution
 from exporter.figures import BufferFigures, KappaFigures, SavingFigure, WindowFigures
 from exporter.offload import profile as profile_mod
+from exporter.sources import model_config
 
 
 @dataclass(frozen=True)
 class OffloadSetup:
     """What a server's configuration fixes: model and hardware parameters, kappa_crit, the OFF profile."""
 
-    model: kappa.ModelParams | None
+    model: model_config.ModelParams | None
     hardware: kappa.HardwareParams | None
     kappa: KappaFigures
     profile: profile_mod.Profile | None
@@ -26,7 +27,7 @@ class OffloadSetup:
 
 def setup(s: ServerConfig) -> OffloadSetup:
     """Raises ConfigError for an unreadable config.json or profile (the daemon exits 2 at start-up)."""
-    model = kappa.model_params(s.model_config_path, s.model)
+    model = model_config.model_params(s.model_config_path, s.model)
     hw = kappa.hardware_params(s.hardware)
     crit = kappa.critical(model, hw) if model and hw else None
     be = kappa.breakeven(model, hw) if model and hw else None

@@ -30,7 +30,7 @@ from typing import Iterable
 from exporter.derive import pressure, recompute
 from exporter.derive.threshold import (Evidence, LocatedThreshold, PressurePoint, classify, locate, locate_why,
                                        quantile_bounds, taxed)
-from exporter.derive.window import WindowAggregate
+from exporter.store import WindowAggregate
 from exporter.model import epoch as epochs
 
 log = logging.getLogger("kvwatt.pressure")

@@ -8,13 +8,12 @@ from typing import Mapping
 from exporter.config import Config, ServerConfig, format_window, redacted_url
 from exporter.derive import collapse, economics, kappa, offload, preemption, pressure, recompute
 from exporter.derive import energy as derive_energy
-from exporter.derive.window import WindowAggregate, covered_seconds
 from exporter.figures import EnergyFigure, ServerFigures, WindowFigures
 from exporter.model import offload as offload_figures
 from exporter.model import pressure as pressure_model
 from exporter.samples import EngineReading, SourceStatus, EngineInfo
 from exporter.keys import labelled
-from exporter.store import ServerHistory
+from exporter.store import ServerHistory, WindowAggregate
 
 SCOPES = ("gpu", "host")
 
@@ -78,7 +77,7 @@ class ServerModel:
         per_minute = None if per_second is None else per_second * 60.0
         if (agg.delta("preemptions") or 0.0) > pressure_model.plausible_preemptions(agg):
             per_minute = None  # a counter glitch says nothing about the regime either
-        onset = pressure.preemption_onset(per_minute, covered_seconds(agg), seconds,
+        onset = pressure.preemption_onset(per_minute, agg.covered_seconds, seconds,
                                           self.cfg.preemption_onset_per_minute)
         flag = pressure_model.regime(p, pl.threshold, self._regime.get(seconds))
         flag = self._regime[seconds] = pressure_model.contradicted(flag, per_minute, onset, pl.use_located)
@@ -114,7 +113,7 @@ class ServerModel:
     def window(self, now: float, seconds: float, peers: Mapping[str, "ServerModel"]) -> WindowFigures:
         cfg = self.cfg
         agg: WindowAggregate = self.history.aggregate(seconds)
-        covered = covered_seconds(agg)
+        covered = agg.covered_seconds
         if agg.n == 0:
             return WindowFigures(window=format_window(seconds), seconds=seconds, covered_seconds=covered)
         p95_interval = self._p95.get(seconds) or pressure_model.p95_of(agg)  # learn() computed it this tick

@@ -24,6 +24,7 @@ from exporter import atomic
 from exporter.config import ConfigError, ServerConfig, is_finite, read_json, shown
 from exporter.derive.economics import DEFAULT_BANDS, BandProfile, build_bands, window_stats
 from exporter.samples import EngineInfo, Interval
+from exporter.store import buckets_of
 
 FORMAT = "kvwatt-offload-profile"
 VERSION = 1
@@ -53,7 +54,7 @@ def build_profile(intervals: Sequence[Interval], info: EngineInfo | None, server
     also has an idle baseline, else total."""
     with_energy = [iv for iv in intervals if "gpu" in iv.energy_joules]
     marginal = bool(with_energy) and all("gpu" in iv.idle_joules for iv in with_energy)
-    windows = window_stats(intervals, window_seconds, "gpu", marginal=marginal)
+    windows = window_stats(buckets_of(intervals, window_seconds), window_seconds, "gpu", marginal=marginal)
     return Profile(
         server=server.name, model_name=info.model_name if info else "",
         offload_enabled=info.offload_enabled if info else None,

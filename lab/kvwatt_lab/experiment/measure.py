@@ -27,12 +27,12 @@ from exporter.derive import energy as derive_energy
 from exporter.derive.offload import store_failures, transfer_rates
 from exporter.derive.pressure import kv_usage_quantile, rate_per_second
 from exporter.derive.recompute import mfu_view, token_counts, token_shares
-from exporter.derive.window import covered_seconds, gauge_values, sum_delta
 from exporter.energy.baseline import IdleAccumulator
 from kvwatt_lab.experiment.plan import Plan
 from exporter.model import Model
 from exporter.model.energy import SCOPES, is_idle
 from exporter.samples import Interval, Tick
+from exporter.store import WindowAggregate, aggregate_of, gauge_values
 from exporter.sampler import MIN_DEADLINE_SECONDS, Sampler
 
 SERVER_NAME = "server"
@@ -182,11 +182,11 @@ class RunSampler:
 # ------------------------------------------------------------------------------------------------------
 # figures of a window
 # ------------------------------------------------------------------------------------------------------
-def energy_figures(intervals: Sequence[Interval], scope: str, min_load_seconds: float) -> dict | None:
-    w = derive_energy.window_energy(intervals, scope)
+def energy_figures(agg: WindowAggregate, scope: str, min_load_seconds: float) -> dict | None:
+    w = derive_energy.window_energy(agg, scope)
     if w is None:
         return None
-    figure = derive_energy.per_token(intervals, scope, min_load_seconds)
+    figure = derive_energy.per_token(agg, scope, min_load_seconds)
     note = "" if figure is not None else (
         "no generated tokens" if w.tokens <= 0 else f"only {w.loaded_seconds:.1f} s of load (< min_load)")
     return {"energy_joules": w.energy_joules, "idle_joules": w.idle_joules, "tokens": w.tokens,
@@ -197,30 +197,31 @@ def energy_figures(intervals: Sequence[Interval], scope: str, min_load_seconds: 
 
 
 def window_figures(intervals: Sequence[Interval], min_load_seconds: float) -> dict:
-    covered = covered_seconds(intervals)
+    agg = aggregate_of(intervals)
+    covered = agg.covered_seconds
     # per second of the intervals that carry the counter, as the daemon's kvwatt_preemptions_per_minute
-    preemptions_per_second = rate_per_second(intervals, "preemptions")
-    generated = sum_delta(intervals, "generation_tokens")
-    preemptions = sum_delta(intervals, "preemptions")
-    counts = token_counts(intervals)
+    preemptions_per_second = rate_per_second(agg, "preemptions")
+    generated = agg.delta("generation_tokens")
+    preemptions = agg.delta("preemptions")
+    counts = token_counts(agg)
     kv = gauge_values(intervals, "kv_usage")
-    flops_per_second, flops_per_token = mfu_view(intervals, generated)
-    rates = transfer_rates(intervals)
+    flops_per_second, flops_per_token = mfu_view(agg, generated)
+    rates = transfer_rates(agg)
     return {
         "covered_seconds": covered, "intervals": len(intervals),
-        "kv_usage_p95_ratio": kv_usage_quantile(intervals, 0.95), "kv_usage_max_ratio": max(kv) if kv else None,
+        "kv_usage_p95_ratio": kv_usage_quantile(agg, 0.95), "kv_usage_max_ratio": max(kv) if kv else None,
         "kv_samples": len(kv),
         "preemptions": preemptions,
         "preemptions_per_minute": None if preemptions_per_second is None else preemptions_per_second * 60.0,
-        "generation_tokens": generated, "prompt_tokens": sum_delta(intervals, "prompt_tokens"),
-        "tokens_per_second": rate_per_second(intervals, "generation_tokens"),
+        "generation_tokens": generated, "prompt_tokens": agg.delta("prompt_tokens"),
+        "tokens_per_second": rate_per_second(agg, "generation_tokens"),
         "prompt_tokens_by_source": counts, "prompt_token_shares": token_shares(counts),
         "flops_per_generated_token": flops_per_token,
         # offload tier traffic (methods.md s6): the report checks residency = buffer / write rate
         "offload_write_bytes_per_second": rates.write_bytes_per_second,
         "offload_read_bytes_per_second": rates.read_bytes_per_second,
-        "offload_store_failures": store_failures(intervals),
-        "energy": {s: f for s in SCOPES if (f := energy_figures(intervals, s, min_load_seconds)) is not None},
+        "offload_store_failures": store_failures(agg),
+        "energy": {s: f for s in SCOPES if (f := energy_figures(agg, s, min_load_seconds)) is not None},
     }
 
 

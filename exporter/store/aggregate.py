@@ -1,4 +1,5 @@
-"""Window helpers shared by every derivation, and the incremental ``WindowAggregate``.
+"""The incremental ``WindowAggregate``: what every derivation reads a window through (docs/architecture.md
+"Windows").
 
 A ``WindowAggregate`` keeps running sums over the intervals it holds: per counter key (sum of deltas, number of
 intervals carrying it, seconds they cover), per energy scope (the same sums restricted to the intervals with an
@@ -12,17 +13,17 @@ to 0.0), a key whose held values are all zero reads exactly 0.0, and every ``max
 removals every sum is recomputed from the held intervals (amortized O(1)), so add/subtract drift stays bounded
 however long the stream runs.
 
-Every helper below (and every derivation in ``derive/``) takes either an aggregate or a plain sequence of
-Intervals (tests, one-off computations).
+Every derivation in ``derive/`` takes an aggregate (or a scope's sums); a one-off list of intervals becomes
+one through ``aggregate_of``.
 """
 
 from __future__ import annotations
 
-import math
 from bisect import bisect_left, insort
 from collections import deque
-from typing import Any, Iterable, Iterator
+from typing import Iterable, Iterator
 
+from exporter.quantile import interpolate_sorted
 from exporter.samples import Interval
 
 ORDERED_GAUGES = ("kv_usage", "pending")
@@ -45,15 +46,6 @@ def ordered_gauge_values(iv: Interval) -> Iterator[tuple[str, float]]:
     r, w = g.get("running"), g.get("waiting")
     if r is not None and w is not None:
         yield "pending", r + w
-
-
-def interpolate_sorted(s: list[float], q: float) -> float | None:
-    """q-quantile of an already sorted list, linear interpolation between closest ranks (PromQL)."""
-    if not s:
-        return None
-    rank = q * (len(s) - 1)
-    lo, hi = math.floor(rank), math.ceil(rank)
-    return s[lo] + (s[hi] - s[lo]) * (rank - lo)
 
 
 def _acc(a: list, i: int, x: float) -> None:
@@ -324,7 +316,7 @@ class WindowAggregate(_Sums):
         return sorted(gauge_values(self.intervals, key))
 
     def quantile(self, gauge_key: str, q: float) -> float | None:
-        """Like derive.pressure.quantile over the gauge's values (PromQL quantile_over_time)."""
+        """exporter.quantile.quantile over the gauge's values (PromQL quantile_over_time)."""
         return interpolate_sorted(self.sorted_gauge(gauge_key), q)
 
     def gauge_min(self, key: str) -> float | None:
@@ -344,46 +336,8 @@ def aggregate_of(intervals: Iterable[Interval]) -> WindowAggregate:
     return WindowAggregate(intervals)
 
 
-def is_aggregate(x: Any) -> bool:
-    """An aggregate or an aggregate-like view (a scope's sums): anything with ``delta``."""
-    return hasattr(x, "delta") and hasattr(x, "seconds_with")
-
-
-def as_aggregate(x: Any) -> Any:
-    """``x`` itself when it is already an aggregate (or a scope's sums), else ``aggregate_of(x)``."""
-    return x if is_aggregate(x) else aggregate_of(x)
-
-
-def covered_seconds(x: Any) -> float:
-    """Seconds of gap-free samples in the window (each interval counted once)."""
-    if is_aggregate(x):
-        return x.covered_seconds
-    return sum(iv.seconds for iv in x)
-
-
-def sum_delta(x: Any, key: str) -> float | None:
-    """Sum of a counter's increases, or None when no interval carries that counter (series not exported)."""
-    if is_aggregate(x):
-        return x.delta(key)
-    total, seen = 0.0, False
-    for iv in x:
-        d = iv.deltas.get(key)
-        if d is not None:
-            total, seen = total + d, True
-    return total if seen else None
-
-
-def seconds_with(x: Any, key: str) -> float:
-    """Seconds covered by intervals that carry ``key``: the denominator matching sum_delta."""
-    if is_aggregate(x):
-        return x.seconds_with(key)
-    return sum(iv.seconds for iv in x if key in iv.deltas)
-
-
-def gauge_values(x: Any, key: str) -> list[float]:
-    """The gauge's values in time order (an aggregate: O(n), from its held intervals)."""
-    if isinstance(x, WindowAggregate):
-        x = x.intervals
+def gauge_values(x: Iterable[Interval], key: str) -> list[float]:
+    """The gauge's values in time order over intervals (an aggregate iterates its held ones: O(n))."""
     if key == "pending":
         return [iv.gauges["running"] + iv.gauges["waiting"] for iv in x
                 if "running" in iv.gauges and "waiting" in iv.gauges]

@@ -13,139 +13,22 @@ successful read, so an interval that spans a missed vLLM read still carries the 
 
 Windows are incremental (docs/architecture.md "Windows"): each registered window length keeps a
 WindowAggregate that intervals enter as they are appended and leave when ``advance(now)`` slides it, and each
-registered grid width keeps fixed buckets [k*W, (k+1)*W) of the shared monotonic clock, closed once ``now``
+registered grid width keeps the fixed buckets of store/buckets.py (the one grid rule), closed once ``now``
 reaches their end. ``window(now, seconds)`` still returns the plain list (O(history)).
 """
 
 from __future__ import annotations
 
 import logging
-import math
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Iterable
 
-from exporter.derive.window import WindowAggregate, aggregate_of
-from exporter.samples import DeviceReading, Interval, EngineReading
+from exporter.samples import EngineReading, Interval
+from exporter.store.aggregate import WindowAggregate, aggregate_of
+from exporter.store.buckets import Bucket, Grid, buckets_of
+from exporter.store.deltas import EnergyAccumulator, engine_deltas, reset_engines
 
 log = logging.getLogger("kvwatt.store")
-
-
-def counter_deltas(prev: dict[str, float], cur: dict[str, float], restarted: bool) -> dict[str, float]:
-    """One engine's counter increases since its previous reading. A counter seen for the first time, or one
-    that went down, re-bases: no delta (a decrease is a reset or a partial sum, and its value is not an
-    increase we can trust). After a whole-server restart (``restarted``) every value is its increase."""
-    out = {}
-    for key, value in cur.items():
-        before = prev.get(key)
-        if before is None:
-            continue  # first sight of this counter: no interval yet
-        if restarted:
-            out[key] = value
-        elif value >= before:
-            out[key] = value - before
-    return out
-
-
-def engine_deltas(prev: dict[str, dict[str, float]], cur: dict[str, dict[str, float]],
-                  restarted: bool) -> dict[str, float]:
-    """The server's counter increases: per key, the sum of each engine's own increase (``counter_deltas``).
-    Engines missing from ``cur`` contribute nothing; a key no engine gives an increase for is absent."""
-    total: dict[str, float] = {}
-    for engine, counters in cur.items():
-        for key, d in counter_deltas(prev.get(engine, {}), counters, restarted).items():
-            total[key] = total[key] + d if key in total else d
-    return total
-
-
-def reset_engines(prev: dict[str, dict[str, float]], cur: dict[str, dict[str, float]]) -> list[str]:
-    """Engines with a counter that went down since the previous reading."""
-    return [e for e, counters in cur.items()
-            if any(v < prev[e][k] for k, v in counters.items() if k in prev.get(e, {}))]
-
-
-@dataclass
-class EnergyAccumulator:
-    """Energy (and idle energy) per scope since the server's last successful read; None once a gap hit."""
-
-    joules: dict[str, float | None] = field(default_factory=dict)
-    idle_joules: dict[str, float | None] = field(default_factory=dict)
-
-    def add(self, scope: str, joules: float | None, idle: float | None) -> None:
-        for target, value in ((self.joules, joules), (self.idle_joules, idle)):
-            if scope in target and target[scope] is None:
-                continue
-            target[scope] = None if value is None else target.get(scope, 0.0) + value
-
-    def take(self) -> tuple[dict[str, float], dict[str, float]]:
-        e = {k: v for k, v in self.joules.items() if v is not None}
-        i = {k: v for k, v in self.idle_joules.items() if v is not None and k in e}
-        self.joules, self.idle_joules = {}, {}
-        return e, i
-
-
-@dataclass(frozen=True)
-class Bucket:
-    """One fixed-grid repeat window [t0, t1) of the shared monotonic clock (t0 = k * width) and the aggregate
-    of the intervals that ended in it (bucket k = floor((t1 - 1e-9) / width))."""
-
-    t0: float
-    t1: float
-    agg: WindowAggregate
-
-
-def bucket_index(t1: float, width: float) -> int:
-    return math.floor((t1 - 1e-9) / width)
-
-
-class _Grid:
-    """Buckets of one width: the ones still open (intervals may still arrive) and the completed ones."""
-
-    def __init__(self, width: float) -> None:
-        self.width = width
-        self.open: dict[int, WindowAggregate] = {}
-        self.done: deque[Bucket] = deque()
-
-    def add(self, iv: Interval) -> None:
-        k = bucket_index(iv.t1, self.width)
-        agg = self.open.get(k)
-        if agg is None:
-            for b in reversed(self.done):  # a late interval for a bucket already closed (rare): join it
-                if abs(b.t0 - k * self.width) < 1e-9:
-                    b.agg.add(iv)
-                    return
-                if b.t0 < k * self.width:
-                    break
-            agg = self.open[k] = WindowAggregate()
-        agg.add(iv)
-
-    def close(self, now: float) -> None:
-        if not self.open:
-            return
-        for k in sorted(self.open):
-            t0, t1 = k * self.width, (k + 1) * self.width
-            if t1 > now + 1e-9:
-                break
-            b = Bucket(t0, t1, self.open.pop(k))
-            if self.done and self.done[-1].t0 > t0:  # out of order (late interval): keep time order
-                items = sorted([*self.done, b], key=lambda x: x.t0)
-                self.done = deque(items)
-            else:
-                self.done.append(b)
-
-    def trim(self, oldest_t1: float) -> None:
-        while self.done and self.done[0].t1 < oldest_t1:
-            self.done.popleft()
-
-    def completed(self, start: float, end: float) -> list[Bucket]:
-        out = []
-        for b in reversed(self.done):
-            if b.t1 < start:
-                break
-            if b.t0 >= start - 1e-9 and b.t1 <= end + 1e-9:
-                out.append(b)
-        out.reverse()
-        return out
 
 
 class ServerHistory:
@@ -165,7 +48,7 @@ class ServerHistory:
         self.restarts = 0
         self.now: float | None = None  # time of the last advance()
         self._windows: dict[float, WindowAggregate] = {float(w): WindowAggregate() for w in windows}
-        self._grids: dict[float, _Grid] = {float(w): _Grid(float(w)) for w in grids}
+        self._grids: dict[float, Grid] = {float(w): Grid(float(w)) for w in grids}
 
     @property
     def windows(self) -> tuple[float, ...]:
@@ -284,45 +167,4 @@ class ServerHistory:
             return grid.completed(start, end)
         if self.now is None:
             return []
-        tmp = _Grid(float(width))
-        for iv in self.intervals:
-            tmp.add(iv)
-        tmp.close(self.now)
-        return tmp.completed(start, end)
-
-
-class DeviceTracker:
-    """Per-device joules between ticks from the sources' corrected cumulative counters."""
-
-    def __init__(self) -> None:
-        self.last: dict[str, float] = {}
-        self.last_read_at: dict[str, float | None] = {}
-
-    def deltas(self, readings: list[DeviceReading]) -> dict[str, float | None]:
-        """device -> joules since the previous tick, or None when that device has no sample for the step."""
-        out: dict[str, float | None] = {}
-        for r in readings:
-            prev = self.last.get(r.device)
-            if r.joules_total is None:
-                out[r.device] = None
-                self.last.pop(r.device, None)  # re-base on the next good read: no catch-up delta
-                self.last_read_at.pop(r.device, None)
-                continue
-            if prev is None or not r.continuous or r.joules_total < prev:
-                out[r.device] = None
-            else:
-                out[r.device] = r.joules_total - prev
-            self.last[r.device], self.last_read_at[r.device] = r.joules_total, r.read_at
-        return out
-
-    def spans(self, readings: list[DeviceReading]) -> dict[str, tuple[float, float] | None]:
-        """device -> (joules, seconds) since its previous reading, the seconds taken between the two readings'
-        own read_at (energy and time over the same interval), or None when the step has no sample."""
-        before = dict(self.last_read_at)
-        deltas = self.deltas(readings)
-        out: dict[str, tuple[float, float] | None] = {}
-        for r in readings:
-            d, prev_at = deltas[r.device], before.get(r.device)
-            ok = d is not None and r.read_at is not None and prev_at is not None
-            out[r.device] = (d, r.read_at - prev_at) if ok else None
-        return out
+        return buckets_of(self.intervals, width, start, min(end, self.now))

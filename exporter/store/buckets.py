@@ -1,0 +1,98 @@
+"""The one fixed-grid bucket rule (docs/architecture.md "Windows").
+
+Buckets are [k*W, (k+1)*W) of the shared monotonic clock, anchored at 0, so two servers read by the same
+daemon tick have the same buckets. An interval belongs to the bucket its end falls in:
+k = floor((t1 - 1e-9) / W), i.e. t1 in (k*W, (k+1)*W]. A bucket is complete once ``now`` reaches its end.
+Used by the dE/dTPS repeat windows (methods.md s2), the collapse reference (s5) and the KV-pressure
+evidence windows (s10): ServerHistory keeps one ``Grid`` per registered width; ``buckets_of`` cuts the same
+buckets from a list once (a recorded run, an unregistered width).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+from typing import Iterable
+
+from exporter.samples import Interval
+from exporter.store.aggregate import WindowAggregate
+
+EPS = 1e-9  # clock slack: a tick landing on a bucket's edge belongs to the bucket it ends
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """One fixed-grid window [t0, t1) of the shared monotonic clock (t0 = k * width) and the aggregate of
+    the intervals that ended in it."""
+
+    t0: float
+    t1: float
+    agg: WindowAggregate
+
+
+def bucket_index(t1: float, width: float) -> int:
+    """The bucket k an interval ending at ``t1`` belongs to: t1 in (k*W, (k+1)*W]."""
+    return math.floor((t1 - EPS) / width)
+
+
+class Grid:
+    """Buckets of one width: the ones still open (intervals may still arrive) and the completed ones."""
+
+    def __init__(self, width: float) -> None:
+        self.width = width
+        self.open: dict[int, WindowAggregate] = {}
+        self.done: deque[Bucket] = deque()
+
+    def add(self, iv: Interval) -> None:
+        k = bucket_index(iv.t1, self.width)
+        agg = self.open.get(k)
+        if agg is None:
+            for b in reversed(self.done):  # a late interval for a bucket already closed (rare): join it
+                if abs(b.t0 - k * self.width) < EPS:
+                    b.agg.add(iv)
+                    return
+                if b.t0 < k * self.width:
+                    break
+            agg = self.open[k] = WindowAggregate()
+        agg.add(iv)
+
+    def close(self, now: float) -> None:
+        """Complete every open bucket that ends by ``now``."""
+        if not self.open:
+            return
+        for k in sorted(self.open):
+            t0, t1 = k * self.width, (k + 1) * self.width
+            if t1 > now + EPS:
+                break
+            b = Bucket(t0, t1, self.open.pop(k))
+            if self.done and self.done[-1].t0 > t0:  # out of order (late interval): keep time order
+                self.done = deque(sorted([*self.done, b], key=lambda x: x.t0))
+            else:
+                self.done.append(b)
+
+    def trim(self, oldest_t1: float) -> None:
+        while self.done and self.done[0].t1 < oldest_t1:
+            self.done.popleft()
+
+    def completed(self, start: float, end: float) -> list[Bucket]:
+        """Completed buckets lying wholly inside [start, end], in time order."""
+        out = []
+        for b in reversed(self.done):
+            if b.t1 < start:
+                break
+            if b.t0 >= start - EPS and b.t1 <= end + EPS:
+                out.append(b)
+        out.reverse()
+        return out
+
+
+def buckets_of(intervals: Iterable[Interval], width: float, start: float = -math.inf,
+               end: float = math.inf) -> list[Bucket]:
+    """The grid's buckets over ``intervals`` (oldest first) lying wholly inside [start, end]; a bucket no
+    interval ended in is missing, not empty. O(len(intervals))."""
+    grid = Grid(float(width))
+    for iv in intervals:
+        grid.add(iv)
+    grid.close(end)
+    return grid.completed(start, end)
