@@ -10,7 +10,7 @@ import requests
 
 from tests.conftest import FIXTURES
 from tests.support.daemon import KvwattDaemon, free_port
-from tests.support.httpserver import MetricsServer
+from tests.support.loopback import MetricsServer
 
 LOW = [p.read_text() for p in sorted((FIXTURES / "low-pressure").glob("*.prom"))]
 

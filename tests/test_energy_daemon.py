@@ -12,7 +12,7 @@ import pytest
 
 from tests.support.daemon import KvwattDaemon
 from tests.support.fake_gpus import FakeGpus
-from tests.support.httpserver import MetricsServer
+from tests.support.loopback import MetricsServer
 from tests.support.powercap import ConstantPower, PowercapTree
 
 A, B = "GPU-aaaa-e2e", "GPU-bbbb-e2e"

@@ -14,7 +14,7 @@ import pytest
 
 from exporter.energy.baseline import STATE_FILE
 from tests.support.fake_gpus import FakeGpus
-from tests.support.httpserver import MetricsServer
+from tests.support.loopback import MetricsServer
 from tests.support.powercap import ConstantPower, PowercapTree
 
 REPO = Path(__file__).resolve().parents[1]

@@ -27,7 +27,7 @@ from exporter.build import build_info
 from tests.conftest import FIXTURES
 from tests.support import prom
 from tests.support.daemon import KvwattDaemon
-from tests.support.httpserver import MetricsServer
+from tests.support.loopback import MetricsServer
 
 PATH = "/exposition"  # --web.telemetry-path: every request below goes there
 OPENMETRICS = "application/openmetrics-text; version=1.0.0"

@@ -40,7 +40,7 @@ from tests.support.browser import Chromium
 from tests.support.daemon import KvwattDaemon
 from tests.support.engine import free_port
 from tests.support.fake_gpus import FakeGpus
-from tests.support.fakevllm import FakeVllm
+from tests.support.loopback import FakeVllm
 
 SCREENSHOTS = os.environ.get("KVWATT_SCREENSHOTS")  # a directory: write the README's screenshots there
 COLLAPSE_TICKS, STEADY_SECONDS = 240, 170.0
@@ -247,7 +247,7 @@ async def _collapse(tmp_path):
 
 # --- the page of a `kvwatt run` subprocess ---------------------------------------------------------------------
 def test_page_of_kvwatt_run_refreshes_in_chromium(tmp_path):
-    """The whole path in real time: a simulated offloading vLLM on loopback (tests/support/fakevllm.py), the NVML
+    """The whole path in real time: a simulated offloading vLLM on loopback (tests/support/loopback.py), the NVML
     double driven by it, `kvwatt run` as a subprocess, chromium loading `/` before the figures exist and
     following them as the page refreshes itself."""
     gpus = FakeGpus(tmp_path / "gpus.json")

@@ -1,5 +1,5 @@
 """`kvwatt replay` against a server that is down, comes back, or whose sessions the context cap cuts, over real
-HTTP on loopback: a closed port is "down", tests/support/fake_openai_server.py is the server.
+HTTP on loopback: a closed port is "down", tests/support/loopback.py is the server.
 
 - a server that is down at the start is named unreachable (with its redacted URL), not "pass --model";
 - one that answers /v1/models without a model list asks for --model;

@@ -15,7 +15,7 @@ import yaml
 
 from tests.support import vllm_sim as sim
 from tests.support.daemon import KvwattDaemon
-from tests.support.fakevllm import FakeVllm
+from tests.support.loopback import FakeVllm
 from tests.support.tls import Pki
 
 FD_LIMIT = 256

@@ -16,7 +16,7 @@ from exporter.config import ConfigError
 from tests.support import prom
 from tests.support import vllm_sim as sim
 from tests.support.daemon import REPO, KvwattDaemon, free_port
-from tests.support.fakevllm import FakeVllm
+from tests.support.loopback import FakeVllm
 from tests.support.tls import Pki
 
 USER, PASSWORD = "prometheus", "s3cret-Pa55"
