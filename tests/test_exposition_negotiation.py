@@ -180,6 +180,7 @@ class HeaderRecorder:
         self.httpd.server_close()
 
 
+@pytest.mark.prom
 def test_prometheus_scrapes_it_and_its_own_accept_headers_get_openmetrics_gzipped(kvwatt, tmp_path):
     assert shutil.which("prometheus"), f"prometheus missing: {prom.INSTALL_HINT}"
     recorder = HeaderRecorder()

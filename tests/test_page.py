@@ -25,6 +25,7 @@ import os
 from pathlib import Path
 
 import aiohttp
+import pytest
 
 from exporter.serve import page
 from exporter.daemon import Daemon
@@ -102,6 +103,7 @@ def _pct(x: float, signed: bool = False) -> str:
 
 
 # --- (a) offload ON -------------------------------------------------------------------------------------------
+@pytest.mark.browser
 def test_offload_on_page_in_chromium(tmp_path):
     asyncio.run(_offload_on(tmp_path))
 
@@ -204,6 +206,7 @@ def _collapse_scenario(tmp_path) -> golden.Scenario:
     return golden.Scenario(tmp_path, mapping, inputs, gpus={"stalled": gpu})
 
 
+@pytest.mark.browser
 def test_collapse_page_in_chromium(tmp_path):
     asyncio.run(_collapse(tmp_path))
 
@@ -246,6 +249,7 @@ async def _collapse(tmp_path):
 
 
 # --- the page of a `kvwatt run` subprocess ---------------------------------------------------------------------
+@pytest.mark.browser
 def test_page_of_kvwatt_run_refreshes_in_chromium(tmp_path):
     """The whole path in real time: a simulated offloading vLLM on loopback (tests/support/loopback.py), the NVML
     double driven by it, `kvwatt run` as a subprocess, chromium loading `/` before the figures exist and

@@ -41,6 +41,7 @@ def web_config(path, pki, users=None, **tls):
     return path
 
 
+@pytest.mark.prom
 def test_prometheus_scrapes_kvwatt_over_https_with_basic_auth(tmp_path, pki, password_hash):
     prom.require_binaries()
     wc = web_config(tmp_path / "web.yml", pki, {USER: password_hash})
