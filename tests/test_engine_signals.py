@@ -9,6 +9,7 @@ import threading
 import pytest
 
 from exporter.derive.pressure import quantile
+from exporter.derive.threshold import quantile_bounds
 from exporter.sources.expfmt import parse
 from exporter.sources.vllm import extract
 from tests.support.daemon import KvwattDaemon
@@ -24,11 +25,11 @@ def counters(engine):
 
 
 class UsageSampler:
-    """The engine's own vllm:kv_cache_usage_perc, read beside kvwatt at kvwatt's interval: the reference for
-    kvwatt's p95 (how often the small cache is full depends on how the sessions' turns overlap, which the
-    machine's load decides; the reference sees the same run)."""
+    """The engine's own vllm:kv_cache_usage_perc, read beside kvwatt (every 0.1 s, as fast as the engine
+    answers): the reference for kvwatt's p95 (how often the small cache is full depends on how the sessions'
+    turns overlap, which the machine's load decides; the reference sees the same run)."""
 
-    def __init__(self, engine, interval_seconds: float = 0.25):
+    def __init__(self, engine, interval_seconds: float = 0.1):
         self.engine, self.interval_seconds, self.values = engine, interval_seconds, []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -74,7 +75,8 @@ def run_condition(model_dir, blocks, reference=None):
                 return rate is not None and abs(rate * cov - want) < 0.5
             d.wait_for(caught_up, timeout=30, what="kvwatt caught up with the engine")
             m = {k: d.value(k, server="local", window="10m") for k in (
-                "kvwatt_kv_cache_usage_p95_ratio", "kvwatt_kv_pressure_above_threshold",
+                "kvwatt_kv_cache_usage_p95_ratio", "kvwatt_kv_cache_usage_p95_lower_ratio",
+                "kvwatt_kv_cache_usage_p95_upper_ratio", "kvwatt_kv_pressure_above_threshold",
                 "kvwatt_preemptions_per_minute", "kvwatt_window_covered_seconds",
                 "kvwatt_recompute_tax_ratio", "kvwatt_estimated_flops_per_generated_token")}
             m["shares"] = {s: d.value("kvwatt_prompt_token_share_ratio", server="local", window="10m", source=s)
@@ -124,19 +126,27 @@ def test_local_compute_share_equals_the_engine_counter_deltas(large, small):
 
 
 def test_p95_above_the_threshold_only_with_the_small_cache(large, small):
-    """The large cache never comes near full; the small one fills, and kvwatt's p95 is the engine's own.
-    Whether that p95 passes 0.9 is the workload's timing (a CI run on a loaded machine measured 0.834, the
-    engine's series agreeing), so the flag is checked against the p95 it came from, not against a fixed 1."""
+    """The large cache never comes near full; the small one fills, and kvwatt's p95 is the engine's own. How
+    often the small cache is full is the workload's timing: its p95 over the ~10 s run was 0.834 on a loaded
+    CI machine and 0.913 here, so it is checked against the engine's own series from the same run, and the
+    flag against kvwatt's regime rule (methods.md s10), not against fixed numbers the machine's load decides."""
     (ml, _), (ms, _) = large, small
     assert ml["kvwatt_kv_cache_usage_p95_ratio"] < 0.9 and ml["kvwatt_kv_pressure_above_threshold"] == 0
-    p95, engine = ms["kvwatt_kv_cache_usage_p95_ratio"], ms["engine_kv_usage"]
+    p95, low, high = (ms[f"kvwatt_kv_cache_usage_p95{k}_ratio"] for k in ("", "_lower", "_upper"))
+    engine = ms["engine_kv_usage"]
+    assert len(engine) >= 20, engine
     assert max(engine) > 0.9  # the small cache did fill (two late-turn requests: 122 of 128 blocks)
     assert p95 > ml["kvwatt_kv_cache_usage_p95_ratio"]
-    # kvwatt's p95 against the engine's, sampled independently at the same interval: two samplings of one
-    # run agree to a few ranks, so the engine's p90..p99 brackets it whatever the overlap of turns was
-    engine_q = {q: quantile(engine, q) for q in (0.90, 0.95, 0.99)}
-    assert len(engine) > 40 and engine_q[0.90] <= p95 <= engine_q[0.99], (p95, len(engine), engine_q)
-    assert ms["kvwatt_kv_pressure_above_threshold"] == (p95 > ms["threshold"])  # methods.md s3
+    # two samplings of one run: kvwatt's ~95 % interval of the p95 and the engine series' own overlap
+    engine_low, engine_high = quantile_bounds(sorted(engine), 0.95)
+    assert low <= engine_high and engine_low <= high, ((low, p95, high), (engine_low, engine_high))
+    # the regime flips only when the p95's interval clears the threshold (model.pressure.regime); in between
+    # the previous regime holds, which a short run does not pin down
+    threshold = ms["threshold"]
+    if low > threshold:
+        assert ms["kvwatt_kv_pressure_above_threshold"] == 1
+    if high <= threshold:
+        assert ms["kvwatt_kv_pressure_above_threshold"] == 0
 
 
 def test_recompute_tax_and_the_mfu_view(large, small):
