@@ -2,7 +2,7 @@
 # `make test` installs everything the tests need and runs the whole suite.
 ARGS ?=
 
-.PHONY: run test bench generate check lab
+.PHONY: run test test-fast bench generate check lab
 
 run: .venv/.kvwatt-installed
 	.venv/bin/kvwatt run $(ARGS)
@@ -14,6 +14,11 @@ run: .venv/.kvwatt-installed
 
 test:
 	scripts/test.sh
+
+# the fast tier: everything but the real vLLM engine, Prometheus/Alertmanager binaries and chromium
+# (pytest markers, guarded by tests/support/tiers.py); installs like `make test`
+test-fast:
+	scripts/test.sh -m "not engine and not prom and not browser"
 
 # the lab (kvwatt replay, kvwatt experiment, reports with matplotlib): its own distribution in lab/
 lab: .venv/.kvwatt-installed

@@ -1,6 +1,6 @@
 """Shared helpers for the daemon benchmarks (not a benchmark itself: run_all only runs bench_*.py).
 
-- ``FixtureServers``: N loopback vLLM servers (tests/support/httpserver.MetricsServer serving the vLLM 0.32
+- ``FixtureServers``: N loopback vLLM servers (tests/support/loopback.MetricsServer serving the vLLM 0.32
   fixture) plus optional blackholed ones, in a child process (bench/fixture_servers.py) so they never share
   a GIL with the process being measured; ``counts()`` gives each server's request count.
 - ``fake_gpus``: the NVML test double's state with N GPUs whose energy reads cost what an H100's do.

@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.support.httpserver import MetricsServer  # noqa: E402
+from tests.support.loopback import MetricsServer  # noqa: E402
 
 
 def blackhole() -> tuple[str, socket.socket]:

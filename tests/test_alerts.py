@@ -283,6 +283,7 @@ def _alert(doc: dict, name: str) -> dict:
     return next(r for g in doc["groups"] for r in g["rules"] if r.get("alert") == name)
 
 
+@pytest.mark.prom
 def test_settings_change_thresholds_windows_and_for(tmp_path):
     overrides = tmp_path / "site.yaml"
     overrides.write_text("kv_pressure_threshold: 0.85\nwindow: 2m\n")

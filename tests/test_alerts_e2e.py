@@ -1,6 +1,6 @@
 """End to end on loopback: a collapse pages through PagerDuty Events v2 and resolves after recovery.
 
-The stack (tests/support/prom.py, fakevllm.py, daemon.py, fake_gpus.py):
+The stack (tests/support/prom.py, loopback.py, daemon.py, fake_gpus.py):
 - two simulated vLLM servers under high pressure with offloading on, on one host (``node="n1"``):
   ``box-a``, watched by a real ``kvwatt run``, and ``solo``, which kvwatt does not watch; both replay the
   collapse (methods.md s5) when the test says so, then recover. The host's one GPU (the NVML double) follows
@@ -37,7 +37,7 @@ from tests.support import prom
 from tests.support import vllm_sim as sim
 from tests.support.daemon import KvwattDaemon
 from tests.support.fake_gpus import FakeGpus
-from tests.support.fakevllm import FakeVllm
+from tests.support.loopback import FakeVllm
 
 pytestmark = pytest.mark.prom
 

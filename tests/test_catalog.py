@@ -31,7 +31,7 @@ from exporter.sources.nvml import NvmlSource
 from exporter.sources.rapl import RaplSource
 from tests import test_golden as golden
 from tests.support.fake_gpus import FakeGpus, load_fake_nvml
-from tests.support.httpserver import MetricsServer
+from tests.support.loopback import MetricsServer
 from tests.support.powercap import PowercapTree
 
 # families whose value is fixed by the configuration: computed once at start-up (config load, model setup),

@@ -10,7 +10,7 @@ import requests
 
 from tests.conftest import FIXTURES
 from tests.support.daemon import KvwattDaemon, free_port
-from tests.support.httpserver import MetricsServer
+from tests.support.loopback import MetricsServer
 
 LOW = [p.read_text() for p in sorted((FIXTURES / "low-pressure").glob("*.prom"))]
 
@@ -27,6 +27,7 @@ class Sequence:
         return text
 
 
+@pytest.mark.prom
 def test_one_dead_server_does_not_stop_the_others_and_promtool_is_clean(tmp_path):
     with MetricsServer(Sequence(LOW)) as live, \
             KvwattDaemon(servers={"live": live.url, "dead": f"http://127.0.0.1:{free_port()}"},

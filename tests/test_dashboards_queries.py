@@ -1,7 +1,7 @@
 """Every dashboard query returns data on a real Prometheus that scraped a real kvwatt daemon.
 
 The stack, all on loopback:
-- two simulated vLLM servers (tests/support/fakevllm.py over vllm_sim.py, in wall-clock time): ``on``
+- two simulated vLLM servers (tests/support/loopback.py over vllm_sim.py, in wall-clock time): ``on``
   offloads with an undersized buffer under high pressure (preemptions, failing stores, external KV transfers),
   ``off`` is its high-pressure OFF twin;
 - the NVML test double (GPU 0 follows the ON scenario's power, GPU 1 the OFF server's) and a RAPL powercap
@@ -39,7 +39,7 @@ import yaml
 from tests.support import powercap, prom, vllm_sim
 from tests.support.daemon import KvwattDaemon, free_port
 from tests.support.fake_gpus import FakeGpus
-from tests.support.fakevllm import FakeVllm
+from tests.support.loopback import FakeVllm
 from tests.support.grafana import (ROOT, displayed, expand, format_value, load_dashboards, panels, targets,
                                    variables)
 

@@ -22,7 +22,7 @@ from exporter.sources.vllm import extract
 from exporter.sources.endpoint import EngineSource
 from tests.conftest import FIXTURES
 from tests.support.expositions import data_parallel, offset_counters
-from tests.support.httpserver import MetricsServer
+from tests.support.loopback import MetricsServer
 
 LOW = [p.read_text() for p in sorted((FIXTURES / "low-pressure").glob("*.prom"))]
 IDLE = (FIXTURES / "idle" / "000.prom").read_text()

@@ -12,7 +12,7 @@ import pytest
 
 from tests.support.daemon import KvwattDaemon
 from tests.support.fake_gpus import FakeGpus
-from tests.support.httpserver import MetricsServer
+from tests.support.loopback import MetricsServer
 from tests.support.powercap import ConstantPower, PowercapTree
 
 A, B = "GPU-aaaa-e2e", "GPU-bbbb-e2e"
@@ -29,6 +29,7 @@ def exposition(start: float) -> str:
             f'vllm:prompt_tokens_total{{model_name="m",engine="0"}} {tokens * 3}\n')
 
 
+@pytest.mark.prom
 def test_daemon_exports_energy_and_isolates_a_lost_gpu(tmp_path):
     t0 = time.monotonic()
     gpus = FakeGpus(tmp_path / "gpus.json")

@@ -253,12 +253,22 @@ def test_a_large_exposition_is_fast():
     """50k series: the regex scan, not 50k Python iterations (the general parser takes ~0.2 s)."""
     text = synthetic_exposition(50_000)
     adapter = VllmAdapter()
-    adapter.read(text)
-    start = time.perf_counter()
     r = adapter.read(text)
-    seconds = time.perf_counter() - start
     assert r == general(text)
-    assert seconds < 0.1, seconds
+    # relative to the general parser on the same text and machine, measured alongside (best of 3 each, so a
+    # loaded machine slows both): 0.2 of it measured on 2 cores, an upper bound of half, not a speed target
+    adapter_seconds = _best_of(3, lambda: adapter.read(text))
+    general_seconds = _best_of(3, lambda: general(text))
+    assert adapter_seconds < general_seconds / 2, (adapter_seconds, general_seconds)
+
+
+def _best_of(n: int, run) -> float:
+    took = []
+    for _ in range(n):
+        start = time.perf_counter()
+        run()
+        took.append(time.perf_counter() - start)
+    return min(took)
 
 
 def synthetic_exposition(series: int) -> str:

@@ -28,7 +28,7 @@ from exporter.sources.endpoint import EngineSource
 from tests.support.daemon import REPO, parse_exposition
 from tests.support.engine_expositions import (BLOCK_TOKENS, ENGINES, HOST_TOKENS, KINDS, KV_BYTES_PER_TOKEN, LOADS,
                                               STALL_AT, Sequence)
-from tests.support.httpserver import MetricsServer
+from tests.support.loopback import MetricsServer
 
 DATA = REPO / "tests" / "data"
 LOADS_HIGH = LOADS["high-pressure"]

@@ -27,7 +27,7 @@ from tests.support import prom
 from tests.support.daemon import KvwattDaemon
 from tests.support.engine_expositions import ENGINES, HOST_TOKENS, KINDS, LOADS, STALL_AT, Sequence
 from tests.support.grafana import expand, load_dashboards, regex_escape, series_names, targets
-from tests.support.httpserver import MetricsServer
+from tests.support.loopback import MetricsServer
 from tests.test_alerts_e2e import short_rules
 
 pytestmark = pytest.mark.prom

@@ -1,4 +1,4 @@
-"""`kvwatt experiment` end to end with a stand-in server (tests/support/fake_openai_server.py: starts in
+"""`kvwatt experiment` end to end with a stand-in server (tests/support/loopback.py: starts in
 ~0.5 s, serves completions and vLLM-style /metrics) and the RAPL test double driven by a power model from
 the server's own counters. The same protocol as the real-engine test, in seconds: full runs, a server that
 fails to start, one killed mid-measurement, kvwatt itself killed or terminated, and --resume after each."""

@@ -1,7 +1,7 @@
 """Experiment plan sweeps (lab/kvwatt_lab/experiment/sweep.py): a matrix of concurrency x KV size x buffer x ON/OFF
 expands into conditions and ON/OFF pairs with their parameters; bad sweeps exit 2 with one line naming the key;
 --dry-run prints the matrix and the estimated wall time; a swept experiment runs end to end against the
-stand-in server (tests/support/fake_openai_server.py) with every run's parameters in its results."""
+stand-in server (tests/support/loopback.py) with every run's parameters in its results."""
 
 from __future__ import annotations
 

@@ -27,7 +27,7 @@ from exporter.build import build_info
 from tests.conftest import FIXTURES
 from tests.support import prom
 from tests.support.daemon import KvwattDaemon
-from tests.support.httpserver import MetricsServer
+from tests.support.loopback import MetricsServer
 
 PATH = "/exposition"  # --web.telemetry-path: every request below goes there
 OPENMETRICS = "application/openmetrics-text; version=1.0.0"
@@ -180,6 +180,7 @@ class HeaderRecorder:
         self.httpd.server_close()
 
 
+@pytest.mark.prom
 def test_prometheus_scrapes_it_and_its_own_accept_headers_get_openmetrics_gzipped(kvwatt, tmp_path):
     assert shutil.which("prometheus"), f"prometheus missing: {prom.INSTALL_HINT}"
     recorder = HeaderRecorder()

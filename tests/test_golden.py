@@ -316,6 +316,7 @@ def test_golden_scenario_figures(golden):
     assert v("kvwatt_offload_write_tokens_per_second", server="sgl", window="1m") == pytest.approx(400.0)
 
 
+@pytest.mark.prom
 def test_promtool_accepts_the_golden_exposition(golden):
     text, _ = golden
     promtool = shutil.which("promtool")

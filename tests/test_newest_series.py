@@ -16,7 +16,7 @@ from exporter.store import ServerHistory
 from tests.support.aggregates import aggregate_of
 from tests.conftest import FIXTURES
 from tests.support.daemon import KvwattDaemon
-from tests.support.httpserver import MetricsServer
+from tests.support.loopback import MetricsServer
 
 DEFS = Path(__file__).resolve().parent / "data" / "vllm-0.32-definitions"
 MIB = 2 ** 20

@@ -13,7 +13,7 @@ from exporter.sources.vllm import extract
 from exporter.store import ServerHistory
 from tests.support import vllm_sim as sim
 from tests.support.aggregates import collapse_at
-from tests.support.fakevllm import FakeVllm
+from tests.support.loopback import FakeVllm
 
 TH = C.CollapseThresholds(throughput_drop_ratio=0.2, power_near_idle_ratio=1.25, reference_seconds=600,
                           recent_seconds=60)
@@ -237,7 +237,7 @@ def test_without_gpu_energy_collapse_is_unknown_never_asserted():
 
 
 def test_pipeline_through_http_store_and_restart():
-    """fakevllm -> sources.vllm -> store.ServerHistory -> collapse, across an outage and a restart, with the
+    """FakeVllm -> sources.vllm -> store.ServerHistory -> collapse, across an outage and a restart, with the
     energy accumulated tick by tick as the daemon does (an interval spanning the outage carries its energy)."""
     import requests
 

@@ -1,8 +1,8 @@
-"""End to end: simulated vLLM 0.33 servers (tests/support/fakevllm.py) replayed on loopback to a real
+"""End to end: simulated vLLM 0.33 servers (tests/support/loopback.py) replayed on loopback to a real
 `kvwatt run` subprocess, the NVML double driven by the scenario's GPU power.
 
 The fake runs ``TIME_SCALE`` x faster than the wall clock; the daemon's windows are in wall seconds, so a
-10 s window covers 60 simulated seconds. GPU energy is scaled back to the wall clock (fakevllm.attach_gpu),
+10 s window covers 60 simulated seconds. GPU energy is scaled back to the wall clock (FakeVllm.attach_gpu),
 so the daemon sees the scenario's watts and P_idle ratios hold.
 """
 
@@ -15,7 +15,7 @@ import pytest
 from tests.support import vllm_sim as sim
 from tests.support.daemon import KvwattDaemon
 from tests.support.fake_gpus import FakeGpus
-from tests.support.fakevllm import FakeVllm
+from tests.support.loopback import FakeVllm
 
 TIME_SCALE = 6.0
 

@@ -16,7 +16,7 @@ from exporter.offload import profile as P
 from tests.conftest import REPO
 from tests.support import vllm_sim as sim
 from tests.support.fake_gpus import FakeGpus
-from tests.support.fakevllm import FakeVllm
+from tests.support.loopback import FakeVllm
 
 
 def _profile(**kw):

@@ -1,4 +1,4 @@
-"""The offloading figures inside the real Daemon: fakevllm servers read over loopback by the real Sampler, the
+"""The offloading figures inside the real Daemon: FakeVllm servers read over loopback by the real Sampler, the
 NVML double driven by the scenarios' power, ticks on a simulated clock (1 tick = 1 simulated second) handed to
 Daemon.step, and the exposition the daemon publishes parsed back (a duplicate sample fails).
 (tests/test_offload_e2e.py does the same through a `kvwatt run` subprocess on the wall clock.)"""
@@ -20,7 +20,7 @@ from exporter.serve.web import status_json
 from tests.support import vllm_sim as sim
 from tests.support.daemon import parse_exposition
 from tests.support.fake_gpus import FakeGpus, load_fake_nvml
-from tests.support.fakevllm import FakeVllm, push_gpus
+from tests.support.loopback import FakeVllm, push_gpus
 from tests.test_offload_kappa import LLAMA_8B
 
 

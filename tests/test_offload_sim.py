@@ -1,4 +1,4 @@
-"""The offload-ON test doubles: tests/support/vllm_sim.py (expositions) and tests/support/fakevllm.py (HTTP)."""
+"""The offload-ON test doubles: tests/support/vllm_sim.py (expositions) and tests/support/loopback.py (HTTP)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from exporter.sources.vllm import extract
 from exporter.sources.vllm_names import WIRE_SERIES
 from tests.support import vllm_sim as sim
 from tests.support.fake_gpus import FakeGpus
-from tests.support.fakevllm import FakeVllm
+from tests.support.loopback import FakeVllm
 from tests.conftest import FIXTURES
 
 VERSIONS = ("0.33", "0.32", "0.26", "0.24", "0.17", "0.16", "0.15")

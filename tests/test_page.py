@@ -25,6 +25,7 @@ import os
 from pathlib import Path
 
 import aiohttp
+import pytest
 
 from exporter.serve import page
 from exporter.daemon import Daemon
@@ -40,7 +41,7 @@ from tests.support.browser import Chromium
 from tests.support.daemon import KvwattDaemon
 from tests.support.engine import free_port
 from tests.support.fake_gpus import FakeGpus
-from tests.support.fakevllm import FakeVllm
+from tests.support.loopback import FakeVllm
 
 SCREENSHOTS = os.environ.get("KVWATT_SCREENSHOTS")  # a directory: write the README's screenshots there
 COLLAPSE_TICKS, STEADY_SECONDS = 240, 170.0
@@ -102,6 +103,7 @@ def _pct(x: float, signed: bool = False) -> str:
 
 
 # --- (a) offload ON -------------------------------------------------------------------------------------------
+@pytest.mark.browser
 def test_offload_on_page_in_chromium(tmp_path):
     asyncio.run(_offload_on(tmp_path))
 
@@ -204,6 +206,7 @@ def _collapse_scenario(tmp_path) -> golden.Scenario:
     return golden.Scenario(tmp_path, mapping, inputs, gpus={"stalled": gpu})
 
 
+@pytest.mark.browser
 def test_collapse_page_in_chromium(tmp_path):
     asyncio.run(_collapse(tmp_path))
 
@@ -246,8 +249,9 @@ async def _collapse(tmp_path):
 
 
 # --- the page of a `kvwatt run` subprocess ---------------------------------------------------------------------
+@pytest.mark.browser
 def test_page_of_kvwatt_run_refreshes_in_chromium(tmp_path):
-    """The whole path in real time: a simulated offloading vLLM on loopback (tests/support/fakevllm.py), the NVML
+    """The whole path in real time: a simulated offloading vLLM on loopback (tests/support/loopback.py), the NVML
     double driven by it, `kvwatt run` as a subprocess, chromium loading `/` before the figures exist and
     following them as the page refreshes itself."""
     gpus = FakeGpus(tmp_path / "gpus.json")

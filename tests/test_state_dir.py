@@ -21,7 +21,7 @@ from exporter.samples import reason_code
 from exporter.statedir import LOCK_FILE, open_state_dir, user_state_dir
 from tests.support.daemon import REPO, KvwattDaemon
 from tests.support.fake_gpus import FakeGpus
-from tests.support.httpserver import MetricsServer
+from tests.support.loopback import MetricsServer
 
 IDLE = ('vllm:num_requests_running{model_name="m",engine="0"} 0\n'
         'vllm:num_requests_waiting{model_name="m",engine="0"} 0\n'

@@ -27,8 +27,8 @@ from tests.conftest import FIXTURES
 from tests.support import vllm_sim as sim
 from tests.support.fake_gpus import STATE_ENV, FakeGpus, load_fake_nvml
 from tests.support.daemon import KvwattDaemon
-from tests.support.fakevllm import FakeVllm
-from tests.support.httpserver import MetricsServer
+from tests.support.loopback import FakeVllm
+from tests.support.loopback import MetricsServer
 from tests.support.powercap import amd
 
 LOW = [p.read_text() for p in sorted((FIXTURES / "low-pressure").glob("*.prom"))]

@@ -9,7 +9,7 @@ import pytest
 from exporter import config
 from tests.conftest import FIXTURES
 from tests.support.daemon import REPO, KvwattDaemon, free_port
-from tests.support.httpserver import MetricsServer
+from tests.support.loopback import MetricsServer
 
 PASSWORD = "Hunter2-secret"
 EXPOSITION = sorted((FIXTURES / "low-pressure").glob("*.prom"))[0].read_text()

@@ -15,7 +15,7 @@ import yaml
 
 from tests.support import vllm_sim as sim
 from tests.support.daemon import KvwattDaemon
-from tests.support.fakevllm import FakeVllm
+from tests.support.loopback import FakeVllm
 from tests.support.tls import Pki
 
 FD_LIMIT = 256
@@ -64,10 +64,12 @@ def test_idle_connections_beyond_the_fd_limit_leave_metrics_sampling_and_log_int
             time.sleep(1.0)  # let the daemon accept them all
             answers = [timed_get(d.url + "/metrics") for _ in range(10)]
             assert all(status == 200 for _, status in answers), answers
+            # relative to the failure (before the fix /metrics timed out: the 2 s client timeout), not a speed target
             assert max(seconds for seconds, _ in answers) < 1.5, answers
             assert open_fds(d.proc.pid) < FD_LIMIT
             time.sleep(1.0)
             rate = (fv.scrapes - scrapes_before) / (time.monotonic() - t0)
+            # relative to the configured 5/s: half of it, so a loaded machine passes and a stalled loop does not
             assert rate > 2.5, f"sampling at {rate:.2f}/s during the flood (interval 200ms: 5/s)"
             assert d.value("kvwatt_source_up", source="vllm", server="a") == 1
         finally:
@@ -94,7 +96,7 @@ def test_connections_stuck_before_their_tls_handshake_are_capped_too(tmp_path):
             for _ in range(5):
                 start = time.perf_counter()
                 assert d.get("/metrics", timeout=2).status_code == 200
-                assert time.perf_counter() - start < 1.0
+                assert time.perf_counter() - start < 1.0  # relative to the 2 s timeout a blocked accept hits
             assert open_fds(d.proc.pid) < FD_LIMIT
         finally:
             for s in socks:
@@ -148,7 +150,7 @@ def test_idle_and_slow_header_connections_are_closed_after_the_read_timeout():
         idle.close()
         slow.close()
         assert set(closed_after) == {"idle", "slow"}, f"still open after 6 s: {closed_after}"
-        assert max(closed_after.values()) < 3.0, closed_after
+        assert max(closed_after.values()) < 3.0, closed_after  # the 1 s read timeout plus 2 s of slack
         assert d.get("/metrics").status_code == 200
 
 

@@ -16,7 +16,7 @@ from exporter.config import ConfigError
 from tests.support import prom
 from tests.support import vllm_sim as sim
 from tests.support.daemon import REPO, KvwattDaemon, free_port
-from tests.support.fakevllm import FakeVllm
+from tests.support.loopback import FakeVllm
 from tests.support.tls import Pki
 
 USER, PASSWORD = "prometheus", "s3cret-Pa55"
@@ -41,6 +41,7 @@ def web_config(path, pki, users=None, **tls):
     return path
 
 
+@pytest.mark.prom
 def test_prometheus_scrapes_kvwatt_over_https_with_basic_auth(tmp_path, pki, password_hash):
     prom.require_binaries()
     wc = web_config(tmp_path / "web.yml", pki, {USER: password_hash})

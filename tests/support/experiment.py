@@ -21,7 +21,7 @@ from typing import Callable
 import yaml
 
 REPO = Path(__file__).resolve().parents[2]
-FAKE_SERVER = REPO / "tests" / "support" / "fake_openai_server.py"
+FAKE_SERVER = REPO / "tests" / "support" / "loopback.py"
 SAMPLE_TRACES = REPO / "tests" / "data" / "office_work_8k.sample.jsonl"
 
 

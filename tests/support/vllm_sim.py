@@ -108,7 +108,7 @@ class Phase:
     ttft_seconds: float = 0.05
     itl_seconds: float = 0.02
     output_tokens_per_request: float = 300.0
-    down: bool = False                      # the server does not answer (fakevllm: refused / 500)
+    down: bool = False                      # the server does not answer (FakeVllm: refused / 500)
     restart_on_enter: bool = False          # entering this phase restarts vLLM (counters back to 0)
     collapsed: bool = False                 # ground truth: the collapse signature holds here
 
@@ -204,7 +204,7 @@ class _Histogram:
 
 
 class SimEngine:
-    """Engine state advanced in steps of simulated time. Not thread-safe (fakevllm locks around it)."""
+    """Engine state advanced in steps of simulated time. Not thread-safe (FakeVllm locks around it)."""
 
     HOST_LINK_BYTES_PER_SECOND = 25e9  # offload transfer time = bytes / this (time counters only)
 
