@@ -24,7 +24,9 @@ CONFIG_DOCS: dict[str, tuple[str, str]] = {
                 "`recorded_baseline` (docs/offload.md), `sidecar_urls` (1 to 4 further /metrics of the same "
                 "server, e.g. LMCache's or Dynamo KVBM's own port, merged into its reading: docs/engines.md), "
                 "`offload_tier_bytes` (capacity in bytes of each vLLM tiering tier, e.g. `{\"1:fs\": 2e12}`: "
-                "vLLM exports none; gives the tier's residency, docs/offload.md)"),
+                "vLLM exports none; gives the tier's residency, docs/offload.md), `kv_cache_metrics_sample` (the "
+                "share of KV blocks vLLM's residency histograms track: the server's `--kv-cache-metrics-sample`, "
+                "default `0.01`, exported nowhere; docs/pressure.md)"),
     "listen": ("`0.0.0.0:8492`", "address of /metrics, /, /healthz, /api/status"),
     "interval": ("`1s`", "sampling interval of every source (dense samples for the p95)"),
     "windows": ("`[1m, 5m]`", "rolling windows of the derived figures (label `window`)"),

@@ -70,6 +70,15 @@ def _window_json(w: WindowFigures) -> dict:
         "offload_buffer_residency_seconds": w.offload_buffer_residency_seconds,
         "offload_write_tokens_per_second": w.offload_write_tokens_per_second,
         "offload_read_tokens_per_second": w.offload_read_tokens_per_second,
+        # KV-block residency (vLLM --kv-cache-metrics, methods.md s11)
+        "kv_evicted_blocks_per_second": w.kv_evicted_blocks_per_second,
+        "kv_evictions_per_prompt_block": w.kv_evictions_per_prompt_block,
+        "kv_idle_before_evict_seconds": w.kv_idle_before_evict_seconds,
+        "kv_reuse_gap_seconds": w.kv_reuse_gap_seconds,
+        "kv_evicted_before_reuse_ratio": w.kv_evicted_before_reuse_ratio,
+        "kv_before_reuse_yardstick": w.kv_before_reuse_yardstick,
+        "kv_before_reuse_yardstick_seconds": w.kv_before_reuse_yardstick_seconds,
+        "residency_evidence": w.residency_evidence, "residency_evidence_reason": w.residency_evidence_reason,
     }
     if savings:
         out["energy_saving"] = savings
@@ -118,7 +127,9 @@ def _server_json(v: ServerFigures) -> dict:
                                  "recommended_gib": b.recommended_gib, "store_failures": b.store_failures,
                                  "residency_seconds": b.residency_seconds,
                                  "write_bytes_per_second": b.write_bytes_per_second,
-                                 "p99_tool_latency_seconds": b.p99_tool_latency_seconds, "headroom": b.headroom}
+                                 "p99_tool_latency_seconds": b.p99_tool_latency_seconds, "headroom": b.headroom,
+                                 "residency_target_seconds": b.residency_target_seconds,
+                                 "residency_target_source": b.residency_target_source}
     return out
 
 
