@@ -88,3 +88,16 @@ def test_metrics_families_filled():
         ({"server": "a", "yardstick": "p99_tool_latency", "window": "1m"}, 1.0)]
     idle = got["kvwatt_kv_block_idle_before_evict_seconds"]
     assert ({"server": "a", "percentile": "p50", "window": "1m"}, 1.0) in idle
+
+
+def test_page_says_which_residency_the_buffer_must_outlast():
+    from exporter.serve.page import _buffer
+    b = {"undersized": False, "write_bytes_per_second": GIB, "p99_tool_latency_seconds": 20.0,
+         "residency_seconds": 40.0, "store_failures": 0, "recommended_gib": 8, "headroom": 1.5,
+         "residency_target_seconds": 5.0, "residency_target_source": "reuse_gap_p99"}
+    html = _buffer({"offload_buffer": b, "offload_enabled": True, "offload_buffer_bytes": 32 * GIB})
+    assert "reuse-gap p99 it must outlast is 5.0 s" in html and "× KV-block reuse-gap p99 ×" in html
+    html = _buffer({"offload_buffer": {**b, "residency_target_seconds": 20.0,
+                                       "residency_target_source": "p99_tool_latency"},
+                    "offload_enabled": True, "offload_buffer_bytes": 32 * GIB})
+    assert "the p99 tool-call latency it must outlast is 20 s" in html and "reuse-gap" not in html
