@@ -35,6 +35,7 @@ import exporter.derive.offload
 import exporter.derive.preemption
 import exporter.derive.pressure
 import exporter.derive.recompute
+import exporter.derive.residency
 import exporter.derive.threshold
 import exporter.energy.baseline
 import exporter.model.offload
@@ -242,6 +243,23 @@ def _energy(attr: str) -> Fill:
                 for e in w.energy:
                     yield (s.name, e.scope, w.window), getattr(e, attr)
     return fill
+
+
+def _evicted_before_reuse(snap: Snapshot) -> Iterator[Sample]:
+    for s in snap.servers:
+        for w in s.windows:
+            if w.kv_before_reuse_yardstick is not None:
+                yield (s.name, w.kv_before_reuse_yardstick, w.window), w.kv_evicted_before_reuse_ratio
+
+
+def _evidence(w: WindowFigures) -> float | None:
+    return {"pressure": 1.0, "low_pressure": 0.0}.get(w.residency_evidence or "")
+
+
+def _residency_target(snap: Snapshot) -> Iterator[Sample]:
+    for s in snap.servers:
+        if s.buffer is not None and s.info and s.info.offload_enabled:
+            yield (s.name, s.buffer.residency_target_source), s.buffer.residency_target_seconds
 
 
 def _tiers(attr: str) -> Fill:
@@ -625,6 +643,44 @@ METRICS: tuple[MetricDef, ...] = (
     MetricDef("kvwatt_recompute_breakeven_tokens", "gauge", ("server",),
               "Sequence length above which reloading KV beats recomputing it (Tetris form with GQA width, "
               "methods.md s7).", exporter.derive.kappa.breakeven, _O, per_server(lambda s: s.kappa.breakeven_tokens)),
+    # --- KV-block residency (vLLM --kv-cache-metrics, methods.md s11) ------------------------------------
+    MetricDef("kvwatt_kv_block_evictions_per_second", "gauge", ("server", "window"),
+              "KV blocks evicted per second over the window: sampled evictions "
+              "(vllm:kv_block_idle_before_evict_seconds_count, vLLM --kv-cache-metrics) / the configured "
+              "servers[].kv_cache_metrics_sample (the engine's --kv-cache-metrics-sample, default 0.01).",
+              exporter.derive.residency.window_residency, _K,
+              status=window_key("kv_evicted_blocks_per_second", lambda w: w.kv_evicted_blocks_per_second)),
+    MetricDef("kvwatt_kv_block_evictions_per_prompt_block_ratio", "gauge", ("server", "window"),
+              "KV blocks evicted per prompt block processed (prompt tokens / block size) over the window "
+              "(methods.md s11): >= 0.25 with the evictions before reuse is pressure evidence, <= 0.1 "
+              "low-pressure evidence.", exporter.derive.residency.window_residency, _K,
+              status=window_key("kv_evictions_per_prompt_block", lambda w: w.kv_evictions_per_prompt_block),
+              words=(Words("KV blocks evicted per prompt block", "number"),)),
+    MetricDef("kvwatt_kv_block_idle_before_evict_seconds", "gauge", ("server", "percentile", "window"),
+              "How long evicted KV blocks sat unused before eviction, at the percentile (p50, p99) over the "
+              "window: the upper edge of the bucket of vllm:kv_block_idle_before_evict_seconds holding it.",
+              exporter.derive.residency.quantiles, _K,
+              status=window_key("kv_idle_before_evict_seconds", lambda w: w.kv_idle_before_evict_seconds)),
+    MetricDef("kvwatt_kv_block_reuse_gap_seconds", "gauge", ("server", "percentile", "window"),
+              "Time between consecutive accesses of a KV block, at the percentile (p50, p99) over the window, "
+              "from vllm:kv_block_reuse_gap_seconds (upper bucket edge). Only blocks reused before their eviction "
+              "are seen: the gaps the cache survived.", exporter.derive.residency.quantiles, _K,
+              status=window_key("kv_reuse_gap_seconds", lambda w: w.kv_reuse_gap_seconds)),
+    MetricDef("kvwatt_kv_block_evicted_before_reuse_ratio", "gauge", ("server", "yardstick", "window"),
+              "Share of the window's KV-block evictions that came before the block's reuse was due: idle at most "
+              "the reuse-gap p50 (yardstick=reuse_gap_p50, with >= 10 gaps in the window) or the configured p99 "
+              "tool-call latency (yardstick=p99_tool_latency); methods.md s11.",
+              exporter.derive.residency.window_residency, _K, _evicted_before_reuse),
+    MetricDef("kvwatt_kv_block_residency_pressure_evidence", "gauge", ("server", "window"),
+              "The engine's own eviction record as KV-pressure evidence over the window (methods.md s11): 1 = "
+              "pressure (evictions per prompt block >= 0.25, mostly before reuse), 0 = low pressure (<= 0.1); "
+              "absent when unknown (no --kv-cache-metrics, too few prompt blocks for the sample share, between).",
+              exporter.derive.residency.residency_evidence, _K, per_window(_evidence)),
+    MetricDef("kvwatt_offload_buffer_residency_target_seconds", "gauge", ("server", "source"),
+              "The residency the offload buffer must outlast in kvwatt_offload_buffer_undersized and "
+              "kvwatt_offload_recommended_buffer_bytes: the measured KV-block reuse-gap p99 (source=reuse_gap_p99, "
+              "vLLM --kv-cache-metrics) or the configured p99 tool-call latency (source=p99_tool_latency).",
+              exporter.model.offload.residency_target, _O, _residency_target),
 )
 
 BY_NAME: dict[str, MetricDef] = {m.name: m for m in METRICS}

@@ -143,6 +143,9 @@ class ServerConfig:
     # further /metrics of the same server (LMCache's or Dynamo KVBM's own port), merged into its reading
     sidecar_urls: tuple[str, ...] = ()
     offload_tier_bytes: dict[str, float] = field(default_factory=dict)  # vLLM tiering: tier label -> capacity
+    # vLLM --kv-cache-metrics-sample: the share of KV blocks its residency histograms track (exported nowhere);
+    # scales sampled evictions to blocks (derive/residency.py). vLLM's default 0.01.
+    kv_cache_metrics_sample: float = 0.01
 
 
 @dataclass(frozen=True)
@@ -390,6 +393,7 @@ SERVER_KEYS = {
     "recorded_baseline": "recorded_baseline_path",
     "sidecar_urls": "sidecar_urls",
     "offload_tier_bytes": "offload_tier_bytes",
+    "kv_cache_metrics_sample": "kv_cache_metrics_sample",
 }
 
 MODEL_KEYS = ("layers", "kv_heads", "head_dim", "dtype_bytes", "active_parameters", "hidden_size")
@@ -427,6 +431,9 @@ def _server(item: Any, key: str) -> ServerConfig:
         kw["sidecar_urls"] = _sidecar_urls(item["sidecar_urls"], f"{key}.sidecar_urls")
     if "offload_tier_bytes" in item:
         kw["offload_tier_bytes"] = _tier_bytes(item["offload_tier_bytes"], f"{key}.offload_tier_bytes")
+    if "kv_cache_metrics_sample" in item:  # vLLM asserts 0 < sample <= 1
+        kw["kv_cache_metrics_sample"] = _float_range(0.0, 1.0, lo_open=True)(
+            item["kv_cache_metrics_sample"], f"{key}.kv_cache_metrics_sample")
     kw["model"] = _numbers(item.get("model", {}), f"{key}.model", MODEL_KEYS)
     kw["hardware"] = _numbers(item.get("hardware", {}), f"{key}.hardware", HARDWARE_KEYS)
     return ServerConfig(**kw)

@@ -90,6 +90,16 @@ class WindowFigures:
     # the p95's order-statistic interval (methods.md s10); above_threshold flips only outside it
     kv_usage_p95_low: float | None = None
     kv_usage_p95_high: float | None = None
+    # KV-block residency from vLLM's --kv-cache-metrics histograms (derive/residency.py, methods.md s11)
+    kv_evicted_blocks_per_second: float | None = None  # sampled evictions / sample share
+    kv_evictions_per_prompt_block: float | None = None
+    kv_idle_before_evict_seconds: dict[str, float] | None = None  # "p50", "p99" -> upper bucket edge
+    kv_reuse_gap_seconds: dict[str, float] | None = None  # "p50", "p99" -> upper bucket edge
+    kv_evicted_before_reuse_ratio: float | None = None  # share of evictions idle <= the yardstick
+    kv_before_reuse_yardstick: str | None = None  # reuse_gap_p50 | p99_tool_latency
+    kv_before_reuse_yardstick_seconds: float | None = None  # the idle bucket bound it was counted at
+    residency_evidence: str | None = None  # pressure | low_pressure | None (unknown)
+    residency_evidence_reason: str = ""
 
 
 @dataclass(frozen=True)
@@ -104,6 +114,10 @@ class BufferFigures:
     write_bytes_per_second: float | None
     p99_tool_latency_seconds: float | None = None  # what the residency is held against (configured)
     headroom: float | None = None  # the factor in the recommendation (configured)
+    # the residency the buffer must outlast: the measured KV-block reuse-gap p99 when vLLM exports it
+    # (--kv-cache-metrics), else the configured p99 tool-call latency
+    residency_target_seconds: float | None = None
+    residency_target_source: str = "p99_tool_latency"  # reuse_gap_p99 | p99_tool_latency
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,9 @@ CONFIG_DOCS: dict[str, tuple[str | None, str]] = {
                 "`recorded_baseline` (docs/offload.md), `sidecar_urls` (1 to 4 further /metrics of the same "
                 "server, e.g. LMCache's or Dynamo KVBM's own port, merged into its reading: docs/engines.md), "
                 "`offload_tier_bytes` (capacity in bytes of each vLLM tiering tier, e.g. `{\"1:fs\": 2e12}`: "
-                "vLLM exports none; gives the tier's residency, docs/offload.md)"),
+                "vLLM exports none; gives the tier's residency, docs/offload.md), `kv_cache_metrics_sample` (the "
+                "share of KV blocks vLLM's residency histograms track: the server's `--kv-cache-metrics-sample`, "
+                "default `0.01`, exported nowhere; docs/pressure.md)"),
     "listen": (None, "address of /metrics, /, /healthz, /api/status"),
     "kv_pressure_threshold_source": (None, "`located`: the regime flag uses the threshold located from "
                                      "the server's own history once there is evidence (methods.md s10), the "

@@ -31,6 +31,7 @@ from tests.conftest import FIXTURES
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "fixtures"
 REAL = sorted(FIXTURES.glob("*/*.prom")) + sorted(SHARED.glob("*/*/*.prom"))
+KV_CACHE_METRICS = sorted((FIXTURES.parent / "kv-cache-metrics").glob("*.prom"))  # --kv-cache-metrics captures
 
 
 def general(text: str) -> EngineReading:
@@ -118,9 +119,11 @@ def test_needed_families_cover_every_spelling():
     assert "vllm:gpu_cache_usage_perc" in NEEDED_FAMILIES and "vllm:cache_config_info" in NEEDED_FAMILIES
     assert all(f"vllm:{old}" not in NEEDED_FAMILIES for old, new in RENAMES.items()
                if new == "inter_token_latency_seconds")
-    # no histogram buckets (the bulk of an exposition) but the preemptions-per-request ones (8 per engine)
+    # no histogram buckets (the bulk of an exposition) but the preemptions-per-request ones (8 per engine) and
+    # the KV-block residency ones (22 each per engine, only on the wire with --kv-cache-metrics)
     assert {n for n in NEEDED_FAMILIES if n.endswith(("_bucket", "_created"))} == {
-        "vllm:request_num_preemptions_bucket"}
+        "vllm:request_num_preemptions_bucket", "vllm:kv_block_idle_before_evict_seconds_bucket",
+        "vllm:kv_block_reuse_gap_seconds_bucket", "vllm:kv_block_lifetime_seconds_bucket"}
 
 
 def test_capabilities_follow_the_series_present():
@@ -146,6 +149,15 @@ def test_fast_path_equals_general_parser_on_real_expositions(path):
     assert _norm(fast.series) == _norm({n: s for n, s in full.series.items() if n in NEEDED_FAMILIES})
     assert fast.errors == 0 and fast.duplicates == full.duplicates == 0
     assert VllmAdapter().read(text) == general(text)
+
+
+@pytest.mark.parametrize("path", KV_CACHE_METRICS, ids=lambda p: p.name)
+def test_fast_path_equals_general_parser_with_kv_block_residency(path):
+    text = path.read_text()
+    fast = VllmAdapter().read(text)
+    assert fast == general(text)
+    assert "kv_block_residency" in fast.capabilities
+    assert any(k.startswith("kv_idle_before_evict_hist_le@") for k in fast.counters)
 
 
 def test_there_are_real_expositions():

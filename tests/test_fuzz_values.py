@@ -43,10 +43,12 @@ UNIT = {"kvwatt_kv_cache_usage_p95_ratio", "kvwatt_kv_cache_usage_max_ratio", "k
         "kvwatt_offload_tier_chunk_hit_ratio", "kvwatt_offload_buffer_used_ratio", "kvwatt_offload_tier_hit_ratio",
         "kvwatt_kv_cache_usage_p95_lower_ratio", "kvwatt_kv_cache_usage_p95_upper_ratio",
         "kvwatt_kv_pressure_threshold_located_ratio", "kvwatt_kv_pressure_threshold_located_low_ratio",
-        "kvwatt_kv_pressure_threshold_located_high_ratio", "kvwatt_kv_pressure_threshold_in_use_ratio"}
+        "kvwatt_kv_pressure_threshold_located_high_ratio", "kvwatt_kv_pressure_threshold_in_use_ratio",
+        "kvwatt_kv_block_evicted_before_reuse_ratio"}
 BOOLEAN = {"kvwatt_source_up", "kvwatt_kv_pressure_above_threshold", "kvwatt_preemption_onset",
            "kvwatt_offload_enabled", "kvwatt_offload_buffer_undersized", "kvwatt_collapse_signature",
-           "kvwatt_collapse_condition", "kvwatt_collapse_condition_set", "kvwatt_offload_tier_undersized"}
+           "kvwatt_collapse_condition", "kvwatt_collapse_condition_set", "kvwatt_offload_tier_undersized",
+           "kvwatt_kv_block_residency_pressure_evidence"}
 INFO = {"kvwatt_source_info", "kvwatt_server_info", "kvwatt_gpu_energy_method_info", "kvwatt_build_info",
         "kvwatt_server_capability"}
 NON_NEGATIVE = {"kvwatt_sample_duration_seconds", "kvwatt_window_covered_seconds", "kvwatt_gpu_energy_joules_total",
@@ -65,7 +67,10 @@ NON_NEGATIVE = {"kvwatt_sample_duration_seconds", "kvwatt_window_covered_seconds
                 "kvwatt_preemptions_by_reason_per_minute", "kvwatt_offload_tier_residency_seconds",
                 "kvwatt_offload_write_tokens_per_second", "kvwatt_offload_read_tokens_per_second",
                 "kvwatt_offload_buffer_used_bytes",
-                "kvwatt_kv_pressure_threshold_located_windows", "kvwatt_recompute_reference_windows"}
+                "kvwatt_kv_pressure_threshold_located_windows", "kvwatt_recompute_reference_windows",
+                "kvwatt_kv_block_evictions_per_second", "kvwatt_kv_block_evictions_per_prompt_block_ratio",
+                "kvwatt_kv_block_idle_before_evict_seconds", "kvwatt_kv_block_reuse_gap_seconds",
+                "kvwatt_offload_buffer_residency_target_seconds"}
 # differences and stale-baseline figures: any finite sign (marginal J/token < 0 when P_idle is stale)
 SIGNED = {"kvwatt_marginal_energy_per_token_joules", "kvwatt_recompute_tax_ratio", "kvwatt_energy_saving_ratio",
           "kvwatt_energy_saving_stderr_ratio", "kvwatt_throughput_gain_ratio",

@@ -15,7 +15,8 @@ duration_seconds). Four servers:
 - ``off``: its simulated OFF twin, with a configured reference share (potential dE): low pressure
   (low_pressure_off) for its first 45 s, then high pressure (high_pressure_off), so that the threshold located
   from its 10 s evidence windows (methods.md s10) has clean windows below and pressured ones above; exporting
-  preemptions by reason (vLLM PR #58037, unreleased).
+  preemptions by reason (vLLM PR #58037, unreleased), and KV-block residency histograms (--kv-cache-metrics,
+  a 5 % sample): low-pressure, then pressure evidence from the engine's own evictions (methods.md s11).
 - ``sgl``: SGLang with HiCache under high pressure, with LMCache's and Dynamo KVBM's series beside it, built
   from the engines' own metric definitions (tests/support/engine_expositions.py; none runs without CUDA): the
   figures only other engines have (occupancy, tier hit rates, offload tokens). No GPU.
@@ -77,7 +78,8 @@ def config_mapping(tmp_path, urls: dict[str, str] | None = None) -> dict:
             {"name": "on", "url": urls["on"], "gpus": ["GPU-on"], "pair_off_server": "off",
              "model": LLAMA_8B, "hardware": {"gpu_model": "H100-SXM"},
              "offload_tier_bytes": {"1:fs": 2 ** 40}},  # a 1 TiB file-system tier
-            {"name": "off", "url": urls["off"], "gpus": ["GPU-off"], "reference_local_compute_share": 0.039},
+            {"name": "off", "url": urls["off"], "gpus": ["GPU-off"], "reference_local_compute_share": 0.039,
+             "kv_cache_metrics_sample": 0.05},  # the sim's --kv-cache-metrics-sample (ramping_off)
             {"name": "sgl", "url": urls["sgl"], "gpus": []},
         ],
         "windows": ["30s", "1m"], "min_load_duration": "5s", "collapse_reference_window": "30s",
@@ -102,9 +104,14 @@ def write_measured_host_baseline(state_dir: str) -> None:
 
 
 def ramping_off() -> sim.Scenario:
-    """high_pressure_off preceded by 45 s of low_pressure_off's phase (the same seed and engine)."""
+    """high_pressure_off preceded by 45 s of low_pressure_off's phase (the same seed and engine).
+
+    With --kv-cache-metrics at a 5 % sample (methods.md s11): under low pressure few evictions, of blocks idle
+    well past their reuse gap; under high pressure 0.6 evictions per prompt block, idle under the reuse gap."""
     low, high = sim.low_pressure_off().timeline[0], sim.high_pressure_off()
-    return replace(high, name="ramping_off", timeline=(replace(low, duration_seconds=45.0), *high.timeline))
+    low = replace(low, duration_seconds=45.0, kv_evictions_per_prompt_block=0.02, kv_idle_before_evict_seconds=40.0)
+    hot = replace(high.timeline[0], kv_evictions_per_prompt_block=0.6, kv_idle_before_evict_seconds=0.4)
+    return replace(high, name="ramping_off", timeline=(low, hot, *high.timeline[1:]), kv_cache_metrics_sample=0.05)
 
 
 class Inputs:

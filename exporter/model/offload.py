@@ -88,11 +88,24 @@ def buffer(windows: Sequence[WindowFigures], failures: float | None, cfg: Config
     writes = [w.offload_write_bytes_per_second for w in windows if w.offload_write_bytes_per_second is not None]
     write = short.offload_write_bytes_per_second  # only whether anything is written matters to undersized
     write = write if write is not None else short.offload_write_tokens_per_second
-    under = offload.undersized(short.offload_buffer_residency_seconds, write, failures, cfg.p99_tool_latency_seconds)
-    rec = offload.recommended_buffer(max(writes) if writes else None, cfg.p99_tool_latency_seconds,
-                                     cfg.buffer_headroom)
+    target, source = residency_target(windows, cfg.p99_tool_latency_seconds)
+    under = offload.undersized(short.offload_buffer_residency_seconds, write, failures, target)
+    rec = offload.recommended_buffer(max(writes) if writes else None, target, cfg.buffer_headroom)
     return BufferFigures(under, rec, offload.gib_ceil(rec), failures, short.offload_buffer_residency_seconds,
-                         short.offload_write_bytes_per_second, cfg.p99_tool_latency_seconds, cfg.buffer_headroom)
+                         short.offload_write_bytes_per_second, cfg.p99_tool_latency_seconds, cfg.buffer_headroom,
+                         target, source)
+
+
+def residency_target(windows: Sequence[WindowFigures], p99_tool_latency_seconds: float) -> tuple[float, str]:
+    """(seconds, source): the residency an offloaded block must outlast (methods.md s6, s11). The measured
+    KV-block reuse-gap p99 of the longest window that has one (most samples; vLLM --kv-cache-metrics), else the
+    configured p99 tool-call latency. The reuse gaps are those of blocks reused before their eviction, so
+    under heavy eviction they lean short: the figure says which was used."""
+    for w in sorted(windows, key=lambda w: -w.seconds):
+        p99 = (w.kv_reuse_gap_seconds or {}).get("p99")
+        if p99 is not None and p99 > 0:
+            return p99, "reuse_gap_p99"
+    return p99_tool_latency_seconds, "p99_tool_latency"
 
 
 COLLAPSE_ADVICE = ("Collapse signature: throughput stalled with zero preemptions and the GPU near idle while "
@@ -105,8 +118,9 @@ def recommendations(collapse_signature: bool | None, buf: BufferFigures | None, 
     if collapse_signature:
         out.append(COLLAPSE_ADVICE)
     if buf is not None and buf.undersized:
-        p99 = cfg.p99_tool_latency_seconds
-        why = (f"residency {buf.residency_seconds:.0f} s < p99 tool-call latency {p99:.0f} s"
+        p99 = buf.residency_target_seconds or cfg.p99_tool_latency_seconds
+        what = "KV-block reuse-gap p99" if buf.residency_target_source == "reuse_gap_p99" else "p99 tool-call latency"
+        why = (f"residency {buf.residency_seconds:.0f} s < {what} {p99:.0f} s"
                if buf.residency_seconds is not None and buf.residency_seconds < p99
                else "stores failing (allocation failures / skipped stores)")
         out.append(f"Offload buffer undersized ({why}): use --kv-offloading-size {buf.recommended_gib or '?'} "

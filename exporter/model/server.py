@@ -7,6 +7,7 @@ from typing import Mapping
 
 from exporter.config import Config, ServerConfig, format_window, redacted_url
 from exporter.derive import collapse, economics, kappa, offload, preemption, pressure, recompute
+from exporter.derive import residency
 from exporter.derive import energy as derive_energy
 from exporter.figures import EnergyFigure, ServerFigures, WindowFigures
 from exporter.model import offload as offload_figures
@@ -144,7 +145,8 @@ class ServerModel:
             offload_read_tokens_per_second=tokens.read_tokens_per_second,
             offload_buffer_residency_seconds=self._residency(buffer_bytes, rates, tokens),
             cached_to_prefill_ratio=kappa.observed(agg),
-            savings=self._savings(agg, now, seconds, peers), **self._newest_series(agg))
+            savings=self._savings(agg, now, seconds, peers), **self._newest_series(agg),
+            **self._residency_figures(agg))
 
     def _residency(self, buffer_bytes: float | None, rates: offload.TransferRates,
                    tokens: offload.TokenRates) -> float | None:
@@ -164,6 +166,20 @@ class ServerModel:
                 "preemptions_by_reason_per_minute": pressure.labelled_per_minute(agg, "preemptions_by_reason"),
                 "offload_tiers": offload.tier_flows(agg, self.server.offload_tier_bytes,
                                                     self.cfg.p99_tool_latency_seconds)}
+
+    def _residency_figures(self, agg: WindowAggregate) -> dict:
+        """KV-block residency from vLLM's --kv-cache-metrics histograms and the evidence it gives (methods.md
+        s11); all absent where the engine does not export them."""
+        r = residency.window_residency(agg, self.info.block_size if self.info else None,
+                                       self.server.kv_cache_metrics_sample, self.cfg.p99_tool_latency_seconds)
+        ev = residency.residency_evidence(r)
+        return {"kv_evicted_blocks_per_second": r.evicted_blocks_per_second,
+                "kv_evictions_per_prompt_block": r.evictions_per_prompt_block,
+                "kv_idle_before_evict_seconds": r.idle_before_evict_seconds,
+                "kv_reuse_gap_seconds": r.reuse_gap_seconds,
+                "kv_evicted_before_reuse_ratio": r.evicted_before_reuse_ratio,
+                "kv_before_reuse_yardstick": r.yardstick, "kv_before_reuse_yardstick_seconds": r.yardstick_seconds,
+                "residency_evidence": ev.kind, "residency_evidence_reason": ev.reason}
 
     def _energy(self, agg: WindowAggregate) -> tuple[EnergyFigure, ...]:
         out = []

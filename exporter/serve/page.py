@@ -322,11 +322,17 @@ def _buffer(s: dict) -> str:
                  f'{_gib(rate)}/s')
     text = (f"{holds}; the p99 tool-call latency it must outlast is {_secs(p99)} (a KV block evicted before the "
             "tool call returns is recomputed, not reloaded).")
+    if b.get("residency_target_source") == "reuse_gap_p99":  # measured by vLLM --kv-cache-metrics (methods.md s11)
+        text = (f"{holds}; the KV-block reuse-gap p99 it must outlast is {_secs(b['residency_target_seconds'])}, "
+                "measured by the engine (--kv-cache-metrics) in place of the configured p99 tool-call latency "
+                f"{_secs(p99)} (a KV block evicted before its reuse is recomputed, not reloaded).")
+    basis = ("KV-block reuse-gap p99" if b.get("residency_target_source") == "reuse_gap_p99"
+             else "p99 tool-call latency")
     if b["store_failures"]:
         text += f" {_num(b['store_failures'])} stores failed or were skipped in the shortest window."
     rec = ("unknown (no write rate yet)" if b["recommended_gib"] is None else
-           f'<b data-field="recommended-buffer">{b["recommended_gib"]} GiB</b> (busiest write rate × p99 '
-           f'tool-call latency × {_num(b["headroom"])} headroom)')
+           f'<b data-field="recommended-buffer">{b["recommended_gib"]} GiB</b> (busiest write rate × {basis} × '
+           f'{_num(b["headroom"])} headroom)')
     return (f'<p class="banner {cls}" data-field="buffer-verdict">Offload buffer: {verdict}</p>'
             f'<p data-field="buffer">{text} Recommended size: {rec}.</p>')
 

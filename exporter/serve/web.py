@@ -90,6 +90,14 @@ WINDOW_BLOCKS: tuple[Block, ...] = (
           _named("kvwatt_offload_tier_write_bytes_per_second", "kvwatt_offload_tier_read_bytes_per_second",
                  "kvwatt_offload_tier_chunk_hit_ratio", "kvwatt_offload_tier_job_failures",
                  "kvwatt_offload_tier_residency_seconds", "kvwatt_offload_tier_undersized"), _tiers_json),
+    Block(("kv_evicted_before_reuse_ratio", "kv_before_reuse_yardstick", "kv_before_reuse_yardstick_seconds"),
+          _named("kvwatt_kv_block_evicted_before_reuse_ratio"),  # methods.md s11
+          lambda w: {"kv_evicted_before_reuse_ratio": w.kv_evicted_before_reuse_ratio,
+                     "kv_before_reuse_yardstick": w.kv_before_reuse_yardstick,
+                     "kv_before_reuse_yardstick_seconds": w.kv_before_reuse_yardstick_seconds}),
+    Block(("residency_evidence", "residency_evidence_reason"), _named("kvwatt_kv_block_residency_pressure_evidence"),
+          lambda w: {"residency_evidence": w.residency_evidence,
+                     "residency_evidence_reason": w.residency_evidence_reason}),
     Block(("kv_usage_p95_interval",),  # methods.md s10
           _named("kvwatt_kv_cache_usage_p95_lower_ratio", "kvwatt_kv_cache_usage_p95_upper_ratio"),
           lambda w: {"kv_usage_p95_interval": [w.kv_usage_p95_low, w.kv_usage_p95_high]}),
@@ -148,7 +156,8 @@ def _buffer_json(v: ServerFigures) -> dict:
         "undersized": b.undersized, "recommended_bytes": b.recommended_bytes, "recommended_gib": b.recommended_gib,
         "store_failures": b.store_failures, "residency_seconds": b.residency_seconds,
         "write_bytes_per_second": b.write_bytes_per_second, "p99_tool_latency_seconds": b.p99_tool_latency_seconds,
-        "headroom": b.headroom}}
+        "headroom": b.headroom, "residency_target_seconds": b.residency_target_seconds,
+        "residency_target_source": b.residency_target_source}}
 
 
 SERVER_BLOCKS: tuple[Block, ...] = (
@@ -174,7 +183,8 @@ SERVER_BLOCKS: tuple[Block, ...] = (
     Block(("collapse",),
           _named("kvwatt_collapse_signature", "kvwatt_collapse_condition_set", "kvwatt_collapse_condition"),
           _collapse_json),
-    Block(("offload_buffer",), _named("kvwatt_offload_buffer_undersized", "kvwatt_offload_recommended_buffer_bytes"),
+    Block(("offload_buffer",), _named("kvwatt_offload_buffer_undersized", "kvwatt_offload_recommended_buffer_bytes",
+                                      "kvwatt_offload_buffer_residency_target_seconds"),
           _buffer_json),
 )
 
@@ -200,7 +210,12 @@ WINDOW_KEY_ORDER = (
     "cached_prompt_token_shares", "preemptions_per_request", "preempted_requests_share",
     "admission_rejections_per_minute", "preemptions_by_reason_per_minute", "offload_tiers", "energy",
     "offload_write_bytes_per_second", "offload_buffer_residency_seconds", "offload_write_tokens_per_second",
-    "offload_read_tokens_per_second", "energy_saving", "kv_usage_p95_interval")
+    "offload_read_tokens_per_second", "energy_saving", "kv_usage_p95_interval", "offload_read_bytes_per_second",
+    "estimated_flops_per_second", "estimated_flops_per_generated_token", "cached_to_prefill_ratio",
+    "prompt_energy_per_token_joules", "kv_evicted_blocks_per_second", "kv_evictions_per_prompt_block",
+    "kv_idle_before_evict_seconds", "kv_reuse_gap_seconds", "kv_evicted_before_reuse_ratio",
+    "kv_before_reuse_yardstick", "kv_before_reuse_yardstick_seconds", "residency_evidence",
+    "residency_evidence_reason")
 SERVER_KEY_ORDER = (
     "server", "url", "up", "state", "reason_code", "reason", "engine", "capabilities", "model_name",
     "offload_enabled", "offload_buffer_bytes", "offload_buffer_used_ratio", "offload_buffer_used_bytes",

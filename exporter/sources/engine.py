@@ -61,6 +61,13 @@ COUNTER_KEYS: dict[str, str] = {
     "preemption_hist_count": "finished requests observed by the preemptions-per-request histogram",
     "preemption_hist_sum": "preemptions of those requests, summed",
     "offload_stores_dropped_full": "stores to the offload tier dropped because it was full",
+    # KV-block residency histograms (vLLM --kv-cache-metrics): observed once per SAMPLED block at its eviction
+    "kv_idle_before_evict_hist_count": "sampled KV blocks evicted (idle-before-evict histogram count)",
+    "kv_idle_before_evict_hist_sum": "seconds those evicted blocks sat idle before eviction, summed",
+    "kv_reuse_gap_hist_count": "reuse gaps of sampled evicted blocks (time between consecutive accesses)",
+    "kv_reuse_gap_hist_sum": "those reuse gaps in seconds, summed",
+    "kv_lifetime_hist_count": "sampled KV blocks evicted (lifetime histogram count)",
+    "kv_lifetime_hist_sum": "allocation-to-eviction seconds of those blocks, summed",
 }
 # Labelled counters: one counter per value of a label, keyed "<prefix>@<value>" (e.g. "tier_write_bytes@1:fs");
 # cumulative and summed over ranks like the others, so the store differences them the same way.
@@ -73,6 +80,9 @@ LABELLED_COUNTER_KEYS: dict[str, str] = {
     "tier_chunk_queries": "chunk lookups sent to an offload tier, by tier",
     "tier_chunk_hits": "chunk lookups that hit in an offload tier, by tier",
     "tier_job_failures": "failed promotion (read) and cascade (write) jobs of an offload tier, by tier",
+    "kv_idle_before_evict_hist_le": "sampled evicted KV blocks idle at most <le> seconds (cumulative bucket)",
+    "kv_reuse_gap_hist_le": "reuse gaps of sampled evicted KV blocks of at most <le> seconds (cumulative bucket)",
+    "kv_lifetime_hist_le": "sampled evicted KV blocks that lived at most <le> seconds (cumulative bucket)",
 }
 
 
@@ -114,12 +124,13 @@ OFFLOAD_TOKENS = "offload_tokens"  # offload store/load counted in tokens
 OFFLOAD_HIT_RATE = "offload_hit_rate"  # the engine's own hit rate per offload tier
 PREEMPTIONS_PER_REQUEST = "preemptions_per_request"  # histogram of preemptions per finished request
 OFFLOAD_TIERS = "offload_tiers"  # per-tier offload traffic (vLLM tiering: primary CPU tier + secondary tiers)
+KV_BLOCK_RESIDENCY = "kv_block_residency"  # KV-block eviction/reuse histograms (vLLM --kv-cache-metrics)
 
 CAPABILITIES: frozenset[str] = frozenset({KV_USAGE, PREEMPTIONS, TOKEN_SOURCES, PREFIX_CACHE, MFU,
                                           OFFLOAD_TRAFFIC, OFFLOAD_BUFFER, OFFLOAD_FAILURES, REQUESTS,
                                           ENGINE_STEPS, CACHED_BY_TIER, OFFLOAD_OCCUPANCY, OFFLOAD_USED_BYTES,
                                           OFFLOAD_TOKENS, OFFLOAD_HIT_RATE, PREEMPTIONS_PER_REQUEST,
-                                          OFFLOAD_TIERS})
+                                          OFFLOAD_TIERS, KV_BLOCK_RESIDENCY})
 
 # capability -> the counter/gauge keys any one of which shows it
 CAPABILITY_KEYS: dict[str, tuple[str, ...]] = {
@@ -140,6 +151,7 @@ CAPABILITY_KEYS: dict[str, tuple[str, ...]] = {
     OFFLOAD_TOKENS: ("offload_store_tokens", "offload_load_tokens"),
     OFFLOAD_HIT_RATE: ("offload_host_hit_ratio", "offload_disk_hit_ratio"),
     PREEMPTIONS_PER_REQUEST: ("preemption_hist_count",),
+    KV_BLOCK_RESIDENCY: ("kv_idle_before_evict_hist_count",),
 }
 # capability -> labelled counter prefixes any one of which shows it
 CAPABILITY_PREFIXES: dict[str, tuple[str, ...]] = {

@@ -71,7 +71,10 @@ def _parse_value(text: str) -> float | None:
 
 
 # histogram buckets parsed all the same: a small histogram whose bucket counts a figure needs (0.30+)
-KEPT_BUCKETS = frozenset({"vllm:request_num_preemptions_bucket"})
+KEPT_BUCKETS = frozenset({"vllm:request_num_preemptions_bucket",
+                          # KV-block residency (--kv-cache-metrics): derive/residency.py
+                          "vllm:kv_block_idle_before_evict_seconds_bucket", "vllm:kv_block_reuse_gap_seconds_bucket",
+                          "vllm:kv_block_lifetime_seconds_bucket"})
 
 
 def parse(text: str, prefix: str = "vllm:", skip_suffixes: tuple[str, ...] = ("_bucket", "_created"),

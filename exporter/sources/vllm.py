@@ -55,6 +55,13 @@ COUNTERS: dict[str, tuple[str, dict[str, str]]] = {
     "preemption_hist_sum": ("request_num_preemptions_sum", {}),
     # SimpleCPUOffloadConnector (0.32, vllm/v1/simple_kv_offload/metrics.py): stores dropped, the pool full
     "offload_stores_dropped_full": ("simple_kv_offload_save_outcomes", {"outcome": "dropped_cpu_full"}),
+    # KV-block residency (--kv-cache-metrics, 0.11+): observed at eviction, for the sampled blocks only
+    "kv_idle_before_evict_hist_count": ("kv_block_idle_before_evict_seconds_count", {}),
+    "kv_idle_before_evict_hist_sum": ("kv_block_idle_before_evict_seconds_sum", {}),
+    "kv_reuse_gap_hist_count": ("kv_block_reuse_gap_seconds_count", {}),
+    "kv_reuse_gap_hist_sum": ("kv_block_reuse_gap_seconds_sum", {}),
+    "kv_lifetime_hist_count": ("kv_block_lifetime_seconds_count", {}),
+    "kv_lifetime_hist_sum": ("kv_block_lifetime_seconds_sum", {}),
 }
 # labelled counter prefix -> (series base, label, {label value: replacement}); engine.LABELLED_COUNTER_KEYS
 LABELLED: dict[str, tuple[str, str]] = {
@@ -67,6 +74,10 @@ LABELLED: dict[str, tuple[str, str]] = {
     "tier_read_bytes": ("kv_offload_tiering_read_bytes", "tier"),
     "tier_chunk_queries": ("kv_offload_tiering_chunk_queries", "tier"),
     "tier_chunk_hits": ("kv_offload_tiering_chunk_hits", "tier"),
+    # KV-block residency histograms' buckets (--kv-cache-metrics, 0.11+): sampled evicted blocks, cumulative
+    "kv_idle_before_evict_hist_le": ("kv_block_idle_before_evict_seconds_bucket", "le"),
+    "kv_reuse_gap_hist_le": ("kv_block_reuse_gap_seconds_bucket", "le"),
+    "kv_lifetime_hist_le": ("kv_block_lifetime_seconds_bucket", "le"),
 }
 # labelled request gauges (summed over ranks), read like LABELLED
 LABELLED_GAUGES: dict[str, tuple[str, str]] = {

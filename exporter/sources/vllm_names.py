@@ -82,6 +82,9 @@ HISTOGRAMS = (
     "kv_offload_size",
     "kv_offload_load_size",
     "kv_offload_store_size",
+    "kv_block_idle_before_evict_seconds",  # 0.11+, with --kv-cache-metrics (sampled blocks, at eviction)
+    "kv_block_reuse_gap_seconds",
+    "kv_block_lifetime_seconds",
 )
 
 

@@ -62,6 +62,9 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
                480.0, 960.0, 1920.0, 7680.0)
 ITER_BUCKETS = (1.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0, 8192.0, 16384.0)
 OFFLOAD_SIZE_BUCKETS = (2.0 ** 20, 2.0 ** 22, 2.0 ** 24, 2.0 ** 26, 2.0 ** 28, 2.0 ** 30)
+# vLLM's kv_cache_residency buckets (--kv-cache-metrics; the 0.32 CPU captures in tests/data/kv-cache-metrics)
+RESIDENCY_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0,
+                     120.0, 300.0, 600.0, 1200.0, 1800.0)
 
 
 def _floor(v: float) -> int:
@@ -111,6 +114,11 @@ class Phase:
     down: bool = False                      # the server does not answer (FakeVllm: refused / 500)
     restart_on_enter: bool = False          # entering this phase restarts vLLM (counters back to 0)
     collapsed: bool = False                 # ground truth: the collapse signature holds here
+    # KV-block residency (rendered with Scenario.kv_cache_metrics_sample): evictions, idle time, reuse gaps
+    kv_evictions_per_prompt_block: float = 0.0
+    kv_idle_before_evict_seconds: float = 1.0
+    kv_reuse_gap_seconds: float = 5.0
+    kv_reuse_gaps_per_eviction: float = 0.5  # gaps recorded per evicted block (blocks reused before eviction)
 
 
 @dataclass(frozen=True)
@@ -133,6 +141,7 @@ class Scenario:
     slow_jitter_joules_ratio: float = 0.0      # ... of marginal J/token per block (marginal_joules phases)
     tiers: tuple[str, ...] = ()             # vLLM tiering secondary tiers ("1:fs", ...): offload ON, 0.28+
     preemption_reasons: bool = False        # a build with vLLM PR #58037: num_preemptions_by_reason{reason}
+    kv_cache_metrics_sample: float | None = None  # vLLM --kv-cache-metrics with this --kv-cache-metrics-sample
 
     def phase(self, name: str) -> Phase:
         for p in self.timeline + self.extra_phases:
@@ -233,7 +242,9 @@ class SimEngine:
         self.iteration = _Histogram(ITER_BUCKETS)
         self.store_size = _Histogram(OFFLOAD_SIZE_BUCKETS)
         self.load_size = _Histogram(OFFLOAD_SIZE_BUCKETS)
-        self._carry = {"requests": 0.0, "itl": 0.0, "steps": 0.0, "stores": 0.0, "loads": 0.0}
+        self.kv_idle, self.kv_reuse, self.kv_lifetime = (_Histogram(RESIDENCY_BUCKETS) for _ in range(3))
+        self._carry = {"requests": 0.0, "itl": 0.0, "steps": 0.0, "stores": 0.0, "loads": 0.0, "evictions": 0.0,
+                       "gaps": 0.0}
 
     @property
     def phase(self) -> Phase:
@@ -293,6 +304,20 @@ class SimEngine:
         block = int((self.seconds + 1e-9) // s.slow_jitter_seconds)
         return max(0.05, 1.0 + random.Random(f"{s.seed}:{which}:{block}").gauss(0.0, cv))
 
+    def _observe_evictions(self, p: Phase, prompt_tokens: float) -> None:
+        """vLLM observes a tracked (sampled) block once, at its eviction: idle time, lifetime, reuse gaps."""
+        s = self.scenario
+        self._carry["evictions"] += prompt_tokens / s.block_size * p.kv_evictions_per_prompt_block * \
+            s.kv_cache_metrics_sample
+        n = int(self._carry["evictions"])
+        self._carry["evictions"] -= n
+        self._carry["gaps"] += n * p.kv_reuse_gaps_per_eviction
+        gaps = int(self._carry["gaps"])
+        self._carry["gaps"] -= gaps
+        self.kv_idle.observe(p.kv_idle_before_evict_seconds, n)
+        self.kv_lifetime.observe(p.kv_idle_before_evict_seconds + p.kv_reuse_gap_seconds, n)
+        self.kv_reuse.observe(p.kv_reuse_gap_seconds, gaps)
+
     def _power(self, p: Phase, gen_tokens_per_second: float) -> float:
         idle = self.scenario.gpu_idle_watts
         if p.marginal_joules_per_token is not None and not p.down:
@@ -335,6 +360,8 @@ class SimEngine:
             c["offload_stores_skipped"] += p.stores_skipped_per_second * dt
             c["offload_allocation_failures"] += p.allocation_failures_per_second * dt
             self._observe_transfers(store, load)
+        if s.kv_cache_metrics_sample:
+            self._observe_evictions(p, prompt)
         # histograms: completed requests, tokens, engine steps
         self._carry["requests"] += gen / max(1.0, p.output_tokens_per_request)
         done = int(self._carry["requests"])
@@ -514,6 +541,12 @@ def render(eng: SimEngine, version: str) -> str:
              ("e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", eng.e2e)]
     if has(version, "iteration_tokens"):
         hists.insert(0, ("iteration_tokens_total", "Histogram of number of tokens per engine_step.", eng.iteration))
+    if s.kv_cache_metrics_sample:
+        hists += [("kv_block_idle_before_evict_seconds", "Idle time before eviction of sampled KV blocks.",
+                   eng.kv_idle),
+                  ("kv_block_reuse_gap_seconds", "Time between consecutive accesses of sampled KV blocks.",
+                   eng.kv_reuse),
+                  ("kv_block_lifetime_seconds", "Allocation to eviction of sampled KV blocks.", eng.kv_lifetime)]
     for base, help_, h in hists:
         out.histogram(base, help_, [(lab, h, sh) for lab, sh in zip(base_labels, shares)], eng.created)
     if s.offload_enabled:
