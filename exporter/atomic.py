@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import re
+import stat
 import tempfile
 import time
 from typing import Any, Callable
@@ -19,6 +20,8 @@ from typing import Any, Callable
 TMP_PREFIX = ".tmp-kvwatt-"
 _OURS = re.compile(r"^\.tmp-kvwatt-(\d+)-[a-z0-9_]+$")
 _LEGACY = re.compile(r"^\.tmp-[a-z0-9_]{8}$")  # mkstemp(prefix=".tmp-") of kvwatt <= 428d7ec: no pid
+STATE_FILE_MAX_BYTES = 8 << 20  # a state file larger than this is not one of ours (the largest, 10,000 evidence
+                                # windows for a few servers, is a few MiB)
 FRESH_SECONDS = 2.0  # younger: a write may be in flight, even one from another pid namespace (a write takes ms)
 STALE_SECONDS = 600.0  # older: orphaned whatever the pid says (pid reused, another pid namespace, no pid)
 
@@ -56,19 +59,48 @@ def write_json(path: str, obj: Any) -> None:
 
 
 def read_state_json(path: str, parse: Callable[[Any, float], tuple[Any, list[str]]],
-                    now_wall: float) -> tuple[Any, str]:
+                    now_wall: float, max_bytes: int = STATE_FILE_MAX_BYTES) -> tuple[Any, str]:
     """A state-directory file through ``parse(data, now_wall) -> (good entries, 'why' per dropped entry)``:
-    (good, problem or ""). No file: (None, ""); an unreadable or foreign file: (None, "ignored: ...")."""
+    (good, problem or ""). No file: (None, ""); an unreadable or foreign file: (None, "ignored: ..."). Only a
+    regular file is read (not a link, a FIFO or a device: opened without following links or blocking), at most
+    ``max_bytes`` of it, and JSON nested too deeply is refused, so no state file can stop the daemon at start."""
     try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
+        text = _read_regular(path, max_bytes)
+        data = json.loads(text)
         good, bad = parse(data, now_wall)
     except (FileNotFoundError, NotADirectoryError):  # a directory that is not one: exporter.statedir says it
         return None, ""
     except (OSError, ValueError) as e:  # ValueError: JSONDecodeError, UnicodeDecodeError, parse's own
         return None, f"ignored: {path} ({e})"
+    except RecursionError:
+        return None, f"ignored: {path} (nested too deeply)"
     more = " ..." if len(bad) > 3 else ""
     return good, (f"dropped: {path}: {len(bad)} bad entries ({'; '.join(bad[:3])}{more})" if bad else "")
+
+
+def versioned_mapping(data: Any, version: int, key: str) -> dict:
+    """The ``key`` mapping of a state file's JSON, after its header is checked: ValueError when the file as a whole
+    is not one of ours (not an object, another version, ``key`` not a mapping)."""
+    if not isinstance(data, dict):
+        raise ValueError(f"not a JSON object but {type(data).__name__}")
+    if data.get("version") != version or isinstance(data.get("version"), bool):
+        raise ValueError(f"unknown version {data.get('version')!r}")
+    entries = data.get(key, {})
+    if not isinstance(entries, dict):
+        raise ValueError(f"{key} is not a mapping but {type(entries).__name__}")
+    return entries
+
+
+def _read_regular(path: str, max_bytes: int) -> str:
+    """The UTF-8 text of a regular file of at most ``max_bytes``; OSError or ValueError otherwise."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise ValueError("not a regular file")
+        data = f.read(max_bytes + 1)
+    if len(data) > max_bytes:
+        raise ValueError(f"over the {max_bytes} bytes limit")
+    return data.decode("utf-8")
 
 
 def persist_json(path: str, obj: Any, what: str, previous_error: str, log: logging.Logger) -> str:

@@ -279,13 +279,7 @@ STORED_METHODS = ("learned", "measured")  # "configured" values live in the conf
 def parse_file(data: Any, now_wall: float) -> tuple[dict[str, Baseline], list[str]]:
     """The state file's JSON -> (valid baselines, 'device: why' per dropped entry). ValueError when the file
     as a whole is not a state file (not an object, another version, devices not a mapping)."""
-    if not isinstance(data, dict):
-        raise ValueError(f"not a JSON object but {type(data).__name__}")
-    if data.get("version") != FORMAT_VERSION:
-        raise ValueError(f"unknown version {data.get('version')!r}")
-    devices = data.get("devices", {})
-    if not isinstance(devices, dict):
-        raise ValueError(f"devices is not a mapping but {type(devices).__name__}")
+    devices = atomic.versioned_mapping(data, FORMAT_VERSION, "devices")
     good: dict[str, Baseline] = {}
     bad: list[str] = []
     for device, entry in devices.items():

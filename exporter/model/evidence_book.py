@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import os
-import stat
 from typing import Any, Callable, Mapping
 
 from exporter import atomic
@@ -47,10 +46,7 @@ class EvidenceBook:
         """server -> (its epoch, its windows oldest first); {} without a file."""
         if not self.path:
             return {}
-        problem = _not_ours(self.path)
-        good = None
-        if not problem:
-            good, problem = atomic.read_state_json(self.path, parse_file, self.wall_clock())
+        good, problem = atomic.read_state_json(self.path, parse_file, self.wall_clock(), MAX_FILE_BYTES)
         if problem and problem != self.load_error:
             log.warning("evidence windows: %s", problem)
         self.load_error = problem
@@ -67,19 +63,6 @@ class EvidenceBook:
         self.write_error = atomic.persist_json(self.path, body, "evidence windows", self.write_error, log)
 
 
-def _not_ours(path: str) -> str:
-    """A reason to ignore the file before reading it: not a regular file, or too large."""
-    try:
-        st = os.lstat(path)
-    except OSError:
-        return ""  # absent: read_state_json says nothing either
-    if not stat.S_ISREG(st.st_mode):
-        return f"ignored: {path} (not a regular file)"
-    if st.st_size > MAX_FILE_BYTES:
-        return f"ignored: {path} ({st.st_size} bytes, over the {MAX_FILE_BYTES} limit)"
-    return ""
-
-
 def _entry(p: PressurePoint, now: float) -> dict:
     return {"p95": p.kv_p95, "low": p.kv_p95_low, "high": p.kv_p95_high, "max": p.kv_max,
             "preemptions_per_minute": p.preemptions_per_minute, "tax": p.tax, "tax_se": p.tax_se,
@@ -89,13 +72,7 @@ def _entry(p: PressurePoint, now: float) -> dict:
 def parse_file(data: Any, now_wall: float) -> tuple[Stored, list[str]]:
     """The file's JSON -> (server -> (epoch, valid windows), 'server[i]: why' per dropped one). ValueError when
     the file as a whole is not an evidence file."""
-    if not isinstance(data, dict):
-        raise ValueError(f"not a JSON object but {type(data).__name__}")
-    if data.get("version") != FORMAT_VERSION:
-        raise ValueError(f"unknown version {data.get('version')!r}")
-    servers = data.get("servers", {})
-    if not isinstance(servers, dict):
-        raise ValueError(f"servers is not a mapping but {type(servers).__name__}")
+    servers = atomic.versioned_mapping(data, FORMAT_VERSION, "servers")
     good: Stored = {}
     bad: list[str] = []
     for name, item in servers.items():

@@ -64,13 +64,7 @@ class ReferenceBook:
 def parse_file(data: Any, now_wall: float) -> tuple[dict[str, list[ReferenceSample]], list[str]]:
     """The file's JSON -> (server -> valid samples, 'server[i]: why' per dropped one). ValueError when the file
     as a whole is not a reference file."""
-    if not isinstance(data, dict):
-        raise ValueError(f"not a JSON object but {type(data).__name__}")
-    if data.get("version") != FORMAT_VERSION:
-        raise ValueError(f"unknown version {data.get('version')!r}")
-    servers = data.get("servers", {})
-    if not isinstance(servers, dict):
-        raise ValueError(f"servers is not a mapping but {type(servers).__name__}")
+    servers = atomic.versioned_mapping(data, FORMAT_VERSION, "servers")
     good: dict[str, list[ReferenceSample]] = {}
     bad: list[str] = []
     for name, items in servers.items():
