@@ -18,7 +18,7 @@ test:
 # the fast tier: everything but the real vLLM engine, Prometheus/Alertmanager binaries and chromium
 # (pytest markers, guarded by tests/support/tiers.py); installs like `make test`
 test-fast:
-	scripts/test.sh -m "not engine and not prom and not browser"
+	scripts/test.sh -m "not engine and not prom and not browser and not slow"
 
 # the lab (kvwatt replay, kvwatt experiment, reports with matplotlib): its own distribution in lab/
 lab: .venv/.kvwatt-installed

@@ -21,6 +21,8 @@ from tests.support.engine import free_port
 from tests.support.power_driver import PowerDriver
 from tests.support.powercap import PowercapTree
 
+pytestmark = pytest.mark.slow  # each test runs a real experiment (subprocesses, fake servers) for 6-45 s
+
 IDLE_WATTS, JOULES_PER_TOKEN, JOULES_PER_PREFILL_TOKEN = 30.0, 0.2, 0.002
 # The RAPL double is written by a Python thread every 50 ms; on a loaded machine it can lag a few hundred ms,
 # which over windows of seconds shifts energy between neighbouring intervals: hence loose tolerances here

@@ -154,6 +154,7 @@ def test_dry_run_prints_the_matrix_the_order_and_the_estimated_wall_time(tmp_pat
     assert "start-up 50 s" in out and "measurement 5 min 01 s" in out
 
 
+@pytest.mark.slow
 def test_a_swept_experiment_runs_its_pairs_and_records_their_parameters(tmp_path):
     """concurrency [1, 3] x ON/OFF against the stand-in server; ON's offload_args turn on its external
     (offloaded) prompt tokens, so each ON run must show them and each OFF run none."""

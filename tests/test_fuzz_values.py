@@ -278,6 +278,7 @@ def run_sequence(seq: int, tmp_path) -> int:
     return refused
 
 
+@pytest.mark.slow
 def test_fuzzed_real_expositions_give_finite_bounded_figures_and_strict_json(tmp_path):
     refused = sum(run_sequence(seq, tmp_path) for seq in range(SEQUENCES))
     assert refused > 100  # the mutations do reach the range checks (not all swallowed as parse errors)

@@ -29,6 +29,7 @@ def _config(gpus_uuid: str) -> dict:
             "idle_power_watts": {gpus_uuid: sim.IDLE_WATTS}, "collapse_power_near_idle_ratio": 1.4}
 
 
+@pytest.mark.slow
 def test_collapse_signature_only_during_the_collapse_phase(tmp_path):
     # wall seconds: steady 0-30, collapse 30-60, recovered after 60
     scn = sim.recovering_on(steady_seconds=30 * TIME_SCALE, collapse_seconds=30 * TIME_SCALE)

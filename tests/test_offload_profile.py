@@ -70,6 +70,7 @@ def _run(args, env=None, timeout=60):
                           env={**os.environ, **(env or {})}, capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_record_command_writes_the_profile(tmp_path):
     gpus = FakeGpus(tmp_path / "gpus.json")
     cond = sim.TABLE1[3]  # coding c=5 OFF: 2000 tok/s at 0.15 marginal J/token
