@@ -419,12 +419,11 @@ def _pressure(s: dict) -> str:
     if s.get("threshold_located") and loc_state != "known":
         why = s.get("threshold_reason") or ""
         text += f" The located threshold is {_state_words(loc_state, why, 'threshold-state')}."
-    if state != "known" and _without_residency(s):
-        text += f' <span class="note" data-field="kv-cache-metrics">{_e(KV_CACHE_METRICS)}</span>'
-
     if w is not None and w.get("preemptions_per_minute") is not None:
         onset = " (preemption onset: the leading sign of pressure)" if w.get("preemption_onset") else ""
         text += f" Preemptions: {_num(w['preemptions_per_minute'])} per minute{onset}."
+    if state != "known" and _without_residency(s):
+        text += f' <span class="note" data-field="kv-cache-metrics">{_e(KV_CACHE_METRICS)}</span>'
     return f'<p data-field="pressure" data-regime="{_e(regime)}">{text}</p>'
 
 
