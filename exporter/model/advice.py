@@ -108,14 +108,14 @@ def _pressure(v: ServerFigures) -> Advice | None:
         seen.append(f"KV-cache usage p95 {w.kv_usage_p95 * 100:.0f} %")
     if v.info is not None and v.info.offload_enabled:
         gib = v.buffer.recommended_gib if v.buffer else None
-        offload = ("offloading is on" + (f" (--kv-offloading-size {gib} GiB is the size kvwatt recommends)"
-                                         if gib is not None else ""))
+        offload = ("; offloading is already on" + (f" (--kv-offloading-size {gib} is the size in GiB kvwatt "
+                                                      "recommends)" if gib is not None else ""))
     else:
-        offload = ("or enable KV offloading (--kv-offloading-size; kvwatt recommends a size from the write rate "
+        offload = (", or enable KV offloading (--kv-offloading-size; kvwatt recommends a size from the write rate "
                    "once it is on)")
     return Advice("kv_pressure", "bad",
                   f"KV pressure: {', '.join(seen)}. Grow the KV cache (--gpu-memory-utilization, a shorter "
-                  f"--max-model-len, more GPUs) or lower concurrency (--max-num-seqs), {offload}.",
+                  f"--max-model-len, more GPUs) or lower concurrency (--max-num-seqs){offload}.",
                   {"window": w.window,
                    "preemptions_per_minute": onset.preemptions_per_minute if onset else w.preemptions_per_minute,
                    "recompute_tax": taxed.recompute_tax if taxed else None, "kv_usage_p95": w.kv_usage_p95,
