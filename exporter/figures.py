@@ -7,7 +7,7 @@ the JSON says null, never a fake 0. Frozen: a scrape cannot change what it reads
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from exporter.derive.collapse import CollapseResult
 from exporter.derive.energy import EnergyPerToken
@@ -121,6 +121,19 @@ class BufferFigures:
 
 
 @dataclass(frozen=True)
+class Advice:
+    """One answer to "what do I do?" (exporter.model.advice): ``kind`` names the check, ``severity`` says what
+    it means (bad: act; unknown: kvwatt cannot tell yet, and what would tell; info: nothing to do), ``evidence``
+    the numbers the words rest on (JSON-ready)."""
+
+    kind: str  # server_down | source_degraded | collapse | stalled_engine | kv_pressure | undersized_buffer |
+    #            evidence | checks_unknown | nothing_to_do
+    severity: str  # bad | unknown | info
+    text: str
+    evidence: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class KappaFigures:
     """kappa_crit and the recompute break-even (methods.md s7): constants per server."""
 
@@ -170,6 +183,8 @@ class ServerFigures:
     evidence: Evidence = Evidence()
     epoch_started_wall: float | None = None
     epoch_cause: str = ""
+    # "what do I do?" in order of urgency (exporter.model.advice); ``recommendations`` are their words
+    advice: tuple[Advice, ...] = ()
 
     @property
     def regime(self) -> str:

@@ -110,8 +110,12 @@ def test_offload_on_page_in_chromium(tmp_path):
 
 async def _offload_on(tmp_path):
     rep = Replayed(golden.Scenario(tmp_path))
-    rep.step_to(golden.CPU_FROM + 1)  # cpu: two captures, one interval of its 1m window
+    rep.step_to(golden.CPU_FROM - 1)  # cpu not answering yet
     async with rep, Chromium() as b:
+        await b.goto(rep.url + "?cpu-down")
+        await _down_panel(b, await rep.status(), "cpu")
+        await _chips_match_meaning(b, await rep.status())
+        rep.step_to(golden.CPU_FROM + 1)  # cpu: two captures, one interval of its 1m window
         await b.goto(rep.url)
         await b.eval("window.notReloaded = true")
         st = await rep.status()
@@ -186,9 +190,78 @@ async def _offload_on(tmp_path):
 
         for src in ("nvml", "rapl", "state_dir"):
             assert (await b.text(f"[data-source={src}]")).endswith(": ok")
+        await _chips_match_meaning(b, st)
         assert await b.text("#server-cpu [data-field=dE]") == \
             "Unknown (potential dE): no low-pressure reference share yet (learned or configured)."
         await _screenshot(b, tmp_path, "landing-offload-on.png")
+
+
+# --- what the colours mean ------------------------------------------------------------------------------------
+SOURCE_MEANING = {"ok": "good", "down": "bad", "degraded": "unknown"}
+
+
+def _condition_meaning(name: str, v, c: dict) -> str:
+    """What a collapse condition's value means to an operator (methods.md s5), stated here independently of
+    the page: a fact is neutral; while the signature holds every true condition but a fact is part of it."""
+    if v is None:
+        return "unknown"
+    if name == "offload_enabled":
+        return "neutral"
+    if v and c["signature"]:
+        return "bad"
+    if name == "zero_preemptions":
+        return "good" if v else "bad"
+    if name == "throughput_collapsed":
+        return "bad" if v else "good"
+    if name == "engine_steps_stopped":  # steps stopped on an idle server (nothing pending) is no stall
+        return ("bad" if c["conditions"].get("requests_pending") else "neutral") if v else "good"
+    return "neutral"
+
+
+CHIPS_JS = """Array.from(document.querySelectorAll('.chip'), e => ({
+  classes: Array.from(e.classList), meaning: e.dataset.meaning || null, text: e.innerText,
+  server: (e.closest('article.server') || {dataset: {}}).dataset.server || null,
+  condition: (e.closest('tr[data-condition]') || {dataset: {}}).dataset.condition || null,
+  source: e.dataset.source || null, health: !!e.closest('[data-field=health]'),
+  background: getComputedStyle(e).backgroundColor, color: getComputedStyle(e).color}))"""
+
+
+async def _chips_match_meaning(b: Chromium, st: dict) -> None:
+    """Every chip on the page has one meaning class, the one its value means in /api/status, and each meaning
+    has one colour of its own."""
+    servers = {s["server"]: s for s in st["servers"]}
+    sources = {x["source"]: x for x in st["sources"]}
+    colours: dict[str, set] = {}
+    chips = await b.eval(CHIPS_JS)
+    assert chips
+    for chip in chips:
+        meanings = [c for c in chip["classes"] if c in page.MEANINGS]
+        assert len(meanings) == 1 and meanings[0] == chip["meaning"], chip
+        if chip["source"]:
+            want = SOURCE_MEANING[sources[chip["source"]]["state"]]
+        elif chip["condition"]:
+            c = servers[chip["server"]]["collapse"]
+            want = _condition_meaning(chip["condition"], c["conditions"][chip["condition"]], c)
+        elif chip["server"]:  # the panel's up/DOWN chip and its vLLM /metrics health chip
+            want = SOURCE_MEANING[servers[chip["server"]]["state"]]
+        else:
+            want = "unknown"  # "no energy source read"
+        assert chip["meaning"] == want, chip
+        colours.setdefault(want, set()).add((chip["background"], chip["color"]))
+    assert all(len(c) == 1 for c in colours.values()), colours
+    assert len({next(iter(c)) for c in colours.values()}) == len(colours), colours  # a colour per meaning
+
+
+async def _down_panel(b: Chromium, st: dict, name: str) -> None:
+    """A server kvwatt cannot read: DOWN in red, and What do I do? says what to check, never Nothing to do."""
+    s = _server(st, name)
+    assert not s["up"] and [a["kind"] for a in s["advice"]] == ["server_down"]
+    panel = f"#server-{name} "
+    assert await b.text(panel + "h2 .chip") == "DOWN"
+    todo = await b.text(panel + "[data-field=recommendations]")
+    assert "Nothing to do" not in todo and "--server NAME=URL" in todo and "engine process" in todo
+    assert s["reason"] in todo
+    assert await b.eval(f"document.querySelector('{panel}[data-kind=server_down]').className") == "bad"
 
 
 # --- (b) collapse ---------------------------------------------------------------------------------------------
@@ -243,8 +316,9 @@ async def _collapse(tmp_path):
         banner = await b.text(n + "[data-field=collapse]")
         assert "none" not in banner.lower() and "unknown" in banner
         assert "GPU unknown (no GPU energy samples" in await b.text(n + "[data-field=joules-per-token]")
-        assert "some checks are unknown" in await b.text(n + "[data-field=recommendations]") or \
-            await b.texts(n + "[data-field=recommendations] li")
+        assert "Some checks are unknown (collapse signature)" in await b.text(n + "[data-field=recommendations]")
+        assert "Nothing to do" not in await b.text(n + "[data-field=recommendations]")
+        await _chips_match_meaning(b, st)
         await _screenshot(b, tmp_path, "landing-collapse.png")
 
 

@@ -114,15 +114,21 @@ COLLAPSE_ADVICE = ("Collapse signature: throughput stalled with zero preemptions
 
 
 def recommendations(collapse_signature: bool | None, buf: BufferFigures | None, cfg: Config) -> tuple[str, ...]:
+    """The collapse and buffer checks' words (the whole advice: exporter.model.advice)."""
     out = []
     if collapse_signature:
         out.append(COLLAPSE_ADVICE)
     if buf is not None and buf.undersized:
-        p99 = buf.residency_target_seconds or cfg.p99_tool_latency_seconds
-        what = "KV-block reuse-gap p99" if buf.residency_target_source == "reuse_gap_p99" else "p99 tool-call latency"
-        why = (f"residency {buf.residency_seconds:.0f} s < {what} {p99:.0f} s"
-               if buf.residency_seconds is not None and buf.residency_seconds < p99
-               else "stores failing (allocation failures / skipped stores)")
-        out.append(f"Offload buffer undersized ({why}): use --kv-offloading-size {buf.recommended_gib or '?'} "
-                   "(GiB) or more.")
+        out.append(undersized_words(buf, cfg))
     return tuple(out)
+
+
+def undersized_words(buf: BufferFigures, cfg: Config) -> str:
+    """Why the buffer is undersized and the --kv-offloading-size to use (methods.md s6)."""
+    p99 = buf.residency_target_seconds or cfg.p99_tool_latency_seconds
+    what = "KV-block reuse-gap p99" if buf.residency_target_source == "reuse_gap_p99" else "p99 tool-call latency"
+    why = (f"residency {buf.residency_seconds:.0f} s < {what} {p99:.0f} s"
+           if buf.residency_seconds is not None and buf.residency_seconds < p99
+           else "stores failing (allocation failures / skipped stores)")
+    return (f"Offload buffer undersized ({why}): use --kv-offloading-size {buf.recommended_gib or '?'} "
+            "(GiB) or more.")

@@ -3,6 +3,7 @@ reference share: model/pressure.py; collapse latch), and the typed figures deriv
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Mapping
 
 from exporter.config import Config, ServerConfig, format_window, redacted_url
@@ -10,6 +11,7 @@ from exporter.derive import collapse, economics, kappa, offload, preemption, pre
 from exporter.derive import residency
 from exporter.derive import energy as derive_energy
 from exporter.figures import EnergyFigure, ServerFigures, WindowFigures
+from exporter.model import advice as advice_model
 from exporter.model import offload as offload_figures
 from exporter.model import pressure as pressure_model
 from exporter.samples import EngineReading, SourceStatus, EngineInfo
@@ -210,18 +212,19 @@ class ServerModel:
         if enabled and windows:
             short = min(self.cfg.windows_seconds)
             buf = offload_figures.buffer(windows, offload.store_failures(self.history.aggregate(short)), self.cfg)
-        sig = self.collapse.signature if self.collapse else None
-        return ServerFigures(
+        fig = ServerFigures(
             name=self.name, url=redacted_url(self.server.url), status=self.status, info=self.info,
             engine=self.engine, capabilities=self.capabilities,
             threshold=self.cfg.kv_pressure_threshold_ratio, reference_share=self.reference.value,
             reference_kind=self.reference.kind, windows=windows, collapse=self.collapse, buffer=buf,
-            kappa=self.offload.kappa, recommendations=offload_figures.recommendations(sig, buf, self.cfg),
+            kappa=self.offload.kappa,
             tiers=offload.tier_state(self.gauges), kv_fetch_waiting=labelled(self.gauges or {}, "kv_fetch") or None,
             located=self.pressure.located, threshold_in_use=self.pressure.threshold,
             threshold_source=self.pressure.source, evidence_windows=len(self.pressure.points),
             reference_windows=self.reference.windows, reference_spread=self.reference.spread,
             **self._judgements(windows))
+        advice = advice_model.advise(fig, self.cfg)  # "what do I do?", from the figures just derived
+        return replace(fig, advice=advice, recommendations=advice_model.recommendations(advice))
 
     def _judgements(self, windows) -> dict:
         """Each learned figure's state and reason, and the evidence and epoch they rest on (methods.md s10)."""

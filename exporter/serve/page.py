@@ -26,6 +26,10 @@ KIND_WORDS = {
     "potential": "an estimate of what offloading would save here: the recomputation tax priced as reloads",
 }
 
+# the page's words for a pressure verdict not yet known on a vLLM server without --kv-cache-metrics (methods.md s11)
+KV_CACHE_METRICS = ("Enabling --kv-cache-metrics on the vLLM server would make this verdict certain from the first "
+                    "minutes (KV-block evictions per prompt block, evicted-before-reuse share).")
+
 CONDITION_WORDS = {
     "offload_enabled": "offloading is on",
     "zero_preemptions": "no preemption in the window",
@@ -62,14 +66,39 @@ def _secs(x) -> str:
     return UNKNOWN if x is None else f"{x:.0f} s" if abs(x) >= 10 else f"{x:.1f} s"
 
 
-def _state(v, alarm: bool = False) -> str:
-    """A three-valued condition: true / false / unknown, never a blank or "none"."""
+def _state(v, meaning: str) -> str:
+    """A three-valued condition: true / false / unknown, never a blank or "none"; coloured by ``meaning``."""
     word = "unknown" if v is None else "true" if v else "false"
-    return f'<span class="chip state-{word}{" alarm" if alarm else ""}">{word}</span>'
+    return f'<span class="chip {meaning} state-{word}" data-meaning="{meaning}">{word}</span>'
 
 
-def _chip(state: str, text: str) -> str:
-    return f'<span class="chip {escape(state)}">{escape(text)}</span>'
+# a chip's colour says what it means, never more: good, bad, unknown, or neutral (a plain fact)
+MEANINGS = ("good", "bad", "unknown", "neutral")
+SOURCE_MEANING = {"ok": "good", "down": "bad", "degraded": "unknown"}  # degraded: some figures unknown
+
+
+def _chip(meaning: str, text: str, attrs: str = "") -> str:
+    return f'<span class="chip {meaning}" data-meaning="{meaning}"{attrs}>{escape(text)}</span>'
+
+
+def source_meaning(state: str) -> str:
+    return SOURCE_MEANING.get(state, "unknown")
+
+
+def condition_meaning(name: str, v, c: dict) -> str:
+    """What a collapse condition's value means (methods.md s5). While the signature holds, each true condition
+    is part of the failure; otherwise a fact is neutral and only what is good or bad on its own is coloured."""
+    if v is None:
+        return "unknown"
+    if name == "offload_enabled":
+        return "neutral"  # whether offloading is on is a fact, not a verdict
+    if v and c.get("signature"):
+        return "bad"
+    pending = c.get("conditions", {}).get("requests_pending")
+    return {"zero_preemptions": "good" if v else "bad",  # preempting: the leading sign of KV pressure
+            "throughput_collapsed": "bad" if v else "good",
+            "engine_steps_stopped": ("bad" if pending else "neutral") if v else "good",  # idle: not stalled
+            }.get(name, "neutral")  # power near idle, requests pending: facts on their own
 
 
 def _e(x) -> str:
@@ -111,14 +140,14 @@ _SOURCE_NAMES = {"nvml": "GPU energy (NVML)", "rapl": "host energy (RAPL)", "sta
 def _source_chip(st: dict) -> str:
     name = _SOURCE_NAMES.get(st["source"], st["source"])
     text = f"{name}: {st['state']}" + (f" ({st['reason']})" if st.get("reason") else "")
-    return (f'<span class="chip {escape(st["state"])}" data-source="{escape(st["source"])}" '
-            f'title="{escape(st.get("reason") or "")}">{escape(text)}</span>')
+    return _chip(source_meaning(st["state"]), text,
+                 f' data-source="{escape(st["source"])}" title="{escape(st.get("reason") or "")}"')
 
 
 def server_panel(s: dict) -> str:
     name = _e(s["server"])
     return f"""<article class="server" id="server-{name}" data-server="{name}">
-<h2>{name} {_chip(s["state"], "up" if s["up"] else "DOWN")}</h2>
+<h2>{name} {_chip(source_meaning(s["state"]), "up" if s["up"] else "DOWN")}</h2>
 <p class="meta">{_meta(s)}</p>
 <div class="cols"><div>
 <section class="q" data-question="paying"><h3>Is offloading paying?</h3>{paying(s)}</section>
@@ -255,12 +284,17 @@ def _tax_sentence(s: dict) -> str:
         return ""
     label, w = lw
     shares, ref = w.get("prompt_token_shares"), s.get("reference_local_compute_share")
+    state, reason = s.get("tax_state", "known"), s.get("tax_reason") or ""
     if shares is None:
         body = f"{UNKNOWN} (no prompt tokens by source in the window)"
-    elif w.get("recompute_tax") is None:
-        body = (f"{UNKNOWN}: the server recomputed {_pct(shares['local_compute'])} of its prompt tokens, but its "
-                "low-pressure share is not known yet (learned from windows below the KV-pressure threshold, or "
-                "set reference_local_compute_share)")
+    elif w.get("recompute_tax") is None or state != "known":
+        # a tax on a reference not yet known is no figure: its state and why, never a number as if known
+        ref_words = (f", against {_pct(ref)} at low pressure so far ({_e(s.get('reference_kind'))} reference)"
+                     if ref is not None else "")
+        body = (f"{_state_words(state, reason or 'its low-pressure share is not known yet', 'tax-state')}: the "
+                f"server recomputed {_pct(shares['local_compute'])} of its prompt tokens{ref_words} (the "
+                "low-pressure share is learned from windows below the KV-pressure threshold, or set "
+                "reference_local_compute_share)")
     else:
         body = (f"<b>{w['recompute_tax'] * 100:+.1f} points</b>: the server recomputed "
                 f"{_pct(shares['local_compute'])} of its prompt tokens, against {_pct(ref)} at low pressure "
@@ -269,6 +303,12 @@ def _tax_sentence(s: dict) -> str:
             '<span class="note">The tax is the rise of the recomputed share above the same server\'s '
             'low-pressure level: prompt tokens evicted from the KV cache and computed again, which an offload '
             'tier can reload instead.</span></p>')
+
+
+def _state_words(state: str, reason: str, field: str) -> str:
+    """A learned figure's state when not known (methods.md s10): "provisional: <reason>" / "unknown: <reason>"."""
+    return (f'<span class="state-word {_e(state)}" data-field="{field}" data-state="{_e(state)}">{_e(state)}: '
+            f'{_e(reason)}</span>')
 
 
 # --- is anything wrong? ---------------------------------------------------------------------------------------
@@ -298,7 +338,7 @@ def _condition_row(name: str, v, c: dict) -> str:
     elif name == "power_near_idle" and not seen:
         seen = f"GPU {_num(c['gpu_power_watts'])} W, idle {_num(c['gpu_idle_power_watts'])} W"
     return (f'<tr data-condition="{_e(name)}"><td>{_e(CONDITION_WORDS.get(name, name))}</td>'
-            f'<td class="state">{_state(v, bool(v and c["signature"]))}</td><td class="small">{seen}</td></tr>')
+            f'<td class="state">{_state(v, condition_meaning(name, v, c))}</td><td class="small">{seen}</td></tr>')
 
 
 def _buffer(s: dict) -> str:
@@ -358,36 +398,59 @@ def _pressure(s: dict) -> str:
     th, where = _threshold_words(s)
     w = (s.get("windows") or {}).get(label) if label else None
     thw = f"the {_pct(th)} threshold"
+    state, reason = s.get("regime_state", "known"), s.get("regime_reason") or ""
+    preempting = bool(w and w.get("preemptions_per_minute"))
     if regime == "unknown" or w is None:
         text = f"KV pressure: {UNKNOWN} (no KV-cache usage samples yet; the threshold is {_pct(th)})."
     else:
         lo, hi = w.get("kv_usage_p95_interval") or (None, None)
         p95 = f"<b>{_pct(w['kv_usage_p95'])}</b>" + (f" ({_pct(lo)}–{_pct(hi)})" if lo is not None else "")
-        side = ("<b>above</b> {thw}, where offloading starts to pay" if regime == "above"
-                else "<b>below</b> {thw}, where offloading saves nothing beyond noise").format(thw=thw)
+        if regime == "above":
+            side = f"<b>above</b> {thw}, where offloading starts to pay"
+        elif state == "known" and not preempting:  # "saves nothing" only when nothing contradicts it
+            side = f"<b>below</b> {thw}, where offloading saves nothing beyond noise"
+        else:
+            side = f"under {thw}"
         text = f"KV pressure: KV-cache usage p95 {p95} over the last {_e(label)} is {side}."
+    if state != "known":
+        text += f" The regime is {_state_words(state, reason, 'regime-state')}."
     text += where
+    loc_state = s.get("threshold_state", "known")
+    if s.get("threshold_located") and loc_state != "known":
+        why = s.get("threshold_reason") or ""
+        text += f" The located threshold is {_state_words(loc_state, why, 'threshold-state')}."
     if w is not None and w.get("preemptions_per_minute") is not None:
         onset = " (preemption onset: the leading sign of pressure)" if w.get("preemption_onset") else ""
         text += f" Preemptions: {_num(w['preemptions_per_minute'])} per minute{onset}."
+    if state != "known" and _without_residency(s):
+        text += f' <span class="note" data-field="kv-cache-metrics">{_e(KV_CACHE_METRICS)}</span>'
     return f'<p data-field="pressure" data-regime="{_e(regime)}">{text}</p>'
 
 
+def _without_residency(s: dict) -> bool:
+    """A vLLM server whose windows carry no KV-block residency figure (--kv-cache-metrics off, methods.md s11)."""
+    wins = (s.get("windows") or {}).values()
+    return s.get("engine") == "vllm" and not any(w.get("kv_evictions_per_prompt_block") is not None for w in wins)
+
+
 def _health(s: dict) -> str:
-    state = _chip(s["state"], f"vLLM /metrics: {s['state']}" + (f" ({s['reason']})" if s["reason"] else ""))
+    state = _chip(source_meaning(s["state"]), f"vLLM /metrics: {s['state']}" +
+                  (f" ({s['reason']})" if s["reason"] else ""))
     return f'<p data-field="health">Sources: {state} <span class="small">(host-wide sources at the top)</span></p>'
 
 
 # --- what do I do? --------------------------------------------------------------------------------------------
 def todo(s: dict) -> str:
-    recs = s.get("recommendations") or []
-    if recs:
-        return '<ul class="todo" data-field="recommendations">' + "".join(f"<li>{_e(r)}</li>" for r in recs) + "</ul>"
-    checks = [(s.get("collapse") or {}).get("signature"), (s.get("offload_buffer") or {}).get("undersized")]
-    if s.get("offload_enabled") and any(v is None for v in checks):
-        return ('<p data-field="recommendations">No recommendation, but some checks are unknown (see above): '
-                'nothing can be ruled out yet.</p>')
-    return '<p data-field="recommendations">Nothing to do: no check kvwatt makes is failing.</p>'
+    """The advice the model computed (exporter.model.advice), most urgent first; "Nothing to do" only where the
+    model said so (every check known and clear)."""
+    advice = s.get("advice") or []
+    if not advice:
+        return f'<p data-field="recommendations">{UNKNOWN}: no advice computed for this server.</p>'
+    if [a["kind"] for a in advice] == ["nothing_to_do"]:
+        return f'<p data-field="recommendations" data-kind="nothing_to_do">{_e(advice[0]["text"])}</p>'
+    return ('<ul class="todo" data-field="recommendations">' + "".join(
+        f'<li class="{_e(a["severity"])}" data-kind="{_e(a["kind"])}" data-severity="{_e(a["severity"])}">'
+        f'{_e(a["text"])}</li>' for a in advice) + "</ul>")
 
 
 # --- figures per window ---------------------------------------------------------------------------------------
@@ -416,13 +479,18 @@ def _at(w: dict, path: tuple[str, ...]):
     return x
 
 
-def window_rows() -> list[tuple[str, Callable[[dict], str]]]:
-    """The table's rows, from the catalog's declarations (their ``words``), in catalog order."""
+def window_rows(s: dict | None = None) -> list[tuple[str, Callable[[dict], str]]]:
+    """The table's rows, from the catalog's declarations (their ``words``), in catalog order. A tax (points)
+    whose state in the server's dict ``s`` is not known reads its state, not a number (methods.md s10)."""
     rows = []
+    tax_state = (s or {}).get("tax_state", "known")
     for d in catalog.METRICS:
         for words in d.words:
             path = words.path or (d.status.key,)
             fmt = FORMATS[words.unit]
+            if words.unit == "points" and tax_state != "known":
+                fmt = (lambda x, _w, st=tax_state: UNKNOWN if x is None else
+                       f'<span class="state-word {st}" data-state="{st}">{st}</span>')
             rows.append((words.label, lambda w, path=path, fmt=fmt: fmt(_at(w, path), w)))
     return rows
 
@@ -433,5 +501,5 @@ def windows_table(s: dict) -> str:
         return f"<p>{UNKNOWN}: no window configured.</p>"
     head = "".join(f'<th class="num">last {_e(k)}</th>' for k in wins)
     rows = "".join(f"<tr><th>{_e(name)}</th>" + "".join(f'<td class="num">{cell(w)}</td>' for w in wins.values())
-                   + "</tr>" for name, cell in window_rows())
+                   + "</tr>" for name, cell in window_rows(s))
     return f'<table class="windows"><tr><th></th>{head}</tr>{rows}</table>'

@@ -5,7 +5,7 @@ REFRESH_SECONDS = 5
 
 CSS = """
 :root { --fg:#1d2430; --muted:#5b6678; --line:#d9dee7; --bg:#f4f6f9; --card:#fff;
-  --good:#1f7a3a; --goodbg:#e3f4e8; --bad:#b3261e; --badbg:#fde7e5; --warn:#8a5300; --warnbg:#fff1d6;
+  --good:#1f7a3a; --goodbg:#e3f4e8; --bad:#b3261e; --badbg:#fde7e5;
   --unk:#4b5563; --unkbg:#eceff3; }
 * { box-sizing: border-box; }
 body { margin:0; font:15px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,"DejaVu Sans",sans-serif;
@@ -25,10 +25,11 @@ aside { border-left:1px solid var(--line); padding-left:1.2em; }
 .chips { display:flex; flex-wrap:wrap; gap:.4em; margin:.3em 0 1em; }
 .chip { display:inline-block; padding:.05em .55em; border-radius:999px; font-size:.85em; font-weight:600;
   border:1px solid transparent; white-space:nowrap; }
-.chip.ok, .state-false { background:var(--goodbg); color:var(--good); }
-.chip.down, .chip.bad, .chip.state-true.alarm { background:var(--badbg); color:var(--bad); }
-.chip.degraded, .chip.state-true { background:var(--warnbg); color:var(--warn); }
-.chip.unknown, .state-unknown { background:var(--unkbg); color:var(--unk); border-color:#c9cfd8; }
+/* a chip's colour is its meaning (exporter.serve.page.MEANINGS): good, bad, unknown; a plain fact is neutral */
+.chip.good { background:var(--goodbg); color:var(--good); }
+.chip.bad { background:var(--badbg); color:var(--bad); }
+.chip.unknown { background:var(--unkbg); color:var(--unk); border-color:#c9cfd8; font-style:italic; }
+.chip.neutral { background:var(--card); color:var(--fg); border-color:var(--line); }
 article.server { background:var(--card); border:1px solid var(--line); border-radius:10px; margin:0 0 1.4em;
   padding:1em 1.3em 1.1em; box-shadow:0 1px 2px rgba(0,0,0,.04); }
 article.server > h2 { margin:0; font-size:1.3em; display:flex; align-items:center; gap:.5em; flex-wrap:wrap; }
@@ -49,6 +50,10 @@ section.q p { margin:.25em 0; }
 .unknown { color:var(--unk); font-style:italic; }
 ul.todo { margin:.2em 0; padding-left:1.3em; }
 ul.todo li { margin:.2em 0; }
+ul.todo li.bad { color:var(--bad); }
+ul.todo li.unknown { color:var(--unk); }
+.todo .evidence { color:var(--muted); font-size:.88em; }
+.state-word.provisional, .state-word.unknown { color:var(--unk); font-style:italic; }
 table { border-collapse:collapse; margin:.35em 0; font-size:.92em; }
 th, td { text-align:left; padding:.25em .7em .25em 0; border-bottom:1px solid var(--line); vertical-align:top; }
 th { color:var(--muted); font-weight:600; }

@@ -160,6 +160,11 @@ def _buffer_json(v: ServerFigures) -> dict:
         "residency_target_source": b.residency_target_source}}
 
 
+def _advice_json(v: ServerFigures) -> dict:
+    return {"advice": [{"kind": a.kind, "severity": a.severity, "text": a.text, "evidence": dict(a.evidence)}
+                       for a in v.advice]}
+
+
 SERVER_BLOCKS: tuple[Block, ...] = (
     Block(("server", "url", "engine", "capabilities", "model_name"),
           _named("kvwatt_server_info", "kvwatt_server_capability"), _identity_json),
@@ -170,9 +175,12 @@ SERVER_BLOCKS: tuple[Block, ...] = (
     Block(("reference_kind",), _named("kvwatt_recompute_reference_share_ratio"),
           lambda v: {"reference_kind": v.reference_kind}),
     Block(("signatures",), _named("kvwatt_collapse_signature"), lambda v: {"signatures": v.signatures}),
-    Block(("recommendations",),  # words drawn from the buffer and collapse checks
+    Block(("recommendations",),  # the advice's words (exporter.model.advice)
           _named("kvwatt_offload_buffer_undersized", "kvwatt_offload_recommended_buffer_bytes",
                  "kvwatt_collapse_signature"), lambda v: {"recommendations": list(v.recommendations)}),
+    Block(("advice",),  # "what do I do?": each check's answer with the numbers it rests on
+          _named("kvwatt_source_up", "kvwatt_kv_pressure_above_threshold", "kvwatt_collapse_signature",
+                 "kvwatt_offload_buffer_undersized", "kvwatt_offload_recommended_buffer_bytes"), _advice_json),
     Block(THRESHOLD_KEYS,
           _named("kvwatt_kv_pressure_threshold_in_use_ratio", "kvwatt_kv_pressure_threshold_located_ratio",
                  "kvwatt_kv_pressure_threshold_located_low_ratio", "kvwatt_kv_pressure_threshold_located_high_ratio",
@@ -220,7 +228,7 @@ SERVER_KEY_ORDER = (
     "server", "url", "up", "state", "reason_code", "reason", "engine", "capabilities", "model_name",
     "offload_enabled", "offload_buffer_bytes", "offload_buffer_used_ratio", "offload_buffer_used_bytes",
     "offload_tier_hit_ratio", "regime", "regime_window", "threshold", "reference_local_compute_share",
-    "reference_kind", "signatures", "recommendations", "requests_waiting_for_kv", "windows", "kappa",
+    "reference_kind", "signatures", "recommendations", "advice", "requests_waiting_for_kv", "windows", "kappa",
     *THRESHOLD_KEYS, "collapse", "offload_buffer")
 
 

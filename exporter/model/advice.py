@@ -1,0 +1,194 @@
+""""What do I do?": the advice of one server at tick time, from its figures (computed once per tick by
+exporter.model.server, serialised by /api/status as ``advice`` and, in words only, ``recommendations``).
+
+Every check kvwatt makes is either known and clear, failing (severity ``bad``: what to do, with the numbers),
+or not known yet (``unknown``: what is missing and about how long until it is known, or what would make it
+known now). "Nothing to do" only when every check is known and clear: the server is read, the regime and the
+recompute tax are known, the collapse signature is known false, and the offload buffer is known not to be
+undersized where offloading is on (methods.md s3, s5, s6, s10).
+"""
+
+from __future__ import annotations
+
+from exporter.config import Config
+from exporter.derive.threshold import MIN_TAX, MIN_TAX_UNKNOWN_SE, TAX_Z
+from exporter.figures import Advice, BufferFigures, ServerFigures, WindowFigures
+from exporter.model import offload as offload_figures
+from exporter.model.pressure import REFERENCE_KNOWN_WINDOWS
+
+NOTHING_TO_DO = "Nothing to do: every check kvwatt makes is known and clear."
+KV_CACHE_METRICS = ("Enabling --kv-cache-metrics on the vLLM server would make the pressure verdict certain from "
+                    "the first minutes (KV-block evictions per prompt block, evicted-before-reuse share).")
+
+
+def advise(v: ServerFigures, cfg: Config) -> tuple[Advice, ...]:
+    """The server's advice, most urgent first; never empty."""
+    if not v.status.up:
+        return (_down(v),)  # nothing else is known about a server kvwatt cannot read
+    out = [a for a in (_degraded(v), _collapse(v), _pressure(v), _buffer(v.buffer, cfg)) if a is not None]
+    out += _evidence(v, cfg)
+    unknown = _unknown_checks(v)
+    if unknown:
+        out.append(Advice("checks_unknown", "unknown", "Some checks are unknown (" + "; ".join(unknown) +
+                          "): nothing can be ruled out yet.", {"unknown_checks": unknown}))
+    return tuple(out) or (Advice("nothing_to_do", "info", NOTHING_TO_DO, {}),)
+
+
+def recommendations(advice: tuple[Advice, ...]) -> tuple[str, ...]:
+    """The words of every advice item that asks something of the operator (empty: nothing to do)."""
+    return tuple(a.text for a in advice if a.kind != "nothing_to_do")
+
+
+# --- the checks -------------------------------------------------------------------------------------------------
+def _down(v: ServerFigures) -> Advice:
+    return Advice("server_down", "bad",
+                  f"kvwatt cannot read {v.url}/metrics ({v.status.state}: {v.status.reason or 'no reason given'}). "
+                  "Check the URL (--server NAME=URL or the configuration's servers), that the engine process is "
+                  "running and listening there, and that this host can reach it; until then no figure of this "
+                  "server is known.",
+                  {"url": v.url, "state": v.status.state, "reason_code": v.status.code, "reason": v.status.reason})
+
+
+def _degraded(v: ServerFigures) -> Advice | None:
+    if v.status.state == "ok":
+        return None
+    return Advice("source_degraded", "unknown",
+                  f"kvwatt reads {v.url}/metrics only in part ({v.status.reason}): the figures resting on what is "
+                  "missing are unknown.",
+                  {"url": v.url, "state": v.status.state, "reason_code": v.status.code, "reason": v.status.reason})
+
+
+def _collapse(v: ServerFigures) -> Advice | None:
+    c = v.collapse
+    if c is None or not c.signature:
+        return None
+    numbers = {"condition_set": c.condition_set, "recent_tokens_per_second": c.recent_tokens_per_second,
+               "reference_tokens_per_second": c.reference_tokens_per_second,
+               "gpu_power_watts": c.gpu_power_watts, "gpu_idle_power_watts": c.gpu_idle_power_watts}
+    if c.condition_set == "stalled_engine":
+        return Advice("stalled_engine", "bad",
+                      "Stalled engine: the engine ran no step while requests were pending (methods.md s5). Restart "
+                      "the server to clear the stall; a smaller offload buffer keeps preemption alive meanwhile.",
+                      numbers)
+    return Advice("collapse", "bad", offload_figures.COLLAPSE_ADVICE, numbers)
+
+
+def tax_above_noise(tax: float | None, spread: float | None) -> bool:
+    """The tax exceeds TAX_Z times the reference's spread and MIN_TAX (methods.md s10, as derive.threshold.taxed)."""
+    if tax is None:
+        return False
+    return tax > (MIN_TAX_UNKNOWN_SE if spread is None else max(TAX_Z * spread, MIN_TAX))
+
+
+def _onset_window(v: ServerFigures) -> WindowFigures | None:
+    """The shortest window with sustained preemptions (methods.md s3)."""
+    return next((w for w in sorted(v.windows, key=lambda w: w.seconds) if w.preemption_onset), None)
+
+
+def _tax_window(v: ServerFigures) -> WindowFigures | None:
+    """The longest window with a tax (as the page's tax sentence)."""
+    return next((w for w in sorted(v.windows, key=lambda w: -w.seconds) if w.recompute_tax is not None), None)
+
+
+def _pressure(v: ServerFigures) -> Advice | None:
+    """Preemption onset, or a known tax above noise: the KV cache is too small for the load (methods.md s3)."""
+    onset, taxed = _onset_window(v), _tax_window(v)
+    if taxed is not None and not (v.tax_state == "known" and tax_above_noise(taxed.recompute_tax,
+                                                                               v.reference_spread)):
+        taxed = None  # a provisional tax is not evidence of pressure (the evidence advice says why)
+    if onset is None and taxed is None:
+        return None
+    w = onset or taxed
+    seen = []
+    if onset is not None:
+        seen.append(f"{onset.preemptions_per_minute:.1f} preemptions/min over the last {onset.window}")
+    if taxed is not None:
+        seen.append(f"a recompute tax of {taxed.recompute_tax * 100:+.1f} points over the last {taxed.window}")
+    if w.kv_usage_p95 is not None:
+        seen.append(f"KV-cache usage p95 {w.kv_usage_p95 * 100:.0f} %")
+    if v.info is not None and v.info.offload_enabled:
+        gib = v.buffer.recommended_gib if v.buffer else None
+        offload = ("; offloading is already on" + (f" (--kv-offloading-size {gib} is the size in GiB kvwatt "
+                                                      "recommends)" if gib is not None else ""))
+    else:
+        offload = (", or enable KV offloading (--kv-offloading-size; kvwatt recommends a size from the write rate "
+                   "once it is on)")
+    return Advice("kv_pressure", "bad",
+                  f"KV pressure: {', '.join(seen)}. Grow the KV cache (--gpu-memory-utilization, a shorter "
+                  f"--max-model-len, more GPUs) or lower concurrency (--max-num-seqs){offload}.",
+                  {"window": w.window,
+                   "preemptions_per_minute": onset.preemptions_per_minute if onset else w.preemptions_per_minute,
+                   "recompute_tax": taxed.recompute_tax if taxed else None, "kv_usage_p95": w.kv_usage_p95,
+                   "recommended_buffer_gib": v.buffer.recommended_gib if v.buffer else None})
+
+
+def _buffer(b: BufferFigures | None, cfg: Config) -> Advice | None:
+    if b is None or not b.undersized:
+        return None
+    return Advice("undersized_buffer", "bad", offload_figures.undersized_words(b, cfg),
+                  {"recommended_gib": b.recommended_gib, "residency_seconds": b.residency_seconds,
+                   "residency_target_seconds": b.residency_target_seconds,
+                   "residency_target_source": b.residency_target_source, "store_failures": b.store_failures})
+
+
+# --- evidence not yet known -------------------------------------------------------------------------------------
+def _has_residency(v: ServerFigures) -> bool:
+    return any(w.kv_evictions_per_prompt_block is not None for w in v.windows)
+
+
+def _eta(needed: int, have: int, span_seconds: float, width_seconds: float) -> tuple[float, str]:
+    """(seconds, words) until ``needed`` more windows arrive at the rate seen (``have`` over ``span_seconds``);
+    with fewer than two windows seen, the fastest possible: one per evidence window."""
+    rate = (have - 1) / span_seconds if have >= 2 and span_seconds > 0 else 1.0 / width_seconds
+    seconds = needed / rate if rate > 0 else float("inf")
+    at = "at the current rate of evidence windows" if have >= 2 and span_seconds > 0 else "at best"
+    return seconds, f"about {seconds / 60.0:.0f} min {at}" if seconds >= 60 else f"under a minute {at}"
+
+
+def _evidence(v: ServerFigures, cfg: Config) -> list[Advice]:
+    out = []
+    ev, width = v.evidence, cfg.threshold_window_seconds
+    hint = "" if _has_residency(v) or v.engine != "vllm" else " " + KV_CACHE_METRICS
+    if v.regime_state != "known":
+        needed = max(cfg.threshold_min_windows - (ev.clean + ev.pressured), 0)
+        if v.regime_state == "provisional" and needed:
+            seconds, words = _eta(needed, ev.windows, ev.span_seconds, width)
+            when = f" It needs at least {needed} more evidence windows of {width:.0f} s ({words})."
+        elif v.regime_state == "provisional":
+            seconds, when = None, (" It becomes known once this server's history holds evidence windows on both "
+                                   "sides of the onset (clean below it, pressured above it).")
+        else:
+            seconds, when = None, ""
+        out.append(Advice("evidence", "unknown",
+                          f"KV-pressure regime {v.regime_state}: {v.regime_reason}.{when}{hint}",
+                          {"figure": "regime", "state": v.regime_state, "reason": v.regime_reason,
+                           "evidence_windows": ev.windows, "windows_needed": needed, "eta_seconds": seconds,
+                           "kv_cache_metrics": _has_residency(v)}))
+    if v.tax_state != "known":
+        needed = max(REFERENCE_KNOWN_WINDOWS - v.reference_windows, 0)
+        if ev.low_pressure and needed:
+            seconds, words = _eta(needed, ev.low_pressure, ev.span_seconds, width)
+            when = (f" It needs {needed} more low-pressure windows of {width:.0f} s ({words}, while the load stays "
+                    "this light)")
+        else:
+            seconds = None
+            when = (f" It needs {needed} low-pressure windows of {width:.0f} s (KV p95 under the threshold, no "
+                    f"preemption): none so far in {ev.windows} evidence windows")
+        out.append(Advice("evidence", "unknown",
+                          f"Recompute tax {v.tax_state}: {v.tax_reason}.{when}; setting "
+                          "reference_local_compute_share makes it known now.",
+                          {"figure": "tax", "state": v.tax_state, "reason": v.tax_reason,
+                           "reference_windows": v.reference_windows, "windows_needed": needed,
+                           "eta_seconds": seconds}))
+    return out
+
+
+def _unknown_checks(v: ServerFigures) -> list[str]:
+    out = []
+    if v.collapse is None or v.collapse.signature is None:
+        out.append("collapse signature")
+    if v.info is None or v.info.offload_enabled is None:
+        out.append("whether the server offloads")
+    elif v.info.offload_enabled and (v.buffer is None or v.buffer.undersized is None):
+        out.append("offload buffer sizing")
+    return out
