@@ -47,6 +47,8 @@ class PressurePoint:
     t: float | None = None                 # when (live windows: the window's end); not used by locate
     wall: float | None = None              # live windows: the unix time of the window's end (persisted)
     kv_max: float | None = None            # live windows: the highest KV usage sampled in the window
+    residency: str | None = None           # live windows: the engine's KV-block residency evidence (methods.md
+                                           # s11): "pressure" | "low_pressure" | None (unknown or no histograms)
 
 
 @dataclass(frozen=True)
@@ -93,10 +95,11 @@ def taxed(p: PressurePoint, z: float = TAX_Z, min_tax: float = MIN_TAX,
 
 
 def classify(p: PressurePoint, onset_per_minute: float = ONSET_PER_MINUTE) -> bool | None:
-    """True: pressured; False: clean; None: nothing known (neither preemptions nor tax)."""
-    if preempting(p, onset_per_minute) or taxed(p):
+    """True: pressured (sustained preemptions, a tax above noise, or the engine's residency evidence of
+    pressure); False: clean; None: nothing known (neither preemptions, nor tax, nor residency evidence)."""
+    if preempting(p, onset_per_minute) or taxed(p) or p.residency == "pressure":
         return True
-    if p.preemptions_per_minute is None and p.tax is None:
+    if p.preemptions_per_minute is None and p.tax is None and p.residency is None:
         return None
     return False
 
