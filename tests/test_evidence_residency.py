@@ -22,8 +22,11 @@ DATA = Path(__file__).resolve().parent / "data" / "kv-cache-metrics"
 RESIDENCY = "kv_idle_before_evict_hist", "kv_reuse_gap_hist", "kv_lifetime_hist"
 
 
-def model(tmp_path, refs: ReferenceBook | None = None) -> Model:
-    mapping = {"servers": [{"name": "s", "url": "http://127.0.0.1:9", "kv_cache_metrics_sample": 1.0}],
+def model(tmp_path, refs: ReferenceBook | None = None, reference: float | None = None) -> Model:
+    server = {"name": "s", "url": "http://127.0.0.1:9", "kv_cache_metrics_sample": 1.0}
+    if reference is not None:
+        server["reference_local_compute_share"] = reference
+    mapping = {"servers": [server],
                "windows": ["1m"], "state_dir": str(tmp_path / "state"), "nvml": False,
                "powercap_root": str(tmp_path / "none")}
     return Model(from_mapping(mapping), wall_clock=lambda: WALL, references=refs)
@@ -72,7 +75,16 @@ def test_first_seen_under_load_the_small_cache_is_pressure_without_preemption_or
     assert f.tax_reason.startswith("pressure known from the engine's KV-block residency (0.842 evictions per "
                                    "prompt block"), f.tax_reason
     assert "needs a low-pressure reference: no low-pressure window seen yet" in f.tax_reason
-    assert "no preemption and no tax above noise: counted pressured" in f.tax_reason  # the disagreement
+    assert "counted pressured" not in f.tax_reason  # an unknown tax contradicts nothing
+
+
+def test_residency_pressure_in_a_window_without_tax_or_preemption_is_said(tmp_path):
+    # a configured reference at the small cache's own share: the tax is ~0, the eviction record says pressure
+    m = model(tmp_path, reference=8884 / 10260)
+    run(m, Capture("small-cache", kv=0.60, preemptions=False), 2)
+    f = m.snapshot().servers[0]
+    assert f.tax_state == "known" and f.evidence.pressured == 2
+    assert f.tax_reason.endswith("in a window with no preemption and no tax above noise: counted pressured")
 
 
 def test_without_the_histograms_the_same_window_reads_below_and_says_how_to_know(tmp_path):
@@ -149,6 +161,7 @@ def test_low_pressure_evidence_contradicting_an_above_is_said(tmp_path):
 def test_disagreement_words():
     pressure, low = ResidencySign("pressure", "r", True), ResidencySign("low_pressure", "r", True)
     assert "counted pressured" in disagreement(pressure, None, False)
+    assert disagreement(pressure, None, False, tax_known=False) == ""
     assert disagreement(pressure, 2.0, False) == "" and disagreement(low, 0.0, False) == ""
     assert "2.0 preemptions/min" in disagreement(low, 2.0, False)
     assert disagreement(None, 2.0, True) == ""

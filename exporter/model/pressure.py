@@ -170,11 +170,13 @@ def residency_sign(agg: WindowAggregate, block_size: float | None, sample_share:
     return ResidencySign(ev.kind, ev.reason, r.sampled_evictions is not None)
 
 
-def disagreement(sign: ResidencySign | None, preemptions_per_minute: float | None, taxed_: bool) -> str:
-    """Words for a window whose residency evidence contradicts its other signals; "" when they agree."""
+def disagreement(sign: ResidencySign | None, preemptions_per_minute: float | None, taxed_: bool,
+                 tax_known: bool = True) -> str:
+    """Words for a window whose residency evidence contradicts its other signals; "" when they agree (an unknown
+    tax, with no reference yet, contradicts nothing)."""
     if sign is None or sign.kind is None:
         return ""
-    if sign.kind == "pressure" and not preemptions_per_minute and not taxed_:
+    if sign.kind == "pressure" and not preemptions_per_minute and tax_known and not taxed_:
         return (f"the engine's KV-block residency shows pressure ({sign.reason}) in a window with no preemption "
                 "and no tax above noise: counted pressured")
     if sign.kind == "low_pressure" and (preemptions_per_minute or taxed_):
@@ -377,7 +379,7 @@ class ThresholdLearner:
                               recompute.recompute_tax(share, self.reference.value), self.reference.spread,
                               1.0, p.low, p.high, t1, wall, agg.gauge_max("kv_usage"), sign.kind)
         point = _weighted(point, preemptions)
-        self.disagreement = disagreement(sign, point.preemptions_per_minute, taxed(point))
+        self.disagreement = disagreement(sign, point.preemptions_per_minute, taxed(point), point.tax is not None)
         self.points.append(point)
         self.reference.offer(point, share, quiet(agg, p, sign.kind), t1, wall)
         return True
