@@ -1,9 +1,10 @@
 """Locating the KV-pressure threshold from evidence (methods.md s10): pure functions.
 
 A ``PressurePoint`` is one observation of a server at one pressure level: a live window, or one experiment run
-or condition. It is *pressured* when it shows sustained preemptions (>= ``onset_per_minute``, methods.md s3) or
-a recomputation tax above its noise (methods.md s4), *clean* when what is known of both says neither, and
-*unknown* (ignored) when neither is known. ``locate`` puts the threshold at the KV-p95 cut that best separates
+or condition. It is *pressured* when it shows sustained preemptions (>= ``onset_per_minute``, methods.md s3),
+a recomputation tax above its noise (methods.md s4) or, for a live window, the engine's KV-block residency
+evidence of pressure (methods.md s11), *clean* when what is known says none of them, and *unknown* (ignored)
+when nothing is known. ``locate`` puts the threshold at the KV-p95 cut that best separates
 clean points (below) from pressured ones (above): a one-dimensional decision stump, weighted by the evidence
 behind each point (windows or runs; a live window with a single preemption weighs a third), ties going to the
 cut with the most evidence on its thinner side, then the lowest. A cut at the idle floor is not a threshold;
