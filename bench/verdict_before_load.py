@@ -12,6 +12,12 @@ is the large engine's share, and that kvwatt's tax over the small run is the eng
     KVWATT_VLLM_PYTHON=/work/main/.venv-vllm/bin/python nice .venv/bin/python bench/verdict_before_load.py \\
         --out /tmp/verdict-run [--large-blocks 2000] [--small-blocks 128] [--concurrency 8] [--load-seconds 120]
 
+Measured (2026-11-26, 2 shared CPU cores, 8 sessions, 120 s of load each, 15 s evidence windows): large cache
+(2000 blocks) engine share 0.062, no preemption, residency evidence low_pressure; kvwatt's reference 0.0617,
+`known` (8 windows, the first 16 s into the load); small cache (128 blocks) engine share 0.905, residency
+evidence pressure; engines' difference 0.843, kvwatt's 5m tax 0.843 (error -0.00005). Engine starts 122 s and
+158 s: the run took ~9 minutes.
+
 Not a bench_*.py: run_all does not run it (two engine starts, ~6 minutes). OUT gets result.json, the status
 timelines (status-large.jsonl, status-small.jsonl) and the engine and daemon logs. The shorter CI check of the
 first half is tests/test_verdict_before_load_engine.py.
