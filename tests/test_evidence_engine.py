@@ -2,7 +2,12 @@
 beside an engine already pressed by eight agentic sessions must not learn a "low-pressure" reference from it
 (the old rule learned 84.6 % from the first window and reported a +1.4-point tax while 86 % of the prompt was
 recomputed), so it never reports a tax near zero, never says "below" while the engine preempts, and says the
-tax is unknown with the reason (methods.md s10). ~4 minutes, most of it the engine's start."""
+tax is unknown with the reason (methods.md s10). ~4 minutes, most of it the engine's start.
+
+The second test is the same engine started with ``--kv-cache-metrics --kv-cache-metrics-sample 1.0``: its own
+eviction record (methods.md s11) makes kvwatt know the pressure within minutes though it has no reference: the
+regime is not "below", the window's residency evidence is "pressure", the tax's reason says the pressure is
+known. ~4 minutes."""
 
 from __future__ import annotations
 
@@ -31,6 +36,9 @@ def replay(engine, concurrency: int, seconds: int, tmp_path) -> subprocess.Popen
            "--length-scale", "0.05", "--latency-scale", "0.1", "--max-context", "2000", "--no-progress",
            "--summary", str(tmp_path / f"summary-c{concurrency}.json")]
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+FLAGS = ["--kv-cache-metrics", "--kv-cache-metrics-sample", "1.0"]
 
 
 def preemptions(engine) -> float:
@@ -65,3 +73,38 @@ def test_started_beside_a_pressured_engine_the_tax_is_unknown_not_small(tmp_path
     assert not [x for x in seen if x[1] and x[2] == "below"], seen  # never "below" while preempting
     unknown = [x for x in seen if x[3] == "unknown"]
     assert unknown and unknown[-1][4].startswith("no low-pressure window seen yet: "), seen[-5:]
+
+
+def test_started_beside_a_pressured_engine_with_kv_cache_metrics_the_pressure_is_known(tmp_path):
+    with VllmEngine(build_tiny_model(), num_gpu_blocks=128, max_model_len=2048, extra_args=FLAGS,
+                    log_path=tmp_path / "engine.log") as engine:
+        load = replay(engine, 8, LOAD_SECONDS, tmp_path)
+        try:
+            time.sleep(25)  # the engine is busy before kvwatt starts
+            seen = []
+            config = {"windows": ["1m"], "threshold_window": "15s"}
+            server = {"url": engine.url, "kv_cache_metrics_sample": 1.0}
+            with KvwattDaemon(servers={"local": server}, interval="250ms", config=config) as d:
+                started = time.monotonic()
+                end = started + WATCH_SECONDS
+                while time.monotonic() < end:
+                    s = d.status()["servers"][0]
+                    w = s["windows"].get("1m", {})
+                    seen.append((round(time.monotonic() - started, 1), w.get("residency_evidence"), s["regime"],
+                                 s["tax_state"], s["tax_reason"], w.get("kv_usage_p95"),
+                                 w.get("kv_evictions_per_prompt_block"), s["reference_state"],
+                                 s["evidence"]["pressured"]))
+                    time.sleep(1.0)
+        finally:
+            load.kill()
+            load.wait(timeout=30)
+    pressured = [x for x in seen if x[1] == "pressure"]
+    assert pressured, seen[-5:]
+    assert not [x for x in pressured if x[2] == "below"], pressured  # never "below" on the engine's evidence
+    last = seen[-1]
+    assert last[2] != "below" and last[8] > 0, last  # the windows count as pressured evidence
+    if last[7] == "unknown":  # no reference: the tax's size is unknown, the pressure is not
+        assert last[4].startswith("pressure known from the engine's KV-block residency"), last
+    print(f"\nfirst residency pressure evidence {pressured[0][0]} s after kvwatt started "
+          f"({pressured[0][6]:.2f} evictions per prompt block, p95 {pressured[0][5]}); last: regime {last[2]}, "
+          f"tax {last[3]}: {last[4]}")

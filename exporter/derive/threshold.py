@@ -1,9 +1,10 @@
 """Locating the KV-pressure threshold from evidence (methods.md s10): pure functions.
 
 A ``PressurePoint`` is one observation of a server at one pressure level: a live window, or one experiment run
-or condition. It is *pressured* when it shows sustained preemptions (>= ``onset_per_minute``, methods.md s3) or
-a recomputation tax above its noise (methods.md s4), *clean* when what is known of both says neither, and
-*unknown* (ignored) when neither is known. ``locate`` puts the threshold at the KV-p95 cut that best separates
+or condition. It is *pressured* when it shows sustained preemptions (>= ``onset_per_minute``, methods.md s3),
+a recomputation tax above its noise (methods.md s4) or, for a live window, the engine's KV-block residency
+evidence of pressure (methods.md s11), *clean* when what is known says none of them, and *unknown* (ignored)
+when nothing is known. ``locate`` puts the threshold at the KV-p95 cut that best separates
 clean points (below) from pressured ones (above): a one-dimensional decision stump, weighted by the evidence
 behind each point (windows or runs; a live window with a single preemption weighs a third), ties going to the
 cut with the most evidence on its thinner side, then the lowest. A cut at the idle floor is not a threshold;
@@ -47,6 +48,8 @@ class PressurePoint:
     t: float | None = None                 # when (live windows: the window's end); not used by locate
     wall: float | None = None              # live windows: the unix time of the window's end (persisted)
     kv_max: float | None = None            # live windows: the highest KV usage sampled in the window
+    residency: str | None = None           # live windows: the engine's KV-block residency evidence (methods.md
+                                           # s11): "pressure" | "low_pressure" | None (unknown or no histograms)
 
 
 @dataclass(frozen=True)
@@ -93,10 +96,11 @@ def taxed(p: PressurePoint, z: float = TAX_Z, min_tax: float = MIN_TAX,
 
 
 def classify(p: PressurePoint, onset_per_minute: float = ONSET_PER_MINUTE) -> bool | None:
-    """True: pressured; False: clean; None: nothing known (neither preemptions nor tax)."""
-    if preempting(p, onset_per_minute) or taxed(p):
+    """True: pressured (sustained preemptions, a tax above noise, or the engine's residency evidence of
+    pressure); False: clean; None: nothing known (neither preemptions, nor tax, nor residency evidence)."""
+    if preempting(p, onset_per_minute) or taxed(p) or p.residency == "pressure":
         return True
-    if p.preemptions_per_minute is None and p.tax is None:
+    if p.preemptions_per_minute is None and p.tax is None and p.residency is None:
         return None
     return False
 

@@ -26,6 +26,7 @@ STATE_FILE = "evidence-windows.json"
 FORMAT_VERSION = 1
 MAX_FILE_BYTES = 8 << 20   # 10,000 windows x a few servers at ~250 bytes each; more is not ours
 MAX_WINDOWS = 10_000       # per server (model.pressure.MAX_EVIDENCE_WINDOWS)
+RESIDENCY_KINDS = (None, "pressure", "low_pressure")  # a window's KV-block residency evidence (methods.md s11)
 
 Stored = dict[str, tuple[Epoch, list[PressurePoint]]]
 
@@ -66,7 +67,8 @@ class EvidenceBook:
 def _entry(p: PressurePoint, now: float) -> dict:
     return {"p95": p.kv_p95, "low": p.kv_p95_low, "high": p.kv_p95_high, "max": p.kv_max,
             "preemptions_per_minute": p.preemptions_per_minute, "tax": p.tax, "tax_se": p.tax_se,
-            "weight": p.weight, "at": p.wall if p.wall is not None else now}
+            "weight": p.weight, "at": p.wall if p.wall is not None else now,
+            **({"residency": p.residency} if p.residency else {})}
 
 
 def parse_file(data: Any, now_wall: float) -> tuple[Stored, list[str]]:
@@ -119,8 +121,11 @@ def parse_entry(entry: Any, now_wall: float) -> PressurePoint:
     if missing:
         raise ValueError(f"{', '.join(missing)} missing")
     at = _number(entry["at"], "at", 0.0, now_wall + FUTURE_SLACK_SECONDS)
+    kind = entry.get("residency")  # absent in files written before the residency evidence: unknown
+    if kind not in RESIDENCY_KINDS:
+        raise ValueError(f"residency {kind!r} is not one of {', '.join(k for k in RESIDENCY_KINDS if k)}")
     return PressurePoint(_number(entry["p95"], "p95", 0.0, 1.0),
                          _optional(entry, "preemptions_per_minute", 0.0, 1e9),
                          _optional(entry, "tax", -1.0, 1.0), _optional(entry, "tax_se", 0.0, 1.0),
                          _number(entry["weight"], "weight", 0.0, 1e6), _optional(entry, "low", 0.0, 1.0),
-                         _optional(entry, "high", 0.0, 1.0), None, at, _optional(entry, "max", 0.0, 1.0))
+                         _optional(entry, "high", 0.0, 1.0), None, at, _optional(entry, "max", 0.0, 1.0), kind)

@@ -16,6 +16,13 @@ pressure (``quiet``): no preemption, nobody waiting for KV, KV max under ``LOW_P
 ``LOW_PRESSURE_P95`` and the threshold in force less ``REFERENCE_MARGIN``, no tax against the reference so far.
 The reference is ``known`` from ``REFERENCE_KNOWN_WINDOWS`` such windows; a server first seen under load has
 none, and its tax is unknown with the reason.
+
+Where vLLM exports its KV-block residency histograms (``--kv-cache-metrics``), each window also carries the
+engine's own, history-free evidence (derive/residency.py, methods.md s11): ``pressure`` makes the window
+pressured even with no preemption and no reference, and keeps it from teaching the reference; ``low_pressure``
+is a positive sign of no pressure that stands in for the absolute KV-usage levels (LOW_PRESSURE_P95 and
+LOW_PRESSURE_MAX are proxies for "nothing the workload reuses was evicted", which the histograms measure).
+Signals that disagree are stated in the reasons (the tax's, the regime's).
 """
 
 from __future__ import annotations
@@ -27,7 +34,8 @@ from collections import deque
 from dataclasses import dataclass, replace
 from typing import Iterable
 
-from exporter.derive import pressure, recompute
+from exporter import rules
+from exporter.derive import pressure, recompute, residency
 from exporter.derive.threshold import (Evidence, LocatedThreshold, PressurePoint, classify, locate, locate_why,
                                        quantile_bounds, taxed)
 from exporter.store import WindowAggregate
@@ -52,6 +60,7 @@ class ReferenceSample:
     p95: float            # its KV p95 (the point estimate: at low load the upper bound is near the max)
     t: float              # monotonic end of the window (this run); persisted ones carry the wall clock instead
     wall: float | None = None
+    residency_low: bool = False  # the engine's residency evidence said low pressure: no absolute p95 cap
 
 
 class LowPressureReference:
@@ -65,12 +74,14 @@ class LowPressureReference:
         self.threshold = math.inf  # the threshold in force, set by the learner before each use
         self.changed = False       # a sample was added (or the samples set aside) since the owner persisted
 
-    def limit(self) -> float:
-        """The highest p95 a reference window may have under the threshold in force."""
-        return min(self.threshold - REFERENCE_MARGIN, LOW_PRESSURE_P95)
+    def limit(self, residency_low: bool = False) -> float:
+        """The highest p95 a reference window may have under the threshold in force; a window the engine's
+        residency record shows low-pressure is held to the threshold-relative margin only (module docstring)."""
+        relative = self.threshold - REFERENCE_MARGIN
+        return relative if residency_low else min(relative, LOW_PRESSURE_P95)
 
     def eligible(self) -> list[ReferenceSample]:
-        return [s for s in self.samples if s.p95 <= self.limit()]
+        return [s for s in self.samples if s.p95 <= self.limit(s.residency_low)]
 
     @property
     def value(self) -> float | None:
@@ -96,9 +107,10 @@ class LowPressureReference:
     def offer(self, point: PressurePoint, share: float | None, quiet: bool, t: float,
               wall: float | None = None) -> bool:
         """Learn the window when it is truly low pressure (module docstring); True when learned."""
-        if share is None or not quiet or taxed(point) or point.kv_p95 > self.limit():
+        low = point.residency == "low_pressure"
+        if share is None or not quiet or taxed(point) or point.kv_p95 > self.limit(low):
             return False
-        self.samples.append(ReferenceSample(share, point.kv_p95, t, wall))
+        self.samples.append(ReferenceSample(share, point.kv_p95, t, wall, low))
         self.changed = True
         return True
 
@@ -142,6 +154,39 @@ def no_reference_reason(points: list[PressurePoint], limit: float) -> str:
 
 
 @dataclass(frozen=True)
+class ResidencySign:
+    """A window's KV-block residency evidence (derive/residency.py, methods.md s11) and whether the engine
+    exports the histograms at all (without them the evidence is unknown for want of ``--kv-cache-metrics``)."""
+
+    kind: str | None  # "pressure" | "low_pressure" | None
+    reason: str
+    histograms: bool
+
+
+def residency_sign(agg: WindowAggregate, block_size: float | None, sample_share: float,
+                   p99_tool_latency_seconds: float) -> ResidencySign:
+    r = residency.window_residency(agg, block_size, sample_share, p99_tool_latency_seconds)
+    ev = residency.residency_evidence(r)
+    return ResidencySign(ev.kind, ev.reason, r.sampled_evictions is not None)
+
+
+def disagreement(sign: ResidencySign | None, preemptions_per_minute: float | None, taxed_: bool,
+                 tax_known: bool = True) -> str:
+    """Words for a window whose residency evidence contradicts its other signals; "" when they agree (an unknown
+    tax, with no reference yet, contradicts nothing)."""
+    if sign is None or sign.kind is None:
+        return ""
+    if sign.kind == "pressure" and not preemptions_per_minute and tax_known and not taxed_:
+        return (f"the engine's KV-block residency shows pressure ({sign.reason}) in a window with no preemption "
+                "and no tax above noise: counted pressured")
+    if sign.kind == "low_pressure" and (preemptions_per_minute or taxed_):
+        seen = f"{preemptions_per_minute:.1f} preemptions/min" if preemptions_per_minute else "a tax above noise"
+        return (f"the engine's KV-block residency shows low pressure ({sign.reason}) in a window with {seen}: "
+                "counted pressured")
+    return ""
+
+
+@dataclass(frozen=True)
 class P95:
     """A window's KV p95 with its order-statistic interval (derive.threshold.quantile_bounds)."""
 
@@ -182,14 +227,15 @@ def plausible_preemptions(agg: WindowAggregate) -> float:
     return requests * steps
 
 
-def quiet(agg: WindowAggregate, p: P95) -> bool:
+def quiet(agg: WindowAggregate, p: P95, residency_kind: str | None = None) -> bool:
     """Positive signs of no pressure in a window (the threshold-relative test is the reference's): preemptions
-    counted and zero, KV max under LOW_PRESSURE_MAX, nobody waiting for KV (waiting_capacity where the engine
-    tells, else no request waiting for most of the window)."""
-    if agg.delta("preemptions") != 0 or p.value is None:
+    counted and zero, no residency evidence of pressure, KV max under LOW_PRESSURE_MAX (waived when the engine's
+    residency record says low pressure: it measures what the level stands in for), nobody waiting for KV
+    (waiting_capacity where the engine tells, else no request waiting for most of the window)."""
+    if agg.delta("preemptions") != 0 or p.value is None or residency_kind == "pressure":
         return False
     kv_max = agg.gauge_max("kv_usage")
-    if kv_max is None or kv_max >= LOW_PRESSURE_MAX:
+    if kv_max is None or (kv_max >= LOW_PRESSURE_MAX and residency_kind != "low_pressure"):
         return False
     if agg.gauge_count("waiting_capacity"):
         return not agg.gauge_max("waiting_capacity")
@@ -197,7 +243,8 @@ def quiet(agg: WindowAggregate, p: P95) -> bool:
 
 
 def evidence_weight(preemptions: float | None, taxed_: bool) -> float:
-    """A window pressured only by preemptions weighs count / SUSTAINED_PREEMPTIONS (at most 1)."""
+    """A window pressured only by preemptions weighs count / SUSTAINED_PREEMPTIONS (at most 1); one with a tax
+    or the engine's residency evidence of pressure (``taxed_`` true for either) is a full window."""
     if taxed_ or not preemptions:
         return 1.0
     return min(1.0, preemptions / SUSTAINED_PREEMPTIONS)
@@ -209,8 +256,14 @@ class ThresholdLearner:
 
     def __init__(self, width_seconds: float, keep_windows: int, min_windows: int, onset_per_minute: float,
                  configured_threshold: float, use_located: bool, reference: LowPressureReference,
-                 name: str = "") -> None:
+                 name: str = "", sample_share: float = residency.DEFAULT_SAMPLE_SHARE,
+                 p99_tool_latency_seconds: float = rules.P99_TOOL_LATENCY.default) -> None:
         self.name = name  # the server's, for the log
+        self.sample_share = sample_share  # vLLM's --kv-cache-metrics-sample (servers[].kv_cache_metrics_sample)
+        self.p99_tool_latency_seconds = p99_tool_latency_seconds
+        self.block_size: float | None = None  # from the engine's info (engine_facts)
+        self.residency: ResidencySign | None = None  # the last covered window's residency evidence
+        self.disagreement = ""  # its contradiction with the window's other signals, in words
         self.width = width_seconds
         self.points: deque[PressurePoint] = deque(maxlen=min(keep_windows, MAX_EVIDENCE_WINDOWS))
         self.min_windows = min_windows
@@ -243,6 +296,7 @@ class ThresholdLearner:
     def engine_facts(self, info, wall: float | None) -> None:
         """Compare the reading's engine facts with the epoch's: a change sets the evidence aside (logged once)."""
         facts = epochs.facts_of(info)
+        self.block_size = getattr(info, "block_size", None) or self.block_size
         if self.epoch.started_wall is None:  # first reading of this run, no stored epoch
             self.epoch = epochs.Epoch(wall, "first reading", facts)
             self.changed = True
@@ -307,6 +361,7 @@ class ThresholdLearner:
     def _bucket(self, agg: WindowAggregate, t1: float, wall: float | None) -> bool:
         if agg.covered_seconds < MIN_COVERED * self.width:
             return False
+        sign = self.residency = self.residency_of(agg)
         p = p95_of(agg)
         preemptions = agg.delta("preemptions")
         if preemptions and preemptions > plausible_preemptions(agg):
@@ -322,22 +377,29 @@ class ThresholdLearner:
             return False  # a window that served (almost) nothing shows no pressure either way
         point = PressurePoint(p.value, None if per_second is None else per_second * 60.0,
                               recompute.recompute_tax(share, self.reference.value), self.reference.spread,
-                              1.0, p.low, p.high, t1, wall, agg.gauge_max("kv_usage"))
+                              1.0, p.low, p.high, t1, wall, agg.gauge_max("kv_usage"), sign.kind)
         point = _weighted(point, preemptions)
+        self.disagreement = disagreement(sign, point.preemptions_per_minute, taxed(point), point.tax is not None)
         self.points.append(point)
-        self.reference.offer(point, share, quiet(agg, p), t1, wall)
+        self.reference.offer(point, share, quiet(agg, p, sign.kind), t1, wall)
         return True
+
+    def residency_of(self, agg: WindowAggregate) -> ResidencySign:
+        return residency_sign(agg, self.block_size, self.sample_share, self.p99_tool_latency_seconds)
 
     # --- judgement -------------------------------------------------------------------------------------
     def evidence(self) -> Evidence:
         kinds = [classify(p, self.onset) for p in self.points]
         walls = [p.wall for p in self.points if p.wall is not None]
-        limit = self.reference.limit()
         return Evidence(len(self.points), kinds.count(False), kinds.count(True), kinds.count(None), self.rejected,
                         (max(walls) - min(walls)) if walls else 0.0, min(walls, default=None),
-                        max(walls, default=None),
-                        sum(1 for p in self.points if p.kv_p95 <= limit and not p.preemptions_per_minute
-                            and (p.kv_max is None or p.kv_max < LOW_PRESSURE_MAX)))
+                        max(walls, default=None), sum(1 for p in self.points if self._low_pressure(p)))
+
+    def _low_pressure(self, p: PressurePoint) -> bool:
+        """A held window with positive signs of no pressure (the reference's candidates; ``quiet``)."""
+        low = p.residency == "low_pressure"
+        return (p.kv_p95 <= self.reference.limit(low) and not p.preemptions_per_minute and p.residency != "pressure"
+                and (low or p.kv_max is None or p.kv_max < LOW_PRESSURE_MAX))
 
     def judgement(self) -> tuple[str, str]:
         """(state, reason) of the located threshold; unknown when none is located."""
@@ -346,29 +408,67 @@ class ThresholdLearner:
         return self.located.state, self.located.reason
 
 
+    def tax_judgement(self, reference_state: str, reference_reason: str) -> tuple[str, str]:
+        """(state, reason) of the tax: the reference's (it rests on it), told what the engine's residency record
+        says meanwhile (methods.md s11): with no reference, pressure it shows is known now, its size is not;
+        without the histograms, how to know now; a contradiction in the last window is stated."""
+        sign, state, reason = self.residency, reference_state, reference_reason
+        if sign is not None and state == "unknown":
+            if not sign.histograms:
+                reason += "; start vLLM with --kv-cache-metrics to know now whether it is under pressure"
+            elif sign.kind == "pressure":
+                reason = (f"pressure known from the engine's KV-block residency ({sign.reason}); the tax's size "
+                          f"needs a low-pressure reference: {reference_reason}")
+            elif sign.kind == "low_pressure":
+                reason += f"; the engine's KV-block residency shows low pressure ({sign.reason})"
+        if self.disagreement:
+            reason += f"; {self.disagreement}"
+        return state, reason
+
+
 def _weighted(point: PressurePoint, preemptions: float | None) -> PressurePoint:
-    return replace(point, weight=evidence_weight(preemptions, taxed(point)))
+    return replace(point, weight=evidence_weight(preemptions, taxed(point) or point.residency == "pressure"))
 
 
-def contradicted(flag: bool | None, per_minute: float | None, onset: bool | None, follow_evidence: bool) -> bool | None:
-    """Preemptions under the threshold in force contradict a *below*. When the regime follows the evidence
-    (source located), sustained ones (onset, methods.md s3) turn the flag *above*, fewer (or over a window not
+def contradicted(flag: bool | None, per_minute: float | None, onset: bool | None, follow_evidence: bool,
+                 residency_kind: str | None = None) -> bool | None:
+    """Preemptions, or the engine's residency evidence of pressure (methods.md s11), under the threshold in force
+    contradict a *below*. When the regime follows the evidence (source located), residency pressure and
+    sustained preemptions (onset, methods.md s3) turn the flag *above*, fewer preemptions (or over a window not
     yet covered enough to call them sustained) make it unknown (None). With source configured the flag stays on
     the configured threshold as asked, and ``regime_judgement`` says the regime is unknown."""
-    if flag is False and per_minute and follow_evidence:
-        return True if onset else None
+    if flag is False and follow_evidence:
+        if residency_kind == "pressure":
+            return True  # history-free and volume-gated (>= MIN_EXPECTED_SAMPLES): sustained by construction
+        if per_minute:
+            return True if onset else None
     return flag
 
 
 def regime_judgement(flag: bool | None, p: P95, threshold: float, per_minute: float | None, onset: bool | None,
-                     learner: ThresholdLearner) -> tuple[str, str]:
-    """(state, reason) of one window's regime (methods.md s10)."""
-    if per_minute and p.value is not None and p.value <= threshold:
+                     learner: ThresholdLearner, sign: ResidencySign | None = None) -> tuple[str, str]:
+    """(state, reason) of one window's regime (methods.md s10, s11 for the residency evidence)."""
+    state, reason = _regime_judgement(flag, p, threshold, per_minute, onset, learner, sign)
+    if flag and sign is not None and sign.kind == "low_pressure":
+        # above on the KV level while the engine evicted (almost) nothing: said, and no more than provisional
+        state = "provisional" if state == "known" else state
+        reason += f"; contradicted by the engine's KV-block residency: low pressure ({sign.reason})"
+    return state, reason
+
+
+def _regime_judgement(flag: bool | None, p: P95, threshold: float, per_minute: float | None, onset: bool | None,
+                      learner: ThresholdLearner, sign: ResidencySign | None) -> tuple[str, str]:
+    under = p.value is not None and p.value <= threshold
+    if per_minute and under:
         seen = f"{per_minute:.1f} preemptions/min at p95 {p.value:.3f}, under the threshold in use {threshold:.3f}"
         if flag and onset:
             return "known", f"above (onset): {seen}"
         if not flag:  # False (source configured) or None (too few preemptions to call it onset)
             return "unknown", f"contradicted: {seen}"
+    if sign is not None and sign.kind == "pressure" and under:
+        seen = (f"the engine's KV-block residency shows pressure ({sign.reason}) at p95 {p.value:.3f}, under the "
+                f"threshold in use {threshold:.3f}")
+        return ("known", f"above (KV-block residency): {seen}") if flag else ("unknown", f"contradicted: {seen}")
     if flag is None:
         return "unknown", "no KV usage sampled in the window"
     if learner.source == "configured":

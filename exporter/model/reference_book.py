@@ -56,7 +56,8 @@ class ReferenceBook:
             return
         now = self.wall_clock()
         body = {"version": FORMAT_VERSION, "servers": {
-            name: [{"share": s.share, "p95": s.p95, "at": s.wall if s.wall is not None else now}
+            name: [{"share": s.share, "p95": s.p95, "at": s.wall if s.wall is not None else now,
+                    **({"residency_low": True} if s.residency_low else {})}  # absent in older files: False
                    for s in items] for name, items in sorted(samples.items())}}
         self.write_error = atomic.persist_json(self.path, body, "reference share", self.write_error, log)
 
@@ -87,4 +88,4 @@ def parse_entry(entry: Any, now_wall: float) -> ReferenceSample:
         raise ValueError(f"{', '.join(missing)} missing")
     at = _number(entry["at"], "at", 0.0, now_wall + FUTURE_SLACK_SECONDS)
     return ReferenceSample(_number(entry["share"], "share", 0.0, 1.0), _number(entry["p95"], "p95", 0.0, 1.0),
-                           -1.0, at)
+                           -1.0, at, entry.get("residency_low") is True)

