@@ -251,3 +251,14 @@ def test_the_status_threshold_block_carries_the_judgements_and_the_evidence(tmp_
     assert status["evidence"]["windows"] == 7 and status["evidence"]["span_seconds"] == 0.0  # one WALL
     assert status["evidence"]["clean"] == 4 and status["evidence"]["pressured"] == 3
     assert status["threshold_state"] == "provisional"  # 3 pressured, interval 0.30 .. 0.80
+
+
+def test_a_barely_covered_window_cannot_say_below():
+    """Right after a start or a restart beside a busy engine, a few low samples do not make the regime "below"
+    (evidence before judgement): unknown until the window is half covered, or the previous regime holds."""
+    from exporter.model.pressure import P95, regime
+    low = P95(0.30, 0.20, 0.40)
+    assert regime(low, 0.54, None, covered_ratio=0.1) is None
+    assert regime(low, 0.54, True, covered_ratio=0.1) is True
+    assert regime(low, 0.54, None, covered_ratio=0.6) is False
+    assert regime(P95(0.70, 0.60, 0.80), 0.54, None, covered_ratio=0.1) is True  # "above" may be said at once

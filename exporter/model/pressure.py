@@ -51,6 +51,7 @@ SUSTAINED_PREEMPTIONS = 3.0  # preemptions in a window that make it a full windo
 MAX_STEPS_PER_SECOND = 1000.0  # engine steps per second when the engine does not count them (1 ms a step)
 MIN_PROMPT_TOKENS = 100.0   # fewer prompt tokens in a window: its share is not worth a point or a sample
 MIN_COVERED = 0.8           # a bucket less covered than this is not a window of evidence
+MIN_BELOW_COVERAGE = 0.5    # a regime window less covered than this cannot say "below" (start, restart)
 MAX_EVIDENCE_WINDOWS = 10_000  # bounds memory and the sort in locate whatever history / window asks
 
 
@@ -203,16 +204,20 @@ def p95_of(agg: WindowAggregate) -> P95:
     return P95(pressure.kv_usage_quantile(agg, 0.95), bounds[0], bounds[1])
 
 
-def regime(p: P95, threshold: float, previous: bool | None) -> bool | None:
+def regime(p: P95, threshold: float, previous: bool | None, covered_ratio: float = 1.0) -> bool | None:
     """Above (True) only when the p95's lower bound clears the threshold, below (False) only when its upper
     bound is under it; in between the previous regime holds (hysteresis: no flip on sampling noise). With no
-    previous regime the point estimate decides (pressure.above_threshold)."""
+    previous regime the point estimate decides (pressure.above_threshold). "Below" also needs the window at
+    least MIN_BELOW_COVERAGE covered: the few samples right after kvwatt starts (or restarts beside a busy
+    engine) cannot rule pressure out, so the previous regime holds, or none (unknown) after a start."""
     if p.value is None:
         return None
     if p.low > threshold:
         return True
     if p.high <= threshold:
-        return False
+        return False if covered_ratio >= MIN_BELOW_COVERAGE or previous is False else previous
+    if covered_ratio < MIN_BELOW_COVERAGE and previous is None and not pressure.above_threshold(p.value, threshold):
+        return None
     return previous if previous is not None else pressure.above_threshold(p.value, threshold)
 
 
@@ -470,7 +475,9 @@ def _regime_judgement(flag: bool | None, p: P95, threshold: float, per_minute: f
                 f"threshold in use {threshold:.3f}")
         return ("known", f"above (KV-block residency): {seen}") if flag else ("unknown", f"contradicted: {seen}")
     if flag is None:
-        return "unknown", "no KV usage sampled in the window"
+        if p.value is None:
+            return "unknown", "no KV usage sampled in the window"
+        return "unknown", "the window is not yet half covered: too few KV samples to call it below"
     if learner.source == "configured":
         if learner.use_located:
             return "provisional", f"on the configured threshold {threshold:.2f}: none located yet ({learner.why_not})"

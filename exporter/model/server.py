@@ -84,7 +84,7 @@ class ServerModel:
         onset = pressure.preemption_onset(per_minute, agg.covered_seconds, seconds,
                                           self.cfg.preemption_onset_per_minute)
         sign = pl.residency_of(agg)  # the engine's own eviction record (methods.md s11)
-        flag = pressure_model.regime(p, pl.threshold, self._regime.get(seconds))
+        flag = pressure_model.regime(p, pl.threshold, self._regime.get(seconds), agg.covered_seconds / seconds)
         flag = self._regime[seconds] = pressure_model.contradicted(flag, per_minute, onset, pl.use_located, sign.kind)
         self._regime_why[seconds] = pressure_model.regime_judgement(flag, p, pl.threshold, per_minute, onset, pl,
                                                                     sign)
@@ -236,7 +236,9 @@ class ServerModel:
         reference_state, reference_reason = self.reference.judgement(pl.points)
         tax_state, tax_reason = pl.tax_judgement(reference_state, reference_reason)
         regime_seconds = next((w.seconds for w in windows if w.above_threshold is not None), None)
-        regime_state, regime_reason = self._regime_why.get(regime_seconds, ("unknown", "no window with a KV p95"))
+        # no window has a regime: the first window's own reason (no KV usage, or too little of it covered)
+        unknown = self._regime_why.get(windows[0].seconds if windows else None, ("unknown", "no window with a KV p95"))
+        regime_state, regime_reason = self._regime_why.get(regime_seconds, unknown)
         return {"threshold_state": threshold_state, "threshold_reason": threshold_reason,
                 "reference_state": reference_state, "reference_reason": reference_reason,
                 "tax_state": tax_state, "tax_reason": tax_reason,  # the reference's, told the residency evidence
