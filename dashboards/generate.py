@@ -42,6 +42,7 @@ SERVER_VARS = ("server", "server_on", "server_off")
 # the dashed reference lines: the daemon's defaults (exporter/rules.py), never a copy
 ONSET_PER_MINUTE = rules.PREEMPTION_ONSET_PER_MINUTE.default
 P99_TOOL_LATENCY_SECONDS = rules.P99_TOOL_LATENCY.default
+RECOMPUTE_TAX_THRESHOLD = rules.RECOMPUTE_TAX_THRESHOLD.default
 
 
 # --- selectors ---------------------------------------------------------------------------------------------
@@ -510,6 +511,28 @@ PAYING = Row("Is offloading paying right now?", (
                   instant=True),
            Target(or_unknown(_undersized_or_no_offloading()), "{{server}} buffer undersized", instant=True)),
           kind="stat", w=9, h=6, mappings=SIGNATURE, no_value="unknown"),
+    # the verdicts the alerts, /api/status and the page read (one verdict everywhere): kvwatt's own series,
+    # never the p95 compared here against a copy of a threshold
+    Panel("KV pressure regime now", "Per server: kvwatt's regime verdict over the window, "
+          "kvwatt_kv_pressure_above_threshold: above when the p95 KV usage is above the threshold in use (next "
+          "panel), with hysteresis on the p95's interval (methods.md s10). The same verdict as /api/status "
+          "`regime`, the landing page and the KVPressureAboveThreshold alert. unknown: no KV usage samples yet.",
+          "none", (Target(or_unknown(_by("server", kv("kvwatt_kv_pressure_above_threshold"))), "{{server}}",
+                          instant=True),),
+          kind="stat", w=8, h=6, mappings=(Mapping("0", "below", "ok"), Mapping("1", "above", "warn"), UNKNOWN),
+          no_value="unknown"),
+    Panel("Regime threshold in use", "Per server: the p95 KV usage threshold the regime verdict uses, "
+          "kvwatt_kv_pressure_threshold_in_use_ratio, and where it comes from (source: located from the server's "
+          "own history, or the configured kv_pressure_threshold; docs/pressure.md).", "percentunit",
+          (Target(or_unknown(_by("server, source", kv("kvwatt_kv_pressure_threshold_in_use_ratio")), "source"),
+                  "{{server}} ({{source}})", instant=True),),
+          kind="stat", w=8, h=6, colors=("info", "info"), mappings=(UNKNOWN,), no_value="unknown"),
+    Panel("Recompute tax now", "Per server: kvwatt_recompute_tax_ratio, the local_compute share minus the "
+          "server's low-pressure reference share (methods.md s4); red from the default recompute_tax_threshold "
+          f"{RECOMPUTE_TAX_THRESHOLD:g} (the KVRecomputeTaxHigh alert's). unknown: no reference share yet or too "
+          "few prompt tokens.", "percentunit",
+          (Target(or_unknown(_by("server", kv("kvwatt_recompute_tax_ratio"))), "{{server}}", instant=True),),
+          kind="stat", w=8, h=6, threshold_line=RECOMPUTE_TAX_THRESHOLD, mappings=(UNKNOWN,), no_value="unknown"),
 ))
 
 REGIME = Row("Regime", (
