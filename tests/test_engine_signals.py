@@ -14,9 +14,11 @@ from exporter.sources.expfmt import parse
 from exporter.sources.vllm import extract
 from tests.support.daemon import KvwattDaemon
 from tests.support.engine import VllmEngine, build_tiny_model
+from exporter.model.pressure import MIN_BELOW_COVERAGE
 from tests.support.workload import drive
 
 pytestmark = pytest.mark.engine
+WINDOW, WINDOW_SECONDS = "10m", 600.0  # the whole run inside one window
 RESULTS = {}  # size -> measured figures, printed at the end for the issue note
 
 
@@ -59,9 +61,9 @@ def run_condition(model_dir, blocks, reference=None):
         server = {"url": engine.url}
         if reference is not None:
             server["reference_local_compute_share"] = reference
-        with KvwattDaemon(servers={"local": server}, interval="250ms", config={"windows": ["10m"]}) as d, \
+        with KvwattDaemon(servers={"local": server}, interval="250ms", config={"windows": [WINDOW]}) as d, \
                 UsageSampler(engine) as usage:
-            d.wait_for(lambda d: d.value("kvwatt_window_covered_seconds", server="local", window="10m"),
+            d.wait_for(lambda d: d.value("kvwatt_window_covered_seconds", server="local", window=WINDOW),
                        what="first interval")
             before = counters(engine)
             drive(engine.url)
@@ -70,16 +72,16 @@ def run_condition(model_dir, blocks, reference=None):
             want = after["generation_tokens"] - before["generation_tokens"]
 
             def caught_up(d):
-                rate = d.value("kvwatt_generation_tokens_per_second", server="local", window="10m")
-                cov = d.value("kvwatt_window_covered_seconds", server="local", window="10m")
+                rate = d.value("kvwatt_generation_tokens_per_second", server="local", window=WINDOW)
+                cov = d.value("kvwatt_window_covered_seconds", server="local", window=WINDOW)
                 return rate is not None and abs(rate * cov - want) < 0.5
             d.wait_for(caught_up, timeout=30, what="kvwatt caught up with the engine")
-            m = {k: d.value(k, server="local", window="10m") for k in (
+            m = {k: d.value(k, server="local", window=WINDOW) for k in (
                 "kvwatt_kv_cache_usage_p95_ratio", "kvwatt_kv_cache_usage_p95_lower_ratio",
                 "kvwatt_kv_cache_usage_p95_upper_ratio", "kvwatt_kv_pressure_above_threshold",
                 "kvwatt_preemptions_per_minute", "kvwatt_window_covered_seconds",
                 "kvwatt_recompute_tax_ratio", "kvwatt_estimated_flops_per_generated_token")}
-            m["shares"] = {s: d.value("kvwatt_prompt_token_share_ratio", server="local", window="10m", source=s)
+            m["shares"] = {s: d.value("kvwatt_prompt_token_share_ratio", server="local", window=WINDOW, source=s)
                            for s in ("local_compute", "local_cache_hit", "external_kv_transfer")}
             m["offload_enabled"] = d.value("kvwatt_offload_enabled", server="local")
             m["threshold"] = d.value("kvwatt_kv_pressure_threshold_in_use_ratio", server="local")
@@ -131,7 +133,10 @@ def test_p95_above_the_threshold_only_with_the_small_cache(large, small):
     CI machine and 0.913 here, so it is checked against the engine's own series from the same run, and the
     flag against kvwatt's regime rule (methods.md s10), not against fixed numbers the machine's load decides."""
     (ml, _), (ms, _) = large, small
-    assert ml["kvwatt_kv_cache_usage_p95_ratio"] < 0.9 and ml["kvwatt_kv_pressure_above_threshold"] == 0
+
+    def below(m):  # "below" needs the window at least half covered; a barely covered one says nothing (unknown)
+        return 0 if m["kvwatt_window_covered_seconds"] >= MIN_BELOW_COVERAGE * WINDOW_SECONDS else None
+    assert ml["kvwatt_kv_cache_usage_p95_ratio"] < 0.9 and ml["kvwatt_kv_pressure_above_threshold"] == below(ml)
     p95, low, high = (ms[f"kvwatt_kv_cache_usage_p95{k}_ratio"] for k in ("", "_lower", "_upper"))
     engine = ms["engine_kv_usage"]
     assert len(engine) >= 20, engine
@@ -146,7 +151,7 @@ def test_p95_above_the_threshold_only_with_the_small_cache(large, small):
     if low > threshold:
         assert ms["kvwatt_kv_pressure_above_threshold"] == 1
     if high <= threshold:
-        assert ms["kvwatt_kv_pressure_above_threshold"] == 0
+        assert ms["kvwatt_kv_pressure_above_threshold"] == below(ms)
 
 
 def test_recompute_tax_and_the_mfu_view(large, small):

@@ -22,6 +22,7 @@ from exporter.sources.expfmt import parse
 from exporter.sources.vllm import extract
 from tests.support.daemon import KvwattDaemon
 from tests.support.engine import VllmEngine, build_tiny_model
+from tests.support.verdict import counters, share_of
 
 pytestmark = pytest.mark.engine
 
@@ -54,7 +55,7 @@ def test_started_beside_a_pressured_engine_the_tax_is_unknown_not_small(tmp_path
             seen = []
             config = {"windows": ["1m"], "threshold_window": "15s"}
             with KvwattDaemon(servers={"local": engine.url}, interval="250ms", config=config) as d:
-                before = preemptions(engine)
+                before, counted = preemptions(engine), counters(engine)
                 end = time.monotonic() + WATCH_SECONDS
                 while time.monotonic() < end:
                     s = d.status()["servers"][0]
@@ -63,11 +64,14 @@ def test_started_beside_a_pressured_engine_the_tax_is_unknown_not_small(tmp_path
                                  s["tax_state"], s["tax_reason"], w.get("kv_usage_p95")))
                     time.sleep(1.0)
                 preempted = preemptions(engine) - before
+                recomputed = share_of(counted, counters(engine))
         finally:
             load.kill()
             load.wait(timeout=30)
-    # the premise: eight sessions on 128 blocks really pressed the cache while kvwatt watched
-    assert preempted > 0, seen[-5:]
+    # the premise: eight sessions on 128 blocks really pressed the cache while kvwatt watched, by the engine's own
+    # counters: it preempted, or it recomputed most of its prompt tokens (6 % with 2000 blocks, tests/support/
+    # verdict.py; in one CI run the cache sat at p95 0.75 through the 75 s watch without a single preemption)
+    assert preempted > 0 or (recomputed or 0.0) >= 0.5, (preempted, recomputed, seen[-5:])
     taxes = [t for t, *_ in seen if t is not None]
     assert all(t > 0.05 for t in taxes), taxes  # never a tax near zero against a busy "reference"
     assert not [x for x in seen if x[1] and x[2] == "below"], seen  # never "below" while preempting
