@@ -118,6 +118,24 @@ def persist_json(path: str, obj: Any, what: str, previous_error: str, log: loggi
     return ""
 
 
+class StateBook:
+    """One state-directory file of the model's (reference shares, evidence windows): where it is (None without a
+    state directory), why writing is refused, and the last read's and write's problems, which are reasons on the
+    ``state_dir`` source (the read-only reason is the idle baselines' too: not repeated)."""
+
+    def __init__(self, state_dir: str | None, name: str, wall_clock: Callable[[], float],
+                 read_only_reason: str = "") -> None:
+        self.state_dir = state_dir
+        self.path = os.path.join(state_dir, name) if state_dir else None
+        self.wall_clock = wall_clock
+        self.read_only_reason = read_only_reason
+        self.load_error = ""
+        self.write_error = ""
+
+    def problems(self) -> list[str]:
+        return [p for p in (self.write_error, self.load_error) if p]
+
+
 def _writer_gone(pid: int) -> bool:
     """True when no process ``pid`` runs here, or it is this one (which has written nothing yet: it is a
     restarted daemon whose earlier life had the same pid, e.g. pid 1 in a container)."""

@@ -12,7 +12,6 @@ are dropped silently (they would have aged out). Never fatal: problems are reaso
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any, Callable, Mapping
 
 from exporter import atomic
@@ -31,17 +30,10 @@ RESIDENCY_KINDS = (None, "pressure", "low_pressure")  # a window's KV-block resi
 Stored = dict[str, tuple[Epoch, list[PressurePoint]]]
 
 
-class EvidenceBook:
+class EvidenceBook(atomic.StateBook):
     def __init__(self, state_dir: str | None, wall_clock: Callable[[], float],
                  read_only_reason: str = "") -> None:
-        self.path = os.path.join(state_dir, STATE_FILE) if state_dir else None
-        self.wall_clock = wall_clock
-        self.read_only_reason = read_only_reason
-        self.load_error = ""
-        self.write_error = ""
-
-    def problems(self) -> list[str]:
-        return [p for p in (self.write_error, self.load_error) if p]
+        super().__init__(state_dir, STATE_FILE, wall_clock, read_only_reason)
 
     def load(self) -> Stored:
         """server -> (its epoch, its windows oldest first); {} without a file."""

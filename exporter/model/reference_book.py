@@ -11,7 +11,6 @@ references keep working in memory.
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any, Callable, Iterable, Mapping
 
 from exporter import atomic
@@ -24,19 +23,10 @@ STATE_FILE = "reference-share.json"
 FORMAT_VERSION = 1
 
 
-class ReferenceBook:
+class ReferenceBook(atomic.StateBook):  # its state_dir also holds the evidence windows (model/evidence_book.py)
     def __init__(self, state_dir: str | None, wall_clock: Callable[[], float],
                  read_only_reason: str = "") -> None:
-        self.state_dir = state_dir  # the evidence windows persist beside it (model/evidence_book.py)
-        self.path = os.path.join(state_dir, STATE_FILE) if state_dir else None
-        self.wall_clock = wall_clock
-        self.read_only_reason = read_only_reason
-        self.load_error = ""
-        self.write_error = ""
-
-    def problems(self) -> list[str]:
-        """Reasons for the state_dir source (the read-only reason is the idle baselines' too: not repeated)."""
-        return [p for p in (self.write_error, self.load_error) if p]
+        super().__init__(state_dir, STATE_FILE, wall_clock, read_only_reason)
 
     def load(self) -> dict[str, list[ReferenceSample]]:
         """server -> its stored samples, oldest first; {} without a file. Bad entries are dropped (a reason)."""
