@@ -307,6 +307,17 @@ def parse_entry(device: str, entry: Any, now_wall: float) -> Baseline:
         _optional(entry.get("temperature_celsius"), "temperature_celsius", -273.15, math.inf))
 
 
+def entry_at(entry: Any, required: tuple[str, ...], now_wall: float) -> float:
+    """A stored entry of the model's state files checked for its shape: a mapping with every ``required`` key
+    (``at`` among them); its ``at`` wall time, not in the future. ValueError naming what is wrong."""
+    if not isinstance(entry, dict):
+        raise ValueError("not an entry")
+    missing = [k for k in required if k not in entry]
+    if missing:
+        raise ValueError(f"{', '.join(missing)} missing")
+    return _number(entry["at"], "at", 0.0, now_wall + FUTURE_SLACK_SECONDS)
+
+
 def _number(value: Any, name: str, lo: float, hi: float) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{name} {value!r} is not a finite number")

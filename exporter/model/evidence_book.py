@@ -16,7 +16,7 @@ from typing import Any, Callable, Mapping
 
 from exporter import atomic
 from exporter.derive.threshold import PressurePoint
-from exporter.energy.baseline import FUTURE_SLACK_SECONDS, _number
+from exporter.energy.baseline import FUTURE_SLACK_SECONDS, _number, entry_at
 from exporter.model.epoch import FACTS, Epoch
 
 log = logging.getLogger("kvwatt.evidence")
@@ -107,12 +107,7 @@ def _optional(entry: dict, key: str, lo: float, hi: float) -> float | None:
 
 
 def parse_entry(entry: Any, now_wall: float) -> PressurePoint:
-    if not isinstance(entry, dict):
-        raise ValueError("not an entry")
-    missing = [k for k in ("p95", "weight", "at") if k not in entry]
-    if missing:
-        raise ValueError(f"{', '.join(missing)} missing")
-    at = _number(entry["at"], "at", 0.0, now_wall + FUTURE_SLACK_SECONDS)
+    at = entry_at(entry, ("p95", "weight", "at"), now_wall)
     kind = entry.get("residency")  # absent in files written before the residency evidence: unknown
     if kind not in RESIDENCY_KINDS:
         raise ValueError(f"residency {kind!r} is not one of {', '.join(k for k in RESIDENCY_KINDS if k)}")

@@ -14,7 +14,7 @@ import logging
 from typing import Any, Callable, Iterable, Mapping
 
 from exporter import atomic
-from exporter.energy.baseline import FUTURE_SLACK_SECONDS, _number
+from exporter.energy.baseline import _number, entry_at
 from exporter.model.pressure import ReferenceSample
 
 log = logging.getLogger("kvwatt.reference")
@@ -71,11 +71,6 @@ def parse_file(data: Any, now_wall: float) -> tuple[dict[str, list[ReferenceSamp
 
 
 def parse_entry(entry: Any, now_wall: float) -> ReferenceSample:
-    if not isinstance(entry, dict):
-        raise ValueError("not an entry")
-    missing = [k for k in ("share", "p95", "at") if k not in entry]
-    if missing:
-        raise ValueError(f"{', '.join(missing)} missing")
-    at = _number(entry["at"], "at", 0.0, now_wall + FUTURE_SLACK_SECONDS)
+    at = entry_at(entry, ("share", "p95", "at"), now_wall)
     return ReferenceSample(_number(entry["share"], "share", 0.0, 1.0), _number(entry["p95"], "p95", 0.0, 1.0),
                            -1.0, at, entry.get("residency_low") is True)
