@@ -112,11 +112,26 @@ def test_unreachable_server_and_unknown_name(rig, tmp_path):
     assert out.returncode == 2 and "--duration" in out.stderr
 
 
-def test_no_energy_source_exits_1(tmp_path):
+def test_no_energy_source_exits_1_at_once(tmp_path):
+    """NVML and RAPL are known absent at the first tick: no --settle and --duration wait (10 min here)."""
     gpus = FakeGpus(tmp_path / "gpus.json", library_found=False)
-    out = kvwatt(["--duration", "1s", "--settle", "0", "--no-server-check", "--state-dir", str(tmp_path / "s"),
+    started = time.monotonic()
+    out = kvwatt(["--duration", "10m", "--settle", "30s", "--no-server-check", "--state-dir", str(tmp_path / "s"),
                   "--powercap-root", str(tmp_path / "none")], gpus)
     assert out.returncode == 1 and "not measured" in out.stderr and "absent" in out.stderr
+    assert "measuring for" not in out.stdout and "waiting 30s" not in out.stdout, out.stdout
+    assert time.monotonic() - started < 60  # it would have waited 630 s
+
+
+def test_measurement_shows_its_progress(tmp_path):
+    """Not a terminal: one progress line at each quarter and a last one, on stderr."""
+    gpus = FakeGpus(tmp_path / "gpus.json")
+    gpus.add(A, power_mw=75_000, counter_follows_power=True, t0=time.monotonic())
+    out = kvwatt(["--duration", "2s", "--settle", "0", "--interval", "250ms", "--no-server-check",
+                  "--state-dir", str(tmp_path / "s"), "--powercap-root", str(tmp_path / "none")], gpus)
+    assert out.returncode == 0, out.stderr
+    lines = [x for x in out.stderr.splitlines() if x.startswith("measuring idle power:")]
+    assert 2 <= len(lines) <= 4 and lines[-1].startswith("measuring idle power: 2 s of 2 s (100 %), 1 devices"), lines
 
 
 class SlowInitNvml:

@@ -105,6 +105,10 @@ def test_record_without_gpu_energy_keeps_tokens_per_second(tmp_path):
     prof = P.load(str(out))
     assert prof.energy == "total" and all(b.joules_per_token is None for b in prof.bands)
     assert any(b.tokens_per_second for b in prof.bands if b.windows)
+    # not a terminal: a progress line at each quarter and the last one, on stderr (stdout keeps the result)
+    lines = [x for x in r.stderr.splitlines() if x.startswith("recording off:")]
+    assert 2 <= len(lines) <= 4 and lines[-1].startswith("recording off: 3 s of 3 s (100 %)"), r.stderr
+    assert "intervals" in lines[-1] and "recording off:" not in r.stdout
 
 
 def test_record_refuses_an_offloading_server(tmp_path):

@@ -21,6 +21,7 @@ from dataclasses import replace
 from exporter.config import Config, ConfigError, ServerConfig, check_writable, format_window, parse_duration, \
     parse_server_flag, resolve
 from exporter.model.recording import record_intervals
+from exporter.progress import Progress
 from exporter.offload import profile as profile_mod
 
 
@@ -58,7 +59,8 @@ def main(args: argparse.Namespace) -> int:
         raise ConfigError(f"--window: {args.window} is longer than --duration {args.duration}")
     check_writable(args.out, "--out")  # now, not after recording for --duration
     cfg = replace(cfg, servers=(server,))
-    intervals, info, status = asyncio.run(record_intervals(cfg, server, duration))
+    progress = Progress(sys.stderr, duration, f"recording {server.name}")
+    intervals, info, status = asyncio.run(record_intervals(cfg, server, duration, progress=progress))
     prof = profile_mod.build_profile(intervals, info, server, duration, window)
     if prof.windows == 0:
         why = f"vLLM {status.reason}" if status is not None and not status.up else "no window carried load"

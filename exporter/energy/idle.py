@@ -12,7 +12,8 @@ from dataclasses import replace
 from exporter.config import Config, ServerConfig, redacted_url
 from exporter.energy.attribution import assign_gpus
 from exporter.energy.baseline import IdleAccumulator, IdleEstimate
-from exporter.samples import DeviceReading, Tick
+from exporter.progress import Progress
+from exporter.samples import DeviceReading, SourceStatus, Tick
 from exporter.sampler import Sampler, missed_deadline
 from exporter.store import DeviceTracker
 
@@ -65,7 +66,8 @@ def measured_devices(readings: list[DeviceReading], cfg: Config, checked: list[S
 
 
 async def measure(cfg: Config, checked: list[ServerConfig], duration: float, settle: float, interval: float,
-                  nvml=None, rapl=None, out=sys.stdout) -> tuple[list[IdleEstimate], dict[str, str]]:
+                  nvml=None, rapl=None, out=sys.stdout,
+                  err=sys.stderr) -> tuple[list[IdleEstimate], dict[str, str]]:
     """Sample the energy sources for ``duration`` after ``settle`` with the daemon's Sampler; (estimates,
     device -> why not measured). The arithmetic is IdleAccumulator's: each device's joules over the seconds
     between its own readings, the clock starting at the first sample (NVML init is not measured)."""
@@ -79,11 +81,15 @@ async def measure(cfg: Config, checked: list[ServerConfig], duration: float, set
             check.check(tick)
             if check.all_seen:
                 break
+        if nothing_to_measure(tick):  # say it now, not after --settle and --duration
+            await ticks.aclose()
+            return [], {f"({s.source})": s.reason for s in tick.energy_statuses}
         if settle > 0:
             print(f"idle; waiting {settle:g}s for clocks to settle (--settle 0 to skip)", file=out)
             await _watch(ticks, check, time.monotonic() + settle)
         print(f"measuring for {duration:g}s ...", file=out)
         devices, t_end = None, None
+        progress = Progress(err, duration, "measuring idle power")
         async for tick in ticks:
             check.check(tick)
             readings = list(tick.energy)
@@ -99,7 +105,9 @@ async def measure(cfg: Config, checked: list[ServerConfig], duration: float, set
                 for r in readings:
                     if r.device in devices:
                         acc.add(r.device, spans.get(r.device), r.temperature_celsius)
+            progress.update(duration - max(0.0, t_end - time.monotonic()), f"{len(devices)} devices")
             if time.monotonic() >= t_end:
+                progress.finish(duration, f"{len(devices)} devices")
                 break
         await _watch(ticks, check, time.monotonic())  # one more look: still idle at the end
         await ticks.aclose()
@@ -109,6 +117,14 @@ async def measure(cfg: Config, checked: list[ServerConfig], duration: float, set
     if not estimates and not missing:
         missing["(none)"] = "; ".join(reasons) or "no energy device found"
     return estimates, missing
+
+
+def nothing_to_measure(tick: Tick) -> bool:
+    """Every energy source is known absent or refused (not merely still starting, as a slow nvmlInit is):
+    waiting --settle and --duration could measure nothing."""
+    statuses: tuple[SourceStatus, ...] = tick.energy_statuses
+    return (not tick.energy and bool(statuses)
+            and all(not s.up and not missed_deadline(s) for s in statuses))
 
 
 async def _watch(ticks, check: IdleCheck, until: float) -> None:

@@ -7,14 +7,15 @@ import time
 
 from exporter.config import Config, ConfigError, ServerConfig
 from exporter.model import Model
+from exporter.progress import Progress
 from exporter.sampler import Sampler
 
 
 async def record_intervals(cfg: Config, server: ServerConfig, duration_seconds: float, energy: bool = True,
-                           nvml=None, rapl=None):
+                           nvml=None, rapl=None, progress: Progress | None = None):
     """Read the server (and energy) every cfg.interval_seconds for duration_seconds with the daemon's own
     Sampler and Model (one server, every interval kept, no idle learning: P_idle must not change halfway).
-    Returns (intervals, last EngineInfo or None, last vLLM status). ConfigError when the server offloads: an
+    Returns (intervals, last EngineInfo or None, last vLLM status); ``progress`` hears each tick. ConfigError when the server offloads: an
     OFF profile must come from an OFF server."""
     model = Model(cfg, keep_seconds=duration_seconds + 3600.0, learn_idle=False)
     sm = model.servers[server.name]
@@ -26,4 +27,15 @@ async def record_intervals(cfg: Config, server: ServerConfig, duration_seconds: 
                 raise ConfigError(f"--server {server.name}: the server offloads KV "
                                   "(kv_offloading_size is set); record the OFF twin")
             model.ingest(tick)
+            if progress is not None:
+                progress.update(time.monotonic() - start, _progress_detail(sm))
+    if progress is not None:
+        progress.finish(min(duration_seconds, time.monotonic() - start), _progress_detail(sm))
     return list(sm.history.intervals), sm.info, sm.status
+
+
+def _progress_detail(sm) -> str:
+    """What a person watching wants to know: is the server answering, and how much has been recorded."""
+    if sm.status is not None and not sm.status.up:
+        return f"server down: {sm.status.reason}"
+    return f"{len(sm.history.intervals)} intervals"
