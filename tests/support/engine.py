@@ -14,9 +14,7 @@ Start-up takes ~30-75 s on 2 CPU cores (first start compiles; later ones reuse v
 from __future__ import annotations
 
 import atexit
-import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -26,82 +24,13 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from kvwatt_lab.cpu_engine import (VOCAB_SIZE, build_tiny_model, default_model_dir,  # noqa: F401 (re-exported)
+                                   engine_available, vllm_python)
 from kvwatt_lab.experiment.server import free_port, group_members  # noqa: F401 (re-exported for the tests)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SERVED_MODEL_NAME = "tiny"
-VOCAB_SIZE = 2048
 BLOCK_SIZE_TOKENS = 32
-_MARKER = "kvwatt-tiny-model.json"  # written last: its presence means the directory is complete
-
-_BUILD_SCRIPT = r"""
-import json, sys
-from pathlib import Path
-import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-out, vocab_size = Path(sys.argv[1]), int(sys.argv[2])
-torch.manual_seed(0)
-config = LlamaConfig(vocab_size=vocab_size, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16384,
-                     bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False,
-                     torch_dtype="bfloat16")
-model = LlamaForCausalLM(config).to(torch.bfloat16)
-model.save_pretrained(out, safe_serialization=True)
-specials = ["<pad>", "<s>", "</s>", "<unk>"]
-vocab = {tok: i for i, tok in enumerate(specials)}
-vocab.update({f"t{i}": i for i in range(len(specials), vocab_size)})
-tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
-                               pad_token="<pad>", model_max_length=16384)
-fast.save_pretrained(out)
-"""
-
-
-def vllm_python() -> str:
-    """The interpreter that has vLLM installed."""
-    return os.environ.get("KVWATT_VLLM_PYTHON") or str(REPO_ROOT / ".venv-vllm" / "bin" / "python")
-
-
-def engine_available() -> bool:
-    """True when the vLLM interpreter exists (tests marked ``engine`` skip otherwise)."""
-    return Path(vllm_python()).is_file()
-
-
-def default_model_dir() -> str:
-    """Where tests keep the tiny model between runs: env ``KVWATT_TINY_MODEL_DIR`` or a fixed temp path."""
-    return os.environ.get("KVWATT_TINY_MODEL_DIR") or os.path.join(tempfile.gettempdir(), "kvwatt-tiny-llama")
-
-
-def build_tiny_model(directory: str | os.PathLike | None = None) -> str:
-    """Write the tiny random Llama + WordLevel tokenizer into ``directory`` (skipped if already there).
-
-    Built in a sibling temp directory and renamed into place, so concurrent builders never see half a model."""
-    out = Path(directory or default_model_dir())
-    if (out / _MARKER).is_file():
-        return str(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
-    proc = subprocess.run([vllm_python(), "-c", _BUILD_SCRIPT, str(staging), str(VOCAB_SIZE)],
-                          capture_output=True, text=True, timeout=300)
-    if proc.returncode != 0:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise RuntimeError(f"building the tiny model failed ({proc.returncode}): {proc.stderr[-2000:]}")
-    (staging / _MARKER).write_text(json.dumps({"vocab_size": VOCAB_SIZE}))
-    try:
-        if out.exists() and not any(out.iterdir()):
-            out.rmdir()
-        os.rename(staging, out)
-    except OSError:  # another builder finished first, or ``out`` already holds other files
-        if not (out / _MARKER).is_file():
-            for item in staging.iterdir():  # the marker sorts last only by luck: move it explicitly at the end
-                if item.name != _MARKER:
-                    os.replace(item, out / item.name)
-            os.replace(staging / _MARKER, out / _MARKER)
-        shutil.rmtree(staging, ignore_errors=True)
-    return str(out)
 
 
 def _temp_log_path() -> Path:
