@@ -100,3 +100,14 @@ def test_credentials_in_the_url_appear_in_no_message_or_summary(capsys, tmp_path
     assert code == 1 and "s3cret" not in out.out + out.err
     s = json.loads(summary.read_text())
     assert s["url"] == url.replace("s3cret", "xxxxx") and "s3cret" not in summary.read_text()
+
+
+def test_the_summary_line_names_cut_and_skipped_sessions():
+    from kvwatt_lab.replay.records import Stats, summary_line
+    counts = dict(sessions_started=739, sessions_finished=739, sessions_completed=233, sessions_cut_by_context=506,
+                  sessions_skipped_by_context=4, max_in_flight_requests=8)
+    line = summary_line(Stats().summary(10.0, **counts))
+    assert line.count("\n") == 0 and line.endswith(
+        "; sessions 739 started, 233 completed, 506 cut by --max-context, 4 skipped (first turn over --max-context)")
+    counts.update(sessions_cut_by_context=0, sessions_skipped_by_context=0)
+    assert summary_line(Stats().summary(10.0, **counts)).endswith("; sessions 739 started, 233 completed")

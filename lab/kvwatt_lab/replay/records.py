@@ -90,7 +90,21 @@ def summary_line(summary: dict) -> str:
             f"{summary['cancelled']} cancelled; {summary['prompt_tokens']} tokens in, "
             f"{summary['output_tokens']} out in {summary['duration_seconds']:.1f} s; "
             f"{summary['requests_per_second']:.2f} req/s, {summary['output_tokens_per_second']:.1f} out tok/s; "
-            f"TTFT p50 {ms(summary['ttft_p50_seconds'])}, p95 {ms(summary['ttft_p95_seconds'])}")
+            f"TTFT p50 {ms(summary['ttft_p50_seconds'])}, p95 {ms(summary['ttft_p95_seconds'])}"
+            f"{sessions_words(summary)}")
+
+
+def sessions_words(summary: dict) -> str:
+    """What became of the sessions, in the one line (cut and skipped ones are not hidden in the JSON)."""
+    if "sessions_started" not in summary:
+        return ""
+    cut, skipped = summary.get("sessions_cut_by_context", 0), summary.get("sessions_skipped_by_context", 0)
+    words = f"; sessions {summary['sessions_started']} started, {summary.get('sessions_completed', 0)} completed"
+    if cut:
+        words += f", {cut} cut by --max-context"
+    if skipped:
+        words += f", {skipped} skipped (first turn over --max-context)"
+    return words
 
 
 class RecordSink:
