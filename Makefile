@@ -2,7 +2,7 @@
 # `make test` installs everything the tests need and runs the whole suite.
 ARGS ?=
 
-.PHONY: run test test-fast bench generate check lab
+.PHONY: run test test-fast bench generate check lab demo
 
 run: .venv/.kvwatt-installed
 	.venv/bin/kvwatt run $(ARGS)
@@ -11,6 +11,10 @@ run: .venv/.kvwatt-installed
 	[ -x .venv/bin/python ] || python3 -m venv .venv
 	scripts/install-kvwatt.sh .venv/bin/pip . -e
 	touch $@
+
+# the real daemon on a bundled capture of a real engine, loopback only, GPU energy simulated (docs/demo.md)
+demo: .venv/.kvwatt-installed
+	.venv/bin/kvwatt demo $(ARGS)
 
 test:
 	scripts/test.sh

@@ -22,6 +22,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "baseline idle": ("exporter.commands.baseline_idle", "measure the idle power baseline now and persist it"),
     "baseline record": ("exporter.commands.baseline_record",
                         "record an OFF-condition profile (J/token, tokens/s by KV-pressure band)"),
+    "demo": ("exporter.commands.demo", "see kvwatt at work on loopback: a real engine's capture replayed, energy "
+                                       "simulated (no engine or GPU needed)"),
 }
 # The lab's commands (lab/pyproject.toml entry points): name -> help shown when the lab is not installed.
 LAB_COMMANDS: dict[str, str] = {

@@ -181,6 +181,8 @@ class Config:
     web_config_path: str | None = None  # TLS / basic auth of the endpoints (exporter/serve/webconfig.py)
     log_level: str = "info"  # debug | info | warn | error (exporter/logsetup.py)
     log_format: str = "logfmt"  # logfmt | json
+    # not a configuration key: a sentence every screen shows above the figures (`kvwatt demo` says it is one)
+    notice: str = ""
 
     @property
     def host(self) -> str:
@@ -278,6 +280,11 @@ def parse_url(value: Any, key: str) -> str:
     if problem:  # the password never goes into a message
         raise ConfigError(f"{key}: {problem}, got {shown(redacted_url(text))}")
     return text.rstrip("/")
+
+
+def is_unconfigured_default(s: "ServerConfig") -> bool:
+    """The server kvwatt watches when none is configured anywhere (resolve: file, environment, flags)."""
+    return s.name == "default" and s.url == DEFAULT_SERVER_URL
 
 
 def shown_server(server: "ServerConfig") -> str:

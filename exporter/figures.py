@@ -228,3 +228,4 @@ class Snapshot:
     servers: tuple[ServerFigures, ...]
     sources: tuple[SourceStatus, ...] = ()  # host-wide sources: nvml, rapl, state_dir
     devices: tuple[DeviceFigures, ...] = ()
+    notice: str = ""  # Config.notice: shown above the figures on every screen

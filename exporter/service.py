@@ -10,11 +10,12 @@ import time
 from dataclasses import replace
 
 from exporter.build import build_info
-from exporter.config import Config, shown_server
+from exporter.config import Config, is_unconfigured_default, shown_server
 from exporter.daemon import Daemon
 from exporter.energy.baseline import BaselineBook
 from exporter.model import Model
 from exporter.model.reference_book import ReferenceBook
+from exporter.sampler import Sampler
 from exporter.serve.web import WebLimits, start_web
 from exporter.serve.webconfig import WebConfig
 from exporter.statedir import open_state_dir
@@ -27,15 +28,16 @@ class CannotListen(Exception):
 
 
 async def serve(cfg: Config, limits: WebLimits | None = None, web_config: WebConfig | None = None,
-                telemetry_path: str = "/metrics") -> None:
+                telemetry_path: str = "/metrics", sampler: Sampler | None = None) -> None:
     """Open the state directory, build the model with its books, serve the web endpoints and run the
-    daemon's loop until SIGTERM or SIGINT. CannotListen when the address cannot be bound."""
+    daemon's loop until SIGTERM or SIGINT. CannotListen when the address cannot be bound. ``sampler``: the
+    daemon's own by default (`kvwatt demo` gives one with its simulated GPUs)."""
     state = open_state_dir(cfg.state_dir)  # locked for the daemon's life; never fatal (exporter.statedir)
     try:
         cfg = replace(cfg, state_dir=state.path)
         book = BaselineBook(state.path, cfg.idle_power_watts, read_only_reason=state.reason)
         refs = ReferenceBook(state.path, time.time, read_only_reason=state.reason)
-        daemon = Daemon(cfg, model=Model(cfg, book=book, references=refs))
+        daemon = Daemon(cfg, sampler=sampler, model=Model(cfg, book=book, references=refs))
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, daemon.stop)
@@ -47,6 +49,10 @@ async def serve(cfg: Config, limits: WebLimits | None = None, web_config: WebCon
         log.info("%s listening on %s%s (%s), watching %s", build_info().line(), cfg.listen, telemetry_path,
                  web_config.describe() if web_config else "http, no auth",
                  ", ".join(shown_server(s) for s in cfg.servers))
+        if any(is_unconfigured_default(s) for s in cfg.servers):
+            log.info("no server configured: watching %s; if nothing answers there, start vLLM on it, pass "
+                     "--server NAME=URL, or run `kvwatt demo` to see kvwatt on a real engine's capture",
+                     cfg.servers[0].url)
         try:
             await daemon.run_loop()
         finally:

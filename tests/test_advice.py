@@ -10,7 +10,7 @@ from __future__ import annotations
 import html.parser
 from dataclasses import replace
 
-from exporter.config import Config
+from exporter.config import DEFAULT_SERVER_URL, Config
 from exporter.derive.collapse import CONDITIONS, CollapseResult
 from exporter.derive.threshold import Evidence
 from exporter.figures import BufferFigures, ServerFigures, Snapshot, WindowFigures
@@ -216,3 +216,13 @@ def test_chips_are_coloured_by_meaning():
     html_text = page.server_panel(_status(_fig()))
     assert 'class="chip good" data-meaning="good">up<' in html_text
     assert "state-true alarm" not in html_text and "chip ok" not in html_text
+
+
+def test_nothing_configured_and_nothing_answering_says_what_to_do():
+    """kvwatt run with no server anywhere watches the default URL; down there, the advice names three ways on."""
+    down = SourceStatus("vllm", "default", False, "unreachable: connection refused", 0.0, "down")
+    (a,) = _status(_fig(name="default", url=DEFAULT_SERVER_URL, status=down))["advice"]
+    assert "No server is configured" in a["text"] and "vllm serve" in a["text"]
+    assert "--server NAME=URL" in a["text"] and "kvwatt demo" in a["text"]
+    (configured,) = _status(_fig(name="default", url="http://elsewhere:8000", status=down))["advice"]
+    assert "kvwatt demo" not in configured["text"]

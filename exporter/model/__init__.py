@@ -101,7 +101,7 @@ class Model:
             reason = "; ".join(p for p in (state.reason, *more) if p)
             state = replace(state, reason=reason, state="degraded")
         sources = tuple(self.energy.statuses) + (() if state is None else (state,))
-        return Snapshot(t, now_wall, servers, sources, self.energy.devices(now_wall))
+        return Snapshot(t, now_wall, servers, sources, self.energy.devices(now_wall), self.cfg.notice)
 
 
 def _last(sm: ServerModel):

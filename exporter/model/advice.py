@@ -10,12 +10,16 @@ undersized where offloading is on (methods.md s3, s5, s6, s10).
 
 from __future__ import annotations
 
-from exporter.config import Config
+from exporter.config import DEFAULT_SERVER_URL, Config
 from exporter.derive.threshold import MIN_TAX, MIN_TAX_UNKNOWN_SE, TAX_Z
 from exporter.figures import Advice, BufferFigures, ServerFigures, WindowFigures
 from exporter.model import offload as offload_figures
 from exporter.model.pressure import REFERENCE_KNOWN_WINDOWS
 
+NO_SERVER_CONFIGURED = ("No server is configured, and nothing answers at the default URL: start vLLM there "
+                        "(vllm serve MODEL --port 8000), point kvwatt at your engine with --server NAME=URL (or the "
+                        "configuration's servers), or run `kvwatt demo` to see what kvwatt shows on a real "
+                        "engine's capture.")
 NOTHING_TO_DO = "Nothing to do: every check kvwatt makes is known and clear."
 KV_CACHE_METRICS = ("Enabling --kv-cache-metrics on the vLLM server would make the pressure verdict certain from "
                     "the first minutes (KV-block evictions per prompt block, evicted-before-reuse share).")
@@ -43,9 +47,10 @@ def recommendations(advice: tuple[Advice, ...]) -> tuple[str, ...]:
 def _down(v: ServerFigures) -> Advice:
     return Advice("server_down", "bad",
                   f"kvwatt cannot read {v.url}/metrics ({v.status.state}: {v.status.reason or 'no reason given'}). "
-                  "Check the URL (--server NAME=URL or the configuration's servers), that the engine process is "
-                  "running and listening there, and that this host can reach it; until then no figure of this "
-                  "server is known.",
+                  + (NO_SERVER_CONFIGURED if v.name == "default" and v.url == DEFAULT_SERVER_URL else
+                     "Check the URL (--server NAME=URL or the configuration's servers), that the engine process is "
+                     "running and listening there, and that this host can reach it; until then no figure of this "
+                     "server is known."),
                   {"url": v.url, "state": v.status.state, "reason_code": v.status.code, "reason": v.status.reason})
 
 

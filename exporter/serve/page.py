@@ -127,7 +127,9 @@ def content(status: dict) -> str:
                 'sampling tick.</p></main>')
     sources = status.get("sources", [])
     servers = "".join(server_panel(s) for s in status.get("servers", [])) or "<p>No server configured.</p>"
-    return f"""<main id="content">
+    notice = (f'<p class="banner notice" id="notice" data-field="notice">{_e(status["notice"])}</p>'
+              if status.get("notice") else "")
+    return f"""<main id="content">{notice}
 <p class="asof" id="as-of">Figures as of <b>{_e(status["as_of"])}</b> (the daemon's last tick).</p>
 <div class="chips" id="host-sources">{"".join(_source_chip(st) for st in sources) or _chip("unknown",
     "no energy source read")}</div>

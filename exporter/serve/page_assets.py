@@ -46,6 +46,7 @@ section.q p { margin:.25em 0; }
 .banner.alarm { background:var(--badbg); color:var(--bad); }
 .banner.calm { background:var(--goodbg); color:var(--good); }
 .banner.unknown { background:var(--unkbg); color:var(--unk); }
+.banner.notice { background:#e8eefc; color:#1d3f8f; border:1px solid #9db3ea; }
 .small, .note { color:var(--muted); font-size:.88em; }
 .unknown { color:var(--unk); font-style:italic; }
 ul.todo { margin:.2em 0; padding-left:1.3em; }

@@ -265,7 +265,8 @@ def status_json(snap: Snapshot | None) -> dict:
     servers = [] if snap is None else [_server_json(v) for v in snap.servers]
     sources = [] if snap is None else [_source_json(st) for st in snap.sources]
     as_of = None if snap is None else snap.wall_time
-    return _finite({"version": __version__, "as_of_unix_seconds": as_of, "as_of": _iso(as_of),
+    notice = {"notice": snap.notice} if snap is not None and snap.notice else {}  # `kvwatt demo` says it is one
+    return _finite({"version": __version__, "as_of_unix_seconds": as_of, "as_of": _iso(as_of), **notice,
                     "servers": servers, "sources": sources})
 
 

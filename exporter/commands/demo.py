@@ -1,0 +1,90 @@
+"""`kvwatt demo`: the real daemon, on loopback only, watching two demo engines that replay a bundled capture of a
+real vLLM engine (exporter/demo/story.py): one without offloading, and its offloading twin (a simulation: the
+CPU engine that was captured cannot offload). GPU energy is simulated (exporter/demo/gpus.py) and every screen
+says so. docs/demo.md."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import tempfile
+
+from exporter import logsetup
+from exporter.config import Config, ConfigError, ServerConfig, parse_listen
+from exporter.demo import gpus, story
+from exporter.demo.endpoint import Playback, start_engine
+from exporter.sampler import Sampler
+from exporter.service import CannotListen, serve
+from exporter.sources.nvml import NvmlSource
+from exporter.sources.rapl import RaplSource
+
+log = logging.getLogger("kvwatt")
+OFF, ON = "demo-no-offload", "demo-offload"
+GPU_OFF, GPU_ON = "GPU-00000000-kvwatt-demo-simulated-0", "GPU-00000000-kvwatt-demo-simulated-1"
+WINDOWS_SECONDS = (30.0, 120.0)
+MIN_LOAD_SECONDS = 10.0  # J/token after 10 s of load (30 s in a real deployment): the story is 150 s long
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--web.listen-address", "--listen", dest="listen", default="127.0.0.1:8492", metavar="HOST:PORT",
+                   help="where the demo's page and /metrics are served (default 127.0.0.1:8492; loopback only)")
+    p.add_argument("--speed", default="1", metavar="X", help="play the story X times faster (default 1, up to 10)")
+
+
+def notice(length_seconds: float) -> str:
+    return (f"DEMO: the servers here replay a {length_seconds:.0f}-second capture of a real vLLM engine (quiet, "
+            "then KV pressure, then a stalled engine); demo-offload is that capture with offloading simulated, "
+            "and all GPU energy is simulated. To watch a real server: kvwatt run --server NAME=http://HOST:PORT.")
+
+
+def config(listen: str, off_url: str, on_url: str, length_seconds: float, state_dir: str) -> Config:
+    servers = (ServerConfig(OFF, off_url, gpus=(GPU_OFF,)),
+               ServerConfig(ON, on_url, gpus=(GPU_ON,), pair_off_server=OFF))
+    return Config(servers=servers, listen=listen, interval_seconds=0.5, windows_seconds=WINDOWS_SECONDS,
+                  state_dir=state_dir, powercap_root=state_dir + "/no-powercap", threshold_window_seconds=10.0,
+                  min_load_seconds=MIN_LOAD_SECONDS,
+                  idle_power_watts={GPU_OFF: gpus.IDLE_WATTS, GPU_ON: gpus.IDLE_WATTS},
+                  notice=notice(length_seconds))
+
+
+def _speed(text: str) -> float:
+    try:
+        speed = float(text)
+    except ValueError:
+        speed = float("nan")
+    if not 0.1 <= speed <= 10:
+        raise ConfigError(f"--speed: expected a number from 0.1 to 10, got {text!r}")
+    return speed
+
+
+async def _run(listen: str, speed: float) -> None:
+    playback = Playback(story.load(), speed)
+    off, off_url = await start_engine(lambda: playback.frame().text)
+    on, on_url = await start_engine(playback.offloaded_text)
+    nvml = gpus.SimulatedNvml([(GPU_OFF, lambda: playback.token_counts(False)),
+                               (GPU_ON, lambda: playback.token_counts(True))])
+    try:
+        with tempfile.TemporaryDirectory(prefix="kvwatt-demo-") as state_dir:
+            cfg = config(listen, off_url, on_url, playback.length_seconds / speed, state_dir)
+            log.info("demo: replaying a %.0f s capture of a real vLLM engine (energy simulated); open http://%s/",
+                     playback.length_seconds / speed, listen)
+            sampler = Sampler(cfg, nvml=NvmlSource(module=nvml), rapl=RaplSource(cfg.powercap_root))
+            await serve(cfg, sampler=sampler)
+    finally:
+        await off.cleanup()
+        await on.cleanup()
+
+
+def main(args: argparse.Namespace) -> int:
+    listen = parse_listen(args.listen, "--web.listen-address")
+    if listen.rsplit(":", 1)[0] not in ("127.0.0.1", "localhost", "::1", "[::1]"):
+        raise ConfigError(f"--web.listen-address: the demo serves on loopback only, got {args.listen}")
+    speed = _speed(args.speed)
+    logsetup.setup("info", "logfmt")
+    try:
+        asyncio.run(_run(listen, speed))
+    except CannotListen as e:
+        log.error("cannot serve on %s: %s", listen, e)
+        return 2
+    return 0

@@ -1,0 +1,61 @@
+"""The demo's engines: one loopback HTTP server per demo server, answering GET /metrics with the story's frame for
+the time since the demo started (exporter/demo/story.py), as the engine served it when it was captured."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from aiohttp import web
+
+from exporter.demo import story
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+@dataclass
+class Playback:
+    """Where the story is: the same clock for every demo server and its simulated GPU."""
+
+    frames: tuple[story.Frame, ...]
+    speed: float = 1.0
+    started: float = field(default_factory=time.monotonic)
+
+    def elapsed_seconds(self) -> float:
+        return (time.monotonic() - self.started) * self.speed
+
+    def frame(self) -> story.Frame:
+        return story.frame_at(self.frames, self.elapsed_seconds())
+
+    @property
+    def length_seconds(self) -> float:
+        return self.frames[-1].t
+
+    def offloaded_text(self) -> str:
+        return story.offloaded(self.frame(), story.acts(self.frames)["pressure"])
+
+    def token_counts(self, offloading: bool) -> tuple[float, float, float]:
+        """(generated, computed prompt, reloaded) tokens so far, for the simulated GPU's energy counter."""
+        f = self.frame()
+        generated, computed = f.counter("generation_tokens"), f.counter("local_compute")
+        if not offloading:
+            return generated, computed, 0.0
+        pressure = story.acts(self.frames)["pressure"].counter("local_compute")
+        reloaded = story.RELOADED_SHARE * max(0.0, computed - pressure)
+        return generated, computed - reloaded, reloaded
+
+
+async def start_engine(text: Callable[[], str]) -> tuple[web.AppRunner, str]:
+    """A loopback server whose /metrics answers ``text()``; (its runner, its root URL)."""
+    async def metrics(_request: web.Request) -> web.Response:
+        return web.Response(body=text().encode(), headers={"Content-Type": CONTENT_TYPE})
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # the port the kernel chose
+    return runner, f"http://127.0.0.1:{port}"
