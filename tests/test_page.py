@@ -354,6 +354,8 @@ async def _live(d: KvwattDaemon):
         assert (await b.text("[data-source=nvml]")) == "GPU energy (NVML): ok"
         assert "of 30 s covered" in await b.text("#server-on [data-field=joules-per-token]")
         assert (await b.text("#as-of")).startswith("Figures as of 20")
+        from tests.test_page_words import internal_terms  # (that module imports this one)
+        assert internal_terms(await b.eval("document.body.innerText")) == []  # plain words, as chromium shows them
 
 
 # --- without a browser: every figure unknown ------------------------------------------------------------------

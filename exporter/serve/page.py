@@ -38,6 +38,21 @@ CONDITION_WORDS = {
     "requests_pending": "requests running or waiting at every sample",
     "engine_steps_stopped": "the engine ran no step (with requests pending: a stalled engine)",
 }
+# a condition that is false, in words (why the collapse is ruled out)
+CONDITION_FALSE_WORDS = {
+    "offload_enabled": "offloading is off",
+    "zero_preemptions": "the engine preempted",
+    "throughput_collapsed": "generated tokens/s held their recent level",
+    "power_near_idle": "GPU power is above its idle level",
+    "requests_pending": "some samples had no request running or waiting",
+    "engine_steps_stopped": "the engine ran steps",
+}
+# the two shapes of a collapse (derive/collapse.py CONDITION_SETS), in words
+COLLAPSE_SHAPE_WORDS = {
+    "stalled_engine": "a stalled engine: it ran no step while requests were pending",
+    "classic": ("the offload-buffer collapse: offloading on, no preemption, tokens/s collapsed, GPU power near "
+                "idle, requests pending"),
+}
 
 
 # --- formatting -----------------------------------------------------------------------------------------------
@@ -295,8 +310,8 @@ def _tax_sentence(s: dict) -> str:
                      if ref is not None else "")
         body = (f"{_state_words(state, reason or 'its low-pressure share is not known yet', 'tax-state')}: the "
                 f"server recomputed {_pct(shares['local_compute'])} of its prompt tokens{ref_words} (the "
-                "low-pressure share is learned from windows below the KV-pressure threshold, or set "
-                "reference_local_compute_share)")
+                "low-pressure share is learned from windows below the KV-pressure threshold, or can be set as "
+                "reference_local_compute_share in the configuration)")
     else:
         body = (f"<b>{w['recompute_tax'] * 100:+.1f} points</b>: the server recomputed "
                 f"{_pct(shares['local_compute'])} of its prompt tokens, against {_pct(ref)} at low pressure "
@@ -326,10 +341,23 @@ def _collapse(s: dict) -> str:
     sig = c["signature"]
     cls, word = ("alarm", "YES") if sig else ("calm", "no") if sig is False else ("unknown", "unknown")
     head = (f'<p class="banner {cls}" data-field="collapse">Throughput collapse: <span data-field="signature">'
-            f'{word}</span> <span class="small">({_e(c["reason"])})</span></p>')
+            f'{word}</span> <span class="small">({_e(collapse_words(c))})</span></p>')
     rows = "".join(_condition_row(name, v, c) for name, v in c["conditions"].items())
     return (head + f'<table class="conditions"><tr><th>condition (over the last {_e(c.get("window") or "?")})'
             f'</th><th>state</th><th>what kvwatt sees</th></tr>{rows}</table>')
+
+
+def collapse_words(c: dict) -> str:
+    """Why the collapse holds, is ruled out or is unknown, in words (the reason in /api/status names conditions)."""
+    conds, sets = c.get("conditions", {}), c.get("condition_sets", {})
+    held = [COLLAPSE_SHAPE_WORDS.get(n, n) for n, v in sets.items() if v]
+    if held:
+        return "; ".join(held)
+    unknown = [n for n, v in conds.items() if v is None]
+    if c.get("signature") is None and unknown:
+        return "not known yet: " + "; ".join(f"{CONDITION_WORDS.get(n, n)}: {c.get('details', {}).get(n, 'unknown')}"
+                                              for n in unknown)
+    return "ruled out: " + "; ".join(CONDITION_FALSE_WORDS.get(n, n) for n, v in conds.items() if v is False)
 
 
 def _condition_row(name: str, v, c: dict) -> str:
@@ -388,9 +416,10 @@ def _threshold_words(s: dict) -> tuple[float | None, str]:
                     f"({_pct(loc['low'])}–{_pct(loc['high'])}) from {loc['windows']} windows of its history: "
                     f"the KV-usage p95 above which {why}.")
     if loc:
-        return th, (f" The threshold is the configured one (kv_pressure_threshold); this server's own history puts "
+        return th, (f" The threshold is the configured one; this server's own history puts "
                     f"it at {_pct(loc['ratio'])} ({_pct(loc['low'])}–{_pct(loc['high'])}, {loc['windows']} windows).")
-    return th, (" The threshold is the configured one (kv_pressure_threshold, the study's): a server can pay a "
+    return th, (" The threshold is the configured one (0.90 by default, where a published study found offloading "
+                "starts to pay; the kv_pressure_threshold setting): a server can pay a "
                 "recompute tax below it; kvwatt locates this server's own once its history holds windows below "
                 "and above the onset.")
 
