@@ -73,19 +73,14 @@ def test_trtllm_cached_tokens_by_tier_sum_the_levels_of_each_tier():
 
 
 # --- Dynamo KVBM --------------------------------------------------------------------------------------------
-def test_dynamo_kvbm_object_tier_counts_and_the_disk_to_host_staging_step_does_not():
+def test_dynamo_kvbm_v2_disk_to_host_staging_is_not_counted_as_a_load():
+    """A guard: KVBM v2's onboard_blocks_d2h (disk -> host staging, 7) is followed by onboard_blocks_h2d for the
+    same blocks; counting both would double a disk hit's load."""
     r = _reading("dynamo", "current-series.sidecar.prom")
-    assert r.counters["offload_store_blocks"] == 100 + 20 + 5  # d2h + d2d + d2o; h2d (30) moves host -> disk
-    assert r.counters["offload_load_blocks"] == 40 + 6 + 4  # h2d + d2d + o2d; onboard d2h (7) is staging
-    assert r.gauges["offload_object_hit_ratio"] == pytest.approx(0.1)
+    assert r.counters["offload_store_blocks"] == 100 + 20  # d2h + d2d; h2d (30) moves host -> disk
+    assert r.counters["offload_load_blocks"] == 40 + 6  # h2d + d2d, without the staging step
     assert r.gauges["offload_host_hit_ratio"] == pytest.approx(0.8)
-
-
-def test_dynamo_object_tier_hit_ratio_reaches_the_tier_figure():
-    from exporter.derive.offload import tier_state
-
-    r = _reading("dynamo", "current-series.sidecar.prom")
-    assert tier_state(r.gauges).hit_ratio == {"host": 0.8, "disk": 0.3, "object": 0.1}
+    assert r.gauges["offload_disk_hit_ratio"] == pytest.approx(0.3)
 
 
 # --- LMCache multiprocess mode ------------------------------------------------------------------------------
@@ -162,7 +157,7 @@ def test_an_engine_exposition_over_loopback(engine, name, key):
     assert key in reading.counters or key in reading.gauges
 
 
-@pytest.mark.parametrize("addon,key", [("dynamo", "offload_object_hit_ratio"),
+@pytest.mark.parametrize("addon,key", [("dynamo", "offload_host_hit_ratio"),
                                        ("lmcache", "offload_buffer_used_ratio")])
 def test_an_addon_sidecar_over_loopback(addon, key):
     main = Sequence(addon, "normal").texts(10.0)[""]

@@ -48,8 +48,7 @@ def token_rates(x: WindowAggregate) -> TokenRates:
     return TokenRates(rate_per_second(x, "offload_store_tokens"), rate_per_second(x, "offload_load_tokens"))
 
 
-TIER_HIT_KEYS = {"host": "offload_host_hit_ratio", "disk": "offload_disk_hit_ratio",
-                 "object": "offload_object_hit_ratio"}
+TIER_HIT_KEYS = {"host": "offload_host_hit_ratio", "disk": "offload_disk_hit_ratio"}
 
 
 @dataclass(frozen=True)

@@ -10,16 +10,15 @@ Series read, from lib/runtime/src/metrics/prometheus_names.rs (modules ``kvstats
 
 - KV usage: ``dynamo_component_kvstats_gpu_cache_usage_percent`` (0..1 despite its name; label ``dp_rank``);
 - offload traffic in blocks: ``kvbm_offload_blocks_d2h`` + ``kvbm_offload_blocks_d2d`` (device -> host,
-  device -> disk) + ``kvbm_offload_blocks_d2o`` (device -> object store) and ``kvbm_onboard_blocks_h2d`` +
-  ``kvbm_onboard_blocks_d2d`` + ``kvbm_onboard_blocks_o2d`` (host, disk, object store -> device); tokens once
-  the engine's block size is known (combine.py);
+  device -> disk) and ``kvbm_onboard_blocks_h2d`` + ``kvbm_onboard_blocks_d2d`` (host -> device, disk ->
+  device); tokens once the engine's block size is known (combine.py);
 - tokens found in KVBM's tiers and loaded: ``kvbm_matched_tokens``;
 - the engine's own hit rates of its tiers: ``kvbm_host_cache_hit_rate``, ``kvbm_disk_cache_hit_rate``
-  (a sliding window kept by KVBM, 0..1), and ``kvbm_object_cache_hit_rate`` (the object-store tier, later
-  releases).
+  (a sliding window kept by KVBM, 0..1).
 
-Not read: ``kvbm_onboard_blocks_d2h`` (disk -> host, the staging step of a disk hit before its promotion to the
-GPU, counted again by ``onboard_blocks_h2d``) and ``kvbm_offload_blocks_h2d`` below: moves between tiers.
+Not read: ``kvbm_onboard_blocks_d2h`` (KVBM v2, docs/components/kvbm/kvbm-v2-guide.md at commit
+13e7e6440d7f18b425638ba8244fe62cc4e7149b: disk -> host, the staging step of a disk hit before its promotion to
+the GPU, which ``onboard_blocks_h2d`` then counts) and ``kvbm_offload_blocks_h2d`` below: moves between tiers.
 
 KVBM exports no tier capacity or occupancy, and no offload bytes: those figures are absent. Host -> disk
 (``kvbm_offload_blocks_h2d``) moves blocks between tiers, not to or from the GPU: not offload traffic.
@@ -35,17 +34,14 @@ KVSTATS = "dynamo_component_kvstats_"
 SPEC = EngineSpec(
     prefixes=("",),
     counters={
-        "offload_store_blocks": (Pick("kvbm_offload_blocks_d2h"), Pick("kvbm_offload_blocks_d2d"),
-                                 Pick("kvbm_offload_blocks_d2o")),
-        "offload_load_blocks": (Pick("kvbm_onboard_blocks_h2d"), Pick("kvbm_onboard_blocks_d2d"),
-                                Pick("kvbm_onboard_blocks_o2d")),
+        "offload_store_blocks": (Pick("kvbm_offload_blocks_d2h"), Pick("kvbm_offload_blocks_d2d")),
+        "offload_load_blocks": (Pick("kvbm_onboard_blocks_h2d"), Pick("kvbm_onboard_blocks_d2d")),
         "offload_load_tokens": (Pick("kvbm_matched_tokens"),),
     },
     fractions={
         "kv_usage": Pick(KVSTATS + "gpu_cache_usage_percent"),
         "offload_host_hit_ratio": Pick("kvbm_host_cache_hit_rate"),
         "offload_disk_hit_ratio": Pick("kvbm_disk_cache_hit_rate"),
-        "offload_object_hit_ratio": Pick("kvbm_object_cache_hit_rate"),
     },
     rank_label="dp_rank",
 )

@@ -104,7 +104,6 @@ GAUGE_KEYS: dict[str, str] = {
     "offload_buffer_tokens": "offload buffer capacity in tokens (engines that size it in tokens: SGLang HiCache)",
     "offload_host_hit_ratio": "the engine's own recent hit rate of its host (CPU) offload tier (0..1)",
     "offload_disk_hit_ratio": "the engine's own recent hit rate of its disk offload tier (0..1)",
-    "offload_object_hit_ratio": "the engine's own recent hit rate of its object-store offload tier (0..1)",
 }
 
 # --- capabilities -------------------------------------------------------------------------------------------
@@ -150,7 +149,7 @@ CAPABILITY_KEYS: dict[str, tuple[str, ...]] = {
     OFFLOAD_OCCUPANCY: ("offload_buffer_used_ratio",),
     OFFLOAD_USED_BYTES: ("offload_buffer_used_bytes",),
     OFFLOAD_TOKENS: ("offload_store_tokens", "offload_load_tokens"),
-    OFFLOAD_HIT_RATE: ("offload_host_hit_ratio", "offload_disk_hit_ratio", "offload_object_hit_ratio"),
+    OFFLOAD_HIT_RATE: ("offload_host_hit_ratio", "offload_disk_hit_ratio"),
     PREEMPTIONS_PER_REQUEST: ("preemption_hist_count",),
     KV_BLOCK_RESIDENCY: ("kv_idle_before_evict_hist_count",),
 }

@@ -21,7 +21,8 @@ Series read, from lmcache/observability.py (PrometheusLogger, prefix ``lmcache:`
 
 Multiprocess mode (LMCache as its own server, ``lmcache.v1.multiprocess``) exports OpenTelemetry instruments
 under ``lmcache_mp.``, ``lmcache_mp_`` on Prometheus (lmcache/v1/mp_observability/METRICS.md at commit
-15f981531e438b31c7180bb18494d9e0a9b070d4; the L1 gauges registered by the L1 manager):
+15f981531e438b31c7180bb18494d9e0a9b070d4; the L1 gauges registered by ``L1Manager`` in later revisions, no
+commit pinned: tests/data/lmcache/README.md):
 
 - buffer: ``l1_usage_ratio`` (L1 used / total bytes, 0..1: occupancy as a ratio, which the older names lack)
   and ``l1_memory_usage_bytes`` (bytes held in L1);
