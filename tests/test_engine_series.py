@@ -165,3 +165,36 @@ def test_an_addon_sidecar_over_loopback(addon, key):
     with MetricsServer(lambda: main) as m, MetricsServer(lambda: side) as s:
         status, reading = _read(EngineSource("s", m.url, 2.0, 1 << 20, sidecar_urls=(s.url,)))
     assert status.state == "ok" and reading.engine == f"vllm+{addon}" and key in reading.gauges
+
+
+# --- KV capacity in tokens ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind,tokens", [("idle", 2097152), ("low-pressure", 64000)])
+def test_vllm_kv_capacity_is_cache_config_infos_kv_cache_size_tokens(kind, tokens):
+    """The real 0.32 captures: default pool 2,097,152 tokens; --num-gpu-blocks-override 2000 x 32 = 64,000."""
+    text = (DATA / "vllm-0.32-cpu" / kind / "000.prom").read_text()
+    assert VllmAdapter().read(text).info.kv_capacity_tokens == tokens
+
+
+def test_vllm_kv_capacity_is_not_blocks_times_block_size():
+    """A hybrid model's pool (block_size 544, 556 blocks) holds more tokens than blocks x block size: the stated
+    size is taken, never the product."""
+    line = ('vllm:cache_config_info{block_size="544",engine="0",kv_cache_size_tokens="5205333",'
+            'num_gpu_blocks="556"} 1.0\n')
+    assert VllmAdapter().read(line).info.kv_capacity_tokens == 5205333
+
+
+@pytest.mark.parametrize("value", ["-1", "inf", "nan", "0"])
+def test_vllm_kv_capacity_out_of_range_is_refused(value):
+    line = f'vllm:cache_config_info{{engine="0",kv_cache_size_tokens="{value}",num_gpu_blocks="10"}} 1.0\n'
+    r = VllmAdapter().read(line)
+    assert r.info.kv_capacity_tokens is None and "kv_capacity_tokens" in r.rejected
+
+
+def test_vllm_kv_capacity_none_is_unknown_not_refused():
+    r = VllmAdapter().read('vllm:cache_config_info{engine="0",kv_cache_size_tokens="None"} 1.0\n')
+    assert r.info.kv_capacity_tokens is None and "kv_capacity_tokens" not in r.rejected
+
+
+def test_sglang_and_trtllm_kv_capacity():
+    assert _reading("sglang", "current-series.prom").info.kv_capacity_tokens == 100000  # max_total_num_tokens
+    assert _reading("trtllm", "current-series.prom").info.kv_capacity_tokens == 4096 * 32  # blocks x per block

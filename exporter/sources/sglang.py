@@ -20,7 +20,8 @@ RadixCacheMetricsCollector):
   python/sglang/srt/observability/hicache_pool_stats.py at commit 1f83301c7de566d5daffecefed820f7582eff2ad);
 - liveness: ``cuda_graph_passes_total{mode}`` counts every decode forward pass (each mode), so its sum is the
   engine's step counter while it decodes;
-- requests: ``num_running_reqs``, ``num_queue_reqs``.
+- requests: ``num_running_reqs``, ``num_queue_reqs``;
+- KV capacity in tokens: ``max_total_num_tokens`` (the device pool, summed over data-parallel ranks).
 
 Not read (tests/data/sglang/README.md lists them): ``kv_available_tokens`` / ``kv_evictable_tokens`` /
 ``kv_used_tokens`` (the device pool in tokens: ``token_usage`` already gives the used share, and
@@ -83,11 +84,14 @@ class SglangAdapter(SpecAdapter):
         scheduler = "kv_usage" in parts.gauges or "max_total_num_tokens" in parts.series
         enabled = True if hicache else (False if scheduler else None)  # HiCache series exist only with HiCache
         page_size, pages = _cache_config(parts.series.get("cache_config_info", {}))
+        capacity = rank_sums(parts.series, (Pick("max_total_num_tokens"),), self.spec, "kv_capacity_tokens",
+                             parts.rejected)
         return EngineInfo(model_name=model_name(parts.series), offload_enabled=enabled,
                         offload_backend="hicache" if enabled else ("none" if enabled is False else ""),
                         num_gpu_blocks=pages, block_size=page_size,
                         has_token_sources="prompt_local_compute" in parts.counters,
-                        process_start_time_seconds=process_start)
+                        process_start_time_seconds=process_start,
+                        kv_capacity_tokens=sum(capacity.values()) if capacity else None)
 
     def _external_storage(self, parts: Parts) -> None:
         """Cached tokens from a storage backend other than the local file one: the external tier."""

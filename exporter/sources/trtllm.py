@@ -15,7 +15,8 @@ pass-through wrote ``trtllm:``, also accepted):
   (host -> GPU);
 - buffer occupancy: ``kv_cache_host_utilization`` (secondary pool used / max blocks), taken only where a host
   tier shows (``kv_cache_host_max_blocks`` > 0 or offload traffic): without one TensorRT-LLM reports 0;
-- requests: ``num_requests_running``, ``num_requests_waiting``.
+- requests: ``num_requests_running``, ``num_requests_waiting``;
+- KV capacity in tokens: ``kv_cache_max_blocks`` x ``kv_cache_tokens_per_block``.
 
 Not read: ``kv_cache_disk_prefetch_blocks_total`` (disk -> host, a move between tiers, not GPU traffic). At that
 commit TensorRT-LLM exports no "dropped before reuse" gauge (only a fork's ``kv_cache_host_dropped_blocks_total``).
@@ -75,7 +76,8 @@ class TrtllmAdapter(SpecAdapter):
                         num_gpu_blocks=blocks if blocks is not None and 0 <= blocks <= MAX_VALUE else None,
                         block_size=tokens_per_block if tokens_per_block and 0 < tokens_per_block <= MAX_VALUE else None,
                         has_token_sources="prompt_local_compute" in parts.counters,
-                        process_start_time_seconds=process_start)
+                        process_start_time_seconds=process_start,
+                        kv_capacity_tokens=_capacity_tokens(blocks, tokens_per_block))
 
     def _prefix_cache(self, parts: Parts, tokens_per_block: float | None) -> None:
         """Reused and missed blocks in tokens: the prefix cache's hits and queries."""
@@ -91,6 +93,14 @@ class TrtllmAdapter(SpecAdapter):
         parts.counters["prefix_queries"] = (hits + misses) * tokens_per_block
         rank = parts.by_rank.setdefault("", {})
         rank["prefix_hits"], rank["prefix_queries"] = parts.counters["prefix_hits"], parts.counters["prefix_queries"]
+
+
+def _capacity_tokens(blocks: float | None, tokens_per_block: float | None) -> float | None:
+    """The device pool in tokens: max blocks x tokens per block, where both are sane."""
+    if not blocks or not tokens_per_block or not (0 < blocks <= MAX_VALUE and 0 < tokens_per_block <= 1e6):
+        return None
+    tokens = blocks * tokens_per_block
+    return tokens if tokens <= MAX_VALUE else None
 
 
 register(TrtllmAdapter(), order=TRTLLM_ORDER)
