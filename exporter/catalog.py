@@ -398,6 +398,12 @@ METRICS: tuple[MetricDef, ...] = (
               exporter.derive.energy.prompt_attribution, _E,
               status=window_key("prompt_energy_per_token_joules", lambda w: w.prompt_energy_per_token)),
     # --- KV pressure and recomputation ------------------------------------------------------------------
+    MetricDef("kvwatt_kv_capacity_tokens", "gauge", ("server",),
+              "The engine's KV-cache pool in tokens as the engine states it (vllm:cache_config_info "
+              "kv_cache_size_tokens, 0.32+; sglang:max_total_num_tokens; trtllm_kv_cache_max_blocks x "
+              "trtllm_kv_cache_tokens_per_block): the whole the KV-usage ratios are shares of. Absent where the "
+              "engine states none.", exporter.sources.vllm.extract, _K,
+              status=server_key("kv_capacity_tokens", lambda s: s.info.kv_capacity_tokens if s.info else None)),
     MetricDef("kvwatt_kv_cache_usage_p95_ratio", "gauge", ("server", "window"),
               "95th percentile of the engine's KV-cache usage (vllm:kv_cache_usage_perc, sglang:token_usage, "
               "trtllm_kv_cache_utilization) over the window from kvwatt's dense samples (methods.md s3); a 15 s "

@@ -70,6 +70,10 @@ class EngineInfo:
     has_token_sources: bool = False  # vllm:prompt_tokens_by_source_total present (>= 0.16)
     has_mfu: bool = False
     process_start_time_seconds: float | None = None
+    # the KV cache pool in tokens as the engine states it (vLLM kv_cache_size_tokens, SGLang max_total_num_tokens,
+    # TensorRT-LLM max blocks x tokens per block); not num_gpu_blocks x block_size, which hybrid (Mamba, sliding
+    # window) models and decode context parallelism break
+    kv_capacity_tokens: float | None = None
 
 
 @dataclass(frozen=True)

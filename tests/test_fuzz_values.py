@@ -56,7 +56,7 @@ NON_NEGATIVE = {"kvwatt_sample_duration_seconds", "kvwatt_window_covered_seconds
                 "kvwatt_host_idle_power_watts", "kvwatt_idle_baseline_age_seconds", "kvwatt_energy_per_token_joules",
                 "kvwatt_preemptions_per_minute", "kvwatt_generation_tokens_per_second",
                 "kvwatt_estimated_flops_per_second", "kvwatt_estimated_flops_per_generated_token",
-                "kvwatt_offload_buffer_bytes", "kvwatt_offload_write_bytes_per_second",
+                "kvwatt_offload_buffer_bytes", "kvwatt_kv_capacity_tokens", "kvwatt_offload_write_bytes_per_second",
                 "kvwatt_offload_read_bytes_per_second", "kvwatt_offload_buffer_residency_seconds",
                 "kvwatt_offload_recommended_buffer_bytes", "kvwatt_comparison_windows",
                 "kvwatt_cached_to_prefill_ratio", "kvwatt_critical_cached_to_prefill_ratio",

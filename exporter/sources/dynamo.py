@@ -16,6 +16,10 @@ Series read, from lib/runtime/src/metrics/prometheus_names.rs (modules ``kvstats
 - the engine's own hit rates of its tiers: ``kvbm_host_cache_hit_rate``, ``kvbm_disk_cache_hit_rate``
   (a sliding window kept by KVBM, 0..1).
 
+Not read: ``kvbm_onboard_blocks_d2h`` (KVBM v2, docs/components/kvbm/kvbm-v2-guide.md at commit
+13e7e6440d7f18b425638ba8244fe62cc4e7149b: disk -> host, the staging step of a disk hit before its promotion to
+the GPU, which ``onboard_blocks_h2d`` then counts) and ``kvbm_offload_blocks_h2d`` below: moves between tiers.
+
 KVBM exports no tier capacity or occupancy, and no offload bytes: those figures are absent. Host -> disk
 (``kvbm_offload_blocks_h2d``) moves blocks between tiers, not to or from the GPU: not offload traffic.
 """

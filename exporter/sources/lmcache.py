@@ -19,6 +19,21 @@ Series read, from lmcache/observability.py (PrometheusLogger, prefix ``lmcache:`
   workers are summed). LMCache does not export the buffer's capacity (``max_local_cpu_size`` is
   configuration only): occupancy as a ratio is absent, the bytes are exported.
 
+Multiprocess mode (LMCache as its own server, ``lmcache.v1.multiprocess``) exports OpenTelemetry instruments
+under ``lmcache_mp.``, ``lmcache_mp_`` on Prometheus (lmcache/v1/mp_observability/METRICS.md at commit
+15f981531e438b31c7180bb18494d9e0a9b070d4; the L1 gauges registered by ``L1Manager`` in later revisions, no
+commit pinned: tests/data/lmcache/README.md):
+
+- buffer: ``l1_usage_ratio`` (L1 used / total bytes, 0..1: occupancy as a ratio, which the older names lack)
+  and ``l1_memory_usage_bytes`` (bytes held in L1);
+- store failures: ``sm_write_failed_keys`` (chunks whose write to the storage manager failed: no room, or a
+  conflicting write), counted with the older skipped stores.
+
+Not read: ``l1_evicted_keys``, ``l1_read_keys``, ``l1_write_keys`` (chunks, with no chunk size exported they
+are no token or byte rate), ``l2_usage_bytes`` (the L2 backends' bytes: a second tier, capacity unknown).
+A release that samples ``l1_usage_ratio`` as a histogram (the eviction loop's) exports no gauge of it: the
+ratio is then absent.
+
 Tensor-parallel workers (label ``worker_id``) retrieve the same tokens for their shards: tokens are worker 0's.
 """
 
@@ -29,15 +44,17 @@ from exporter.sources.engine import LMCACHE_ORDER, register
 from exporter.sources.families import EngineSpec, Parts, Pick, SpecAdapter, model_name
 
 SPEC = EngineSpec(
-    prefixes=("lmcache:",),
+    prefixes=("lmcache:", "lmcache_mp_"),
     counters={
         "offload_store_tokens": (Pick("num_stored_tokens"),),
         "offload_load_tokens": (Pick("num_hit_tokens"),),
         "external_prefix_queries": (Pick("num_lookup_tokens"),),
         "external_prefix_hits": (Pick("num_lookup_hits"), Pick("num_lookup_hit_tokens")),
-        "offload_stores_skipped": (Pick("local_cpu_evict_failed_count"),),
+        "offload_stores_skipped": (Pick("local_cpu_evict_failed_count"), Pick("sm_write_failed_keys")),
     },
-    gauges={"offload_buffer_used_bytes": (Pick("local_cache_usage", all_replicas=True),)},
+    gauges={"offload_buffer_used_bytes": (Pick("local_cache_usage", all_replicas=True),
+                                          Pick("l1_memory_usage_bytes", all_replicas=True))},
+    fractions={"offload_buffer_used_ratio": Pick("l1_usage_ratio")},
     replica_labels=("worker_id",),
 )
 

@@ -15,10 +15,19 @@ RadixCacheMetricsCollector):
   (host -> device) of the hierarchical cache (HiCache);
 - buffer size and occupancy: ``hicache_host_total_tokens`` (the host pool in tokens: with the offload rate in
   tokens it gives the residency) and ``hicache_host_used_tokens / hicache_host_total_tokens`` (published with
-  HiCache only);
+  HiCache only); where only the per-pool series are exported (hybrid models' host pool group),
+  ``hicache_host_pool_used_tokens{pool="kv"} / hicache_host_pool_total_tokens{pool="kv"}`` (the KV pool;
+  python/sglang/srt/observability/hicache_pool_stats.py at commit 1f83301c7de566d5daffecefed820f7582eff2ad);
 - liveness: ``cuda_graph_passes_total{mode}`` counts every decode forward pass (each mode), so its sum is the
   engine's step counter while it decodes;
-- requests: ``num_running_reqs``, ``num_queue_reqs``.
+- requests: ``num_running_reqs``, ``num_queue_reqs``;
+- KV capacity in tokens: ``max_total_num_tokens`` (the device pool, summed over data-parallel ranks).
+
+Not read (tests/data/sglang/README.md lists them): ``kv_available_tokens`` / ``kv_evictable_tokens`` /
+``kv_used_tokens`` (the device pool in tokens: ``token_usage`` already gives the used share, and
+``max_total_num_tokens`` the capacity), ``prefetched_tokens_total`` / ``backuped_tokens_total`` (storage <-> host,
+moves between tiers, not GPU traffic), ``hicache_host_pool_evicted_tokens_total{pool}`` (host slots freed:
+normal LRU turnover of the host tier, no pressure sign on its own).
 
 SGLang has no FLOP estimate, no offload bytes and no failed-store counter: those figures are absent.
 Tensor- and pipeline-parallel ranks report the same scheduler figures (labels ``tp_rank``, ``pp_rank``):
@@ -33,6 +42,7 @@ from exporter.sources.ranges import MAX_VALUE
 from exporter.sources.families import EngineSpec, Parts, Pick, SpecAdapter, model_name, rank_sums
 
 STORAGE = "storage_"
+KV_POOL = (("pool", "kv"),)  # the host pool group's KV pool (hicache_pool_stats.DEFAULT_HOST_POOL_LABELS)
 SPEC = EngineSpec(
     prefixes=("sglang:", "sglang_"),
     counters={
@@ -53,7 +63,8 @@ SPEC = EngineSpec(
         "waiting": (Pick("num_queue_reqs"),),
     },
     fractions={"kv_usage": Pick("token_usage")},
-    info=("hicache_host_used_tokens", "hicache_host_total_tokens", "cache_config_info", "max_total_num_tokens"),
+    info=("hicache_host_used_tokens", "hicache_host_total_tokens", "hicache_host_pool_used_tokens",
+          "hicache_host_pool_total_tokens", "cache_config_info", "max_total_num_tokens"),
     rank_label="dp_rank",
     replica_labels=("tp_rank", "pp_rank"),
 )
@@ -68,16 +79,19 @@ class SglangAdapter(SpecAdapter):
         self._external_storage(parts)
         self._shares_from_cached_tokens(parts)
         self._occupancy(parts)
-        hicache = "hicache_host_total_tokens" in parts.series or \
+        hicache = any(k in parts.series for k in ("hicache_host_total_tokens", "hicache_host_pool_total_tokens")) or \
             any(k in parts.counters for k in ("offload_store_tokens", "offload_load_tokens"))
         scheduler = "kv_usage" in parts.gauges or "max_total_num_tokens" in parts.series
         enabled = True if hicache else (False if scheduler else None)  # HiCache series exist only with HiCache
         page_size, pages = _cache_config(parts.series.get("cache_config_info", {}))
+        capacity = rank_sums(parts.series, (Pick("max_total_num_tokens"),), self.spec, "kv_capacity_tokens",
+                             parts.rejected)
         return EngineInfo(model_name=model_name(parts.series), offload_enabled=enabled,
                         offload_backend="hicache" if enabled else ("none" if enabled is False else ""),
                         num_gpu_blocks=pages, block_size=page_size,
                         has_token_sources="prompt_local_compute" in parts.counters,
-                        process_start_time_seconds=process_start)
+                        process_start_time_seconds=process_start,
+                        kv_capacity_tokens=sum(capacity.values()) if capacity else None)
 
     def _external_storage(self, parts: Parts) -> None:
         """Cached tokens from a storage backend other than the local file one: the external tier."""
@@ -107,11 +121,13 @@ class SglangAdapter(SpecAdapter):
                 parts.by_rank.setdefault("", {})[key] = parts.counters[key]
 
     def _occupancy(self, parts: Parts) -> None:
-        """Host pool used / total, summed over data-parallel ranks (tensor-parallel rank 0's pool)."""
-        used = rank_sums(parts.series, (Pick("hicache_host_used_tokens"),), self.spec, "offload_buffer_used_ratio",
-                         parts.rejected)
-        total = rank_sums(parts.series, (Pick("hicache_host_total_tokens"),), self.spec, "offload_buffer_used_ratio",
-                          parts.rejected)
+        """Host pool used / total, summed over data-parallel ranks (tensor-parallel rank 0's pool): the anchor
+        gauges, else the KV pool of the per-pool series."""
+        anchor = "hicache_host_total_tokens" in parts.series
+        used_pick = Pick("hicache_host_used_tokens") if anchor else Pick("hicache_host_pool_used_tokens", KV_POOL)
+        total_pick = Pick("hicache_host_total_tokens") if anchor else Pick("hicache_host_pool_total_tokens", KV_POOL)
+        used = rank_sums(parts.series, (used_pick,), self.spec, "offload_buffer_used_ratio", parts.rejected)
+        total = rank_sums(parts.series, (total_pick,), self.spec, "offload_buffer_used_ratio", parts.rejected)
         if used is None or total is None:
             return
         u, c = sum(used.values()), sum(total.values())

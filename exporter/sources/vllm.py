@@ -301,7 +301,24 @@ def _info(series: dict, counters: dict[str, float], process_start: float | None,
                     offload_backend=backend if enabled else ("none" if enabled is False else ""),
                     num_gpu_blocks=blocks, block_size=block_size,
                     has_token_sources="prompt_local_compute" in counters, has_mfu="flops" in counters,
-                    process_start_time_seconds=process_start)
+                    process_start_time_seconds=process_start,
+                    kv_capacity_tokens=_kv_capacity_tokens(series.get("cache_config_info"), rejected))
+
+
+def _kv_capacity_tokens(samples: dict | None, rejected: dict[str, str]) -> float | None:
+    """vllm:cache_config_info kv_cache_size_tokens (0.32+; "None" for attention-free models): the largest
+    engine's, like num_gpu_blocks (the config is already the server's). Out of range: refused, unknown."""
+    sizes = []
+    for labels in samples or {}:
+        text = dict(labels).get("kv_cache_size_tokens")
+        v = _float(text)
+        if v is None:
+            continue
+        if not 0.0 < v <= MAX_VALUE:
+            rejected["kv_capacity_tokens"] = f'vllm:cache_config_info kv_cache_size_tokens="{text}"'
+            return None
+        sizes.append(v)
+    return max(sizes) if sizes else None
 
 
 def _buffer_sizes(samples: dict, rejected: dict[str, str]) -> list[float]:
