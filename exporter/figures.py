@@ -65,6 +65,7 @@ class WindowFigures:
     kv_usage_p95: float | None = None
     kv_usage_max: float | None = None
     above_threshold: bool | None = None
+    kv_pools_above_threshold: int | None = None  # pools whose own p95 is above the threshold (several pools)
     preemptions_per_minute: float | None = None
     preemption_onset: bool | None = None
     generation_tokens_per_second: float | None = None

@@ -136,6 +136,7 @@ class ServerModel:
             kv_usage_p95=p95, kv_usage_max=pressure.kv_usage_quantile(agg, 1.0),
             kv_usage_p95_low=p95_interval.low, kv_usage_p95_high=p95_interval.high,
             above_threshold=self._regime.get(seconds), preemptions_per_minute=per_minute,
+            kv_pools_above_threshold=pressure.pools_above_threshold(agg, self.pressure.threshold),
             preemption_onset=pressure.preemption_onset(per_minute, covered, seconds, cfg.preemption_onset_per_minute),
             generation_tokens_per_second=pressure.rate_per_second(agg, "generation_tokens"),
             token_shares=shares, cached_tier_shares=recompute.cached_tier_shares(agg),
