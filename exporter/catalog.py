@@ -200,7 +200,7 @@ def _server_info(snap: Snapshot) -> Iterator[Sample]:
     for s in snap.servers:
         info = s.info
         yield (s.name, s.url, info.model_name if info else "",
-               (info.offload_backend if info else "") or "unknown", s.engine if info else "unknown"), 1.0
+               (info.offload_backend if info else "") or "unknown", s.engine), 1.0  # figures.engine_name
 
 
 def _capabilities(snap: Snapshot) -> Iterator[Sample]:

@@ -5,8 +5,8 @@ from __future__ import annotations
 from exporter.quantile import quantile
 from exporter.store import WindowAggregate
 
-__all__ = ["quantile", "kv_usage_quantile", "pools_above_threshold", "above_threshold", "rate_per_second", "labelled_per_minute",
-           "preemption_onset"]
+__all__ = ["quantile", "kv_usage_quantile", "pools_above_threshold", "above_threshold", "rate_per_second",
+           "labelled_per_minute", "preemption_onset"]
 
 
 def kv_usage_quantile(x: WindowAggregate, q: float) -> float | None:
