@@ -195,8 +195,7 @@ def test_an_unknown_exposition_names_what_it_starts_with():
 # --- the engine name of a down server ----------------------------------------------------------------------
 def test_a_down_server_has_one_engine_name_in_metrics_status_and_page(tmp_path):
     frame = rx.sglang_dp_attention()
-    up = {"was": True}
-    clock, body = served(lambda t: rx.at(frame, t) if up["was"] and clock["now"] <= 3 else None)
+    clock, body = served(lambda t: rx.at(frame, t) if clock["now"] <= 3 else None)  # up 3 ticks, then 503
     never = f"http://127.0.0.1:{free_port()}"  # nothing listens: never read
     with MetricsServer(body) as srv:
         daemon = run(tmp_path, {"gone": srv.url, "never": never}, clock, ticks=6)
