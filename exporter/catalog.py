@@ -200,7 +200,7 @@ def _server_info(snap: Snapshot) -> Iterator[Sample]:
     for s in snap.servers:
         info = s.info
         yield (s.name, s.url, info.model_name if info else "",
-               (info.offload_backend if info else "") or "unknown", s.engine if info else "unknown"), 1.0
+               (info.offload_backend if info else "") or "unknown", s.engine), 1.0  # figures.engine_name
 
 
 def _capabilities(snap: Snapshot) -> Iterator[Sample]:
@@ -448,6 +448,13 @@ METRICS: tuple[MetricDef, ...] = (
               "Flips up only when the p95's lower bound clears the threshold, down only when its upper bound is "
               "under it (hysteresis, methods.md s10).",
               exporter.model.pressure.regime, _K, status=window_key("above_threshold", lambda w: w.above_threshold)),
+    MetricDef("kvwatt_kv_pools_above_threshold", "gauge", ("server", "window"),
+              "Number of the server's KV pools (data-parallel ranks, a router's workers: docs/engines.md) whose "
+              "own p95 usage over the window is above the threshold in use. Absent for a server with one pool; "
+              "kvwatt_kv_cache_usage_p95_ratio is the fullest pool's.",
+              exporter.derive.pressure.pools_above_threshold, _K,
+              status=window_key("kv_pools_above_threshold", lambda w: w.kv_pools_above_threshold),
+              words=(Words("KV pools above threshold", "number"),)),
     MetricDef("kvwatt_preemptions_per_minute", "gauge", ("server", "window"),
               "Preemptions per minute over the window, from vllm:num_preemptions_total deltas (SGLang: "
               "retractions, sglang:num_retracted_requests_total; absent for engines without such a counter).",

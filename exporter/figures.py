@@ -17,6 +17,15 @@ from exporter.energy.baseline import Baseline
 from exporter.samples import DeviceReading, SourceStatus, EngineInfo
 
 
+UNKNOWN_ENGINE = "unknown"  # a server never read yet: no exposition has said which engine it runs
+
+
+def engine_name(last_read: str | None) -> str:
+    """The engine a server runs, for every renderer: the engine of its last successful read (kept while it
+    is down: a restart does not change the engine), "unknown" before the first."""
+    return last_read or UNKNOWN_ENGINE
+
+
 @dataclass(frozen=True)
 class EnergyFigure:
     """One scope's J/token over a window (methods.md s1); ``basis`` is what it rests on (for /api/status)."""
@@ -65,6 +74,7 @@ class WindowFigures:
     kv_usage_p95: float | None = None
     kv_usage_max: float | None = None
     above_threshold: bool | None = None
+    kv_pools_above_threshold: int | None = None  # pools whose own p95 is above the threshold (several pools)
     preemptions_per_minute: float | None = None
     preemption_onset: bool | None = None
     generation_tokens_per_second: float | None = None
@@ -159,7 +169,7 @@ class ServerFigures:
     buffer: BufferFigures | None = None
     kappa: KappaFigures = KappaFigures()
     recommendations: tuple[str, ...] = ()
-    engine: str = "vllm"
+    engine: str = "vllm"  # the one name /metrics, /api/status and the page show (ServerModel: engine_name)
     capabilities: frozenset[str] = frozenset()
     tiers: TierState = TierState()  # offload tiers' occupancy and hit rates as the engine reports them
     kv_fetch_waiting: dict[str, float] | None = None  # stage -> waiting requests at the last read

@@ -23,8 +23,10 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 CONFIG_DOCS: dict[str, tuple[str | None, str]] = {
     "servers": ("`[{name: default, url: http://127.0.0.1:8000}]`",
                 "servers to watch (vLLM, SGLang, TensorRT-LLM: the engine is detected, docs/engines.md): `name`, "
-                "`url` (server root; `http://user:password@host:port` for basic auth, the password shown "
-                "nowhere), optional `gpus` (indices or UUIDs), `reference_local_compute_share`, `model_config` "
+                "`url` (server root, read at /metrics, or the exposition's own path such as trtllm-serve's "
+                "`http://host:8000/prometheus/metrics`; `http://user:password@host:port` for basic auth, the "
+                "password shown nowhere), optional `gpus` (indices or UUIDs), `reference_local_compute_share`, "
+                "`model_config` "
                 "(path to the model's config.json), `model` and `hardware` parameters, `pair_off_server`, "
                 "`recorded_baseline` (docs/offload.md), `sidecar_urls` (1 to 4 further /metrics of the same "
                 "server, e.g. LMCache's or Dynamo KVBM's own port, merged into its reading: docs/engines.md), "

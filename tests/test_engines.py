@@ -193,7 +193,8 @@ def test_the_engine_wins_over_an_addon_saying_the_same():
     assert combine.read_exposition(kvstats).gauges["kv_usage"] == 0.01  # without vLLM's gauge: Dynamo's
     alone = combine.read_exposition("dynamo_component_kvstats_gpu_cache_usage_percent{dp_rank=\"0\"} 0.25\n"
                                     "dynamo_component_kvstats_gpu_cache_usage_percent{dp_rank=\"1\"} 0.75\n")
-    assert alone.engine == "dynamo" and alone.gauges == {"kv_usage": 0.75}  # the fullest data-parallel rank
+    assert alone.engine == "dynamo" and alone.gauges == {"kv_usage": 0.75,  # the fullest data-parallel rank
+                                                         "kv_pool_usage@0": 0.25, "kv_pool_usage@1": 0.75}
 
 
 @pytest.mark.parametrize("engine", ENGINES)

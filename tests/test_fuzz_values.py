@@ -70,7 +70,7 @@ NON_NEGATIVE = {"kvwatt_sample_duration_seconds", "kvwatt_window_covered_seconds
                 "kvwatt_kv_pressure_threshold_located_windows", "kvwatt_recompute_reference_windows",
                 "kvwatt_kv_block_evictions_per_second", "kvwatt_kv_block_evictions_per_prompt_block_ratio",
                 "kvwatt_kv_block_idle_before_evict_seconds", "kvwatt_kv_block_reuse_gap_seconds",
-                "kvwatt_offload_buffer_residency_target_seconds"}
+                "kvwatt_offload_buffer_residency_target_seconds", "kvwatt_kv_pools_above_threshold"}
 # differences and stale-baseline figures: any finite sign (marginal J/token < 0 when P_idle is stale)
 SIGNED = {"kvwatt_marginal_energy_per_token_joules", "kvwatt_recompute_tax_ratio", "kvwatt_energy_saving_ratio",
           "kvwatt_energy_saving_stderr_ratio", "kvwatt_throughput_gain_ratio",

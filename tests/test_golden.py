@@ -122,7 +122,7 @@ class Inputs:
         # default: "on" also runs vLLM's tiering with a file-system tier behind the CPU one, and "off" (low, then
         # high pressure) is a build with vLLM PR #58037 (preemptions by reason)
         scenarios = scenarios or {"on": replace(sim.undersized_buffer_on(), tiers=("1:fs",)),
-                                  "off": replace(ramping_off(), preemption_reasons=True)}
+                                  "off": replace(ramping_off(), preemption_reasons=True, engines=2)}
         self.sims = {name: sim.SimEngine(scn) for name, scn in scenarios.items()}
         self.cpu = cpu  # the ``cpu`` server's real captures (tests/test_page.py replays other servers alone)
         self.sgl = sgl  # the ``sgl`` server: SGLang with LMCache and Dynamo KVBM sidecars

@@ -5,13 +5,22 @@ from __future__ import annotations
 from exporter.quantile import quantile
 from exporter.store import WindowAggregate
 
-__all__ = ["quantile", "kv_usage_quantile", "above_threshold", "rate_per_second", "labelled_per_minute",
-           "preemption_onset"]
+__all__ = ["quantile", "kv_usage_quantile", "pools_above_threshold", "above_threshold", "rate_per_second",
+           "labelled_per_minute", "preemption_onset"]
 
 
 def kv_usage_quantile(x: WindowAggregate, q: float) -> float | None:
     """Quantile of vllm:kv_cache_usage_perc over the window's dense (tick) samples."""
     return x.quantile("kv_usage", q)
+
+
+def pools_above_threshold(x: WindowAggregate, threshold: float) -> int | None:
+    """How many KV pools (data-parallel ranks, a router's workers) have a window p95 usage above the threshold;
+    None for a server with one pool (its kv_usage p95 says it). ``kv_usage`` is the fullest pool at each tick."""
+    pools = x.pools()
+    if not pools:
+        return None
+    return sum(1 for key in pools if (x.quantile(key, 0.95) or 0.0) > threshold)
 
 
 def above_threshold(p95: float | None, threshold: float) -> bool | None:

@@ -14,6 +14,7 @@ from exporter.energy.attribution import assign_gpus
 from exporter.energy.baseline import IdleAccumulator, IdleEstimate
 from exporter.progress import Progress
 from exporter.samples import DeviceReading, SourceStatus, Tick
+from exporter.sources.endpoint import metrics_url
 from exporter.sampler import Sampler, missed_deadline
 from exporter.store import DeviceTracker
 
@@ -35,7 +36,7 @@ class IdleCheck:
             if name not in self.servers:
                 continue
             if read.reading is None:
-                url = redacted_url(self.servers[name].url.rstrip("/")) + "/metrics"
+                url = metrics_url(redacted_url(self.servers[name].url))
                 raise Busy(f"server {name} ({url}) is not answering: {read.status.reason}; start vLLM with the "
                            "model loaded (a baseline without it understates idle by 26-66 W), or pass "
                            "--no-server-check")

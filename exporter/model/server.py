@@ -10,7 +10,7 @@ from exporter.config import Config, ServerConfig, format_window, redacted_url
 from exporter.derive import collapse, economics, kappa, offload, preemption, pressure, recompute
 from exporter.derive import residency
 from exporter.derive import energy as derive_energy
-from exporter.figures import EnergyFigure, ServerFigures, WindowFigures
+from exporter.figures import EnergyFigure, ServerFigures, WindowFigures, engine_name
 from exporter.model import advice as advice_model
 from exporter.model import offload as offload_figures
 from exporter.model import pressure as pressure_model
@@ -43,7 +43,7 @@ class ServerModel:
         self.offload = offload_figures.setup(server)
         self.status = SourceStatus("vllm", server.name, False, "not_read_yet", 0.0, "down")
         self.info: EngineInfo | None = None
-        self.engine, self.capabilities = "vllm", frozenset()
+        self.engine, self.capabilities = engine_name(None), frozenset()
         self.gauges: dict[str, float] | None = None  # the last reading's, None while the server is not read
         self.collapse: collapse.CollapseResult | None = None
         self._stats: dict[tuple[float, bool], economics.WindowStat] = {}
@@ -57,7 +57,7 @@ class ServerModel:
         self.status = status
         self.gauges = reading.gauges if reading is not None else None  # down: no current value
         if reading is not None:
-            self.info, self.engine, self.capabilities = reading.info, reading.engine, reading.capabilities
+            self.info, self.engine, self.capabilities = reading.info, engine_name(reading.engine), reading.capabilities
             self.history.add_reading(t, reading)
 
     def learn(self, now: float, wall: float | None = None) -> None:
@@ -136,6 +136,7 @@ class ServerModel:
             kv_usage_p95=p95, kv_usage_max=pressure.kv_usage_quantile(agg, 1.0),
             kv_usage_p95_low=p95_interval.low, kv_usage_p95_high=p95_interval.high,
             above_threshold=self._regime.get(seconds), preemptions_per_minute=per_minute,
+            kv_pools_above_threshold=pressure.pools_above_threshold(agg, self.pressure.threshold),
             preemption_onset=pressure.preemption_onset(per_minute, covered, seconds, cfg.preemption_onset_per_minute),
             generation_tokens_per_second=pressure.rate_per_second(agg, "generation_tokens"),
             token_shares=shares, cached_tier_shares=recompute.cached_tier_shares(agg),

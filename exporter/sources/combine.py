@@ -19,6 +19,7 @@ from functools import lru_cache
 
 from exporter.samples import EngineReading, EngineInfo
 from exporter.sources.engine import EngineAdapter, SourceError, adapters, capabilities_of
+from exporter.sources.shapes import known_shape, unknown_shape
 
 BLOCKS_TO_TOKENS = {"offload_store_blocks": "offload_store_tokens", "offload_load_blocks": "offload_load_tokens"}
 
@@ -52,7 +53,7 @@ def read_exposition(text: str, problems: list[str] | None = None) -> EngineReadi
     (parse_error) when nothing usable is there."""
     primary, addons = pick(text)
     if primary is None and not addons:
-        primary = adapters()[0]  # vLLM, whose read says what is missing
+        return _unrecognised(text, problems)
     if primary is None:  # an add-on alone (LMCache's own port read as the server's only URL)
         readings = [a.read(text, problems) for a in addons]
     else:
@@ -61,6 +62,21 @@ def read_exposition(text: str, problems: list[str] | None = None) -> EngineReadi
     for addon in readings[1:]:
         out = merge(out, addon)
     return blocks_as_tokens(out)
+
+
+def _unrecognised(text: str, problems: list[str] | None) -> EngineReading:
+    """No adapter recognised the text: a known unusable shape (JSON, a Dynamo frontend, trtllm-serve's
+    latency-only series) says so; otherwise vLLM reads it (a registry without vLLM's prefix detection) and,
+    finding nothing, the reason names what the text starts with (sources/shapes.py)."""
+    shape = known_shape(text)
+    if shape is not None:
+        raise SourceError("parse_error", shape)
+    try:
+        return blocks_as_tokens(adapters()[0].read(text, problems))
+    except SourceError as e:
+        if e.reason == "parse_error" and "malformed" not in str(e):
+            raise SourceError("parse_error", unknown_shape(text)) from None
+        raise
 
 
 def _addon(adapter: EngineAdapter, text: str, problems: list[str] | None) -> EngineReading | None:

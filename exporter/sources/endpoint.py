@@ -37,11 +37,20 @@ def _redirect_target(resp: aiohttp.ClientResponse) -> str:
     return _bounded(target)
 
 
+def metrics_url(url: str) -> str:
+    """The exposition's URL: ``url`` itself when its path names one (its last segment ends in ``metrics``:
+    trtllm-serve's ``/prometheus/metrics``, docs/engines.md "Metrics paths"), else ``url`` + ``/metrics``
+    (``http://host:8000`` and a proxy's prefix ``http://gw/vllm-a`` keep meaning their ``/metrics``)."""
+    base = url.rstrip("/")
+    path = URL(base).path
+    return base if path.rsplit("/", 1)[-1].endswith("metrics") else base + "/metrics"
+
+
 def _endpoint(url: str) -> tuple[aiohttp.BasicAuth | None, str]:
-    """(basic auth from the URL's credentials, the /metrics URL without them)."""
+    """(basic auth from the URL's credentials, the exposition's URL without them)."""
     u = URL(url)
     auth = aiohttp.BasicAuth(u.user or "", u.password or "") if u.user or u.password else None
-    return auth, str(u.with_user(None)).rstrip("/") + "/metrics"
+    return auth, metrics_url(str(u.with_user(None)))
 
 
 class EngineSource:

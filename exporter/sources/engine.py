@@ -86,10 +86,13 @@ LABELLED_COUNTER_KEYS: dict[str, str] = {
 }
 
 
-# Labelled gauges, the same way: "<prefix>@<value>", summed over ranks.
+# Labelled gauges, the same way: "<prefix>@<value>", summed over ranks (kv_pool_usage: one per pool, not summed).
 LABELLED_GAUGE_KEYS: dict[str, str] = {
     "kv_fetch": "waiting requests by asynchronous KV load stage (waiting_to_start, in_progress, completed_waiting)",
+    "kv_pool_usage": "fraction of one KV pool in use (0..1), by pool (a data-parallel rank, a router's worker); "
+                     "present when a server has more than one pool",
 }
+KV_POOL_USAGE = "kv_pool_usage"
 
 
 # Gauges: the value at read time. Request counts are summed over ranks; kv_usage is the fullest rank (0..1).

@@ -9,10 +9,17 @@ slow-changing facts). This module does the rest the same way for all of them, wi
   engine's prefixes (``sglang:`` in the code, ``sglang_`` seen in the wild), with and without ``_total``;
 - a counter or summed gauge is summed per data-parallel rank (``rank_label``) and the reading keeps each
   rank's counters (``engine_counters``), so the store sees one rank reset or vanish;
-- samples of a replica (``replica_labels``: a tensor-parallel rank reporting the same figure as rank 0) are
-  left out unless a series says ``all_replicas`` (bytes each rank holds for its own shard);
-- a fraction (0..1) takes the highest rank; a value out of range makes its key unknown (absent, never
-  clamped) and is named in ``rejected``.
+- a rank is the value of ``rank_label`` (a data-parallel rank: its own requests, tokens and KV pool), prefixed
+  by the worker behind a router (``worker_labels``: ``worker_addr``) when the exposition re-exports several;
+- samples of a replica (``replica_labels``: a tensor- or pipeline-parallel rank reporting the same figure as
+  its group's first) are counted once: of the samples that differ only in replica labels (and ``pid``, the
+  process that wrote them), the one with the lowest replica ranks is kept -- rank 0's where it is there, the
+  lowest present otherwise (a ``pp_rank="1"`` endpoint alone is still read). Under SGLang's DP attention each
+  DP rank carries ``tp_rank`` equal to it (``dp_rank="3",tp_rank="3"``): its own group, so it is kept.
+  ``all_replicas`` keeps every replica (bytes each rank holds for its own shard);
+- a fraction (0..1) takes the highest rank (the fullest KV pool), and each pool's value is kept too
+  (``pool_fractions``); a value out of range makes its key unknown (absent, never clamped) and is named in
+  ``rejected``.
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ from dataclasses import dataclass, field
 
 from exporter.sources.expfmt import Exposition, Labels, parse_families, process_start_time
 from exporter.samples import EngineReading, EngineInfo
-from exporter.sources.engine import OFFLOAD_BUFFER, SourceError, capabilities_of
+from exporter.sources.engine import KV_POOL_USAGE, KV_USAGE, OFFLOAD_BUFFER, SourceError, capabilities_of, labelled_key
 from exporter.sources.ranges import MAX_VALUE
 
 Series = dict[Labels, float]
@@ -36,12 +43,13 @@ class Pick:
     label_prefix: tuple[str, str] | None = None  # (label, prefix its value must start with)
     all_replicas: bool = False  # sum every replica too (per-shard bytes), not only rank 0's copy
 
-    def keeps(self, lab: dict[str, str], replica_labels: tuple[str, ...]) -> bool:
+    def matches(self, lab: dict[str, str]) -> bool:
         if any(lab.get(k) != v for k, v in self.match):
             return False
-        if self.label_prefix is not None and not lab.get(self.label_prefix[0], "").startswith(self.label_prefix[1]):
-            return False
-        return self.all_replicas or all(lab.get(r, "0") == "0" for r in replica_labels)
+        return self.label_prefix is None or lab.get(self.label_prefix[0], "").startswith(self.label_prefix[1])
+
+
+PROCESS_LABELS = ("pid",)  # who wrote a sample (prometheus_client's multiprocess mode), not what it counts
 
 
 @dataclass(frozen=True)
@@ -52,7 +60,14 @@ class EngineSpec:
     fractions: dict[str, Pick] = field(default_factory=dict)  # key -> a 0..1 gauge, highest rank
     info: tuple[str, ...] = ()  # further families the adapter's ``facts`` reads
     rank_label: str = ""  # the data-parallel rank label, "" when the engine has none
-    replica_labels: tuple[str, ...] = ()  # labels whose non-zero values repeat rank 0's figures
+    replica_labels: tuple[str, ...] = ()  # labels whose further values repeat their group's first figures
+    worker_labels: tuple[str, ...] = ()  # labels naming one engine of several behind a router / gateway
+
+    def rank_of(self, lab: dict[str, str]) -> str:
+        """The rank a sample belongs to: "" (one engine), "3" (DP rank 3), "10.0.0.1:30000/3" (behind a router)."""
+        worker = next((lab[w] for w in self.worker_labels if lab.get(w)), "")
+        rank = lab.get(self.rank_label, "") if self.rank_label else ""
+        return f"{worker}/{rank}" if worker and rank else worker or rank
 
     def names(self) -> frozenset[str]:
         return frozenset(p.name for picks in (*self.counters.values(), *self.gauges.values()) for p in picks) | \
@@ -83,20 +98,39 @@ def _detail(name: str, labels: Labels, v: float, high: float) -> str:
     return f"{name}{{{shown}}} = {v!r} outside [0, {high:g}]"
 
 
+def _replica_order(value: str) -> tuple[int, int | str]:
+    return (0, int(value)) if value.isdigit() else (1, value)
+
+
+def kept(samples: Series, pick: Pick, spec: EngineSpec) -> list[tuple[Labels, dict[str, str], float]]:
+    """The picked samples, each replica group counted once (the module docstring says which sample stays)."""
+    chosen: dict[tuple, tuple[tuple, Labels, dict[str, str], float]] = {}
+    ignored = (*spec.replica_labels, *PROCESS_LABELS)
+    for labels, v in samples.items():
+        lab = dict(labels)
+        if not pick.matches(lab):
+            continue
+        if pick.all_replicas:
+            chosen[(labels,)] = ((), labels, lab, v)
+            continue
+        group = tuple((k, val) for k, val in labels if k not in ignored)
+        order = tuple(_replica_order(lab.get(r, "0")) for r in spec.replica_labels)
+        if group not in chosen or order < chosen[group][0]:
+            chosen[group] = (order, labels, lab, v)
+    return [(labels, lab, v) for _, labels, lab, v in chosen.values()]
+
+
 def rank_sums(series: dict[str, Series], picks: tuple[Pick, ...], spec: EngineSpec, key: str,
               rejected: dict[str, str]) -> dict[str, float] | None:
     """Per rank, the sum of the picked samples; None when none is on the wire or (``rejected[key]`` says why)
     one of them or the sum is out of [0, MAX_VALUE]."""
     sums: dict[str, float] = {}
     for pick in picks:
-        for labels, v in series.get(pick.name, {}).items():
-            lab = dict(labels)
-            if not pick.keeps(lab, spec.replica_labels):
-                continue
+        for labels, lab, v in kept(series.get(pick.name, {}), pick, spec):
             if not 0.0 <= v <= MAX_VALUE:  # NaN fails too
                 rejected[key] = _detail(pick.name, labels, v, MAX_VALUE)
                 return None
-            rank = lab.get(spec.rank_label, "") if spec.rank_label else ""
+            rank = spec.rank_of(lab)
             sums[rank] = sums.get(rank, 0.0) + v
     if not sums:
         return None
@@ -106,17 +140,25 @@ def rank_sums(series: dict[str, Series], picks: tuple[Pick, ...], spec: EngineSp
     return sums
 
 
+def pool_fractions(series: dict[str, Series], pick: Pick, spec: EngineSpec, key: str,
+                   rejected: dict[str, str]) -> dict[str, float] | None:
+    """Per rank (one KV pool each), the highest picked sample of a fraction; None when absent or one is out
+    of [0, 1]."""
+    pools: dict[str, float] = {}
+    for labels, lab, v in kept(series.get(pick.name, {}), pick, spec):
+        if not 0.0 <= v <= 1.0:
+            rejected[key] = _detail(pick.name, labels, v, 1.0)
+            return None
+        rank = spec.rank_of(lab)
+        pools[rank] = max(pools.get(rank, v), v)
+    return pools or None
+
+
 def highest(series: dict[str, Series], pick: Pick, spec: EngineSpec, key: str,
             rejected: dict[str, str]) -> float | None:
     """The highest picked sample of a fraction (the fullest rank), None when absent or out of [0, 1]."""
-    values = []
-    for labels, v in series.get(pick.name, {}).items():
-        if pick.keeps(dict(labels), spec.replica_labels):
-            if not 0.0 <= v <= 1.0:
-                rejected[key] = _detail(pick.name, labels, v, 1.0)
-                return None
-            values.append(v)
-    return max(values) if values else None
+    pools = pool_fractions(series, pick, spec, key, rejected)
+    return max(pools.values()) if pools else None
 
 
 def model_name(series: dict[str, Series]) -> str:
@@ -196,9 +238,11 @@ class SpecAdapter:
             if sums is not None:
                 parts.gauges[key] = sum(sums.values())
         for key, pick in spec.fractions.items():
-            v = highest(parts.series, pick, spec, key, parts.rejected)
-            if v is not None:
-                parts.gauges[key] = v
+            pools = pool_fractions(parts.series, pick, spec, key, parts.rejected)
+            if pools is not None:
+                parts.gauges[key] = max(pools.values())
+                if key == KV_USAGE and len(pools) > 1:  # several KV pools: each one's usage too
+                    parts.gauges.update({labelled_key(KV_POOL_USAGE, rank): v for rank, v in pools.items()})
         info = self.facts(parts, process_start)
         seen = {**parts.gauges, **dict.fromkeys(parts.rejected, 0.0)}  # refused: on the wire, unknown now
         caps = capabilities_of(parts.counters, seen, info)

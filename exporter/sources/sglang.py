@@ -30,8 +30,12 @@ moves between tiers, not GPU traffic), ``hicache_host_pool_evicted_tokens_total{
 normal LRU turnover of the host tier, no pressure sign on its own).
 
 SGLang has no FLOP estimate, no offload bytes and no failed-store counter: those figures are absent.
-Tensor- and pipeline-parallel ranks report the same scheduler figures (labels ``tp_rank``, ``pp_rank``):
-rank 0's are taken; ``dp_rank`` (data-parallel attention) is the rank the store tracks.
+Parallelism (docs/engines.md "Labels"): ``dp_rank`` (data-parallel attention) is a rank with its own requests,
+tokens and KV pool -- summed, each pool's usage kept, and the store tracks each rank's resets. Tensor-,
+pipeline- and expert-parallel ranks (``tp_rank``, ``pp_rank``, ``moe_ep_rank``) repeat their group's
+scheduler figures: counted once (families.py ``kept``), so ``dp_rank="3",tp_rank="3"`` is DP rank 3, not a
+replica. ``pid`` (prometheus_client's multiprocess mode) is ignored. A router re-exporting its workers' series
+labels each with ``worker_addr``: each worker is its own engine, summed into the one server.
 """
 
 from __future__ import annotations
@@ -66,7 +70,8 @@ SPEC = EngineSpec(
     info=("hicache_host_used_tokens", "hicache_host_total_tokens", "hicache_host_pool_used_tokens",
           "hicache_host_pool_total_tokens", "cache_config_info", "max_total_num_tokens"),
     rank_label="dp_rank",
-    replica_labels=("tp_rank", "pp_rank"),
+    replica_labels=("tp_rank", "pp_rank", "moe_ep_rank"),
+    worker_labels=("worker_addr",),
 )
 
 

@@ -18,8 +18,8 @@ import logging
 
 from exporter.sources.expfmt import Exposition, Labels, parse, parse_families, process_start_time
 from exporter.samples import EngineReading, EngineInfo
-from exporter.sources.engine import (OFFLOAD_BUFFER, VLLM_ORDER, EngineAdapter, SourceError, capabilities_of,
-                                     labelled_key, register)
+from exporter.sources.engine import (KV_POOL_USAGE, OFFLOAD_BUFFER, VLLM_ORDER, EngineAdapter, SourceError,
+                                     capabilities_of, labelled_key, register)
 from exporter.sources.ranges import GIB, MAX_VALUE, OUT_OF_RANGE
 from exporter.sources.vllm_names import RENAMES
 
@@ -265,6 +265,9 @@ def _gauges(series: dict, rejected: dict[str, str]) -> dict[str, float]:
             rejected["kv_usage"] = bad
         else:
             gauges["kv_usage"] = max(v for _, v in usage)
+            pools = {dict(labels).get("engine", ""): v for labels, v in usage}
+            if len(pools) > 1:  # data-parallel engines: one KV pool each (families.py does the same)
+                gauges.update({labelled_key(KV_POOL_USAGE, engine): v for engine, v in pools.items()})
     return gauges
 
 

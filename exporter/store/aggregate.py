@@ -27,6 +27,7 @@ from exporter.quantile import interpolate_sorted
 from exporter.samples import Interval
 
 ORDERED_GAUGES = ("kv_usage", "pending")
+POOL_PREFIX = "kv_pool_usage@"  # one KV pool's usage (sources/engine.py LABELLED_GAUGE_KEYS): ordered per pool
 TOKENS_KEY = "generation_tokens"
 RUNNING_KEY = "running"
 RESUM_MIN_REMOVALS = 1000
@@ -46,6 +47,10 @@ def ordered_gauge_values(iv: Interval) -> Iterator[tuple[str, float]]:
     r, w = g.get("running"), g.get("waiting")
     if r is not None and w is not None:
         yield "pending", r + w
+    if len(g) > 2:  # pools are there only beside kv_usage and the request gauges
+        for key, v in g.items():
+            if key.startswith(POOL_PREFIX):
+                yield key, v
 
 
 def _acc(a: list, i: int, x: float) -> None:
@@ -270,7 +275,7 @@ class WindowAggregate(_Sums):
         self.intervals.append(iv)
         self._sum_in(iv)
         for key, v in ordered_gauge_values(iv):
-            insort(self._sorted[key], v)
+            insort(self._sorted.setdefault(key, []), v)
 
     def remove(self, iv: Interval | None = None) -> Interval:
         """Take the oldest interval out (``iv``, when given, must be that interval)."""
@@ -287,6 +292,8 @@ class WindowAggregate(_Sums):
         for key, v in ordered_gauge_values(head):
             s = self._sorted[key]
             del s[bisect_left(s, v)]
+            if not s and key.startswith(POOL_PREFIX):
+                del self._sorted[key]  # a pool no interval holds any more: gone
         self._removals += 1
         if self._removals >= max(self.n, RESUM_MIN_REMOVALS):
             self.resum()
@@ -318,6 +325,10 @@ class WindowAggregate(_Sums):
     def quantile(self, gauge_key: str, q: float) -> float | None:
         """exporter.quantile.quantile over the gauge's values (PromQL quantile_over_time)."""
         return interpolate_sorted(self.sorted_gauge(gauge_key), q)
+
+    def pools(self) -> list[str]:
+        """The KV pools (their ``kv_pool_usage@<pool>`` keys) some held interval carries."""
+        return sorted(k for k in self._sorted if k.startswith(POOL_PREFIX))
 
     def gauge_min(self, key: str) -> float | None:
         s = self.sorted_gauge(key)

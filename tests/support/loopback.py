@@ -71,8 +71,10 @@ def free_port() -> int:
 # --- MetricsServer: /metrics from a callable -------------------------------------------------------------
 
 class MetricsServer:
-    def __init__(self, body: Callable[[], str | None], basic_auth: tuple[str, str] | None = None):
+    def __init__(self, body: Callable[[], str | None], basic_auth: tuple[str, str] | None = None,
+                 paths: dict[str, Callable[[], str | None]] | None = None):
         self.body = body
+        self.paths = paths or {}  # further paths with their own body (trtllm-serve: /prometheus/metrics)
         self.requests = 0
         self.unauthorized = 0
         expected = None if basic_auth is None else \
@@ -89,7 +91,10 @@ class MetricsServer:
                     self.send_header("Content-Length", "0")
                     self.end_headers()
                     return
-                text = outer.body() if self.path.startswith("/metrics") else "ok"
+                if self.path in outer.paths:
+                    text = outer.paths[self.path]()
+                else:
+                    text = outer.body() if self.path.startswith("/metrics") else "ok"
                 if text is None:
                     self.send_response(503)
                     self.end_headers()
