@@ -18,6 +18,7 @@ REASON_CODES = frozenset({
     # vllm (exporter/sources/vllm.py)
     "timeout", "unreachable", "redirect", "http_error", "body_too_large", "parse_error", "out_of_range",
     "sidecar",  # a server's sidecar exposition (LMCache's, KVBM's port) failed; the server's own was read
+    "label_values_capped",  # more distinct tier/reason/stage values than rules.MAX_LABEL_VALUES (sources/labelcap.py)
     # the store (exporter/store/identity.py): readings of more than one process behind one URL
     "identity_flapping",
     # the sampler (exporter/sampler.py)

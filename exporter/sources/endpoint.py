@@ -15,6 +15,7 @@ from yarl import URL
 from exporter.samples import EngineReading, SourceStatus
 from exporter.sources.combine import read_exposition
 from exporter.sources.engine import EngineAdapter, SourceError
+from exporter.sources.labelcap import LabelCap
 from exporter.sources.ranges import OUT_OF_RANGE
 
 log = logging.getLogger("kvwatt.engine")
@@ -90,6 +91,7 @@ class EngineSource:
         self.max_body_bytes = max_body_bytes
         self.adapter = adapter
         self._rejected: frozenset[str] = frozenset()  # families refused as out of range at the last read
+        self.label_cap = LabelCap(name)
 
     async def fetch(self, session: aiohttp.ClientSession, endpoint: tuple | None = None) -> str:
         auth, url = endpoint or (self.auth, self.metrics_url)
@@ -127,6 +129,7 @@ class EngineSource:
             log.exception("%s: decoding the exposition failed", self.name)
             raise SourceError("parse_error", f"{type(e).__name__}: {e}") from None
         self._note_rejected(reading.rejected)
+        reading = self.label_cap.apply(reading, problems)  # upstream label values without bound: the first N
         if reading.rejected and problems is not None:
             problems.append(OUT_OF_RANGE)  # a fixed word: it becomes a label value (kvwatt_source_info)
         return reading

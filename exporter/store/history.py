@@ -28,7 +28,7 @@ from exporter.samples import EngineReading, Interval
 from exporter.store.aggregate import WindowAggregate, aggregate_of
 from exporter.store.buckets import Bucket, Grid, buckets_of
 from exporter.store.deltas import EnergyAccumulator, engine_deltas, reset_engines
-from exporter.store.identity import IdentityWatch
+from exporter.store.identity import EngineSetWatch, IdentityWatch
 
 log = logging.getLogger("kvwatt.store")
 
@@ -49,6 +49,7 @@ class ServerHistory:
         self.energy = EnergyAccumulator()
         self.restarts = 0
         self.identity = IdentityWatch(name)  # two processes behind one URL: no delta across (store/identity.py)
+        self.engine_set = EngineSetWatch(name)  # an engine label changing every read: logged once, not per tick
         self.now: float | None = None  # time of the last advance()
         self._windows: dict[float, WindowAggregate] = {float(w): WindowAggregate() for w in windows}
         self._grids: dict[float, Grid] = {float(w): Grid(float(w)) for w in grids}
@@ -78,7 +79,8 @@ class ServerHistory:
             reset = [] if restarted else reset_engines(step.prev, counters)
             if restarted or reset:
                 self.restarts += 1
-            if not self.identity.problem:  # while flapping, its one line says it all (not one per tick)
+            churning = self.engine_set.observe(counters)
+            if not (self.identity.problem or churning):  # flapping, churning: their one line says it all
                 self._log_engine_changes(counters, restarted, reset)
             energy, idle = self.energy.take()
             interval = Interval(self.last_t, t, deltas, dict(reading.gauges), energy, idle)

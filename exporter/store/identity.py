@@ -128,6 +128,8 @@ class IdentityWatch:
         if self.last is not None and not ident.same_process(self.last):
             self.recent.append(self.last)
         self.last, self.last_wall = ident, wall
+        for engine in [e for e in self.levels if e not in counters]:
+            del self.levels[engine]  # bounded by the engines of one reading (an engine label may change each read)
         for engine, c in counters.items():
             self.levels.setdefault(engine, deque(maxlen=RECENT_READINGS)).append(sum(c.values()))
         self.flaps.append(tuple(events))
@@ -143,3 +145,35 @@ class IdentityWatch:
             self.problem = ""
             log.info("%s: one process identity again for %d readings: counters are counted again",
                      self.name, RECENT_READINGS)
+
+
+CHURN_CHANGES = 3  # engine-set changes within RECENT_READINGS that make the per-change log lines one line
+
+
+class EngineSetWatch:
+    """Whether the set of data-parallel engines (the ``engine`` label) changes at nearly every read (an
+    upstream putting an id in it): then the per-change lines (vanished, appeared, went down) would be two or
+    three lines per tick; one line says it when it starts and one when the set has been stable for
+    RECENT_READINGS readings."""
+
+    def __init__(self, name: str = "") -> None:
+        self.name = name
+        self.last: frozenset[str] | None = None
+        self.changes: deque = deque(maxlen=RECENT_READINGS)
+        self.churning = False
+
+    def observe(self, engines) -> bool:
+        """Note this reading's engine set; True while the per-change lines should stay quiet."""
+        now = frozenset(engines)
+        self.changes.append(self.last is not None and now != self.last)
+        self.last = now
+        n = sum(self.changes)
+        if n >= CHURN_CHANGES and not self.churning:
+            self.churning = True
+            log.warning("%s: the engine label changes at nearly every read (%d of the last %d): each new engine "
+                        "re-bases (no delta for it on that step); not logged per change until it settles",
+                        self.name, n, len(self.changes))
+        elif n == 0 and self.churning:
+            self.churning = False
+            log.info("%s: the engine label is stable again", self.name)
+        return self.churning
