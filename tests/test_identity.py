@@ -38,7 +38,8 @@ def test_two_replicas_alternating_give_no_delta_across_the_change_and_one_warnin
     assert all(d is None for d in ds), ds  # never B's 500,000,000 as one step's increase
     assert h.identity.problem.startswith("identity_flapping: ") and "each replica" in h.identity.problem
     assert sum("identity_flapping" in r.getMessage() for r in caplog.records) == 1
-    assert len(caplog.records) == 1, [r.getMessage() for r in caplog.records]
+    lines = [r.getMessage() for r in caplog.records]  # the first change, then the condition: 2 lines in 20 reads
+    assert len(lines) == 2 and "process identity changed (process start" in lines[0], lines
 
 
 def test_an_engine_alternating_between_vllm_and_sglang_gives_no_delta():
@@ -65,6 +66,16 @@ def test_a_single_restart_is_still_a_restart_and_the_condition_clears():
     assert iv.deltas["g"] == 170 and h.restarts == 1 and not h.identity.problem
     ds = deltas_of(h, [reading(170 + 10 * t, WALL + 1.5, wall=WALL + 2 + t) for t in range(1, 30)])
     assert ds == [10] * 29
+
+
+def test_a_replacement_already_running_at_the_previous_read_is_one_unknown_step_not_flapping(caplog):
+    h = ServerHistory(600, name="svc")  # a rolling update: the new pod started a minute before the old one's last read
+    h.add_reading(0.0, reading(1e9, WALL - 3600, wall=WALL))
+    with caplog.at_level("INFO", logger="kvwatt.store"):
+        ds = deltas_of(h, [reading(5e6 + 10 * t, WALL - 60, wall=WALL + t) for t in range(1, 12)])
+    assert ds == [None] + [10] * 10 and not h.identity.problem
+    assert [r.getMessage() for r in caplog.records] == \
+        ["svc: process identity changed (process start 1799996400 -> 1799999940): no counter delta for this step"]
 
 
 def test_flapping_clears_after_quiet_readings(caplog):

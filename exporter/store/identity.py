@@ -137,6 +137,8 @@ class IdentityWatch:
 
     def _update_problem(self) -> None:
         events = [e for step in self.flaps for e in step]
+        if self.flaps[-1] and len(events) < FLAP_EVENTS:  # one change alone: a line of its own
+            log.info("%s: %s: no counter delta for this step", self.name, self.flaps[-1][0])
         if len(events) >= FLAP_EVENTS and not self.problem:
             self.problem = (f"{REASON_CODE}: readings of more than one process behind one URL ({events[-1]}); "
                             "no counter delta across a change: point kvwatt at each replica's own URL")
