@@ -44,11 +44,15 @@ class Identity:
     def same_process(self, other: "Identity") -> bool:
         same_start = self.start is None or other.start is None or \
             abs(self.start - other.start) <= START_TOLERANCE_SECONDS
-        return same_start and self.engine == other.engine and self.model == other.model
+        same_model = not self.model or not other.model or self.model == other.model  # "": not said this read
+        return same_start and same_model and self.engine == other.engine
 
 
 def identity_of(reading: EngineReading) -> Identity:
-    return Identity(reading.info.process_start_time_seconds, reading.engine, reading.info.model_name)
+    """The engine adapter without its add-ons ("vllm+lmcache" -> "vllm"): a sidecar missing a read is not
+    another process."""
+    engine = reading.engine.split("+", 1)[0]
+    return Identity(reading.info.process_start_time_seconds, engine, reading.info.model_name)
 
 
 @dataclass(frozen=True)
@@ -92,7 +96,8 @@ class IdentityWatch:
 
     def _is_restart(self, ident: Identity) -> bool:
         last = self.last
-        if ident.engine != last.engine or ident.model != last.model or ident.start is None or last.start is None:
+        if ident.engine != last.engine or ident.start is None or last.start is None or \
+                (ident.model and last.model and ident.model != last.model):
             return False
         if ident.start < last.start or any(ident.same_process(i) for i in self.recent):
             return False  # back in time, or a process seen a moment ago: not a new one
@@ -102,7 +107,7 @@ class IdentityWatch:
         last, parts = self.last, []
         if ident.engine != last.engine:
             parts.append(f"engine {last.engine} -> {ident.engine}")
-        if ident.model != last.model:
+        if ident.model and last.model and ident.model != last.model:
             parts.append(f"model {last.model!r} -> {ident.model!r}")
         if ident.start is not None and last.start is not None and abs(ident.start - last.start) > 1e-3:
             parts.append(f"process start {last.start:.0f} -> {ident.start:.0f}")
