@@ -84,3 +84,12 @@ RULES: dict[str, Rule] = {r.key: r for r in (
 def longest_window_seconds() -> float:
     """The default window the alerts and dashboards read kvwatt's per-window series at."""
     return max(WINDOWS.default)
+
+
+# Operational bounds (not configuration keys: not in RULES). Documented in docs/architecture.md "Limits".
+# A labelled family (tier, reason, stage) has a handful of values in every engine; 64 leaves room for many
+# tiers while 10,000 upstream values (a label carrying an id) stay 64 series per family and server instead of
+# 70,151 /metrics lines and ~700 MB more RSS per hour of window.
+MAX_LABEL_VALUES = Rule("max_label_values", 64, "count",
+                        "distinct values of one labelled family (tier, reason, stage) kept per server: the first "
+                        "seen; further values are dropped with reason label_values_capped", "")

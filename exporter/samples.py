@@ -18,6 +18,9 @@ REASON_CODES = frozenset({
     # vllm (exporter/sources/vllm.py)
     "timeout", "unreachable", "redirect", "http_error", "body_too_large", "parse_error", "out_of_range",
     "sidecar",  # a server's sidecar exposition (LMCache's, KVBM's port) failed; the server's own was read
+    "label_values_capped",  # more distinct tier/reason/stage values than rules.MAX_LABEL_VALUES (sources/labelcap.py)
+    # the store (exporter/store/identity.py): readings of more than one process behind one URL
+    "identity_flapping",
     # the sampler (exporter/sampler.py)
     "deadline", "error",
     # nvml, rapl
@@ -95,6 +98,7 @@ class EngineReading:
     engine: str = "vllm"
     engine_counters: dict[str, dict[str, float]] = field(default_factory=dict)
     rejected: dict[str, str] = field(default_factory=dict)
+    read_wall: float | None = None  # wall-clock time of the read (time.time()); None when not read over HTTP
 
 
 

@@ -59,6 +59,10 @@ class ServerModel:
         if reading is not None:
             self.info, self.engine, self.capabilities = reading.info, engine_name(reading.engine), reading.capabilities
             self.history.add_reading(t, reading)
+            flapping = self.history.identity.problem  # two processes behind one URL (store/identity.py)
+            if flapping and status.up:
+                joined = f"{flapping}; {status.reason}" if status.reason else flapping
+                self.status = replace(status, reason=joined, state="degraded")
 
     def learn(self, now: float, wall: float | None = None) -> None:
         """Once per tick, after every read: slide the windows, then feed the learners (all O(1) in window

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
+from dataclasses import replace
 
 import aiohttp
 from yarl import URL
@@ -13,6 +15,7 @@ from yarl import URL
 from exporter.samples import EngineReading, SourceStatus
 from exporter.sources.combine import read_exposition
 from exporter.sources.engine import EngineAdapter, SourceError
+from exporter.sources.labelcap import LabelCap
 from exporter.sources.ranges import OUT_OF_RANGE
 
 log = logging.getLogger("kvwatt.engine")
@@ -46,6 +49,30 @@ def metrics_url(url: str) -> str:
     return base if path.rsplit("/", 1)[-1].endswith("metrics") else base + "/metrics"
 
 
+_SAMPLE_LINE = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*(\{.*\})?[ \t]+\S")
+SNIFF_LINES = 20  # lines looked at to tell an exposition from something else
+
+
+def not_exposition(text: str) -> str:
+    """What a 200 answer looked like when it is not a Prometheus exposition ("HTML", "JSON", "binary data",
+    "text without a sample line"); "" when it is one (or empty: nothing yet is not something else). Only the
+    first ``SNIFF_LINES`` non-comment lines are looked at: the decision costs no more for a big body."""
+    head = text.lstrip()[:4096]
+    if not head:
+        return ""
+    if "\x00" in head or head.count("\ufffd") > 8:  # NULs, or bytes that are not UTF-8 (decoded with replace)
+        return "binary data"
+    if head.startswith("<"):
+        return "HTML" if "html" in head[:512].lower() else "XML/HTML-like markup"
+    if head[0] in "{[":
+        return "JSON"
+    lines = [ln.strip() for ln in head.splitlines()]
+    lines = [ln for ln in lines if ln and not ln.startswith("#")][:SNIFF_LINES]
+    if lines and not any(_SAMPLE_LINE.match(ln) for ln in lines):
+        return "text without a sample line"
+    return ""
+
+
 def _endpoint(url: str) -> tuple[aiohttp.BasicAuth | None, str]:
     """(basic auth from the URL's credentials, the exposition's URL without them)."""
     u = URL(url)
@@ -73,6 +100,7 @@ class EngineSource:
         self.max_body_bytes = max_body_bytes
         self.adapter = adapter
         self._rejected: frozenset[str] = frozenset()  # families refused as out of range at the last read
+        self.label_cap = LabelCap(name)
 
     async def fetch(self, session: aiohttp.ClientSession, endpoint: tuple | None = None) -> str:
         auth, url = endpoint or (self.auth, self.metrics_url)
@@ -110,6 +138,7 @@ class EngineSource:
             log.exception("%s: decoding the exposition failed", self.name)
             raise SourceError("parse_error", f"{type(e).__name__}: {e}") from None
         self._note_rejected(reading.rejected)
+        reading = self.label_cap.apply(reading, problems)  # upstream label values without bound: the first N
         if reading.rejected and problems is not None:
             problems.append(OUT_OF_RANGE)  # a fixed word: it becomes a label value (kvwatt_source_info)
         return reading
@@ -142,7 +171,9 @@ class EngineSource:
         problems: list[str] = []
         try:
             text = await self._fetch_all(session, problems)
+            wall = time.time()  # when this process was read: tells a restart from another process (store/identity.py)
             reading = await asyncio.to_thread(self.decode, text, problems)  # never on the event loop
+            reading = replace(reading, read_wall=wall)
         except SourceError as e:
             return self.down(e, time.perf_counter() - start), None
         return self.status(problems, time.perf_counter() - start), reading
@@ -162,6 +193,8 @@ class EngineSource:
                 problems.append(f"sidecar: {url} {result}")
             elif isinstance(result, BaseException):
                 raise result
+            elif looks := not_exposition(result):  # read as one, it would only lose its figures silently
+                problems.append(f"sidecar: {url} answered 200 with {looks}, not a Prometheus exposition")
             else:
                 texts.append(result)
         return "\n".join(t.rstrip("\n") for t in texts) + "\n"

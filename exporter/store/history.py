@@ -5,7 +5,8 @@ restarting is not a server restart. A counter that goes down means that engine r
 sum vanished; it re-bases: no delta for that step (unknown, never negative, never the catch-up of everything
 it ever served). An engine that vanishes contributes nothing; one that (re)appears re-bases the same way.
 A changed process_start_time_seconds is a whole-server restart: every counter counts from zero again, so
-its value is the step's increase, even when it already climbed past its old value.
+its value is the step's increase, even when it already climbed past its old value; unless it is another
+process behind the same URL (store/identity.py decides: then no delta for that step).
 
 Energy from the devices attributed to a server is accumulated tick by tick until the server's next
 successful read, so an interval that spans a missed vLLM read still carries the energy of its whole span
@@ -27,6 +28,7 @@ from exporter.samples import EngineReading, Interval
 from exporter.store.aggregate import WindowAggregate, aggregate_of
 from exporter.store.buckets import Bucket, Grid, buckets_of
 from exporter.store.deltas import EnergyAccumulator, engine_deltas, reset_engines
+from exporter.store.identity import EngineSetWatch, IdentityWatch
 
 log = logging.getLogger("kvwatt.store")
 
@@ -46,6 +48,8 @@ class ServerHistory:
         self.last_process_start: float | None = None
         self.energy = EnergyAccumulator()
         self.restarts = 0
+        self.identity = IdentityWatch(name)  # two processes behind one URL: no delta across (store/identity.py)
+        self.engine_set = EngineSetWatch(name)  # an engine label changing every read: logged once, not per tick
         self.now: float | None = None  # time of the last advance()
         self._windows: dict[float, WindowAggregate] = {float(w): WindowAggregate() for w in windows}
         self._grids: dict[float, Grid] = {float(w): Grid(float(w)) for w in grids}
@@ -64,18 +68,20 @@ class ServerHistory:
 
     def add_reading(self, t: float, reading: EngineReading) -> Interval | None:
         start = reading.info.process_start_time_seconds
-        restarted = (start is not None and self.last_process_start is not None
-                     and abs(start - self.last_process_start) > 1e-3)
         counters = reading.engine_counters  # engine -> its counters
         if not counters and reading.counters:
             counters = {"": reading.counters}  # an adapter without a per-engine split: one engine
+        step = self.identity.observe(reading, counters, self.last_counters)
+        restarted = step.restarted
         interval = None
         if self.last_t is not None and t > self.last_t:
-            deltas = engine_deltas(self.last_counters, counters, restarted)
-            reset = [] if restarted else reset_engines(self.last_counters, counters)
+            deltas = engine_deltas(step.prev, counters, restarted)
+            reset = [] if restarted else reset_engines(step.prev, counters)
             if restarted or reset:
                 self.restarts += 1
-            self._log_engine_changes(counters, restarted, reset)
+            churning = self.engine_set.observe(counters)
+            if not (self.identity.problem or churning):  # flapping, churning: their one line says it all
+                self._log_engine_changes(counters, restarted, reset)
             energy, idle = self.energy.take()
             interval = Interval(self.last_t, t, deltas, dict(reading.gauges), energy, idle)
             self._append(interval)

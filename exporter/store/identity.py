@@ -1,0 +1,186 @@
+"""Whose counters a reading holds: the process identity behind a server's URL, and the steps no delta may
+cross (issue 23 item 1).
+
+The identity of a reading is (process_start_time_seconds, engine adapter, model name). Two processes behind one
+URL (a Kubernetes Service in front of two replicas, an upstream alternating vLLM and SGLang) give readings of
+alternating identity; taking a step between them as a restart counts the other process's whole counter as that
+step's increase (242,000,000 tokens/s against 300). So:
+
+- a changed identity is a restart (every value is its increase) only when nothing but the start time changed,
+  the start moved forward, and the new process started after the previous reading (when that reading's wall
+  time is known, ``EngineReading.read_wall``, with ``CLOCK_SLACK_SECONDS`` for the two hosts' clocks). Any
+  other change (engine, model, a start time going back, a process already running at the previous reading)
+  is a switch: no delta for that step (unknown, never the other process's total);
+- without an identity change, an engine whose counters went down and then came back to (about) where they
+  were before the dip is another process's counters coming back: no delta for that engine on that step;
+- ``FLAP_EVENTS`` such switches or returns within the last ``RECENT_READINGS`` readings are the ``flapping``
+  condition: the server is degraded (reason ``identity_flapping``, which says to point kvwatt at each replica)
+  until ``RECENT_READINGS`` readings pass without one. It is logged when it starts and when it ends, once each.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+
+from exporter.samples import EngineReading
+
+log = logging.getLogger("kvwatt.store")
+
+RECENT_READINGS = 8  # readings an identity (or a counter level) is remembered for, and a flap counts for
+FLAP_EVENTS = 2  # switches or returns within RECENT_READINGS that make the server "flapping"
+CLOCK_SLACK_SECONDS = 5.0  # a restarted process may seem to start this much before the previous read (skew)
+START_TOLERANCE_SECONDS = 1e-3  # process_start_time_seconds printed with rounding
+REASON_CODE = "identity_flapping"
+
+
+@dataclass(frozen=True)
+class Identity:
+    start: float | None  # process_start_time_seconds; None when the exposition has none
+    engine: str
+    model: str
+
+    def same_process(self, other: "Identity") -> bool:
+        same_start = self.start is None or other.start is None or \
+            abs(self.start - other.start) <= START_TOLERANCE_SECONDS
+        same_model = not self.model or not other.model or self.model == other.model  # "": not said this read
+        return same_start and same_model and self.engine == other.engine
+
+
+def identity_of(reading: EngineReading) -> Identity:
+    """The engine adapter without its add-ons ("vllm+lmcache" -> "vllm"): a sidecar missing a read is not
+    another process."""
+    engine = reading.engine.split("+", 1)[0]
+    return Identity(reading.info.process_start_time_seconds, engine, reading.info.model_name)
+
+
+@dataclass(frozen=True)
+class Step:
+    """What ServerHistory does with one reading: ``restarted`` (every value is its increase), and ``prev``:
+    the previous counters deltas are taken from (engines left out of it get no delta this step)."""
+
+    restarted: bool
+    prev: dict[str, dict[str, float]]
+    events: tuple[str, ...] = ()  # switches / returns seen at this step (for the log and the reason)
+
+
+@dataclass
+class IdentityWatch:
+    name: str = ""  # the server's, for the log
+    last: Identity | None = None
+    last_wall: float | None = None
+    recent: deque = field(default_factory=lambda: deque(maxlen=RECENT_READINGS))  # identities, newest last
+    levels: dict[str, deque] = field(default_factory=dict)  # engine -> its recent counter sums
+    flaps: deque = field(default_factory=lambda: deque(maxlen=RECENT_READINGS))  # per reading: its events
+    problem: str = ""  # "identity_flapping: ..." while flapping, else ""
+
+    def observe(self, reading: EngineReading, counters: dict[str, dict[str, float]],
+                prev: dict[str, dict[str, float]]) -> Step:
+        ident = identity_of(reading)
+        restarted, events, prev_used = False, [], prev
+        if self.last is not None and not ident.same_process(self.last):
+            if self._is_restart(ident):
+                restarted = True
+            else:
+                events.append(self._switch_words(ident))
+                prev_used = {}
+            self.levels.clear()  # another process: its counter levels are not comparable
+        else:
+            back = self._returned_engines(counters)
+            if back:
+                events.append(f"counters of engine(s) {back} went down and came back")
+                prev_used = {e: c for e, c in prev.items() if e not in back}
+        self._remember(ident, reading.read_wall, counters, events)
+        return Step(restarted, prev_used, tuple(events))
+
+    def _is_restart(self, ident: Identity) -> bool:
+        last = self.last
+        if ident.engine != last.engine or ident.start is None or last.start is None or \
+                (ident.model and last.model and ident.model != last.model):
+            return False
+        if ident.start < last.start or any(ident.same_process(i) for i in self.recent):
+            return False  # back in time, or a process seen a moment ago: not a new one
+        return self.last_wall is None or ident.start >= self.last_wall - CLOCK_SLACK_SECONDS
+
+    def _switch_words(self, ident: Identity) -> str:
+        last, parts = self.last, []
+        if ident.engine != last.engine:
+            parts.append(f"engine {last.engine} -> {ident.engine}")
+        if ident.model and last.model and ident.model != last.model:
+            parts.append(f"model {last.model!r} -> {ident.model!r}")
+        if ident.start is not None and last.start is not None and abs(ident.start - last.start) > 1e-3:
+            parts.append(f"process start {last.start:.0f} -> {ident.start:.0f}")
+        return "process identity changed (" + ", ".join(parts or ["start time"]) + ")"
+
+    def _returned_engines(self, counters: dict[str, dict[str, float]]) -> list[str]:
+        """Engines whose counter sum is back at (or just above) a level it had before a dip since: the sum
+        rose from the dip past that level by less than half the dip (a genuine reset climbing back grows
+        from zero, it does not jump over its old level in one step)."""
+        back = []
+        for engine, c in counters.items():
+            seen = self.levels.get(engine)
+            if not seen or len(seen) < 2:
+                continue
+            now, before = sum(c.values()), seen[-1]
+            high = max(list(seen)[:-1])
+            if before < high <= now and now - high < (high - before) / 2:
+                back.append(engine)
+        return sorted(back)
+
+    def _remember(self, ident: Identity, wall: float | None, counters: dict[str, dict[str, float]],
+                  events: list[str]) -> None:
+        if self.last is not None and not ident.same_process(self.last):
+            self.recent.append(self.last)
+        self.last, self.last_wall = ident, wall
+        for engine in [e for e in self.levels if e not in counters]:
+            del self.levels[engine]  # bounded by the engines of one reading (an engine label may change each read)
+        for engine, c in counters.items():
+            self.levels.setdefault(engine, deque(maxlen=RECENT_READINGS)).append(sum(c.values()))
+        self.flaps.append(tuple(events))
+        self._update_problem()
+
+    def _update_problem(self) -> None:
+        events = [e for step in self.flaps for e in step]
+        if self.flaps[-1] and len(events) < FLAP_EVENTS:  # one change alone: a line of its own
+            log.info("%s: %s: no counter delta for this step", self.name, self.flaps[-1][0])
+        if len(events) >= FLAP_EVENTS and not self.problem:
+            self.problem = (f"{REASON_CODE}: readings of more than one process behind one URL ({events[-1]}); "
+                            "no counter delta across a change: point kvwatt at each replica's own URL")
+            log.warning("%s: %s", self.name, self.problem)
+        elif not events and self.problem:
+            self.problem = ""
+            log.info("%s: one process identity again for %d readings: counters are counted again",
+                     self.name, RECENT_READINGS)
+
+
+CHURN_CHANGES = 3  # engine-set changes within RECENT_READINGS that make the per-change log lines one line
+
+
+class EngineSetWatch:
+    """Whether the set of data-parallel engines (the ``engine`` label) changes at nearly every read (an
+    upstream putting an id in it): then the per-change lines (vanished, appeared, went down) would be two or
+    three lines per tick; one line says it when it starts and one when the set has been stable for
+    RECENT_READINGS readings."""
+
+    def __init__(self, name: str = "") -> None:
+        self.name = name
+        self.last: frozenset[str] | None = None
+        self.changes: deque = deque(maxlen=RECENT_READINGS)
+        self.churning = False
+
+    def observe(self, engines) -> bool:
+        """Note this reading's engine set; True while the per-change lines should stay quiet."""
+        now = frozenset(engines)
+        self.changes.append(self.last is not None and now != self.last)
+        self.last = now
+        n = sum(self.changes)
+        if n >= CHURN_CHANGES and not self.churning:
+            self.churning = True
+            log.warning("%s: the engine label changes at nearly every read (%d of the last %d): each new engine "
+                        "re-bases (no delta for it on that step); not logged per change until it settles",
+                        self.name, n, len(self.changes))
+        elif n == 0 and self.churning:
+            self.churning = False
+            log.info("%s: the engine label is stable again", self.name)
+        return self.churning
