@@ -92,7 +92,8 @@ def test_a_bcrypt_hash_with_a_line_break_is_refused_at_start(tmp_path, text):
     assert yaml.safe_load(path.read_text())["basic_auth_users"][USER].strip() == hashed  # the premise
     with pytest.raises(ConfigError, match="line break or spaces around it"):
         webconfig.load(str(path))
-    assert_one_line_exit_2(kvwatt_run(tmp_path, path), "line break or spaces around it")
+    if text.endswith("|\n    {hash}\n"):  # the CLI once (a process start costs seconds on a loaded machine)
+        assert_one_line_exit_2(kvwatt_run(tmp_path, path), "line break or spaces around it")
 
 
 def test_a_passphrase_protected_tls_key_is_refused_without_reading_the_terminal(tmp_path):
@@ -123,8 +124,7 @@ def test_nothing_is_hashed_at_start_even_at_the_maximum_cost():
 
 def test_sigterm_during_start_is_honoured_promptly(tmp_path):
     path = tmp_path / "web.yml"
-    hashed = bcrypt.hashpw(PASSWORD.encode(), bcrypt.gensalt(webconfig.MAX_BCRYPT_COST)).decode()
-    path.write_text(yaml.safe_dump({"basic_auth_users": {USER: hashed}}))
+    path.write_text(yaml.safe_dump({"basic_auth_users": {USER: fake_hash(webconfig.MAX_BCRYPT_COST)}}))
     proc = subprocess.Popen([sys.executable, "-m", "exporter", "run", "--listen", f"127.0.0.1:{free_port()}",
                              "--state-dir", str(tmp_path / "state"), "--web.config.file", str(path)],
                             cwd=REPO, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -134,6 +134,7 @@ def test_sigterm_during_start_is_honoured_promptly(tmp_path):
         sent = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=10)
+        print(f"SIGTERM answered in {time.monotonic() - sent:.2f} s")
         assert time.monotonic() - sent < 5
         assert proc.returncode in (0, -signal.SIGTERM)
         assert "Traceback" not in proc.stdout.read()
