@@ -213,6 +213,29 @@ def test_a_remembered_good_login_never_waits_for_the_queue(counted_checks):
     assert again is Verdict.ALLOWED and took < 0.01
 
 
+def test_the_limit_is_logged_when_reached_and_drained_at_most_once_a_minute(counted_checks, caplog):
+    now = [0.0]
+
+    async def wave(a: BasicAuth, at: float) -> None:
+        now[0] = at
+        await asyncio.gather(*(a.check(header(USER, f"x{i}"), "10.0.0.9") for i in range(5)))
+
+    async def main():
+        a = BasicAuth({USER: bcrypt.hashpw(PASSWORD.encode(), bcrypt.gensalt(4))}, clock=lambda: now[0])
+        for at in (0.0, 10.0, 20.0, 100.0):  # the second and third waves within a minute of the first
+            await wave(a, at)
+        a.close()
+
+    with caplog.at_level("INFO", logger="kvwatt.web"):
+        asyncio.run(main())
+    lines = [r.getMessage() for r in caplog.records if r.name == "kvwatt.web"]
+    assert [line.split(";")[0].split(" (")[0] for line in lines] == [
+        "password checks at their limit", "password checks drained",
+        "password checks at their limit", "password checks drained"], lines
+    # the quiet waves' refusals are counted in the next line logged
+    assert "3 requests answered 429" in lines[1] and "9 requests answered 429" in lines[3], lines
+
+
 # --- a flood over real HTTP ---------------------------------------------------------------------------------
 
 async def flood_and_login(url: str, seconds_after: float = 0.3):

@@ -35,6 +35,7 @@ import logging
 import os
 import re
 import ssl
+import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -67,6 +68,7 @@ AUTH_CACHE_SIZE = 100
 AUTH_QUEUE_MAX = 8
 AUTH_QUEUE_PER_CLIENT = 2
 AUTH_RETRY_AFTER_SECONDS = 1
+AUTH_LOG_INTERVAL_SECONDS = 60.0  # the "at their limit" warning at most this often (a flood comes in waves)
 
 
 @dataclass(frozen=True)
@@ -244,7 +246,7 @@ def _cost(hashed: bytes) -> int:
 
 
 class BasicAuth:
-    def __init__(self, users: dict[str, bytes]):
+    def __init__(self, users: dict[str, bytes], clock: Callable[[], float] = time.monotonic):
         import bcrypt  # noqa: F401 (fails at start, not at the first request, if the package is missing)
 
         self.users = users
@@ -257,7 +259,10 @@ class BasicAuth:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvwatt-bcrypt")
         self._turn = asyncio.Semaphore(1)  # FIFO: the check that runs next in the bcrypt thread
         self._admitted: dict[str, int] = {}  # client address -> checks admitted (queued or running)
-        self.refused = 0  # answered BUSY since the queue was last full
+        self.refused = 0  # answered BUSY since the last line logged about it
+        self._clock = clock
+        self._warned_at: float | None = None  # when the limit was last logged
+        self._warned = False  # a warning logged, its drain not yet
         self.abandoned = 0  # GONE: checks skipped because their client left
 
     def _cache_key(self, user: str, password: str) -> bytes:
@@ -268,10 +273,12 @@ class BasicAuth:
 
     def _admit(self, client: str) -> bool:
         if self.admitted() >= AUTH_QUEUE_MAX or self._admitted.get(client, 0) >= AUTH_QUEUE_PER_CLIENT:
-            if self.refused == 0:
+            self.refused += 1
+            now = self._clock()
+            if not self._warned and (self._warned_at is None or now - self._warned_at >= AUTH_LOG_INTERVAL_SECONDS):
                 log.warning("password checks at their limit (%d at once, %d per client address): answering 429 "
                             "until they drain", AUTH_QUEUE_MAX, AUTH_QUEUE_PER_CLIENT)
-            self.refused += 1
+                self._warned, self._warned_at = True, now
             return False
         self._admitted[client] = self._admitted.get(client, 0) + 1
         return True
@@ -280,9 +287,9 @@ class BasicAuth:
         left = self._admitted.pop(client) - 1
         if left:
             self._admitted[client] = left
-        if self.refused and not self._admitted:
-            log.info("password checks drained; %d requests answered 429 meanwhile", self.refused)
-            self.refused = 0
+        if self._warned and not self._admitted:
+            log.info("password checks drained; %d requests answered 429 since the limit was reached", self.refused)
+            self._warned, self.refused = False, 0
 
     async def check(self, header: str | None, client: str = "", gone: Callable[[], bool] = lambda: False) -> Verdict:
         """Whether the Authorization header's user and password are right. A remembered good pair answers at
