@@ -23,7 +23,7 @@ from exporter.config import ConfigError
 from exporter.serve import webconfig
 from exporter.serve.webconfig import AUTH_QUEUE_MAX, AUTH_QUEUE_PER_CLIENT, BasicAuth, Verdict
 from tests.support.daemon import REPO, KvwattDaemon, free_port
-from tests.support.tls import Pki, _openssl
+from tests.support.tls import _openssl
 
 USER, PASSWORD = "prometheus", "s3cret-Pa55"
 FLOOD = 500

@@ -247,7 +247,7 @@ def _cost(hashed: bytes) -> int:
 
 class BasicAuth:
     def __init__(self, users: dict[str, bytes], clock: Callable[[], float] = time.monotonic):
-        import bcrypt  # noqa: F401 (fails at start, not at the first request, if the package is missing)
+        import bcrypt  # noqa: F401  (fails at start, not at the first request, if the package is missing)
 
         self.users = users
         # An unknown user's password is checked against the costliest configured hash (the result thrown
