@@ -1,9 +1,10 @@
 """One tick's /metrics in each form a scrape may ask for, each serialised at most once per tick.
 
-Negotiated as prometheus_client's own handler does (prometheus_client.exposition._bake_output): the format
-from ``Accept`` (``choose_encoder``: OpenMetrics when asked for, else the text format), gzip when
-``Accept-Encoding`` names it, and ``name[]`` query parameters restricting the output to those sample names
-(``registry.restricted_registry``). The families are collected once, at tick time (Daemon.step); here they
+Negotiated as prometheus_client's own handler does (prometheus_client.exposition._bake_output), with the
+quality values that it ignores honoured as prometheus/common's expfmt.Negotiate does: the format from
+``Accept`` (OpenMetrics when asked for with q > 0 and a version kvwatt produces, else the text format), gzip
+when ``Accept-Encoding`` names it with q > 0, and ``name[]`` query parameters restricting the output to
+those sample names (``registry.restricted_registry``). The families are collected once, at tick time (Daemon.step); here they
 are only serialised: the text format at once (in the tick's worker thread), any other form on the first
 scrape that asks for it, then kept with the tick. A ``name[]`` subset is serialised per request (from the
 same families, no figure recomputed).
@@ -15,8 +16,12 @@ import gzip
 import threading
 from typing import Iterable, NamedTuple
 
-from prometheus_client.openmetrics.exposition import UNDERSCORES
-from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, choose_encoder, generate_latest, gzip_accepted
+from functools import partial
+
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, CONTENT_TYPE_PLAIN_0_0_4, generate_latest
+from prometheus_client.openmetrics.exposition import CONTENT_TYPE_LATEST as OM_CONTENT_TYPE
+from prometheus_client.openmetrics.exposition import ALLOWUTF8, DOTS, UNDERSCORES, VALUES
+from prometheus_client.openmetrics.exposition import generate_latest as om_generate_latest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
@@ -38,13 +43,69 @@ class _Families(Collector):
         return self.families
 
 
-def negotiate(accept: str | None):
-    """(encoder, content type) for an Accept header, as prometheus_client chooses them. Its version check
-    raises on a version like '1.x' (it compares a str with an int): such a header gets the text format."""
+# The versions kvwatt serves. A media range naming another version is not acceptable (it is skipped, as
+# prometheus/common expfmt.Negotiate does), so a Content-Type never echoes a version that was not produced.
+OPENMETRICS_VERSIONS = ("1.0.0",)
+TEXT_VERSIONS = ("", "0.0.4", "1.0.0")
+
+
+def _q(params: dict[str, str]) -> float | None:
+    """The quality value of a media range or coding (RFC 9110 s12.4.2), 1 when absent, None when malformed."""
     try:
-        return choose_encoder(accept or "")
-    except (TypeError, ValueError):
-        return generate_latest, CONTENT_TYPE_PLAIN_0_0_4
+        q = float(params.get("q", "1"))
+    except ValueError:
+        return None
+    return q if 0 <= q <= 1 else None
+
+
+def _ranges(header: str | None) -> list[tuple[str, dict[str, str], float]]:
+    """(lowercased type or coding, parameters, q) of each element of an Accept or Accept-Encoding header with
+    q > 0, highest q first (ties in header order); q=0 means "not acceptable" and drops the element."""
+    out = []
+    for element in (header or "").split(","):
+        kind, *toks = element.split(";")
+        params = {}
+        for tok in toks:
+            key, _, value = tok.strip().partition("=")
+            params[key.strip().lower()] = value.strip().strip('"')
+        q = _q(params)
+        if kind.strip() and q:
+            out.append((kind.strip().lower(), params, q))
+    return sorted(out, key=lambda r: -r[2])
+
+
+def _escaping(params: dict[str, str]) -> str:
+    """The name escaping asked for; underscores when absent or unknown (as prometheus_client decides)."""
+    value = params.get("escaping")
+    return value if value in (ALLOWUTF8, DOTS, VALUES) else UNDERSCORES
+
+
+def negotiate(accept: str | None):
+    """(encoder, content type) for an Accept header: the acceptable media range with the highest q that
+    kvwatt can produce, in the form prometheus_client's choose_encoder gives it; the text format (0.0.4) when
+    none is (Prometheus' own fallback). Unlike choose_encoder, a range with q=0 is not acceptable, and an
+    OpenMetrics version kvwatt does not produce is skipped instead of echoed in the Content-Type."""
+    for kind, params, _q_value in _ranges(accept):
+        version = params.get("version", "")
+        if kind == "application/openmetrics-text" and version in ("", *OPENMETRICS_VERSIONS):
+            if not version:
+                return partial(om_generate_latest, escaping=UNDERSCORES, version="1.0.0"), OM_CONTENT_TYPE
+            escaping = _escaping(params)
+            return (partial(om_generate_latest, escaping=escaping, version=version),
+                    f"application/openmetrics-text; version={version}; charset=utf-8; escaping={escaping}")
+        if kind == "text/plain" and version in TEXT_VERSIONS:
+            if version == "1.0.0":
+                escaping = _escaping(params)
+                return partial(generate_latest, escaping=escaping), f"{CONTENT_TYPE_LATEST}; escaping={escaping}"
+            return generate_latest, CONTENT_TYPE_PLAIN_0_0_4
+        if kind in ("*/*", "text/*"):
+            return generate_latest, CONTENT_TYPE_PLAIN_0_0_4
+    return generate_latest, CONTENT_TYPE_PLAIN_0_0_4
+
+
+def gzip_accepted(accept_encoding: str | None) -> bool:
+    """Whether Accept-Encoding names gzip with q > 0 (``gzip;q=0`` refuses it; prometheus_client ignores q)."""
+    return any(coding in ("gzip", "x-gzip") for coding, _params, _q_value in _ranges(accept_encoding))
 
 
 def _variant(encoder) -> tuple:
@@ -77,14 +138,14 @@ class Exposition:
         if names is not None:
             return None
         encoder, content_type = negotiate(accept)
-        gz = gzip_accepted(accept_encoding or "")
+        gz = gzip_accepted(accept_encoding)
         body = self._cache.get((*_variant(encoder), gz))
         return None if body is None else Served(body, content_type, gz)
 
     def serve(self, accept: str | None, accept_encoding: str | None, names: set[str] | None) -> Served:
         """The response, serialising what is missing (call it off the event loop)."""
         encoder, content_type = negotiate(accept)
-        gz = gzip_accepted(accept_encoding or "")
+        gz = gzip_accepted(accept_encoding)
         if names is not None:
             body = encoder(self.registry.restricted_registry(names))
             return Served(gzip.compress(body) if gz else body, content_type, gz)

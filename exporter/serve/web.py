@@ -36,7 +36,7 @@ from exporter.serve.connections import ConnectionGuard, GuardedSite
 from exporter.serve.exposition import Exposition, wanted_names
 from exporter.figures import ServerFigures, Snapshot, WindowFigures
 from exporter.samples import SourceStatus
-from exporter.serve.webconfig import BasicAuth, WebConfig
+from exporter.serve.webconfig import AUTH_RETRY_AFTER_SECONDS, BasicAuth, Verdict, WebConfig
 
 log = logging.getLogger("kvwatt.web")
 MALFORMED_LOG_INTERVAL_SECONDS = 60.0
@@ -317,13 +317,23 @@ class RequestLog(logging.LoggerAdapter):
         self.malformed, self.logged_at = 0, now
 
 
+def _client_gone(request: web.Request) -> bool:
+    transport = request.transport  # None once the connection is lost
+    return transport is None or transport.is_closing()
+
+
 def auth_middleware(auth: BasicAuth):
     @web.middleware
     async def check(request: web.Request, handler):
-        if not await auth.check(request.headers.get("Authorization")):
-            return web.Response(status=401, text="Unauthorized\n",
-                                headers={"WWW-Authenticate": 'Basic realm="kvwatt", charset="UTF-8"'})
-        return await handler(request)
+        verdict = await auth.check(request.headers.get("Authorization"), request.remote or "",
+                                   lambda: _client_gone(request))
+        if verdict is Verdict.ALLOWED:
+            return await handler(request)
+        if verdict is Verdict.BUSY:
+            return web.Response(status=429, text="Too many password checks in progress: retry later\n",
+                                headers={"Retry-After": str(AUTH_RETRY_AFTER_SECONDS)})
+        return web.Response(status=401, text="Unauthorized\n",  # DENIED, or GONE: nobody reads it
+                            headers={"WWW-Authenticate": 'Basic realm="kvwatt", charset="UTF-8"'})
     return check
 
 

@@ -13,10 +13,14 @@ The file is read once at start; a problem is a ConfigError naming the file and t
 Keys of the toolkit format that kvwatt does not implement are refused, not ignored: a setting that silently
 does nothing (a cipher list, a header) is worse than a clear error.
 
-``BasicAuth.check`` runs bcrypt (~60-250 ms by cost) in its own worker thread, never on the event loop nor
-in the pool the sampler uses, and remembers successful checks (an HMAC of user and password under a key
-drawn at start, at most ``AUTH_CACHE_SIZE``), as the exporter-toolkit does: a scrape with the right
-password costs one bcrypt per process lifetime, a flood of wrong passwords queues behind one thread.
+``BasicAuth.check`` runs bcrypt (~60 ms at cost 10, ~0.9 s at the maximum cost 14) in its own worker thread,
+never on the event loop nor in the pool the sampler uses, and remembers successful checks (an HMAC of user and
+password under a key drawn at start, at most ``AUTH_CACHE_SIZE``), as the exporter-toolkit does: a scrape with
+the right password costs one bcrypt per process lifetime. Checks not remembered are admitted in a bounded
+queue (``AUTH_QUEUE_MAX``, ``AUTH_QUEUE_PER_CLIENT`` per client address) and answered 429 past it, and a
+queued check whose client has gone is skipped: a flood of wrong passwords (2,400 pipelined once delayed a
+first good login by 41 s) costs at most a few seconds of one thread and never delays a remembered login.
+Nothing is hashed at start.
 """
 
 from __future__ import annotations
@@ -24,16 +28,22 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import enum
 import hashlib
 import hmac
+import logging
 import os
 import re
 import ssl
+import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Callable
 
 from exporter.config import ConfigError, read_yaml, unknown_key
+
+log = logging.getLogger("kvwatt.web")
 
 TLS_KEYS = ("cert_file", "key_file", "client_auth_type", "client_ca_file", "min_version", "max_version")
 TOP_KEYS = ("tls_server_config", "basic_auth_users")
@@ -45,8 +55,23 @@ TLS_VERSIONS = {"TLS10": ssl.TLSVersion.TLSv1, "TLS11": ssl.TLSVersion.TLSv1_1,
 # without verifying it, which Python's ssl cannot do: refused rather than silently verified.
 CLIENT_AUTH = {"NoClientCert": ssl.CERT_NONE, "VerifyClientCertIfGiven": ssl.CERT_OPTIONAL,
                "RequireAndVerifyClientCert": ssl.CERT_REQUIRED}
-BCRYPT_RE = re.compile(r"^\$2[aby]\$(0[4-9]|[12][0-9]|3[01])\$[./A-Za-z0-9]{53}$")
+BCRYPT_RE = re.compile(r"\$2[aby]\$(?P<cost>\d\d)\$[./A-Za-z0-9]{53}")  # matched whole (fullmatch)
+# bcrypt's minimum cost, and the highest kvwatt accepts. One check at cost 14 took 0.90 s on a 2-core test
+# machine (cost 12: 0.24 s, 15: 1.8 s; each step doubles it); with at most AUTH_QUEUE_MAX checks admitted
+# at once, an admitted first login waits at most ~8 x 0.9 = 7 s, inside Prometheus' default 10 s scrape
+# timeout. Cost 18 held the daemon 13 s before it listened; 31 would take days.
+MIN_BCRYPT_COST, MAX_BCRYPT_COST = 4, 14
 AUTH_CACHE_SIZE = 100
+# bcrypt checks admitted at once (one running, the rest queued for the one bcrypt thread), and the share of
+# them one client address may hold: past either, a request is answered 429 at once, so a flood of wrong
+# passwords neither grows a queue without bound nor keeps another client's first login out. One per address:
+# a flooding address then has at most one check ahead of another address' first login (measured with
+# bench/bench_auth_flood.py, 500 flooding clients on a loaded 2-core machine: p50 1.2 s, against 2.1 s with
+# two per address; a scraper sends one request at a time anyway).
+AUTH_QUEUE_MAX = 8
+AUTH_QUEUE_PER_CLIENT = 1
+AUTH_RETRY_AFTER_SECONDS = 1
+AUTH_LOG_INTERVAL_SECONDS = 60.0  # the "at their limit" warning at most this often (a flood comes in waves)
 
 
 @dataclass(frozen=True)
@@ -105,7 +130,11 @@ def _tls_context(tls: dict, base_dir: str, where: str) -> ssl.SSLContext | None:
         files[key] = os.path.join(base_dir, _text(tls[key], f"{where}{key}"))
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     try:
-        ctx.load_cert_chain(files["cert_file"], files["key_file"])
+        # called by OpenSSL only for an encrypted key: without it OpenSSL prompts on the terminal and blocks
+        ctx.load_cert_chain(files["cert_file"], files["key_file"], password=_refuse_passphrase)
+    except _PassphraseKey:
+        raise ConfigError(f"{where}key_file: {files['key_file']} is protected by a passphrase, which kvwatt cannot "
+                          "be given: store it decrypted (openssl pkey -in KEY -out KEY.plain) with mode 0600") from None
     except OSError as e:  # ssl.SSLError is an OSError; a missing file too
         detail = e.strerror or getattr(e, "reason", None) or str(e)
         raise ConfigError(f"{where}cert_file/key_file: cannot load {files['cert_file']} with "
@@ -119,6 +148,14 @@ def _tls_context(tls: dict, base_dir: str, where: str) -> ssl.SSLContext | None:
     ctx.set_alpn_protocols(["http/1.1"])
     _client_auth(ctx, tls, base_dir, where)
     return ctx
+
+
+class _PassphraseKey(Exception):
+    pass
+
+
+def _refuse_passphrase():
+    raise _PassphraseKey
 
 
 def _client_auth(ctx: ssl.SSLContext, tls: dict, base_dir: str, where: str) -> None:
@@ -146,11 +183,25 @@ def _users(value, path: str) -> dict[str, bytes]:
     for user, hashed in _mapping(value, f"{path}: basic_auth_users").items():
         if not isinstance(user, str) or not user or ":" in user:
             raise ConfigError(f"{where}{user!r}: a user name is a non-empty string without ':'")
-        if not isinstance(hashed, str) or not BCRYPT_RE.match(hashed):
-            raise ConfigError(f"{where}{user}: expected a bcrypt hash ($2y$10$... from htpasswd -nB), "
-                              "got something else (the value is not shown)")
-        users[user] = hashed.encode()
+        users[user] = _bcrypt_hash(hashed, f"{where}{user}")
     return users
+
+
+def _bcrypt_hash(hashed, where: str) -> bytes:
+    """The hash as bcrypt takes it, or ConfigError. Whitespace around it (a YAML block scalar keeps the line
+    break) would make every login fail with 401 and nothing logged: refused here instead."""
+    if isinstance(hashed, str) and hashed.strip() != hashed and BCRYPT_RE.fullmatch(hashed.strip()):
+        raise ConfigError(f"{where}: the bcrypt hash has a line break or spaces around it: remove them")
+    m = BCRYPT_RE.fullmatch(hashed) if isinstance(hashed, str) else None
+    if m is None:
+        raise ConfigError(f"{where}: expected a bcrypt hash ($2y$10$... from htpasswd -nB), "
+                          "got something else (the value is not shown)")
+    cost = int(m["cost"])
+    if not MIN_BCRYPT_COST <= cost <= MAX_BCRYPT_COST:
+        raise ConfigError(f"{where}: bcrypt cost {cost} is outside {MIN_BCRYPT_COST}..{MAX_BCRYPT_COST} (each step "
+                          f"doubles the time of a check; {MAX_BCRYPT_COST} takes ~1 s): hash it again with "
+                          f"htpasswd -nBC 10")
+    return hashed.encode()
 
 
 def load(path: str) -> WebConfig:
@@ -186,39 +237,95 @@ def _checkpw(password: str, hashed: bytes) -> bool:
         return False
 
 
+class Verdict(enum.Enum):
+    ALLOWED = "allowed"
+    DENIED = "denied"  # 401
+    BUSY = "busy"  # 429: too many bcrypt checks admitted, or this client holds its share of them
+    GONE = "gone"  # the client closed its connection before its check began: no check, nobody to answer
+
+
+def _cost(hashed: bytes) -> int:
+    return int(hashed[4:6])
+
+
 class BasicAuth:
-    def __init__(self, users: dict[str, bytes]):
-        import bcrypt  # fails at start, not at the first request, if the package is missing
+    def __init__(self, users: dict[str, bytes], clock: Callable[[], float] = time.monotonic):
+        import bcrypt  # noqa: F401  (fails at start, not at the first request, if the package is missing)
 
         self.users = users
-        # unknown users are checked against this, so the answer takes as long as for a known one
-        cost = max((int(h[4:6]) for h in users.values()), default=10)
-        self._unknown_user_hash = bcrypt.hashpw(os.urandom(16).hex().encode(), bcrypt.gensalt(cost))
+        # An unknown user's password is checked against the costliest configured hash (the result thrown
+        # away), so the answer takes as long as for a known user and nothing is hashed at start: a hashpw
+        # here ran on the event loop before the daemon listened (13 s at cost 18, SIGTERM unanswered).
+        self._unknown_user_hash = max(users.values(), key=_cost, default=None)
         self._key = os.urandom(32)
         self._good: OrderedDict[bytes, None] = OrderedDict()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvwatt-bcrypt")
+        self._turn = asyncio.Semaphore(1)  # FIFO: the check that runs next in the bcrypt thread
+        self._admitted: dict[str, int] = {}  # client address -> checks admitted (queued or running)
+        self.refused = 0  # answered BUSY since the last line logged about it
+        self._clock = clock
+        self._warned_at: float | None = None  # when the limit was last logged
+        self._warned = False  # a warning logged, its drain not yet
+        self.abandoned = 0  # GONE: checks skipped because their client left
 
     def _cache_key(self, user: str, password: str) -> bytes:
         return hmac.new(self._key, f"{user}\0{password}".encode(), hashlib.sha256).digest()
 
-    async def check(self, header: str | None) -> bool:
+    def admitted(self) -> int:
+        return sum(self._admitted.values())
+
+    def _admit(self, client: str) -> bool:
+        if self.admitted() >= AUTH_QUEUE_MAX or self._admitted.get(client, 0) >= AUTH_QUEUE_PER_CLIENT:
+            self.refused += 1
+            now = self._clock()
+            if not self._warned and (self._warned_at is None or now - self._warned_at >= AUTH_LOG_INTERVAL_SECONDS):
+                log.warning("password checks at their limit (%d at once, %d per client address): answering 429 "
+                            "until they drain", AUTH_QUEUE_MAX, AUTH_QUEUE_PER_CLIENT)
+                self._warned, self._warned_at = True, now
+            return False
+        self._admitted[client] = self._admitted.get(client, 0) + 1
+        return True
+
+    def _release(self, client: str) -> None:
+        left = self._admitted.pop(client) - 1
+        if left:
+            self._admitted[client] = left
+        if self._warned and not self._admitted:
+            log.info("password checks drained; %d requests answered 429 since the limit was reached", self.refused)
+            self._warned, self.refused = False, 0
+
+    async def check(self, header: str | None, client: str = "", gone: Callable[[], bool] = lambda: False) -> Verdict:
+        """Whether the Authorization header's user and password are right. A remembered good pair answers at
+        once; any other pair is checked by bcrypt in turn, unless too many are admitted (BUSY), or its client
+        (``gone()``) has left before its turn (GONE)."""
         creds = _credentials(header)
         if creds is None:
-            return False
+            return Verdict.DENIED
         user, password = creds
         key = self._cache_key(user, password)
         if key in self._good:
             self._good.move_to_end(key)
-            return True
-        hashed = self.users.get(user)
-        loop = asyncio.get_running_loop()
-        ok = await loop.run_in_executor(self._pool, _checkpw, password, hashed or self._unknown_user_hash)
+            return Verdict.ALLOWED
+        if self._unknown_user_hash is None:
+            return Verdict.DENIED
+        if not self._admit(client):
+            return Verdict.BUSY
+        try:
+            async with self._turn:
+                if gone():
+                    self.abandoned += 1
+                    return Verdict.GONE
+                hashed = self.users.get(user)
+                ok = await asyncio.get_running_loop().run_in_executor(
+                    self._pool, _checkpw, password, hashed or self._unknown_user_hash)
+        finally:
+            self._release(client)
         if ok and hashed is not None:
             self._good[key] = None
             while len(self._good) > AUTH_CACHE_SIZE:
                 self._good.popitem(last=False)
-            return True
-        return False
+            return Verdict.ALLOWED
+        return Verdict.DENIED
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
