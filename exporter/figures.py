@@ -38,6 +38,7 @@ class CostFigure:
     co2e_grams_per_thousand_tokens: float | None
     money_per_day: float | None
     co2e_grams_per_day: float | None
+    currency: str | None = None  # of the money figures (the configured electricity_currency)
 
 
 @dataclass(frozen=True)

@@ -128,7 +128,7 @@ def run_pipeline(tmp_path) -> tuple[Daemon, dict]:
     servers = {n: MetricsServer(lambda n=n: current[n]) for n in golden.SERVERS}
     # the grid's carbon intensity, read by the price source (sources/tariff.py) from its own exposition
     series = golden.CARBON_URL.partition("#")[2]
-    grid = MetricsServer(lambda: f"# TYPE grid gauge\n{series} {golden.CARBON_G_PER_KWH}\n")
+    grid = MetricsServer(lambda: f"{series} {golden.CARBON_G_PER_KWH}\n")
     gpus = FakeGpus(tmp_path / "gpus.json", energy_read_latency=0)
     for name, (_, uuid) in golden.GPUS.items():
         gpus.add(uuid, energy_mj=0, power_mw=0, temperature_c=40)

@@ -68,7 +68,7 @@ class Prices:
         return CostFigure(e.scope, watts, cost.money_per_million_tokens(jpt, self.value("electricity_price")),
                           cost.co2e_grams_per_thousand_tokens(jpt, self.value("carbon_intensity")),
                           cost.money_per_day(watts, self.value("electricity_price")),
-                          cost.co2e_grams_per_day(watts, self.value("carbon_intensity")))
+                          cost.co2e_grams_per_day(watts, self.value("carbon_intensity")), self.currency)
 
     def with_costs(self, w: WindowFigures) -> WindowFigures:
         if not self.any_configured:

@@ -88,7 +88,8 @@ def _cost_json(w: WindowFigures) -> dict:
                                "money_per_million_tokens": c.money_per_million_tokens,
                                "co2e_grams_per_thousand_tokens": c.co2e_grams_per_thousand_tokens,
                                "money_per_day": c.money_per_day,
-                               "co2e_grams_per_day": c.co2e_grams_per_day} for c in w.costs}}
+                               "co2e_grams_per_day": c.co2e_grams_per_day, "currency": c.currency}
+                     for c in w.costs}}
 
 
 def prices_json(snap: Snapshot | None) -> dict:
