@@ -312,3 +312,35 @@ def test_the_page_answers_in_money_and_co2_when_set(tmp_path):
     assert 'data-field="cost"' in html and "EUR/day" in html and "kg CO2e/day" in html
     _, _, plain, _ = _run(tmp_path / "plain")
     assert 'data-field="cost"' not in page.paying(next(s for s in plain["servers"] if s["server"] == "on"))
+
+
+def test_a_price_url_password_is_shown_nowhere(tmp_path):
+    url = "http://user:hunter2@grid.invalid:9100/metrics#ci"
+    snap, _, status, text = _run(tmp_path, carbon_intensity_g_per_kwh=url)
+    assert "hunter2" not in json.dumps(status) and "hunter2" not in text
+    assert status["prices"]["carbon_intensity"]["url"] == "http://user:xxxxx@grid.invalid:9100/metrics#ci"
+
+
+def test_a_failing_price_url_is_a_source_with_a_reason_and_the_figures_go_absent(tmp_path):
+    """The sampler hands over a URL that never answered: its source is down with the reason, no intensity
+    series, no CO2 series; the servers' own figures are all still there."""
+    from exporter.samples import PriceReading, SourceStatus
+    mapping = golden.config_mapping(tmp_path)
+    sc = golden.Scenario(tmp_path, mapping)
+    down = SourceStatus("carbon_intensity", "", False, "timeout: no answer within 2 s", 2.0, "down")
+    sc.prices = lambda t: (PriceReading("carbon_intensity", None, None, down),)
+    from exporter.daemon import Daemon
+    from exporter.model import Model
+    daemon = Daemon(sc.cfg, sampler=Sampler(sc.cfg, energy=False), model=Model(sc.cfg, wall_clock=lambda: golden.WALL))
+    for t in range(1, 41):
+        daemon.step(sc.tick(t))
+    text = daemon.published.exposition.decode()
+    assert 'kvwatt_source_up{server="",source="carbon_intensity"} 0.0' in text
+    assert 'kvwatt_source_info{reason="timeout",server="",source="carbon_intensity",state="down"} 1.0' in text
+    assert "kvwatt_co2e_grams_per_thousand_tokens{" not in text
+    assert "kvwatt_carbon_intensity_grams_per_kwh{" not in text
+    assert "kvwatt_energy_cost_per_million_tokens{" in text  # the configured price is unaffected
+    assert "kvwatt_marginal_energy_per_token_joules{" in text
+    status = status_json(daemon.snapshot)
+    assert status["prices"]["carbon_intensity"]["state"] == "unknown"
+    assert status["prices"]["carbon_intensity"]["reason"].startswith("timeout")
