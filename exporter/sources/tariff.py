@@ -22,14 +22,11 @@ import time
 
 import aiohttp
 
-from exporter.config import PriceSetting, redacted_url
+from exporter.config import PriceSetting
 from exporter.samples import PriceReading, SourceStatus
 from exporter.sources import expfmt
 from exporter.sources.endpoint import EngineSource
 from exporter.sources.engine import SourceError
-
-QUANTITIES = ("electricity_price", "carbon_intensity")
-
 
 def value_from_query(text: str) -> float:
     """The one sample of a Prometheus HTTP API instant query answer; SourceError otherwise."""
@@ -145,9 +142,6 @@ class PriceTracker:
             status = self.source.status(True, f"{status.reason}; using the value read {age:.0f} s ago"[:300],
                                         status.duration_seconds, "degraded")
         return PriceReading(self.source.quantity, self.value if age is not None else None, age, status)
-
-    def shown(self) -> str:
-        return redacted_url(self.source.setting.url or "")
 
     async def close(self) -> None:
         if self.task is not None:
