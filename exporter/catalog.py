@@ -29,6 +29,7 @@ from typing import Callable, Iterable, Iterator
 import exporter.build
 import exporter.config
 import exporter.derive.collapse
+import exporter.derive.cost
 import exporter.derive.energy
 import exporter.derive.kappa
 import exporter.derive.offload
@@ -38,6 +39,7 @@ import exporter.derive.recompute
 import exporter.derive.residency
 import exporter.derive.threshold
 import exporter.energy.baseline
+import exporter.model.cost
 import exporter.model.offload
 import exporter.model.pressure
 import exporter.model.server
@@ -46,6 +48,7 @@ import exporter.sources.combine
 import exporter.sources.engine
 import exporter.sources.nvml
 import exporter.sources.rapl
+import exporter.sources.tariff
 import exporter.sources.vllm
 from exporter.build import build_info
 from exporter.figures import ServerFigures, Snapshot, WindowFigures
@@ -313,12 +316,45 @@ def _savings(get, throughput: bool = False) -> Fill:
     return fill
 
 
+def _currency(snap: Snapshot) -> str:
+    p = snap.price("electricity_price")
+    return (p.currency if p is not None else None) or ""
+
+
+def _costs(attr: str, money: bool = False) -> Fill:
+    """One sample per server, scope and window of a CostFigure attribute; money series carry the currency."""
+    def fill(snap: Snapshot) -> Iterator[Sample]:
+        currency = (_currency(snap),) if money else ()
+        for s in snap.servers:
+            for w in s.windows:
+                for c in w.costs:
+                    yield (s.name, c.scope, w.window, *currency), getattr(c, attr)
+    return fill
+
+
+def _price(quantity: str, with_currency: bool) -> Fill:
+    def fill(snap: Snapshot) -> Iterator[Sample]:
+        p = snap.price(quantity)
+        if p is not None and p.configured:
+            yield ((p.currency or "",) if with_currency else ()) + (p.source,), p.value
+    return fill
+
+
+def _price_age(snap: Snapshot) -> Iterator[Sample]:
+    for p in snap.prices:
+        if p.source == "url":
+            yield (p.quantity,), p.age_seconds
+
+
+PRICES = Elsewhere("host-wide, not a server's figure: /api/status's top-level prices")
+
 DEVICES = Elsewhere("a host-wide device reading (GPU, RAPL zone), not a server's figure: /metrics only")
 
 _H = "Sources"
 _E = "Energy"
 _K = "KV pressure and recomputation"
 _O = "Offloading"
+_M = "Money and carbon"
 
 METRICS: tuple[MetricDef, ...] = (
     MetricDef("kvwatt_build_info", "info", ("version", "revision", "python_version"),
@@ -397,6 +433,36 @@ METRICS: tuple[MetricDef, ...] = (
               "pricing reloaded tokens at the configured load/compute cost ratio (docs/energy.md).",
               exporter.derive.energy.prompt_attribution, _E,
               status=window_key("prompt_energy_per_token_joules", lambda w: w.prompt_energy_per_token)),
+    # --- money and carbon (docs/energy.md): absent unless a price or carbon intensity is configured ---------
+    MetricDef("kvwatt_electricity_price_per_kwh", "gauge", ("currency", "source"),
+              "The electricity price per kWh in force (source=configured: a number set; source=url: read from "
+              "a series URL every price_refresh, absent once older than price_max_age). Absent when not "
+              "configured.", exporter.model.cost.Prices.value, _M, _price("electricity_price", True),
+              status=PRICES),
+    MetricDef("kvwatt_carbon_intensity_grams_per_kwh", "gauge", ("source",),
+              "The grid's carbon intensity in g CO2e per kWh in force (source=configured or url, as the price). "
+              "Absent when not configured.", exporter.model.cost.Prices.value, _M,
+              _price("carbon_intensity", False), status=PRICES),
+    MetricDef("kvwatt_price_age_seconds", "gauge", ("quantity",),
+              "Seconds since the value of a price or carbon-intensity URL (quantity=electricity_price | "
+              "carbon_intensity) was read; absent before its first good read.",
+              exporter.sources.tariff.PriceTracker.reading, _M, _price_age, status=PRICES),
+    MetricDef("kvwatt_energy_cost_per_million_tokens", "gauge", ("server", "scope", "window", "currency"),
+              "The marginal energy (kvwatt_marginal_energy_per_token_joules) of a million generated tokens at "
+              "the electricity price, in its currency. Absent without a price or a marginal figure.",
+              exporter.derive.cost.money_per_million_tokens, _M, _costs("money_per_million_tokens", True)),
+    MetricDef("kvwatt_co2e_grams_per_thousand_tokens", "gauge", ("server", "scope", "window"),
+              "The marginal energy of 1,000 generated tokens in g CO2e at the grid's carbon intensity. Absent "
+              "without an intensity or a marginal figure.", exporter.derive.cost.co2e_grams_per_thousand_tokens,
+              _M, _costs("co2e_grams_per_thousand_tokens")),
+    MetricDef("kvwatt_marginal_energy_cost_per_day", "gauge", ("server", "scope", "window", "currency"),
+              "The window's power above idle, (E - P_idle*dt)/dt, held for a day, at the electricity price: "
+              "money per day at this load. Absent without a price or a marginal figure.",
+              exporter.derive.cost.money_per_day, _M, _costs("money_per_day", True)),
+    MetricDef("kvwatt_marginal_co2e_grams_per_day", "gauge", ("server", "scope", "window"),
+              "The window's power above idle held for a day, in g CO2e at the grid's carbon intensity. Absent "
+              "without an intensity or a marginal figure.", exporter.derive.cost.co2e_grams_per_day, _M,
+              _costs("co2e_grams_per_day")),
     # --- KV pressure and recomputation ------------------------------------------------------------------
     MetricDef("kvwatt_kv_capacity_tokens", "gauge", ("server",),
               "The engine's KV-cache pool in tokens as the engine states it (vllm:cache_config_info "

@@ -149,6 +149,24 @@ class ServerConfig:
 
 
 @dataclass(frozen=True)
+class PriceSetting:
+    """An electricity price (per kWh) or a carbon intensity (g CO2e per kWh): a configured number, or a URL
+    read by exporter/sources/tariff.py -- a Prometheus HTTP API instant query (JSON, one sample), or any
+    /metrics-style exposition with the series named after ``#`` (docs/energy.md, "Money and carbon")."""
+
+    value: float | None = None
+    url: str | None = None  # the URL read (without the #series fragment)
+    series: str | None = None  # exposition form: the series name, optionally with {label="value",...}
+
+    @property
+    def shown(self) -> str:
+        """The setting as it may be shown (password masked)."""
+        if self.url is None:
+            return f"{self.value:g}"
+        return redacted_url(self.url) + (f"#{self.series}" if self.series else "")
+
+
+@dataclass(frozen=True)
 class Config:
     servers: tuple[ServerConfig, ...] = ()
     listen: str = DEFAULT_LISTEN
@@ -178,6 +196,12 @@ class Config:
     collapse_power_near_idle_ratio: float = rules.COLLAPSE_POWER_NEAR_IDLE_RATIO.default
     collapse_reference_seconds: float = rules.COLLAPSE_REFERENCE_WINDOW.default
     load_to_compute_cost_ratio: float = rules.LOAD_TO_COMPUTE_COST_RATIO.default
+    # money and carbon (docs/energy.md): None = not configured, the figures are absent (no invented default)
+    electricity_price: PriceSetting | None = None  # per kWh, in electricity_currency
+    electricity_currency: str | None = None  # ISO 4217 code, required with a price (a label of the money series)
+    carbon_intensity: PriceSetting | None = None  # g CO2e per kWh
+    price_refresh_seconds: float = rules.PRICE_REFRESH.default
+    price_max_age_seconds: float = rules.PRICE_MAX_AGE.default
     web_config_path: str | None = None  # TLS / basic auth of the endpoints (exporter/serve/webconfig.py)
     log_level: str = "info"  # debug | info | warn | error (exporter/logsetup.py)
     log_format: str = "logfmt"  # logfmt | json
@@ -352,6 +376,57 @@ def _watts_map(value: Any, key: str) -> dict[str, float]:
     return {str(k): _float_range(0.0)(v, f"{key}.{k}") for k, v in value.items()}
 
 
+PROMETHEUS_QUERY_PATH = "/api/v1/query"
+_SERIES_RE = re.compile(r'^[A-Za-z_:][A-Za-z0-9_:]*(\{([A-Za-z_][A-Za-z0-9_]*="[^"]*",?)*\})?$')
+_NUMBER_RE = re.compile(r"^[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?$")
+
+
+def parse_price(value: Any, key: str) -> PriceSetting:
+    """A price or intensity: a number >= 0 (also as text, from a flag or the environment), or an http(s) URL:
+    ``.../api/v1/query?query=...`` (Prometheus HTTP API, one sample) or ``.../metrics#series_name`` (an
+    exposition, the series after '#', optionally with its labels: ``name{zone="DE"}``)."""
+    expected = ("expected a number >= 0, or an http(s) URL (a Prometheus .../api/v1/query?query=... or a "
+                "/metrics URL with #series_name)")
+    if isinstance(value, str) and _NUMBER_RE.match(value.strip()):
+        value = float(value.strip())
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return PriceSetting(value=_float_range(0.0)(value, key))
+    if not isinstance(value, str) or url_problem(value, expected):
+        shown_value = redacted_url(value) if isinstance(value, str) else value
+        raise ConfigError(f"{key}: {url_problem(value, expected) if isinstance(value, str) else expected}, "
+                          f"got {shown(shown_value)}")
+    url, _, series = _str(value, key).partition("#")
+    if series:
+        if not _SERIES_RE.match(series):
+            raise ConfigError(f"{key}: expected a series name like name or name{{label=\"value\"}} after '#', "
+                              f"got {shown(series)}")
+        return PriceSetting(url=url, series=series)
+    parts = urlsplit(url)
+    if not parts.path.rstrip("/").endswith(PROMETHEUS_QUERY_PATH) or "query=" not in parts.query:
+        raise ConfigError(f"{key}: a URL without #series must be a Prometheus {PROMETHEUS_QUERY_PATH}?query=... "
+                          f"instant query, got {shown(redacted_url(url))}")
+    return PriceSetting(url=url)
+
+
+_CURRENCY_RE = re.compile(r"^[A-Z]{3}$")
+
+
+def parse_currency(value: Any, key: str) -> str:
+    """An ISO 4217 currency code (EUR, USD ...), any case; written upper case (the money series' label)."""
+    text = value.strip().upper() if isinstance(value, str) else value
+    if not isinstance(text, str) or not _CURRENCY_RE.match(text):
+        raise ConfigError(f"{key}: expected an ISO 4217 currency code like EUR or USD, got {shown(value)}")
+    return text
+
+
+def check_prices(cfg: "Config") -> "Config":
+    """A price needs its currency (no default currency is invented); a currency alone is harmless."""
+    if cfg.electricity_price is not None and cfg.electricity_currency is None:
+        raise ConfigError("electricity_currency: required with electricity_price_per_kwh (an ISO 4217 code like "
+                          "EUR; flag --electricity-currency, $KVWATT_ELECTRICITY_CURRENCY)")
+    return cfg
+
+
 def _from_rule(rule: rules.Rule, parse: Any) -> dict[str, tuple[str, Any]]:
     """A KEYS entry for a shared rule: its YAML key and Config attribute come from exporter/rules.py."""
     return {rule.key: (rule.attribute, parse)}
@@ -382,6 +457,11 @@ KEYS: dict[str, tuple[str, Any]] = {
     **_from_rule(rules.COLLAPSE_POWER_NEAR_IDLE_RATIO, _float_range(1.0)),
     **_from_rule(rules.COLLAPSE_REFERENCE_WINDOW, parse_duration),
     **_from_rule(rules.LOAD_TO_COMPUTE_COST_RATIO, _float_range(0.0)),
+    "electricity_price_per_kwh": ("electricity_price", lambda v, k: parse_price(v, k)),
+    "electricity_currency": ("electricity_currency", lambda v, k: parse_currency(v, k)),
+    "carbon_intensity_g_per_kwh": ("carbon_intensity", lambda v, k: parse_price(v, k)),
+    **_from_rule(rules.PRICE_REFRESH, parse_duration),
+    **_from_rule(rules.PRICE_MAX_AGE, parse_duration),
     "web_config_file": ("web_config_path", _str),
     "log_level": ("log_level", parse_log_level),
     "log_format": ("log_format", parse_log_format),
@@ -594,7 +674,7 @@ def keep_settings(configured: tuple[ServerConfig, ...], given: tuple[ServerConfi
 
 def apply_environment(cfg: Config, env: dict[str, str] | None = None) -> Config:
     """KVWATT_LISTEN, KVWATT_INTERVAL, KVWATT_SERVERS ("a=URL,b=URL"), KVWATT_STATE_DIR, KVWATT_POWERCAP_ROOT,
-    KVWATT_LOG_LEVEL, KVWATT_LOG_FORMAT."""
+    KVWATT_LOG_LEVEL, KVWATT_LOG_FORMAT, and PRICE_ENVIRONMENT's (money and carbon)."""
     env = os.environ if env is None else env
     kw: dict[str, Any] = {}
     if env.get("KVWATT_LISTEN"):
@@ -613,7 +693,18 @@ def apply_environment(cfg: Config, env: dict[str, str] | None = None) -> Config:
         kw["log_level"] = parse_log_level(env["KVWATT_LOG_LEVEL"], "KVWATT_LOG_LEVEL")
     if env.get("KVWATT_LOG_FORMAT"):
         kw["log_format"] = parse_log_format(env["KVWATT_LOG_FORMAT"], "KVWATT_LOG_FORMAT")
+    for var, attribute, parse in PRICE_ENVIRONMENT:
+        if env.get(var):
+            kw[attribute] = parse(env[var], var)
     return replace(cfg, **kw)
+
+
+# money and carbon from the environment: (variable, Config attribute, parser)
+PRICE_ENVIRONMENT = (
+    ("KVWATT_ELECTRICITY_PRICE_PER_KWH", "electricity_price", parse_price),
+    ("KVWATT_ELECTRICITY_CURRENCY", "electricity_currency", parse_currency),
+    ("KVWATT_CARBON_INTENSITY_G_PER_KWH", "carbon_intensity", parse_price),
+)
 
 
 def resolve(config_path: str | None, servers: list[str] | None = None, listen: str | None = None,
@@ -632,7 +723,7 @@ def resolve(config_path: str | None, servers: list[str] | None = None, listen: s
         kw["listen"] = parse_listen(listen, "--listen")
     if interval:
         kw["interval_seconds"] = parse_interval(interval, "--interval")
-    cfg = replace(cfg, **kw)
+    cfg = check_prices(replace(cfg, **kw))
     if not cfg.servers:
         cfg = replace(cfg, servers=(ServerConfig(name="default", url=DEFAULT_SERVER_URL),))
     return cfg

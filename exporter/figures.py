@@ -36,6 +36,37 @@ class EnergyFigure:
     marginal_joules_per_token: float | None
 
 
+@dataclass(frozen=True)
+class CostFigure:
+    """One scope's marginal energy in money and carbon over a window (derive/cost.py, docs/energy.md). None:
+    unknown (no marginal energy figure) or not configured (no price, no carbon intensity)."""
+
+    scope: str  # gpu | host
+    marginal_watts: float | None  # (E - P_idle*dt) / dt: the power the money and CO2 per day hold for a day
+    money_per_million_tokens: float | None
+    co2e_grams_per_thousand_tokens: float | None
+    money_per_day: float | None
+    co2e_grams_per_day: float | None
+    currency: str | None = None  # of the money figures (the configured electricity_currency)
+
+
+@dataclass(frozen=True)
+class PriceFigure:
+    """The electricity price or the carbon intensity in force: configured, read from a URL, or not configured."""
+
+    quantity: str  # electricity_price | carbon_intensity
+    value: float | None  # per kWh (price, in ``currency``) or g CO2e per kWh; None: not configured or unknown
+    source: str  # configured | url | not_configured
+    currency: str | None = None  # the price's ISO 4217 code
+    url: str | None = None  # password masked, with its #series
+    age_seconds: float | None = None  # since the URL's value was read
+    reason: str = ""  # why a URL's value is unknown or degraded
+
+    @property
+    def configured(self) -> bool:
+        return self.source != "not_configured"
+
+
 NOISE_STDERRS = 2.0  # a dE within two standard errors of zero is "within noise"
 
 
@@ -110,6 +141,8 @@ class WindowFigures:
     kv_before_reuse_yardstick_seconds: float | None = None  # the idle bucket bound it was counted at
     residency_evidence: str | None = None  # pressure | low_pressure | None (unknown)
     residency_evidence_reason: str = ""
+    # money and carbon of the marginal energy (model/cost.py); empty when neither price nor intensity is set
+    costs: tuple[CostFigure, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -236,6 +269,10 @@ class Snapshot:
     t: float  # the tick's monotonic time
     wall_time: float  # unix seconds at the tick
     servers: tuple[ServerFigures, ...]
-    sources: tuple[SourceStatus, ...] = ()  # host-wide sources: nvml, rapl, state_dir
+    sources: tuple[SourceStatus, ...] = ()  # host-wide sources: nvml, rapl, state_dir, price URLs
     devices: tuple[DeviceFigures, ...] = ()
     notice: str = ""  # Config.notice: shown above the figures on every screen
+    prices: tuple[PriceFigure, ...] = ()  # electricity price and carbon intensity (model/cost.py)
+
+    def price(self, quantity: str) -> PriceFigure | None:
+        return next((p for p in self.prices if p.quantity == quantity), None)

@@ -46,6 +46,17 @@ CONFIG_DOCS: dict[str, tuple[str | None, str]] = {
     "powercap_root": (None, "RAPL powercap tree (flag `--powercap-root`)"),
     "nvml": (None, "read GPU energy through NVML"),
     "idle_power_watts": (None, "configured P_idle per device id (`gpu:<uuid>`, `rapl:<zone>:<domain>`)"),
+    "electricity_price_per_kwh": (None, "electricity price per kWh for the money figures: a number, or a URL read "
+                                  "every `price_refresh` -- a Prometheus `.../api/v1/query?query=...` (one "
+                                  "sample) or a `/metrics` URL with `#series_name` (optionally "
+                                  "`#name{label=\"value\"}`); needs `electricity_currency`; none: no money "
+                                  "figures (flag `--electricity-price-per-kwh`, "
+                                  "`$KVWATT_ELECTRICITY_PRICE_PER_KWH`; docs/energy.md)"),
+    "electricity_currency": (None, "ISO 4217 code of that price (`EUR`, `USD`), the `currency` label of the money "
+                             "series; no default (flag `--electricity-currency`, `$KVWATT_ELECTRICITY_CURRENCY`)"),
+    "carbon_intensity_g_per_kwh": (None, "grid carbon intensity in g CO2e per kWh for the CO2 figures: a number "
+                                   "or a URL as for the price; none: no CO2 figures (flag "
+                                   "`--carbon-intensity-g-per-kwh`, `$KVWATT_CARBON_INTENSITY_G_PER_KWH`)"),
     "web_config_file": (None, "TLS and basic auth of every endpoint, exporter-toolkit format (flag "
                               "`--web.config.file`; docs/deployment.md)"),
     "log_level": (None, "`debug`, `info`, `warn` or `error` (flag `--log.level`, `$KVWATT_LOG_LEVEL`)"),

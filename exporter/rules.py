@@ -73,12 +73,19 @@ COLLAPSE_REFERENCE_WINDOW = Rule("collapse_reference_window", 600.0, "seconds",
 LOAD_TO_COMPUTE_COST_RATIO = Rule("load_to_compute_cost_ratio", 0.1, "ratio",
                                   "energy of reloading a token vs recomputing it (attribution model, methods.md s7)",
                                   "s7")
+# electricity price and carbon intensity read from a series URL (exporter/sources/tariff.py): both change
+# hourly at most (day-ahead tariffs, grid-intensity feeds), so a read every 5 min follows them; a value older
+# than 2 h is no longer the grid's and the money and CO2 figures go unknown (docs/energy.md, "Money and carbon")
+PRICE_REFRESH = Rule("price_refresh", 300.0, "seconds", "how often a price or carbon-intensity series URL is read",
+                     "s1", "price_refresh_seconds")
+PRICE_MAX_AGE = Rule("price_max_age", 7200.0, "seconds", "a price or carbon intensity read from a URL older than "
+                     "this is unknown (the money and CO2 figures with it)", "s1", "price_max_age_seconds")
 
 RULES: dict[str, Rule] = {r.key: r for r in (
     INTERVAL, WINDOWS, KV_PRESSURE_THRESHOLD, THRESHOLD_WINDOW, THRESHOLD_HISTORY, THRESHOLD_MIN_WINDOWS,
     PREEMPTION_ONSET_PER_MINUTE, RECOMPUTE_TAX_THRESHOLD, IDLE_SETTLE, IDLE_MIN_DURATION, MIN_LOAD_DURATION,
     P99_TOOL_LATENCY, BUFFER_HEADROOM, COLLAPSE_THROUGHPUT_DROP_RATIO, COLLAPSE_POWER_NEAR_IDLE_RATIO,
-    COLLAPSE_REFERENCE_WINDOW, LOAD_TO_COMPUTE_COST_RATIO)}
+    COLLAPSE_REFERENCE_WINDOW, LOAD_TO_COMPUTE_COST_RATIO, PRICE_REFRESH, PRICE_MAX_AGE)}
 
 
 def longest_window_seconds() -> float:

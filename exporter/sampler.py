@@ -37,6 +37,7 @@ from exporter.samples import DeviceReading, ServerRead, SourceStatus, Tick
 from exporter.sources.endpoint import EngineSource
 from exporter.sources.nvml import NvmlSource
 from exporter.sources.rapl import RaplSource
+from exporter.sources.tariff import PriceSource, PriceTracker
 
 log = logging.getLogger("kvwatt.sampler")
 
@@ -132,6 +133,14 @@ class HealthLog:
             log.warning("%s is %s: %s", what, status.state, status.reason or status.code)
 
 
+def price_trackers(cfg: Config) -> list[PriceTracker]:
+    """A tracker for each price or carbon intensity configured as a URL (a configured number needs none)."""
+    settings = (("electricity_price", cfg.electricity_price), ("carbon_intensity", cfg.carbon_intensity))
+    return [PriceTracker(PriceSource(q, s, cfg.http_timeout_seconds, cfg.max_body_bytes),
+                         cfg.price_refresh_seconds, cfg.price_max_age_seconds)
+            for q, s in settings if s is not None and s.url is not None]
+
+
 class Sampler:
     def __init__(self, cfg: Config, servers: Sequence[ServerConfig] | None = None, nvml: Any = None,
                  rapl: Any = None, energy: bool = True, deadline_seconds: float | None = None) -> None:
@@ -155,6 +164,7 @@ class Sampler:
         self.pending: dict[str, asyncio.Task] = {}
         self.session: aiohttp.ClientSession | None = None
         self.health = HealthLog()
+        self.prices = price_trackers(cfg)
 
     async def __aenter__(self) -> "Sampler":
         # one connection per server at most (a read in flight is never doubled)
@@ -175,6 +185,8 @@ class Sampler:
             self.session = None
         for e in self.energy:
             e.close()
+        for p in self.prices:
+            await p.close()
 
     async def tick(self, t: float) -> Tick:
         """Read every source for the tick at monotonic time ``t``; returns within ~``deadline`` seconds, or up
@@ -203,7 +215,19 @@ class Sampler:
             statuses.append(status)
             self.health.note(status)
             devices += readings
-        return Tick(t, servers, tuple(statuses), tuple(devices))
+        return Tick(t, servers, tuple(statuses), tuple(devices), self._prices(t))
+
+    def _prices(self, t: float) -> tuple:
+        """The price URLs' values in use at ``t``; a read due is started, never waited for (its result is
+        taken at a later tick), so a slow or dead URL costs a tick nothing."""
+        out = []
+        for p in self.prices:
+            p.poll(self.session, t)
+            reading = p.reading(t)
+            if reading.status.code != "not_read_yet":  # HealthLog logs its changes only
+                self.health.note(reading.status)
+            out.append(reading)
+        return tuple(out)
 
     async def ticks(self, interval: float, stop: asyncio.Event | None = None,
                     until: float | None = None) -> AsyncIterator[Tick]:

@@ -27,6 +27,8 @@ REASON_CODES = frozenset({
     "disabled", "absent", "permission", "masked", "unreadable", "gpu_lost", "busy",
     # the state directory (exporter/energy/baseline.py, exporter/statedir.py)
     "not_persisted", "dropped",
+    # a price or carbon-intensity series URL (exporter/sources/tariff.py); also timeout, unreachable, parse_error
+    "stale", "no_sample",
 })
 _HTTP_STATUS = re.compile(r"http_[1-5][0-9][0-9]")
 UNKNOWN_REASON_CODE = "error"  # the label of a reason whose first word is not in the vocabulary
@@ -124,6 +126,18 @@ class Tick:
     servers: dict[str, ServerRead]
     energy_statuses: tuple[SourceStatus, ...] = ()
     energy: tuple["DeviceReading", ...] = ()
+    prices: tuple["PriceReading", ...] = ()  # the price and carbon-intensity URLs' last values (sources/tariff.py)
+
+
+@dataclass(frozen=True)
+class PriceReading:
+    """The last value read from a price or carbon-intensity URL, as of one tick: ``value`` None when unknown
+    (never read, or older than the staleness limit: ``status`` says why), ``age_seconds`` since it was read."""
+
+    quantity: str  # electricity_price | carbon_intensity
+    value: float | None
+    age_seconds: float | None
+    status: SourceStatus
 
 
 @dataclass(frozen=True)

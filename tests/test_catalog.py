@@ -126,6 +126,9 @@ def run_pipeline(tmp_path) -> tuple[Daemon, dict]:
     inputs = golden.Inputs()
     current: dict[str, str | None] = {n: None for n in golden.SERVERS}
     servers = {n: MetricsServer(lambda n=n: current[n]) for n in golden.SERVERS}
+    # the grid's carbon intensity, read by the price source (sources/tariff.py) from its own exposition
+    series = golden.CARBON_URL.partition("#")[2]
+    grid = MetricsServer(lambda: f"{series} {golden.CARBON_G_PER_KWH}\n")
     gpus = FakeGpus(tmp_path / "gpus.json", energy_read_latency=0)
     for name, (_, uuid) in golden.GPUS.items():
         gpus.add(uuid, energy_mj=0, power_mw=0, temperature_c=40)
@@ -134,12 +137,13 @@ def run_pipeline(tmp_path) -> tuple[Daemon, dict]:
     mapping = golden.config_mapping(tmp_path, {n: s.url for n, s in servers.items()})
     mapping.pop("nvml")
     mapping["powercap_root"] = tree.root
+    mapping["carbon_intensity_g_per_kwh"] = f"{grid.url}/metrics#{series}"
     mapping["interval"] = "4s"  # the sampler waits min(interval / 2, http_timeout) for the loopback reads
     path = tmp_path / "kvwatt.yaml"
     path.write_text(yaml.safe_dump(mapping))
     golden.write_measured_host_baseline(mapping["state_dir"])
     t = [0.0]
-    for s in servers.values():
+    for s in (*servers.values(), grid):
         s.__enter__()
     try:
         PHASE[0] = "startup"
@@ -170,7 +174,7 @@ def run_pipeline(tmp_path) -> tuple[Daemon, dict]:
         asyncio.run(loop())
     finally:
         PHASE[0] = "done"
-        for s in servers.values():
+        for s in (*servers.values(), grid):
             s.__exit__(None, None, None)
     return daemon, {f.name: f for f in families(daemon.snapshot)}
 

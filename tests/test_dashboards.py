@@ -241,6 +241,10 @@ def panel_units_rule(d: Dashboard) -> list[str]:
 # The unit a panel must have, from the name of the kvwatt series its first query reads (Prometheus naming:
 # the suffix says the unit). Longest suffix first. Exempt: flags drawn through value mappings ("none").
 UNIT_BY_SUFFIX = (
+    # money and carbon (docs/energy.md): currency in the label, so money units name none
+    ("_cost_per_million_tokens", "suffix:/1M tokens"), ("_cost_per_day", "suffix:/day"),
+    ("_price_per_kwh", "suffix:/kWh"), ("_grams_per_thousand_tokens", "si:g/1k tokens"),
+    ("_grams_per_day", "si:g/day"), ("_grams_per_kwh", "si:g/kWh"),
     ("_tokens_per_second", "count:tokens/s"), ("_per_generated_token", "si:FLOP/token"),
     ("_bytes_per_second", "Bps"), ("_per_token_joules", "joule"), ("_per_minute", "cpm"), ("_windows", "count:windows"),
     ("_tokens", "count:tokens"), ("_seconds", "s"), ("_bytes", "bytes"), ("_watts", "watt"),

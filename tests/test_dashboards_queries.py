@@ -125,7 +125,10 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
                         for name, server in (("on", on), ("off", off))]
         config = {"windows": ["10s", "30s"], "powercap_root": tree.root, "min_load_duration": "3s",
                   "idle_power_watts": {GPU_ON: vllm_sim.IDLE_WATTS, GPU_OFF: vllm_sim.IDLE_WATTS,
-                                       **RaplTicker.IDLE_WATTS}}
+                                       **RaplTicker.IDLE_WATTS},
+                  # the money-and-carbon panels' series exist only when these are configured
+                  "electricity_price_per_kwh": 0.25, "electricity_currency": "EUR",
+                  "carbon_intensity_g_per_kwh": 400}
         ticker.thread.start()
         try:
             with KvwattDaemon(servers=servers, config=config, env=gpus.env()) as daemon, \

@@ -70,11 +70,17 @@ NON_NEGATIVE = {"kvwatt_sample_duration_seconds", "kvwatt_window_covered_seconds
                 "kvwatt_kv_pressure_threshold_located_windows", "kvwatt_recompute_reference_windows",
                 "kvwatt_kv_block_evictions_per_second", "kvwatt_kv_block_evictions_per_prompt_block_ratio",
                 "kvwatt_kv_block_idle_before_evict_seconds", "kvwatt_kv_block_reuse_gap_seconds",
-                "kvwatt_offload_buffer_residency_target_seconds", "kvwatt_kv_pools_above_threshold"}
+                "kvwatt_offload_buffer_residency_target_seconds", "kvwatt_kv_pools_above_threshold",
+                # money and carbon: the configured or read price and intensity are refused below 0
+                "kvwatt_electricity_price_per_kwh", "kvwatt_carbon_intensity_grams_per_kwh",
+                "kvwatt_price_age_seconds"}
 # differences and stale-baseline figures: any finite sign (marginal J/token < 0 when P_idle is stale)
 SIGNED = {"kvwatt_marginal_energy_per_token_joules", "kvwatt_recompute_tax_ratio", "kvwatt_energy_saving_ratio",
           "kvwatt_energy_saving_stderr_ratio", "kvwatt_throughput_gain_ratio",
-          "kvwatt_throughput_gain_stderr_ratio"}
+          "kvwatt_throughput_gain_stderr_ratio",
+          # money and carbon of the marginal energy: negative with it (a stale P_idle)
+          "kvwatt_energy_cost_per_million_tokens", "kvwatt_co2e_grams_per_thousand_tokens",
+          "kvwatt_marginal_energy_cost_per_day", "kvwatt_marginal_co2e_grams_per_day"}
 
 BAD_VALUES = ["-1", "-0.5", "1.7", "-1e308", "1e308", "6e29", "1e400", "NaN", "+Inf", "-Inf", "", "abc",
               "\x00\xff\ufffd", "0x10", "1 2 3", "-0", "5e-324", "1e-300", "0.5", "2", "1e29"]

@@ -49,7 +49,7 @@ from exporter.config import from_mapping
 from exporter.daemon import Daemon
 from exporter.energy.baseline import BaselineBook, IdleEstimate
 from exporter.model import Model
-from exporter.samples import DeviceReading, ServerRead, SourceStatus, Tick
+from exporter.samples import DeviceReading, PriceReading, ServerRead, SourceStatus, Tick
 from exporter.sampler import Sampler
 from exporter.sources.endpoint import EngineSource
 from exporter.serve.web import _finite, status_json
@@ -65,7 +65,7 @@ LOW = sorted((FIXTURES / "low-pressure").glob("*.prom"))
 CPU_FROM = TICKS - len(LOW) + 1  # the cpu server answers from this tick on
 HOST_WATTS = 80.0
 GPU_IDLE_WATTS = sim.IDLE_WATTS
-READ_SECONDS = {"vllm": 0.012, "nvml": 0.003, "rapl": 0.0002}  # fixed read durations
+READ_SECONDS = {"vllm": 0.012, "nvml": 0.003, "rapl": 0.0002, "price": 0.02}  # fixed read durations
 LLAMA_8B = {"layers": 32, "kv_heads": 8, "head_dim": 128, "dtype_bytes": 2, "active_parameters": 8.0e9,
             "hidden_size": 4096}
 
@@ -86,7 +86,15 @@ def config_mapping(tmp_path, urls: dict[str, str] | None = None) -> dict:
         "threshold_window": "10s",
         "idle_power_watts": {"GPU-on": GPU_IDLE_WATTS, "GPU-off": GPU_IDLE_WATTS},
         "state_dir": str(tmp_path / "state"), "powercap_root": str(tmp_path / "no-powercap"), "nvml": False,
+        # money and carbon (docs/energy.md): a configured price, a carbon intensity read from a series URL
+        "electricity_price_per_kwh": ELECTRICITY_PRICE, "electricity_currency": "EUR",
+        "carbon_intensity_g_per_kwh": CARBON_URL,
     }
+
+
+ELECTRICITY_PRICE = 0.25  # EUR per kWh
+CARBON_URL = 'http://grid.invalid:9100/metrics#grid_carbon_intensity_grams_per_kwh{zone="DE"}'
+CARBON_G_PER_KWH = 380.0
 
 
 SERVERS = ("cpu", "on", "off", "sgl")
@@ -173,7 +181,14 @@ class Scenario:
                                     read_at=float(t)))
         statuses = (SourceStatus("nvml", "", True, "", READ_SECONDS["nvml"], "ok"),
                     SourceStatus("rapl", "", True, "", READ_SECONDS["rapl"], "ok"))
-        return Tick(float(t), servers, statuses, tuple(energy))
+        return Tick(float(t), servers, statuses, tuple(energy), self.prices(t))
+
+    def prices(self, t: int) -> tuple[PriceReading, ...]:
+        """The carbon-intensity URL as the sampler hands it over: read at t = 1, then every 60 s."""
+        if self.cfg.carbon_intensity is None or self.cfg.carbon_intensity.url is None:
+            return ()
+        status = SourceStatus("carbon_intensity", "", True, "", READ_SECONDS["price"], "ok")
+        return (PriceReading("carbon_intensity", CARBON_G_PER_KWH, float((t - 1) % 60), status),)
 
 
 def run_scenario(tmp_path, ticks: int = TICKS, on_step=None) -> Daemon:

@@ -9,8 +9,8 @@ import logging
 
 from exporter import logsetup
 from exporter.build import VersionAction
-from exporter.config import (Config, ConfigError, parse_duration, parse_log_format, parse_log_level,
-                             parse_telemetry_path, resolve)
+from exporter.config import (Config, ConfigError, parse_currency, parse_duration, parse_log_format,
+                             parse_log_level, parse_price, parse_telemetry_path, resolve)
 from exporter.serve import connections, webconfig
 from exporter.serve.web import WebLimits
 from exporter.service import CannotListen, serve
@@ -35,6 +35,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="debug, info, warn or error (default info; also the key log_level, $KVWATT_LOG_LEVEL)")
     p.add_argument("--log.format", dest="log_format", metavar="FORMAT",
                    help="logfmt or json, one line per record (default logfmt; also log_format, $KVWATT_LOG_FORMAT)")
+    p.add_argument("--electricity-price-per-kwh", dest="electricity_price", metavar="PRICE|URL",
+                   help="electricity price per kWh: a number, or a Prometheus .../api/v1/query?query=... URL, or a "
+                        "/metrics URL with #series (also electricity_price_per_kwh, "
+                        "$KVWATT_ELECTRICITY_PRICE_PER_KWH; needs --electricity-currency)")
+    p.add_argument("--electricity-currency", dest="electricity_currency", metavar="CODE",
+                   help="ISO 4217 code of that price, e.g. EUR (also electricity_currency, "
+                        "$KVWATT_ELECTRICITY_CURRENCY)")
+    p.add_argument("--carbon-intensity-g-per-kwh", dest="carbon_intensity", metavar="GRAMS|URL",
+                   help="grid carbon intensity in g CO2e per kWh: a number or a URL as for the price (also "
+                        "carbon_intensity_g_per_kwh, $KVWATT_CARBON_INTENSITY_G_PER_KWH)")
     p.add_argument("--version", action=VersionAction)
     p.add_argument("--web.config.file", dest="web_config_file", metavar="FILE",
                    help="TLS and basic auth of every endpoint, Prometheus exporter-toolkit format "
@@ -51,7 +61,18 @@ def config_from_args(args: argparse.Namespace) -> Config:
     level = parse_log_level(args.log_level, "--log.level") if args.log_level is not None else None
     fmt = parse_log_format(args.log_format, "--log.format") if args.log_format is not None else None
     return resolve(args.config, servers=args.server, listen=args.listen, interval=args.interval,
-                   powercap_root=args.powercap_root, state_dir=args.state_dir, log_level=level, log_format=fmt)
+                   powercap_root=args.powercap_root, state_dir=args.state_dir, log_level=level, log_format=fmt,
+                   **price_flags(args))
+
+
+def price_flags(args: argparse.Namespace) -> dict:
+    """The money-and-carbon flags, parsed (ConfigError on a bad one); those not given are None."""
+    def parsed(name: str, flag: str, parse):
+        value = getattr(args, name, None)
+        return None if value is None else parse(value, flag)
+    return {"electricity_price": parsed("electricity_price", "--electricity-price-per-kwh", parse_price),
+            "electricity_currency": parsed("electricity_currency", "--electricity-currency", parse_currency),
+            "carbon_intensity": parsed("carbon_intensity", "--carbon-intensity-g-per-kwh", parse_price)}
 
 
 def web_settings(args: argparse.Namespace, cfg: Config):

@@ -17,6 +17,7 @@ from typing import Callable
 from exporter.config import Config
 from exporter.energy.baseline import BaselineBook
 from exporter.figures import Snapshot
+from exporter.model.cost import Prices
 from exporter.model.energy import EnergyLedger, is_idle
 from exporter.model.evidence_book import EvidenceBook
 from exporter.model.reference_book import ReferenceBook
@@ -34,6 +35,7 @@ class Model:
         self.wall_clock = wall_clock
         self.servers = {s.name: ServerModel(s, cfg, keep_seconds) for s in cfg.servers}
         self.energy = EnergyLedger(cfg, book, wall_clock, learn_idle)
+        self.prices = Prices(cfg)
         self.references = references
         # the evidence windows persist beside the reference shares, in the same state directory
         self.evidence = None if references is None else EvidenceBook(references.state_dir, references.wall_clock,
@@ -48,6 +50,7 @@ class Model:
     def ingest(self, tick: Tick) -> None:
         t = tick.t
         self.energy.ingest(tick)
+        self.prices.ingest(tick)
         for name, sm in self.servers.items():
             self.energy.attribute(name, sm.history)  # before the read: the interval ending at t gets it
             read = tick.servers.get(name)
@@ -92,7 +95,7 @@ class Model:
 
     def snapshot(self) -> Snapshot:
         t = self.last_t if self.last_t is not None else time.monotonic()
-        servers = tuple(sm.figures(t, self.servers) for sm in self.servers.values())
+        servers = tuple(self._with_costs(sm.figures(t, self.servers)) for sm in self.servers.values())
         now_wall = self.wall_clock()
         state = self.energy.book.status()  # the state directory's health sits with the host-wide sources
         more = self.references.problems() if self.references is not None else []
@@ -100,8 +103,15 @@ class Model:
         if state is not None and more:
             reason = "; ".join(p for p in (state.reason, *more) if p)
             state = replace(state, reason=reason, state="degraded")
-        sources = tuple(self.energy.statuses) + (() if state is None else (state,))
-        return Snapshot(t, now_wall, servers, sources, self.energy.devices(now_wall), self.cfg.notice)
+        sources = tuple(self.energy.statuses) + (() if state is None else (state,)) + self.prices.statuses()
+        return Snapshot(t, now_wall, servers, sources, self.energy.devices(now_wall),
+                        notice=self.cfg.notice, prices=self.prices.figures())
+
+    def _with_costs(self, figures):
+        """Each window's energy figures in money and carbon (model/cost.py), when a price or intensity is set."""
+        if not self.prices.any_configured:
+            return figures
+        return replace(figures, windows=tuple(self.prices.with_costs(w) for w in figures.windows))
 
 
 def _last(sm: ServerModel):

@@ -151,7 +151,8 @@ def content(status: dict) -> str:
 {servers}</main>"""
 
 
-_SOURCE_NAMES = {"nvml": "GPU energy (NVML)", "rapl": "host energy (RAPL)", "state_dir": "state directory"}
+_SOURCE_NAMES = {"nvml": "GPU energy (NVML)", "rapl": "host energy (RAPL)", "state_dir": "state directory",
+                 "electricity_price": "electricity price (URL)", "carbon_intensity": "carbon intensity (URL)"}
 
 
 def _source_chip(st: dict) -> str:
@@ -200,7 +201,36 @@ def paying(s: dict) -> str:
     lead, basis = _saving_sentences(s)
     return (f'<p class="verdict {_verdict_class(s)}" data-field="dE">{lead}</p>'
             + (f'<p class="small" data-field="dE-basis">{basis}</p>' if basis else "")
-            + _other_savings(s) + _energy_sentence(s) + _tax_sentence(s))
+            + _cost_sentence(s) + _other_savings(s) + _energy_sentence(s) + _tax_sentence(s))
+
+
+def _cost_sentence(s: dict) -> str:
+    """The marginal energy in money and CO2 per day at the longest window's load, when a price or a carbon
+    intensity is configured (docs/energy.md, "Money and carbon"); nothing when neither is."""
+    lw = _longest(s)
+    if lw is None or not lw[1].get("cost"):
+        return ""
+    label, w = lw
+    parts = [f"{_SCOPES[scope]} {_cost_words(c)}" for scope, c in w["cost"].items() if scope in _SCOPES]
+    return (f'<p data-field="cost">In money and carbon {_window_words(label, w)}, the energy above idle at this '
+            f'load: {"; ".join(parts)}.</p>')
+
+
+def _money(x, currency) -> str:
+    return UNKNOWN if x is None else f"{x:,.3g} {_e(currency or '')}".rstrip()
+
+
+def _cost_words(c: dict) -> str:
+    if c["marginal_watts"] is None:
+        return f"{UNKNOWN} (no marginal energy figure yet)"
+    cur = c.get("currency")
+    kg = None if c["co2e_grams_per_day"] is None else c["co2e_grams_per_day"] / 1000
+    per_day = (f'<b>{_money(c["money_per_day"], cur)}/day</b>, '
+               f'<b>{UNKNOWN if kg is None else f"{kg:,.3g} kg"} CO2e/day</b>')
+    per_token = (f'{_money(c["money_per_million_tokens"], cur)} per million generated tokens, '
+                 f'{UNKNOWN if c["co2e_grams_per_thousand_tokens"] is None else _num(c["co2e_grams_per_thousand_tokens"])}'
+                 f' g CO2e per 1,000 tokens')
+    return f"{per_day} ({_num(c['marginal_watts'])} W; {per_token})"
 
 
 def _first_saving(s: dict):

@@ -80,6 +80,31 @@ def _tiers_json(w: WindowFigures) -> dict:
                               for t in w.offload_tiers}}
 
 
+def _cost_json(w: WindowFigures) -> dict:
+    """Money and carbon of the marginal energy by scope; no key when no price or intensity is configured."""
+    if not w.costs:
+        return {}
+    return {"cost": {c.scope: {"marginal_watts": c.marginal_watts,
+                               "money_per_million_tokens": c.money_per_million_tokens,
+                               "co2e_grams_per_thousand_tokens": c.co2e_grams_per_thousand_tokens,
+                               "money_per_day": c.money_per_day,
+                               "co2e_grams_per_day": c.co2e_grams_per_day, "currency": c.currency}
+                     for c in w.costs}}
+
+
+def prices_json(snap: Snapshot | None) -> dict:
+    """The price and carbon intensity in force (top level): value, unit, source, age, or "not_configured"
+    with how to set it."""
+    out = {}
+    for p in () if snap is None else snap.prices:
+        unit = f"{p.currency or '?'} per kWh" if p.quantity == "electricity_price" else "g CO2e per kWh"
+        out[p.quantity] = ({"state": "not_configured", "how": p.reason} if not p.configured else
+                           {"state": "ok" if p.value is not None else "unknown", "value": p.value, "unit": unit,
+                            "currency": p.currency, "source": p.source, "url": p.url,
+                            "age_seconds": p.age_seconds, "reason": p.reason})
+    return out
+
+
 WINDOW_BLOCKS: tuple[Block, ...] = (
     Block(("energy",), _named("kvwatt_marginal_energy_per_token_joules", "kvwatt_energy_per_token_joules"),
           _energy_json),
@@ -101,6 +126,9 @@ WINDOW_BLOCKS: tuple[Block, ...] = (
     Block(("kv_usage_p95_interval",),  # methods.md s10
           _named("kvwatt_kv_cache_usage_p95_lower_ratio", "kvwatt_kv_cache_usage_p95_upper_ratio"),
           lambda w: {"kv_usage_p95_interval": [w.kv_usage_p95_low, w.kv_usage_p95_high]}),
+    Block(("cost",),  # docs/energy.md, "Money and carbon"; the currency is the top-level prices' one
+          _named("kvwatt_energy_cost_per_million_tokens", "kvwatt_co2e_grams_per_thousand_tokens",
+                 "kvwatt_marginal_energy_cost_per_day", "kvwatt_marginal_co2e_grams_per_day"), _cost_json),
 )
 
 
@@ -223,7 +251,7 @@ WINDOW_KEY_ORDER = (
     "prompt_energy_per_token_joules", "kv_evicted_blocks_per_second", "kv_evictions_per_prompt_block",
     "kv_idle_before_evict_seconds", "kv_reuse_gap_seconds", "kv_evicted_before_reuse_ratio",
     "kv_before_reuse_yardstick", "kv_before_reuse_yardstick_seconds", "residency_evidence",
-    "residency_evidence_reason")
+    "residency_evidence_reason", "cost")
 SERVER_KEY_ORDER = (
     "server", "url", "up", "state", "reason_code", "reason", "engine", "capabilities", "model_name",
     "offload_enabled", "offload_buffer_bytes", "offload_buffer_used_ratio", "offload_buffer_used_bytes",
@@ -265,9 +293,13 @@ def status_json(snap: Snapshot | None) -> dict:
     servers = [] if snap is None else [_server_json(v) for v in snap.servers]
     sources = [] if snap is None else [_source_json(st) for st in snap.sources]
     as_of = None if snap is None else snap.wall_time
-    notice = {"notice": snap.notice} if snap is not None and snap.notice else {}  # `kvwatt demo` says it is one
-    return _finite({"version": __version__, "as_of_unix_seconds": as_of, "as_of": _iso(as_of), **notice,
-                    "servers": servers, "sources": sources})
+    out = {"version": __version__, "as_of_unix_seconds": as_of, "as_of": _iso(as_of),
+           "servers": servers, "sources": sources}
+    if snap is not None and snap.notice:
+        out["notice"] = snap.notice  # `kvwatt demo` says it is one
+    if snap is not None:
+        out["prices"] = prices_json(snap)
+    return _finite(out)
 
 
 def _iso(unix_seconds: float | None) -> str | None:

@@ -1,0 +1,96 @@
+"""Money and carbon in the model: the price and carbon intensity in force at a tick, and the hook that turns a
+power figure (W) into money and kg CO2e per day (docs/energy.md, "Money and carbon").
+
+    prices = Prices(cfg)
+    prices.ingest(tick)                          # the URLs' values, as the sampler last read them
+    prices.cost_of_watts(120.0)                  # -> (money per day, kg CO2e per day), None where not set
+    prices.with_costs(window_figures)            # the window's CostFigures from its energy figures
+
+A configured number is in force from the start; a URL's value once read (unknown after its staleness limit).
+Neither set: no PriceFigure value and no CostFigure at all (absent, never 0).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from exporter.config import Config, PriceSetting
+from exporter.derive import cost
+from exporter.figures import CostFigure, EnergyFigure, PriceFigure, WindowFigures
+from exporter.samples import PriceReading, SourceStatus, Tick
+
+# how each quantity is set, for /api/status's "not configured" (key, flag, environment variable)
+HOW_TO_SET = {
+    "electricity_price": "set electricity_price_per_kwh with electricity_currency (flags --electricity-price-per-kwh "
+                         "and --electricity-currency, $KVWATT_ELECTRICITY_PRICE_PER_KWH and "
+                         "$KVWATT_ELECTRICITY_CURRENCY): a number or a series URL (docs/energy.md)",
+    "carbon_intensity": "set carbon_intensity_g_per_kwh (flag --carbon-intensity-g-per-kwh, "
+                        "$KVWATT_CARBON_INTENSITY_G_PER_KWH): a number or a series URL (docs/energy.md)",
+}
+
+
+class Prices:
+    def __init__(self, cfg: Config) -> None:
+        self.settings: dict[str, PriceSetting | None] = {"electricity_price": cfg.electricity_price,
+                                                          "carbon_intensity": cfg.carbon_intensity}
+        self.currency = cfg.electricity_currency
+        self.readings: dict[str, PriceReading] = {}
+
+    def ingest(self, tick: Tick) -> None:
+        for r in tick.prices:
+            self.readings[r.quantity] = r
+
+    def value(self, quantity: str) -> float | None:
+        setting = self.settings.get(quantity)
+        if setting is None:
+            return None
+        if setting.url is None:
+            return setting.value
+        r = self.readings.get(quantity)
+        return None if r is None else r.value
+
+    @property
+    def any_configured(self) -> bool:
+        return any(s is not None for s in self.settings.values())
+
+    def cost_of_watts(self, watts: float | None) -> tuple[float | None, float | None]:
+        """A power held for a day (a marginal energy rate, the recomputation tax or an offload saving in W) ->
+        (money per day in the configured currency, kg CO2e per day); None where unknown or not configured."""
+        grams = cost.co2e_grams_per_day(watts, self.value("carbon_intensity"))
+        return (cost.money_per_day(watts, self.value("electricity_price")),
+                None if grams is None else grams / cost.GRAMS_PER_KILOGRAM)
+
+    def cost_of_energy(self, e: EnergyFigure) -> CostFigure:
+        """One scope's marginal J/token and marginal power in money and carbon."""
+        jpt = e.marginal_joules_per_token
+        watts = None if jpt is None else cost.marginal_watts(e.basis.energy_joules, e.basis.idle_joules,
+                                                               e.basis.seconds)
+        return CostFigure(e.scope, watts, cost.money_per_million_tokens(jpt, self.value("electricity_price")),
+                          cost.co2e_grams_per_thousand_tokens(jpt, self.value("carbon_intensity")),
+                          cost.money_per_day(watts, self.value("electricity_price")),
+                          cost.co2e_grams_per_day(watts, self.value("carbon_intensity")), self.currency)
+
+    def with_costs(self, w: WindowFigures) -> WindowFigures:
+        if not self.any_configured:
+            return w
+        return replace(w, costs=tuple(self.cost_of_energy(e) for e in w.energy))
+
+    def figures(self) -> tuple[PriceFigure, ...]:
+        return tuple(self._figure(q) for q in self.settings)
+
+    def _figure(self, quantity: str) -> PriceFigure:
+        setting = self.settings[quantity]
+        currency = self.currency if quantity == "electricity_price" else None
+        if setting is None:
+            return PriceFigure(quantity, None, "not_configured", reason=HOW_TO_SET[quantity])
+        if setting.url is None:
+            return PriceFigure(quantity, setting.value, "configured", currency)
+        r = self.readings.get(quantity)
+        reason = "not_read_yet" if r is None else r.status.reason
+        return PriceFigure(quantity, self.value(quantity), "url", currency, setting.shown,
+                           None if r is None else r.age_seconds, reason)
+
+    def statuses(self) -> tuple[SourceStatus, ...]:
+        """The price URLs' health, beside nvml and rapl (kvwatt_source_up{source="electricity_price"} ...)."""
+        return tuple(self.readings[q].status for q, s in self.settings.items()
+                     if s is not None and s.url is not None and q in self.readings)

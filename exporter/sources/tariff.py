@@ -1,0 +1,150 @@
+"""The electricity price and the grid's carbon intensity read from a URL (docs/energy.md, "Money and carbon").
+
+Two forms, chosen by the configured URL (exporter.config.parse_price):
+
+- ``http(s)://host/api/v1/query?query=...``: the Prometheus HTTP API, an instant query whose answer is one
+  sample (a vector of one series, or a scalar);
+- ``http(s)://host/metrics#name`` or ``#name{label="value"}``: any text exposition, the one sample of that
+  series (with at least those labels). The fragment is never sent.
+
+``PriceSource.read`` never raises: a failure is a SourceStatus (timeout, unreachable, http_<code>, parse_error,
+no_sample). ``PriceTracker`` keeps the last good value with the monotonic time it was read: the sampler starts
+a read every ``refresh_seconds`` without waiting for it (a slow URL never delays a tick or a scrape); the value
+stays in use, with its age, through failed reads, and is unknown once older than ``max_age_seconds``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+
+import aiohttp
+
+from exporter.config import PriceSetting
+from exporter.samples import PriceReading, SourceStatus
+from exporter.sources import expfmt
+from exporter.sources.endpoint import EngineSource
+from exporter.sources.engine import SourceError
+
+def value_from_query(text: str) -> float:
+    """The one sample of a Prometheus HTTP API instant query answer; SourceError otherwise."""
+    try:
+        doc = json.loads(text)
+        data = doc["data"]
+        kind, result = data["resultType"], data["result"]
+    except (ValueError, KeyError, TypeError):
+        raise SourceError("parse_error", "not a Prometheus API answer (no data.resultType/result)") from None
+    if isinstance(doc, dict) and doc.get("status") not in (None, "success"):
+        raise SourceError("parse_error", f"query failed: {str(doc.get('error', ''))[:200]}")
+    if kind == "scalar":
+        pair = result
+    elif kind == "vector":
+        if len(result) != 1:
+            raise SourceError("no_sample", f"the query returned {len(result)} series, want exactly 1")
+        pair = result[0].get("value") if isinstance(result[0], dict) else None
+    else:
+        raise SourceError("parse_error", f"resultType {kind!r}, want vector or scalar")
+    try:
+        return _checked(float(pair[1]))
+    except (TypeError, ValueError, IndexError):
+        raise SourceError("parse_error", "the sample has no [time, \"value\"] pair") from None
+
+
+def value_from_exposition(text: str, series: str) -> float:
+    """The one sample of ``series`` (``name`` or ``name{label="value",...}``: those labels must match) in a
+    text exposition; SourceError otherwise."""
+    name, _, selector = series.partition("{")
+    wanted = set(expfmt._parse_labels(selector.rstrip("}")) or ()) if selector else set()
+    found = [v for labels, v in expfmt.parse(text, prefix=name, skip_suffixes=()).get(name).items()
+             if wanted <= set(labels)]
+    if len(found) != 1:
+        raise SourceError("no_sample", f"{len(found)} samples of {series} in the exposition, want exactly 1")
+    return _checked(found[0])
+
+
+def _checked(value: float) -> float:
+    if not math.isfinite(value) or value < 0:
+        raise SourceError("out_of_range", f"value {value!r}, want a finite number >= 0")
+    return value
+
+
+class PriceSource:
+    """One URL of a price or intensity, read with the servers' timeout and body limit (EngineSource.fetch:
+    no redirect followed, the body bounded, credentials sent as basic auth and shown nowhere)."""
+
+    def __init__(self, quantity: str, setting: PriceSetting, timeout_seconds: float, max_body_bytes: int):
+        self.quantity, self.setting = quantity, setting
+        self.http = EngineSource(quantity, setting.url, timeout_seconds, max_body_bytes)
+        self.endpoint = _credentials(setting.url)
+
+    async def read(self, session: aiohttp.ClientSession) -> tuple[SourceStatus, float | None]:
+        started = time.monotonic()
+        try:
+            text = await self.http.fetch(session, self.endpoint)
+            value = (value_from_exposition(text, self.setting.series) if self.setting.series
+                     else value_from_query(text))
+        except SourceError as e:
+            return self.status(False, str(e)[:300], time.monotonic() - started), None
+        except Exception as e:  # a source never raises into the sampler
+            return self.status(False, f"error: {type(e).__name__}: {e}"[:300], time.monotonic() - started), None
+        return self.status(True, "", time.monotonic() - started), value
+
+    def status(self, up: bool, reason: str, seconds: float | None, state: str | None = None) -> SourceStatus:
+        return SourceStatus(self.quantity, "", up, reason, seconds, state or ("ok" if up else "down"))
+
+
+def _credentials(url: str):
+    """(basic auth, the URL without credentials) -- the URL is read as written, not as a server root."""
+    from yarl import URL
+    u = URL(url)
+    auth = aiohttp.BasicAuth(u.user or "", u.password or "") if u.user or u.password else None
+    return auth, str(u.with_user(None))
+
+
+class PriceTracker:
+    """The last good value of one PriceSource, its age, and the read in flight (at most one)."""
+
+    def __init__(self, source: PriceSource, refresh_seconds: float, max_age_seconds: float):
+        self.source, self.refresh_seconds, self.max_age_seconds = source, refresh_seconds, max_age_seconds
+        self.value: float | None = None
+        self.read_at: float | None = None  # monotonic time of the last good read
+        self.started_at: float | None = None  # of the last read started
+        self.task: asyncio.Task | None = None
+        self.last_status = source.status(False, "not_read_yet", None)
+
+    def poll(self, session: aiohttp.ClientSession, t: float) -> None:
+        """Take a finished read's result; start the next one when due. Never waits."""
+        if self.task is not None and self.task.done():
+            status, value = self.task.result()
+            self.task = None
+            self.last_status = status
+            if value is not None:
+                self.value, self.read_at = value, t
+        due = self.started_at is None or t - self.started_at >= self.refresh_seconds
+        if self.task is None and due:
+            self.started_at = t
+            self.task = asyncio.create_task(self.source.read(session))
+
+    def reading(self, t: float) -> PriceReading:
+        """The value in use at ``t``: the last good one while younger than max_age_seconds. A failed read
+        with a value still in use degrades the source; none (or a stale one) leaves it down."""
+        age = None if self.read_at is None else t - self.read_at
+        status = self.last_status
+        if age is not None and age > self.max_age_seconds:
+            detail = f"stale: last value read {age:.0f} s ago (limit {self.max_age_seconds:g} s)"
+            if not status.up:
+                detail += f"; last read: {status.reason}"
+            return PriceReading(self.source.quantity, None, age, self.source.status(False, detail[:300],
+                                                                                    status.duration_seconds))
+        if age is not None and not status.up:
+            status = self.source.status(True, f"{status.reason}; using the value read {age:.0f} s ago"[:300],
+                                        status.duration_seconds, "degraded")
+        return PriceReading(self.source.quantity, self.value if age is not None else None, age, status)
+
+    async def close(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+            await asyncio.gather(self.task, return_exceptions=True)
+            self.task = None
