@@ -57,6 +57,30 @@ def test_sglang_anchor_gauges_win_over_the_per_pool_series():
     assert r.gauges["offload_buffer_tokens"] == 1000
 
 
+def test_sglang_016d8605_offload_is_the_kv_pools_backups_and_load_backs_not_every_freed_slot():
+    """At 016d8605 ``evicted_tokens`` counts every device slot freed (backed up or destroyed, 2,000,000): the
+    D->H traffic is ``hicache_backup_tokens{pool="kv"}`` and the H->D ``load_back_tokens{pool="kv"}``."""
+    r = _reading("sglang", "current-series-016d8605.prom")
+    assert r.counters["offload_store_tokens"] == 1500000  # not 2,000,000 evicted, not + the mamba pool's 900
+    assert r.counters["offload_load_tokens"] == 400000  # not + the mamba pool's 300
+    assert r.counters["offload_store_bytes"] == 3.0e10 and r.counters["offload_load_bytes"] == 8.0e9
+    # device KV destroyed because the host pool could not take it: the KV pool's, host_pressure
+    assert r.counters["offload_stores_dropped_full"] == 500
+    assert r.engine_counters[""]["offload_store_tokens"] == 1500000
+    assert {"offload_traffic", "offload_failures", "offload_tokens"} <= r.capabilities
+    # the device pool: token_usage 0.5 and max_total_num_tokens; kv_*_tokens (40,000 free + 10,000 evictable +
+    # 50,000 used) say the same in tokens and are not read
+    assert r.gauges["kv_usage"] == 0.5 and r.info.kv_capacity_tokens == 100000
+    assert r.gauges["offload_buffer_used_ratio"] == pytest.approx(300000 / 400000)
+    assert r.counters["preemptions"] == 4
+
+
+def test_sglang_before_016d8605_evicted_tokens_stay_the_store_traffic_and_unlabelled_load_backs_count():
+    r = _reading("sglang", "current-series.prom")  # no hicache_dropped / backup series: the older meaning
+    assert r.counters["offload_store_tokens"] == 1200000 and r.counters["offload_load_tokens"] == 300000
+    assert "offload_store_bytes" not in r.counters and "offload_stores_dropped_full" not in r.counters
+
+
 # --- TensorRT-LLM -------------------------------------------------------------------------------------------
 def test_trtllm_cached_tokens_by_tier_sum_the_levels_of_each_tier():
     r = _reading("trtllm", "current-series.prom")
