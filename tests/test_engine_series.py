@@ -116,6 +116,15 @@ def test_lmcache_multiprocess_l1_occupancy_and_failed_writes():
     assert {"offload_occupancy", "offload_used_bytes", "offload_failures"} <= r.capabilities
 
 
+def test_lmcache_multiprocess_lookup_tokens_are_the_external_prefix_cache():
+    """lookup_requested / lookup_hit (OTel unit tokens) summed over cache_salt: 8000 + 2000 looked up, 5000 + 1000
+    found in L1 + L2; the per-tier split and the in-flight transfer counts are not read."""
+    r = _reading("lmcache", "current-series.sidecar.prom")
+    assert r.counters["external_prefix_queries"] == 10000
+    assert r.counters["external_prefix_hits"] == 6000
+    assert not any("l1" in k or "l2" in k or "flight" in k for k in r.counters)
+
+
 def test_lmcache_multiprocess_merges_into_the_vllm_reading():
     vllm = Sequence("lmcache", "normal").texts(10.0)[""]
     r = combine.read_exposition(vllm + _text("lmcache", "current-series.sidecar.prom"))
