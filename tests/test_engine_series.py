@@ -107,6 +107,15 @@ def test_dynamo_kvbm_v2_disk_to_host_staging_is_not_counted_as_a_load():
     assert r.gauges["offload_disk_hit_ratio"] == pytest.approx(0.3)
 
 
+def test_dynamo_kvbm_object_tier_blocks_count_and_its_write_failures_are_skipped_stores():
+    r = _reading("dynamo", "current-series-04070c75.sidecar.prom")
+    assert r.counters["offload_store_blocks"] == 100 + 20 + 15  # d2h + d2d + d2o; h2d (30) host -> disk
+    assert r.counters["offload_load_blocks"] == 40 + 6 + 4  # h2d + d2d + o2d
+    assert r.counters["offload_stores_skipped"] == 2  # object writes failed; read failures (1) are no store
+    assert "offload_store_bytes" not in r.counters  # the object tier's bytes alone would hide host and disk
+    assert "offload_buffer_used_ratio" not in r.gauges  # no host / disk occupancy at 04070c75
+
+
 # --- LMCache multiprocess mode ------------------------------------------------------------------------------
 def test_lmcache_multiprocess_l1_occupancy_and_failed_writes():
     r = _reading("lmcache", "current-series.sidecar.prom")
