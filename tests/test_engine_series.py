@@ -140,6 +140,21 @@ def test_lmcache_multiprocess_merges_into_the_vllm_reading():
     assert r.engine == "vllm+lmcache" and r.gauges["offload_buffer_used_ratio"] == pytest.approx(0.6)
 
 
+# --- vLLM SimpleCPU offload ----------------------------------------------------------------------------------
+def test_vllm_simple_cpu_finished_loads_are_offload_traffic_in_blocks_then_tokens():
+    """simple_kv_offload_load_blocks{phase} at 222790a9: completed (12), not issued (15); x block_size 16."""
+    r = combine.read_exposition(_text("vllm-0.32-definitions", "simple-cpu-222790a9.prom"))
+    assert r.counters["offload_load_blocks"] == 12
+    assert r.counters["offload_load_tokens"] == 12 * 16
+    assert r.counters["offload_stores_dropped_full"] == 6
+    assert r.info.kv_capacity_tokens == 36864  # kv_cache_max_concurrency (4.5) is read-and-not-needed
+
+
+def test_vllm_simple_cpu_0_32_0_unlabelled_load_blocks_still_count():
+    r = VllmAdapter().read(_text("vllm-0.32-definitions", "simple-cpu-001.prom"))
+    assert r.counters["offload_load_blocks"] == 12
+
+
 # --- _created samples ---------------------------------------------------------------------------------------
 _SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?P<labels>\{.*\})? \S+$")
 
