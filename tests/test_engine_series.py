@@ -75,6 +75,17 @@ def test_sglang_016d8605_offload_is_the_kv_pools_backups_and_load_backs_not_ever
     assert r.counters["preemptions"] == 4
 
 
+def test_sglang_radix_cache_evictions_without_hicache_are_no_offload():
+    """Without HiCache (no host pool, backup or dropped series) the 016d8605 scheduler still counts the radix
+    cache's evictions in evicted_tokens: slots freed, nothing copied to a host tier."""
+    text = "\n".join(line for line in _text("sglang", "current-series-016d8605.prom").splitlines()
+                     if "hicache" not in line and "load_back" not in line)
+    assert "sglang:evicted_tokens_total{" in text and "hicache" not in text
+    r = adapter_for(text).read(text)
+    assert "offload_store_tokens" not in r.counters and "offload_load_tokens" not in r.counters
+    assert r.info.offload_enabled is False and r.info.offload_backend == "none"
+
+
 def test_sglang_before_016d8605_evicted_tokens_stay_the_store_traffic_and_unlabelled_load_backs_count():
     r = _reading("sglang", "current-series.prom")  # no hicache_dropped / backup series: the older meaning
     assert r.counters["offload_store_tokens"] == 1200000 and r.counters["offload_load_tokens"] == 300000

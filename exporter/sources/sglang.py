@@ -82,7 +82,7 @@ SPEC = EngineSpec(
     fractions={"kv_usage": Pick("token_usage")},
     info=("hicache_host_used_tokens", "hicache_host_total_tokens", "hicache_host_pool_used_tokens",
           "hicache_host_pool_total_tokens", "cache_config_info", "max_total_num_tokens",
-          "evicted_tokens", "hicache_backup_tokens", "load_back_tokens"),
+          "evicted_tokens", "hicache_backup_tokens", "load_back_tokens", "kv_evictable_tokens"),
     rank_label="dp_rank",
     replica_labels=("tp_rank", "pp_rank", "moe_ep_rank"),
     worker_labels=("worker_addr",),
@@ -116,17 +116,21 @@ class SglangAdapter(SpecAdapter):
     def _offload_tokens(self, parts: Parts) -> None:
         """GPU <-> host tokens of the KV pool. Releases that pre-seed ``hicache_dropped_tokens`` (016d8605) count
         the D->H copies in ``hicache_backup_tokens{pool}``, and ``evicted_tokens`` there is every device slot
-        freed, backed up or not: no offload traffic. Earlier releases counted D->H in ``evicted_tokens``.
+        freed, backed up or not: no offload traffic. Earlier releases counted D->H in ``evicted_tokens``; a
+        server without HiCache (no host pool series) that reports ``kv_evictable_tokens`` evicts to nowhere.
         ``load_back_tokens`` gained a ``pool`` label (kv, swa, mamba): the KV pool's, or all where unlabelled."""
+        host = any(k in parts.series for k in ("hicache_host_total_tokens", "hicache_host_pool_total_tokens"))
         if "hicache_dropped_tokens" in parts.series or "hicache_backup_tokens" in parts.series:
-            store = (Pick("hicache_backup_tokens", KV_POOL),)
+            store: tuple[Pick, ...] = (Pick("hicache_backup_tokens", KV_POOL),)
+        elif "kv_evictable_tokens" in parts.series and not host:
+            store = ()  # a radix cache without HiCache (scheduler of the kv_*_tokens era): evictions free slots
         else:
             store = (Pick("evicted_tokens"),)
         loads = parts.series.get("load_back_tokens", {})
         pooled = any("pool" in dict(labels) for labels in loads)
         load = (Pick("load_back_tokens", KV_POOL if pooled else ()),)
         for key, picks in (("offload_store_tokens", store), ("offload_load_tokens", load)):
-            sums = rank_sums(parts.series, picks, self.spec, key, parts.rejected)
+            sums = None if not picks else rank_sums(parts.series, picks, self.spec, key, parts.rejected)
             if sums is None:
                 continue
             parts.counters[key] = sum(sums.values())
