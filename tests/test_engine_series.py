@@ -215,6 +215,7 @@ def _read(src: EngineSource):
 
 @pytest.mark.parametrize("engine,name,key", [
     ("sglang", "current-series.prom", "offload_buffer_used_ratio"),
+    ("sglang", "current-series-016d8605.prom", "offload_stores_dropped_full"),
     ("trtllm", "current-series.prom", "prompt_cached_host"),
 ])
 def test_an_engine_exposition_over_loopback(engine, name, key):
