@@ -57,6 +57,41 @@ def test_sglang_anchor_gauges_win_over_the_per_pool_series():
     assert r.gauges["offload_buffer_tokens"] == 1000
 
 
+def test_sglang_016d8605_offload_is_the_kv_pools_backups_and_load_backs_not_every_freed_slot():
+    """At 016d8605 ``evicted_tokens`` counts every device slot freed (backed up or destroyed, 2,000,000): the
+    D->H traffic is ``hicache_backup_tokens{pool="kv"}`` and the H->D ``load_back_tokens{pool="kv"}``."""
+    r = _reading("sglang", "current-series-016d8605.prom")
+    assert r.counters["offload_store_tokens"] == 1500000  # not 2,000,000 evicted, not + the mamba pool's 900
+    assert r.counters["offload_load_tokens"] == 400000  # not + the mamba pool's 300
+    assert r.counters["offload_store_bytes"] == 3.0e10 and r.counters["offload_load_bytes"] == 8.0e9
+    # device KV destroyed because the host pool could not take it: the KV pool's, host_pressure
+    assert r.counters["offload_stores_dropped_full"] == 500
+    assert r.engine_counters[""]["offload_store_tokens"] == 1500000
+    assert {"offload_traffic", "offload_failures", "offload_tokens"} <= r.capabilities
+    # the device pool: token_usage 0.5 and max_total_num_tokens; kv_*_tokens (40,000 free + 10,000 evictable +
+    # 50,000 used) say the same in tokens and are not read
+    assert r.gauges["kv_usage"] == 0.5 and r.info.kv_capacity_tokens == 100000
+    assert r.gauges["offload_buffer_used_ratio"] == pytest.approx(300000 / 400000)
+    assert r.counters["preemptions"] == 4
+
+
+def test_sglang_radix_cache_evictions_without_hicache_are_no_offload():
+    """Without HiCache (no host pool, backup or dropped series) the 016d8605 scheduler still counts the radix
+    cache's evictions in evicted_tokens: slots freed, nothing copied to a host tier."""
+    text = "\n".join(line for line in _text("sglang", "current-series-016d8605.prom").splitlines()
+                     if "hicache" not in line and "load_back" not in line)
+    assert "sglang:evicted_tokens_total{" in text and "hicache" not in text
+    r = adapter_for(text).read(text)
+    assert "offload_store_tokens" not in r.counters and "offload_load_tokens" not in r.counters
+    assert r.info.offload_enabled is False and r.info.offload_backend == "none"
+
+
+def test_sglang_before_016d8605_evicted_tokens_stay_the_store_traffic_and_unlabelled_load_backs_count():
+    r = _reading("sglang", "current-series.prom")  # no hicache_dropped / backup series: the older meaning
+    assert r.counters["offload_store_tokens"] == 1200000 and r.counters["offload_load_tokens"] == 300000
+    assert "offload_store_bytes" not in r.counters and "offload_stores_dropped_full" not in r.counters
+
+
 # --- TensorRT-LLM -------------------------------------------------------------------------------------------
 def test_trtllm_cached_tokens_by_tier_sum_the_levels_of_each_tier():
     r = _reading("trtllm", "current-series.prom")
@@ -83,6 +118,15 @@ def test_dynamo_kvbm_v2_disk_to_host_staging_is_not_counted_as_a_load():
     assert r.gauges["offload_disk_hit_ratio"] == pytest.approx(0.3)
 
 
+def test_dynamo_kvbm_object_tier_blocks_count_and_its_write_failures_are_skipped_stores():
+    r = _reading("dynamo", "current-series-04070c75.sidecar.prom")
+    assert r.counters["offload_store_blocks"] == 100 + 20 + 15  # d2h + d2d + d2o; h2d (30) host -> disk
+    assert r.counters["offload_load_blocks"] == 40 + 6 + 4  # h2d + d2d + o2d
+    assert r.counters["offload_stores_skipped"] == 2  # object writes failed; read failures (1) are no store
+    assert "offload_store_bytes" not in r.counters  # the object tier's bytes alone would hide host and disk
+    assert "offload_buffer_used_ratio" not in r.gauges  # no host / disk occupancy at 04070c75
+
+
 # --- LMCache multiprocess mode ------------------------------------------------------------------------------
 def test_lmcache_multiprocess_l1_occupancy_and_failed_writes():
     r = _reading("lmcache", "current-series.sidecar.prom")
@@ -92,10 +136,34 @@ def test_lmcache_multiprocess_l1_occupancy_and_failed_writes():
     assert {"offload_occupancy", "offload_used_bytes", "offload_failures"} <= r.capabilities
 
 
+def test_lmcache_multiprocess_lookup_tokens_are_the_external_prefix_cache():
+    """lookup_requested / lookup_hit (OTel unit tokens) summed over cache_salt: 8000 + 2000 looked up, 5000 + 1000
+    found in L1 + L2; the per-tier split and the in-flight transfer counts are not read."""
+    r = _reading("lmcache", "current-series.sidecar.prom")
+    assert r.counters["external_prefix_queries"] == 10000
+    assert r.counters["external_prefix_hits"] == 6000
+    assert not any("l1" in k or "l2" in k or "flight" in k for k in r.counters)
+
+
 def test_lmcache_multiprocess_merges_into_the_vllm_reading():
     vllm = Sequence("lmcache", "normal").texts(10.0)[""]
     r = combine.read_exposition(vllm + _text("lmcache", "current-series.sidecar.prom"))
     assert r.engine == "vllm+lmcache" and r.gauges["offload_buffer_used_ratio"] == pytest.approx(0.6)
+
+
+# --- vLLM SimpleCPU offload ----------------------------------------------------------------------------------
+def test_vllm_simple_cpu_finished_loads_are_offload_traffic_in_blocks_then_tokens():
+    """simple_kv_offload_load_blocks{phase} at 222790a9: completed (12), not issued (15); x block_size 16."""
+    r = combine.read_exposition(_text("vllm-0.32-definitions", "simple-cpu-222790a9.prom"))
+    assert r.counters["offload_load_blocks"] == 12
+    assert r.counters["offload_load_tokens"] == 12 * 16
+    assert r.counters["offload_stores_dropped_full"] == 6
+    assert r.info.kv_capacity_tokens == 36864  # kv_cache_max_concurrency (4.5) is read-and-not-needed
+
+
+def test_vllm_simple_cpu_0_32_0_unlabelled_load_blocks_still_count():
+    r = VllmAdapter().read(_text("vllm-0.32-definitions", "simple-cpu-001.prom"))
+    assert r.counters["offload_load_blocks"] == 12
 
 
 # --- _created samples ---------------------------------------------------------------------------------------
@@ -147,6 +215,7 @@ def _read(src: EngineSource):
 
 @pytest.mark.parametrize("engine,name,key", [
     ("sglang", "current-series.prom", "offload_buffer_used_ratio"),
+    ("sglang", "current-series-016d8605.prom", "offload_stores_dropped_full"),
     ("trtllm", "current-series.prom", "prompt_cached_host"),
 ])
 def test_an_engine_exposition_over_loopback(engine, name, key):

@@ -20,7 +20,16 @@ Not read: ``kvbm_onboard_blocks_d2h`` (KVBM v2, docs/components/kvbm/kvbm-v2-gui
 13e7e6440d7f18b425638ba8244fe62cc4e7149b: disk -> host, the staging step of a disk hit before its promotion to
 the GPU, which ``onboard_blocks_h2d`` then counts) and ``kvbm_offload_blocks_h2d`` below: moves between tiers.
 
-KVBM exports no tier capacity or occupancy, and no offload bytes: those figures are absent. Host -> disk
+Object storage tier (lib/runtime/src/metrics/prometheus_names.rs at commit
+04070c75b52f33346a2d5723eed93a0093e77bad): ``kvbm_offload_blocks_d2o`` / ``kvbm_onboard_blocks_o2d`` count with
+the device <-> tier blocks above, ``kvbm_object_write_failures`` (blocks) as stores skipped. Not read there:
+``kvbm_offload_bytes_object`` / ``kvbm_onboard_bytes_object`` (bytes of the object tier alone: as the offload
+bytes they would hide the host and disk tiers' traffic), ``kvbm_object_read_failures`` (a failed load, no
+store), ``kvbm_object_cache_hit_rate`` (kvwatt's tier hit ratios are host and disk).
+
+At that commit KVBM exports no tier capacity or occupancy (host or disk: the sizes are configuration only,
+``DYN_KVBM_CPU_CACHE_GB`` / ``DYN_KVBM_DISK_CACHE_GB``), and no host/disk offload bytes: those figures are
+absent. Host -> disk
 (``kvbm_offload_blocks_h2d``) moves blocks between tiers, not to or from the GPU: not offload traffic.
 """
 
@@ -34,8 +43,13 @@ KVSTATS = "dynamo_component_kvstats_"
 SPEC = EngineSpec(
     prefixes=("",),
     counters={
-        "offload_store_blocks": (Pick("kvbm_offload_blocks_d2h"), Pick("kvbm_offload_blocks_d2d")),
-        "offload_load_blocks": (Pick("kvbm_onboard_blocks_h2d"), Pick("kvbm_onboard_blocks_d2d")),
+        # device -> host, -> disk, -> object storage (d2o: prometheus_names.rs at 04070c75)
+        "offload_store_blocks": (Pick("kvbm_offload_blocks_d2h"), Pick("kvbm_offload_blocks_d2d"),
+                                 Pick("kvbm_offload_blocks_d2o")),
+        "offload_load_blocks": (Pick("kvbm_onboard_blocks_h2d"), Pick("kvbm_onboard_blocks_d2d"),
+                                Pick("kvbm_onboard_blocks_o2d")),
+        # blocks whose write to object storage failed: stores of the offload tier that did not land
+        "offload_stores_skipped": (Pick("kvbm_object_write_failures"),),
         "offload_load_tokens": (Pick("kvbm_matched_tokens"),),
     },
     fractions={

@@ -27,10 +27,19 @@ commit pinned: tests/data/lmcache/README.md):
 - buffer: ``l1_usage_ratio`` (L1 used / total bytes, 0..1: occupancy as a ratio, which the older names lack)
   and ``l1_memory_usage_bytes`` (bytes held in L1);
 - store failures: ``sm_write_failed_keys`` (chunks whose write to the storage manager failed: no room, or a
-  conflicting write), counted with the older skipped stores.
+  conflicting write), counted with the older skipped stores;
+- external prefix cache: ``lookup_requested_tokens_total`` and ``lookup_hit_tokens_total`` (L1 + L2 hits of
+  each lookup, summed over ``model_name`` / ``cache_salt``), from
+  lmcache/v1/mp_observability/subscribers/metrics/lookup.py at commit 6bdca8ea92d20fc48df62de550aafa141ad89433;
+  the L1 gauges from lmcache/v1/distributed/l1_manager.py at 0101edda1914240eed4f2d1d6bb98ff7a37d213a.
 
 Not read: ``l1_evicted_keys``, ``l1_read_keys``, ``l1_write_keys`` (chunks, with no chunk size exported they
-are no token or byte rate), ``l2_usage_bytes`` (the L2 backends' bytes: a second tier, capacity unknown).
+are no token or byte rate), ``l2_usage_bytes`` (the L2 backends' bytes: a second tier, capacity unknown),
+``lookup_hit_l1_tokens`` / ``lookup_hit_l2_tokens`` (the split of the lookup hits by tier: found at lookup,
+not what vLLM then loaded, so no cached-by-tier figure), ``num_submitted_stores`` / ``num_finished_stores`` /
+``num_submitted_retrieves`` / ``num_finished_retrieves`` (transfers in flight = submitted - finished, per
+``device``: a count of copies, no bytes or tokens; kvwatt has no in-flight figure),
+``l1_staging_bytes`` (write-reserved, not yet admitted).
 A release that samples ``l1_usage_ratio`` as a histogram (the eviction loop's) exports no gauge of it: the
 ratio is then absent.
 
@@ -48,8 +57,9 @@ SPEC = EngineSpec(
     counters={
         "offload_store_tokens": (Pick("num_stored_tokens"),),
         "offload_load_tokens": (Pick("num_hit_tokens"),),
-        "external_prefix_queries": (Pick("num_lookup_tokens"),),
-        "external_prefix_hits": (Pick("num_lookup_hits"), Pick("num_lookup_hit_tokens")),
+        # multiprocess mode: lookup_requested / lookup_hit (OTel unit "tokens": ``_tokens_total`` on the wire)
+        "external_prefix_queries": (Pick("num_lookup_tokens"), Pick("lookup_requested_tokens")),
+        "external_prefix_hits": (Pick("num_lookup_hits"), Pick("num_lookup_hit_tokens"), Pick("lookup_hit_tokens")),
         "offload_stores_skipped": (Pick("local_cpu_evict_failed_count"), Pick("sm_write_failed_keys")),
     },
     gauges={"offload_buffer_used_bytes": (Pick("local_cache_usage", all_replicas=True),

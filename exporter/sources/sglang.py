@@ -11,8 +11,15 @@ RadixCacheMetricsCollector):
   ``prompt_tokens_total`` minus ``cached_tokens_total``); cached tokens by tier:
   ``cached_tokens_total{cache_source=device|host|storage_<backend>}`` (``storage_file`` is the local disk,
   any other storage backend -- mooncake, hf3fs, nixl ... -- counts as external);
-- offload traffic in tokens: ``evicted_tokens_total`` (device -> host) and ``load_back_tokens_total``
-  (host -> device) of the hierarchical cache (HiCache);
+- offload traffic in tokens of the hierarchical cache (HiCache): from commit
+  016d8605e45876180312e29d6988e1de06562472 (``RadixCacheMetricsCollector``) ``hicache_backup_tokens_total{pool="kv"}``
+  (device -> host) and ``load_back_tokens_total{pool="kv"}`` (host -> device); there ``evicted_tokens_total``
+  counts every device slot freed, backed up or destroyed, so it is read as device -> host only in earlier
+  releases (no ``hicache_dropped_tokens`` / ``hicache_backup_tokens`` series), with an unlabelled load-back;
+- offload traffic in bytes (016d8605): ``hicache_backup_bytes_total`` and ``load_back_bytes_total`` (all pools
+  and draft transfers: the bytes the link carried);
+- stores dropped with the host tier full: ``hicache_dropped_tokens_total{reason="host_pressure",pool="kv"}``
+  (device KV destroyed because its write-back backup found no host room);
 - buffer size and occupancy: ``hicache_host_total_tokens`` (the host pool in tokens: with the offload rate in
   tokens it gives the residency) and ``hicache_host_used_tokens / hicache_host_total_tokens`` (published with
   HiCache only); where only the per-pool series are exported (hybrid models' host pool group),
@@ -23,13 +30,16 @@ RadixCacheMetricsCollector):
 - requests: ``num_running_reqs``, ``num_queue_reqs``;
 - KV capacity in tokens: ``max_total_num_tokens`` (the device pool, summed over data-parallel ranks).
 
-Not read (tests/data/sglang/README.md lists them): ``kv_available_tokens`` / ``kv_evictable_tokens`` /
-``kv_used_tokens`` (the device pool in tokens: ``token_usage`` already gives the used share, and
-``max_total_num_tokens`` the capacity), ``prefetched_tokens_total`` / ``backuped_tokens_total`` (storage <-> host,
-moves between tiers, not GPU traffic), ``hicache_host_pool_evicted_tokens_total{pool}`` (host slots freed:
-normal LRU turnover of the host tier, no pressure sign on its own).
+Not read (tests/data/sglang/README.md lists them with their commit): ``kv_available_tokens`` /
+``kv_evictable_tokens`` / ``kv_used_tokens`` (the device pool in tokens: ``token_usage`` = used / total with
+the evictable slots free already gives the used share, ``max_total_num_tokens`` the capacity), the ``swa_*`` /
+``mamba_*`` pools (other resources than the KV pool; ``token_usage`` is already the fullest of them),
+``evicted_tokens_total`` at 016d8605 (LRU turnover of the radix cache, without the idle-before-evict or reuse
+record that makes vLLM's evictions pressure evidence), ``prefetched_tokens_total`` / ``backuped_tokens_total``
+/ ``hicache_prefetch_outcomes_total{outcome}`` (storage (L3) <-> host, moves between tiers, not GPU traffic),
+``hicache_host_pool_evicted_tokens_total{pool}`` (host slots freed: normal LRU turnover of the host tier).
 
-SGLang has no FLOP estimate, no offload bytes and no failed-store counter: those figures are absent.
+SGLang has no FLOP estimate: that figure is absent.
 Parallelism (docs/engines.md "Labels"): ``dp_rank`` (data-parallel attention) is a rank with its own requests,
 tokens and KV pool -- summed, each pool's usage kept, and the store tracks each rank's resets. Tensor-,
 pipeline- and expert-parallel ranks (``tp_rank``, ``pp_rank``, ``moe_ep_rank``) repeat their group's
@@ -58,8 +68,11 @@ SPEC = EngineSpec(
         "prompt_cached_device": (Pick("cached_tokens", (("cache_source", "device"),)),),
         "prompt_cached_host": (Pick("cached_tokens", (("cache_source", "host"),)),),
         "prompt_cached_disk": (Pick("cached_tokens", (("cache_source", "storage_file"),)),),
-        "offload_store_tokens": (Pick("evicted_tokens"),),
-        "offload_load_tokens": (Pick("load_back_tokens"),),
+        # D->H / H->D bytes, all pools and draft transfers included (RadixCacheMetricsCollector at 016d8605)
+        "offload_store_bytes": (Pick("hicache_backup_bytes"),),
+        "offload_load_bytes": (Pick("load_back_bytes"),),
+        # device KV destroyed because the host pool could not take its backup (write-back, host full)
+        "offload_stores_dropped_full": (Pick("hicache_dropped_tokens", (("reason", "host_pressure"),) + KV_POOL),),
         "engine_steps": (Pick("cuda_graph_passes"),),
     },
     gauges={
@@ -68,7 +81,8 @@ SPEC = EngineSpec(
     },
     fractions={"kv_usage": Pick("token_usage")},
     info=("hicache_host_used_tokens", "hicache_host_total_tokens", "hicache_host_pool_used_tokens",
-          "hicache_host_pool_total_tokens", "cache_config_info", "max_total_num_tokens"),
+          "hicache_host_pool_total_tokens", "cache_config_info", "max_total_num_tokens",
+          "evicted_tokens", "hicache_backup_tokens", "load_back_tokens", "kv_evictable_tokens"),
     rank_label="dp_rank",
     replica_labels=("tp_rank", "pp_rank", "moe_ep_rank"),
     worker_labels=("worker_addr",),
@@ -81,6 +95,7 @@ class SglangAdapter(SpecAdapter):
     detect_prefixes = SPEC.prefixes
 
     def facts(self, parts: Parts, process_start: float | None) -> EngineInfo:
+        self._offload_tokens(parts)
         self._external_storage(parts)
         self._shares_from_cached_tokens(parts)
         self._occupancy(parts)
@@ -97,6 +112,30 @@ class SglangAdapter(SpecAdapter):
                         has_token_sources="prompt_local_compute" in parts.counters,
                         process_start_time_seconds=process_start,
                         kv_capacity_tokens=sum(capacity.values()) if capacity else None)
+
+    def _offload_tokens(self, parts: Parts) -> None:
+        """GPU <-> host tokens of the KV pool. Releases that pre-seed ``hicache_dropped_tokens`` (016d8605) count
+        the D->H copies in ``hicache_backup_tokens{pool}``, and ``evicted_tokens`` there is every device slot
+        freed, backed up or not: no offload traffic. Earlier releases counted D->H in ``evicted_tokens``; a
+        server without HiCache (no host pool series) that reports ``kv_evictable_tokens`` evicts to nowhere.
+        ``load_back_tokens`` gained a ``pool`` label (kv, swa, mamba): the KV pool's, or all where unlabelled."""
+        host = any(k in parts.series for k in ("hicache_host_total_tokens", "hicache_host_pool_total_tokens"))
+        if "hicache_dropped_tokens" in parts.series or "hicache_backup_tokens" in parts.series:
+            store: tuple[Pick, ...] = (Pick("hicache_backup_tokens", KV_POOL),)
+        elif "kv_evictable_tokens" in parts.series and not host:
+            store = ()  # a radix cache without HiCache (scheduler of the kv_*_tokens era): evictions free slots
+        else:
+            store = (Pick("evicted_tokens"),)
+        loads = parts.series.get("load_back_tokens", {})
+        pooled = any("pool" in dict(labels) for labels in loads)
+        load = (Pick("load_back_tokens", KV_POOL if pooled else ()),)
+        for key, picks in (("offload_store_tokens", store), ("offload_load_tokens", load)):
+            sums = None if not picks else rank_sums(parts.series, picks, self.spec, key, parts.rejected)
+            if sums is None:
+                continue
+            parts.counters[key] = sum(sums.values())
+            for rank, v in sums.items():
+                parts.by_rank.setdefault(rank, {})[key] = v
 
     def _external_storage(self, parts: Parts) -> None:
         """Cached tokens from a storage backend other than the local file one: the external tier."""

@@ -55,6 +55,9 @@ COUNTERS: dict[str, tuple[str, dict[str, str]]] = {
     "preemption_hist_sum": ("request_num_preemptions_sum", {}),
     # SimpleCPUOffloadConnector (0.32, vllm/v1/simple_kv_offload/metrics.py): stores dropped, the pool full
     "offload_stores_dropped_full": ("simple_kv_offload_save_outcomes", {"outcome": "dropped_cpu_full"}),
+    # its loads, in blocks (tokens once the block size is known, combine.py): the finished ones, label phase
+    # = issued | completed at 222790a9; 0.32.0 counted finished loads without the label (DEPRECATED_OFFLOAD)
+    "offload_load_blocks": ("simple_kv_offload_load_blocks", {"phase": "completed"}),
     # KV-block residency (--kv-cache-metrics, 0.11+): observed at eviction, for the sampled blocks only
     "kv_idle_before_evict_hist_count": ("kv_block_idle_before_evict_seconds_count", {}),
     "kv_idle_before_evict_hist_sum": ("kv_block_idle_before_evict_seconds_sum", {}),
@@ -93,6 +96,7 @@ LABELLED_SUMS: dict[str, tuple[tuple[str, ...], str]] = {
 DEPRECATED_OFFLOAD = {
     "offload_store_bytes": ("kv_offload_total_bytes", {"transfer_type": "GPU_to_CPU"}),
     "offload_load_bytes": ("kv_offload_total_bytes", {"transfer_type": "CPU_to_GPU"}),
+    "offload_load_blocks": ("simple_kv_offload_load_blocks", {"phase": ""}),  # 0.32.0: no phase label
 }
 GAUGES_SUM = {
     "running": ("num_requests_running", {}),
@@ -168,7 +172,7 @@ def _checked_sums(series: dict, base: str, match: dict[str, str], key: str,
     sums: dict[str, float] = {}
     for labels, v in samples.items():
         lab = dict(labels)
-        if match and any(lab.get(k) != want for k, want in match.items()):
+        if match and any(lab.get(k, "") != want for k, want in match.items()):  # absent = "" (Prometheus)
             continue
         if not 0.0 <= v <= MAX_VALUE:  # NaN fails too
             rejected[key] = _detail(base, labels, v, MAX_VALUE)
