@@ -648,7 +648,7 @@ METRICS: tuple[MetricDef, ...] = (
               status=server_key("offload_tier_hit_ratio", lambda s: s.tiers.hit_ratio)),
     MetricDef("kvwatt_offload_buffer_residency_seconds", "gauge", ("server", "window"),
               "Buffer bytes / write rate: how long an offloaded block survives (methods.md s6); in tokens for "
-              "an engine that counts them (SGLang HiCache host pool / evicted tokens per second).",
+              "an engine that counts them (SGLang HiCache host pool / tokens backed up to it per second).",
               exporter.derive.offload.residency, _O,
               status=window_key("offload_buffer_residency_seconds", lambda w: w.offload_buffer_residency_seconds),
               words=(Words("buffer residency", "seconds"),)),
