@@ -178,6 +178,9 @@ class Config:
     collapse_power_near_idle_ratio: float = rules.COLLAPSE_POWER_NEAR_IDLE_RATIO.default
     collapse_reference_seconds: float = rules.COLLAPSE_REFERENCE_WINDOW.default
     load_to_compute_cost_ratio: float = rules.LOAD_TO_COMPUTE_COST_RATIO.default
+    phase_min_windows: int = rules.PHASE_MIN_WINDOWS.default
+    phase_max_condition: float = rules.PHASE_MAX_CONDITION.default
+    phase_history_seconds: float = rules.PHASE_HISTORY.default
     web_config_path: str | None = None  # TLS / basic auth of the endpoints (exporter/serve/webconfig.py)
     log_level: str = "info"  # debug | info | warn | error (exporter/logsetup.py)
     log_format: str = "logfmt"  # logfmt | json
@@ -375,6 +378,9 @@ KEYS: dict[str, tuple[str, Any]] = {
     **_from_rule(rules.COLLAPSE_POWER_NEAR_IDLE_RATIO, _float_range(1.0)),
     **_from_rule(rules.COLLAPSE_REFERENCE_WINDOW, parse_duration),
     **_from_rule(rules.LOAD_TO_COMPUTE_COST_RATIO, _float_range(0.0)),
+    **_from_rule(rules.PHASE_MIN_WINDOWS, _int_pos),
+    **_from_rule(rules.PHASE_MAX_CONDITION, _float_range(1.0)),
+    **_from_rule(rules.PHASE_HISTORY, parse_duration),
     "web_config_file": ("web_config_path", _str),
     "log_level": ("log_level", parse_log_level),
     "log_format": ("log_format", parse_log_format),

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from exporter.derive.collapse import CollapseResult
 from exporter.derive.energy import EnergyPerToken
 from exporter.derive.offload import TierFlows, TierState
+from exporter.derive.phase_energy import PhaseCosts
 from exporter.derive.threshold import Evidence, LocatedThreshold
 from exporter.energy.baseline import Baseline
 from exporter.samples import DeviceReading, SourceStatus, EngineInfo
@@ -100,6 +101,11 @@ class WindowFigures:
     kv_before_reuse_yardstick_seconds: float | None = None  # the idle bucket bound it was counted at
     residency_evidence: str | None = None  # pressure | low_pressure | None (unknown)
     residency_evidence_reason: str = ""
+    # the recomputation tax and what offloading saved, in energy (methods.md s12): scope -> W, and the tax's
+    # share of the window's marginal power; priced with the server's per-phase costs (measured or prior)
+    recompute_tax_watts: dict[str, float] | None = None
+    offload_saved_watts: dict[str, float] | None = None
+    recompute_energy_share: dict[str, float] | None = None
 
 
 @dataclass(frozen=True)
@@ -185,6 +191,8 @@ class ServerFigures:
     epoch_cause: str = ""
     # "what do I do?" in order of urgency (exporter.model.advice); ``recommendations`` are their words
     advice: tuple[Advice, ...] = ()
+    # measured per-phase energy costs by scope (methods.md s12), or the attribution prior until identifiable
+    phase_costs: tuple[PhaseCosts, ...] = ()
 
     @property
     def regime(self) -> str:

@@ -82,7 +82,8 @@ PHASE_MAX_CONDITION = Rule("phase_max_condition", 100.0, "factor",
                            "not identifiable (the mix of prompt and generated tokens does not vary enough, s12)",
                            "s12")
 PHASE_HISTORY = Rule("phase_history", 6 * 3600.0, "seconds",
-                     "how long repeat windows are kept for the per-phase energy regression (methods.md s12)", "s12")
+                     "how long repeat windows are kept for the per-phase energy regression (methods.md s12)", "s12",
+                     "phase_history_seconds")
 RECOMPUTE_ENERGY_SHARE_THRESHOLD = Rule(
     "recompute_energy_share_threshold", 0.10, "ratio",
     "share of the server's marginal GPU power spent recomputing the tax's prompt tokens above which the alert "

@@ -23,7 +23,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import ClassVar, Iterable, Sequence
 
 from exporter.derive.recompute import token_counts
 from exporter.store import Bucket
@@ -60,6 +60,7 @@ class PhaseCosts:
     condition: float | None = None  # condition number of the normalised design (identifiability)
     # covariance of (prompt_computed, reloaded) costs, for propagating into dE (0 where pinned or prior)
     cov_prompt_reloaded: float = 0.0
+    phases: ClassVar[tuple[str, ...]] = PHASES
 
     def joules(self, phase: str) -> float | None:
         return getattr(self, f"{phase}_j")

@@ -468,6 +468,7 @@ FORMATS: dict[str, Callable[[object, dict], str]] = {
     "bytes_per_second": lambda x, _w: UNKNOWN if x is None else _gib(x) + "/s",
     "seconds": lambda x, _w: _secs(x),
     "gigaflops": lambda x, _w: UNKNOWN if x is None else f"{x / 1e9:,.3g} GFLOP",
+    "kwh_per_day": lambda x, _w: UNKNOWN if x is None else f"{x * 24 / 1000:,.3g} kWh/day ({x:,.3g} W)",
 }
 
 
