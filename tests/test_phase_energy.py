@@ -108,3 +108,69 @@ def test_tax_and_saving_in_watts():
     no_reload = pe.PhaseCosts("gpu", 0.03, 0.001, 0.4, 0.01, state="known", source="measured")
     assert pe.offload_saved_watts(500.0, no_reload, 0.1) == pytest.approx(500 * 0.03 * 0.9)
     assert pe.recompute_tax_watts(None, 1000.0, c) is None
+
+
+# --- dE priced with the measured costs (derive/economics.py) ----------------------------------------------
+def _stats(n=8):
+    from exporter.derive.economics import WindowStat
+    return [WindowStat(0, 30, 30, 1000.0 + 50 * i, 4000.0 + 100 * i, 0.9, 2000.0, 3000.0 + 200 * i, True, 9000.0)
+            for i in range(n)]
+
+
+def _costs(se_c, se_r, cov=0.0):
+    return pe.PhaseCosts("gpu", 0.03, se_c, 0.4, 0.01, 0.004, se_r, 60, "known", "", "measured",
+                         cov_prompt_reloaded=cov)
+
+
+def test_estimated_uses_the_measured_prices():
+    from exporter.derive import economics
+    on = _stats()
+    est = economics.estimated(on, None, 0.1, _costs(0.0, 0.0))
+    want = [w.loaded_prompt_tokens * (0.03 - 0.004) / (w.joules + w.loaded_prompt_tokens * (0.03 - 0.004))
+            for w in on]
+    assert est.value == pytest.approx(sum(want) / len(want))
+    assert est.stderr == pytest.approx(economics.mean_and_stderr(want)[1])  # cost SE 0: the windows' SE alone
+
+
+def test_the_cost_uncertainty_widens_the_se_of_de():
+    from exporter.derive import economics
+    on = _stats()
+    plain = economics.estimated(on, None, 0.1, _costs(0.0, 0.0)).stderr
+    wide = economics.estimated(on, None, 0.1, _costs(0.006, 0.001)).stderr
+    assert wide > plain
+    # by hand: dE_w = s/(E+s), s = L (c - r): d dE_w/dc = L E/(E+s)^2 = -d dE_w/dr
+    g = sum(w.loaded_prompt_tokens * w.joules / (w.joules + w.loaded_prompt_tokens * 0.026) ** 2 for w in on) / 8
+    assert wide ** 2 == pytest.approx(plain ** 2 + g * g * (0.006 ** 2 + 0.001 ** 2), rel=1e-3)
+
+
+def test_potential_prices_the_tax_with_the_measured_cost_and_the_prior_reload():
+    from exporter.derive import economics
+    off = _stats()
+    est = economics.potential(off, 0.1, None, 0.1, _costs(0.0, None))
+    want = [(w.computed_prompt_tokens - 0.1 * w.prompt_tokens) * 0.03 * 0.9 / w.joules for w in off]
+    assert est.windows == 8 and est.value == pytest.approx(sum(want) / 8)
+
+
+# --- the learner in the model layer --------------------------------------------------------------------------
+def _bucket_ivs(k, win, width=10.0):
+    """One grid bucket's worth of 1 s intervals carrying the window ``win``'s tokens and energy."""
+    n = int(width)
+    return [Interval(k * width + i, k * width + i + 1,
+                     {"generation_tokens": win.generated / n, "prompt_local_compute": win.computed / n,
+                      "prompt_local_cache_hit": 0.0, "prompt_external_kv_transfer": win.reloaded / n},
+                     {"kv_usage": 0.5}, {"gpu": 100.0 + win.joules / n}, {"gpu": 100.0}) for i in range(n)]
+
+
+def test_the_learner_measures_from_grid_buckets_and_logs_the_change_once(caplog):
+    from exporter.model.energy import PhaseLearner
+    wins = phase_double.windows(40, TRUE, seed=9)
+    ivs = [iv for k, w in enumerate(wins) for iv in _bucket_ivs(k, w)]
+    learner = PhaseLearner("s", 10.0, 3600.0, MIN_W, MAX_COND, 0.1)
+    with caplog.at_level("INFO", logger="kvwatt.energy"):
+        for k in range(1, 41):  # one bucket completes per "tick"
+            learner.observe(buckets_of([iv for iv in ivs if iv.t1 <= k * 10.0], 10.0))
+    (gpu,) = learner.figures()
+    assert (gpu.state, gpu.windows) == ("known", 40)
+    assert abs(gpu.prompt_computed_j - TRUE[0]) <= 3.5 * gpu.prompt_computed_se
+    changes = [r.getMessage() for r in caplog.records]
+    assert len(changes) == 2, changes  # unknown -> not_identifiable (first window) -> known, not once per tick
