@@ -22,6 +22,7 @@ def _run(*args, python=TORCH_PYTHON, timeout=240):
     return subprocess.run([python, str(BENCH), *args], capture_output=True, text=True, timeout=timeout, env=env)
 
 
+@pytest.mark.engine  # runs the vLLM venv's python (the one with torch); no engine is started
 @pytest.mark.slow
 def test_dry_run_recovers_the_doubles_costs():
     if not TORCH_PYTHON or not Path(TORCH_PYTHON).exists():
