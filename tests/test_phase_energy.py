@@ -179,3 +179,9 @@ def test_the_learner_measures_from_grid_buckets_and_logs_the_change_once(caplog)
     assert abs(gpu.prompt_computed_j - TRUE[0]) <= 3.5 * gpu.prompt_computed_se
     changes = [r.getMessage() for r in caplog.records]
     assert len(changes) == 2, changes  # unknown -> not_identifiable (first window) -> known, not once per tick
+
+
+def test_a_stale_idle_gives_no_prior_rather_than_a_negative_price():
+    ws = [pe.PhaseWindow(-50.0, 100.0, 10.0, 0.0)] * 3
+    c = fit(ws)
+    assert c.prompt_computed_j is None and "not positive" in c.reason

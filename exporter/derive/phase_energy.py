@@ -240,6 +240,8 @@ def estimate(windows: Sequence[PhaseWindow], scope: str, min_windows: int, max_c
 
 
 def _not(prior: PhaseCosts, n: int, reason: str, cond: float | None = None) -> PhaseCosts:
+    if not prior.usable and prior.reason:
+        reason = f"{reason}; no prior either: {prior.reason}"
     return PhaseCosts(prior.scope, prior.prompt_computed_j, None, prior.generated_j, None, prior.reloaded_j, None,
                       n, "not_identifiable", reason, "prior", cond)
 
@@ -265,6 +267,9 @@ def prior_costs(windows: Sequence[PhaseWindow], scope: str, load_to_compute_cost
     units = sum(w.generated + w.computed + load_to_compute_cost_ratio * w.reloaded for w in windows)
     if units <= 0:
         return PhaseCosts(scope, state="unknown", reason="no tokens")
+    if joules <= 0:  # no price, rather than a negative one
+        return PhaseCosts(scope, state="unknown", reason="marginal energy not positive (P_idle above the loaded "
+                          "power: stale?)")
     u = joules / units
     return PhaseCosts(scope, u, None, u, None, load_to_compute_cost_ratio * u, None, len(windows), "unknown",
                       "", "prior")
