@@ -86,6 +86,8 @@ SETTINGS: dict[str, Setting] = {
     "recompute_reference_quantile": Setting(0.1, "ratio", "fallback: reference = this quantile of the share"),
     "recompute_min_prompt_tokens_per_second": Setting(50.0, "nonnegative", "fallback: prompt traffic floor"),
     "recompute_for": Setting("30m", "duration", "KVRecomputeTaxHigh for:"),
+    "recompute_energy_share_threshold": shared(rules.RECOMPUTE_ENERGY_SHARE_THRESHOLD, "ratio"),
+    "recompute_energy_for": Setting("30m", "duration", "KVRecomputeEnergyHigh for:"),
     "energy_regression_ratio": Setting(0.20, "positive", "KVEnergyPerTokenRegression: J/token rise vs baseline"),
     "energy_baseline_offset": Setting("1d", "duration", "KVEnergyPerTokenRegression: baseline offset"),
     "energy_min_tokens_per_second": Setting(10.0, "nonnegative", "traffic floor, now and at the baseline"),
@@ -401,6 +403,13 @@ def recompute_expr() -> str:
     return prefer_kvwatt(f"max by (server) ({kw}) > @recompute_tax_threshold", fallback, kw)
 
 
+def recompute_energy_expr() -> str:
+    """kvwatt's recomputation energy (the tax priced at the measured J per computed prompt token, methods.md s12)
+    as a share of the server's marginal GPU power; no fallback: only kvwatt measures per-phase costs."""
+    return ('max by (server) (kvwatt_recompute_energy_share_ratio{scope="gpu", window="@kvwatt_window"})\n'
+            "> @recompute_energy_share_threshold")
+
+
 def energy_expr() -> str:
     jt = 'max by (server) (kvwatt_energy_per_token_joules{scope="gpu", window="@kvwatt_window"}@off)'
     tps = 'max by (server) (kvwatt_generation_tokens_per_second{window="@kvwatt_window"}@off)'
@@ -473,6 +482,12 @@ ALERTS: tuple[Alert, ...] = (
           "The local_compute share of prompt tokens on server {{ $labels.server }} exceeds its low-pressure "
           "reference by {{ $value | humanizePercentage }} of all prompt tokens (threshold "
           "@recompute_tax_threshold_pct): evicted prefixes are being recomputed."),
+    Alert("KVRecomputeEnergyHigh", "warning", "recompute_energy_for", recompute_energy_expr(),
+          "A large share of the GPU energy goes into recomputing prompt tokens a larger KV cache would have reused.",
+          "Server {{ $labels.server }} spends {{ $value | humanizePercentage }} of its marginal GPU power over "
+          "@kvwatt_window recomputing the recomputation tax's prompt tokens (threshold "
+          "@recompute_energy_share_threshold_pct; kvwatt_recompute_tax_watts, priced with "
+          "kvwatt_phase_joules_per_token, see kvwatt_phase_cost_source for measured or prior)."),
     Alert("KVEnergyPerTokenRegression", "warning", "energy_for", energy_expr(),
           "GPU energy per generated token has regressed against its baseline.",
           "GPU energy per generated token on server {{ $labels.server }} is {{ $value | humanizePercentage }} of "

@@ -33,6 +33,7 @@ import exporter.derive.cost
 import exporter.derive.energy
 import exporter.derive.kappa
 import exporter.derive.offload
+import exporter.derive.phase_energy
 import exporter.derive.preemption
 import exporter.derive.pressure
 import exporter.derive.recompute
@@ -40,6 +41,7 @@ import exporter.derive.residency
 import exporter.derive.threshold
 import exporter.energy.baseline
 import exporter.model.cost
+import exporter.model.energy
 import exporter.model.offload
 import exporter.model.pressure
 import exporter.model.server
@@ -348,6 +350,29 @@ def _price_age(snap: Snapshot) -> Iterator[Sample]:
 
 PRICES = Elsewhere("host-wide, not a server's figure: /api/status's top-level prices")
 
+
+def _phase(attr: str) -> Fill:
+    """A per-phase cost figure of each scope (methods.md s12): one sample per phase that has a value."""
+    def fill(snap: Snapshot) -> Iterator[Sample]:
+        for s in snap.servers:
+            for c in s.phase_costs:
+                for phase in exporter.derive.phase_energy.PHASES:
+                    yield (s.name, c.scope, phase), getattr(c, f"{phase}_{attr}")
+    return fill
+
+
+def _phase_source(snap: Snapshot) -> Iterator[Sample]:
+    for s in snap.servers:
+        for c in s.phase_costs:
+            yield (s.name, c.scope, c.source, c.state), 1.0
+
+
+def _phase_windows(snap: Snapshot) -> Iterator[Sample]:
+    for s in snap.servers:
+        for c in s.phase_costs:
+            yield (s.name, c.scope), float(c.windows)
+
+
 DEVICES = Elsewhere("a host-wide device reading (GPU, RAPL zone), not a server's figure: /metrics only")
 
 _H = "Sources"
@@ -463,6 +488,58 @@ METRICS: tuple[MetricDef, ...] = (
               "The window's power above idle held for a day, in g CO2e at the grid's carbon intensity. Absent "
               "without an intensity or a marginal figure.", exporter.derive.cost.co2e_grams_per_day, _M,
               _costs("co2e_grams_per_day")),
+    MetricDef("kvwatt_recompute_tax_cost_per_day", "gauge", ("server", "scope", "window", "currency"),
+              "The recomputation tax's power (kvwatt_recompute_tax_watts) held for a day at the electricity "
+              "price: what recomputing evicted prompts costs per day at this load. Absent without a price or a "
+              "tax figure.", exporter.derive.cost.money_per_day, _M, _costs("recompute_tax_money_per_day", True)),
+    MetricDef("kvwatt_recompute_tax_co2e_grams_per_day", "gauge", ("server", "scope", "window"),
+              "The recomputation tax's power held for a day, in g CO2e at the grid's carbon intensity. Absent "
+              "without an intensity or a tax figure.", exporter.derive.cost.co2e_grams_per_day, _M,
+              _costs("recompute_tax_co2e_grams_per_day")),
+    MetricDef("kvwatt_offload_saved_cost_per_day", "gauge", ("server", "scope", "window", "currency"),
+              "What offloading saved (kvwatt_offload_saved_watts) held for a day at the electricity price; "
+              "negative when a reload cost more than recomputing. Absent without a price or a saving figure.",
+              exporter.derive.cost.money_per_day, _M, _costs("offload_saved_money_per_day", True)),
+    MetricDef("kvwatt_offload_saved_co2e_grams_per_day", "gauge", ("server", "scope", "window"),
+              "What offloading saved held for a day, in g CO2e at the grid's carbon intensity. Absent without an "
+              "intensity or a saving figure.", exporter.derive.cost.co2e_grams_per_day, _M,
+              _costs("offload_saved_co2e_grams_per_day")),
+    MetricDef("kvwatt_phase_joules_per_token", "gauge", ("server", "scope", "phase"),
+              "Marginal joules per token by phase (prompt_computed: a prompt token the server computed; generated; "
+              "reloaded: a prompt token loaded from the offload tier), measured by a non-negative regression of "
+              "each repeat window's marginal energy on its token counts over the last phase_history (methods.md "
+              "s12); until identifiable, the configured attribution model (see kvwatt_phase_cost_source). "
+              "reloaded is absent where the server reloads nothing.",
+              exporter.derive.phase_energy.estimate, _E, _phase("j")),
+    MetricDef("kvwatt_phase_joules_per_token_stderr", "gauge", ("server", "scope", "phase"),
+              "Standard error of kvwatt_phase_joules_per_token from the regression's residual variance; absent "
+              "for the prior and for a cost pinned at 0.", exporter.derive.phase_energy.estimate, _E,
+              _phase("se")),
+    MetricDef("kvwatt_phase_cost_windows", "gauge", ("server", "scope"),
+              "Repeat windows the per-phase costs rest on.", exporter.model.energy.PhaseLearner.observe, _E,
+              _phase_windows),
+    MetricDef("kvwatt_phase_cost_source", "info", ("server", "scope", "source", "state"),
+              "Which per-phase costs are in use: source=measured (state=known) or source=prior (the configured "
+              "attribution model; state=not_identifiable with the reason in /api/status, or unknown); value 1.",
+              exporter.derive.phase_energy.estimate, _E, _phase_source),
+    MetricDef("kvwatt_recompute_tax_watts", "gauge", ("server", "scope", "window"),
+              "Power spent recomputing the recomputation tax's prompt tokens: tax share x prompt tokens/s x J per "
+              "computed prompt token (kvwatt_phase_joules_per_token, measured or prior), methods.md s12. "
+              "x 24 h / 1000 = kWh per day.", exporter.derive.phase_energy.recompute_tax_watts, _E,
+              status=window_key("recompute_tax_watts", lambda w: w.recompute_tax_watts),
+              words=(Words("recomputation energy (GPU)", "kwh_per_day", ("recompute_tax_watts", "gpu")),
+                     Words("recomputation energy (host)", "kwh_per_day", ("recompute_tax_watts", "host")))),
+    MetricDef("kvwatt_recompute_energy_share_ratio", "gauge", ("server", "scope", "window"),
+              "kvwatt_recompute_tax_watts over the scope's marginal power (E - P_idle*dt)/dt in the window "
+              "(alert KVRecomputeEnergyHigh; methods.md s12).", exporter.derive.energy.tax_in_energy, _E,
+              status=window_key("recompute_energy_share", lambda w: w.recompute_energy_share),
+              words=(Words("recomputation share of GPU energy", "percent", ("recompute_energy_share", "gpu")),)),
+    MetricDef("kvwatt_offload_saved_watts", "gauge", ("server", "scope", "window"),
+              "Power offloading saved on an offloading server: reloaded tokens/s x (J per computed - J per "
+              "reloaded prompt token), per-phase costs measured or prior (methods.md s12).",
+              exporter.derive.phase_energy.offload_saved_watts, _E,
+              status=window_key("offload_saved_watts", lambda w: w.offload_saved_watts),
+              words=(Words("energy offloading saved (GPU)", "kwh_per_day", ("offload_saved_watts", "gpu")),)),
     # --- KV pressure and recomputation ------------------------------------------------------------------
     MetricDef("kvwatt_kv_capacity_tokens", "gauge", ("server",),
               "The engine's KV-cache pool in tokens as the engine states it (vllm:cache_config_info "

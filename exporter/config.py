@@ -202,6 +202,9 @@ class Config:
     carbon_intensity: PriceSetting | None = None  # g CO2e per kWh
     price_refresh_seconds: float = rules.PRICE_REFRESH.default
     price_max_age_seconds: float = rules.PRICE_MAX_AGE.default
+    phase_min_windows: int = rules.PHASE_MIN_WINDOWS.default
+    phase_max_condition: float = rules.PHASE_MAX_CONDITION.default
+    phase_history_seconds: float = rules.PHASE_HISTORY.default
     web_config_path: str | None = None  # TLS / basic auth of the endpoints (exporter/serve/webconfig.py)
     log_level: str = "info"  # debug | info | warn | error (exporter/logsetup.py)
     log_format: str = "logfmt"  # logfmt | json
@@ -462,6 +465,9 @@ KEYS: dict[str, tuple[str, Any]] = {
     "carbon_intensity_g_per_kwh": ("carbon_intensity", lambda v, k: parse_price(v, k)),
     **_from_rule(rules.PRICE_REFRESH, parse_duration),
     **_from_rule(rules.PRICE_MAX_AGE, parse_duration),
+    **_from_rule(rules.PHASE_MIN_WINDOWS, _int_pos),
+    **_from_rule(rules.PHASE_MAX_CONDITION, _float_range(1.0)),
+    **_from_rule(rules.PHASE_HISTORY, parse_duration),
     "web_config_file": ("web_config_path", _str),
     "log_level": ("log_level", parse_log_level),
     "log_format": ("log_format", parse_log_format),

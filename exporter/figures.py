@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from exporter.derive.collapse import CollapseResult
 from exporter.derive.energy import EnergyPerToken
 from exporter.derive.offload import TierFlows, TierState
+from exporter.derive.phase_energy import PhaseCosts
 from exporter.derive.threshold import Evidence, LocatedThreshold
 from exporter.energy.baseline import Baseline
 from exporter.samples import DeviceReading, SourceStatus, EngineInfo
@@ -48,6 +49,12 @@ class CostFigure:
     money_per_day: float | None
     co2e_grams_per_day: float | None
     currency: str | None = None  # of the money figures (the configured electricity_currency)
+    # the recomputation tax and what offloading saved (kvwatt_recompute_tax_watts, kvwatt_offload_saved_watts,
+    # methods.md s12), each held for a day at the price and the carbon intensity
+    recompute_tax_money_per_day: float | None = None
+    recompute_tax_co2e_grams_per_day: float | None = None
+    offload_saved_money_per_day: float | None = None
+    offload_saved_co2e_grams_per_day: float | None = None
 
 
 @dataclass(frozen=True)
@@ -143,6 +150,11 @@ class WindowFigures:
     residency_evidence_reason: str = ""
     # money and carbon of the marginal energy (model/cost.py); empty when neither price nor intensity is set
     costs: tuple[CostFigure, ...] = ()
+    # the recomputation tax and what offloading saved, in energy (methods.md s12): scope -> W, and the tax's
+    # share of the window's marginal power; priced with the server's per-phase costs (measured or prior)
+    recompute_tax_watts: dict[str, float] | None = None
+    offload_saved_watts: dict[str, float] | None = None
+    recompute_energy_share: dict[str, float] | None = None
 
 
 @dataclass(frozen=True)
@@ -228,6 +240,8 @@ class ServerFigures:
     epoch_cause: str = ""
     # "what do I do?" in order of urgency (exporter.model.advice); ``recommendations`` are their words
     advice: tuple[Advice, ...] = ()
+    # measured per-phase energy costs by scope (methods.md s12), or the attribution prior until identifiable
+    phase_costs: tuple[PhaseCosts, ...] = ()
 
     @property
     def regime(self) -> str:

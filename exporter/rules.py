@@ -81,11 +81,28 @@ PRICE_REFRESH = Rule("price_refresh", 300.0, "seconds", "how often a price or ca
 PRICE_MAX_AGE = Rule("price_max_age", 7200.0, "seconds", "a price or carbon intensity read from a URL older than "
                      "this is unknown (the money and CO2 figures with it)", "s1", "price_max_age_seconds")
 
+PHASE_MIN_WINDOWS = Rule("phase_min_windows", 20, "count",
+                         "repeat windows a measured per-phase energy cost needs (regression, methods.md s12)", "s12")
+# 100 = the prompt and generated columns may share a cosine of up to ~0.98: beyond it the SEs blow up and a
+# cost rests on a few windows (the double's agentic mix sits at 8-16; a constant mix is infinite)
+PHASE_MAX_CONDITION = Rule("phase_max_condition", 100.0, "factor",
+                           "condition number of the normalised token design above which the per-phase costs are "
+                           "not identifiable (the mix of prompt and generated tokens does not vary enough, s12)",
+                           "s12")
+PHASE_HISTORY = Rule("phase_history", 6 * 3600.0, "seconds",
+                     "how long repeat windows are kept for the per-phase energy regression (methods.md s12)", "s12",
+                     "phase_history_seconds")
+RECOMPUTE_ENERGY_SHARE_THRESHOLD = Rule(
+    "recompute_energy_share_threshold", 0.10, "ratio",
+    "share of the server's marginal GPU power spent recomputing the tax's prompt tokens above which the alert "
+    "KVRecomputeEnergyHigh fires (methods.md s12)", "s12")
+
 RULES: dict[str, Rule] = {r.key: r for r in (
     INTERVAL, WINDOWS, KV_PRESSURE_THRESHOLD, THRESHOLD_WINDOW, THRESHOLD_HISTORY, THRESHOLD_MIN_WINDOWS,
     PREEMPTION_ONSET_PER_MINUTE, RECOMPUTE_TAX_THRESHOLD, IDLE_SETTLE, IDLE_MIN_DURATION, MIN_LOAD_DURATION,
     P99_TOOL_LATENCY, BUFFER_HEADROOM, COLLAPSE_THROUGHPUT_DROP_RATIO, COLLAPSE_POWER_NEAR_IDLE_RATIO,
-    COLLAPSE_REFERENCE_WINDOW, LOAD_TO_COMPUTE_COST_RATIO, PRICE_REFRESH, PRICE_MAX_AGE)}
+    COLLAPSE_REFERENCE_WINDOW, LOAD_TO_COMPUTE_COST_RATIO, PRICE_REFRESH, PRICE_MAX_AGE, PHASE_MIN_WINDOWS,
+    PHASE_MAX_CONDITION, PHASE_HISTORY, RECOMPUTE_ENERGY_SHARE_THRESHOLD)}
 
 
 def longest_window_seconds() -> float:

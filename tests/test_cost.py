@@ -295,6 +295,31 @@ def test_on_metrics_and_status_when_configured(tmp_path):
     assert status["prices"]["electricity_price"]["value"] == 0.25
 
 
+def test_the_recomputation_tax_and_the_offload_saving_in_money_and_co2(tmp_path):
+    """kvwatt_recompute_tax_watts and kvwatt_offload_saved_watts (methods.md s12), each held for a day at the
+    price and the intensity; on the page beside the marginal energy's."""
+    from exporter.serve import page
+    snap, names, status, _ = _run(tmp_path, electricity_price_per_kwh=0.25, electricity_currency="EUR",
+                                  carbon_intensity_g_per_kwh=400)
+    assert {"kvwatt_recompute_tax_cost_per_day", "kvwatt_recompute_tax_co2e_grams_per_day"} <= names
+    priced = 0
+    for s in status["servers"]:
+        for w in s["windows"].values():
+            for scope, c in (w.get("cost") or {}).items():
+                tax = (w.get("recompute_tax_watts") or {}).get(scope)
+                saved = (w.get("offload_saved_watts") or {}).get(scope)
+                for watts, key in ((tax, "recompute_tax"), (saved, "offload_saved")):
+                    if watts is None:
+                        assert c[f"{key}_money_per_day"] is None
+                        continue
+                    priced += 1
+                    assert c[f"{key}_money_per_day"] == pytest.approx(watts * 0.024 * 0.25)
+                    assert c[f"{key}_co2e_grams_per_day"] == pytest.approx(watts * 0.024 * 400)
+    assert priced >= 2
+    off = next(s for s in status["servers"] if s["server"] == "off")
+    assert "recomputing evicted prompts: <b>" in page.paying(off)
+
+
 def test_carbon_alone_gives_co2_and_no_money(tmp_path):
     _, names, status, _ = _run(tmp_path, carbon_intensity_g_per_kwh=400)
     assert not names & set(MONEY_FAMILIES)

@@ -50,7 +50,7 @@ BOOLEAN = {"kvwatt_source_up", "kvwatt_kv_pressure_above_threshold", "kvwatt_pre
            "kvwatt_collapse_condition", "kvwatt_collapse_condition_set", "kvwatt_offload_tier_undersized",
            "kvwatt_kv_block_residency_pressure_evidence"}
 INFO = {"kvwatt_source_info", "kvwatt_server_info", "kvwatt_gpu_energy_method_info", "kvwatt_build_info",
-        "kvwatt_server_capability"}
+        "kvwatt_server_capability", "kvwatt_phase_cost_source"}
 NON_NEGATIVE = {"kvwatt_sample_duration_seconds", "kvwatt_window_covered_seconds", "kvwatt_gpu_energy_joules_total",
                 "kvwatt_gpu_power_watts", "kvwatt_host_energy_joules_total", "kvwatt_gpu_idle_power_watts",
                 "kvwatt_host_idle_power_watts", "kvwatt_idle_baseline_age_seconds", "kvwatt_energy_per_token_joules",
@@ -73,14 +73,19 @@ NON_NEGATIVE = {"kvwatt_sample_duration_seconds", "kvwatt_window_covered_seconds
                 "kvwatt_offload_buffer_residency_target_seconds", "kvwatt_kv_pools_above_threshold",
                 # money and carbon: the configured or read price and intensity are refused below 0
                 "kvwatt_electricity_price_per_kwh", "kvwatt_carbon_intensity_grams_per_kwh",
-                "kvwatt_price_age_seconds"}
+                "kvwatt_price_age_seconds",
+                "kvwatt_phase_joules_per_token", "kvwatt_phase_joules_per_token_stderr", "kvwatt_phase_cost_windows",
+                "kvwatt_recompute_tax_watts", "kvwatt_recompute_energy_share_ratio",
+                "kvwatt_recompute_tax_cost_per_day", "kvwatt_recompute_tax_co2e_grams_per_day"}
 # differences and stale-baseline figures: any finite sign (marginal J/token < 0 when P_idle is stale)
 SIGNED = {"kvwatt_marginal_energy_per_token_joules", "kvwatt_recompute_tax_ratio", "kvwatt_energy_saving_ratio",
           "kvwatt_energy_saving_stderr_ratio", "kvwatt_throughput_gain_ratio",
           "kvwatt_throughput_gain_stderr_ratio",
           # money and carbon of the marginal energy: negative with it (a stale P_idle)
           "kvwatt_energy_cost_per_million_tokens", "kvwatt_co2e_grams_per_thousand_tokens",
-          "kvwatt_marginal_energy_cost_per_day", "kvwatt_marginal_co2e_grams_per_day"}
+          "kvwatt_marginal_energy_cost_per_day", "kvwatt_marginal_co2e_grams_per_day",
+          "kvwatt_offload_saved_watts", "kvwatt_offload_saved_cost_per_day",
+          "kvwatt_offload_saved_co2e_grams_per_day"}  # negative when a measured reload costs more than recomputing
 
 BAD_VALUES = ["-1", "-0.5", "1.7", "-1e308", "1e308", "6e29", "1e400", "NaN", "+Inf", "-Inf", "", "abc",
               "\x00\xff\ufffd", "0x10", "1 2 3", "-0", "5e-324", "1e-300", "0.5", "2", "1e29"]

@@ -84,6 +84,7 @@ def config_mapping(tmp_path, urls: dict[str, str] | None = None) -> dict:
         ],
         "windows": ["30s", "1m"], "min_load_duration": "5s", "collapse_reference_window": "30s",
         "threshold_window": "10s",
+        "phase_min_windows": 6,  # 5 s repeat windows: the per-phase costs are measured within the 90 s
         "idle_power_watts": {"GPU-on": GPU_IDLE_WATTS, "GPU-off": GPU_IDLE_WATTS},
         "state_dir": str(tmp_path / "state"), "powercap_root": str(tmp_path / "no-powercap"), "nvml": False,
         # money and carbon (docs/energy.md): a configured price, a carbon intensity read from a series URL

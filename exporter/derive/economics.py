@@ -25,6 +25,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
+from exporter.derive.phase_energy import PhaseCosts
 from exporter.derive.pressure import kv_usage_quantile
 from exporter.derive.recompute import token_counts
 from exporter.store import Bucket, WindowAggregate
@@ -244,56 +245,93 @@ def recorded(on: Sequence[WindowStat], profile: Sequence[BandProfile]) -> tuple[
 # estimated (token-source model)
 # --------------------------------------------------------------------------------------------------------
 def estimated(on: Sequence[WindowStat], price: float | Callable[[WindowStat], float | None] | None,
-              load_to_compute_cost_ratio: float) -> Estimate:
-    """ESTIMATE. Per loaded window: saved = loaded tokens x J_c x (1 - load/compute cost ratio);
-    J/tok_OFF(est) = (E_ON + saved) / generated; dE_w = saved / (E_ON + saved). ``price`` is J_c, the J per
-    computed prompt token, as a number or per window (price_from_roofline). Value and SE are the mean and
-    standard error of dE_w over the windows (ON and estimated OFF share their windows, so the
+              load_to_compute_cost_ratio: float, costs: PhaseCosts | None = None) -> Estimate:
+    """ESTIMATE. Per loaded window: saved = loaded tokens x (J_c - J_r); J/tok_OFF(est) = (E_ON + saved) /
+    generated; dE_w = saved / (E_ON + saved). J_c, the J per computed prompt token, and J_r, per reloaded
+    token: the measured per-phase costs (``costs``, methods.md s12) when given, their SE propagated into dE's;
+    else ``price`` (a number or per window, price_from_roofline) and J_r = ratio x J_c. Value and SE are the
+    mean and standard error of dE_w over the windows (ON and estimated OFF share their windows, so the
     independent-means delta method does not apply). Assumptions in docs/offload.md."""
-    if price is None:
-        return Estimate(None, None, 0, 0, "estimated", "no J per computed prompt token (needs GPU energy and "
-                        "P_idle)")
-    vals = []
-    for w in on:
-        if not w.loaded or w.joules is None or w.loaded_prompt_tokens is None or w.joules <= 0:
-            continue
-        j_c = price(w) if callable(price) else price
-        if j_c is None:
-            continue
-        saved = w.loaded_prompt_tokens * j_c * (1.0 - load_to_compute_cost_ratio)
-        vals.append(saved / (w.joules + saved))
-    m, se = mean_and_stderr(vals)
-    return Estimate(m, se, len(vals), 0, "estimated",
-                    "model estimate: reloaded tokens priced as recomputation" if vals else "no comparable windows")
+    def values(j_c: PriceOf, kept: float) -> list[float]:
+        vals = []
+        for w in on:
+            if not w.loaded or w.joules is None or w.loaded_prompt_tokens is None or w.joules <= 0:
+                continue
+            c = j_c(w)
+            if c is None:
+                continue
+            saved = w.loaded_prompt_tokens * c * kept
+            vals.append(saved / (w.joules + saved))
+        return vals
+    return _priced(values, price, load_to_compute_cost_ratio, costs, "model estimate: reloaded tokens priced as "
+                   "recomputation")
 
 
 def potential(off: Sequence[WindowStat], reference_share: float | None,
               price: float | Callable[[WindowStat], float | None] | None,
-              load_to_compute_cost_ratio: float) -> Estimate:
+              load_to_compute_cost_ratio: float, costs: PhaseCosts | None = None) -> Estimate:
     """ESTIMATE for a server running WITHOUT offloading: what enabling it would save. The prompt tokens it
     computed above its low-pressure local_compute share (the recomputation tax, methods.md s4) are the ones an
     offload tier would have reloaded instead (the study saw offloading move exactly that share into
-    external_kv_transfer). Per loaded window: saved = tax tokens x J_c x (1 - load/compute cost ratio) and,
-    since the measured server is the OFF one, dE_w = saved / E_OFF. Needs a reference share (learned from
-    low-pressure windows, or configured) and a J_c price."""
+    external_kv_transfer). Per loaded window: saved = tax tokens x (J_c - J_r) and, since the measured server
+    is the OFF one, dE_w = saved / E_OFF. Needs a reference share (learned from low-pressure windows, or
+    configured) and a J_c price: the measured per-phase cost when ``costs`` is given (an OFF server reloads
+    nothing, so J_r stays ratio x J_c), else ``price``."""
     if reference_share is None:
         return Estimate(None, None, 0, 0, "estimated", "no low-pressure reference share yet (learned or configured)")
-    if price is None:
+
+    def values(j_c: PriceOf, kept: float) -> list[float]:
+        vals = []
+        for w in off:
+            if not w.loaded or w.joules is None or w.joules <= 0 or w.computed_prompt_tokens is None \
+                    or not w.prompt_tokens:
+                continue
+            c = j_c(w)
+            if c is None:
+                continue
+            tax_tokens = max(w.computed_prompt_tokens - reference_share * w.prompt_tokens, 0.0)
+            vals.append(tax_tokens * c * kept / w.joules)
+        return vals
+    return _priced(values, price, load_to_compute_cost_ratio, costs,
+                   "model estimate: the recomputation tax priced as what offloading would reload")
+
+
+PriceOf = Callable[[WindowStat], "float | None"]
+
+
+def _priced(values: Callable[[PriceOf, float], list[float]], price, ratio: float, costs: PhaseCosts | None,
+            note: str) -> Estimate:
+    """Mean and SE of the per-window dE at the prices; ``values(J_c, kept)`` prices a token J_c x kept, kept =
+    1 - J_r/J_c the share of the computed cost a reload saves. With measured costs, SE^2 = SE_windows^2 + g' V g: g the
+    gradient of the mean dE in (J_c, J_r) (finite differences), V their covariance from the regression (the
+    delta method; J_r = ratio x J_c where the reload cost is not fitted)."""
+    if costs is None and price is None:
         return Estimate(None, None, 0, 0, "estimated", "no J per computed prompt token (needs GPU energy and P_idle)")
-    vals = []
-    for w in off:
-        if not w.loaded or w.joules is None or w.joules <= 0 or w.computed_prompt_tokens is None \
-                or not w.prompt_tokens:
-            continue
-        j_c = price(w) if callable(price) else price
-        if j_c is None:
-            continue
-        tax_tokens = max(w.computed_prompt_tokens - reference_share * w.prompt_tokens, 0.0)
-        vals.append(tax_tokens * j_c * (1.0 - load_to_compute_cost_ratio) / w.joules)
-    m, se = mean_and_stderr(vals)
-    return Estimate(m, se, len(vals), 0, "estimated",
-                    "model estimate: the recomputation tax priced as what offloading would reload" if vals
-                    else "no comparable windows")
+    if costs is None:
+        def j_c(w, p=price):
+            return p(w) if callable(p) else p
+        vals = values(j_c, 1.0 - ratio)
+        m, se = mean_and_stderr(vals)
+        return Estimate(m, se, len(vals), 0, "estimated", note if vals else "no comparable windows")
+    fitted_r = costs.reloaded_j is not None and costs.reloaded_se is not None
+
+    def mean_at(c: float, r: float | None) -> tuple[float | None, float | None, int]:
+        kept = (1.0 - r / c if c > 0 else 0.0) if fitted_r else 1.0 - ratio
+        vals = values(lambda _w: c, kept)
+        m, se = mean_and_stderr(vals)
+        return m, se, len(vals)
+    c0, r0 = costs.prompt_computed_j, costs.reloaded_j
+    m, se, n = mean_at(c0, r0)
+    if m is None:
+        return Estimate(None, None, 0, 0, "estimated", "no comparable windows")
+    var = 0.0 if se is None else se * se
+    se_c = costs.prompt_computed_se or 0.0
+    se_r = costs.reloaded_se or 0.0 if fitted_r else 0.0
+    h = max(abs(c0), 1e-12) * 1e-3
+    g_c = (mean_at(c0 + h, r0)[0] - m) / h
+    g_r = (mean_at(c0, r0 + h)[0] - m) / h if fitted_r else 0.0
+    var += g_c * g_c * se_c * se_c + g_r * g_r * se_r * se_r + 2 * g_c * g_r * costs.cov_prompt_reloaded
+    return Estimate(m, math.sqrt(max(var, 0.0)) if se is not None else None, n, 0, "estimated", note)
 
 
 def price_from_roofline(active_parameters: float, flops_per_second: float) -> Callable[[WindowStat], float | None]:

@@ -60,20 +60,26 @@ class Prices:
         return (cost.money_per_day(watts, self.value("electricity_price")),
                 None if grams is None else grams / cost.GRAMS_PER_KILOGRAM)
 
-    def cost_of_energy(self, e: EnergyFigure) -> CostFigure:
-        """One scope's marginal J/token and marginal power in money and carbon."""
+    def cost_of_energy(self, e: EnergyFigure, tax_watts: float | None = None,
+                       saved_watts: float | None = None) -> CostFigure:
+        """One scope's marginal J/token and marginal power in money and carbon; with the scope's recomputation
+        tax and offload saving in W (methods.md s12), those per day too."""
         jpt = e.marginal_joules_per_token
         watts = None if jpt is None else cost.marginal_watts(e.basis.energy_joules, e.basis.idle_joules,
                                                                e.basis.seconds)
-        return CostFigure(e.scope, watts, cost.money_per_million_tokens(jpt, self.value("electricity_price")),
-                          cost.co2e_grams_per_thousand_tokens(jpt, self.value("carbon_intensity")),
-                          cost.money_per_day(watts, self.value("electricity_price")),
-                          cost.co2e_grams_per_day(watts, self.value("carbon_intensity")), self.currency)
+        price, intensity = self.value("electricity_price"), self.value("carbon_intensity")
+        return CostFigure(e.scope, watts, cost.money_per_million_tokens(jpt, price),
+                          cost.co2e_grams_per_thousand_tokens(jpt, intensity),
+                          cost.money_per_day(watts, price), cost.co2e_grams_per_day(watts, intensity), self.currency,
+                          cost.money_per_day(tax_watts, price), cost.co2e_grams_per_day(tax_watts, intensity),
+                          cost.money_per_day(saved_watts, price), cost.co2e_grams_per_day(saved_watts, intensity))
 
     def with_costs(self, w: WindowFigures) -> WindowFigures:
         if not self.any_configured:
             return w
-        return replace(w, costs=tuple(self.cost_of_energy(e) for e in w.energy))
+        tax, saved = w.recompute_tax_watts or {}, w.offload_saved_watts or {}
+        return replace(w, costs=tuple(self.cost_of_energy(e, tax.get(e.scope), saved.get(e.scope))
+                                      for e in w.energy))
 
     def figures(self) -> tuple[PriceFigure, ...]:
         return tuple(self._figure(q) for q in self.settings)

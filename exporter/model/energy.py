@@ -9,11 +9,15 @@ Per tick (exporter.model.Model.ingest), on the sampler's one monotonic clock:
 
 from __future__ import annotations
 
+import logging
+import math
 import time
+from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from exporter.config import Config
+from exporter.derive import phase_energy
 from exporter.energy.attribution import GpuAssignment, assign_gpus, host_shares
 from exporter.energy.baseline import BaselineBook, IdleLearner
 from exporter.figures import DeviceFigures
@@ -21,6 +25,7 @@ from exporter.samples import DeviceReading, Interval, SourceStatus, Tick
 from exporter.store import DeviceTracker
 
 SCOPES = ("gpu", "host")
+log = logging.getLogger("kvwatt.energy")
 
 
 @dataclass
@@ -160,3 +165,48 @@ def _spans(readings: Sequence[DeviceReading], deltas: Mapping[str, float | None]
         ok = d is not None and r.read_at is not None and prev is not None and r.read_at > prev
         out[r.device] = (d, r.read_at - prev) if ok else None
     return out
+
+
+class PhaseLearner:
+    """Measured per-phase energy costs of one server (methods.md s12): each completed repeat window becomes one
+    observation per scope, kept for ``history_seconds``; the regression is refitted when a window arrives (at
+    most once per tick, a few hundred 3-column rows). Logs when a scope's cost source changes, not per tick."""
+
+    def __init__(self, name: str, width: float, history_seconds: float, min_windows: int, max_condition: float,
+                 load_to_compute_cost_ratio: float) -> None:
+        self.name, self.width = name, width
+        keep = max(int(history_seconds // width), 1)
+        self.windows: dict[str, deque[phase_energy.PhaseWindow]] = {s: deque(maxlen=keep) for s in SCOPES}
+        self.min_windows, self.max_condition = min_windows, max_condition
+        self.ratio = load_to_compute_cost_ratio
+        self.last_t1 = -math.inf
+        self.costs: dict[str, phase_energy.PhaseCosts] = {s: phase_energy.PhaseCosts(s) for s in SCOPES}
+
+    def observe(self, buckets: Iterable) -> bool:
+        """Feed the completed buckets not seen yet; refit when one was added. True when refitted."""
+        added = False
+        for b in buckets:
+            if b.t1 <= self.last_t1:
+                continue
+            self.last_t1 = b.t1
+            for scope in SCOPES:
+                o = phase_energy.observation(b, self.width, scope)
+                if o is not None:
+                    self.windows[scope].append(o)
+                    added = True
+        if added:
+            for scope in SCOPES:
+                self._refit(scope)
+        return added
+
+    def _refit(self, scope: str) -> None:
+        before = self.costs[scope]
+        now = self.costs[scope] = phase_energy.estimate(list(self.windows[scope]), scope, self.min_windows,
+                                                         self.max_condition, self.ratio)
+        if (before.state, before.source) != (now.state, now.source):
+            log.info("%s: %s per-phase energy costs %s (%s, %d windows)%s", self.name, scope, now.state, now.source,
+                     now.windows, f": {now.reason}" if now.reason else "")
+
+    def figures(self) -> tuple[phase_energy.PhaseCosts, ...]:
+        """The scopes with at least one observation (a server without a host or GPU energy source has none)."""
+        return tuple(c for s, c in self.costs.items() if self.windows[s])

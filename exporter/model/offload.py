@@ -10,6 +10,7 @@ from typing import Sequence
 from exporter.config import Config, ServerConfig
 from exporter.derive import economics, kappa, offload
 from exporter.derive.energy import prompt_attribution
+from exporter.derive.phase_energy import PhaseCosts
 from exporter.figures import BufferFigures, KappaFigures, SavingFigure, WindowFigures
 from exporter.offload import profile as profile_mod
 from exporter.sources import model_config
@@ -55,15 +56,18 @@ def price(agg, cfg: Config, so: OffloadSetup):
 
 def savings(agg, on: Sequence[economics.WindowStat], on_total: Sequence[economics.WindowStat],
             off: Sequence[economics.WindowStat] | None, enabled: bool, reference_share: float | None,
-            cfg: Config, so: OffloadSetup) -> tuple[SavingFigure, ...]:
+            cfg: Config, so: OffloadSetup, costs: PhaseCosts | None = None) -> tuple[SavingFigure, ...]:
     """dE / dTPS of one window for each baseline kind available (methods.md s2; docs/offload.md "dE kinds").
 
     ``on``: this server's repeat windows (marginal GPU J/token); ``on_total`` the same with total J/token (for
     a profile recorded without P_idle); ``off``: the paired OFF twin's windows, when configured and watched.
-    An OFF server gets ``potential``: the recomputation tax priced as what offloading would reload."""
-    j_c, how = price(agg, cfg, so)
+    An OFF server gets ``potential``: the recomputation tax priced as what offloading would reload. ``costs``:
+    the server's GPU per-phase costs (methods.md s12); once measured they price both model estimates, their SE
+    carried into dE's."""
+    measured = costs if costs is not None and costs.source == "measured" else None
+    j_c, how = price(agg, cfg, so) if measured is None else (None, " (measured per-phase price)")
     if not enabled:
-        est = economics.potential(on, reference_share, j_c, cfg.load_to_compute_cost_ratio)
+        est = economics.potential(on, reference_share, j_c, cfg.load_to_compute_cost_ratio, measured)
         return (_figure("potential", _noted(est, how), None),)
     out = []
     if off is not None:
@@ -71,7 +75,7 @@ def savings(agg, on: Sequence[economics.WindowStat], on_total: Sequence[economic
     if so.profile is not None:  # compare like with like: the profile says marginal or total J/token
         out.append(_figure("recorded", *economics.recorded(on if so.profile.energy == "marginal" else on_total,
                                                             so.profile.bands)))
-    est = economics.estimated(on, j_c, cfg.load_to_compute_cost_ratio)
+    est = economics.estimated(on, j_c, cfg.load_to_compute_cost_ratio, measured)
     out.append(_figure("estimated", _noted(est, how), None))
     return tuple(out)
 

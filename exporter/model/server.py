@@ -12,6 +12,7 @@ from exporter.derive import residency
 from exporter.derive import energy as derive_energy
 from exporter.figures import EnergyFigure, ServerFigures, WindowFigures, engine_name
 from exporter.model import advice as advice_model
+from exporter.model.energy import PhaseLearner
 from exporter.model import offload as offload_figures
 from exporter.model import pressure as pressure_model
 from exporter.samples import EngineReading, SourceStatus, EngineInfo
@@ -47,6 +48,8 @@ class ServerModel:
         self.gauges: dict[str, float] | None = None  # the last reading's, None while the server is not read
         self.collapse: collapse.CollapseResult | None = None
         self._stats: dict[tuple[float, bool], economics.WindowStat] = {}
+        self.phase = PhaseLearner(server.name, self.repeat_seconds, cfg.phase_history_seconds,
+                                  cfg.phase_min_windows, cfg.phase_max_condition, cfg.load_to_compute_cost_ratio)
 
     @property
     def name(self) -> str:
@@ -72,6 +75,7 @@ class ServerModel:
         if self.info is not None:
             pl.engine_facts(self.info, wall)  # a changed engine sets the evidence aside (model/epoch.py)
         pl.observe(self.history.buckets(pl.width, pl.last_t1, now), wall)
+        self.phase.observe(self.history.buckets(self.repeat_seconds, self.phase.last_t1, now))
         for seconds in self.cfg.windows_seconds:
             self._learn_regime(seconds)
         self.collapse = self._collapse(now)
@@ -156,7 +160,11 @@ class ServerModel:
             offload_buffer_residency_seconds=self._residency(buffer_bytes, rates, tokens),
             cached_to_prefill_ratio=kappa.observed(agg),
             savings=self._savings(agg, now, seconds, peers), **self._newest_series(agg),
-            **self._residency_figures(agg))
+            **self._residency_figures(agg),
+            **derive_energy.tax_in_energy(agg, recompute.recompute_tax(shares["local_compute"] if shares else None,
+                                                                       self.reference.value),
+                                          self.phase.figures(), self.info.offload_enabled if self.info else None,
+                                          cfg.load_to_compute_cost_ratio))
 
     def _residency(self, buffer_bytes: float | None, rates: offload.TransferRates,
                    tokens: offload.TokenRates) -> float | None:
@@ -210,7 +218,8 @@ class ServerModel:
         total = self.repeat_windows(now, seconds, marginal=False) if self.offload.profile is not None else on
         pair = peers.get(self.server.pair_off_server or "")
         off = pair.repeat_windows(now, seconds) if pair is not None and enabled else None
-        return offload_figures.savings(agg, on, total, off, enabled, self.reference.value, self.cfg, self.offload)
+        return offload_figures.savings(agg, on, total, off, enabled, self.reference.value, self.cfg, self.offload,
+                                       self.phase.costs.get("gpu"))
 
     def figures(self, now: float, peers: Mapping[str, "ServerModel"]) -> ServerFigures:
         windows = tuple(self.window(now, s, peers) for s in self.cfg.windows_seconds)
@@ -230,7 +239,7 @@ class ServerModel:
             located=self.pressure.located, threshold_in_use=self.pressure.threshold,
             threshold_source=self.pressure.source, evidence_windows=len(self.pressure.points),
             reference_windows=self.reference.windows, reference_spread=self.reference.spread,
-            **self._judgements(windows))
+            phase_costs=self.phase.figures(), **self._judgements(windows))
         advice = advice_model.advise(fig, self.cfg)  # "what do I do?", from the figures just derived
         return replace(fig, advice=advice, recommendations=advice_model.recommendations(advice))
 

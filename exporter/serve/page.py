@@ -230,7 +230,19 @@ def _cost_words(c: dict) -> str:
     per_token = (f'{_money(c["money_per_million_tokens"], cur)} per million generated tokens, '
                  f'{UNKNOWN if c["co2e_grams_per_thousand_tokens"] is None else _num(c["co2e_grams_per_thousand_tokens"])}'
                  f' g CO2e per 1,000 tokens')
-    return f"{per_day} ({_num(c['marginal_watts'])} W; {per_token})"
+    return f"{per_day} ({_num(c['marginal_watts'])} W; {per_token}){_tax_cost_words(c)}"
+
+
+def _tax_cost_words(c: dict) -> str:
+    """The recomputation tax and the offload saving per day, when priced (methods.md s12)."""
+    cur, out = c.get("currency"), ""
+    for what, key in (("recomputing evicted prompts", "recompute_tax"), ("offloading saved", "offload_saved")):
+        money, grams = c.get(f"{key}_money_per_day"), c.get(f"{key}_co2e_grams_per_day")
+        if money is None and grams is None:
+            continue
+        kg = UNKNOWN if grams is None else f"{grams / 1000:,.3g} kg"
+        out += f"; {what}: <b>{_money(money, cur)}/day</b>, {kg} CO2e/day"
+    return out
 
 
 def _first_saving(s: dict):
@@ -529,6 +541,7 @@ FORMATS: dict[str, Callable[[object, dict], str]] = {
     "bytes_per_second": lambda x, _w: UNKNOWN if x is None else _gib(x) + "/s",
     "seconds": lambda x, _w: _secs(x),
     "gigaflops": lambda x, _w: UNKNOWN if x is None else f"{x / 1e9:,.3g} GFLOP",
+    "kwh_per_day": lambda x, _w: UNKNOWN if x is None else f"{x * 24 / 1000:,.3g} kWh/day ({x:,.3g} W)",
 }
 
 

@@ -88,7 +88,11 @@ def _cost_json(w: WindowFigures) -> dict:
                                "money_per_million_tokens": c.money_per_million_tokens,
                                "co2e_grams_per_thousand_tokens": c.co2e_grams_per_thousand_tokens,
                                "money_per_day": c.money_per_day,
-                               "co2e_grams_per_day": c.co2e_grams_per_day, "currency": c.currency}
+                               "co2e_grams_per_day": c.co2e_grams_per_day, "currency": c.currency,
+                               "recompute_tax_money_per_day": c.recompute_tax_money_per_day,
+                               "recompute_tax_co2e_grams_per_day": c.recompute_tax_co2e_grams_per_day,
+                               "offload_saved_money_per_day": c.offload_saved_money_per_day,
+                               "offload_saved_co2e_grams_per_day": c.offload_saved_co2e_grams_per_day}
                      for c in w.costs}}
 
 
@@ -128,7 +132,9 @@ WINDOW_BLOCKS: tuple[Block, ...] = (
           lambda w: {"kv_usage_p95_interval": [w.kv_usage_p95_low, w.kv_usage_p95_high]}),
     Block(("cost",),  # docs/energy.md, "Money and carbon"; the currency is the top-level prices' one
           _named("kvwatt_energy_cost_per_million_tokens", "kvwatt_co2e_grams_per_thousand_tokens",
-                 "kvwatt_marginal_energy_cost_per_day", "kvwatt_marginal_co2e_grams_per_day"), _cost_json),
+                 "kvwatt_marginal_energy_cost_per_day", "kvwatt_marginal_co2e_grams_per_day",
+                 "kvwatt_recompute_tax_cost_per_day", "kvwatt_recompute_tax_co2e_grams_per_day",
+                 "kvwatt_offload_saved_cost_per_day", "kvwatt_offload_saved_co2e_grams_per_day"), _cost_json),
 )
 
 
@@ -188,6 +194,15 @@ def _buffer_json(v: ServerFigures) -> dict:
         "residency_target_source": b.residency_target_source}}
 
 
+def _phase_costs_json(v: ServerFigures) -> dict:
+    """Per-phase energy costs by scope (methods.md s12): each phase's J/token and SE, and what they rest on."""
+    return {"phase_costs": {c.scope: {
+        **{p: {"joules_per_token": c.joules(p), "stderr": c.stderr(p)} for p in c.phases},
+        "windows": c.windows, "state": c.state, "reason": c.reason, "source": c.source,
+        "condition": None if c.condition is None or math.isinf(c.condition) else c.condition}
+        for c in v.phase_costs}}
+
+
 def _advice_json(v: ServerFigures) -> dict:
     return {"advice": [{"kind": a.kind, "severity": a.severity, "text": a.text, "evidence": dict(a.evidence)}
                        for a in v.advice]}
@@ -219,6 +234,8 @@ SERVER_BLOCKS: tuple[Block, ...] = (
     Block(("collapse",),
           _named("kvwatt_collapse_signature", "kvwatt_collapse_condition_set", "kvwatt_collapse_condition"),
           _collapse_json),
+    Block(("phase_costs",), _named("kvwatt_phase_joules_per_token", "kvwatt_phase_joules_per_token_stderr",
+                                   "kvwatt_phase_cost_windows", "kvwatt_phase_cost_source"), _phase_costs_json),
     Block(("offload_buffer",), _named("kvwatt_offload_buffer_undersized", "kvwatt_offload_recommended_buffer_bytes",
                                       "kvwatt_offload_buffer_residency_target_seconds"),
           _buffer_json),
@@ -257,7 +274,7 @@ SERVER_KEY_ORDER = (
     "offload_enabled", "offload_buffer_bytes", "offload_buffer_used_ratio", "offload_buffer_used_bytes",
     "offload_tier_hit_ratio", "regime", "regime_window", "threshold", "reference_local_compute_share",
     "reference_kind", "signatures", "recommendations", "advice", "requests_waiting_for_kv", "windows", "kappa",
-    *THRESHOLD_KEYS, "collapse", "offload_buffer")
+    *THRESHOLD_KEYS, "collapse", "offload_buffer", "phase_costs")
 
 
 def _figures_json(fig, scope: str, blocks: tuple[Block, ...], order: tuple[str, ...], **fixed) -> dict:

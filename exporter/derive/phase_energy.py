@@ -1,0 +1,296 @@
+"""Measured per-phase energy costs (methods.md s12): marginal J per computed prompt token, per generated token
+and per reloaded token, from a regression over non-overlapping windows.
+
+Each completed window w of the repeat grid (store/buckets.py) is one observation:
+
+    E_w - P_idle*dt_w = c_p * computed_w + c_g * generated_w + c_r * reloaded_w + e_w
+
+computed = local_compute prompt tokens, reloaded = external_kv_transfer (recompute.token_counts), generated =
+generation tokens; E the scope's energy (gpu or host). No intercept: the idle power is already subtracted
+(a stale P_idle shows up as bias, methods.md s12 "failure modes"). The costs are constrained to be >= 0 (an
+exact active-set NNLS: with at most 3 regressors every subset is tried); SE from the residual variance and
+(X'X)^-1 of the coefficients left free. The reloaded column is fitted only when offloading moved tokens.
+
+"Not identifiable" (with the reason) when there are too few windows or the prompt/generated mix does not vary
+enough to tell the costs apart: the condition number of the column-normalised X'X is above a rule
+(exporter/rules.py PHASE_MAX_CONDITION); a constant mix makes the columns proportional (condition -> inf).
+Until then the configured attribution model (energy.prompt_attribution) is the documented ``prior``.
+Pure functions, no numpy (not a daemon dependency).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+from typing import ClassVar, Iterable, Sequence
+
+from exporter.derive.recompute import token_counts
+from exporter.store import Bucket
+
+PHASES = ("prompt_computed", "generated", "reloaded")
+MIN_COVERAGE_RATIO = 0.9  # as economics.window_stat: a window counts when samples cover 90 % of it
+
+
+@dataclass(frozen=True)
+class PhaseWindow:
+    """One window's marginal energy (J) of one scope and its token counts by phase."""
+
+    joules: float
+    computed: float
+    generated: float
+    reloaded: float
+
+
+@dataclass(frozen=True)
+class PhaseCosts:
+    """Marginal J per token by phase for one scope; SE None for a cost pinned at 0 or from the prior."""
+
+    scope: str
+    prompt_computed_j: float | None = None
+    prompt_computed_se: float | None = None
+    generated_j: float | None = None
+    generated_se: float | None = None
+    reloaded_j: float | None = None
+    reloaded_se: float | None = None
+    windows: int = 0
+    state: str = "unknown"  # known | not_identifiable | unknown
+    reason: str = ""
+    source: str = "prior"  # measured | prior
+    condition: float | None = None  # condition number of the normalised design (identifiability)
+    # covariance of (prompt_computed, reloaded) costs, for propagating into dE (0 where pinned or prior)
+    cov_prompt_reloaded: float = 0.0
+    phases: ClassVar[tuple[str, ...]] = PHASES
+
+    def joules(self, phase: str) -> float | None:
+        return getattr(self, f"{phase}_j")
+
+    def stderr(self, phase: str) -> float | None:
+        return getattr(self, f"{phase}_se")
+
+    @property
+    def usable(self) -> bool:
+        """A price for computed prompt tokens is there (measured or prior)."""
+        return self.prompt_computed_j is not None
+
+
+def observation(bucket: Bucket, width: float, scope: str) -> PhaseWindow | None:
+    """The bucket's observation for ``scope``: None unless samples cover the window, every interval has the
+    scope's energy and idle energy, prompt tokens by source are known, and some token was processed."""
+    agg = bucket.agg
+    if agg.covered_seconds < MIN_COVERAGE_RATIO * width:
+        return None
+    used = agg.scope(scope)
+    if used is None or used.n != agg.n or used.idle_joules is None:
+        return None
+    counts = token_counts(agg)
+    if counts is None:
+        return None
+    gen = agg.delta("generation_tokens") or 0.0
+    w = PhaseWindow(used.energy_joules - used.idle_joules, counts["local_compute"], gen,
+                    counts["external_kv_transfer"])
+    return w if w.computed + w.generated + w.reloaded > 0 else None
+
+
+def observations(buckets: Iterable[Bucket], width: float, scope: str) -> list[PhaseWindow]:
+    return [o for o in (observation(b, width, scope) for b in buckets) if o is not None]
+
+
+# --- small dense linear algebra (k <= 3) ---------------------------------------------------------------
+def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
+    """Gauss-Jordan with partial pivoting; None when singular."""
+    n = len(b)
+    m = [row[:] + [b[i]] for i, row in enumerate(a)]
+    for c in range(n):
+        p = max(range(c, n), key=lambda r: abs(m[r][c]))
+        if abs(m[p][c]) < 1e-12 * max(1.0, max(abs(x) for row in a for x in row)):
+            return None
+        m[c], m[p] = m[p], m[c]
+        for r in range(n):
+            if r != c:
+                f = m[r][c] / m[c][c]
+                m[r] = [x - f * y for x, y in zip(m[r], m[c])]
+    return [m[i][n] / m[i][i] for i in range(n)]
+
+
+def _inverse(a: list[list[float]]) -> list[list[float]] | None:
+    cols = [_solve(a, [1.0 if i == j else 0.0 for i in range(len(a))]) for j in range(len(a))]
+    if any(c is None for c in cols):
+        return None
+    return [[cols[j][i] for j in range(len(a))] for i in range(len(a))]
+
+
+def _gram(cols: Sequence[Sequence[float]]) -> list[list[float]]:
+    return [[sum(x * y for x, y in zip(a, b)) for b in cols] for a in cols]
+
+
+def _eigen_sym(a: list[list[float]], sweeps: int = 50) -> list[float]:
+    """Eigenvalues of a small symmetric matrix (cyclic Jacobi)."""
+    n = len(a)
+    m = [row[:] for row in a]
+    for _ in range(sweeps):
+        off = sum(m[i][j] ** 2 for i in range(n) for j in range(n) if i != j)
+        if off < 1e-24:
+            break
+        for p in range(n):
+            for q in range(p + 1, n):
+                if abs(m[p][q]) < 1e-300:
+                    continue
+                theta = (m[q][q] - m[p][p]) / (2 * m[p][q])
+                t = math.copysign(1.0, theta) / (abs(theta) + math.sqrt(theta * theta + 1))
+                c = 1 / math.sqrt(t * t + 1)
+                s = t * c
+                for k in range(n):
+                    mkp, mkq = m[k][p], m[k][q]
+                    m[k][p], m[k][q] = c * mkp - s * mkq, s * mkp + c * mkq
+                for k in range(n):
+                    mpk, mqk = m[p][k], m[q][k]
+                    m[p][k], m[q][k] = c * mpk - s * mqk, s * mpk + c * mqk
+    return [m[i][i] for i in range(n)]
+
+
+def condition_number(cols: Sequence[Sequence[float]]) -> float:
+    """Condition number of X'X with each column scaled to unit length (scale-free); inf when singular."""
+    norms = [math.sqrt(sum(x * x for x in c)) for c in cols]
+    if any(n == 0 for n in norms):
+        return math.inf
+    eig = _eigen_sym(_gram([[x / n for x in c] for c, n in zip(cols, norms)]))
+    lo, hi = min(eig), max(eig)
+    return math.inf if lo <= 1e-12 * hi else hi / lo
+
+
+# --- the fit --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Fit:
+    coef: tuple[float, ...]
+    cov: tuple[tuple[float, ...], ...] | None  # over all columns; 0 rows/cols for pinned coefficients
+    free: tuple[bool, ...]
+    rss: float
+
+
+def _ols(cols: Sequence[Sequence[float]], y: Sequence[float], subset: Sequence[int]):
+    xs = [cols[i] for i in subset]
+    g = _gram(xs)
+    b = _solve(g, [sum(x * v for x, v in zip(c, y)) for c in xs])
+    if b is None:
+        return None
+    fitted = [sum(bi * c[k] for bi, c in zip(b, xs)) for k in range(len(y))]
+    return b, g, sum((v - f) ** 2 for v, f in zip(y, fitted))
+
+
+def nnls(cols: Sequence[Sequence[float]], y: Sequence[float]) -> Fit | None:
+    """min ||y - X b|| subject to b >= 0, exactly, by trying every subset of free columns (k <= 3): the NNLS
+    optimum is the OLS fit on its free set, and every non-negative subset fit is feasible, so the feasible
+    fit with the least residual is it."""
+    k, best = len(cols), None
+    for size in range(k, 0, -1):
+        for subset in itertools.combinations(range(k), size):
+            r = _ols(cols, y, subset)
+            if r is None or any(v < 0 for v in r[0]):
+                continue
+            if best is None or r[2] < best[0][2] - 1e-12 * max(1.0, abs(r[2])):
+                best = (r, subset)
+    if best is None:
+        return None
+    (b, g, rss), subset = best
+    coef = [0.0] * k
+    for i, v in zip(subset, b):
+        coef[i] = v
+    dof = len(y) - len(subset)
+    inv = _inverse(g)
+    cov = None
+    if inv is not None and dof > 0:
+        s2 = rss / dof
+        full = [[0.0] * k for _ in range(k)]
+        for a, i in enumerate(subset):
+            for c, j in enumerate(subset):
+                full[i][j] = s2 * inv[a][c]
+        cov = tuple(tuple(r) for r in full)
+    return Fit(tuple(coef), cov, tuple(i in subset for i in range(k)), rss)
+
+
+def estimate(windows: Sequence[PhaseWindow], scope: str, min_windows: int, max_condition: float,
+             load_to_compute_cost_ratio: float) -> PhaseCosts:
+    """The measured costs when identifiable, else the prior with the reason (state not_identifiable, or
+    unknown without any window)."""
+    n = len(windows)
+    if n == 0:
+        return PhaseCosts(scope, state="unknown", reason=f"no window with {scope} energy, P_idle and token sources")
+    prior = prior_costs(windows, scope, load_to_compute_cost_ratio)
+    if n < min_windows:
+        return _not(prior, n, f"{n} windows, needs {min_windows}")
+    with_reload = sum(1 for w in windows if w.reloaded > 0) >= min_windows
+    names = ["prompt_computed", "generated"] + (["reloaded"] if with_reload else [])
+    cols = [[w.computed for w in windows], [w.generated for w in windows]]
+    if with_reload:
+        cols.append([w.reloaded for w in windows])
+    cond = condition_number(cols)
+    if not cond <= max_condition:
+        return _not(prior, n, _collinear_reason(cols, names, cond, max_condition), cond)
+    fit = nnls(cols, [w.joules for w in windows])
+    if fit is None or fit.cov is None:
+        return _not(prior, n, "the regression has no solution", cond)
+    if fit.coef[0] <= 0 and fit.coef[1] <= 0:
+        return _not(prior, n, "no energy rises with tokens (P_idle above the loaded power?)", cond)
+    se = [math.sqrt(fit.cov[i][i]) if fit.free[i] else None for i in range(len(names))]
+    out = {f"{p}_j": fit.coef[i] for i, p in enumerate(names)} | {f"{p}_se": se[i] for i, p in enumerate(names)}
+    return PhaseCosts(scope, **out, windows=n, state="known", source="measured", condition=cond,
+                      cov_prompt_reloaded=fit.cov[0][2] if with_reload else 0.0,
+                      reason="" if with_reload else "no reloaded tokens in enough windows: reloaded cost not fitted")
+
+
+def _not(prior: PhaseCosts, n: int, reason: str, cond: float | None = None) -> PhaseCosts:
+    if not prior.usable and prior.reason:
+        reason = f"{reason}; no prior either: {prior.reason}"
+    return PhaseCosts(prior.scope, prior.prompt_computed_j, None, prior.generated_j, None, prior.reloaded_j, None,
+                      n, "not_identifiable", reason, "prior", cond)
+
+
+def _collinear_reason(cols, names, cond: float, max_condition: float) -> str:
+    """Name the pair of columns closest to proportional (cosine of the uncentred columns)."""
+    best, pair = -1.0, (names[0], names[1])
+    for i, j in itertools.combinations(range(len(cols)), 2):
+        ni = math.sqrt(sum(x * x for x in cols[i]))
+        nj = math.sqrt(sum(x * x for x in cols[j]))
+        c = 1.0 if ni == 0 or nj == 0 else sum(a * b for a, b in zip(cols[i], cols[j])) / (ni * nj)
+        if c > best:
+            best, pair = c, (names[i], names[j])
+    shown = "inf" if math.isinf(cond) else f"{cond:.0f}"
+    return (f"the token mix does not vary enough: {pair[0]} and {pair[1]} tokens move together "
+            f"(cosine {best:.3f}, condition {shown} > {max_condition:g})")
+
+
+def prior_costs(windows: Sequence[PhaseWindow], scope: str, load_to_compute_cost_ratio: float) -> PhaseCosts:
+    """The attribution model (energy.prompt_attribution) over the windows: a generated and a computed prompt
+    token cost one unit each, a reloaded one ``load_to_compute_cost_ratio`` units. Not a measurement."""
+    joules = sum(w.joules for w in windows)
+    units = sum(w.generated + w.computed + load_to_compute_cost_ratio * w.reloaded for w in windows)
+    if units <= 0:
+        return PhaseCosts(scope, state="unknown", reason="no tokens")
+    if joules <= 0:  # no price, rather than a negative one
+        return PhaseCosts(scope, state="unknown", reason="marginal energy not positive (P_idle above the loaded "
+                          "power: stale?)")
+    u = joules / units
+    return PhaseCosts(scope, u, None, u, None, load_to_compute_cost_ratio * u, None, len(windows), "unknown",
+                      "", "prior")
+
+
+# --- the tax in energy ----------------------------------------------------------------------------------
+def recompute_tax_watts(tax_share: float | None, prompt_tokens_per_second: float | None,
+                        costs: PhaseCosts | None) -> float | None:
+    """W spent recomputing the tax's prompt tokens: tax share (of all prompt tokens, methods.md s4) x prompt
+    tokens/s x J per computed prompt token. A negative tax (less recomputed than the reference) gives 0."""
+    if tax_share is None or prompt_tokens_per_second is None or costs is None or not costs.usable:
+        return None
+    return max(tax_share, 0.0) * prompt_tokens_per_second * costs.prompt_computed_j
+
+
+def offload_saved_watts(reloaded_tokens_per_second: float | None, costs: PhaseCosts | None,
+                        load_to_compute_cost_ratio: float) -> float | None:
+    """W offloading saves: reloaded tokens/s x (J per computed - J per reloaded prompt token); the reload cost
+    is the measured one when fitted, else the configured ratio of the computed cost."""
+    if reloaded_tokens_per_second is None or costs is None or not costs.usable:
+        return None
+    j_c = costs.prompt_computed_j
+    j_r = costs.reloaded_j if costs.reloaded_j is not None else load_to_compute_cost_ratio * j_c
+    return reloaded_tokens_per_second * (j_c - j_r)
