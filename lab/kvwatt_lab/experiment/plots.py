@@ -170,8 +170,8 @@ def _label_points(ax, labels: list[tuple[float, float, str]]) -> None:
     for x, y, text in sorted(labels, key=lambda t: (t[0], -t[1])):
         i = seen[x] = seen.get(x, -1) + 1
         right = i % 2 == 0
-        ax.annotate(text, (x, y), textcoords="offset points", xytext=(7 if right else -7, 2), fontsize=7,
-                    color="#333333", ha="left" if right else "right", va="center")
+        ax.annotate(text, (x, y), textcoords="offset points", xytext=(6 if right else -6, 5), fontsize=7,
+                    color="#333333", ha="left" if right else "right", va="bottom")   # above the x error bar
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -224,7 +224,7 @@ def _savings(fig, model: dict) -> bool:
     ax.set_xlabel("KV-cache usage p95 of the OFF condition (%)")
     ax.set_ylabel("dE (%)  (positive = offloading saves energy)")
     ax.set_title(f"Energy saving of offloading against KV pressure ({means} ON/OFF pair{'s' if means != 1 else ''})")
-    fig.legend(loc="outside lower center", ncols=2, frameon=False)
+    fig.legend(loc="outside lower center", ncols=1, frameon=False)
     return True
 
 
@@ -248,12 +248,16 @@ def _bars(fig, model: dict) -> bool:
             order.append((pos, s))
             pos += 1.0
         pos += 0.6   # a gap between pairs
-    panels = [(key, label, title) for key, label, title in (
-        ("joules_per_token", _energy_label(model), "Energy per generated token"),
-        ("tokens_per_second", "generated tokens per second (tokens/s)", "Throughput"))
-        if any(_ms(s, key)[0] is not None for _, s in order)]   # a quantity no condition has: no empty panel
+    quantities = (("joules_per_token", _energy_label(model), "Energy per generated token", "no energy figures"),
+                  ("tokens_per_second", "generated tokens per second (tokens/s)", "Throughput", "no throughput"))
+    has = {key: any(_ms(s, key)[0] is not None for _, s in order) for key, *_ in quantities}
+    panels = [q[:3] for q in quantities if has[q[0]]]   # a quantity no condition has: no empty panel
+    missing = [f"{q[3]} (J/token: panel omitted)" if q[0] == "joules_per_token" else f"{q[3]}: panel omitted"
+               for q in quantities if not has[q[0]]]
     if not panels:
         return False
+    if len(panels) == 1:
+        fig.set_size_inches(max(4.0, 1.6 + 0.55 * len(order)), 4.2)
     axes = fig.subplots(1, len(panels), squeeze=False)[0]
     kinds = set()
     for ax, (key, label, title) in zip(axes, panels):
@@ -271,7 +275,7 @@ def _bars(fig, model: dict) -> bool:
         ax.set_xticklabels([s["condition"] for _, s in order], rotation=30, ha="right")
         ax.set_ylabel(label)
         ax.grid(axis="x", visible=False)
-        ax.set_title(f"{title} (mean ± SE, dots: runs)")
+        ax.set_title(f"{title} (mean ± SE, dots: runs)" + "".join(f"\n{m}" for m in missing))
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 
@@ -379,7 +383,8 @@ def _mechanism(fig, model: dict) -> bool:
             panels.append((points, ylabel))
         elif values:   # all zero: a flat row of points on the axis informs less than one line of words
             runs = sum(len(p["runs"]) for p in points)
-            notes.append(f"{none_words} ({ylabel.replace(chr(10), ' ')}: 0 in all {runs} runs; panel omitted)")
+            notes.append(f"{none_words} ({ylabel.replace(chr(10), ' ')}: 0 in each of the {runs} runs; "
+                         "panel omitted)")
     if not panels:
         return False
     if len(panels) == 1:
@@ -397,8 +402,8 @@ def _mechanism(fig, model: dict) -> bool:
     _label_points(axes[-1], [(p["x"], p["y"], p["name"]) for p in panels[-1][0] if p["side"] == "OFF"])
     _xlim(axes[-1], extent, located, model["kv_pressure_threshold"], right=0.12, band=band)
     any_on = any(p["side"] == "ON" for points, _ in panels for p in points)
-    axes[-1].set_xlabel("KV-cache usage p95 of the OFF condition (%): conditions at their measured p95, which "
-                        "need not follow the swept value" + ("\n(ON conditions at their OFF's p95)" if any_on else ""))
+    axes[-1].set_xlabel("KV-cache usage p95 of the OFF condition (%)\nconditions at their measured p95 (not in the "
+                        "swept value's order)" + ("; ON at their OFF's p95" if any_on else ""))
     title = "Mechanism: " + " and ".join(
         {"preemptions per minute": "preemptions"}.get(y, "recomputation") for _, y in panels) + " against KV pressure"
     axes[0].set_title(title + "".join(f"\n{n}" for n in notes))
