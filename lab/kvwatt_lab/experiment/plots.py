@@ -163,15 +163,16 @@ def _pair_words(n_on: int, n_off: int, repeats: int | None) -> str:
     return f"ON {_runs_words(n_on, repeats)},\nOFF {_runs_words(n_off, repeats)}"
 
 
-def _label_points(ax, labels: list[tuple[float, float, str]]) -> None:
+def _label_points(ax, labels: list[tuple[float, float, str]], above: bool = False) -> None:
     """Condition labels beside their points; points sharing an x alternate right and left, so they do not
     print over each other."""
     seen: dict[float, int] = {}
     for x, y, text in sorted(labels, key=lambda t: (t[0], -t[1])):
         i = seen[x] = seen.get(x, -1) + 1
         right = i % 2 == 0
-        ax.annotate(text, (x, y), textcoords="offset points", xytext=(6 if right else -6, 5), fontsize=7,
-                    color="#333333", ha="left" if right else "right", va="bottom")   # above the x error bar
+        ax.annotate(text, (x, y), textcoords="offset points", xytext=(6 if right else -6, 5 if above else 2),
+                    fontsize=7, color="#333333", ha="left" if right else "right",
+                    va="bottom" if above else "center")   # above: clear of a wide x error bar
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -399,7 +400,7 @@ def _mechanism(fig, model: dict) -> bool:
         _threshold_band(ax, located, model["kv_pressure_threshold"], xs, label=i == 0)
         ax.set_ylabel(ylabel)
         extent += [p["x"] + d for p in points for d in (-p["xerr"], p["xerr"])]
-    _label_points(axes[-1], [(p["x"], p["y"], p["name"]) for p in panels[-1][0] if p["side"] == "OFF"])
+    _label_points(axes[-1], [(p["x"], p["y"], p["name"]) for p in panels[-1][0] if p["side"] == "OFF"], above=True)
     _xlim(axes[-1], extent, located, model["kv_pressure_threshold"], right=0.12, band=band)
     any_on = any(p["side"] == "ON" for points, _ in panels for p in points)
     axes[-1].set_xlabel("KV-cache usage p95 of the OFF condition (%)\nconditions at their measured p95 (not in the "
