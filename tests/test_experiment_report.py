@@ -101,15 +101,16 @@ def test_table1_matches_the_hand_calculation(tmp_path):
     # conditions and one pair cannot locate one)
     header, rows = t["Table 1: the saving of offloading by KV pressure (ON/OFF pairs, by the OFF condition's KV p95)"]
     assert header == ["condition (ON vs OFF)", "OFF KV p95 (%)", "regime (configured threshold 90.0 %)",
-                      "OFF preemptions per window", "dE (%)", "dTPS (%)", "n (ON / OFF runs)"]
-    assert rows == [["on-c6 vs off-c6", "94.0 ± 0.6", "above", "55 ± 2.9", "+21.9 ± 3.3", "+20.0 ± 6.4", "3 / 3"]]
+                      "OFF preemptions per minute", "dE (%)", "dTPS (%)", "n (ON / OFF runs)"]
+    # preemptions per minute (the daemon's unit, in every table and figure): 50/55/60 in a 300 s window
+    assert rows == [["on-c6 vs off-c6", "94.0 ± 0.6", "above", "11 ± 0.58", "+21.9 ± 3.3", "+20.0 ± 6.4", "3 / 3"]]
     header, rows = t["Table 1b: every condition's own figures"]
     assert header == ["condition", "baseline", "KV p95 (%)", "regime (configured threshold 90.0 %)",
-                      "preemptions per window", "tokens/s", "J/token (marginal, gpu)", "dE (%)", "dTPS (%)",
+                      "preemptions per minute", "tokens/s", "J/token (marginal, gpu)", "dE (%)", "dTPS (%)",
                       "n (ON / OFF runs)"]
     assert rows == [
-        ["off-c6", "–", "94.0 ± 0.6", "above", "55 ± 2.9", "110.0 ± 5.8", "0.320 ± 0.012", "n/a", "n/a", "3"],
-        ["on-c6", "off-c6", "91.0 ± 0.6", "above", "1 ± 0.58", "132.0 ± 1.2", "0.250 ± 0.0058", "+21.9 ± 3.3",
+        ["off-c6", "–", "94.0 ± 0.6", "above", "11 ± 0.58", "110.0 ± 5.8", "0.320 ± 0.012", "n/a", "n/a", "3"],
+        ["on-c6", "off-c6", "91.0 ± 0.6", "above", "0.2 ± 0.12", "132.0 ± 1.2", "0.250 ± 0.0058", "+21.9 ± 3.3",
          "+20.0 ± 6.4", "3 / 3"],
         ["off-c2", "–", "82.0 ± 1.2", "below", "0 ± 0", "50.0 ± 0.0", "0.410 ± 0.0058", "n/a", "n/a", "3"]]
 
@@ -289,7 +290,7 @@ def test_sweep_locates_the_threshold_between_the_within_noise_and_the_significan
     assert [r[0] for r in rows[:5]] == [f"on-c{c} vs off-c{c}" for c in (2, 3, 4, 5, 6)]   # by OFF KV p95
     assert [r[3] for r in rows] == ["below"] * 3 + ["above"] * 5
     assert rows[0][1] == "buffer_gib=64, concurrency=2" and rows[5][1] == "buffer_gib=8, concurrency=6"
-    assert rows[4][2:] == ["93.8 ± 0.2", "above", "55 ± 1.2", "+31.9 ± 0.6", "+15.9 ± 0.9", "3 / 3"]
+    assert rows[4][2:] == ["93.8 ± 0.2", "above", "11 ± 0.23", "+31.9 ± 0.6", "+15.9 ± 0.9", "3 / 3"]
     header, rows = t["Table 1b: every condition's own figures"]
     by = {r[0]: r for r in rows}
     assert header[2] == "parameters" and by["off-c4"][2] == "concurrency=4"
@@ -467,7 +468,7 @@ def test_sweep_params_are_the_parameters_and_a_planned_buffer_stands_in_for_an_u
 
 def test_run_line_keeps_its_units_in_running_text():
     line = report.run_line(synthetic_run("off-c6", 1), "auto", "marginal")
-    assert line == ("KV p95 93.0 %, 50 preemptions, 100 tokens/s, local_compute 21.3 %, J/token (marginal) "
+    assert line == ("KV p95 93.0 %, 10 preemptions per minute, 100 tokens/s, local_compute 21.3 %, J/token (marginal) "
                     "0.3 gpu")
 
 

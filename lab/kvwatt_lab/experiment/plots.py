@@ -4,13 +4,20 @@
   (± SE), the individual runs as points, the located threshold as a band (the study's Figure 2).
 - energy_throughput_bars.png: J/token and tokens/s per condition, each ON bar next to its OFF bar.
 - frontier.png: J/token against tokens/s per condition, ON and OFF of a pair connected (the study's Figure 3).
-- mechanism.png: preemptions per window and the local_compute share against the OFF KV p95 (methods.md s4,
+- mechanism.png: preemptions per minute and the local_compute share against the OFF KV p95 (methods.md s4,
   the study's Table 2 as a plot).
 - buffer_size.png: dE% of ON at several buffer sizes against one OFF, with the residency rule's verdict and
   the measured plateau (methods.md s6, the study's s4.2).
 
 A figure with nothing to show (no ON/OFF pair for the savings, no buffer sweep) is not drawn; the report says
 why. Artists carry a ``gid`` (``means``, ``runs``, ``bars-on`` ...) so tests can count what was plotted.
+
+Rules every figure keeps (tests/test_experiment_figures.py inspects the Figure objects): no panel without data
+(a quantity that is zero in every run is one line of words in the title instead), no legend entry for a kind
+of condition that is absent, y limits that hold every plotted value without dwarfing its range, the threshold
+interval as a band only where it is narrower than half the data's x range (else a line, the interval in the
+legend), per-run crosses drawn over the means and in the legend, preemptions per minute (the daemon's unit),
+run counts in words ("3 of 3 runs"), and "synthetic data" in the titles when the runs are marked synthetic.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from exporter.config import ConfigError
 
 REQUIREMENT = "matplotlib>=3.8,<4"
 OFF_COLOR, ON_COLOR, PAY_COLOR, NOISE_COLOR, BAND_COLOR = "#6b6b6b", "#1f6fb4", "#1f6fb4", "#9a9a9a", "#d62728"
+RUN_COLOR = "#1a1a1a"      # per-run crosses: dark, drawn over the means
 STYLE = {"font.size": 9, "axes.titlesize": 10, "axes.labelsize": 9, "legend.fontsize": 8,
          "axes.spines.top": False, "axes.spines.right": False, "axes.grid": True, "grid.alpha": 0.25,
          "savefig.dpi": 150, "svg.hashsalt": "kvwatt"}
@@ -87,22 +95,46 @@ def _energy_label(model: dict) -> str:
     return f"J per generated token ({model['energy_basis']}, {'/'.join(scopes) or 'no energy data'})"
 
 
-def _threshold_band(ax, located: dict | None, configured: float, label: bool = True) -> None:
+BAND_MAX_FRACTION = 0.5   # a threshold interval wider than this share of the data's x range is no band: it
+                          # would cover most of the axis and inform nothing; a line at the estimate instead
+
+
+def _band_informs(located: dict | None, xs: list[float]) -> bool:
+    """Whether the located threshold's interval is narrow enough against the data's x range to be drawn."""
+    if not located or len(xs) < 2 or max(xs) == min(xs):
+        return False
+    return (located["high"] - located["low"]) * 100 < BAND_MAX_FRACTION * (max(xs) - min(xs))
+
+
+def _threshold_band(ax, located: dict | None, configured: float, xs: list[float], label: bool = True) -> None:
+    """The located threshold as a band over its interval (its width stated) when the band informs, else a line
+    at the estimate with the interval in the legend text; the configured threshold dashed when none is located."""
     if located:
-        ax.axvspan(located["low"] * 100, located["high"] * 100, color=BAND_COLOR, alpha=0.12, lw=0,
-                   gid="threshold-band", label=(f"located threshold {located['ratio'] * 100:.1f} % "
-                                                f"[{located['low'] * 100:.1f}–{located['high'] * 100:.1f}]"
-                                                if label else None))
-        ax.axvline(located["ratio"] * 100, color=BAND_COLOR, lw=1.2, gid="threshold")
+        ratio, low, high = located["ratio"] * 100, located["low"] * 100, located["high"] * 100
+        interval = f"interval {low:.1f}–{high:.1f} %"
+        if _band_informs(located, xs):
+            ax.axvspan(low, high, color=BAND_COLOR, alpha=0.12, lw=0, gid="threshold-band",
+                       label=(f"located threshold {ratio:.1f} % (band: its {interval}, {high - low:.1f} points wide)"
+                              if label else None))
+            ax.axvline(ratio, color=BAND_COLOR, lw=1.2, gid="threshold")
+        else:
+            ax.axvline(ratio, color=BAND_COLOR, lw=1.2, gid="threshold",
+                       label=(f"located threshold {ratio:.1f} % ({interval}, {high - low:.1f} points: too wide "
+                              "for a band)" if label else None))
     else:
         ax.axvline(configured * 100, color=BAND_COLOR, lw=1, ls="--", gid="threshold",
                    label=f"configured threshold {configured * 100:.0f} % (none located)" if label else None)
 
 
-def _xlim(ax, xs: list[float], located: dict | None, configured: float, right: float = 0.08) -> None:
-    """The axis range where the data (``xs``: points and their error bars' ends) and the threshold (band)
-    are, with a margin (``right``: room for labels), at least 10 points of KV p95 wide."""
-    pts = list(xs) + ([located["low"] * 100, located["high"] * 100] if located else [configured * 100])
+def _xlim(ax, xs: list[float], located: dict | None, configured: float, right: float = 0.08,
+          band: bool = True) -> None:
+    """The axis range where the data (``xs``: points and their error bars' ends) and the threshold (its band,
+    or its line when no band is drawn) are, with a margin (``right``: room for labels), at least 10 points of
+    KV p95 wide."""
+    if located:
+        pts = list(xs) + ([located["low"] * 100, located["high"] * 100] if band else [located["ratio"] * 100])
+    else:
+        pts = list(xs) + [configured * 100]
     if not pts:
         return
     lo, hi = min(pts), max(pts)
@@ -112,15 +144,35 @@ def _xlim(ax, xs: list[float], located: dict | None, configured: float, right: f
     ax.set_xlim(max(lo - span * 0.06, 0.0), min(hi + span * right, 110.0))
 
 
-def _label_points(ax, labels: list[tuple[float, float, str]]) -> None:
+def _ylim(ax, ys: list[float], margin: float = 0.08) -> None:
+    """The y range of every plotted value (means, error-bar ends, runs) with a margin on both sides, so a
+    point at zero is drawn whole above the axis instead of clipped on it."""
+    lo, hi = min(ys), max(ys)
+    span = hi - lo or max(abs(hi), 1.0) * 0.5
+    ax.set_ylim(lo - span * margin, hi + span * margin)
+
+
+def _runs_words(n: int | None, repeats: int | None) -> str:
+    """'3 of 3 runs' (of the plan's repeats) rather than 'n=3'."""
+    return f"{n} of {repeats} runs" if repeats else f"{n} run{'s' if n != 1 else ''}"
+
+
+def _pair_words(n_on: int, n_off: int, repeats: int | None) -> str:
+    if n_on == n_off:
+        return _runs_words(n_on, repeats) + " each"
+    return f"ON {_runs_words(n_on, repeats)},\nOFF {_runs_words(n_off, repeats)}"
+
+
+def _label_points(ax, labels: list[tuple[float, float, str]], above: bool = False) -> None:
     """Condition labels beside their points; points sharing an x alternate right and left, so they do not
     print over each other."""
     seen: dict[float, int] = {}
     for x, y, text in sorted(labels, key=lambda t: (t[0], -t[1])):
         i = seen[x] = seen.get(x, -1) + 1
         right = i % 2 == 0
-        ax.annotate(text, (x, y), textcoords="offset points", xytext=(7 if right else -7, 2), fontsize=7,
-                    color="#333333", ha="left" if right else "right", va="center")
+        ax.annotate(text, (x, y), textcoords="offset points", xytext=(6 if right else -6, 5 if above else 2),
+                    fontsize=7, color="#333333", ha="left" if right else "right",
+                    va="bottom" if above else "center")   # above: clear of a wide x error bar
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -149,14 +201,16 @@ def _savings(fig, model: dict) -> bool:
         run_y += runs
         xs.append(x)
         extent += [x - xerr, x + xerr]
-        labels.append((x, c["dE_percent"], f"{s['condition']}\nn={c['n_on']}/{c['n_off']}"))
+        labels.append((x, c["dE_percent"], f"{s['condition']}\n{_pair_words(c['n_on'], c['n_off'], model.get('repeats'))}"))
     if not xs:
         return False
     _label_points(ax, labels)
-    _threshold_band(ax, located, model["kv_pressure_threshold"])
+    band = _band_informs(located, xs)
+    _threshold_band(ax, located, model["kv_pressure_threshold"], xs)
     ax.axhline(0, color="black", lw=0.8, gid="zero")
-    ax.scatter(run_x, run_y, s=12, marker="x", color="#555555", lw=0.8, zorder=3, gid="runs",
-               label="individual runs (each ON run vs the OFF mean)")
+    if run_x:   # above the means (zorder), so a run under a filled circle stays visible
+        ax.scatter(run_x, run_y, s=14, marker="x", color=RUN_COLOR, lw=0.9, zorder=5, gid="runs",
+                   label="individual runs (each ON run vs the OFF mean)")
     styles = {"pays": (PAY_COLOR, PAY_COLOR, f"mean ± SE, significant saving (dE > {model['analysis']['z']:g} SE)"),
               "noise": ("white", NOISE_COLOR, "mean ± SE, within noise"),
               "unknown": ("white", "black", "mean (SE n/a: one run on a side)")}
@@ -167,22 +221,27 @@ def _savings(fig, model: dict) -> bool:
             ax.scatter(mx, my, s=42, facecolor=face, edgecolor=edge if kind != "noise" else "#333333",
                        lw=1.2, zorder=4, gid="means", label=label)
             means += len(mx)
-    _xlim(ax, extent, located, model["kv_pressure_threshold"], right=0.16)
+    _xlim(ax, extent, located, model["kv_pressure_threshold"], right=0.16, band=band)
     ax.set_xlabel("KV-cache usage p95 of the OFF condition (%)")
     ax.set_ylabel("dE (%)  (positive = offloading saves energy)")
     ax.set_title(f"Energy saving of offloading against KV pressure ({means} ON/OFF pair{'s' if means != 1 else ''})")
-    fig.legend(loc="outside lower center", ncols=2, frameon=False)
+    fig.legend(loc="outside lower center", ncols=1, frameon=False)
     return True
 
 
 # ------------------------------------------------------------------------------------------------------
 # (b) J/token and tokens/s, ON next to its OFF
 # ------------------------------------------------------------------------------------------------------
+def _by_off_kv(groups: list[tuple[dict, list[dict]]]) -> list[tuple[dict, list[dict]]]:
+    """Groups ordered by their OFF condition's KV p95, as in Table 1 (no KV p95 yet: last, in plan order)."""
+    def key(group):
+        kv = _ms(group[0], "kv_usage_p95_ratio")[0]
+        return (kv is None, kv or 0.0)
+    return sorted(groups, key=key)
+
+
 def _bars(fig, model: dict) -> bool:
-    groups = _groups(model)
-    if not groups:
-        return False
-    ax_e, ax_t = fig.subplots(1, 2)
+    groups = _by_off_kv(_groups(model))
     order: list[tuple[float, dict]] = []
     pos = 0.0
     for off, ons in groups:
@@ -190,33 +249,42 @@ def _bars(fig, model: dict) -> bool:
             order.append((pos, s))
             pos += 1.0
         pos += 0.6   # a gap between pairs
-    drawn = 0
-    for ax, key, label in ((ax_e, "joules_per_token", _energy_label(model)),
-                           (ax_t, "tokens_per_second", "generated tokens per second (tokens/s)")):
-        run_key = None if key == "joules_per_token" else "tokens_per_second"
+    quantities = (("joules_per_token", _energy_label(model), "Energy per generated token", "no energy figures"),
+                  ("tokens_per_second", "generated tokens per second (tokens/s)", "Throughput", "no throughput"))
+    has = {key: any(_ms(s, key)[0] is not None for _, s in order) for key, *_ in quantities}
+    panels = [q[:3] for q in quantities if has[q[0]]]   # a quantity no condition has: no empty panel
+    missing = [f"{q[3]} (J/token: panel omitted)" if q[0] == "joules_per_token" else f"{q[3]}: panel omitted"
+               for q in quantities if not has[q[0]]]
+    if not panels:
+        return False
+    if len(panels) == 1:
+        fig.set_size_inches(max(4.0, 1.6 + 0.55 * len(order)), 4.2)
+    axes = fig.subplots(1, len(panels), squeeze=False)[0]
+    kinds = set()
+    for ax, (key, label, title) in zip(axes, panels):
         for x, s in order:
             mean, se = _ms(s, key)
-            on = bool(s.get("baseline"))
             if mean is None:
                 continue
-            drawn += 1
+            on = bool(s.get("baseline"))
+            kinds.add("ON" if on else "OFF")
             ax.bar([x], [mean], yerr=[se], width=0.8, capsize=3, color=ON_COLOR if on else OFF_COLOR,
                    alpha=0.9, gid="bars-on" if on else "bars-off", error_kw={"elinewidth": 1})
-            values = _runs(model, s["condition"], run_key) if run_key else _run_energy(model, s)
-            ax.scatter([x] * len(values), values, s=9, color="black", zorder=3, gid="runs")
+            values = _runs(model, s["condition"], key) if key == "tokens_per_second" else _run_energy(model, s)
+            ax.scatter([x] * len(values), values, s=9, color=RUN_COLOR, zorder=3, gid="runs")
         ax.set_xticks([x for x, _ in order])
         ax.set_xticklabels([s["condition"] for _, s in order], rotation=30, ha="right")
         ax.set_ylabel(label)
         ax.grid(axis="x", visible=False)
-    if not drawn:
-        return False
+        ax.set_title(f"{title} (mean ± SE, dots: runs)" + "".join(f"\n{m}" for m in missing))
+    from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 
-    fig.legend(handles=[Patch(color=OFF_COLOR, label="OFF (no offloading)"),
-                        Patch(color=ON_COLOR, label="ON (offloading), right of its OFF")],
-               loc="outside lower center", ncols=2, frameon=False)
-    ax_e.set_title("Energy per generated token (mean ± SE, dots: runs)")
-    ax_t.set_title("Throughput (mean ± SE, dots: runs)")
+    handles = [Patch(color=OFF_COLOR, label="OFF (no offloading)")] if "OFF" in kinds else []
+    handles += [Patch(color=ON_COLOR, label="ON (offloading), right of its OFF")] if "ON" in kinds else []
+    handles += [Line2D([], [], ls="none", marker="o", ms=3, color=RUN_COLOR, label="individual runs")]
+    fig.legend(handles=handles, loc="outside lower center", ncols=len(handles), frameon=False,
+               title="conditions ordered by the OFF condition's KV p95 (low to high)", title_fontsize=8)
     return True
 
 
@@ -251,9 +319,12 @@ def _frontier(fig, model: dict) -> bool:
                         arrowprops={"arrowstyle": "->", "color": ON_COLOR, "lw": 1, "shrinkA": 5, "shrinkB": 5})
     if not drawn["OFF"][0] and not drawn["ON"][0]:
         return False
-    ax.scatter(*drawn["OFF"], s=40, facecolor="white", edgecolor=OFF_COLOR, lw=1.4, zorder=3, gid="off",
-               label="OFF (mean ± SE)")
-    ax.scatter(*drawn["ON"], s=40, color=ON_COLOR, zorder=3, gid="on", label="ON (mean ± SE); arrow from its OFF")
+    if drawn["OFF"][0]:   # a kind of condition that is absent gets no legend entry
+        ax.scatter(*drawn["OFF"], s=40, facecolor="white", edgecolor=OFF_COLOR, lw=1.4, zorder=3, gid="off",
+                   label="OFF (mean ± SE)")
+    if drawn["ON"][0]:
+        ax.scatter(*drawn["ON"], s=40, color=ON_COLOR, zorder=3, gid="on",
+                   label="ON (mean ± SE); arrow from its OFF")
     ax.set_xlabel("generated tokens per second (tokens/s)")
     ax.set_ylabel(_energy_label(model))
     ax.set_title("Energy–throughput frontier (lower right is better)")
@@ -264,54 +335,86 @@ def _frontier(fig, model: dict) -> bool:
 # ------------------------------------------------------------------------------------------------------
 # (d) mechanism: preemptions and local_compute share against the OFF KV p95
 # ------------------------------------------------------------------------------------------------------
+# (key, scale, y label, words for a panel whose every value is zero): preemptions per minute, the daemon's unit
+MECHANISM_PANELS = (("preemptions_per_minute", 1.0, "preemptions per minute", "no run preempted"),
+                    ("share_local_compute", 100.0, "local_compute share of\nprompt tokens (%)",
+                     "no prompt token was recomputed"))
+
+
+def _mechanism_points(model: dict, key: str, scale: float) -> list[dict]:
+    """One point per condition with an x (its OFF's KV p95) and a y: mean, SE, runs, side."""
+    by_name, out = _by_name(model), []
+    for s in model["conditions"]:
+        on = bool(s.get("baseline"))
+        x, xerr = _ms(by_name.get(s["baseline"]) if on else s, "kv_usage_p95_ratio", 100)
+        y, yerr = _ms(s, key, scale)
+        if x is not None and y is not None:
+            out.append({"name": s["condition"], "side": "ON" if on else "OFF", "x": x, "xerr": xerr, "y": y,
+                        "yerr": yerr, "runs": _runs(model, s["condition"], key, scale)})
+    return out
+
+
+def _mechanism_panel(ax, points: list[dict]) -> None:
+    for side in ("OFF", "ON"):
+        pts = [p for p in points if p["side"] == side]
+        if not pts:
+            continue   # an absent kind of condition: nothing drawn, no legend entry
+        for p in pts:
+            ax.errorbar([p["x"]], [p["y"]], yerr=[p["yerr"]], xerr=[p["xerr"]], fmt="none", ecolor="#666666",
+                        elinewidth=0.8, capsize=2, zorder=2)
+        off = side == "OFF"
+        ax.scatter([p["x"] for p in pts], [p["y"] for p in pts], s=40 if off else 26, zorder=4,
+                   gid=f"means-{side.lower()}", facecolor="none" if off else ON_COLOR,
+                   edgecolor=OFF_COLOR if off else ON_COLOR, lw=1.4, label=f"{side} mean ± SE")
+        rx = [p["x"] for p in pts for _ in p["runs"]]
+        ry = [v for p in pts for v in p["runs"]]
+        if rx:   # over the means (zorder), so a run under its mean's circle stays visible
+            ax.scatter(rx, ry, s=16, marker="x", lw=0.9, zorder=6, gid=f"runs-{side.lower()}",
+                       color=RUN_COLOR if off else "#0b3d66", label=f"{side} runs")
+    _ylim(ax, [p["y"] + d for p in points for d in (-p["yerr"], p["yerr"])] + [v for p in points for v in p["runs"]])
+
+
 def _mechanism(fig, model: dict) -> bool:
-    by_name, located = _by_name(model), model["analysis"]["threshold"]["located"]
-    ax_p, ax_s = fig.subplots(2, 1, sharex=True)
-    xs, labels, extent = [], [], []
-    for panel, key, scale, run_key in ((ax_p, "preemptions", 1.0, "preemptions"),
-                                       (ax_s, "share_local_compute", 100.0, "share_local_compute")):
-        for side in ("OFF", "ON"):
-            mx, my, rx, ry = [], [], [], []
-            for s in model["conditions"]:
-                on = bool(s.get("baseline"))
-                if on != (side == "ON"):
-                    continue
-                x, xerr = _ms(by_name.get(s["baseline"]) if on else s, "kv_usage_p95_ratio", 100)
-                y, yerr = _ms(s, key, scale)
-                if x is None or y is None:
-                    continue
-                panel.errorbar([x], [y], yerr=[yerr], xerr=[xerr], fmt="none", ecolor="#666666", elinewidth=0.8,
-                               capsize=2, zorder=2)
-                mx.append(x)
-                my.append(y)
-                extent += [x - xerr, x + xerr]
-                if side == "OFF" and panel is ax_s:
-                    labels.append((x, y, s["condition"]))
-                runs = _runs(model, s["condition"], run_key, scale)
-                rx += [x] * len(runs)
-                ry += runs
-            xs += mx
-            if mx:
-                panel.scatter(mx, my, s=40 if side == "OFF" else 26, zorder=5 if side == "OFF" else 4,
-                              gid=f"means-{side.lower()}", facecolor="none" if side == "OFF" else ON_COLOR,
-                              edgecolor=OFF_COLOR if side == "OFF" else ON_COLOR, lw=1.4,
-                              label=f"{side} mean ± SE")
-                panel.scatter(rx, ry, s=10, marker="x", lw=0.7, zorder=3, gid=f"runs-{side.lower()}",
-                              color=OFF_COLOR if side == "OFF" else ON_COLOR, alpha=0.7)
-        _threshold_band(panel, located, model["kv_pressure_threshold"], label=panel is ax_p)
-    if not xs:
+    located = model["analysis"]["threshold"]["located"]
+    panels, notes = [], []
+    for key, scale, ylabel, none_words in MECHANISM_PANELS:
+        points = _mechanism_points(model, key, scale)
+        values = [p["y"] for p in points] + [v for p in points for v in p["runs"]]
+        if any(values):
+            panels.append((points, ylabel))
+        elif values:   # all zero: a flat row of points on the axis informs less than one line of words
+            runs = sum(len(p["runs"]) for p in points)
+            notes.append(f"{none_words} ({ylabel.replace(chr(10), ' ')}: 0 in each of the {runs} runs; "
+                         "panel omitted)")
+    if not panels:
         return False
-    _label_points(ax_s, labels)
-    _xlim(ax_s, extent, located, model["kv_pressure_threshold"], right=0.12)
-    for panel in (ax_p, ax_s):
-        panel.set_ylim(bottom=0)
-    ax_p.set_ylabel("preemptions per window")
-    ax_s.set_ylabel("local_compute share of\nprompt tokens (%)")
-    any_on = any(s.get("baseline") for s in model["conditions"])
-    ax_s.set_xlabel("KV-cache usage p95 of the OFF condition (%)" + ("  (ON conditions at their OFF's p95)"
-                                                                     if any_on else ""))
-    ax_p.set_title("Mechanism: preemptions and recomputation against KV pressure (x: runs)")
-    fig.legend(*ax_p.get_legend_handles_labels(), loc="outside lower center", ncols=3, frameon=False)
+    if len(panels) == 1:
+        fig.set_size_inches(7.2, 4.4)
+    axes = fig.subplots(len(panels), 1, sharex=True, squeeze=False)[:, 0]
+    xs = sorted({p["x"] for points, _ in panels for p in points if p["side"] == "OFF"}
+                or {p["x"] for points, _ in panels for p in points})
+    band = _band_informs(located, xs)
+    extent = []
+    for i, (ax, (points, ylabel)) in enumerate(zip(axes, panels)):
+        _mechanism_panel(ax, points)
+        _threshold_band(ax, located, model["kv_pressure_threshold"], xs, label=i == 0)
+        ax.set_ylabel(ylabel)
+        extent += [p["x"] + d for p in points for d in (-p["xerr"], p["xerr"])]
+    _label_points(axes[-1], [(p["x"], p["y"], p["name"]) for p in panels[-1][0] if p["side"] == "OFF"], above=True)
+    _xlim(axes[-1], extent, located, model["kv_pressure_threshold"], right=0.12, band=band)
+    any_on = any(p["side"] == "ON" for points, _ in panels for p in points)
+    axes[-1].set_xlabel("KV-cache usage p95 of the OFF condition (%)\nconditions at their measured p95 (not in the "
+                        "swept value's order)" + ("; ON at their OFF's p95" if any_on else ""))
+    title = "Mechanism: " + " and ".join(
+        {"preemptions per minute": "preemptions"}.get(y, "recomputation") for _, y in panels) + " against KV pressure"
+    axes[0].set_title(title + "".join(f"\n{n}" for n in notes))
+    handles, labels = {}, []
+    for ax in axes:   # one legend entry per label across the panels
+        for h, l in zip(*ax.get_legend_handles_labels()):
+            if l not in handles:
+                handles[l] = h
+                labels.append(l)
+    fig.legend([handles[l] for l in labels], labels, loc="outside lower center", ncols=2, frameon=False)
     return True
 
 
@@ -344,10 +447,11 @@ def _buffer(fig, model: dict) -> bool:
                        zorder=4, gid="means", label=label)
         for r in g["rows"]:
             x = r["buffer_bytes"] / 2 ** 30
-            ax.scatter([x] * len(r["dE_runs_percent"]), r["dE_runs_percent"], s=10, marker="x", color="#555555",
-                       lw=0.7, zorder=3, gid="runs")
+            ax.scatter([x] * len(r["dE_runs_percent"]), r["dE_runs_percent"], s=12, marker="x", color=RUN_COLOR,
+                       lw=0.8, zorder=5, gid="runs", label="individual runs" if r is g["rows"][0] else None)
             res = "n/a" if r["residency_seconds"] is None else f"{r['residency_seconds']:.0f} s"
-            ax.annotate(f"residency {res}\nn={r['n']}", (x, r["dE_percent"]), textcoords="offset points",
+            ax.annotate(f"residency {res}\n{_runs_words(r['n'], model.get('repeats'))}", (x, r["dE_percent"]),
+                        textcoords="offset points",
                         xytext=(6, -16), fontsize=7)
         ax.set_xscale("log", base=2)
         ticks = sorted({r["buffer_bytes"] / 2 ** 30 for r in g["rows"]})
@@ -369,27 +473,41 @@ FIGURES: dict[str, tuple[Callable, tuple[float, float], str]] = {
     "savings_vs_kv_p95.png": (_savings, (7.2, 5.0),
                               "Energy saving of offloading, dE % (positive = saves), of each ON condition "
                               "against its OFF baseline, at the OFF condition's KV p95. Points: mean over runs with "
-                              "± SE bars (dE: delta method; KV p95: over the OFF runs), n = runs ON/OFF beside each; "
-                              "crosses: each ON run against the OFF mean. Band: the threshold located from the sweep "
-                              "with its uncertainty interval (dashed line: the configured threshold, when none is "
-                              "located)."),
+                              "± SE bars (dE: delta method; KV p95: over the OFF runs), the runs ON and OFF (of the plan's "
+                              "repeats) beside each; crosses, drawn over the means: each ON run against the OFF mean. "
+                              "Band: the threshold located from the sweep with its uncertainty interval, drawn when "
+                              "narrower than half the data's KV p95 range (else a line at it, the interval in the "
+                              "legend; dashed line: the configured threshold, when none is located)."),
     "energy_throughput_bars.png": (_bars, (10.0, 4.2),
                                    "J/token and tokens/s per condition, each ON bar (blue) right of its "
-                                   "OFF bar (grey); bars: mean over runs, error bars ± SE, dots: individual runs."),
+                                   "OFF bar (grey), pairs ordered by the OFF condition's KV p95; bars: mean over runs, "
+                                   "error bars ± SE, dots: individual runs; a quantity no condition has is not drawn."),
     "frontier.png": (_frontier, (7.2, 5.0),
                      "Energy–throughput frontier: J/token against tokens/s per condition (mean ± SE on "
                      "both axes); hollow: OFF, filled: ON, an arrow from each OFF to its ON condition."),
     "mechanism.png": (_mechanism, (7.2, 6.4),
-                      "Mechanism (the study's Table 2 as a plot): preemptions per measurement window and "
-                      "the local_compute share of prompt tokens, against the OFF condition's KV p95 (ON conditions "
-                      "at their OFF's p95); mean ± SE, crosses: runs; band: the located threshold (dashed line: "
-                      "the configured one, when none is located)."),
+                      "Mechanism (the study's Table 2 as a plot): preemptions per minute and the local_compute "
+                      "share of prompt tokens, against the OFF condition's KV p95 (ON conditions at their OFF's p95; "
+                      "conditions stand at their measured p95, not in the order of the swept value); mean ± SE, "
+                      "crosses over the means: runs; a panel whose every run is zero is omitted and said in the "
+                      "title; band: the located threshold's interval when narrower than half the data's KV p95 "
+                      "range, else a line at it (dashed: the configured one, when none is located)."),
     "buffer_size.png": (_buffer, (7.2, 5.2),
                         "Buffer-size comparison: dE % of ON conditions at several offload buffer sizes "
                         "against one OFF condition (mean ± SE, crosses: runs), filled where the residency rule "
                         "(buffer / write rate >= p99 tool latency) calls the buffer sufficient; lines: the plateau "
                         "(largest buffer) and 90 % of it."),
 }
+
+
+def _say_synthetic(fig, model: dict) -> None:
+    """Every titled panel says that its data are synthetic, so a figure copied alone still says it."""
+    n, total = model["synthetic_runs"], len(model["runs"])
+    words = "synthetic data" if n == total else f"synthetic data in {n} of {total} runs"
+    for ax in fig.axes:
+        if ax.get_title():
+            first, *rest = ax.get_title().split("\n")
+            ax.set_title("\n".join([f"{first} [{words}]", *rest]))
 
 
 def figures(model: dict) -> list[tuple[str, str, object]]:
@@ -402,6 +520,8 @@ def figures(model: dict) -> list[tuple[str, str, object]]:
         for name, (draw, size, caption) in FIGURES.items():
             fig = Figure(figsize=size, layout="constrained")
             if draw(fig, model):
+                if model.get("synthetic_runs"):
+                    _say_synthetic(fig, model)
                 out.append((name, caption, fig))
     return out
 

@@ -65,7 +65,8 @@ def method_lines(plan: dict) -> list[str]:
         "KV p95: 95th percentile of vllm:kv_cache_usage_perc over the window's dense samples, ± its SE over "
         "runs; regime: 'above' or 'below' the threshold (the located one when the sweep locates it, else the "
         f"configured {plan['kv_pressure_threshold']:.2f}). Preemptions: vllm:num_preemptions_total increase over the "
-        "window. Shares: vllm:prompt_tokens_by_source_total over the window (first prefills only: re-prefill after "
+        "window divided by its covered minutes (preemptions per minute, the daemon's unit, in every table and "
+        "figure). Shares: vllm:prompt_tokens_by_source_total over the window (first prefills only: re-prefill after "
         "preemption is not counted by vLLM). Recomputation tax: an OFF condition's local_compute share minus that "
         "of the same workload's lowest-pressure OFF condition without sustained preemptions (methods.md s4), in "
         "percentage points, SE combined in quadrature.",
@@ -105,15 +106,28 @@ def build(data: dict) -> dict:
              "protocol_fingerprint": data["fingerprints"]["protocol"],
              "generated_unix": time.time(), "status": status_lines(data), "method": method_lines(plan),
              "complete": not data.get("failed") and len(data["finished"]) == len(data["order"]),
-             "kv_pressure_threshold": plan["kv_pressure_threshold"], "energy_basis": basis,
+             "kv_pressure_threshold": plan["kv_pressure_threshold"], "energy_basis": basis, "repeats": plan["repeats"],
              "conditions": summaries, "analysis": found,
              "tables": [*tables.table1(summaries, plan, found), *tables.table2(summaries, found),
                         *tables.threshold_tables(found), *tables.buffer_tables(found),
                         tables.runs_table(data, scope, basis)],
              "runs": [flatten_run(r) for r in tables.ordered_runs(data)],
              "failed": data.get("failed"), "in_progress": data.get("in_progress")}
-    model["summary"] = [threshold_line(model)]
+    model["synthetic_runs"] = synthetic_runs(data)
+    model["summary"] = [threshold_line(model)] + synthetic_lines(model["synthetic_runs"], len(data["finished"]))
     return model
+
+
+def synthetic_runs(data: dict) -> int:
+    """Runs whose result carries ``"synthetic": true`` (made up by a test or a demo, not measured): the figures
+    say so in their titles, the report in its summary."""
+    return sum(1 for r in data["finished"].values() if r.get("synthetic"))
+
+
+def synthetic_lines(synthetic: int, finished: int) -> list[str]:
+    if not synthetic:
+        return []
+    return [f"SYNTHETIC DATA: {synthetic} of {finished} runs are synthetic (not measured on an engine)."]
 
 
 def _split_tables(tables: list) -> tuple[list, list]:
@@ -252,7 +266,8 @@ def run_line(result: dict, scope: str, basis: str) -> str:
     w = result.get("window", {})
     chosen = stats.choose_scope([result], scope, basis)
     jpt = stats.joules_per_token(result, chosen, basis) if chosen else None
-    return (f"KV p95 {pct_unit(w.get('kv_usage_p95_ratio'))}, {num(w.get('preemptions'))} preemptions, "
+    return (f"KV p95 {pct_unit(w.get('kv_usage_p95_ratio'))}, {num(w.get('preemptions_per_minute'))} preemptions "
+            "per minute, "
             f"{num(w.get('tokens_per_second'), 4)} tokens/s, "
             f"local_compute {pct_unit(stats.share(result, 'local_compute'))}, "
             f"J/token ({basis}) " + (NA if jpt is None else f"{jpt:.4g} {chosen}"))

@@ -70,7 +70,8 @@ def regime_threshold(plan: dict, found: dict) -> tuple[float, str]:
 
 def table1(summaries: list[dict], plan: dict, found: dict) -> list[tuple[str, list[str], list[list[str]]]]:
     """The study's Table 1 (one row per ON/OFF pair, by the OFF condition's KV p95: KV p95, regime and
-    preemptions of the OFF condition, dE %, dTPS %, each ± SE), then every condition's own figures."""
+    preemptions per minute of the OFF condition, dE %, dTPS %, each ± SE; preemptions per minute everywhere,
+    the daemon's unit), then every condition's own figures."""
     threshold, kind = regime_threshold(plan, found)
     params = found["parameters"]
     has_params = any(params.values())
@@ -81,13 +82,13 @@ def table1(summaries: list[dict], plan: dict, found: dict) -> list[tuple[str, li
     out = []
     if pairs:
         header = (["condition (ON vs OFF)"] + (["parameters (ON)"] if has_params else [])
-                  + ["OFF KV p95 (%)", regime, "OFF preemptions per window", "dE (%)", "dTPS (%)", "n (ON / OFF runs)"])
+                  + ["OFF KV p95 (%)", regime, "OFF preemptions per minute", "dE (%)", "dTPS (%)", "n (ON / OFF runs)"])
         rows = []
         for s in pairs:
             off, c = by_name[s["baseline"]], s["comparison"]
             rows.append([f"{s['condition']} vs {off['condition']}"] + ([_params(params, s["condition"])] if has_params else [])
                         + [_pm_pct(off, "kv_usage_p95_ratio"), _regime(_stat(off, "kv_usage_p95_ratio")[0], threshold),
-                           _pm_g(off, "preemptions"), _pm(c["dE_percent"], c["dE_se_percent"]),
+                           _pm_g(off, "preemptions_per_minute"), _pm(c["dE_percent"], c["dE_se_percent"]),
                            _pm(c["dTPS_percent"], c["dTPS_se_percent"]), f"{s['n']} / {off['n']}"])
         out.append(("Table 1: the saving of offloading by KV pressure (ON/OFF pairs, by the OFF condition's KV p95)",
                     header, rows))
@@ -105,7 +106,7 @@ def conditions_table(summaries: list[dict], plan: dict, found: dict, threshold: 
     params = found["parameters"]
     has_params = any(params.values())
     header = (["condition", "baseline"] + (["parameters"] if has_params else [])
-              + ["KV p95 (%)", regime, "preemptions per window", "tokens/s",
+              + ["KV p95 (%)", regime, "preemptions per minute", "tokens/s",
                  f"J/token ({basis}, {'scope per row' if mixed else (next(iter(scopes)) if scopes else 'n/a')})"]
               + (["energy scope"] if mixed else []) + ["dE (%)", "dTPS (%)", "n (ON / OFF runs)"])
     rows, by_name = [], {s["condition"]: s for s in summaries}
@@ -114,7 +115,7 @@ def conditions_table(summaries: list[dict], plan: dict, found: dict, threshold: 
         c = s.get("comparison")
         row = [s["condition"], s["baseline"] or "–"] + ([_params(params, s["condition"])] if has_params else [])
         row += [_pm_pct(s, "kv_usage_p95_ratio"), _regime(_stat(s, "kv_usage_p95_ratio")[0], threshold),
-                _pm_g(s, "preemptions"), _pm(*_stat(s, "tokens_per_second"), "{:.1f}"),
+                _pm_g(s, "preemptions_per_minute"), _pm(*_stat(s, "tokens_per_second"), "{:.1f}"),
                 _pm(jpt.get("mean"), jpt.get("se"), "{:#.3g}", "{:.2g}")]
         row += [s["energy_scope"] or NA] if mixed else []
         row += [_pm(c["dE_percent"], c["dE_se_percent"]) if c else NA,
@@ -204,14 +205,14 @@ def buffer_tables(found: dict) -> list[tuple[str, list[str], list[list[str]]]]:
 
 
 def runs_table(data: dict, scope: str, basis: str) -> tuple[str, list[str], list[list[str]]]:
-    header = ["run", "condition", "KV p95 (%)", "preemptions", "tokens/s", f"J/token ({basis})", "energy scope",
+    header = ["run", "condition", "KV p95 (%)", "preemptions per minute", "tokens/s", f"J/token ({basis})", "energy scope",
               "local_compute (%)", "startup (s)"]
     rows = []
     for run in ordered_runs(data):
         w = run.get("window", {})
         chosen = stats.choose_scope([run], scope, basis)
         jpt = stats.joules_per_token(run, chosen, basis) if chosen else None
-        rows.append([run["run"], run["condition"], pct(w.get("kv_usage_p95_ratio")), num(w.get("preemptions")),
+        rows.append([run["run"], run["condition"], pct(w.get("kv_usage_p95_ratio")), num(w.get("preemptions_per_minute")),
                      num(w.get("tokens_per_second"), 4), NA if jpt is None else f"{jpt:.4g}", chosen or NA,
                      pct(stats.share(run, "local_compute")), num(run.get("startup_seconds"))])
     return "Runs (in the order they ran)", header, rows
