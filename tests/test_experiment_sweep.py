@@ -193,3 +193,23 @@ def test_the_example_kv_sweep_loads_and_estimates_its_wall_time(capsys):
     assert main(["experiment", str(example), "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert "5 conditions x 2 repeats = 10 runs" in out and "estimated wall time: 23 min 20 s" in out
+
+
+def test_dry_run_prints_shared_settings_once_and_checks_the_engine_and_model(tmp_path, capsys):
+    """Paths resolve against the plan file; a missing engine or model fails the dry run (exit 2), not the run's
+    first condition; the environment every run shares is printed once."""
+    plan = mutated(lambda p: p.update(server={**p["server"], "env": {"A": "1", "B": "2"},
+                                               "command": ["../venv/bin/python", "-m", "vllm", "--model",
+                                                           str(tmp_path / "model"), "--port", "{port}"]}))
+    plan_dir = tmp_path / "plans"
+    plan_dir.mkdir()
+    code = main(["experiment", str(write(plan_dir, plan)), "--dry-run"])
+    out, err = capsys.readouterr()
+    assert code == 2
+    assert f"the server's program {tmp_path / 'venv' / 'bin' / 'python'} does not exist" in err  # plan-relative
+    assert f"the model directory {tmp_path / 'model'} does not exist" in err and "make lab" in err
+    assert out.count("environment of every run: A=1 B=2") == 1 and "    env:" not in out
+    (tmp_path / "venv" / "bin").mkdir(parents=True)
+    (tmp_path / "venv" / "bin" / "python").symlink_to(sys.executable)
+    (tmp_path / "model").mkdir()
+    assert main(["experiment", str(write(plan_dir, plan)), "--dry-run"]) == 0

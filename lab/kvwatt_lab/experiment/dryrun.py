@@ -4,6 +4,8 @@ with every run's argv, and the estimated wall time of the whole plan. Nothing ru
 from __future__ import annotations
 
 import os
+import shutil
+import sys
 
 from exporter.config import redacted_url
 from kvwatt_lab.experiment.plan import STOP_ESTIMATE_SECONDS, Plan, run_order
@@ -18,19 +20,52 @@ def dry_run(plan: Plan, out_dir: str) -> int:
     for line in condition_table(plan):
         print(line)
     print()
-    print(f"run order (each repeat holds every condition once, shuffled with seed {plan.seed}):")
-    for index, run in enumerate(order, start=1):
-        condition = plan.condition(run.condition)
-        run_dir = os.path.join(out_dir, "runs", run.run_id)
-        launch = launch_for(plan, condition, run, plan.server.port or 0, run_dir)
-        port_note = "" if plan.server.port else "  (port: a free one at run time; 0 shown)"
-        print(f"[{index}] {run.run_id}  {redacted_url(launch.url)}{port_note}")
+    launches = [(run, launch_for(plan, plan.condition(run.condition), run, plan.server.port or 0,
+                                 os.path.join(out_dir, "runs", run.run_id))) for run in order]
+    shared = shared_env([launch for _, launch in launches])
+    if shared:
+        print("environment of every run: " + " ".join(f"{k}={v}" for k, v in sorted(shared.items())))
+    port_note = "" if plan.server.port else " (port 0 shown: a free one at run time)"
+    print(f"run order (each repeat holds every condition once, shuffled with seed {plan.seed}){port_note}:")
+    for index, (run, launch) in enumerate(launches, start=1):
+        print(f"[{index}] {run.run_id}  {redacted_url(launch.url)}")
         print("    argv: " + " ".join(_quote(a) for a in launch.argv))
         for k, v in sorted(launch.env.items()):
-            print(f"    env: {k}={v}")
+            if k not in shared:
+                print(f"    env: {k}={v}")
     print()
     print(estimate_line(plan, len(order)))
-    return 0
+    argv = launches[0][1].argv if launches else []
+    program = argv[0] if argv else ""
+    if program and "/" not in program and shutil.which(program) is None:  # may be the GPU node's, not this one's
+        print(f"note: the server's program {program} is not on PATH here; the plan runs where it is",
+              file=sys.stderr)
+    missing = missing_files(argv)
+    for line in missing:
+        print(f"kvwatt: experiment: {line}", file=sys.stderr)
+    return 2 if missing else 0
+
+
+def shared_env(launches: list) -> dict[str, str]:
+    """The environment entries every run has with the same value (printed once)."""
+    if not launches:
+        return {}
+    first = launches[0].env
+    return {k: v for k, v in first.items() if all(launch.env.get(k) == v for launch in launches[1:])}
+
+
+def missing_files(argv: list[str]) -> list[str]:
+    """What the real run would fail on at its first condition: the server's program and its --model directory,
+    when given as paths (a bare program name may be on another machine's PATH, and a model name such as
+    meta-llama/... is fetched by the engine: neither is refused)."""
+    out = []
+    program = argv[0] if argv else ""
+    if "/" in program and not os.access(program, os.X_OK):
+        out.append(f"the server's program {program} does not exist or is not executable (the CPU engine: make lab)")
+    model = next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--model"), None)
+    if model and model.startswith(("/", "./", "../")) and not os.path.isdir(model):
+        out.append(f"the model directory {model} does not exist (the lab's tiny model: make lab)")
+    return out
 
 
 def condition_table(plan: Plan) -> list[str]:

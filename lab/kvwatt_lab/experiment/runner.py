@@ -56,7 +56,16 @@ def launch_for(plan: Plan, condition: Condition, run: RunSpec, port: int, run_di
             + render_argv(condition.args, values, f"conditions[{index}].args"))
     env = {k: substitute(v, values, f"server.env.{k}") for k, v in plan.server.env.items()}
     env.update({k: substitute(v, values, f"conditions[{index}].env.{k}") for k, v in condition.env.items()})
-    return Launch(argv, env, substitute(plan.server.url, values, "server.url").rstrip("/"))
+    return Launch(plan_relative_program(argv, plan.plan_dir), env,
+                  substitute(plan.server.url, values, "server.url").rstrip("/"))
+
+
+def plan_relative_program(argv: list[str], plan_dir: str) -> list[str]:
+    """A relative program path (``../.venv-vllm/bin/python``) is the plan file's, like every path in a plan
+    (docs/experiment.md "Paths"), never the working directory's; a bare name (``vllm``) is looked up on PATH."""
+    if argv and "/" in argv[0] and not os.path.isabs(argv[0]):
+        return [os.path.normpath(os.path.join(os.path.abspath(plan_dir), argv[0])), *argv[1:]]
+    return argv
 
 
 # ------------------------------------------------------------------------------------------------------
