@@ -56,8 +56,14 @@ def _kv_value(name: str):
 
 
 def _kv_bytes(v: Any, k: str) -> int | str:
-    """A positive byte count, as given (an integer, or a string vLLM reads: 4G, 25.6g, 8589934592); the value
-    is checked, the string passed on unchanged."""
+    """A kv_cache_memory_bytes value, checked (kv_cache_bytes) and kept as given: vLLM reads the string itself."""
+    kv_cache_bytes(v, k)
+    return v
+
+
+def kv_cache_bytes(v: Any, k: str) -> int:
+    """The bytes of an integer, or of a string as vLLM reads it (4G, 25.6g, 8589934592), from 1 to
+    MAX_KV_CACHE_BYTES; ConfigError naming ``k`` otherwise."""
     expected = "a byte count (an integer, or a string such as 4G or 25.6g)"
     if isinstance(v, bool) or not isinstance(v, (int, str)):
         raise ConfigError(f"{k}: expected {expected}, got {shown(v)}")
@@ -75,7 +81,7 @@ def _kv_bytes(v: Any, k: str) -> int | str:
         size = int(m.group(4)) * _BINARY[m.group(5)]
     if not 1 <= size <= MAX_KV_CACHE_BYTES:
         raise ConfigError(f"{k}: must be from 1 to {MAX_KV_CACHE_BYTES} bytes (1 PiB), got {shown(v)}")
-    return v
+    return size
 
 
 def _offload_word(v: Any, k: str) -> str:
