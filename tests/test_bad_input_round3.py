@@ -86,7 +86,7 @@ PLAN_CASES = [
     ("kv_cache_memory_bytes 'abc'", _sweep(kv_cache_memory_bytes=["abc"]),
      ("sweep.kv_cache_memory_bytes[0]", "expected a byte count", "'abc'")),
     ("workload.length_scale 1e308", _set("workload", "length_scale", 1e308),
-     ("workload.length_scale", "must be <= 10000000")),
+     ("workload.length_scale", "must be <= 1e+15")),
     ("sweep value making a 156-character name", _sweep(kv_blocks=[int("7" * 150)]),
      ("sweep: expands into a condition name of 156 characters", "limit of 100")),
 ]
@@ -130,13 +130,14 @@ def one_session(tmp: Path) -> Path:
 
 
 def test_replay_length_scale_that_overflows_is_refused(tmp_path: Path) -> None:
-    assert_one_line(replay(one_session(tmp_path), "--length-scale", "1e308"), "--length-scale", "must be <= 10000000")
+    assert_one_line(replay(one_session(tmp_path), "--length-scale", "1e308"),
+                    "--length-scale", "must be <= 1e+15")
 
 
-def test_replay_length_scale_at_the_limit_is_not_an_input_error(tmp_path: Path) -> None:
-    proc = replay(one_session(tmp_path), "--length-scale", "10000000")
-    assert "Traceback" not in proc.stderr and proc.returncode == 2  # 5 x 1e7 tokens: beyond the context limit
-    assert "more than the limit" in proc.stderr or "limit of" in proc.stderr, proc.stderr
+def test_replay_length_scale_at_the_limit_is_refused_by_the_tokens_it_makes(tmp_path: Path) -> None:
+    # 1024 x 1e15 tokens of system prompt: the scale is allowed, the prompt it makes is not
+    assert_one_line(replay(one_session(tmp_path), "--length-scale", "1e15"), "--system-prompt-tokens: 1024 x "
+                    "--length-scale 1e+15", "more than the limit of 10000000")
 
 
 def test_trace_that_is_a_link_to_dev_zero_is_refused(tmp_path: Path) -> None:

@@ -29,9 +29,11 @@ _AC_KEYS = ("num_turns", "input_prompt_length", "assistant_response_length", "to
 # One JSONL line (one session) at most: the largest line of the Applied Compute sample is 1.7 KB; a sessions line
 # of 16 MiB holds ~250,000 turns. A longer line is refused before it is held in memory whole.
 TRACE_LINE_MAX_BYTES = 16 << 20
-# --length-scale / workload.length_scale at most: beyond it every non-zero token length (>= 1 token) exceeds
-# MAX_CONTEXT_TOKENS anyway, and the products stay far from a float's overflow (1e308 gave OverflowError).
-MAX_LENGTH_SCALE = float(MAX_CONTEXT_TOKENS)
+# --length-scale / workload.length_scale at most: 1e308 overflowed (OverflowError in scale_tokens). Beyond 1e7
+# every non-zero length exceeds MAX_CONTEXT_TOKENS anyway; up to this cap such a scale is still refused by the
+# session or system prompt it makes (naming their token counts), above it by the key: count x scale stays a
+# finite float (at most 1e7 x 1e15 tokens).
+MAX_LENGTH_SCALE = 1e15
 
 
 @dataclass(frozen=True)
