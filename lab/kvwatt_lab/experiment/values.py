@@ -52,10 +52,12 @@ def integer(value: Any, key: str, minimum: int, maximum: int | None = None) -> i
     return value
 
 
-def number(value: Any, key: str, minimum: float, open_below: bool) -> float:
+def number(value: Any, key: str, minimum: float, open_below: bool, maximum: float | None = None) -> float:
     v = finite_number(value, key)
     if v < minimum or (open_below and v == minimum):
         raise ConfigError(f"{key}: must be {'>' if open_below else '>='} {minimum:g}, got {shown(value)}")
+    if maximum is not None and v > maximum:
+        raise ConfigError(f"{key}: must be <= {maximum:.15g} (the limit), got {shown(value)}")
     return v
 
 

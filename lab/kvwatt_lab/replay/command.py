@@ -21,7 +21,7 @@ from kvwatt_lab.replay.progress import show_progress
 from kvwatt_lab.replay.records import RecordSink, summary_line, write_summary
 from kvwatt_lab.replay.runner import Replay, ReplayOptions, playable_sessions
 from kvwatt_lab.replay.tokens import DEFAULT_TOKEN_ID_RANGE, TokenSource
-from kvwatt_lab.replay.traces import FORMATS, load_sessions, scale_session, scale_tokens
+from kvwatt_lab.replay.traces import FORMATS, MAX_LENGTH_SCALE, load_sessions, scale_session, scale_tokens
 
 _EXIT_BY_SIGNAL = {signal.SIGINT: 130, signal.SIGTERM: 143}
 
@@ -100,6 +100,8 @@ def _check_load(args: argparse.Namespace) -> None:
 def _check_shape(args: argparse.Namespace) -> None:
     _check(_finite(args.length_scale) and args.length_scale > 0,
            f"--length-scale: must be > 0, got {args.length_scale}")
+    _check(args.length_scale <= MAX_LENGTH_SCALE,
+           f"--length-scale: must be <= {MAX_LENGTH_SCALE:.15g} (the limit), got {args.length_scale:g}")
     _check(_finite(args.latency_scale) and args.latency_scale >= 0,
            f"--latency-scale: must be >= 0, got {args.latency_scale}")
     _check(args.system_prompt_tokens >= 0,

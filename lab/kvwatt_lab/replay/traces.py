@@ -4,6 +4,11 @@ Both load into the same shape: a ``Session`` is a list of ``Turn``s, each turn a
 tokens (the user prompt on turn 0, the previous tool call's output after that), asking for exactly
 ``output_tokens``, then waiting ``tool_latency_seconds`` before the next turn. Any problem raises ConfigError
 naming the file and line.
+
+A trace is read the way kvwatt reads its state files (exporter.atomic.open_regular): only a regular file (a link
+to one is followed; a FIFO, a device such as /dev/zero or a directory is refused at once, never waited on or read
+forever), streamed line by line, each line at most TRACE_LINE_MAX_BYTES, JSON nested too deeply refused. The
+file as a whole has no size limit of its own: MAX_TRACE_TURNS ends a too-large trace early.
 """
 
 from __future__ import annotations
@@ -12,14 +17,23 @@ import json
 import math
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, BinaryIO, Iterable, Iterator
 
+from exporter.atomic import open_regular
 from exporter.config import ConfigError, finite_number, shown
 from exporter.limits import MAX_CONTEXT_TOKENS, MAX_TRACE_TURNS
 
 FORMATS = ("auto", "applied-compute", "sessions")
 _AC_KEYS = ("num_turns", "input_prompt_length", "assistant_response_length", "tool_call_output_length",
             "tool_call_latency", "final_assistant_response_length")
+# One JSONL line (one session) at most: the largest line of the Applied Compute sample is 1.7 KB; a sessions line
+# of 16 MiB holds ~250,000 turns. A longer line is refused before it is held in memory whole.
+TRACE_LINE_MAX_BYTES = 16 << 20
+# --length-scale / workload.length_scale at most: 1e308 overflowed (OverflowError in scale_tokens). Beyond 1e7
+# every non-zero length exceeds MAX_CONTEXT_TOKENS anyway; up to this cap such a scale is still refused by the
+# session or system prompt it makes (naming their token counts), above it by the key: count x scale stays a
+# finite float (at most 1e7 x 1e15 tokens).
+MAX_LENGTH_SCALE = 1e15
 
 
 @dataclass(frozen=True)
@@ -43,14 +57,32 @@ def load_sessions(path: str | Path, trace_format: str = "auto") -> list[Session]
         raise ConfigError(f"--format: expected one of {', '.join(FORMATS)}, got {trace_format!r}")
     p = Path(path)
     try:
-        with p.open("rb") as f:
-            sessions = _read_sessions(f, p, trace_format)
+        with open_regular(str(p), follow_links=True) as f:
+            sessions = _read_sessions(_lines(f, p), p, trace_format)
+    except ConfigError:
+        raise
     except OSError as e:
         raise ConfigError(f"trace file {p}: cannot read ({e.strerror or e})") from None
+    except ValueError as e:  # open_regular: a FIFO, a device, a directory
+        raise ConfigError(f"trace file {p}: {e} (a trace is a JSONL file)") from None
     if not sessions:
         raise ConfigError(f"trace file {p}: no sessions")
     _check_unique_ids(sessions, p)
     return sessions
+
+
+def _lines(f: BinaryIO, p: Path) -> Iterator[bytes]:
+    """The file's lines, each refused (ConfigError naming it) when longer than TRACE_LINE_MAX_BYTES."""
+    line_number = 0
+    while True:
+        raw = f.readline(TRACE_LINE_MAX_BYTES + 1)
+        if not raw:
+            return
+        line_number += 1
+        if len(raw) > TRACE_LINE_MAX_BYTES:
+            raise ConfigError(f"{p} line {line_number}: longer than {TRACE_LINE_MAX_BYTES} bytes (the limit of "
+                              "one trace line)")
+        yield raw
 
 
 def _read_sessions(lines: Iterable[bytes], p: Path, trace_format: str) -> list[Session]:
