@@ -13,6 +13,7 @@ import sys
 import time
 
 import pytest
+import yaml
 
 from kvwatt_lab.experiment.plan import load_plan, run_order
 from tests.support.experiment import (FAKE_SERVER, SAMPLE_TRACES, is_png, kill_server_group, load_state,
@@ -222,3 +223,20 @@ def test_dry_run_prints_the_runs_and_writes_nothing(tmp_path):
     assert not (tmp_path / "out").exists()
     order = [line.split()[1] for line in proc.stdout.splitlines() if line.startswith("[")]
     assert order == [r.run_id for r in run_order(load_plan(str(plan)))]
+
+
+def test_a_slow_engine_start_and_the_measurement_say_where_they_are(tmp_path):
+    """An engine that takes 3 s to answer /health and a 4 s measurement: progress lines during both (a quarter of
+    the expected time apart, 1 s here), not silence until the run ends."""
+    port = free_port()
+    plan = plan_for(tmp_path, port, [{"name": "off", "vars": {**OFF, "extra": "--startup-seconds=3"}}],
+                    phases={**SHORT, "measure": "4s"})
+    data = yaml.safe_load(plan.read_text())
+    data["server"]["startup_estimate"] = "4s"
+    plan.write_text(yaml.safe_dump(data, sort_keys=False))
+    done = run_experiment(plan, "--out", str(tmp_path / "out"), timeout=120)
+    assert done.returncode == 0, done.stderr
+    starting = [x for x in done.stderr.splitlines() if "server starting: " in x and "s so far (estimate 4 s" in x]
+    measuring = re.findall(r"measuring: (\d+) of 4 s, (\d+) requests answered", done.stderr)
+    assert len(starting) >= 2, done.stderr
+    assert len(measuring) >= 2 and int(measuring[-1][0]) >= 2, done.stderr

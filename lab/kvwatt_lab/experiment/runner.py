@@ -8,6 +8,7 @@ exits or stops answering, whatever the phase.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import time
@@ -84,7 +85,10 @@ async def execute_run(plan: Plan, run: RunSpec, run_dir: str, say: Say,
         server.start()
         on_start(server.proc.pid)
         say(f"{run.run_id}: server starting ({redacted_url(launch.url)})")
-        result["startup_seconds"] = await server.wait_healthy(launch.url, plan.server.startup_timeout_seconds)
+        estimate = plan.server.startup_estimate_seconds
+        async with heartbeat(say, estimate, lambda s: f"{run.run_id}: server starting: {s:.0f} s so far (estimate "
+                             f"{estimate:g} s, timeout {plan.server.startup_timeout_seconds:g} s)"):
+            result["startup_seconds"] = await server.wait_healthy(launch.url, plan.server.startup_timeout_seconds)
         say(f"{run.run_id}: healthy after {result['startup_seconds']:.1f} s")
         result.update(await _measure(plan, condition, run, run_dir, launch.url, server, say))
     except RunFailed as e:
@@ -158,7 +162,11 @@ async def _replay(plan: Plan, condition: Condition, run: RunSpec, run_dir: str, 
             phase.name = "measurement"
             t0 = time.monotonic()
             say(f"{run.run_id}: measuring for {p.measure_seconds:g} s")
-            await _until(task, t0 + p.measure_seconds)
+            stats = sink.stats
+            async with heartbeat(say, p.measure_seconds, lambda s: (
+                    f"{run.run_id}: measuring: {min(s, p.measure_seconds):.0f} of {p.measure_seconds:g} s, "
+                    f"{stats.ok} requests answered, {stats.failed} failed, {stats.output_tokens} tokens generated")):
+                await _until(task, t0 + p.measure_seconds)
             t1 = time.monotonic()
             marks["warmup"], marks["measure"] = [start, t0], [t0, t1]
             await sampler.wait_tick_after(t1, 5 * plan.sample_interval_seconds + 5)
@@ -170,6 +178,29 @@ async def _replay(plan: Plan, condition: Condition, run: RunSpec, run_dir: str, 
         raise RunFailed(f"the replay failed: {type(summary).__name__}: {summary}")
     summary["window_turns"] = window_turns(records, t0 - start, t1 - start)
     return summary
+
+
+HEARTBEAT_MAX_SECONDS = 15.0  # a long wait says where it is at least this often
+
+
+@contextlib.asynccontextmanager
+async def heartbeat(say: Say, expected_seconds: float, line: Callable[[float], str]):
+    """While the body runs: ``line(seconds so far)`` every quarter of ``expected_seconds`` (1 to 15 s), so an
+    engine's start or a measurement is never silent."""
+    every = min(HEARTBEAT_MAX_SECONDS, max(1.0, expected_seconds / 4))
+
+    async def beat() -> None:
+        start = time.monotonic()
+        while True:
+            await asyncio.sleep(every)
+            say(line(time.monotonic() - start))
+
+    task = asyncio.create_task(beat())
+    try:
+        yield
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
 
 
 async def _until(task: asyncio.Task, when_monotonic: float) -> None:
