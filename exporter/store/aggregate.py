@@ -19,12 +19,14 @@ one through ``aggregate_of``.
 
 from __future__ import annotations
 
+from array import array
 from bisect import bisect_left, insort
 from collections import deque
 from typing import Iterable, Iterator
 
 from exporter.quantile import interpolate_sorted
 from exporter.samples import Interval
+from exporter.store.columns import IntervalColumns, Span
 
 ORDERED_GAUGES = ("kv_usage", "pending")
 TOKENS_KEY = "generation_tokens"
@@ -233,15 +235,20 @@ class ScopeSums(_Sums):
 
 
 class WindowAggregate(_Sums):
-    """Running aggregate over a set of Intervals, oldest first. ``remove`` takes the oldest held interval."""
+    """Running aggregate over a set of Intervals, oldest first. ``remove`` takes the oldest held interval.
+
+    Alone it holds its intervals in a deque; given the ``store`` of a ServerHistory (whose rows every interval
+    added must be appended to first) it holds only their row range (store/columns.py Span) and rebuilds an
+    interval when it is read or leaves. The sorted gauge values are ``array('d')`` (8 bytes a value, nothing
+    for the garbage collector to walk)."""
 
     __slots__ = ("intervals", "_scopes", "_sorted", "_removals")
 
-    def __init__(self, intervals: Iterable[Interval] = ()) -> None:
+    def __init__(self, intervals: Iterable[Interval] = (), store: IntervalColumns | None = None) -> None:
         super().__init__()
-        self.intervals: deque[Interval] = deque()
+        self.intervals: deque[Interval] | Span = deque() if store is None else Span(store)
         self._scopes: dict[str, ScopeSums] = {}
-        self._sorted: dict[str, list[float]] = {k: [] for k in ORDERED_GAUGES}
+        self._sorted: dict[str, array] = {k: array("d") for k in ORDERED_GAUGES}
         self._removals = 0
         for iv in intervals:
             self.add(iv)
@@ -273,11 +280,13 @@ class WindowAggregate(_Sums):
             insort(self._sorted[key], v)
 
     def remove(self, iv: Interval | None = None) -> Interval:
-        """Take the oldest interval out (``iv``, when given, must be that interval)."""
-        head = self.intervals[0]
-        if iv is not None and iv is not head:
+        """Take the oldest interval out (``iv``, when given, must be that interval: the same object for a
+        deque, an equal one for a store's rows)."""
+        q = self.intervals
+        head = q[0]
+        if iv is not None and iv is not head and (type(q) is deque or iv != head):
             raise ValueError("WindowAggregate.remove takes the oldest interval it holds")
-        self.intervals.popleft()
+        q.popleft()
         seconds = head.t1 - head.t0
         loaded = is_loaded(head)
         self._remove(head, seconds, loaded)
@@ -308,7 +317,7 @@ class WindowAggregate(_Sums):
         sc = self._scopes.get(name)
         return sc if sc is not None and sc.n > 0 else None
 
-    def sorted_gauge(self, key: str) -> list[float]:
+    def sorted_gauge(self, key: str) -> "list[float] | array":
         """The gauge's values in ascending order (do not modify)."""
         s = self._sorted.get(key)
         if s is not None:
