@@ -28,7 +28,9 @@ from exporter.quantile import interpolate_sorted
 from exporter.samples import Interval
 from exporter.store.columns import IntervalColumns, Span
 
-ORDERED_GAUGES = ("kv_usage", "pending")
+# gauges kept in order structures: quantiles of KV usage and pending requests, and the maxima of running and
+# waiting read every tick (model/pressure.py plausible_preemptions: a scan of a 1 h window otherwise)
+ORDERED_GAUGES = ("kv_usage", "pending", "running", "waiting")
 TOKENS_KEY = "generation_tokens"
 RUNNING_KEY = "running"
 RESUM_MIN_REMOVALS = 1000
@@ -48,6 +50,10 @@ def ordered_gauge_values(iv: Interval) -> Iterator[tuple[str, float]]:
     r, w = g.get("running"), g.get("waiting")
     if r is not None and w is not None:
         yield "pending", r + w
+    if r is not None:
+        yield "running", r
+    if w is not None:
+        yield "waiting", w
 
 
 def _acc(a: list, i: int, x: float) -> None:
@@ -161,6 +167,12 @@ class _Sums:
     def keys(self) -> list[str]:
         return list(self._keys)
 
+    def _freeze_keys(self, frozen: bool) -> None:
+        """Per-key states as tuples (frozen: a completed bucket's, which the garbage collector stops walking
+        once it sees they hold numbers only) or back to lists (to be updated again)."""
+        kind = tuple if frozen else list
+        self._keys = {key: kind(k) for key, k in self._keys.items()}
+
 
 class ScopeSums(_Sums):
     """The sums of one window restricted to its intervals with an energy sample for one scope."""
@@ -242,7 +254,7 @@ class WindowAggregate(_Sums):
     interval when it is read or leaves. The sorted gauge values are ``array('d')`` (8 bytes a value, nothing
     for the garbage collector to walk)."""
 
-    __slots__ = ("intervals", "_scopes", "_sorted", "_removals")
+    __slots__ = ("intervals", "_scopes", "_sorted", "_removals", "_frozen")
 
     def __init__(self, intervals: Iterable[Interval] = (), store: IntervalColumns | None = None) -> None:
         super().__init__()
@@ -250,6 +262,7 @@ class WindowAggregate(_Sums):
         self._scopes: dict[str, ScopeSums] = {}
         self._sorted: dict[str, array] = {k: array("d") for k in ORDERED_GAUGES}
         self._removals = 0
+        self._frozen = False
         for iv in intervals:
             self.add(iv)
 
@@ -273,7 +286,25 @@ class WindowAggregate(_Sums):
                 sc = self._scopes[scope] = ScopeSums(scope)
             sc._add_scope(iv, seconds, loaded)
 
+    def freeze(self) -> None:
+        """A completed grid bucket: its sums no longer change (a late interval thaws them, store/buckets.py),
+        so their per-key states become tuples the garbage collector untracks (an hour of buckets is otherwise
+        ~10^5 lists walked by every full collection)."""
+        if not self._frozen:
+            self._frozen = True
+            self._freeze_keys(True)
+            for sc in self._scopes.values():
+                sc._freeze_keys(True)
+
+    def _thaw(self) -> None:
+        self._frozen = False
+        self._freeze_keys(False)
+        for sc in self._scopes.values():
+            sc._freeze_keys(False)
+
     def add(self, iv: Interval) -> None:
+        if self._frozen:
+            self._thaw()
         self.intervals.append(iv)
         self._sum_in(iv)
         for key, v in ordered_gauge_values(iv):
@@ -282,6 +313,8 @@ class WindowAggregate(_Sums):
     def remove(self, iv: Interval | None = None) -> Interval:
         """Take the oldest interval out (``iv``, when given, must be that interval: the same object for a
         deque, an equal one for a store's rows)."""
+        if self._frozen:
+            self._thaw()
         q = self.intervals
         head = q[0]
         if iv is not None and iv is not head and (type(q) is deque or iv != head):
@@ -304,6 +337,7 @@ class WindowAggregate(_Sums):
     def resum(self) -> None:
         """Recompute every running sum from the held intervals (bounds add/subtract drift). O(n)."""
         self._removals = 0
+        self._frozen = False
         self.n = 0
         self._keys = {}
         self._reset_sums()
@@ -322,7 +356,10 @@ class WindowAggregate(_Sums):
         s = self._sorted.get(key)
         if s is not None:
             return s
-        return sorted(gauge_values(self.intervals, key))
+        q = self.intervals
+        if type(q) is Span:  # straight from the column, no interval rebuilt
+            return sorted(q.store.gauge_values(key, q.lo, q.hi))
+        return sorted(gauge_values(q, key))
 
     def quantile(self, gauge_key: str, q: float) -> float | None:
         """exporter.quantile.quantile over the gauge's values (PromQL quantile_over_time)."""

@@ -70,6 +70,7 @@ class Grid:
             if t1 > now + EPS:
                 break
             b = Bucket(t0, t1, self.open.pop(k))
+            b.agg.freeze()
             if self.done and self.done[-1].t0 > t0:  # out of order (late interval): keep time order
                 self.done = deque(sorted([*self.done, b], key=lambda x: x.t0))
             else:
