@@ -168,10 +168,48 @@ class _Sums:
         return list(self._keys)
 
     def _freeze_keys(self, frozen: bool) -> None:
-        """Per-key states as tuples (frozen: a completed bucket's, which the garbage collector stops walking
-        once it sees they hold numbers only) or back to lists (to be updated again)."""
-        kind = tuple if frozen else list
-        self._keys = {key: kind(k) for key, k in self._keys.items()}
+        """Per-key states packed in one array (frozen: a completed bucket's, ~8 bytes a number and nothing for
+        the garbage collector to walk) or back to a dict of lists (to be updated again)."""
+        self._keys = _PackedKeys(self._keys) if frozen else {key: list(k) for key, k in self._keys.items()}
+
+
+_K_WIDTH = 6
+_KEY_INDEX: dict[tuple[str, ...], dict[str, int]] = {}  # one index per key set, shared by every bucket
+
+
+class _PackedKeys:
+    """A frozen bucket's per-key states, read like the dict of lists they were (get, items, iteration)."""
+
+    __slots__ = ("_index", "_values")
+
+    def __init__(self, keys: dict[str, list]) -> None:
+        names = tuple(keys)
+        index = _KEY_INDEX.get(names)
+        if index is None:
+            if len(_KEY_INDEX) > 256:  # key sets seen are few (engines, versions); bound them anyway
+                _KEY_INDEX.clear()
+            index = _KEY_INDEX[names] = {k: i * _K_WIDTH for i, k in enumerate(names)}
+        self._index = index
+        self._values = array("d", [x for k in keys.values() for x in k])
+
+    def get(self, key: str):
+        i = self._index.get(key)
+        if i is None:
+            return None
+        v = self._values[i:i + _K_WIDTH]
+        return (int(v[0]), int(v[1]), v[2], v[3], v[4], v[5])
+
+    def items(self):
+        return ((k, self.get(k)) for k in self._index)
+
+    def values(self):
+        return (self.get(k) for k in self._index)
+
+    def __iter__(self):
+        return iter(self._index)
+
+    def __len__(self) -> int:
+        return len(self._index)
 
 
 class ScopeSums(_Sums):
