@@ -10,8 +10,8 @@ Rows have absolute indices (0 for the first row ever appended): the history, its
 buckets name the rows they hold by index range (``Span``) and an ``Interval`` is rebuilt on demand
 (``interval(i)``). A row whose values include a NaN of its own (sources refuse non-finite values, but a
 test or a replay may carry one) is kept as its original object instead, so absence and NaN never mix.
-Dropping rows from the head is amortized O(1): the dropped prefix is cut out of the columns once it is a
-sixteenth of them (at least CUT_MIN_ROWS), so the dead prefix never costs more than ~6% of the memory.
+Columns are chunks of CHUNK rows: appending and dropping rows are O(1) (a chunk is freed once all its rows
+are dropped), and the dead or not yet written part of the chunks never exceeds 2 * CHUNK rows.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from typing import Iterator
 from exporter.samples import Interval
 
 NAN = math.nan
-CUT_MIN_ROWS = 64
+CHUNK = 512  # rows a chunk (4 KiB a column)
+_NAN_CHUNK = array("d", [NAN]) * CHUNK
 _SECTIONS = 4  # deltas, gauges, energy_joules, idle_joules
 
 
@@ -33,14 +34,20 @@ def _maps(iv: Interval) -> tuple[dict, dict, dict, dict]:
 
 
 class IntervalColumns:
-    """Rows [first, end) of one server's intervals, oldest first."""
+    """Rows [first, end) of one server's intervals, oldest first, in chunks of CHUNK rows: every column is a
+    list of preallocated ``array('d')`` chunks (NaN until written), so appending never reallocates a large
+    block and dropping the oldest rows frees whole chunks (no memmove, same-sized blocks the allocator reuses:
+    one-off large reallocations fragmented the heap by ~10 MB at the plateau)."""
 
-    __slots__ = ("_t0", "_t1", "_cols", "_cut", "first", "_odd", "newest")
+    __slots__ = ("_t0", "_t1", "_cols", "_last", "_base", "_n", "first", "_odd", "newest")
 
     def __init__(self) -> None:
-        self._t0, self._t1 = array("d"), array("d")
-        self._cols: tuple[dict[str, array], ...] = tuple({} for _ in range(_SECTIONS))  # key -> column
-        self._cut = 0           # rows dropped but still in the arrays (cut out once they are half of them)
+        self._t0: list[array] = []
+        self._t1: list[array] = []
+        self._cols: tuple[dict[str, list[array]], ...] = tuple({} for _ in range(_SECTIONS))  # key -> chunks
+        self._last: tuple[dict[str, int], ...] = tuple({} for _ in range(_SECTIONS))  # key -> last row with it
+        self._base = 0          # absolute index of the first position of the first chunk
+        self._n = 0             # positions written from _base on
         self.first = 0          # absolute index of the oldest row held
         self._odd: dict[int, Interval] = {}  # rows holding a NaN value of their own: the object itself
         self.newest: Interval | None = None  # the last appended interval, as given (the per-tick reader's)
@@ -48,59 +55,61 @@ class IntervalColumns:
     @property
     def end(self) -> int:
         """Absolute index after the newest row."""
-        return self.first + len(self._t0) - self._cut
+        return self._base + self._n
 
     def __len__(self) -> int:
-        return len(self._t0) - self._cut
+        return self._base + self._n - self.first
 
     def append(self, iv: Interval) -> int:
         """Store ``iv`` as the newest row; returns its absolute index."""
-        n = len(self._t0)  # rows in the arrays before this one
-        self._t0.append(iv.t0)
-        self._t1.append(iv.t1)
+        c, j = divmod(self._n, CHUNK)
+        if j == 0:  # a new chunk for every column
+            self._t0.append(_chunk())
+            self._t1.append(_chunk())
+            for cols in self._cols:
+                for chunks in cols.values():
+                    chunks.append(_chunk())
+        index = self._base + self._n
+        self._t0[c][j] = iv.t0
+        self._t1[c][j] = iv.t1
         odd = False
-        for cols, values in zip(self._cols, _maps(iv)):
+        for cols, last, values in zip(self._cols, self._last, _maps(iv)):
             for key, v in values.items():
-                col = cols.get(key)
-                if col is None:
-                    col = cols[sys.intern(key)] = array("d", [NAN]) * n
-                col.append(v)
+                chunks = cols.get(key)
+                if chunks is None:
+                    key = sys.intern(key)
+                    chunks = cols[key] = [_chunk() for _ in range(c + 1)]
+                chunks[c][j] = v
+                last[key] = index
                 odd = odd or v != v
-            for key, col in cols.items():
-                if len(col) == n:  # absent from this row
-                    col.append(NAN)
-        index = self.end - 1
+        self._n += 1
         if odd:
             self._odd[index] = iv
         self.newest = iv
         return index
 
     def popleft(self) -> None:
-        """Drop the oldest row."""
+        """Drop the oldest row (its chunk goes once every row of it is dropped)."""
         self._odd.pop(self.first, None)
         self.first += 1
-        self._cut += 1
-        if self._cut >= max(CUT_MIN_ROWS, len(self._t0) >> 4):
-            self._compact()
-
-    def _compact(self) -> None:
-        cut = self._cut
-        del self._t0[:cut], self._t1[:cut]
-        for cols in self._cols:
-            for key in list(cols):
-                col = cols[key]
-                del col[:cut]
-                if all(v != v for v in col):  # no row held carries it any more
-                    del cols[key]
-        self._cut = 0
-        if not self._t0:
-            self.newest = None
+        if self.first - self._base >= CHUNK:
+            del self._t0[0], self._t1[0]
+            for cols, last in zip(self._cols, self._last):
+                for key in list(cols):
+                    if last[key] < self.first:  # no row held carries it any more
+                        del cols[key], last[key]
+                    else:
+                        del cols[key][0]
+            self._base += CHUNK
+            self._n -= CHUNK
 
     def t0(self, i: int) -> float:
-        return self._t0[i - self.first + self._cut]
+        c, j = divmod(i - self._base, CHUNK)
+        return self._t0[c][j]
 
     def t1(self, i: int) -> float:
-        return self._t1[i - self.first + self._cut]
+        c, j = divmod(i - self._base, CHUNK)
+        return self._t1[c][j]
 
     def interval(self, i: int) -> Interval:
         """The interval at absolute index ``i``, rebuilt (equal to the one appended, not the same object)."""
@@ -111,20 +120,31 @@ class IntervalColumns:
         odd = self._odd.get(i)
         if odd is not None:
             return odd
-        j = i - self.first + self._cut
-        d, g, e, idle = ({k: v for k, col in cols.items() if (v := col[j]) == v} for cols in self._cols)
-        return Interval(self._t0[j], self._t1[j], d, g, e, idle)
+        c, j = divmod(i - self._base, CHUNK)
+        d, g, e, idle = ({k: v for k, chunks in cols.items() if (v := chunks[c][j]) == v} for cols in self._cols)
+        return Interval(self._t0[c][j], self._t1[c][j], d, g, e, idle)
 
     def first_index_from(self, t0: float) -> int:
         """The absolute index of the oldest row with t0 >= ``t0`` (rows are in time order)."""
-        a, lo, hi = self._t0, self._cut, len(self._t0)
+        lo, hi = self.first, self.end
         while lo < hi:
             mid = (lo + hi) // 2
-            if a[mid] < t0:
+            if self.t0(mid) < t0:
                 lo = mid + 1
             else:
                 hi = mid
-        return lo - self._cut + self.first
+        return lo
+
+    def _values(self, chunks: list[array], lo: int, hi: int) -> list[float]:
+        """Positions [lo, hi) (absolute) of one column, NaN included."""
+        out: list[float] = []
+        a, b = lo - self._base, hi - self._base
+        while a < b:
+            c, j = divmod(a, CHUNK)
+            k = min(CHUNK, j + b - a)
+            out.extend(chunks[c][j:k])
+            a += k - j
+        return out
 
     def gauge_values(self, key: str, lo: int, hi: int) -> list[float]:
         """The gauge's values in rows [lo, hi) that carry it, in time order (aggregate.gauge_values' rule)."""
@@ -134,19 +154,22 @@ class IntervalColumns:
         if self._odd:  # a row with a NaN of its own: read the rows themselves
             from exporter.store.aggregate import gauge_values
             return gauge_values(list(self.rows(lo, hi)), key)
-        a, b = lo - self.first + self._cut, hi - self.first + self._cut
         g = self._cols[1]
         if key == "pending":
             r, w = g.get("running"), g.get("waiting")
             if r is None or w is None:
                 return []
-            return [x + y for x, y in zip(r[a:b], w[a:b]) if x == x and y == y]
+            return [x + y for x, y in zip(self._values(r, lo, hi), self._values(w, lo, hi)) if x == x and y == y]
         col = g.get(key)
-        return [] if col is None else [x for x in col[a:b] if x == x]
+        return [] if col is None else [x for x in self._values(col, lo, hi) if x == x]
 
     def rows(self, lo: int, hi: int) -> Iterator[Interval]:
         for i in range(max(lo, self.first), min(hi, self.end)):
             yield self.interval(i)
+
+
+def _chunk() -> array:
+    return _NAN_CHUNK[:]
 
 
 class Span:
