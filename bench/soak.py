@@ -194,6 +194,9 @@ def main(argv=None) -> dict:
                     help="simulated seconds to fill (default: the kept span + 5 minutes, the plateau)")
     ap.add_argument("--measure", type=float, default=60.0, help="real-time seconds scraped with the store full")
     ap.add_argument("--derive-every", type=int, default=16, help="full tick every N ticks during the fill")
+    ap.add_argument("--gc-freeze", action="store_true",
+                    help="gc.freeze() once the daemon is built (start-up objects: modules, catalog, config), "
+                         "as a daemon could after start-up: full collections then walk only what came later")
     args = ap.parse_args(argv)
     args.windows = tuple(float(w) for w in args.windows.split(","))
     gct = GcTimer()
@@ -201,6 +204,10 @@ def main(argv=None) -> dict:
     rss0 = rss_mib(os.getpid())
     with tempfile.TemporaryDirectory(prefix="kvwatt-soak-") as tmp:
         daemon, clock = build(args, tmp)
+        if args.gc_freeze:
+            gc.collect()
+            gc.freeze()
+            print(f"gc.freeze(): {gc.get_freeze_count()} start-up objects out of the collector's walks")
         work = SoakWorkload(args.servers, args.gpus, args.interval)
         keep = daemon.model.servers["s0"].history.max_age_seconds
         seconds = args.fill_seconds if args.fill_seconds is not None else keep + 300
