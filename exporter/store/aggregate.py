@@ -26,7 +26,7 @@ from typing import Iterable, Iterator
 
 from exporter.quantile import interpolate_sorted
 from exporter.samples import Interval
-from exporter.store.columns import IntervalColumns, Span
+from exporter.store.columns import IntervalColumns, Span, gauge_values  # noqa: F401 (gauge_values: re-exported)
 
 # gauges kept in order structures: quantiles of KV usage and pending requests, and the maxima of running and
 # waiting read every tick (model/pressure.py plausible_preemptions: a scan of a 1 h window otherwise)
@@ -418,11 +418,3 @@ class WindowAggregate(_Sums):
 def aggregate_of(intervals: Iterable[Interval]) -> WindowAggregate:
     """A fresh aggregate over ``intervals`` (oldest first)."""
     return WindowAggregate(intervals)
-
-
-def gauge_values(x: Iterable[Interval], key: str) -> list[float]:
-    """The gauge's values in time order over intervals (an aggregate iterates its held ones: O(n))."""
-    if key == "pending":
-        return [iv.gauges["running"] + iv.gauges["waiting"] for iv in x
-                if "running" in iv.gauges and "waiting" in iv.gauges]
-    return [iv.gauges[key] for iv in x if key in iv.gauges]

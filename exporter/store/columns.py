@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import sys
 from array import array
-from typing import Iterator
+from typing import Iterable, Iterator
 
 from exporter.samples import Interval
 
@@ -152,7 +152,6 @@ class IntervalColumns:
         if lo >= hi:
             return []
         if self._odd:  # a row with a NaN of its own: read the rows themselves
-            from exporter.store.aggregate import gauge_values
             return gauge_values(list(self.rows(lo, hi)), key)
         g = self._cols[1]
         if key == "pending":
@@ -170,6 +169,14 @@ class IntervalColumns:
 
 def _chunk() -> array:
     return _NAN_CHUNK[:]
+
+
+def gauge_values(x: Iterable[Interval], key: str) -> list[float]:
+    """The gauge's values in time order over intervals (an aggregate iterates its held ones: O(n))."""
+    if key == "pending":
+        return [iv.gauges["running"] + iv.gauges["waiting"] for iv in x
+                if "running" in iv.gauges and "waiting" in iv.gauges]
+    return [iv.gauges[key] for iv in x if key in iv.gauges]
 
 
 class Span:
