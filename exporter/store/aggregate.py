@@ -19,14 +19,18 @@ one through ``aggregate_of``.
 
 from __future__ import annotations
 
+from array import array
 from bisect import bisect_left, insort
 from collections import deque
 from typing import Iterable, Iterator
 
 from exporter.quantile import interpolate_sorted
 from exporter.samples import Interval
+from exporter.store.columns import IntervalColumns, Span, gauge_values  # noqa: F401 (gauge_values: re-exported)
 
-ORDERED_GAUGES = ("kv_usage", "pending")
+# gauges kept in order structures: quantiles of KV usage and pending requests, and the maxima of running and
+# waiting read every tick (model/pressure.py plausible_preemptions: a scan of a 1 h window otherwise)
+ORDERED_GAUGES = ("kv_usage", "pending", "running", "waiting")
 POOL_PREFIX = "kv_pool_usage@"  # one KV pool's usage (sources/engine.py LABELLED_GAUGE_KEYS): ordered per pool
 TOKENS_KEY = "generation_tokens"
 RUNNING_KEY = "running"
@@ -47,6 +51,10 @@ def ordered_gauge_values(iv: Interval) -> Iterator[tuple[str, float]]:
     r, w = g.get("running"), g.get("waiting")
     if r is not None and w is not None:
         yield "pending", r + w
+    if r is not None:
+        yield "running", r
+    if w is not None:
+        yield "waiting", w
     if len(g) > 2:  # pools are there only beside kv_usage and the request gauges
         for key, v in g.items():
             if key.startswith(POOL_PREFIX):
@@ -164,6 +172,50 @@ class _Sums:
     def keys(self) -> list[str]:
         return list(self._keys)
 
+    def _freeze_keys(self, frozen: bool) -> None:
+        """Per-key states packed in one array (frozen: a completed bucket's, ~8 bytes a number and nothing for
+        the garbage collector to walk) or back to a dict of lists (to be updated again)."""
+        self._keys = _PackedKeys(self._keys) if frozen else {key: list(k) for key, k in self._keys.items()}
+
+
+_K_WIDTH = 6
+_KEY_INDEX: dict[tuple[str, ...], dict[str, int]] = {}  # one index per key set, shared by every bucket
+
+
+class _PackedKeys:
+    """A frozen bucket's per-key states, read like the dict of lists they were (get, items, iteration)."""
+
+    __slots__ = ("_index", "_values")
+
+    def __init__(self, keys: dict[str, list]) -> None:
+        names = tuple(keys)
+        index = _KEY_INDEX.get(names)
+        if index is None:
+            if len(_KEY_INDEX) > 256:  # key sets seen are few (engines, versions); bound them anyway
+                _KEY_INDEX.clear()
+            index = _KEY_INDEX[names] = {k: i * _K_WIDTH for i, k in enumerate(names)}
+        self._index = index
+        self._values = array("d", [x for k in keys.values() for x in k])
+
+    def get(self, key: str):
+        i = self._index.get(key)
+        if i is None:
+            return None
+        v = self._values[i:i + _K_WIDTH]
+        return (int(v[0]), int(v[1]), v[2], v[3], v[4], v[5])
+
+    def items(self):
+        return ((k, self.get(k)) for k in self._index)
+
+    def values(self):
+        return (self.get(k) for k in self._index)
+
+    def __iter__(self):
+        return iter(self._index)
+
+    def __len__(self) -> int:
+        return len(self._index)
+
 
 class ScopeSums(_Sums):
     """The sums of one window restricted to its intervals with an energy sample for one scope."""
@@ -238,16 +290,22 @@ class ScopeSums(_Sums):
 
 
 class WindowAggregate(_Sums):
-    """Running aggregate over a set of Intervals, oldest first. ``remove`` takes the oldest held interval."""
+    """Running aggregate over a set of Intervals, oldest first. ``remove`` takes the oldest held interval.
 
-    __slots__ = ("intervals", "_scopes", "_sorted", "_removals")
+    Alone it holds its intervals in a deque; given the ``store`` of a ServerHistory (whose rows every interval
+    added must be appended to first) it holds only their row range (store/columns.py Span) and rebuilds an
+    interval when it is read or leaves. The sorted gauge values are ``array('d')`` (8 bytes a value, nothing
+    for the garbage collector to walk)."""
 
-    def __init__(self, intervals: Iterable[Interval] = ()) -> None:
+    __slots__ = ("intervals", "_scopes", "_sorted", "_removals", "_frozen")
+
+    def __init__(self, intervals: Iterable[Interval] = (), store: IntervalColumns | None = None) -> None:
         super().__init__()
-        self.intervals: deque[Interval] = deque()
+        self.intervals: deque[Interval] | Span = deque() if store is None else Span(store)
         self._scopes: dict[str, ScopeSums] = {}
-        self._sorted: dict[str, list[float]] = {k: [] for k in ORDERED_GAUGES}
+        self._sorted: dict[str, array] = {k: array("d") for k in ORDERED_GAUGES}
         self._removals = 0
+        self._frozen = False
         for iv in intervals:
             self.add(iv)
 
@@ -271,18 +329,40 @@ class WindowAggregate(_Sums):
                 sc = self._scopes[scope] = ScopeSums(scope)
             sc._add_scope(iv, seconds, loaded)
 
+    def freeze(self) -> None:
+        """A completed grid bucket: its sums no longer change (a late interval thaws them, store/buckets.py),
+        so their per-key states become tuples the garbage collector untracks (an hour of buckets is otherwise
+        ~10^5 lists walked by every full collection)."""
+        if not self._frozen:
+            self._frozen = True
+            self._freeze_keys(True)
+            for sc in self._scopes.values():
+                sc._freeze_keys(True)
+
+    def _thaw(self) -> None:
+        self._frozen = False
+        self._freeze_keys(False)
+        for sc in self._scopes.values():
+            sc._freeze_keys(False)
+
     def add(self, iv: Interval) -> None:
+        if self._frozen:
+            self._thaw()
         self.intervals.append(iv)
         self._sum_in(iv)
         for key, v in ordered_gauge_values(iv):
-            insort(self._sorted.setdefault(key, []), v)
+            insort(self._sorted.setdefault(key, array("d")), v)
 
     def remove(self, iv: Interval | None = None) -> Interval:
-        """Take the oldest interval out (``iv``, when given, must be that interval)."""
-        head = self.intervals[0]
-        if iv is not None and iv is not head:
+        """Take the oldest interval out (``iv``, when given, must be that interval: the same object for a
+        deque, an equal one for a store's rows)."""
+        if self._frozen:
+            self._thaw()
+        q = self.intervals
+        head = q[0]
+        if iv is not None and iv is not head and (type(q) is deque or iv != head):
             raise ValueError("WindowAggregate.remove takes the oldest interval it holds")
-        self.intervals.popleft()
+        q.popleft()
         seconds = head.t1 - head.t0
         loaded = is_loaded(head)
         self._remove(head, seconds, loaded)
@@ -302,6 +382,7 @@ class WindowAggregate(_Sums):
     def resum(self) -> None:
         """Recompute every running sum from the held intervals (bounds add/subtract drift). O(n)."""
         self._removals = 0
+        self._frozen = False
         self.n = 0
         self._keys = {}
         self._reset_sums()
@@ -315,12 +396,15 @@ class WindowAggregate(_Sums):
         sc = self._scopes.get(name)
         return sc if sc is not None and sc.n > 0 else None
 
-    def sorted_gauge(self, key: str) -> list[float]:
+    def sorted_gauge(self, key: str) -> "list[float] | array":
         """The gauge's values in ascending order (do not modify)."""
         s = self._sorted.get(key)
         if s is not None:
             return s
-        return sorted(gauge_values(self.intervals, key))
+        q = self.intervals
+        if type(q) is Span:  # straight from the column, no interval rebuilt
+            return sorted(q.store.gauge_values(key, q.lo, q.hi))
+        return sorted(gauge_values(q, key))
 
     def quantile(self, gauge_key: str, q: float) -> float | None:
         """exporter.quantile.quantile over the gauge's values (PromQL quantile_over_time)."""
@@ -345,11 +429,3 @@ class WindowAggregate(_Sums):
 def aggregate_of(intervals: Iterable[Interval]) -> WindowAggregate:
     """A fresh aggregate over ``intervals`` (oldest first)."""
     return WindowAggregate(intervals)
-
-
-def gauge_values(x: Iterable[Interval], key: str) -> list[float]:
-    """The gauge's values in time order over intervals (an aggregate iterates its held ones: O(n))."""
-    if key == "pending":
-        return [iv.gauges["running"] + iv.gauges["waiting"] for iv in x
-                if "running" in iv.gauges and "waiting" in iv.gauges]
-    return [iv.gauges[key] for iv in x if key in iv.gauges]

@@ -17,6 +17,7 @@ from typing import Iterable
 
 from exporter.samples import Interval
 from exporter.store.aggregate import WindowAggregate
+from exporter.store.columns import IntervalColumns
 
 EPS = 1e-9  # clock slack: a tick landing on a bucket's edge belongs to the bucket it ends
 
@@ -37,10 +38,13 @@ def bucket_index(t1: float, width: float) -> int:
 
 
 class Grid:
-    """Buckets of one width: the ones still open (intervals may still arrive) and the completed ones."""
+    """Buckets of one width: the ones still open (intervals may still arrive) and the completed ones. With the
+    ``store`` of a ServerHistory (every interval added is its newest row), a bucket holds its intervals' row
+    range, not the intervals (store/columns.py)."""
 
-    def __init__(self, width: float) -> None:
+    def __init__(self, width: float, store: IntervalColumns | None = None) -> None:
         self.width = width
+        self.store = store
         self.open: dict[int, WindowAggregate] = {}
         self.done: deque[Bucket] = deque()
 
@@ -54,7 +58,7 @@ class Grid:
                     return
                 if b.t0 < k * self.width:
                     break
-            agg = self.open[k] = WindowAggregate()
+            agg = self.open[k] = WindowAggregate(store=self.store)
         agg.add(iv)
 
     def close(self, now: float) -> None:
@@ -66,6 +70,7 @@ class Grid:
             if t1 > now + EPS:
                 break
             b = Bucket(t0, t1, self.open.pop(k))
+            b.agg.freeze()
             if self.done and self.done[-1].t0 > t0:  # out of order (late interval): keep time order
                 self.done = deque(sorted([*self.done, b], key=lambda x: x.t0))
             else:

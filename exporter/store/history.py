@@ -15,18 +15,22 @@ successful read, so an interval that spans a missed vLLM read still carries the 
 Windows are incremental (docs/architecture.md "Windows"): each registered window length keeps a
 WindowAggregate that intervals enter as they are appended and leave when ``advance(now)`` slides it, and each
 registered grid width keeps the fixed buckets of store/buckets.py (the one grid rule), closed once ``now``
-reaches their end. ``window(now, seconds)`` still returns the plain list (O(history)).
+reaches their end. ``window(now, seconds)`` still returns the plain list (O(its length)).
+
+The intervals themselves are rows of columns (store/columns.py): ``intervals``, the windows and the buckets name
+rows and rebuild an Interval when one is read, so an hour of history is ~8 bytes a value and no object per
+interval for the garbage collector to walk.
 """
 
 from __future__ import annotations
 
 import logging
-from collections import deque
 from typing import Iterable
 
 from exporter.samples import EngineReading, Interval
 from exporter.store.aggregate import WindowAggregate, aggregate_of
 from exporter.store.buckets import Bucket, Grid, buckets_of
+from exporter.store.columns import IntervalColumns, Rows
 from exporter.store.deltas import EnergyAccumulator, engine_deltas, reset_engines
 from exporter.store.identity import EngineSetWatch, IdentityWatch
 
@@ -42,7 +46,8 @@ class ServerHistory:
                  grids: Iterable[float] = (), name: str = ""):
         self.name = name  # the server's, for the log
         self.max_age_seconds = max_age_seconds
-        self.intervals: deque[Interval] = deque(maxlen=max_intervals)
+        self._rows = IntervalColumns()
+        self.intervals = Rows(self._rows, max_intervals)  # read-only view, oldest first
         self.last_t: float | None = None
         self.last_counters: dict[str, dict[str, float]] = {}  # engine -> its counters at the last reading
         self.last_process_start: float | None = None
@@ -51,8 +56,8 @@ class ServerHistory:
         self.identity = IdentityWatch(name)  # two processes behind one URL: no delta across (store/identity.py)
         self.engine_set = EngineSetWatch(name)  # an engine label changing every read: logged once, not per tick
         self.now: float | None = None  # time of the last advance()
-        self._windows: dict[float, WindowAggregate] = {float(w): WindowAggregate() for w in windows}
-        self._grids: dict[float, Grid] = {float(w): Grid(float(w)) for w in grids}
+        self._windows: dict[float, WindowAggregate] = {float(w): WindowAggregate(store=self._rows) for w in windows}
+        self._grids: dict[float, Grid] = {float(w): Grid(float(w), self._rows) for w in grids}
 
     @property
     def windows(self) -> tuple[float, ...]:
@@ -106,19 +111,23 @@ class ServerHistory:
             log.info("%s: engine(s) %s counters went down: re-based, no delta for this step", self.name, reset)
 
     def _append(self, iv: Interval) -> None:
-        if self.intervals.maxlen is not None and len(self.intervals) >= self.intervals.maxlen:
-            self._drop(self.intervals.popleft())
-        self.intervals.append(iv)
+        if self.intervals.maxlen is not None and len(self._rows) >= self.intervals.maxlen:
+            self._drop_oldest()
+        self._rows.append(iv)  # first: the windows and buckets name the row
         for agg in self._windows.values():
             agg.add(iv)
         for grid in self._grids.values():
             grid.add(iv)
 
-    def _drop(self, iv: Interval) -> None:
-        """``iv`` left the history (age or count bound): it leaves any window still holding it."""
+    def _drop_oldest(self) -> None:
+        """The oldest interval leaves the history (age or count bound): it leaves any window still holding it
+        first (their sums read it)."""
+        first = self._rows.first
         for agg in self._windows.values():
-            if agg.intervals and agg.intervals[0] is iv:
-                agg.remove(iv)
+            q = agg.intervals
+            if q and q.lo == first:
+                agg.remove()
+        self._rows.popleft()
 
     def advance(self, now: float) -> None:
         """Slide every registered window to ``now``, close the grid buckets ending by ``now``, trim by age.
@@ -126,25 +135,28 @@ class ServerHistory:
         if self.now is not None and now < self.now:
             return  # one monotonic clock: never slide back
         self.now = now
+        rows = self._rows
         for seconds, agg in self._windows.items():
             lo = now - seconds - 1e-6
             q = agg.intervals
-            while q and q[0].t0 < lo:
-                agg.remove(q[0])
+            while q and rows.t0(q.lo) < lo:
+                agg.remove()
         for grid in self._grids.values():
             grid.close(now)
             grid.trim(now - self.max_age_seconds)
         self._trim(now)
 
     def _trim(self, now: float) -> None:
-        while self.intervals and self.intervals[0].t1 < now - self.max_age_seconds:
-            self._drop(self.intervals.popleft())
+        rows = self._rows
+        while rows and rows.t1(rows.first) < now - self.max_age_seconds:
+            self._drop_oldest()
 
     def window(self, now: float, seconds: float) -> list[Interval]:
         """Intervals that ended within the last ``seconds`` and started inside it too (so that an interval
         spanning a long outage does not stretch the window)."""
         lo = now - seconds - 1e-6
-        return [iv for iv in self.intervals if iv.t0 >= lo]
+        rows = self._rows
+        return list(rows.rows(rows.first_index_from(lo), rows.end))  # rows are in time order
 
     def _registered(self, table: dict, seconds: float):
         found = table.get(float(seconds))

@@ -1,0 +1,241 @@
+"""An hour-long soak, time-compressed: RSS at the plateau, the longest garbage-collector pause and /metrics
+latency of the daemon holding a full hour of history (issue 23 item 6).
+
+    .venv/bin/python bench/soak.py [--servers 8] [--gpus 8] [--interval 0.25] [--windows 60,3600]
+                                   [--fill-seconds auto] [--measure 60] [--derive-every 16]
+
+Configuration (defaults): 8 servers x 8 GPUs, a 0.25 s interval, windows [1m, 1h]: the history keeps
+max(1h, collapse reference + recent) + 60 s, i.e. ~14,700 intervals per server at the plateau.
+
+In-process, the real code from the store up: an exporter.daemon.Daemon (Model: store, derivations, collector,
+exposition) fed synthetic exporter.samples.Ticks (bench_derive.Workload's load pattern, 8 counter GPUs per
+server with their energy) and the real web app (exporter.serve.web.start_web) on loopback, scraped by
+bench/scraper.py in a child process. Two phases:
+
+1. fill (time-compressed): --fill-seconds of ticks at synthetic times t0 + k * interval, as fast as they
+   can be ingested; the full tick (derive + render, Daemon.step) every --derive-every ticks, ingest alone in
+   between (the history depends on the ticks only: Model.snapshot is pure). RSS is printed every simulated
+   5 minutes: linear growth until the longest kept span is full, then the plateau.
+2. measure (real time): --measure seconds of Daemon.step every --interval seconds of wall time in a worker
+   thread (as Daemon.run_loop does) with the hour full, while the scraper scrapes /metrics at 10 Hz.
+
+Why compression is equivalent: the store's contents are a function of the ticks' values and their synthetic
+``t`` only (nothing in exporter/store reads a clock), so N intervals hold the same objects whether they came
+in 4 minutes or an hour; phase 2 then runs at the real pace with the store full and its RSS is printed too
+(it must stay on the plateau). Garbage collections are timed through gc.callbacks (each collection, per
+generation) over both phases; their frequency in phase 1 is higher than at the real pace (the same
+allocations in less time), their length is what counts: a full collection walks every tracked object.
+
+Timings are wall-clock; os.getloadavg() is printed beside each (the machine may be shared).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import math
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _support import percentile, rss_mib, start_scrape, summary  # noqa: E402
+from bench_derive import T0, WALL0, Workload  # noqa: E402
+
+from exporter.config import Config, ServerConfig  # noqa: E402
+from exporter.daemon import Daemon  # noqa: E402
+from exporter.model import Model  # noqa: E402
+from exporter.samples import DeviceReading, EngineReading, ServerRead, SourceStatus, Tick  # noqa: E402
+from exporter.serve.web import start_web  # noqa: E402
+
+TARGETS = {"rss_plateau_mib": 120.0, "gc_pause_max_ms": 20.0, "metrics_p99_ms": 5.0}
+
+
+def load() -> str:
+    return "load %.2f %.2f %.2f" % os.getloadavg()
+
+
+class GcTimer:
+    """Times every collection through gc.callbacks: per generation, the count and the pauses (ms)."""
+
+    def __init__(self) -> None:
+        self.pauses: dict[int, list[float]] = {0: [], 1: [], 2: []}
+        self._start = 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.pauses[info["generation"]].append((time.perf_counter() - self._start) * 1e3)
+
+    def reset(self) -> None:
+        self.pauses = {0: [], 1: [], 2: []}
+
+    def report(self) -> dict:
+        return {f"gen{g}": {"n": len(p), "max_ms": round(max(p), 2) if p else 0.0,
+                            "p99_ms": round(percentile(p, 99), 2) if p else 0.0} for g, p in self.pauses.items()}
+
+    def longest(self) -> float:
+        return max((max(p) for p in self.pauses.values() if p), default=0.0)
+
+
+class SoakWorkload(Workload):
+    """bench_derive's load pattern, ``gpus`` counter GPUs per server, at ``interval`` seconds per tick."""
+
+    def __init__(self, servers: int, gpus: int, interval: float) -> None:
+        super().__init__(servers)
+        self.gpus, self.interval = gpus, interval
+        self.gpu_joules = [[1000.0 * (i * gpus + g + 1) for g in range(gpus)] for i in range(servers)]
+
+    def tick(self, t: float) -> Tick:
+        servers, devices = {}, []
+        dt = self.interval
+        for i, name in enumerate(self.names):
+            x = self.load(i, t)
+            c = self.counters[i]
+            gen, prompt = 800 * x * dt, 2500 * x * dt
+            c["generation_tokens"] += gen
+            c["prompt_tokens"] += prompt
+            c["prompt_local_compute"] += 0.25 * prompt
+            c["prompt_local_cache_hit"] += 0.75 * prompt
+            c["prefix_queries"] += prompt
+            c["prefix_hits"] += 0.75 * prompt
+            c["flops"] += 3e9 * gen
+            if x > 0.9 and int(t) % 7 == 0 and (t * 4) % 4 == 0:
+                c["preemptions"] += 1
+            gauges = dict(self.base.gauges, running=round(40 * x), waiting=round(10 * max(x - 0.7, 0)),
+                          kv_usage=min(0.99, 0.05 + 0.95 * x))
+            servers[name] = ServerRead(name, SourceStatus("vllm", name, True, "", 0.004, "ok"),
+                                       EngineReading(dict(c), gauges, self.base.info, self.base.capabilities,
+                                                     self.base.engine))
+            watts = 80.0 + 500.0 * x
+            for g in range(self.gpus):
+                self.gpu_joules[i][g] += watts * dt
+                k = i * self.gpus + g
+                uuid = f"GPU-{k:08d}-soak"
+                devices.append(DeviceReading(f"gpu:{uuid}", "gpu", {"gpu": str(k), "uuid": uuid},
+                                             self.gpu_joules[i][g], True, watts, "counter", 45.0, t))
+        statuses = (SourceStatus("nvml", "", True, "", 0.005, "ok"),
+                    SourceStatus("rapl", "", False, "unsupported: no powercap", 0.0, "down"))
+        return Tick(t, servers, statuses, tuple(devices))
+
+
+def build(args, tmp: str) -> tuple[Daemon, list[float]]:
+    clock = [T0]
+    cfg = Config(servers=tuple(ServerConfig(f"s{i}", f"http://127.0.0.1:{9000 + i}",
+                                            gpus=tuple(str(i * args.gpus + g) for g in range(args.gpus)))
+                               for i in range(args.servers)),
+                 windows_seconds=args.windows, interval_seconds=args.interval,
+                 state_dir=str(Path(tmp) / "state"), powercap_root=str(Path(tmp) / "no-powercap"))
+    model = Model(cfg, wall_clock=lambda: WALL0 + clock[0] - T0)
+    return Daemon(cfg, sampler=_NoSampler(), model=model), clock
+
+
+class _NoSampler:
+    """The ticks come from the workload; the daemon's own Sampler is never started."""
+
+
+def fill(daemon: Daemon, clock: list[float], work: SoakWorkload, ticks: int, args, gct: GcTimer) -> float:
+    every5 = max(1, int(round(300 / args.interval)))
+    start = time.perf_counter()
+    print(f"fill: {ticks} ticks of {args.interval} s ({ticks * args.interval / 60:.0f} simulated minutes)")
+    print(f"  {'minutes':>7}  {'intervals/server':>16}  {'RSS MiB':>8}  {'GC max ms':>9}  load")
+    for k in range(ticks):
+        clock[0] = T0 + k * args.interval
+        tick = work.tick(clock[0])
+        if k % args.derive_every == 0:
+            daemon.step(tick)
+        else:
+            daemon.model.ingest(tick)
+        if (k + 1) % every5 == 0 or k + 1 == ticks:
+            n = len(daemon.model.servers["s0"].history.intervals)
+            print(f"  {(k + 1) * args.interval / 60:7.0f}  {n:16d}  {rss_mib(os.getpid()):8.1f}  "
+                  f"{gct.longest():9.1f}  {load()}", flush=True)
+    return time.perf_counter() - start
+
+
+async def measure(daemon: Daemon, clock: list[float], work: SoakWorkload, k0: int, args) -> dict:
+    runner = await start_web(daemon, "127.0.0.1", 0)
+    port = runner.addresses[0][1]
+    scraper = start_scrape(f"http://127.0.0.1:{port}", args.measure, 10.0, 1.0)
+    steps, late = [], []
+    t_start = time.perf_counter()
+    k = k0
+    while time.perf_counter() - t_start < args.measure + 0.5:
+        due = t_start + (k - k0) * args.interval
+        await asyncio.sleep(max(0.0, due - time.perf_counter()))
+        clock[0] = T0 + k * args.interval
+        tick = work.tick(clock[0])
+        a = time.perf_counter()
+        await asyncio.to_thread(daemon.step, tick)
+        steps.append((time.perf_counter() - a) * 1e3)
+        late.append(max(0.0, (a - due) * 1e3))
+        k += 1
+    loop = asyncio.get_running_loop()
+    out, _ = await loop.run_in_executor(None, scraper.communicate)
+    await runner.cleanup()
+    import json
+    scraped = json.loads(out)
+    return {"metrics": summary(scraped["/metrics"]), "metrics_bytes": scraped["metrics_bytes"],
+            "errors": scraped["errors"], "step": summary(steps), "ticks": k - k0}
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--servers", type=int, default=8)
+    ap.add_argument("--gpus", type=int, default=8, help="GPUs per server")
+    ap.add_argument("--interval", type=float, default=0.25)
+    ap.add_argument("--windows", default="60,3600")
+    ap.add_argument("--fill-seconds", type=float, default=None,
+                    help="simulated seconds to fill (default: the kept span + 5 minutes, the plateau)")
+    ap.add_argument("--measure", type=float, default=60.0, help="real-time seconds scraped with the store full")
+    ap.add_argument("--derive-every", type=int, default=16, help="full tick every N ticks during the fill")
+    ap.add_argument("--gc-freeze", action="store_true",
+                    help="gc.freeze() once the daemon is built (start-up objects: modules, catalog, config), "
+                         "as a daemon could after start-up: full collections then walk only what came later")
+    args = ap.parse_args(argv)
+    args.windows = tuple(float(w) for w in args.windows.split(","))
+    gct = GcTimer()
+    gc.callbacks.append(gct)
+    rss0 = rss_mib(os.getpid())
+    with tempfile.TemporaryDirectory(prefix="kvwatt-soak-") as tmp:
+        daemon, clock = build(args, tmp)
+        if args.gc_freeze:
+            gc.collect()
+            gc.freeze()
+            print(f"gc.freeze(): {gc.get_freeze_count()} start-up objects out of the collector's walks")
+        work = SoakWorkload(args.servers, args.gpus, args.interval)
+        keep = daemon.model.servers["s0"].history.max_age_seconds
+        seconds = args.fill_seconds if args.fill_seconds is not None else keep + 300
+        ticks = int(math.ceil(seconds / args.interval))
+        print(f"{args.servers} servers x {args.gpus} GPUs, interval {args.interval} s, windows {args.windows}, "
+              f"history kept {keep:.0f} s; RSS at start {rss0:.1f} MiB; {load()}")
+        fill_s = fill(daemon, clock, work, ticks, args, gct)
+        fill_gc = gct.report()
+        fill_longest = gct.longest()
+        rss_plateau = rss_mib(os.getpid())
+        print(f"fill took {fill_s:.0f} s; RSS at the plateau {rss_plateau:.1f} MiB; GC over the fill "
+              f"{fill_gc} ({load()})")
+        gct.reset()
+        got = asyncio.run(measure(daemon, clock, work, ticks, args))
+        rss_end = rss_mib(os.getpid())
+        measure_gc = gct.report()
+        result = {"rss_plateau_mib": round(rss_plateau, 1), "rss_after_measure_mib": round(rss_end, 1),
+                  "gc_pause_max_ms": round(max(fill_longest, gct.longest()), 2),
+                  "gc_fill": fill_gc, "gc_measure": measure_gc, "metrics_p99_ms": got["metrics"]["p99_ms"],
+                  **got}
+    print(f"measure ({args.measure:.0f} s real time, {got['ticks']} ticks, store full): /metrics {got['metrics']} "
+          f"({got['metrics_bytes']} bytes, {got['errors']} errors); tick step {got['step']}; RSS {rss_end:.1f} MiB; "
+          f"GC {measure_gc}; {load()}")
+    for key, target in TARGETS.items():
+        v = result[key]
+        print(f"  {key}: {v} (target < {target:g}) {'ok' if v < target else 'OVER'}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
