@@ -196,7 +196,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--derive-every", type=int, default=16, help="full tick every N ticks during the fill")
     ap.add_argument("--gc-freeze", action="store_true",
                     help="gc.freeze() once the daemon is built (start-up objects: modules, catalog, config), "
-                         "as a daemon could after start-up: full collections then walk only what came later")
+                         "as `kvwatt run` does after start-up (exporter/service.py): full collections then walk "
+                         "only what came later")
     args = ap.parse_args(argv)
     args.windows = tuple(float(w) for w in args.windows.split(","))
     gct = GcTimer()
