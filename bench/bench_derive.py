@@ -20,7 +20,6 @@ import math
 import sys
 import tempfile
 import time
-from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -62,27 +61,29 @@ class Workload:
             return 0.0
         return 0.5 + 0.45 * math.sin(2 * math.pi * (t + 13 * i) / 97.0)
 
+    def server_read(self, i: int, t: float, dt: float = 1.0) -> tuple[ServerRead, float]:
+        """Server ``i``'s reading at ``t`` after ``dt`` seconds of its load, and that load (0..1)."""
+        name, x, c = self.names[i], self.load(i, t), self.counters[i]
+        gen, prompt = 800 * x * dt, 2500 * x * dt
+        c["generation_tokens"] += gen
+        c["prompt_tokens"] += prompt
+        c["prompt_local_compute"] += 0.25 * prompt
+        c["prompt_local_cache_hit"] += 0.75 * prompt
+        c["prefix_queries"] += prompt
+        c["prefix_hits"] += 0.75 * prompt
+        c["flops"] += 3e9 * gen
+        if x > 0.9 and t == int(t) and int(t) % 7 == 0:
+            c["preemptions"] += 1
+        gauges = dict(self.base.gauges, running=round(40 * x), waiting=round(10 * max(x - 0.7, 0)),
+                      kv_usage=min(0.99, 0.05 + 0.95 * x))
+        return ServerRead(name, SourceStatus("vllm", name, True, "", 0.004, "ok"),
+                          EngineReading(dict(c), gauges, self.base.info, self.base.capabilities,
+                                        self.base.engine)), x
+
     def tick(self, t: float) -> Tick:
         servers, devices = {}, []
         for i, name in enumerate(self.names):
-            x = self.load(i, t)
-            c = self.counters[i]
-            gen, prompt = 800 * x, 2500 * x
-            c["generation_tokens"] += gen
-            c["prompt_tokens"] += prompt
-            c["prompt_local_compute"] += 0.25 * prompt
-            c["prompt_local_cache_hit"] += 0.75 * prompt
-            c["prefix_queries"] += prompt
-            c["prefix_hits"] += 0.75 * prompt
-            c["flops"] += 3e9 * gen
-            if x > 0.9 and int(t) % 7 == 0:
-                c["preemptions"] += 1
-            gauges = dict(self.base.gauges, running=round(40 * x), waiting=round(10 * max(x - 0.7, 0)),
-                          kv_usage=min(0.99, 0.05 + 0.95 * x))
-            reading = replace(self.base, counters=dict(c), gauges=gauges)
-            servers[name] = ServerRead(name, SourceStatus("vllm", name, True, "", 0.004, "ok"),
-                                       EngineReading(reading.counters, reading.gauges, reading.info,
-                                                     reading.capabilities, reading.engine))
+            servers[name], x = self.server_read(i, t)
             watts = 80.0 + 500.0 * x
             self.joules[i] += watts
             uuid = f"GPU-{i:08d}-bench"

@@ -49,7 +49,7 @@ from bench_derive import T0, WALL0, Workload  # noqa: E402
 from exporter.config import Config, ServerConfig  # noqa: E402
 from exporter.daemon import Daemon  # noqa: E402
 from exporter.model import Model  # noqa: E402
-from exporter.samples import DeviceReading, EngineReading, ServerRead, SourceStatus, Tick  # noqa: E402
+from exporter.samples import DeviceReading, SourceStatus, Tick  # noqa: E402
 from exporter.serve.web import start_web  # noqa: E402
 
 TARGETS = {"rss_plateau_mib": 120.0, "gc_pause_max_ms": 20.0, "metrics_p99_ms": 5.0}
@@ -95,23 +95,7 @@ class SoakWorkload(Workload):
         servers, devices = {}, []
         dt = self.interval
         for i, name in enumerate(self.names):
-            x = self.load(i, t)
-            c = self.counters[i]
-            gen, prompt = 800 * x * dt, 2500 * x * dt
-            c["generation_tokens"] += gen
-            c["prompt_tokens"] += prompt
-            c["prompt_local_compute"] += 0.25 * prompt
-            c["prompt_local_cache_hit"] += 0.75 * prompt
-            c["prefix_queries"] += prompt
-            c["prefix_hits"] += 0.75 * prompt
-            c["flops"] += 3e9 * gen
-            if x > 0.9 and int(t) % 7 == 0 and (t * 4) % 4 == 0:
-                c["preemptions"] += 1
-            gauges = dict(self.base.gauges, running=round(40 * x), waiting=round(10 * max(x - 0.7, 0)),
-                          kv_usage=min(0.99, 0.05 + 0.95 * x))
-            servers[name] = ServerRead(name, SourceStatus("vllm", name, True, "", 0.004, "ok"),
-                                       EngineReading(dict(c), gauges, self.base.info, self.base.capabilities,
-                                                     self.base.engine))
+            servers[name], x = self.server_read(i, t, dt)
             watts = 80.0 + 500.0 * x
             for g in range(self.gpus):
                 self.gpu_joules[i][g] += watts * dt
