@@ -164,7 +164,7 @@ def test_an_off_only_report_without_energy_or_preemptions_draws_no_empty_panel_a
     assert "no energy figures (J/token: panel omitted)" in ax.get_title()
     mech = figs["mechanism.png"]
     (ax,) = mech.axes                                            # the local_compute share only
-    assert ax.get_ylabel().startswith("local_compute share")
+    assert ax.get_ylabel().startswith("prompt tokens recomputed")
     assert "no run preempted (preemptions per minute: 0 in each of the 2 runs; panel omitted)" in ax.get_title()
 
 

@@ -180,7 +180,8 @@ def off_points(conditions: list[dict], summaries: list[dict], tax: dict[str, dic
         se = _se(s, "kv_usage_p95_ratio") or 0.0
         out.append(PressurePoint(kv_p95=x, preemptions_per_minute=_mean(s, "preemptions_per_minute"),
                                  tax=t.get("tax"), tax_se=t.get("tax_se"), weight=float(s["n"]),
-                                 kv_p95_low=x - P95_Z * se, kv_p95_high=x + P95_Z * se))
+                                 # a usage ratio: its interval never leaves [0, 1]
+                                 kv_p95_low=max(0.0, x - P95_Z * se), kv_p95_high=min(1.0, x + P95_Z * se)))
     return out
 
 

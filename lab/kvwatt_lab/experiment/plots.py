@@ -337,7 +337,7 @@ def _frontier(fig, model: dict) -> bool:
 # ------------------------------------------------------------------------------------------------------
 # (key, scale, y label, words for a panel whose every value is zero): preemptions per minute, the daemon's unit
 MECHANISM_PANELS = (("preemptions_per_minute", 1.0, "preemptions per minute", "no run preempted"),
-                    ("share_local_compute", 100.0, "local_compute share of\nprompt tokens (%)",
+                    ("share_local_compute", 100.0, "prompt tokens recomputed\n(local_compute share, %)",
                      "no prompt token was recomputed"))
 
 
