@@ -185,12 +185,16 @@ def test_a_swept_experiment_runs_its_pairs_and_records_their_parameters(tmp_path
     assert by["on-c1-buf8"]["baseline"] == "off-c1" and by["on-c3-buf8"]["baseline"] == "off-c3"
 
 
+@pytest.mark.engine  # the tiny model is built with the CPU engine's python, as `make lab` does
 def test_the_example_kv_sweep_loads_and_estimates_its_wall_time(capsys):
+    """As written, after `make lab` (the CPU engine in .venv-vllm, the tiny model in /tmp/kvwatt-tiny-llama)."""
+    from kvwatt_lab.cpu_engine import build_tiny_model
+    build_tiny_model()
     example = Path(__file__).resolve().parents[1] / "examples" / "sweep-kv-cpu.yaml"
     plan = load_plan(str(example))
     assert [c.params["kv_blocks"] for c in plan.conditions] == [2000, 512, 256, 192, 128]
     assert all(c.params["offload"] == "off" and c.baseline is None for c in plan.conditions)
-    assert main(["experiment", str(example), "--dry-run"]) == 0
+    assert main(["experiment", str(example), "--dry-run"]) == 0, capsys.readouterr().err
     out = capsys.readouterr().out
     assert "5 conditions x 2 repeats = 10 runs" in out and "estimated wall time: 23 min 20 s" in out
 
