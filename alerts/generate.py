@@ -321,7 +321,7 @@ def kvwatt_lookup(s: dict) -> str:
               f" or 3 * group by (instance) (kvwatt_server_info{{job=~{job}, server=%[2]q}})"
               f" or 2 * group by (instance) (up{{job=~{job}}} == 1)"
               f" or group by (instance) (up{{job=~{job}, instance=%[1]q}}))")
-    # the best rank only; runbook_url() takes the first instance by name among equals (topk's pick is arbitrary)
+    # the best rank only; runbook_url() takes the first by name among equals, so the link does not flap
     return f"{ranked} == scalar(max({ranked}))"
 
 
