@@ -2,7 +2,8 @@
 """kvwatt recording and alerting rules, defined once, written twice.
 
     python alerts/generate.py                      # write alerts/kvwatt-rules.yaml and alerts/kvwatt-prometheusrule.yaml
-    python alerts/generate.py --check              # exit 1 when the committed files are stale
+                                                   # (and exporter/data/RUNBOOK.md, the copy GET /runbook serves)
+    python alerts/generate.py --check              # exit 1 when the committed files (or that copy) are stale
     python alerts/generate.py --set kv_pressure_threshold=0.85 --set collapse_for=10m --out-dir /etc/prometheus/rules
     python alerts/generate.py --overrides site.yaml  # a YAML mapping of the same keys
     python alerts/generate.py --list-settings
@@ -21,6 +22,7 @@ Bad input: one line on stderr, exit status 2.
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import sys
 from dataclasses import dataclass
@@ -34,6 +36,7 @@ sys.path.insert(0, str(HERE.parent))
 
 from exporter import rulecopies, rules  # noqa: E402
 from exporter.config import format_window  # noqa: E402
+from exporter.serve.runbook import RUNBOOK_PATH as PACKAGE_RUNBOOK, anchor  # noqa: E402
 
 RULES_FILE = "kvwatt-rules.yaml"
 PROMETHEUSRULE_FILE = "kvwatt-prometheusrule.yaml"
@@ -59,6 +62,8 @@ def shared(rule: rules.Rule, kind: str) -> Setting:
     return Setting(rule.default, kind, f"{rule.meaning} [exporter/rules.py {rule.key}, {rule.unit}]")
 
 
+# the runbook served by a kvwatt (GET /runbook, its own version); runbook_url() says which kvwatt
+INSTANCE_RUNBOOK = "http://{{ $labels.instance }}/runbook"
 LONG_WINDOW = format_window(rules.longest_window_seconds())  # kvwatt's longest default window: 5m
 
 SETTINGS: dict[str, Setting] = {
@@ -68,8 +73,9 @@ SETTINGS: dict[str, Setting] = {
                              "exports; default: its longest, exporter/rules.py windows)"),
     "kvwatt_job": Setting("kvwatt.*", "text", "regex of the Prometheus job(s) scraping kvwatt"),
     "node_label": Setting("node", "label", "target label shared by vLLM and kvwatt targets on the same host"),
-    "runbook_base_url": Setting("https://github.com/kvwatt/kvwatt/blob/main/alerts/RUNBOOK.md", "text",
-                                "URL of alerts/RUNBOOK.md; each alert links to its section anchor"),
+    "runbook_base_url": Setting(INSTANCE_RUNBOOK, "text",
+                                "URL of the runbook; each alert links to its section anchor. {{ $labels.instance }} "
+                                "in it stands for a kvwatt target Prometheus scrapes (its /runbook)"),
     "collapse_for": Setting("5m", "duration", "KVOffloadCollapse for:"),
     "collapse_reference_offset": Setting("1h", "duration", "fallback: compare throughput with this long ago"),
     "collapse_throughput_drop_ratio": shared(rules.COLLAPSE_THROUGHPUT_DROP_RATIO, "ratio"),
@@ -299,9 +305,35 @@ class Alert:
     description: str
 
 
-def anchor(alert_name: str) -> str:
-    """GitHub's anchor for a '## Name' heading."""
-    return alert_name.lower()
+def _go_string(text: str) -> str:
+    """A Go (text/template) string literal: JSON's escapes are a subset of Go's."""
+    return json.dumps(text)
+
+
+def kvwatt_lookup(s: dict) -> str:
+    """PromQL, a printf format for the alert's instance and server (%q each): the one kvwatt target whose
+    /runbook an alert links to. Most alerts carry no kvwatt instance (the KV alerts aggregate by server, the
+    PromQL fallbacks read vLLM's series, Watchdog reads nothing), so the link asks Prometheus, best first:
+    the alert's own kvwatt target while up (KvwattSourceDown), the kvwatt watching the alert's server,
+    any kvwatt target that is up, the alert's own kvwatt target even though down (KvwattExporterDown)."""
+    job = json.dumps(s["kvwatt_job"]).replace("%", "%%")  # a PromQL string; % is printf's
+    ranked = (f"(4 * group by (instance) (up{{job=~{job}, instance=%[1]q}} == 1)"
+              f" or 3 * group by (instance) (kvwatt_server_info{{job=~{job}, server=%[2]q}})"
+              f" or 2 * group by (instance) (up{{job=~{job}}} == 1)"
+              f" or group by (instance) (up{{job=~{job}, instance=%[1]q}}))")
+    # the best rank only; runbook_url() takes the first by name among equals, so the link does not flap
+    return f"{ranked} == scalar(max({ranked}))"
+
+
+def runbook_url(name: str, s: dict) -> str:
+    """``runbook_base_url#anchor``; where the base names ``{{ $labels.instance }}``, that instance is the kvwatt
+    target kvwatt_lookup() finds (no kvwatt target known to Prometheus: an empty annotation)."""
+    base = s["runbook_base_url"]
+    if "$labels.instance" not in base:
+        return f"{base}#{anchor(name)}"
+    url = base.replace("$labels.instance", ".Labels.instance")
+    return (f"{{{{ with printf {_go_string(kvwatt_lookup(s))} $labels.instance $labels.server | query "
+            f'| sortByLabel "instance" }}}}{{{{ with first . }}}}{url}#{anchor(name)}{{{{ end }}}}{{{{ end }}}}')
 
 
 def alert_rule(a: Alert, s: dict) -> dict:
@@ -313,7 +345,7 @@ def alert_rule(a: Alert, s: dict) -> dict:
         "annotations": {
             "summary": a.summary,
             "description": fill(a.description, s),
-            "runbook_url": f"{s['runbook_base_url']}#{anchor(a.name)}",
+            "runbook_url": runbook_url(a.name, s),
         },
     }
 
@@ -567,6 +599,25 @@ def check(out_dir: Path, files: dict[str, str]) -> list[str]:
     return stale
 
 
+RUNBOOK = HERE / "RUNBOOK.md"
+
+
+def package_runbook_stale() -> bool:
+    """The daemon serves a copy of RUNBOOK.md (GET /runbook; an installed package has no alerts/): stale copy?"""
+    try:
+        return PACKAGE_RUNBOOK.read_text(encoding="utf-8") != RUNBOOK.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return True
+
+
+def write_package_runbook() -> None:
+    if package_runbook_stale():
+        PACKAGE_RUNBOOK.parent.mkdir(parents=True, exist_ok=True)
+        tmp = PACKAGE_RUNBOOK.with_name(f".{PACKAGE_RUNBOOK.name}.tmp")
+        tmp.write_text(RUNBOOK.read_text(encoding="utf-8"), encoding="utf-8")
+        tmp.replace(PACKAGE_RUNBOOK)
+
+
 def write(out_dir: Path, files: dict[str, str]) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     for name, text in files.items():
@@ -601,7 +652,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out_dir = Path(args.out_dir)
     if args.check:
-        stale = check(out_dir, files)
+        stale = check(out_dir, files) + ([str(PACKAGE_RUNBOOK)] if package_runbook_stale() else [])
         for path in stale:
             print(f"{path} is stale: run python alerts/generate.py", file=sys.stderr)
         copies = rulecopies.find_copies()
@@ -609,6 +660,7 @@ def main(argv: list[str] | None = None) -> int:
             print(c, file=sys.stderr)
         return 1 if stale or copies else 0
     write(out_dir, files)
+    write_package_runbook()
     return 0
 
 

@@ -17,7 +17,8 @@ The stack (tests/support/prom.py, loopback.py, daemon.py, fake_gpus.py):
 One run checks: kvwatt's detector pages for ``box-a`` (``detector=kvwatt``) and the PromQL fallback for
 ``solo`` (``detector=promql``: vLLM series plus kvwatt's GPU power joined by ``node``), as two incidents
 (group_by alertname, server) whose Events v2 trigger carries the routing key from the file, severity critical,
-the rule's summary, links and details, and a dedup_key derived from the group key; warnings go to the
+the rule's summary, links and details (the runbook link: kvwatt's own /runbook, which answers with the
+alert's section), and a dedup_key derived from the group key; warnings go to the
 non-paging webhook and are inhibited while the page fires; Watchdog reaches the heartbeat webhook, never
 PagerDuty; after recovery each incident gets a resolve with the same dedup_key; no rule fails to evaluate.
 """
@@ -28,6 +29,7 @@ import hashlib
 import secrets
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -93,7 +95,16 @@ def is_event(action: str, server: str):
                       and (r.json.get("payload") or {}).get("source") == server)
 
 
-def assert_trigger(event: prom.Received, key: str, server: str, detector: str, collapse: dict) -> None:
+def assert_runbook_link(url: str, kvwatt_url: str) -> None:
+    """The link names kvwatt's own /runbook (the one kvwatt Prometheus scrapes; alerts/README.md), and that page
+    has the alert's section."""
+    assert url == f"{kvwatt_url}/runbook#kvoffloadcollapse", url
+    page = urllib.request.urlopen(url.partition("#")[0], timeout=10).read().decode()
+    assert '<h2 id="kvoffloadcollapse">' in page
+
+
+def assert_trigger(event: prom.Received, key: str, server: str, detector: str, collapse: dict,
+                   kvwatt_url: str) -> None:
     body = event.json
     assert body["routing_key"] == key, "the routing key is read from routing_key_file"
     assert body["dedup_key"] == group_key_hash('{severity="critical"}', {"alertname": COLLAPSE, "server": server})
@@ -103,10 +114,10 @@ def assert_trigger(event: prom.Received, key: str, server: str, detector: str, c
     assert (p["source"], p["class"], p["component"], p["group"]) == (server, COLLAPSE, "vllm-kv-cache", "kvwatt")
     details = p["custom_details"]
     assert details["detector"] == detector, f"{server} was paged by the {details['detector']} detector"
-    assert details["runbook_url"] == collapse["annotations"]["runbook_url"]
+    assert_runbook_link(details["runbook_url"], kvwatt_url)
     assert f"server {server}" in details["description"].lower()
     assert {"firing", "num_firing", "dashboard"} <= set(details)
-    assert {"href": collapse["annotations"]["runbook_url"], "text": f"Runbook: {COLLAPSE}"} in body["links"]
+    assert {"href": details["runbook_url"], "text": f"Runbook: {COLLAPSE}"} in body["links"]
 
 
 def inhibited_warnings(am: prom.Alertmanager, server: str) -> list[str]:
@@ -154,13 +165,13 @@ def test_collapse_pages_pagerduty_and_resolves(tmp_path, fakes):
         box_a.set_phase("collapse")
         solo.set_phase("collapse")
         page_solo = pd.wait_for(is_event("trigger", UNWATCHED), timeout=90, what=f"the page for {UNWATCHED}")
-        assert_trigger(page_solo, key, UNWATCHED, "promql", collapse)
+        assert_trigger(page_solo, key, UNWATCHED, "promql", collapse, daemon.url)
         am.wait_for(lambda: "KVPressureAboveThreshold" in inhibited_warnings(am, UNWATCHED), timeout=20,
                     what="the pressure warning inhibited while the page fires")
         page_a = pd.wait_for(is_event("trigger", WATCHED), timeout=60, what=f"the page for {WATCHED}")
         assert p.query(f"max_over_time({kvwatt_signature}[1m])"), \
             f"kvwatt exports no {kvwatt_signature}: is derive.collapse wired into the collector?"
-        assert_trigger(page_a, key, WATCHED, "kvwatt", collapse)
+        assert_trigger(page_a, key, WATCHED, "kvwatt", collapse, daemon.url)
 
         box_a.set_phase(None)
         solo.set_phase(None)

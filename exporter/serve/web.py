@@ -1,4 +1,5 @@
-"""HTTP endpoints: /metrics (the collector), / (landing page, exporter.serve.page), /healthz, /api/status (JSON).
+"""HTTP endpoints: /metrics (the collector), / (landing page, exporter.serve.page), /healthz, /api/status (JSON),
+/runbook (the alert runbook shipped with this version, exporter.serve.runbook).
 
 Each serialises the daemon's latest Snapshot and nothing else: no figure is computed here, and a request
 cannot change state. The metric families are collected once per tick, with the snapshot (exporter.daemon),
@@ -31,7 +32,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from exporter import __version__, catalog
-from exporter.serve import page
+from exporter.serve import page, runbook
 from exporter.serve.connections import ConnectionGuard, GuardedSite
 from exporter.serve.exposition import Exposition, wanted_names
 from exporter.figures import ServerFigures, Snapshot, WindowFigures
@@ -415,12 +416,19 @@ def build_app(daemon, auth: BasicAuth | None = None, telemetry_path: str = "/met
     async def index(_request):
         return web.Response(text=page.render(status_json(daemon.snapshot), telemetry_path), content_type="text/html")
 
+    async def runbook_page(_request):
+        text = runbook.page()
+        if text is None:  # an install without package data: say so rather than serve an empty page
+            return web.Response(status=404, text=f"no runbook in this install ({runbook.RUNBOOK_PATH})\n")
+        return web.Response(text=text, content_type="text/html")
+
     app = web.Application(middlewares=[auth_middleware(auth)] if auth else [])
     app.on_cleanup.append(lambda _app: _shutdown(render_pool))
     app.router.add_get(telemetry_path, metrics)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/api/status", status)
     app.router.add_get("/", index)
+    app.router.add_get("/runbook", runbook_page)  # each alert's runbook_url points here (alerts/generate.py)
     return app
 
 
