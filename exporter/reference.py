@@ -34,7 +34,7 @@ CONFIG_DOCS: dict[str, tuple[str | None, str]] = {
                 "vLLM exports none; gives the tier's residency, docs/offload.md), `kv_cache_metrics_sample` (the "
                 "share of KV blocks vLLM's residency histograms track: the server's `--kv-cache-metrics-sample`, "
                 "default `0.01`, exported nowhere; docs/pressure.md)"),
-    "listen": (None, "address of /metrics, /, /healthz, /api/status"),
+    "listen": (None, "address of /metrics, /, /healthz, /api/status, /runbook"),
     "kv_pressure_threshold_source": (None, "`located`: the regime flag uses the threshold located from "
                                      "the server's own history once there is evidence (methods.md s10), the "
                                      "configured one until then; `configured`: always `kv_pressure_threshold`"),
