@@ -2,7 +2,7 @@
 latency of the daemon holding a full hour of history (issue 23 item 6).
 
     .venv/bin/python bench/soak.py [--servers 8] [--gpus 8] [--interval 0.25] [--windows 60,3600]
-                                   [--fill-seconds auto] [--measure 60] [--derive-every 16]
+                                   [--fill-seconds auto] [--measure 60] [--derive-every 16] [--untuned]
 
 Configuration (defaults): 8 servers x 8 GPUs, a 0.25 s interval, windows [1m, 1h]: the history keeps
 max(1h, collapse reference + recent) + 60 s, i.e. ~14,700 intervals per server at the plateau.
@@ -51,6 +51,7 @@ from exporter.daemon import Daemon  # noqa: E402
 from exporter.model import Model  # noqa: E402
 from exporter.samples import DeviceReading, SourceStatus, Tick  # noqa: E402
 from exporter.serve.web import start_web  # noqa: E402
+from exporter.service import tune_runtime  # noqa: E402
 
 TARGETS = {"rss_plateau_mib": 120.0, "gc_pause_max_ms": 20.0, "metrics_p99_ms": 5.0}
 
@@ -178,10 +179,9 @@ def main(argv=None) -> dict:
                     help="simulated seconds to fill (default: the kept span + 5 minutes, the plateau)")
     ap.add_argument("--measure", type=float, default=60.0, help="real-time seconds scraped with the store full")
     ap.add_argument("--derive-every", type=int, default=16, help="full tick every N ticks during the fill")
-    ap.add_argument("--gc-freeze", action="store_true",
-                    help="gc.freeze() once the daemon is built (start-up objects: modules, catalog, config), "
-                         "as `kvwatt run` does after start-up (exporter/service.py): full collections then walk "
-                         "only what came later")
+    ap.add_argument("--untuned", action="store_true",
+                    help="leave out exporter.service.tune_runtime(), which `kvwatt run` calls after start-up "
+                         "(gc.freeze() of the start-up objects, a 0.5 ms switch interval): to measure its effect")
     args = ap.parse_args(argv)
     args.windows = tuple(float(w) for w in args.windows.split(","))
     gct = GcTimer()
@@ -189,10 +189,10 @@ def main(argv=None) -> dict:
     rss0 = rss_mib(os.getpid())
     with tempfile.TemporaryDirectory(prefix="kvwatt-soak-") as tmp:
         daemon, clock = build(args, tmp)
-        if args.gc_freeze:
-            gc.collect()
-            gc.freeze()
-            print(f"gc.freeze(): {gc.get_freeze_count()} start-up objects out of the collector's walks")
+        if not args.untuned:
+            tune_runtime()
+            print(f"tune_runtime(): {gc.get_freeze_count()} start-up objects out of the collector's walks, "
+                  f"switch interval {sys.getswitchinterval() * 1e3:g} ms")
         work = SoakWorkload(args.servers, args.gpus, args.interval)
         keep = daemon.model.servers["s0"].history.max_age_seconds
         seconds = args.fill_seconds if args.fill_seconds is not None else keep + 300
