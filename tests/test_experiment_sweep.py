@@ -217,3 +217,6 @@ def test_dry_run_prints_shared_settings_once_and_checks_the_engine_and_model(tmp
     (tmp_path / "venv" / "bin" / "python").symlink_to(sys.executable)
     (tmp_path / "model").mkdir()
     assert main(["experiment", str(write(plan_dir, plan)), "--dry-run"]) == 0
+    plan["server"]["command"][4] = "../model"  # a --model path is the plan file's too
+    assert main(["experiment", str(write(plan_dir, plan)), "--dry-run"]) == 0
+    assert f"--model {tmp_path / 'model'} " in capsys.readouterr().out

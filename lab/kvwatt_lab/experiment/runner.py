@@ -62,11 +62,17 @@ def launch_for(plan: Plan, condition: Condition, run: RunSpec, port: int, run_di
 
 
 def plan_relative_program(argv: list[str], plan_dir: str) -> list[str]:
-    """A relative program path (``../.venv-vllm/bin/python``) is the plan file's, like every path in a plan
-    (docs/experiment.md "Paths"), never the working directory's; a bare name (``vllm``) is looked up on PATH."""
-    if argv and "/" in argv[0] and not os.path.isabs(argv[0]):
-        return [os.path.normpath(os.path.join(os.path.abspath(plan_dir), argv[0])), *argv[1:]]
-    return argv
+    """A relative program path (``../.venv-vllm/bin/python``) and a ``--model`` given as ``./`` or ``../`` path
+    are the plan file's, like every path in a plan (docs/experiment.md "Paths"), never the working directory's;
+    a bare program name (``vllm``) is looked up on PATH, a bare model name (``org/model``) is the engine's."""
+    base = os.path.abspath(plan_dir)
+    out = list(argv)
+    if out and "/" in out[0] and not os.path.isabs(out[0]):
+        out[0] = os.path.normpath(os.path.join(base, out[0]))
+    for i in range(1, len(out) - 1):
+        if out[i] == "--model" and out[i + 1].startswith(("./", "../")):
+            out[i + 1] = os.path.normpath(os.path.join(base, out[i + 1]))
+    return out
 
 
 # ------------------------------------------------------------------------------------------------------
