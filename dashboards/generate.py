@@ -687,6 +687,7 @@ RECOMPUTE_ENERGY = Row("Energy of recomputation", (
           "measured (state known) or the attribution prior (not_identifiable: too few windows or a constant "
           "token mix; /api/status says why), and the repeat windows they rest on.", "none",
           (Target(_by("server, scope, source, state", kv("kvwatt_phase_cost_source")) + " * on (server, scope) "
+                  "group_left "
                   + _by("server, scope", kv("kvwatt_phase_cost_windows")),
                   "{{server}} {{scope}}: {{source}} ({{state}})", instant=True),),
           kind="stat", w=4),

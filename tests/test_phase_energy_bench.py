@@ -12,9 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from kvwatt_lab.cpu_engine import vllm_python
+
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "bench" / "phase_energy_gpu.py"
-TORCH_PYTHON = os.environ.get("KVWATT_VLLM_PYTHON", "")  # the engine tests' Python: it has torch
+TORCH_PYTHON = vllm_python()  # the CPU engine's Python (make lab / make test install it): it has torch
 
 
 def _run(*args, python=TORCH_PYTHON, timeout=240):
@@ -25,8 +27,6 @@ def _run(*args, python=TORCH_PYTHON, timeout=240):
 @pytest.mark.engine  # runs the vLLM venv's python (the one with torch); no engine is started
 @pytest.mark.slow
 def test_dry_run_recovers_the_doubles_costs():
-    if not TORCH_PYTHON or not Path(TORCH_PYTHON).exists():
-        pytest.skip("no Python with torch (KVWATT_VLLM_PYTHON)")
     r = _run("--dry-run")
     assert r.returncode == 0, r.stderr[-2000:]
     d = json.loads(r.stdout)
