@@ -31,10 +31,11 @@ def frames() -> dict[Path, str]:
     return out
 
 
-def main(argv: list[str]) -> int:
+def write_or_check(files: dict[Path, str], argv: list[str], how: str) -> int:
+    """Write each file, or with ``--check`` exit 1 naming those that differ from what the generator makes."""
     check = "--check" in argv
     stale = []
-    for path, text in frames().items():
+    for path, text in files.items():
         if check:
             if not path.exists() or path.read_text() != text:
                 stale.append(str(path.relative_to(ROOT)))
@@ -42,9 +43,13 @@ def main(argv: list[str]) -> int:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(text)
     if stale:
-        print("stale engine frames (run python tests/data/engines/generate.py): " + ", ".join(stale), file=sys.stderr)
+        print(f"stale engine frames (run {how}): " + ", ".join(stale), file=sys.stderr)
         return 1
     return 0
+
+
+def main(argv: list[str]) -> int:
+    return write_or_check(frames(), argv, "python tests/data/engines/generate.py")
 
 
 if __name__ == "__main__":

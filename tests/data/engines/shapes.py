@@ -13,24 +13,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
 
+from tests.data.engines.generate import write_or_check  # noqa: E402
 from tests.support.rank_expositions import FRAMES  # noqa: E402
 
 DATA = ROOT / "tests" / "data"
 
 
 def main(argv: list[str]) -> int:
-    stale = []
-    for (engine, name), build in FRAMES.items():
-        path, text = DATA / engine / name, build()
-        if "--check" in argv:
-            if not path.exists() or path.read_text() != text:
-                stale.append(str(path))
-        else:
-            path.write_text(text)
-    if stale:
-        print("stale frames (run tests/data/engines/shapes.py): " + ", ".join(stale), file=sys.stderr)
-        return 1
-    return 0
+    files = {DATA / engine / name: build() for (engine, name), build in FRAMES.items()}
+    return write_or_check(files, argv, "python tests/data/engines/shapes.py")
 
 
 if __name__ == "__main__":
