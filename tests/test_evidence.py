@@ -180,10 +180,14 @@ def test_a_changed_kv_cache_starts_a_new_epoch(tmp_path, caplog):
     run = located_run(tmp_path)
     f = run.fig()
     assert f.located is not None and f.reference_share is not None and f.epoch_cause == "first reading"
+    set_aside = []
+    phase = run.m.servers["s"].phase
+    phase.set_aside = lambda: set_aside.append(True)  # the per-phase energy costs go with the old engine too
     run.engine.info = EngineInfo(model_name="m", num_gpu_blocks=2048.0, block_size=16.0,
                                  process_start_time_seconds=WALL - 3600)
     run.seconds(30, 0.05, 0.06)
     f = run.fig()
+    assert set_aside == [True]
     assert f.located is None and f.evidence_windows == 0 and f.reference_share is None
     assert f.epoch_cause == "engine changed: num_gpu_blocks 128.0 -> 2048.0" and f.epoch_started_wall == WALL
     status = _server_json(f)

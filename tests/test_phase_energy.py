@@ -185,3 +185,13 @@ def test_a_stale_idle_gives_no_prior_rather_than_a_negative_price():
     ws = [pe.PhaseWindow(-50.0, 100.0, 10.0, 0.0)] * 3
     c = fit(ws)
     assert c.prompt_computed_j is None and "not positive" in c.reason
+
+
+def test_a_new_engine_sets_the_measured_costs_aside():
+    """A new evidence epoch (model/epoch.py): the windows priced the old engine's phases; back to the prior."""
+    from exporter.model.energy import PhaseLearner
+    learner = PhaseLearner("s", 30.0, 3600.0, 2, 100.0, 0.1)
+    learner.windows["gpu"].extend(object() for _ in range(3))
+    learner.set_aside()
+    assert not learner.windows["gpu"] and learner.figures() == ()
+    assert learner.costs["gpu"].source == "prior"

@@ -207,6 +207,13 @@ class PhaseLearner:
             log.info("%s: %s per-phase energy costs %s (%s, %d windows)%s", self.name, scope, now.state, now.source,
                      now.windows, f": {now.reason}" if now.reason else "")
 
+    def set_aside(self) -> None:
+        """Another engine behind the server (a new evidence epoch, model/epoch.py): its windows priced the old one's
+        phases; the costs start again from the prior."""
+        for scope in SCOPES:
+            self.windows[scope].clear()
+            self._refit(scope)
+
     def figures(self) -> tuple[phase_energy.PhaseCosts, ...]:
         """The scopes with at least one observation (a server without a host or GPU energy source has none)."""
         return tuple(c for s, c in self.costs.items() if self.windows[s])

@@ -282,6 +282,7 @@ class ThresholdLearner:
         self.rejected = 0          # windows refused as evidence this run (implausible counters)
         self.epoch = epochs.Epoch()
         self.changed = False       # evidence added or set aside since the owner last persisted
+        self.epochs_set_aside = 0  # new epochs this run: the owner sets its own learned figures aside with them
         reference.threshold = configured_threshold
 
     @property
@@ -319,6 +320,7 @@ class ThresholdLearner:
         self.points.clear()
         self.reference.set_aside()
         self.epoch = epochs.Epoch(wall, cause, dict(facts))
+        self.epochs_set_aside += 1
         self.changed = True
         self._relocate()
 

@@ -73,7 +73,10 @@ class ServerModel:
         self.history.advance(now)
         pl = self.pressure
         if self.info is not None:
+            set_aside = pl.epochs_set_aside
             pl.engine_facts(self.info, wall)  # a changed engine sets the evidence aside (model/epoch.py)
+            if pl.epochs_set_aside != set_aside:
+                self.phase.set_aside()  # and the per-phase costs measured on the old engine
         pl.observe(self.history.buckets(pl.width, pl.last_t1, now), wall)
         self.phase.observe(self.history.buckets(self.repeat_seconds, self.phase.last_t1, now))
         for seconds in self.cfg.windows_seconds:
