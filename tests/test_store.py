@@ -45,14 +45,22 @@ def test_a_counter_seen_for_the_first_time_has_no_delta_yet():
     assert counter_deltas({}, {"g": 5}, restarted=False) == {}
 
 
-def test_server_restart_mid_window_is_detected_by_process_start_even_when_counters_climbed_back():
+def test_server_restart_mid_window_counts_from_zero_only_where_the_counters_went_down():
     h = ServerHistory(max_age_seconds=600)
-    h.add_reading(0.0, reading({"g": 100}, start=1000.0))
-    h.add_reading(1.0, reading({"g": 150}, start=1000.0))
-    iv = h.add_reading(2.0, reading({"g": 170}, start=2000.0))  # restarted and already produced 170
-    assert iv.deltas["g"] == 170
-    assert [i.deltas["g"] for i in h.window(2.0, 60)] == [50, 170]
+    h.add_reading(0.0, reading({"g": 100, "p": 40}, start=1000.0))
+    h.add_reading(1.0, reading({"g": 150, "p": 40}, start=1000.0))
+    iv = h.add_reading(2.0, reading({"g": 30, "p": 45}, start=2000.0))  # restarted: g counts from zero again
+    assert iv.deltas == {"g": 30, "p": 5}  # p did not go down: its rise, never its whole value
+    assert [i.deltas["g"] for i in h.window(2.0, 60)] == [50, 30]
     assert h.restarts == 1
+
+
+def test_a_start_time_moving_forward_while_the_counters_climb_is_the_same_process():
+    h = ServerHistory(max_age_seconds=600)  # a new process already past the old counters at its first read
+    h.add_reading(0.0, reading({"g": 100}, start=1000.0))  # is not one; the old rule counted 170 here
+    h.add_reading(1.0, reading({"g": 150}, start=1000.0))
+    iv = h.add_reading(2.0, reading({"g": 170}, start=2000.0))
+    assert iv.deltas["g"] == 20 and h.restarts == 0
 
 
 def test_window_selects_recent_intervals_and_history_is_bounded_by_age():

@@ -74,7 +74,10 @@ class ServerModel:
         pl = self.pressure
         if self.info is not None:
             set_aside = pl.epochs_set_aside
-            pl.engine_facts(self.info, wall)  # a changed engine sets the evidence aside (model/epoch.py)
+            # the process start the store holds (store/identity.py): a start time re-derived at each scrape is
+            # the same process, no new epoch per read
+            info = replace(self.info, process_start_time_seconds=self.history.identity.process_start)
+            pl.engine_facts(info, wall)  # a changed engine sets the evidence aside (model/epoch.py)
             if pl.epochs_set_aside != set_aside:
                 self.phase.set_aside()  # and the per-phase costs measured on the old engine
         pl.observe(self.history.buckets(pl.width, pl.last_t1, now), wall)

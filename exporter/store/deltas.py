@@ -11,16 +11,18 @@ from exporter.samples import DeviceReading
 def counter_deltas(prev: dict[str, float], cur: dict[str, float], restarted: bool) -> dict[str, float]:
     """One engine's counter increases since its previous reading. A counter seen for the first time, or one
     that went down, re-bases: no delta (a decrease is a reset or a partial sum, and its value is not an
-    increase we can trust). After a whole-server restart (``restarted``) every value is its increase."""
+    increase we can trust). After a whole-server restart (``restarted``) a value is its increase only where the
+    counter went down (the new process counts from zero); one that did not go down counts its rise, never its
+    whole value (a whole counter of hours counted in one step is a rate of 1e8 tokens/s)."""
     out = {}
     for key, value in cur.items():
         before = prev.get(key)
         if before is None:
             continue  # first sight of this counter: no interval yet
-        if restarted:
-            out[key] = value
-        elif value >= before:
+        if value >= before:
             out[key] = value - before
+        elif restarted:
+            out[key] = value
     return out
 
 

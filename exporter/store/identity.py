@@ -6,11 +6,17 @@ URL (a Kubernetes Service in front of two replicas, an upstream alternating vLLM
 alternating identity; taking a step between them as a restart counts the other process's whole counter as that
 step's increase (242,000,000 tokens/s against 300). So:
 
-- a changed identity is a restart (every value is its increase) only when nothing but the start time changed,
-  the start moved forward, and the new process started after the previous reading (when that reading's wall
-  time is known, ``EngineReading.read_wall``, with ``CLOCK_SLACK_SECONDS`` for the two hosts' clocks). Any
-  other change (engine, model, a start time going back, a process already running at the previous reading)
-  is a switch: no delta for that step (unknown, never the other process's total);
+- a changed identity is a restart only when nothing but the start time changed, the start moved forward, the
+  new process started after the previous reading and not after the reading that shows it (when the readings'
+  wall times are known, ``EngineReading.read_wall``, with ``CLOCK_SLACK_SECONDS`` for the two hosts' clocks),
+  and some engine's counters went down (a new process counts from zero). Then a counter that went down counts
+  its value as its increase; one that did not counts its rise (store/deltas.py). Any other change (engine,
+  model, a start time going back, a process already running at the previous reading) is a switch: no delta
+  for that step (unknown, never the other process's total);
+- a start time that moves forward while every counter keeps climbing, or that lies after the read that saw it
+  (an engine host's clock ahead, a start time re-derived at each scrape: 1 s later at every read), is the same
+  process: ordinary deltas, the process start kvwatt holds for it (``process_start``, an evidence epoch fact)
+  unchanged, one line when it starts and one when it settles, never a line per read;
 - without an identity change, an engine whose counters went down and then came back to (about) where they
   were before the dip is another process's counters coming back: no delta for that engine on that step;
 - ``FLAP_EVENTS`` such switches or returns within the last ``RECENT_READINGS`` readings are the ``flapping``
@@ -25,6 +31,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from exporter.samples import EngineReading
+from exporter.store.deltas import reset_engines
 
 log = logging.getLogger("kvwatt.store")
 
@@ -74,25 +81,66 @@ class IdentityWatch:
     levels: dict[str, deque] = field(default_factory=dict)  # engine -> its recent counter sums
     flaps: deque = field(default_factory=lambda: deque(maxlen=RECENT_READINGS))  # per reading: its events
     problem: str = ""  # "identity_flapping: ..." while flapping, else ""
+    process_start: float | None = None  # the start of the process whose counters are counted (epoch fact)
+    start_moves: deque = field(default_factory=lambda: deque(maxlen=RECENT_READINGS))  # per reading: start moved?
+    start_unsteady: bool = False  # logged once while the start time moves without a restart
 
     def observe(self, reading: EngineReading, counters: dict[str, dict[str, float]],
                 prev: dict[str, dict[str, float]]) -> Step:
         ident = identity_of(reading)
         restarted, events, prev_used = False, [], prev
-        if self.last is not None and not ident.same_process(self.last):
+        changed = self.last is not None and not ident.same_process(self.last)
+        moved = changed and self._start_moved_only(ident, reading.read_wall, counters, prev)
+        if self.last is None:
+            self.process_start = ident.start
+        elif changed and not moved:
             if self._is_restart(ident):
                 restarted = True
             else:
                 events.append(self._switch_words(ident))
                 prev_used = {}
+            self.process_start = ident.start
             self.levels.clear()  # another process: its counter levels are not comparable
-        else:
+        else:  # the same process (a start time that moved without a restart included)
+            if self.process_start is None:
+                self.process_start = ident.start  # the first reading that says it
             back = self._returned_engines(counters)
             if back:
                 events.append(f"counters of engine(s) {back} went down and came back")
                 prev_used = {e: c for e, c in prev.items() if e not in back}
-        self._remember(ident, reading.read_wall, counters, events)
+        self._remember(ident, reading.read_wall, counters, events, moved)
+        self._note_start_move(moved, ident)
         return Step(restarted, prev_used, tuple(events))
+
+    def _start_moved_only(self, ident: Identity, wall: float | None, counters: dict[str, dict[str, float]],
+                          prev: dict[str, dict[str, float]]) -> bool:
+        """A start time that moved forward with nothing else changed, where the move cannot be a new process:
+        the start lies after the read that saw it (a process cannot start after it was read), or no engine's
+        counters went down (a new process counts from zero; one already past the old counters at its first
+        read is not one that started after the previous read)."""
+        last = self.last
+        if ident.engine != last.engine or ident.start is None or last.start is None or \
+                (ident.model and last.model and ident.model != last.model) or ident.start < last.start:
+            return False
+        if self.last_wall is not None and ident.start < self.last_wall - CLOCK_SLACK_SECONDS:
+            return False  # a process already running at the previous read: a switch (or a rolling update)
+        if wall is not None and ident.start > wall + CLOCK_SLACK_SECONDS:
+            return True
+        shared = any(k in prev.get(e, {}) for e, c in counters.items() for k in c)
+        return shared and not reset_engines(prev, counters)
+
+    def _note_start_move(self, moved: bool, ident: Identity) -> None:
+        """One line when the start time starts moving without a restart, one when it has held still for
+        RECENT_READINGS readings (a start re-derived at every scrape moves at every read)."""
+        self.start_moves.append(moved)
+        if moved and not self.start_unsteady:
+            self.start_unsteady = True
+            log.warning("%s: process_start_time_seconds moved forward to %.0f without the counters going down (or "
+                        "after the read that saw it): the same process (an engine clock ahead, a start time "
+                        "re-derived at each scrape); counted as before, not as a restart", self.name, ident.start)
+        elif self.start_unsteady and len(self.start_moves) == RECENT_READINGS and not any(self.start_moves):
+            self.start_unsteady = False
+            log.info("%s: process_start_time_seconds steady again for %d readings", self.name, RECENT_READINGS)
 
     def _is_restart(self, ident: Identity) -> bool:
         last = self.last
@@ -129,8 +177,8 @@ class IdentityWatch:
         return sorted(back)
 
     def _remember(self, ident: Identity, wall: float | None, counters: dict[str, dict[str, float]],
-                  events: list[str]) -> None:
-        if self.last is not None and not ident.same_process(self.last):
+                  events: list[str], moved: bool = False) -> None:
+        if self.last is not None and not ident.same_process(self.last) and not moved:
             self.recent.append(self.last)
         self.last, self.last_wall = ident, wall
         for engine in [e for e in self.levels if e not in counters]:
