@@ -379,6 +379,19 @@ class WindowAggregate(_Sums):
             self.resum()
         return head
 
+    def amend(self, old: Interval, new: Interval) -> None:
+        """A held interval's counter deltas changed (``old`` -> ``new``, same times, gauges and energy): the
+        counter sums follow (a step voided after the fact, store/identity.py)."""
+        frozen = self._frozen
+        if frozen:
+            self._thaw()
+        seconds = old.t1 - old.t0
+        for sums in (self, *(self._scopes[s] for s in old.energy_joules)):
+            _Sums._remove(sums, old, seconds, is_loaded(old))
+            _Sums._add(sums, new, seconds, is_loaded(new))
+        if frozen:
+            self.freeze()
+
     def resum(self) -> None:
         """Recompute every running sum from the held intervals (bounds add/subtract drift). O(n)."""
         self._removals = 0

@@ -61,6 +61,19 @@ class Grid:
             agg = self.open[k] = WindowAggregate(store=self.store)
         agg.add(iv)
 
+    def holding(self, iv: Interval) -> WindowAggregate | None:
+        """The bucket (open or completed) ``iv`` was added to."""
+        k = bucket_index(iv.t1, self.width)
+        agg = self.open.get(k)
+        if agg is not None:
+            return agg
+        for b in reversed(self.done):
+            if abs(b.t0 - k * self.width) < EPS:
+                return b.agg
+            if b.t0 < k * self.width:
+                break
+        return None
+
     def close(self, now: float) -> None:
         """Complete every open bucket that ends by ``now``."""
         if not self.open:

@@ -103,6 +103,20 @@ class IntervalColumns:
             self._base += CHUNK
             self._n -= CHUNK
 
+    def void_deltas(self, i: int) -> Interval:
+        """Row ``i`` without its counter deltas (a step found to count another process's counters,
+        store/identity.py); returns the row as it is now."""
+        iv = self.interval(i)
+        voided = Interval(iv.t0, iv.t1, {}, iv.gauges, iv.energy_joules, iv.idle_joules)
+        c, j = divmod(i - self._base, CHUNK)
+        for chunks in self._cols[0].values():
+            chunks[c][j] = NAN
+        if i in self._odd:
+            self._odd[i] = voided
+        if i == self.end - 1:
+            self.newest = voided
+        return voided
+
     def t0(self, i: int) -> float:
         c, j = divmod(i - self._base, CHUNK)
         return self._t0[c][j]

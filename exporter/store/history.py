@@ -25,6 +25,7 @@ interval for the garbage collector to walk.
 from __future__ import annotations
 
 import logging
+from collections import deque
 from typing import Iterable
 
 from exporter.samples import EngineReading, Interval
@@ -32,7 +33,7 @@ from exporter.store.aggregate import WindowAggregate, aggregate_of
 from exporter.store.buckets import Bucket, Grid, buckets_of
 from exporter.store.columns import IntervalColumns, Rows
 from exporter.store.deltas import EnergyAccumulator, engine_deltas, reset_engines
-from exporter.store.identity import EngineSetWatch, IdentityWatch
+from exporter.store.identity import RECENT_READINGS, EngineSetWatch, IdentityWatch
 
 log = logging.getLogger("kvwatt.store")
 
@@ -56,6 +57,7 @@ class ServerHistory:
         self.identity = IdentityWatch(name)  # two processes behind one URL: no delta across (store/identity.py)
         self.engine_set = EngineSetWatch(name)  # an engine label changing every read: logged once, not per tick
         self.now: float | None = None  # time of the last advance()
+        self._row_of_reading: deque = deque(maxlen=RECENT_READINGS)  # per reading: the row it appended, or None
         self._windows: dict[float, WindowAggregate] = {float(w): WindowAggregate(store=self._rows) for w in windows}
         self._grids: dict[float, Grid] = {float(w): Grid(float(w), self._rows) for w in grids}
 
@@ -78,6 +80,8 @@ class ServerHistory:
             counters = {"": reading.counters}  # an adapter without a per-engine split: one engine
         step = self.identity.observe(reading, counters, self.last_counters)
         restarted = step.restarted
+        if 0 < step.void_back <= len(self._row_of_reading):
+            self._void(self._row_of_reading[-step.void_back])
         interval = None
         if self.last_t is not None and t > self.last_t:
             deltas = engine_deltas(step.prev, counters, restarted)
@@ -92,6 +96,7 @@ class ServerHistory:
             self._append(interval)
         else:
             self.energy.take()
+        self._row_of_reading.append(self._rows.end - 1 if interval is not None else None)
         self.last_t, self.last_process_start = t, start
         self.last_counters = {e: dict(c) for e, c in counters.items()}
         self.advance(t)
@@ -118,6 +123,25 @@ class ServerHistory:
             agg.add(iv)
         for grid in self._grids.values():
             grid.add(iv)
+
+    def _void(self, row: int | None) -> None:
+        """The step at ``row`` counted another process's counters (store/identity.py): its counter deltas
+        leave the row, the windows and the grid bucket still holding it (its energy and gauges stay)."""
+        rows = self._rows
+        if row is None or not rows.first <= row < rows.end:
+            return
+        old = rows.interval(row)
+        if not old.deltas:
+            return
+        new = rows.void_deltas(row)
+        for agg in self._windows.values():
+            q = agg.intervals
+            if q.lo <= row < q.hi:
+                agg.amend(old, new)
+        for grid in self._grids.values():
+            agg = grid.holding(old)
+            if agg is not None and agg.intervals.lo <= row < agg.intervals.hi:
+                agg.amend(old, new)
 
     def _drop_oldest(self) -> None:
         """The oldest interval leaves the history (age or count bound): it leaves any window still holding it

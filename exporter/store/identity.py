@@ -19,6 +19,10 @@ step's increase (242,000,000 tokens/s against 300). So:
   unchanged, one line when it starts and one when it settles, never a line per read;
 - without an identity change, an engine whose counters went down and then came back to (about) where they
   were before the dip is another process's counters coming back: no delta for that engine on that step;
+- without an identity change, an engine whose counters jumped up and then fell back to (about) where they were
+  before the jump is another process's counters seen for a moment (two replicas with the same start time):
+  the step that went up to the other level is voided after the fact (``Step.void_back``), since the counters
+  could not tell it from a burst when it came;
 - ``FLAP_EVENTS`` such switches or returns within the last ``RECENT_READINGS`` readings are the ``flapping``
   condition: the server is degraded (reason ``identity_flapping``, which says to point kvwatt at each replica)
   until ``RECENT_READINGS`` readings pass without one. It is logged when it starts and when it ends, once each.
@@ -37,6 +41,7 @@ log = logging.getLogger("kvwatt.store")
 
 RECENT_READINGS = 8  # readings an identity (or a counter level) is remembered for, and a flap counts for
 FLAP_EVENTS = 2  # switches or returns within RECENT_READINGS that make the server "flapping"
+JUMP_RATIO = 8.0  # a jump this many times the climb around it is another process's level, not a burst
 CLOCK_SLACK_SECONDS = 5.0  # a restarted process may seem to start this much before the previous read (skew)
 START_TOLERANCE_SECONDS = 1e-3  # process_start_time_seconds printed with rounding
 REASON_CODE = "identity_flapping"
@@ -70,6 +75,7 @@ class Step:
     restarted: bool
     prev: dict[str, dict[str, float]]
     events: tuple[str, ...] = ()  # switches / returns seen at this step (for the log and the reason)
+    void_back: int = 0  # > 0: the step of that many readings ago counted another process's counters: void it
 
 
 @dataclass
@@ -88,7 +94,7 @@ class IdentityWatch:
     def observe(self, reading: EngineReading, counters: dict[str, dict[str, float]],
                 prev: dict[str, dict[str, float]]) -> Step:
         ident = identity_of(reading)
-        restarted, events, prev_used = False, [], prev
+        restarted, events, prev_used, void_back = False, [], prev, 0
         changed = self.last is not None and not ident.same_process(self.last)
         moved = changed and self._start_moved_only(ident, reading.read_wall, counters, prev)
         if self.last is None:
@@ -105,12 +111,17 @@ class IdentityWatch:
             if self.process_start is None:
                 self.process_start = ident.start  # the first reading that says it
             back = self._returned_engines(counters)
+            fell, void_back = self._fell_back_engines(counters)
             if back:
                 events.append(f"counters of engine(s) {back} went down and came back")
-                prev_used = {e: c for e, c in prev.items() if e not in back}
+            if fell:
+                events.append(f"counters of engine(s) {fell} jumped up and fell back: the step up "
+                              f"({void_back} reading(s) ago) counted another process's counters, voided")
+            if back or fell:
+                prev_used = {e: c for e, c in prev.items() if e not in back and e not in fell}
         self._remember(ident, reading.read_wall, counters, events, moved)
         self._note_start_move(moved, ident)
-        return Step(restarted, prev_used, tuple(events))
+        return Step(restarted, prev_used, tuple(events), void_back)
 
     def _start_moved_only(self, ident: Identity, wall: float | None, counters: dict[str, dict[str, float]],
                           prev: dict[str, dict[str, float]]) -> bool:
@@ -175,6 +186,28 @@ class IdentityWatch:
             if before < high <= now and now - high < (high - before) / 2:
                 back.append(engine)
         return sorted(back)
+
+    def _fell_back_engines(self, counters: dict[str, dict[str, float]]) -> tuple[list[str], int]:
+        """Engines whose counter sum fell back to (about) a level it had just before one jump since (a jump
+        more than JUMP_RATIO times both the climb after it and any other step's rise: no burst looks like
+        that), and how many readings ago the jump was (the step to void; the most recent one if several)."""
+        fell, void_back = [], 0
+        for engine, c in counters.items():
+            seen = list(self.levels.get(engine) or ())
+            now = sum(c.values())
+            if len(seen) < 2 or now >= seen[-1]:
+                continue
+            j = max((i for i in range(len(seen) - 1) if seen[i] <= now), default=None)
+            if j is None or any(v <= now for v in seen[j + 1:]):
+                continue
+            jump = seen[j + 1] - seen[j]
+            rises = [b - a for a, b in zip(seen, seen[1:]) if b > a]
+            rises.remove(jump)
+            if jump > JUMP_RATIO * max([now - seen[j], *rises]):
+                fell.append(engine)
+                back = len(seen) - (j + 1)
+                void_back = back if not void_back else min(void_back, back)
+        return sorted(fell), void_back
 
     def _remember(self, ident: Identity, wall: float | None, counters: dict[str, dict[str, float]],
                   events: list[str], moved: bool = False) -> None:
