@@ -2,10 +2,13 @@
 pipelined wrong passwords once delayed a first good login by 41 s).
 
     .venv/bin/python bench/bench_auth_flood.py [--cost 10] [--flood 500] [--seconds 10] [--same-address]
+        [--addresses N] [--flood-user u0|random]
 
 A real `kvwatt run` with a web configuration file of --users users (bcrypt at --cost). For --seconds,
 --flood concurrent clients send wrong passwords as fast as they are answered, from 127.0.0.2 (or from
-127.0.0.1 with --same-address: the scraper's own address, as behind a proxy). Meanwhile the scraper, from
+127.0.0.1 with --same-address: the scraper's own address, as behind a proxy), spread over --addresses
+source addresses (127.0.0.2, 127.0.0.3, ...; the first is 127.0.0.1 with --same-address), as user u0 (a
+configured user) or, with --flood-user random, a new unknown user name each request. Meanwhile the scraper, from
 127.0.0.1, logs in twice a second: alternately as a user not yet logged in (a first, not remembered login:
 one bcrypt check) and as the first user again (remembered). Reported: latency p50/p99/max and statuses of
 both kinds of scrape, and the flood's answers per second by status.
@@ -36,15 +39,17 @@ def auth_header(user: str, password: str) -> dict[str, str]:
     return {"Authorization": aiohttp.encode_basic_auth(user, password)}
 
 
-async def flood(url: str, clients: int, until: float, source: str, answers: collections.Counter) -> None:
+async def flood(url: str, clients: int, until: float, source: str, answers: collections.Counter,
+                user: str = "u0") -> None:
     connector = aiohttp.TCPConnector(limit=clients, local_addr=(source, 0))
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=60)) as s:
         async def one(i: int) -> None:
             n = 0
             while time.monotonic() < until:
                 n += 1
+                name = user if user != "random" else f"nobody-{source}-{i}-{n}"
                 try:
-                    async with s.get(url, headers=auth_header("u0", f"wrong-{i}-{n}")) as r:
+                    async with s.get(url, headers=auth_header(name, f"wrong-{i}-{n}")) as r:
                         await r.read()
                         answers[r.status] += 1
                 except (aiohttp.ClientError, asyncio.TimeoutError) as e:
@@ -80,8 +85,12 @@ async def run(url: str, args) -> tuple[dict, collections.Counter, float]:
     answers: collections.Counter = collections.Counter()
     start = time.monotonic()
     until = start + args.seconds
-    source = "127.0.0.1" if args.same_address else "127.0.0.2"
-    scraped, _ = await asyncio.gather(scraper(url, args.users, until), flood(url, args.flood, until, source, answers))
+    sources = [f"127.0.0.{i + 2}" for i in range(args.addresses)]
+    if args.same_address:
+        sources[0] = "127.0.0.1"
+    per = max(args.flood // len(sources), 1)
+    scraped, *_ = await asyncio.gather(scraper(url, args.users, until),
+                                       *(flood(url, per, until, src, answers, args.flood_user) for src in sources))
     return scraped, answers, time.monotonic() - start
 
 
@@ -92,6 +101,8 @@ def main() -> int:
     p.add_argument("--flood", type=int, default=500, help="concurrent wrong-password clients")
     p.add_argument("--seconds", type=float, default=10.0)
     p.add_argument("--same-address", action="store_true", help="flood from the scraper's address")
+    p.add_argument("--addresses", type=int, default=1, help="source addresses the flood is spread over")
+    p.add_argument("--flood-user", default="u0", help="u0 (a configured user) or random (unknown names)")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         users = {f"u{i}": bcrypt.hashpw(f"pw-u{i}".encode(), bcrypt.gensalt(args.cost)).decode()
@@ -106,8 +117,11 @@ def main() -> int:
         s = summary([ms for _status, ms in results])
         rows.append([kind, s["n"], s["p50_ms"], s["p99_ms"], s["max_ms"],
                      " ".join(f"{k}:{v}" for k, v in sorted(statuses.items(), key=str))])
-    print(f"cost {args.cost}, {args.flood} wrong-password clients from "
-          f"{'127.0.0.1 (same address)' if args.same_address else '127.0.0.2'} for {seconds:.1f} s")
+    where = "127.0.0.1 (same address)" if args.same_address else "127.0.0.2"
+    if args.addresses > 1:
+        where += f" and {args.addresses - 1} more addresses"
+    print(f"cost {args.cost}, {args.flood} wrong-password clients (user {args.flood_user}) from {where} "
+          f"for {seconds:.1f} s")
     print(table(rows, ["scrape", "n", "p50_ms", "p99_ms", "max_ms", "statuses"]))
     print("flood answers/s: " + ", ".join(f"{k}: {v / seconds:.0f}" for k, v in sorted(answers.items(), key=str)))
     return 0

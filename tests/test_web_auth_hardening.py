@@ -213,6 +213,56 @@ def test_a_remembered_good_login_never_waits_for_the_queue(counted_checks):
     assert again is Verdict.ALLOWED and took < 0.01
 
 
+async def _flooding(a: BasicAuth, stop: asyncio.Event, client: str, user: str, i: int) -> None:
+    """One wrong-password client: sends again as soon as it is answered (429 included)."""
+    n = 0
+    while not stop.is_set():
+        n += 1
+        name = user if user != "random" else f"nobody-{i}-{n}"
+        await a.check(header(name, f"wrong-{i}-{n}"), client)
+        await asyncio.sleep(0)
+
+
+def _first_logins_under_flood(sources: list[str], flood_user: str, login_from: str, logins: int = 6):
+    """A flood of 10 clients per source address; meanwhile ``logins`` first logins of configured users (each
+    a user not logged in yet) from ``login_from``, one after the other. Their verdicts and seconds."""
+    users = {f"u{i}": bcrypt.hashpw(f"pw-u{i}".encode(), bcrypt.gensalt(4)) for i in range(logins + 1)}
+
+    async def main():
+        a = BasicAuth(users)
+        stop = asyncio.Event()
+        flood = [asyncio.ensure_future(_flooding(a, stop, src, flood_user, i))
+                 for src in sources for i in range(10)]
+        # the flood under way (every place taken) and each flooding key served once: a first login arriving
+        # at the very start of a flood of more keys than places is one of many never served (429, retried)
+        await asyncio.sleep(0.1 * len(sources) + 0.2)
+        out = []
+        for n in range(1, logins + 1):
+            start = time.perf_counter()
+            out.append((await a.check(header(f"u{n}", f"pw-u{n}"), login_from), time.perf_counter() - start))
+        stop.set()
+        await asyncio.gather(*flood)
+        a.close()
+        return out
+
+    return asyncio.run(main())
+
+
+@pytest.mark.parametrize("sources, flood_user, login_from", [
+    (["10.0.0.1"], "u0", "10.0.0.1"),  # behind one proxy: the flood from the scraper's own address
+    ([f"10.0.3.{i}" for i in range(12)], "u0", "10.0.0.1"),  # more flooding addresses than places
+    ([f"10.0.3.{i}" for i in range(12)], "random", "10.0.0.1"),  # made-up user names, each request a new one
+])
+def test_a_first_login_gets_in_during_a_flood_of_wrong_passwords(counted_checks, sources, flood_user, login_from):
+    """Before: one check per client address and 429 at once past it, so a flood from the scraper's address
+    refused every first login (16 of 16) and eight flooding addresses filled every place (21 of 21)."""
+    results = _first_logins_under_flood(sources, flood_user, login_from)
+    verdicts = [v for v, _ in results]
+    assert verdicts == [Verdict.ALLOWED] * len(results), verdicts
+    # about one check (0.05 s here) per flooding key ahead of it, never the whole flood
+    assert max(s for _, s in results) < 0.05 * (len(sources) + 3) + 0.5, results
+
+
 def test_the_limit_is_logged_when_reached_and_drained_at_most_once_a_minute(counted_checks, caplog):
     now = [0.0]
 
@@ -239,10 +289,12 @@ def test_the_limit_is_logged_when_reached_and_drained_at_most_once_a_minute(coun
 
 # --- a flood over real HTTP ---------------------------------------------------------------------------------
 
-async def flood_and_login(url: str, seconds_after: float = 0.3):
-    """FLOOD wrong-password requests from 127.0.0.2 at once; after ``seconds_after``, a first (not remembered)
-    good login from 127.0.0.1, timed. Returns (the good login's status and seconds, the flood's statuses)."""
-    flooder = aiohttp.TCPConnector(limit=200, local_addr=("127.0.0.2", 0))
+async def flood_and_login(url: str, seconds_after: float = 0.3, flood_from: str = "127.0.0.2",
+                          creds: tuple[str, str] = (USER, PASSWORD)):
+    """FLOOD wrong-password requests for USER from ``flood_from`` at once; after ``seconds_after``, a first (not
+    remembered) good login from 127.0.0.1, timed. Returns (the good login's status and seconds, the flood's
+    statuses)."""
+    flooder = aiohttp.TCPConnector(limit=200, local_addr=(flood_from, 0))
     timeout = aiohttp.ClientTimeout(total=120)
     async with aiohttp.ClientSession(connector=flooder, timeout=timeout) as bad, \
             aiohttp.ClientSession(timeout=timeout) as good:
@@ -254,7 +306,7 @@ async def flood_and_login(url: str, seconds_after: float = 0.3):
         async def login():
             await asyncio.sleep(seconds_after)
             start = time.perf_counter()
-            async with good.get(url, headers={"Authorization": header(USER, PASSWORD)}) as r:
+            async with good.get(url, headers={"Authorization": header(*creds)}) as r:
                 await r.read()
                 return r.status, time.perf_counter() - start
 
@@ -278,3 +330,18 @@ def test_a_first_good_login_is_served_promptly_under_a_wrong_password_flood(tmp_
         log = d.log()
         assert "answering 429" in log and log.count("answering 429") <= 3  # when it changes, not per request
         assert "Traceback" not in log
+
+
+def test_a_first_login_from_the_flooding_address_gets_in_over_http(tmp_path):
+    """Everyone behind one proxy: the flood and Prometheus' first login (another user) from 127.0.0.1. Before:
+    one check per address, so the login was answered 429 at once (16 of 16 tries)."""
+    users = {USER: bcrypt.hashpw(PASSWORD.encode(), bcrypt.gensalt(10)).decode(),
+             "scraper": bcrypt.hashpw(b"pw-scraper", bcrypt.gensalt(10)).decode()}
+    path = tmp_path / "web.yml"
+    path.write_text(yaml.safe_dump({"basic_auth_users": users}))
+    with KvwattDaemon(args=("--web.config.file", str(path)), request_kwargs={"auth": (USER, PASSWORD)}) as d:
+        (status, seconds), flood = asyncio.run(flood_and_login(d.url + "/metrics", flood_from="127.0.0.1",
+                                                               creds=("scraper", "pw-scraper")))
+        print(f"first login beside {FLOOD} wrong passwords from its own address: {status} in {seconds:.3f} s")
+        assert status == 200 and seconds < GOOD_LOGIN_BOUND_SECONDS, (status, seconds)
+        assert set(flood) <= {401, 429} and flood.count(429) >= FLOOD - 10 * AUTH_QUEUE_MAX

@@ -17,9 +17,12 @@ does nothing (a cipher list, a header) is worse than a clear error.
 never on the event loop nor in the pool the sampler uses, and remembers successful checks (an HMAC of user and
 password under a key drawn at start, at most ``AUTH_CACHE_SIZE``), as the exporter-toolkit does: a scrape with
 the right password costs one bcrypt per process lifetime. Checks not remembered are admitted in a bounded
-queue (``AUTH_QUEUE_MAX``, ``AUTH_QUEUE_PER_CLIENT`` per client address) and answered 429 past it, and a
-queued check whose client has gone is skipped: a flood of wrong passwords (2,400 pipelined once delayed a
-first good login by 41 s) costs at most a few seconds of one thread and never delays a remembered login.
+queue (``AUTH_QUEUE_MAX``, ``AUTH_QUEUE_PER_CLIENT`` per (client address, user)) served fairly: configured users
+before unknown names, then the (address, user) served least recently first, and a queued check whose client
+has gone is skipped: a flood of wrong passwords (2,400 pipelined once delayed a first good login by 41 s; one
+address once kept every other first login out with 429) costs at most a few seconds of one thread, lets
+another (address, user)'s first login in after about one check per flooding key, and never delays a
+remembered login.
 Nothing is hashed at start.
 """
 
@@ -62,12 +65,14 @@ BCRYPT_RE = re.compile(r"\$2[aby]\$(?P<cost>\d\d)\$[./A-Za-z0-9]{53}")  # matche
 # timeout. Cost 18 held the daemon 13 s before it listened; 31 would take days.
 MIN_BCRYPT_COST, MAX_BCRYPT_COST = 4, 14
 AUTH_CACHE_SIZE = 100
-# bcrypt checks admitted at once (one running, the rest queued for the one bcrypt thread), and the share of
-# them one client address may hold: past either, a request is answered 429 at once, so a flood of wrong
-# passwords neither grows a queue without bound nor keeps another client's first login out. One per address:
-# a flooding address then has at most one check ahead of another address' first login (measured with
-# bench/bench_auth_flood.py, 500 flooding clients on a loaded 2-core machine: p50 1.2 s, against 2.1 s with
-# two per address; a scraper sends one request at a time anyway).
+# bcrypt checks admitted at once (one running, the rest waiting for the one bcrypt thread), and the share of
+# them one (client address, user) may hold: past the share, a request is answered 429 at once (a scraper sends
+# one request at a time). The waiting checks are not served first come, first served: the next to run is a
+# configured user's before an unknown name's, then the one whose (address, user) ran least recently (one never
+# served first), so a flood of wrong passwords, from one address or eight, for a configured user or made-up
+# ones, keeps no other (address, user)'s first login out: it waits about one check per flooding key ahead of
+# it. When every place is taken, a newcomer that would run sooner than the last in line takes its place (that
+# one is answered 429); otherwise it is answered 429 at once. Measured with bench/bench_auth_flood.py (docs).
 AUTH_QUEUE_MAX = 8
 AUTH_QUEUE_PER_CLIENT = 1
 AUTH_RETRY_AFTER_SECONDS = 1
@@ -248,6 +253,18 @@ def _cost(hashed: bytes) -> int:
     return int(hashed[4:6])
 
 
+AUTH_SERVED_REMEMBERED = 4096  # (address, user) keys whose last turn is remembered (LRU): the fairness order
+
+
+@dataclass(eq=False)
+class _Waiting:
+    """One admitted check waiting for (or holding) the bcrypt thread. ``rank``: lower runs sooner."""
+
+    key: tuple[str, str]
+    rank: tuple[bool, int, int]  # (unknown user, when its key last ran (-1: never), arrival)
+    turn: asyncio.Future  # True: its turn; False: displaced by a newcomer that runs sooner (429)
+
+
 class BasicAuth:
     def __init__(self, users: dict[str, bytes], clock: Callable[[], float] = time.monotonic):
         import bcrypt  # noqa: F401  (fails at start, not at the first request, if the package is missing)
@@ -260,8 +277,11 @@ class BasicAuth:
         self._key = os.urandom(32)
         self._good: OrderedDict[bytes, None] = OrderedDict()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvwatt-bcrypt")
-        self._turn = asyncio.Semaphore(1)  # FIFO: the check that runs next in the bcrypt thread
-        self._admitted: dict[str, int] = {}  # client address -> checks admitted (queued or running)
+        self._waiting: list[_Waiting] = []  # admitted, not yet running (at most AUTH_QUEUE_MAX - 1)
+        self._running: _Waiting | None = None  # the check holding the bcrypt thread
+        self._admitted: dict[tuple[str, str], int] = {}  # (client address, user) -> checks admitted
+        self._served: OrderedDict[tuple[str, str], int] = OrderedDict()  # key -> when it last ran (LRU)
+        self._seq = 0
         self.refused = 0  # answered BUSY since the last line logged about it
         self._clock = clock
         self._warned_at: float | None = None  # when the limit was last logged
@@ -274,30 +294,70 @@ class BasicAuth:
     def admitted(self) -> int:
         return sum(self._admitted.values())
 
-    def _admit(self, client: str) -> bool:
-        if self.admitted() >= AUTH_QUEUE_MAX or self._admitted.get(client, 0) >= AUTH_QUEUE_PER_CLIENT:
-            self.refused += 1
-            now = self._clock()
-            if not self._warned and (self._warned_at is None or now - self._warned_at >= AUTH_LOG_INTERVAL_SECONDS):
-                log.warning("password checks at their limit (%d at once, %d per client address): answering 429 "
-                            "until they drain", AUTH_QUEUE_MAX, AUTH_QUEUE_PER_CLIENT)
-                self._warned, self._warned_at = True, now
-            return False
-        self._admitted[client] = self._admitted.get(client, 0) + 1
-        return True
+    def _next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
 
-    def _release(self, client: str) -> None:
-        left = self._admitted.pop(client) - 1
+    def _refuse(self) -> None:
+        self.refused += 1
+        now = self._clock()
+        if not self._warned and (self._warned_at is None or now - self._warned_at >= AUTH_LOG_INTERVAL_SECONDS):
+            log.warning("password checks at their limit (%d at once, %d per client address and user): answering "
+                        "429 until they drain", AUTH_QUEUE_MAX, AUTH_QUEUE_PER_CLIENT)
+            self._warned, self._warned_at = True, now
+
+    def _admit(self, key: tuple[str, str]) -> _Waiting | None:
+        """A place for the check of ``key`` (its turn resolved at once when the thread is free), or None (429)."""
+        if self._admitted.get(key, 0) >= AUTH_QUEUE_PER_CLIENT:
+            self._refuse()
+            return None
+        w = _Waiting(key, (key[1] not in self.users, self._served.get(key, -1), self._next_seq()),
+                     asyncio.get_running_loop().create_future())
+        if self._running is not None and len(self._waiting) + 1 >= AUTH_QUEUE_MAX:
+            last = max(self._waiting, key=lambda x: x.rank, default=None)
+            if last is None or last.rank < w.rank:
+                self._refuse()
+                return None
+            self._waiting.remove(last)  # a newcomer that runs sooner takes the last one's place
+            last.turn.set_result(False)
+            self._refuse()
+        self._admitted[key] = self._admitted.get(key, 0) + 1
+        self._waiting.append(w)
+        self._pass_turn()
+        return w
+
+    def _pass_turn(self) -> None:
+        """The bcrypt thread free: the best-ranked waiting check runs next."""
+        while self._running is None and self._waiting:
+            w = min(self._waiting, key=lambda x: x.rank)
+            self._waiting.remove(w)
+            if w.turn.done():  # its request was cancelled while waiting
+                continue
+            self._running = w
+            self._served[w.key] = self._next_seq()
+            self._served.move_to_end(w.key)
+            while len(self._served) > AUTH_SERVED_REMEMBERED:
+                self._served.popitem(last=False)
+            w.turn.set_result(True)
+
+    def _release(self, w: _Waiting) -> None:
+        if w in self._waiting:
+            self._waiting.remove(w)
+        left = self._admitted.pop(w.key) - 1
         if left:
-            self._admitted[client] = left
+            self._admitted[w.key] = left
+        if self._running is w:
+            self._running = None
+            self._pass_turn()
         if self._warned and not self._admitted:
             log.info("password checks drained; %d requests answered 429 since the limit was reached", self.refused)
             self._warned, self.refused = False, 0
 
     async def check(self, header: str | None, client: str = "", gone: Callable[[], bool] = lambda: False) -> Verdict:
         """Whether the Authorization header's user and password are right. A remembered good pair answers at
-        once; any other pair is checked by bcrypt in turn, unless too many are admitted (BUSY), or its client
-        (``gone()``) has left before its turn (GONE)."""
+        once; any other pair is checked by bcrypt in its turn (configured users first, then the (address,
+        user) served least recently), unless no place is left for it (BUSY), or its client (``gone()``) has
+        left before its turn (GONE)."""
         creds = _credentials(header)
         if creds is None:
             return Verdict.DENIED
@@ -308,18 +368,20 @@ class BasicAuth:
             return Verdict.ALLOWED
         if self._unknown_user_hash is None:
             return Verdict.DENIED
-        if not self._admit(client):
+        w = self._admit((client, user))
+        if w is None:
             return Verdict.BUSY
         try:
-            async with self._turn:
-                if gone():
-                    self.abandoned += 1
-                    return Verdict.GONE
-                hashed = self.users.get(user)
-                ok = await asyncio.get_running_loop().run_in_executor(
-                    self._pool, _checkpw, password, hashed or self._unknown_user_hash)
+            if not await w.turn:
+                return Verdict.BUSY
+            if gone():
+                self.abandoned += 1
+                return Verdict.GONE
+            hashed = self.users.get(user)
+            ok = await asyncio.get_running_loop().run_in_executor(
+                self._pool, _checkpw, password, hashed or self._unknown_user_hash)
         finally:
-            self._release(client)
+            self._release(w)
         if ok and hashed is not None:
             self._good[key] = None
             while len(self._good) > AUTH_CACHE_SIZE:
