@@ -154,6 +154,36 @@ def test_exposition_series_with_labels():
         value_from_exposition(text, "missing")
 
 
+def test_only_the_named_series_lines_count_wherever_they_are():
+    text = 'ci_total{zone="FR"} 9\nci{zone = "FR"} 55\nci_by_zone{zone="FR"} 7\nci{zone="DE"} 380'
+    assert value_from_exposition(text, 'ci{zone="FR"}') == 55  # blanks around "=": still that label
+    assert value_from_exposition(text, 'ci{zone="DE"}') == 380  # the last line, without a line break
+    assert value_from_exposition('ci 1\nci_total 2\n', "ci") == 1  # the first line; ci_total is another name
+    assert value_from_exposition('x 1\nci{a="q\\"uote"} 3\n', 'ci{a="q\\"uote"}') == 3  # an escaped value
+    with pytest.raises(SourceError, match="0 samples"):
+        value_from_exposition("ci_total 2\nci_x{a=\"b\"} 1\n", "ci")
+
+
+def test_a_price_answer_is_decoded_off_the_event_loop(monkeypatch):
+    """A 5.6 MB answer decoded on the event loop held every scrape for seconds (/metrics 4.15 s against 9.7 ms;
+    bench/bench_price_fetch.py measures it): the value is taken from the answer in a worker thread."""
+    import threading
+    from exporter.sources import tariff
+
+    threads = []
+    real = tariff.value_from_exposition
+
+    def spy(text, series):
+        threads.append(threading.current_thread())
+        return real(text, series)
+
+    monkeypatch.setattr(tariff, "value_from_exposition", spy)
+    with MetricsServer(lambda: "# TYPE ci gauge\nci 412.5\n") as srv:
+        status, value = asyncio.run(_read(PriceSetting(url=srv.url + "/metrics", series="ci")))
+    assert status.up and value == 412.5
+    assert threads and threading.main_thread() not in threads  # the loop runs in the main thread here
+
+
 async def _read(setting: PriceSetting, timeout: float = 0.5):
     async with aiohttp.ClientSession() as session:
         return await PriceSource("carbon_intensity", setting, timeout, 1 << 20).read(session)

@@ -54,14 +54,42 @@ def value_from_query(text: str) -> float:
 
 def value_from_exposition(text: str, series: str) -> float:
     """The one sample of ``series`` (``name`` or ``name{label="value",...}``: those labels must match) in a
-    text exposition; SourceError otherwise."""
+    text exposition; SourceError otherwise. Only that name's lines are parsed: the text is searched for them
+    (a price next to a large exposition costs a scan of it, not a parse)."""
     name, _, selector = series.partition("{")
     wanted = set(expfmt._parse_labels(selector.rstrip("}")) or ()) if selector else set()
-    found = [v for labels, v in expfmt.parse(text, prefix=name, skip_suffixes=()).get(name).items()
-             if wanted <= set(labels)]
+    # each wanted label's value as written (quoted), when it can only be written one way: a line without it
+    # cannot match and is not parsed (the label name may have blanks around its "=": not part of the test)
+    needles = [f'"{v}"' for _, v in wanted if "\\" not in v and '"' not in v and "\n" not in v]
+    found = []
+    for line in _lines_of(text, name):
+        if line[len(name):len(name) + 1] not in ("{", " ", "\t") or not all(n in line for n in needles):
+            continue  # another name sharing the prefix (name_total), or not the labels asked for
+        parts = expfmt._split(line)
+        if parts is None or parts[0] != name or parts[1] is None or parts[2] is None:
+            continue  # another name sharing the prefix, or a malformed line
+        if wanted <= set(parts[1]):
+            found.append(parts[2])
     if len(found) != 1:
         raise SourceError("no_sample", f"{len(found)} samples of {series} in the exposition, want exactly 1")
     return _checked(found[0])
+
+
+def _lines_of(text: str, name: str):
+    """The lines of ``text`` that start with ``name`` (str.find: C speed, no split of the whole text)."""
+    at = 0 if text.startswith(name) else _next_line_with(text, name, 0)
+    while at >= 0:
+        end = text.find("\n", at)
+        if end < 0:
+            yield text[at:]
+            return
+        yield text[at:end]
+        at = _next_line_with(text, name, end)
+
+
+def _next_line_with(text: str, name: str, start: int) -> int:
+    i = text.find("\n" + name, start)
+    return -1 if i < 0 else i + 1
 
 
 def _checked(value: float) -> float:
@@ -83,13 +111,16 @@ class PriceSource:
         started = time.monotonic()
         try:
             text = await self.http.fetch(session, self.endpoint)
-            value = (value_from_exposition(text, self.setting.series) if self.setting.series
-                     else value_from_query(text))
+            value = await asyncio.to_thread(self.value_of, text)  # never on the event loop: up to 8 MiB
         except SourceError as e:
             return self.status(False, str(e)[:300], time.monotonic() - started), None
         except Exception as e:  # a source never raises into the sampler
             return self.status(False, f"error: {type(e).__name__}: {e}"[:300], time.monotonic() - started), None
         return self.status(True, "", time.monotonic() - started), value
+
+    def value_of(self, text: str) -> float:
+        """The value in an answer (CPU only: called in a worker thread)."""
+        return value_from_exposition(text, self.setting.series) if self.setting.series else value_from_query(text)
 
     def status(self, up: bool, reason: str, seconds: float | None, state: str | None = None) -> SourceStatus:
         return SourceStatus(self.quantity, "", up, reason, seconds, state or ("ok" if up else "down"))
