@@ -246,6 +246,36 @@ def test_the_evidence_file_is_hardened_like_the_other_state_files(tmp_path):
     assert "over the" in st.reason
 
 
+def _crafted(engine: dict, weight: float, at: float) -> dict:
+    """Windows locating a threshold at ~0.2: calm under it, preempting above it."""
+    calm = [{"p95": 0.10 + 0.01 * i, "weight": weight, "at": at, "preemptions_per_minute": 0.0, "tax": 0.0}
+            for i in range(10)]
+    hot = [{"p95": 0.25 + 0.015 * i, "weight": weight, "at": at, "preemptions_per_minute": 10.0, "tax": 0.3}
+           for i in range(10)]
+    return {"version": 1, "servers": {"s": {"epoch": {"started": at, "cause": "first reading", "engine": engine},
+                                            "windows": calm + hot}}}
+
+
+@pytest.mark.parametrize("engine, weight, at, why", [
+    ({}, 1.0, WALL - 600, "epoch without engine facts"),  # an epoch matching any engine
+    ({"model_name": "m"}, 1e6, WALL - 600, "weight 1000000.0 is outside [0, 1]"),
+    ({"model_name": "m"}, 1.0, WALL + 86_000, "is outside [0, 1.75e+09]"),  # 'at' a day ahead
+])
+def test_a_crafted_evidence_file_cannot_pin_the_verdict(tmp_path, engine, weight, at, why):
+    """Before: weights up to 1e6, 'at' up to a day ahead and an epoch without engine facts were accepted, and
+    such a file said threshold 0.2 'known', regime 'above', 'enable KV offloading' for a server at p95 0.50
+    without a preemption, for ~30 h."""
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / EVIDENCE_FILE).write_text(json.dumps(_crafted(engine, weight, at)))
+    run = Run(model(tmp_path, book(tmp_path)), InfoEngine())
+    run.seconds(3 * 60, 0.50, 0.06)  # a calm server at p95 0.50
+    f = run.fig()
+    assert f.located is None and f.regime != "above" and f.threshold_in_use == 0.90, (f.located, f.regime)
+    st = next(s for s in run.m.snapshot().sources if s.source == "state_dir")
+    assert why in st.reason, st.reason
+
+
 def test_the_status_threshold_block_carries_the_judgements_and_the_evidence(tmp_path):
     run = located_run(tmp_path)
     status = _server_json(run.fig())

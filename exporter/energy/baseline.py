@@ -307,15 +307,17 @@ def parse_entry(device: str, entry: Any, now_wall: float) -> Baseline:
         _optional(entry.get("temperature_celsius"), "temperature_celsius", -273.15, math.inf))
 
 
-def entry_at(entry: Any, required: tuple[str, ...], now_wall: float) -> float:
+def entry_at(entry: Any, required: tuple[str, ...], now_wall: float,
+             future_slack: float = FUTURE_SLACK_SECONDS) -> float:
     """A stored entry of the model's state files checked for its shape: a mapping with every ``required`` key
-    (``at`` among them); its ``at`` wall time, not in the future. ValueError naming what is wrong."""
+    (``at`` among them); its ``at`` wall time, not after now + ``future_slack``. ValueError naming what is
+    wrong."""
     if not isinstance(entry, dict):
         raise ValueError("not an entry")
     missing = [k for k in required if k not in entry]
     if missing:
         raise ValueError(f"{', '.join(missing)} missing")
-    return _number(entry["at"], "at", 0.0, now_wall + FUTURE_SLACK_SECONDS)
+    return _number(entry["at"], "at", 0.0, now_wall + future_slack)
 
 
 def _number(value: Any, name: str, lo: float, hi: float) -> float:

@@ -7,6 +7,12 @@ first reading whose engine facts differ from the stored ones sets them aside, mo
 Hardened as the other state files: a regular file only (not a link, a FIFO or a device), at most
 ``MAX_FILE_BYTES``; entries that fail validation are dropped with a reason; windows older than the history
 are dropped silently (they would have aged out). Never fatal: problems are reasons on the ``state_dir`` source.
+
+Only what kvwatt writes is accepted, since a stored window votes for the threshold and the regime as a live
+one does: a weight in [0, MAX_EVIDENCE_WEIGHT] (a crafted 1e6 outvoted every live window), times (the epoch's
+start, a window's ``at``) not after now + ``CLOCK_SLACK_SECONDS`` (kvwatt writes them before it writes the
+file; a day ahead kept a crafted verdict ~30 h), and an epoch with engine facts (the first reading always
+has some; an epoch without any matched every engine).
 """
 
 from __future__ import annotations
@@ -16,8 +22,9 @@ from typing import Any, Callable, Mapping
 
 from exporter import atomic
 from exporter.derive.threshold import PressurePoint
-from exporter.energy.baseline import FUTURE_SLACK_SECONDS, _number, entry_at
+from exporter.energy.baseline import _number, entry_at
 from exporter.model.epoch import FACTS, Epoch
+from exporter.model.pressure import MAX_EVIDENCE_WEIGHT
 
 log = logging.getLogger("kvwatt.evidence")
 
@@ -25,6 +32,7 @@ STATE_FILE = "evidence-windows.json"
 FORMAT_VERSION = 1
 MAX_FILE_BYTES = 8 << 20   # 10,000 windows x a few servers at ~250 bytes each; more is not ours
 MAX_WINDOWS = 10_000       # per server (model.pressure.MAX_EVIDENCE_WINDOWS)
+CLOCK_SLACK_SECONDS = 300.0  # a stored time this far after now is accepted (the wall clock stepped back)
 RESIDENCY_KINDS = (None, "pressure", "low_pressure")  # a window's KV-block residency evidence (methods.md s11)
 
 Stored = dict[str, tuple[Epoch, list[PressurePoint]]]
@@ -93,12 +101,15 @@ def parse_epoch(entry: Any, now_wall: float) -> Epoch:
     if not isinstance(entry, dict):
         raise ValueError("no epoch")
     started = entry.get("started")
-    started = None if started is None else _number(started, "started", 0.0, now_wall + FUTURE_SLACK_SECONDS)
+    started = None if started is None else _number(started, "started", 0.0, now_wall + CLOCK_SLACK_SECONDS)
     cause, engine = entry.get("cause", ""), entry.get("engine", {})
     if not isinstance(cause, str) or not isinstance(engine, dict):
         raise ValueError("epoch cause or engine malformed")
     facts = {k: v for k, v in engine.items()
-             if k in FACTS and isinstance(v, (str, int, float, bool)) and not (isinstance(v, str) and len(v) > 512)}
+             if k in FACTS and isinstance(v, (str, int, float, bool)) and not (isinstance(v, str) and len(v) > 512)
+             and v != ""}
+    if not facts:
+        raise ValueError("epoch without engine facts (it would match any engine)")
     return Epoch(started, cause[:512], facts)
 
 
@@ -107,12 +118,12 @@ def _optional(entry: dict, key: str, lo: float, hi: float) -> float | None:
 
 
 def parse_entry(entry: Any, now_wall: float) -> PressurePoint:
-    at = entry_at(entry, ("p95", "weight", "at"), now_wall)
+    at = entry_at(entry, ("p95", "weight", "at"), now_wall, CLOCK_SLACK_SECONDS)
     kind = entry.get("residency")  # absent in files written before the residency evidence: unknown
     if kind not in RESIDENCY_KINDS:
         raise ValueError(f"residency {kind!r} is not one of {', '.join(k for k in RESIDENCY_KINDS if k)}")
     return PressurePoint(_number(entry["p95"], "p95", 0.0, 1.0),
                          _optional(entry, "preemptions_per_minute", 0.0, 1e9),
                          _optional(entry, "tax", -1.0, 1.0), _optional(entry, "tax_se", 0.0, 1.0),
-                         _number(entry["weight"], "weight", 0.0, 1e6), _optional(entry, "low", 0.0, 1.0),
+                         _number(entry["weight"], "weight", 0.0, MAX_EVIDENCE_WEIGHT), _optional(entry, "low", 0.0, 1.0),
                          _optional(entry, "high", 0.0, 1.0), None, at, _optional(entry, "max", 0.0, 1.0), kind)

@@ -48,6 +48,7 @@ LOW_PRESSURE_P95 = 0.50     # ... and under this absolute KV p95 (methods.md s10
 LOW_PRESSURE_MAX = 0.80     # ... and its KV max under this (a window that touched 80 % came near preempting)
 REFERENCE_KNOWN_WINDOWS = 3  # low-pressure windows before the reference is known (fewer: provisional)
 SUSTAINED_PREEMPTIONS = 3.0  # preemptions in a window that make it a full window of pressure evidence
+MAX_EVIDENCE_WEIGHT = 1.0   # a full window's weight: no window, live or stored, weighs more
 MAX_STEPS_PER_SECOND = 1000.0  # engine steps per second when the engine does not count them (1 ms a step)
 MIN_PROMPT_TOKENS = 100.0   # fewer prompt tokens in a window: its share is not worth a point or a sample
 MIN_COVERED = 0.8           # a bucket less covered than this is not a window of evidence
@@ -251,8 +252,8 @@ def evidence_weight(preemptions: float | None, taxed_: bool) -> float:
     """A window pressured only by preemptions weighs count / SUSTAINED_PREEMPTIONS (at most 1); one with a tax
     or the engine's residency evidence of pressure (``taxed_`` true for either) is a full window."""
     if taxed_ or not preemptions:
-        return 1.0
-    return min(1.0, preemptions / SUSTAINED_PREEMPTIONS)
+        return MAX_EVIDENCE_WEIGHT
+    return min(MAX_EVIDENCE_WEIGHT, preemptions / SUSTAINED_PREEMPTIONS)
 
 
 class ThresholdLearner:
