@@ -395,16 +395,23 @@ _SERIES_RE = re.compile(r'^[A-Za-z_:][A-Za-z0-9_:]*(\{([A-Za-z_][A-Za-z0-9_]*="[
 _NUMBER_RE = re.compile(r"^[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?$")
 
 
-def parse_price(value: Any, key: str) -> PriceSetting:
-    """A price or intensity: a number >= 0 (also as text, from a flag or the environment), or an http(s) URL:
-    ``.../api/v1/query?query=...`` (Prometheus HTTP API, one sample) or ``.../metrics#series_name`` (an
-    exposition, the series after '#', optionally with its labels: ``name{zone="DE"}``)."""
+# the most a price or an intensity may be, configured or read from a URL: far above any real one (an
+# electricity price of 1e6 currency units per kWh covers every currency; the dirtiest grids emit ~1,200 g
+# CO2e per kWh), and small enough that money and CO2 per day stay finite (1e308 gave +Inf per day)
+PRICE_MAXIMA = {"electricity_price": 1e6, "carbon_intensity": 1e4}
+
+
+def parse_price(value: Any, key: str, quantity: str = "electricity_price") -> PriceSetting:
+    """A price or intensity (``quantity``): a number in [0, PRICE_MAXIMA[quantity]] (also as text, from a flag
+    or the environment), or an http(s) URL: ``.../api/v1/query?query=...`` (Prometheus HTTP API, one sample)
+    or ``.../metrics#series_name`` (an exposition, the series after '#', optionally with its labels:
+    ``name{zone="DE"}``)."""
     expected = ("expected a number >= 0, or an http(s) URL (a Prometheus .../api/v1/query?query=... or a "
                 "/metrics URL with #series_name)")
     if isinstance(value, str) and _NUMBER_RE.match(value.strip()):
         value = float(value.strip())
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return PriceSetting(value=_float_range(0.0)(value, key))
+        return PriceSetting(value=_float_range(0.0, PRICE_MAXIMA[quantity])(value, key))
     if not isinstance(value, str) or url_problem(value, expected):
         shown_value = redacted_url(value) if isinstance(value, str) else value
         raise ConfigError(f"{key}: {url_problem(value, expected) if isinstance(value, str) else expected}, "
@@ -473,7 +480,7 @@ KEYS: dict[str, tuple[str, Any]] = {
     **_from_rule(rules.LOAD_TO_COMPUTE_COST_RATIO, _float_range(0.0)),
     "electricity_price_per_kwh": ("electricity_price", lambda v, k: parse_price(v, k)),
     "electricity_currency": ("electricity_currency", lambda v, k: parse_currency(v, k)),
-    "carbon_intensity_g_per_kwh": ("carbon_intensity", lambda v, k: parse_price(v, k)),
+    "carbon_intensity_g_per_kwh": ("carbon_intensity", lambda v, k: parse_price(v, k, "carbon_intensity")),
     **_from_rule(rules.PRICE_REFRESH, parse_duration),
     **_from_rule(rules.PRICE_MAX_AGE, parse_duration),
     **_from_rule(rules.PHASE_MIN_WINDOWS, _int_pos),
@@ -720,7 +727,7 @@ def apply_environment(cfg: Config, env: dict[str, str] | None = None) -> Config:
 PRICE_ENVIRONMENT = (
     ("KVWATT_ELECTRICITY_PRICE_PER_KWH", "electricity_price", parse_price),
     ("KVWATT_ELECTRICITY_CURRENCY", "electricity_currency", parse_currency),
-    ("KVWATT_CARBON_INTENSITY_G_PER_KWH", "carbon_intensity", parse_price),
+    ("KVWATT_CARBON_INTENSITY_G_PER_KWH", "carbon_intensity", lambda v, k: parse_price(v, k, "carbon_intensity")),
 )
 
 

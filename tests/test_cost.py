@@ -85,6 +85,7 @@ def test_a_price_is_a_number_or_a_url():
     (True, "expected a number >= 0"),
     ("http://prom:9090/metrics", "a URL without #series must be a Prometheus /api/v1/query"),
     ("http://prom:9090/metrics#bad name", "expected a series name"),
+    (1e308, "must be >= 0.0 and <= 1000000.0"),  # once accepted: +Inf money per day
 ])
 def test_a_bad_price_is_one_clear_error(value, message):
     with pytest.raises(ConfigError) as e:
@@ -120,6 +121,7 @@ def test_environment_sets_price_currency_and_intensity():
      "--electricity-price-per-kwh: expected a number >= 0, or an http(s) URL"),
     (["--carbon-intensity-g-per-kwh", "-3"], "--carbon-intensity-g-per-kwh: must be >= 0"),
     (["--electricity-price-per-kwh", "0.3"], "electricity_currency: required"),
+    (["--carbon-intensity-g-per-kwh", "1e308"], "--carbon-intensity-g-per-kwh: must be >= 0.0 and <= 10000.0"),
 ])
 def test_bad_flags_are_one_line_and_exit_2(tmp_path, flags, message):
     from tests.test_bad_input import kvwatt
@@ -164,6 +166,15 @@ def test_only_the_named_series_lines_count_wherever_they_are():
         value_from_exposition("ci_total 2\nci_x{a=\"b\"} 1\n", "ci")
 
 
+def test_a_price_or_intensity_read_beyond_its_bound_is_out_of_range():
+    for quantity, body in (("electricity_price", "p 1e308\n"), ("carbon_intensity", "p 20000\n")):
+        with MetricsServer(lambda: body) as srv:
+            status, value = asyncio.run(_read(PriceSetting(url=srv.url + "/metrics", series="p"), quantity=quantity))
+        assert value is None and status.code == "out_of_range" and "want a finite number in [0, " in status.reason
+    with pytest.raises(ConfigError, match="carbon_intensity_g_per_kwh: must be >= 0.0 and <= 10000.0"):
+        from_mapping({"carbon_intensity_g_per_kwh": 1e308})
+
+
 def test_a_price_answer_is_decoded_off_the_event_loop(monkeypatch):
     """A 5.6 MB answer decoded on the event loop held every scrape for seconds (/metrics 4.15 s against 9.7 ms;
     bench/bench_price_fetch.py measures it): the value is taken from the answer in a worker thread."""
@@ -184,9 +195,9 @@ def test_a_price_answer_is_decoded_off_the_event_loop(monkeypatch):
     assert threads and threading.main_thread() not in threads  # the loop runs in the main thread here
 
 
-async def _read(setting: PriceSetting, timeout: float = 0.5):
+async def _read(setting: PriceSetting, timeout: float = 0.5, quantity: str = "carbon_intensity"):
     async with aiohttp.ClientSession() as session:
-        return await PriceSource("carbon_intensity", setting, timeout, 1 << 20).read(session)
+        return await PriceSource(quantity, setting, timeout, 1 << 20).read(session)
 
 
 def test_read_over_loopback_exposition_and_query():

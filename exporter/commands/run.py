@@ -72,7 +72,8 @@ def price_flags(args: argparse.Namespace) -> dict:
         return None if value is None else parse(value, flag)
     return {"electricity_price": parsed("electricity_price", "--electricity-price-per-kwh", parse_price),
             "electricity_currency": parsed("electricity_currency", "--electricity-currency", parse_currency),
-            "carbon_intensity": parsed("carbon_intensity", "--carbon-intensity-g-per-kwh", parse_price)}
+            "carbon_intensity": parsed("carbon_intensity", "--carbon-intensity-g-per-kwh",
+                                       lambda v, k: parse_price(v, k, "carbon_intensity"))}
 
 
 def web_settings(args: argparse.Namespace, cfg: Config):

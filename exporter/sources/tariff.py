@@ -22,7 +22,7 @@ import time
 
 import aiohttp
 
-from exporter.config import PriceSetting
+from exporter.config import PRICE_MAXIMA, PriceSetting
 from exporter.samples import PriceReading, SourceStatus
 from exporter.sources import expfmt
 from exporter.sources.endpoint import EngineSource
@@ -92,9 +92,9 @@ def _next_line_with(text: str, name: str, start: int) -> int:
     return -1 if i < 0 else i + 1
 
 
-def _checked(value: float) -> float:
-    if not math.isfinite(value) or value < 0:
-        raise SourceError("out_of_range", f"value {value!r}, want a finite number >= 0")
+def _checked(value: float, most: float = math.inf) -> float:
+    if not math.isfinite(value) or value < 0 or value > most:
+        raise SourceError("out_of_range", f"value {value!r}, want a finite number in [0, {most:g}]")
     return value
 
 
@@ -119,8 +119,9 @@ class PriceSource:
         return self.status(True, "", time.monotonic() - started), value
 
     def value_of(self, text: str) -> float:
-        """The value in an answer (CPU only: called in a worker thread)."""
-        return value_from_exposition(text, self.setting.series) if self.setting.series else value_from_query(text)
+        """The value in an answer, at most PRICE_MAXIMA of its quantity (CPU only: called in a worker thread)."""
+        value = value_from_exposition(text, self.setting.series) if self.setting.series else value_from_query(text)
+        return _checked(value, PRICE_MAXIMA.get(self.quantity, math.inf))
 
     def status(self, up: bool, reason: str, seconds: float | None, state: str | None = None) -> SourceStatus:
         return SourceStatus(self.quantity, "", up, reason, seconds, state or ("ok" if up else "down"))
