@@ -373,7 +373,7 @@ def parse_log_format(value: Any, key: str) -> str:
     return _choice(_lowered(value), key, LOG_FORMATS, value)
 
 
-RESERVED_PATHS = ("/", "/healthz", "/api/status")  # kvwatt's other endpoints (exporter/serve/web.py)
+RESERVED_PATHS = ("/", "/healthz", "/api/status", "/runbook")  # kvwatt's other endpoints (serve/web.py build_app)
 _PATH_RE = re.compile(r"^/[A-Za-z0-9._~!$&'()*+,;=:@/-]*$")
 
 

@@ -80,11 +80,24 @@ def test_web_listen_address_is_listen_and_log_flags_override_env_and_file(tmp_pa
     ((), {"KVWATT_LOG_FORMAT": "text"}, ("KVWATT_LOG_FORMAT: expected one of logfmt, json",)),
     (("--web.telemetry-path", "/healthz"), {}, ("--web.telemetry-path: expected a path like /metrics",)),
     (("--web.telemetry-path", "metrics"), {}, ("--web.telemetry-path: expected a path",)),
+    (("--web.telemetry-path", "/runbook"), {}, ("--web.telemetry-path: expected a path like /metrics",
+                                                "/runbook")),  # once accepted: it hid the runbook
     (("--web.listen-address", "nohostport"), {}, ("--listen: expected HOST:PORT",)),
 ])
 def test_bad_log_and_web_flags_are_one_line_and_exit_2(tmp_path, argv, env, parts):
     r = kvwatt("run", "--state-dir", str(tmp_path), *argv, env={"KVWATT_CONFIG": "", **env})
     one_error_line(r, *parts)
+
+
+def test_every_other_endpoint_is_reserved_from_the_telemetry_path():
+    """A path the exposition may not take is each route build_app serves besides it: a new endpoint left out
+    of RESERVED_PATHS could be hidden by --web.telemetry-path, as /runbook was."""
+    from exporter.config import RESERVED_PATHS
+    from exporter.serve.web import build_app
+
+    app = build_app(daemon=None, telemetry_path="/exposition")
+    routes = {r.resource.canonical for r in app.router.routes() if r.method == "GET"}
+    assert routes - {"/exposition"} == set(RESERVED_PATHS), routes
 
 
 def test_a_bad_log_key_in_the_file_names_the_key():
