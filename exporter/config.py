@@ -284,6 +284,12 @@ def _choice(value: Any, key: str, choices: tuple[str, ...], given: Any = None) -
 
 
 def _str(value: Any, key: str) -> str:
+    if isinstance(value, bool):  # YAML 1.1, which PyYAML reads: a server named on, off, yes or no is a boolean
+        raise ConfigError(f"{key}: expected a non-empty string, got {shown(value)} (YAML reads an unquoted on, "
+                          f"off, yes, no, true or false as a boolean: quote it, e.g. \"on\")")
+    if isinstance(value, (int, float)):
+        raise ConfigError(f"{key}: expected a non-empty string, got the number {shown(value)} (quote it, "
+                          f"e.g. \"{value}\")")
     if not isinstance(value, str) or not value:
         raise ConfigError(f"{key}: expected a non-empty string, got {shown(value)}")
     if "\0" in value:  # no path, URL or argument can hold one (the OS refuses it)

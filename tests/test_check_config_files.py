@@ -73,3 +73,18 @@ def test_check_config_names_the_files_it_loaded(tmp_path):
     r = kvwatt("check-config", str(path))
     assert r.returncode == 0, r.stderr
     assert "ok;" in r.stdout and f"loaded: a model_config {tmp_path / 'config.json'}" in r.stdout, r.stdout
+
+
+@pytest.mark.parametrize("word", ["on", "off", "yes", "no"])
+def test_a_server_named_like_a_yaml_boolean_is_told_to_quote_it(tmp_path, word):
+    """YAML 1.1 reads these unquoted as booleans; the error said only 'expected a non-empty string, got True'."""
+    import yaml
+
+    from exporter.config import ConfigError, from_mapping
+    text = f"servers:\n  - {{name: {word}, url: 'http://127.0.0.1:1'}}\n"
+    with pytest.raises(ConfigError, match=r'^servers\[0\]\.name: .*boolean: quote it, e\.g\. "on"\)$'):
+        from_mapping(yaml.safe_load(text))
+    if word == "on":  # the CLI once: one line, exit 2
+        path = tmp_path / "kvwatt.yaml"
+        path.write_text(text)
+        _one_line(kvwatt("check-config", str(path)), "servers[0].name: ", "quote it")
