@@ -313,6 +313,15 @@ def parse_listen(value: Any, key: str) -> str:
     return text
 
 
+def listen_url(listen: str, scheme: str = "http") -> str:
+    """The URL of a HOST:PORT listen address, an IPv6 host in brackets (http://[::1]:8492/, never
+    http://::1:8492/, which no browser opens)."""
+    host, _, port = listen.rpartition(":")
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"{scheme}://{host}:{port}/"
+
+
 def url_problem(text: str, expected: str = "expected an http(s) URL of the vLLM server root") -> str | None:
     """Why ``text`` is not an http(s)://HOST[:PORT] URL with a port in 1-65535 (``expected`` when it is not
     such a URL at all), or None."""

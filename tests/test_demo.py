@@ -162,3 +162,22 @@ def test_kvwatt_run_with_no_server_configured_says_what_to_do_in_its_log(tmp_pat
         proc.communicate(timeout=30)
     line = next(x for x in log.splitlines() if "kvwatt demo" in x)
     assert "no server configured: watching http://127.0.0.1:8000" in line and "--server NAME=URL" in line
+
+
+def test_the_demo_on_ipv6_loopback_logs_a_url_a_browser_opens():
+    """Before: 'open http://::1:PORT/' (unbracketed: no browser or curl reads it as a host and a port)."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "exporter", "demo", "--listen", f"::1:{port}"], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline, line = time.monotonic() + 60, ""
+        while time.monotonic() < deadline and "demo: replaying" not in line:
+            line = proc.stdout.readline()
+            if not line and proc.poll() is not None:
+                break
+    finally:
+        proc.terminate()
+        rest = proc.communicate(timeout=30)[0]
+    assert "demo: replaying" in line, rest[-2000:]
+    url = f"http://[::1]:{port}/"
+    assert f"open {url}" in line and "http://::1" not in line, line

@@ -11,7 +11,7 @@ import logging
 import tempfile
 
 from exporter import logsetup
-from exporter.config import Config, ConfigError, ServerConfig, parse_listen
+from exporter.config import Config, ConfigError, ServerConfig, listen_url, parse_listen
 from exporter.demo import gpus, story
 from exporter.demo.endpoint import Playback, start_engine
 from exporter.sampler import Sampler
@@ -67,8 +67,8 @@ async def _run(listen: str, speed: float) -> None:
     try:
         with tempfile.TemporaryDirectory(prefix="kvwatt-demo-") as state_dir:
             cfg = config(listen, off_url, on_url, playback.length_seconds / speed, state_dir)
-            log.info("demo: replaying a %.0f s capture of a real vLLM engine (energy simulated); open http://%s/",
-                     playback.length_seconds / speed, listen)
+            log.info("demo: replaying a %.0f s capture of a real vLLM engine (energy simulated); open %s",
+                     playback.length_seconds / speed, listen_url(listen))
             sampler = Sampler(cfg, nvml=NvmlSource(module=nvml), rapl=RaplSource(cfg.powercap_root))
             await serve(cfg, sampler=sampler)
     finally:
