@@ -102,12 +102,9 @@ def _duration_at_most(most: float, words: str):
         if seconds > most:
             raise ConfigError(f"{key}: must be at most {words}, got {shown(value)}")
         return seconds
+    parse.duration = True  # exporter/reference.py writes its default as a duration
     return parse
 
-
-# the per-phase regression keeps one row per repeat window of phase_history (a week of 1 s windows is 6e5
-# rows a scope); 1e21 s overflowed the deque's bound at start (a traceback, where check-config said ok)
-MAX_PHASE_HISTORY_SECONDS = 7 * 86400.0
 
 
 def parse_interval(value: Any, key: str) -> float:
@@ -515,7 +512,7 @@ KEYS: dict[str, tuple[str, Any]] = {
     **_from_rule(rules.PRICE_MAX_AGE, parse_duration),
     **_from_rule(rules.PHASE_MIN_WINDOWS, _int_pos),
     **_from_rule(rules.PHASE_MAX_CONDITION, _float_range(1.0)),
-    **_from_rule(rules.PHASE_HISTORY, _duration_at_most(MAX_PHASE_HISTORY_SECONDS, "168h (a week)")),
+    **_from_rule(rules.PHASE_HISTORY, _duration_at_most(rules.PHASE_HISTORY.most, "168h (a week)")),
     "web_config_file": ("web_config_path", _str),
     "log_level": ("log_level", parse_log_level),
     "log_format": ("log_format", parse_log_format),

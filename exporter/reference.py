@@ -73,7 +73,7 @@ def yaml_default(key: str) -> str:
     value = getattr(config.Config(), attribute)
     if value is None:
         return "none"
-    if parse in _DURATION_PARSERS:
+    if parse in _DURATION_PARSERS or getattr(parse, "duration", False):
         text = config.format_window(value)
     elif isinstance(value, tuple):
         text = f"[{', '.join(config.format_window(v) for v in value)}]"

@@ -21,6 +21,7 @@ class Rule:
     meaning: str
     section: str  # docs/methods.md section ("s3"), "" where the rule is operational
     field: str = ""  # Config attribute, when it is not the key
+    most: float | None = None  # the largest value the configuration accepts, where one is needed
 
     @property
     def attribute(self) -> str:
@@ -91,7 +92,10 @@ PHASE_MAX_CONDITION = Rule("phase_max_condition", 100.0, "factor",
                            "s12")
 PHASE_HISTORY = Rule("phase_history", 6 * 3600.0, "seconds",
                      "how long repeat windows are kept for the per-phase energy regression (methods.md s12)", "s12",
-                     "phase_history_seconds")
+                     "phase_history_seconds",
+                     # one row per repeat window (a week of 1 s windows: 6e5 rows a scope); 1e21 s overflowed the
+                     # rows' bound at start (a traceback, where check-config said ok)
+                     most=7 * 86400.0)
 RECOMPUTE_ENERGY_SHARE_THRESHOLD = Rule(
     "recompute_energy_share_threshold", 0.10, "ratio",
     "share of the server's marginal GPU power spent recomputing the tax's prompt tokens above which the alert "
