@@ -110,6 +110,7 @@ def test_two_replicas_with_the_same_start_void_the_first_switch_up():
 @pytest.mark.parametrize("levels", [
     [0, 0, 0, 5000, 5100, 5200, 5300, 5400],  # idle, then a burst of load: kept
     [1e6 + 100 * t for t in range(8)] + [30.0, 130.0],  # a climb, then a genuine reset to ~0
+    [0, 0, 5000, 5000, 0, 100],  # a fresh engine's first burst, then a reset to zero
 ])
 def test_a_burst_or_a_reset_voids_nothing(levels):
     h = ServerHistory(600, name="one")

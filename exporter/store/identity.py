@@ -198,8 +198,8 @@ class IdentityWatch:
             if len(seen) < 2 or now >= seen[-1]:
                 continue
             j = max((i for i in range(len(seen) - 1) if seen[i] <= now), default=None)
-            if j is None or any(v <= now for v in seen[j + 1:]):
-                continue
+            if j is None or seen[j] <= 0 or any(v <= now for v in seen[j + 1:]):
+                continue  # back to zero is a reset of a process that had just started counting, not another
             jump = seen[j + 1] - seen[j]
             rises = [b - a for a, b in zip(seen, seen[1:]) if b > a]
             rises.remove(jump)
