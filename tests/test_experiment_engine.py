@@ -24,14 +24,13 @@ from pathlib import Path
 import pytest
 
 from kvwatt_lab.experiment.plan import load_plan, run_order
-from tests.support.engine import VllmEngine, build_tiny_model, engine_available, free_port
+from tests.support.engine import VllmEngine, build_tiny_model, free_port
 from tests.support.experiment import (SAMPLE_TRACES, is_png, kill_server_group, load_state, pids_serving,
                                       report_json, run_experiment, write_plan)
 from tests.support.power_driver import PowerDriver
 from tests.support.powercap import PowercapTree
 
-pytestmark = [pytest.mark.engine,
-              pytest.mark.skipif(not engine_available(), reason="vLLM venv not installed (scripts/install-deps.sh)")]
+pytestmark = pytest.mark.engine
 
 MAX_MODEL_LEN = 2048
 IDLE_WATTS, JOULES_PER_TOKEN, JOULES_PER_PREFILL_TOKEN = 10.0, 0.02, 0.005
