@@ -12,7 +12,7 @@ The study's workload is the multi-turn shape vllm-metrics.md measured on this en
 300-token start, 300 output + 150 tool tokens per turn), replayed from a kvwatt sessions file. The sample
 Applied Compute traces, scaled to fit a 2,048-token context, ask for 1-30 output tokens per turn, so requests
 hold KV blocks only briefly; measured here at 128 blocks: p95 0.36-0.82 and 0-2 preemptions over 14 settings
-(docs/experiment.md, "Choosing a workload"). They drive the failure-path test.
+(docs/experiment.md, "Choosing a workload for a small test engine"). They drive the failure-path test.
 """
 
 from __future__ import annotations
