@@ -40,7 +40,14 @@ generate: .venv/.kvwatt-installed
 	.venv/bin/python dashboards/generate.py
 	.venv/bin/python deploy/kubernetes/generate.py
 
-check: .venv/.kvwatt-installed
+# the tree's consistency in a minute: the linter (ruff, config in pyproject.toml), the generated artefacts
+# (alerts, dashboards, manifests), the README's reference tables, the golden expositions and the doc map
+check:
+	scripts/install-python.sh
+	.venv/bin/python -m ruff check .
 	.venv/bin/python alerts/generate.py --check
 	.venv/bin/python dashboards/generate.py --check
 	.venv/bin/python deploy/kubernetes/generate.py --check
+	.venv/bin/python -m exporter.reference --check
+	.venv/bin/python -m pytest -q tests/test_golden.py tests/test_doc_references.py \
+	  tests/test_architecture_map.py
