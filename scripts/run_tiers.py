@@ -7,9 +7,9 @@
 Why two passes: the non-engine tiers mostly wait (on kvwatt daemons, Prometheus, chromium, real-time scenarios),
 so pytest-xdist workers overlap them; the real vLLM engine binds a core and its tests time real loads, so that
 tier runs alone, one engine at a time. A ``-m EXPR`` among the arguments narrows both passes. Every pass prints
-its slowest tests (--durations); the last line, "tests: N passed, N failed, N skipped", adds the passes up (CI
-reads it). Exit status: the first failing pass's, else 5 when no pass ran a test (pytest's "no tests"), else 0.
-KVWATT_TEST_WORKERS sets the workers (default 4: two cores, tests that mostly wait).
+its slowest tests (--durations, pyproject.toml); the last line, "tests: N passed, N failed, N skipped", adds the
+passes up (CI reads it). Exit status: the first failing pass's, else 5 when no pass ran a test (pytest's "no
+tests"), else 0. KVWATT_TEST_WORKERS sets the workers (default 4: two cores, tests that mostly wait).
 """
 
 from __future__ import annotations
@@ -77,8 +77,7 @@ def main(argv: list[str]) -> int:
         for n, (name, args) in enumerate(passes(argv[0], user_expr, workers)):
             junit = Path(tmp) / f"pass{n}.xml"
             print(f"\n=== {name}: pytest {' '.join(args + rest)}", flush=True)
-            code = subprocess.call([sys.executable, "-m", "pytest", "--durations=30", "--durations-min=2",
-                                    f"--junitxml={junit}", *args, *rest], cwd=REPO)
+            code = subprocess.call([sys.executable, "-m", "pytest", f"--junitxml={junit}", *args, *rest], cwd=REPO)
             got = counts(junit)
             if code == NO_TESTS:
                 continue

@@ -15,7 +15,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 SCANNED = ["exporter", "lab/kvwatt_lab", "docs", "alerts", "dashboards", "deploy", "bench", "scripts", "tests",
            "README.md", "examples"]
-REFERENCE = re.compile(r'(?P<file>[\w./-]*\b[\w-]+\.md),?\s+(?:\#\s*)?"(?P<section>[^"\n]+(?:\n\s*(?:\#\s*)?[^"\n]+)?)"')
+REFERENCE = re.compile(r'(?P<file>[\w./-]*\b[\w-]+\.md),?\s+(?:\#\s*)?'
+                       r'"(?P<section>[^"\n]+(?:\n\s*(?:\#\s*)?[^"\n]+)?)"')
 NOT_SECTIONS = {
     ("alerts/README.md", "runbook_base_url"): "a configuration key that file explains, named in quotes",
 }

@@ -124,7 +124,8 @@ def test_tier_timeout_applied(request):
 
 
 def test_long_unmarked_tests_fail_and_engine_tests_need_the_engine(tmp_path):
-    env = dict(os.environ, KVWATT_SLOW_SECONDS="1", KVWATT_VLLM_PYTHON=str(tmp_path / "no-venv" / "bin" / "python"),
+    env = dict(os.environ, KVWATT_SLOW_SECONDS="1",
+               KVWATT_VLLM_PYTHON=str(tmp_path / "no-venv" / "bin" / "python"),
                PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     project = tmp_path / "project"
     project.mkdir()
@@ -133,7 +134,8 @@ def test_long_unmarked_tests_fail_and_engine_tests_need_the_engine(tmp_path):
     r = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rA", "-W", "ignore", "."],
                        cwd=project, env=env, capture_output=True, text=True, timeout=120)
     out = r.stdout + r.stderr
-    outcome = dict((name, word) for word, name in re.findall(r"^(PASSED|FAILED|ERROR) test_timed\.py::(\w+)", out, re.M))
+    outcome = dict((name, word) for word, name in
+                   re.findall(r"^(PASSED|FAILED|ERROR) test_timed\.py::(\w+)", out, re.M))
     assert outcome == {"test_unmarked_long": "FAILED", "test_marked_long": "PASSED", "test_unmarked_short": "PASSED",
                        "test_engine_without_the_engine": "ERROR", "test_tier_timeout_applied": "PASSED"}, out
     assert re.search(r"test_unmarked_long ran \d+ s \(> \d+ s\) without a tier marker", out), out
