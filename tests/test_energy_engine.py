@@ -1,7 +1,8 @@
-"""Issue 3 end to end on a REAL vLLM engine: the engine generates tokens; a powercap tree (the test double
-for RAPL, which no machine here has) is advanced by a known power model, idle W plus J per generated token,
-from the engine's own token counter polled at 20 Hz. kvwatt must learn the idle baseline and report the
-marginal J/token within 1 % of the model's values, computed independently of kvwatt."""
+"""Idle baseline and marginal J/token (methods.md s1) end to end on a REAL vLLM engine (the shared 2000-block one):
+the engine generates tokens; a powercap tree (the test double for RAPL, which no machine here has) is advanced by a
+known power model, idle W plus J per generated token, from the engine's own token counter polled at 20 Hz. kvwatt
+must learn the idle baseline and report the marginal J/token within 1 % of the model's values, computed
+independently of kvwatt."""
 
 import multiprocessing
 import threading

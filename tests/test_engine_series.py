@@ -1,4 +1,4 @@
-"""The engines' current series (issue 22): each engine's newer exposition, built from its metric definitions at a
+"""The engines' current series: each engine's newer exposition, built from its metric definitions at a
 cited commit (the section "Series added since the adapter was written" of tests/data/<engine>/README.md), read through its adapter, the values worked out
 by hand from the file; one read per engine over loopback HTTP; and ``_created`` samples never taken as a
 counter's value.

