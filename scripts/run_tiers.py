@@ -1,16 +1,17 @@
 """Runs pytest in passes and closes with one line for all of them (scripts/test.sh, scripts/test-fast.sh).
 
-    python scripts/run_tiers.py all  [pytest args...]   # every tier but the engine in parallel workers, then the
-                                                        # engine tier serially
+    python scripts/run_tiers.py all  [pytest args...]   # the fast tier, then the prom, browser and slow tiers,
+                                                        # each in parallel workers, then the engine tier serially
     python scripts/run_tiers.py fast [pytest args...]   # the fast tier, in parallel workers
 
-Why two passes: the non-engine tiers mostly wait (on kvwatt daemons, Prometheus, chromium, real-time scenarios),
-so pytest-xdist workers overlap them; the real vLLM engine binds a core and its tests time real loads, so that
-tier runs alone, one engine at a time. A ``-m EXPR`` among the arguments narrows both passes. Every pass prints
+Why three passes: the prom, browser and slow tiers mostly wait (on kvwatt daemons, Prometheus, chromium,
+real-time scenarios), so pytest-xdist workers overlap them, more workers than cores (KVWATT_WAIT_WORKERS, default
+4); the fast tier has tests that time themselves against a baseline measured alongside, so it gets one worker
+per core (KVWATT_TEST_WORKERS, default 2); the real vLLM engine binds a core and its tests time real loads, so
+that tier runs alone, one engine at a time. A ``-m EXPR`` among the arguments narrows every pass. Every pass prints
 its slowest tests (--durations, pyproject.toml); the last line, "tests: N passed, N failed, N skipped", adds the
 passes up (CI reads it). Exit status: the first failing pass's, else 5 when no pass ran a test (pytest's "no
-tests"), else 0. KVWATT_TEST_WORKERS sets the workers (default 4: two cores, tests that mostly wait).
-"""
+tests"), else 0. """
 
 from __future__ import annotations
 
@@ -45,11 +46,18 @@ def both(a: str, b: str | None) -> str:
     return a if not b else f"({a}) and ({b})"
 
 
-def passes(kind: str, user_expr: str | None, workers: str) -> list[tuple[str, list[str]]]:
-    parallel = ["-n", workers, "--dist", "loadfile"] if workers not in ("0", "1") else []
+def parallel(workers: str) -> list[str]:
+    return ["-n", workers, "--dist", "loadfile"] if workers not in ("0", "1") else []
+
+
+def passes(kind: str, user_expr: str | None) -> list[tuple[str, list[str]]]:
+    fast = ("fast tier", ["-m", both(FAST, user_expr), *parallel(os.environ.get("KVWATT_TEST_WORKERS", "2"))])
     if kind == "fast":
-        return [("fast tier", ["-m", both(FAST, user_expr), *parallel])]
-    return [("every tier but the engine", ["-m", both("not engine", user_expr), *parallel]),
+        return [fast]
+    waiting = parallel(os.environ.get("KVWATT_WAIT_WORKERS", "4"))
+    return [fast,
+            ("prom, browser and slow tiers", ["-m", both("not engine and (prom or browser or slow)", user_expr),
+                                              *waiting]),
             ("engine tier (serial)", ["-m", both("engine", user_expr)])]
 
 
@@ -70,11 +78,10 @@ def main(argv: list[str]) -> int:
         print("usage: run_tiers.py all|fast [pytest args...]", file=sys.stderr)
         return 2
     user_expr, rest = split_marker(argv[1:])
-    workers = os.environ.get("KVWATT_TEST_WORKERS", "4")
     total = {"passed": 0, "failed": 0, "skipped": 0}
     status, ran = 0, False
     with tempfile.TemporaryDirectory(prefix="kvwatt-junit-") as tmp:
-        for n, (name, args) in enumerate(passes(argv[0], user_expr, workers)):
+        for n, (name, args) in enumerate(passes(argv[0], user_expr)):
             junit = Path(tmp) / f"pass{n}.xml"
             print(f"\n=== {name}: pytest {' '.join(args + rest)}", flush=True)
             code = subprocess.call([sys.executable, "-m", "pytest", f"--junitxml={junit}", *args, *rest], cwd=REPO)

@@ -317,6 +317,7 @@ def _clean_env() -> dict[str, str]:
     return env
 
 
+@pytest.mark.slow  # a pip install into a fresh environment: a minute quiet, several on a loaded machine
 def test_image_build_stage_replayed(tmp_path):
     """Replays the build stage's WORKDIR/COPY/ENV/RUN lines with container paths under a temp root: the
     install command works on the repo, the environment the final stage copies runs `kvwatt`, holds no

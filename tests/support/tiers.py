@@ -33,7 +33,7 @@ PROM_BINARIES = {"prometheus", "promtool", "amtool", "alertmanager", "prometheus
 BROWSER_BINARIES = {"chromium", "chromium-browser"}
 REPO = Path(__file__).resolve().parents[2]
 
-SLOW_SECONDS = float(os.environ.get("KVWATT_SLOW_SECONDS", "30"))  # the env: tests/test_tiers.py
+SLOW_SECONDS = float(os.environ.get("KVWATT_SLOW_SECONDS", "60"))  # the env: tests/test_tiers.py
 # generous: an engine test's first user waits for the engine's start (up to 600 s on a loaded machine), and
 # `kvwatt experiment` tests restart engines per run
 TIMEOUT_SECONDS = {"engine": 1800, "prom": 600, "slow": 600, "browser": 300, None: 300}
