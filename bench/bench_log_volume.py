@@ -22,7 +22,6 @@ import tempfile
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 
 from _support import FIXTURE, REPO
 

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _support import (FixtureServers, daemon_servers, fake_gpus, fake_nvml_latency_in_effect,  # noqa: E402
                       start_canary, summary, table, HERE)
 
-from tests.support.daemon import KvwattDaemon, parse_exposition  # noqa: E402
+from tests.support.daemon import KvwattDaemon  # noqa: E402
 from tests.support.engine import free_port  # noqa: E402
 
 TARGET_MS = 5.0

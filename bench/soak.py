@@ -1,5 +1,5 @@
 """An hour-long soak, time-compressed: RSS at the plateau, the longest garbage-collector pause and /metrics
-latency of the daemon holding a full hour of history (issue 23 item 6).
+latency of the daemon holding a full hour of history (docs/architecture.md "Windows").
 
     .venv/bin/python bench/soak.py [--servers 8] [--gpus 8] [--interval 0.25] [--windows 60,3600]
                                    [--fill-seconds auto] [--measure 60] [--derive-every 16] [--untuned]

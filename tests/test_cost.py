@@ -16,7 +16,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from exporter.config import (Config, ConfigError, PriceSetting, apply_environment, from_mapping, parse_currency,
                              parse_price, resolve)
 from exporter.derive import cost
-from exporter.model.cost import Prices
 from exporter.sampler import Sampler
 from exporter.serve.collector import families
 from exporter.serve.exposition import Exposition
@@ -56,13 +55,11 @@ def test_unknown_in_is_unknown_out_never_zero():
     assert cost.marginal_watts(1000.0, 400.0, 10.0) == pytest.approx(60.0)
 
 
-def test_the_model_hook_gives_money_and_kilograms_per_day():
-    prices = Prices(from_mapping({"electricity_price_per_kwh": 0.2, "electricity_currency": "eur",
-                                  "carbon_intensity_g_per_kwh": 300}))
-    money, kg = prices.cost_of_watts(500.0)  # 12 kWh/day
-    assert money == pytest.approx(2.4) and kg == pytest.approx(3.6)
-    assert prices.cost_of_watts(None) == (None, None)
-    assert Prices(Config()).cost_of_watts(500.0) == (None, None)
+def test_a_power_held_for_a_day_in_money_and_kilograms():
+    """The arithmetic Prices.cost_of_energy applies to the marginal power, the tax and the saving in W."""
+    assert cost.money_per_day(500.0, 0.2) == pytest.approx(2.4)  # 12 kWh/day
+    assert cost.co2e_grams_per_day(500.0, 300) == pytest.approx(3600.0)  # 3.6 kg
+    assert cost.money_per_day(None, 0.2) is None and cost.co2e_grams_per_day(500.0, None) is None
 
 
 # --- configuration ----------------------------------------------------------------------------------------

@@ -164,9 +164,11 @@ def test_dockerfile_installs_kvwatt_with_the_test_suites_command():
         if "install-kvwatt.sh" not in r.args:
             assert not PIP_INSTALL_RE.search(r.args), f"a second install path in the Dockerfile: RUN {r.args}"
 
-    deps = (REPO / "scripts" / "install-deps.sh").read_text(encoding="utf-8")
+    # the test suite's Python environment (make test via install-deps.sh, make test-fast directly)
+    deps = (REPO / "scripts" / "install-python.sh").read_text(encoding="utf-8")
+    assert "scripts/install-python.sh" in (REPO / "scripts" / "install-deps.sh").read_text(encoding="utf-8")
     test_calls = install_calls(shell_commands(deps))
-    assert len(test_calls) == 1, f"scripts/install-deps.sh must call install-kvwatt.sh once: {test_calls}"
+    assert len(test_calls) == 1, f"scripts/install-python.sh must call install-kvwatt.sh once: {test_calls}"
 
     (d_script, d_pip, d_target, *d_extra), = docker_calls
     (t_script, t_pip, t_target, *t_extra), = test_calls
@@ -181,7 +183,7 @@ def test_dockerfile_installs_kvwatt_with_the_test_suites_command():
     assert any(c[-3:] == ["-m", "venv", d_venv] for r in build_runs for c in shell_commands(r.args)), \
         f"the Dockerfile must create {d_venv} with python -m venv"
     t_venv = t_pip.removesuffix("/bin/pip")
-    assert re.search(rf'-m venv {re.escape(t_venv)}\b', deps), f"install-deps.sh must create {t_venv}"
+    assert re.search(rf'-m venv {re.escape(t_venv)}\b', deps), f"install-python.sh must create {t_venv}"
     # the same project: the repo root, with the test extras on the test side only
     assert d_target == "." and t_target.split("[")[0] == ".", (d_target, t_target)
     assert (REPO / "pyproject.toml").exists()
@@ -315,6 +317,7 @@ def _clean_env() -> dict[str, str]:
     return env
 
 
+@pytest.mark.slow  # a pip install into a fresh environment: a minute quiet, several on a loaded machine
 def test_image_build_stage_replayed(tmp_path):
     """Replays the build stage's WORKDIR/COPY/ENV/RUN lines with container paths under a temp root: the
     install command works on the repo, the environment the final stage copies runs `kvwatt`, holds no

@@ -1,7 +1,8 @@
-"""Issue 3 end to end on a REAL vLLM engine: the engine generates tokens; a powercap tree (the test double
-for RAPL, which no machine here has) is advanced by a known power model, idle W plus J per generated token,
-from the engine's own token counter polled at 20 Hz. kvwatt must learn the idle baseline and report the
-marginal J/token within 1 % of the model's values, computed independently of kvwatt."""
+"""Idle baseline and marginal J/token (methods.md s1) end to end on a REAL vLLM engine (the shared 2000-block one):
+the engine generates tokens; a powercap tree (the test double for RAPL, which no machine here has) is advanced by a
+known power model, idle W plus J per generated token, from the engine's own token counter polled at 20 Hz. kvwatt
+must learn the idle baseline and report the marginal J/token within 1 % of the model's values, computed
+independently of kvwatt."""
 
 import multiprocessing
 import threading
@@ -13,11 +14,10 @@ import requests
 from exporter.sources.expfmt import parse
 from exporter.sources.vllm import extract
 from tests.support.daemon import KvwattDaemon
-from tests.support.engine import VllmEngine, build_tiny_model
 from tests.support.powercap import PowercapTree
 from tests.support.workload import drive
 
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.shares_engine(blocks=2000)]
 # ~100 W at this engine's ~3k tok/s. The double is advanced by a Python thread that can stall for a second on
 # 2 busy cores and then write a catch-up burst; kept well under RAPL's 1 kW plausibility guard so that no
 # burst is dropped as implausible (a real RAPL counter never stalls like that).
@@ -73,46 +73,46 @@ class EnginePower:
         self.proc.join(timeout)
 
 
-def test_marginal_joules_per_token_and_idle_baseline_within_one_percent(tmp_path):
+def test_marginal_joules_per_token_and_idle_baseline_within_one_percent(tmp_path, engines):
     tree = PowercapTree(tmp_path / "host")
     zone = tree.add_zone("package-0")
     config = {"powercap_root": tree.root, "state_dir": str(tmp_path / "state"), "nvml": False,
               "idle_settle": "2s", "idle_min_duration": "30s", "min_load_duration": "30s", "windows": ["5m"]}
-    with VllmEngine(build_tiny_model(), num_gpu_blocks=2000, max_model_len=2048) as engine:
-        power = EnginePower(tree, zone, engine.url)
-        power.start()
-        try:
-            # 1. kvwatt learns P_idle from an idle stretch of the running server and persists it
-            with KvwattDaemon(servers={"local": engine.url}, config=config, interval="500ms") as d:
-                idle = d.wait_for(lambda d: d.value("kvwatt_host_idle_power_watts", zone="package-0",
-                                                    domain="package"), timeout=90, what="a learned baseline")
-            assert idle == pytest.approx(IDLE_WATTS, rel=0.01)
-            # 2. a restarted kvwatt starts with the persisted baseline; its window holds idle, the whole load
-            #    (> 30 s) and idle again, so both window edges fall where no tokens flow
-            with KvwattDaemon(servers={"local": engine.url}, config=config, interval="500ms") as d:
-                reloaded = d.value("kvwatt_host_idle_power_watts", zone="package-0", domain="package")
-                raw0 = (time.monotonic(), tree.energy_uj(zone), tokens_now(engine.url),
-                        d.value("kvwatt_host_energy_joules_total", zone="package-0", domain="package"))
-                time.sleep(3)
-                start, rounds = time.monotonic(), 0
-                while time.monotonic() - start < 36:
-                    drive(engine.url, sessions=10, turns=2)
-                    rounds += 1
-                time.sleep(3)
-                raw1 = (time.monotonic(), tree.energy_uj(zone), tokens_now(engine.url),
-                        d.value("kvwatt_host_energy_joules_total", zone="package-0", domain="package"))
-                marginal = d.value("kvwatt_marginal_energy_per_token_joules", server="local", scope="host",
-                                   window="5m")
-                total = d.value("kvwatt_energy_per_token_joules", server="local", scope="host", window="5m")
-                tps = d.value("kvwatt_generation_tokens_per_second", server="local", window="5m")
-                covered = d.value("kvwatt_window_covered_seconds", server="local", window="5m")
-                kvwatt_log = d.log()
-                basis = d.status()["servers"][0]["windows"]["5m"].get("energy")
-                diag = "\n".join(l for l in d.metrics_text().splitlines() if "energy" in l or "idle" in l
-                                  or "covered" in l or "tokens_per" in l)
-        finally:
-            power.halt.set()
-            power.join(5)
+    engine = engines.get(blocks=2000)
+    power = EnginePower(tree, zone, engine.url)
+    power.start()
+    try:
+        # 1. kvwatt learns P_idle from an idle stretch of the running server and persists it
+        with KvwattDaemon(servers={"local": engine.url}, config=config, interval="500ms") as d:
+            idle = d.wait_for(lambda d: d.value("kvwatt_host_idle_power_watts", zone="package-0",
+                                                domain="package"), timeout=90, what="a learned baseline")
+        assert idle == pytest.approx(IDLE_WATTS, rel=0.01)
+        # 2. a restarted kvwatt starts with the persisted baseline; its window holds idle, the whole load
+        #    (> 30 s) and idle again, so both window edges fall where no tokens flow
+        with KvwattDaemon(servers={"local": engine.url}, config=config, interval="500ms") as d:
+            reloaded = d.value("kvwatt_host_idle_power_watts", zone="package-0", domain="package")
+            raw0 = (time.monotonic(), tree.energy_uj(zone), tokens_now(engine.url),
+                    d.value("kvwatt_host_energy_joules_total", zone="package-0", domain="package"))
+            time.sleep(3)
+            start, rounds = time.monotonic(), 0
+            while time.monotonic() - start < 36:
+                drive(engine.url, sessions=10, turns=2)
+                rounds += 1
+            time.sleep(3)
+            raw1 = (time.monotonic(), tree.energy_uj(zone), tokens_now(engine.url),
+                    d.value("kvwatt_host_energy_joules_total", zone="package-0", domain="package"))
+            marginal = d.value("kvwatt_marginal_energy_per_token_joules", server="local", scope="host",
+                               window="5m")
+            total = d.value("kvwatt_energy_per_token_joules", server="local", scope="host", window="5m")
+            tps = d.value("kvwatt_generation_tokens_per_second", server="local", window="5m")
+            covered = d.value("kvwatt_window_covered_seconds", server="local", window="5m")
+            kvwatt_log = d.log()
+            basis = d.status()["servers"][0]["windows"]["5m"].get("energy")
+            diag = "\n".join(l for l in d.metrics_text().splitlines() if "energy" in l or "idle" in l
+                              or "covered" in l or "tokens_per" in l)
+    finally:
+        power.halt.set()
+        power.join(5)
     tokens = tps * covered
     expected_total = JOULES_PER_TOKEN + IDLE_WATTS * covered / tokens
     print(f"\nidle {idle:.3f} W (model {IDLE_WATTS}), marginal {marginal} J/token (model {JOULES_PER_TOKEN}), "

@@ -21,9 +21,9 @@ import pytest
 
 from exporter.sources.expfmt import parse, parse_families, process_start_time
 from exporter.samples import EngineReading, EngineInfo
-from exporter.sources import engine
+from exporter.sources import combine, engine
 from exporter.sources.engine import (CAPABILITIES, CAPABILITY_KEYS, COUNTER_KEYS, GAUGE_KEYS, EngineAdapter,
-                                     SourceError, adapter_for, adapters)
+                                     SourceError, adapters)
 from exporter.sources.vllm import COUNTERS, GAUGES_SUM, NEEDED_FAMILIES, VllmAdapter, extract
 from exporter.sources.endpoint import EngineSource
 from exporter.sources.vllm_names import RENAMES
@@ -54,10 +54,10 @@ def test_registry_has_vllm_first_and_auto_detects():
     assert adapters()[0].name == "vllm" and engine.adapters()[0].name == "vllm"
     assert isinstance(adapters()[0], EngineAdapter)
     text = (FIXTURES / "idle" / "000.prom").read_text()
-    assert adapter_for(text).name == "vllm"
-    assert adapter_for("tgi_queue_size 1\n").name == "vllm"  # nobody claims it: vLLM, which says no
+    assert combine.pick(text)[0].name == "vllm"
+    assert combine.pick("tgi_queue_size 1\n") == (None, [])  # nobody claims it: vLLM reads it, and says no
     with pytest.raises(SourceError) as e:
-        adapter_for("tgi_queue_size 1\n").read("tgi_queue_size 1\n")
+        combine.read_exposition("tgi_queue_size 1\n")
     assert e.value.reason == "parse_error"
 
 
@@ -74,8 +74,8 @@ def test_a_registered_adapter_is_detected(monkeypatch):
     monkeypatch.setattr(engine, "_REGISTRY", list(engine._REGISTRY))
     engine.register(Fake())
     assert [a.name for a in adapters()] == ["vllm", "sglang", "trtllm", "lmcache", "dynamo", "fake"]
-    assert adapter_for("fake:tokens 3\n").name == "fake"
-    assert adapter_for("vllm:generation_tokens_total 3\n").name == "vllm"
+    assert combine.pick("fake:tokens 3\n")[0].name == "fake"
+    assert combine.pick("vllm:generation_tokens_total 3\n")[0].name == "vllm"
     reading = EngineSource("s", "http://x", 1, 1).decode("fake:tokens 3\n")
     assert reading.engine == "fake"
 

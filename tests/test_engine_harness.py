@@ -8,11 +8,9 @@ import urllib.request
 
 import pytest
 
-from tests.support.engine import (SERVED_MODEL_NAME, VllmEngine, build_tiny_model, engine_available, free_port,
-                                 group_members)
+from tests.support.engine import SERVED_MODEL_NAME, VllmEngine, build_tiny_model, group_members
 
-pytestmark = [pytest.mark.engine,
-              pytest.mark.skipif(not engine_available(), reason="vLLM venv not installed (scripts/install-deps.sh)")]
+pytestmark = pytest.mark.engine
 
 
 def _post_json(url: str, body: dict) -> dict:
@@ -32,9 +30,9 @@ def test_tiny_model_is_cached(tmp_path):
     assert os.stat(os.path.join(model_dir, "model.safetensors")).st_mtime_ns == before
 
 
-def test_engine_serves_exact_lengths_and_stops_cleanly(tmp_path):
-    engine = VllmEngine(build_tiny_model(), port=free_port(), num_gpu_blocks=128, max_model_len=2048,
-                        log_path=tmp_path / "vllm.log")
+@pytest.mark.takes_engine(blocks=2000)  # started by the pool (the harness's start), stopped here
+def test_engine_serves_exact_lengths_and_stops_cleanly(engines):
+    engine = engines.take(blocks=2000)
     with engine:
         assert engine.url == f"http://127.0.0.1:{engine.port}"
         body = {"model": SERVED_MODEL_NAME, "prompt": list(range(10, 110)), "max_tokens": 7, "min_tokens": 7,

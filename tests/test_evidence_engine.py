@@ -2,7 +2,7 @@
 beside an engine already pressed by eight agentic sessions must not learn a "low-pressure" reference from it
 (the old rule learned 84.6 % from the first window and reported a +1.4-point tax while 86 % of the prompt was
 recomputed), so it never reports a tax near zero, never says "below" while the engine preempts, and says the
-tax is unknown with the reason (methods.md s10). ~4 minutes, most of it the engine's start.
+tax is unknown with the reason (methods.md s10). ~2 minutes on the shared 128-block engine.
 
 The second test is the same engine started with ``--kv-cache-metrics --kv-cache-metrics-sample 1.0``: its own
 eviction record (methods.md s11) makes kvwatt know the pressure within minutes though it has no reference: the
@@ -21,7 +21,7 @@ import pytest
 from exporter.sources.expfmt import parse
 from exporter.sources.vllm import extract
 from tests.support.daemon import KvwattDaemon
-from tests.support.engine import VllmEngine, build_tiny_model
+from tests.support.engine import KV_CACHE_METRICS
 from tests.support.verdict import counters, share_of
 
 pytestmark = pytest.mark.engine
@@ -39,35 +39,32 @@ def replay(engine, concurrency: int, seconds: int, tmp_path) -> subprocess.Popen
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
-FLAGS = ["--kv-cache-metrics", "--kv-cache-metrics-sample", "1.0"]
-
-
 def preemptions(engine) -> float:
     return extract(parse(engine.metrics_text())).counters.get("preemptions", 0.0)
 
 
-def test_started_beside_a_pressured_engine_the_tax_is_unknown_not_small(tmp_path):
-    with VllmEngine(build_tiny_model(), num_gpu_blocks=128, max_model_len=2048,
-                    log_path=tmp_path / "engine.log") as engine:
-        load = replay(engine, 8, LOAD_SECONDS, tmp_path)
-        try:
-            time.sleep(25)  # the engine is busy before kvwatt starts
-            seen = []
-            config = {"windows": ["1m"], "threshold_window": "15s"}
-            with KvwattDaemon(servers={"local": engine.url}, interval="250ms", config=config) as d:
-                before, counted = preemptions(engine), counters(engine)
-                end = time.monotonic() + WATCH_SECONDS
-                while time.monotonic() < end:
-                    s = d.status()["servers"][0]
-                    w = s["windows"].get("1m", {})
-                    seen.append((w.get("recompute_tax"), w.get("preemptions_per_minute"), s["regime"],
-                                 s["tax_state"], s["tax_reason"], w.get("kv_usage_p95")))
-                    time.sleep(1.0)
-                preempted = preemptions(engine) - before
-                recomputed = share_of(counted, counters(engine))
-        finally:
-            load.kill()
-            load.wait(timeout=30)
+@pytest.mark.shares_engine(blocks=128)
+def test_started_beside_a_pressured_engine_the_tax_is_unknown_not_small(tmp_path, engines):
+    engine = engines.get(blocks=128)
+    load = replay(engine, 8, LOAD_SECONDS, tmp_path)
+    try:
+        time.sleep(25)  # the engine is busy before kvwatt starts
+        seen = []
+        config = {"windows": ["1m"], "threshold_window": "15s"}
+        with KvwattDaemon(servers={"local": engine.url}, interval="250ms", config=config) as d:
+            before, counted = preemptions(engine), counters(engine)
+            end = time.monotonic() + WATCH_SECONDS
+            while time.monotonic() < end:
+                s = d.status()["servers"][0]
+                w = s["windows"].get("1m", {})
+                seen.append((w.get("recompute_tax"), w.get("preemptions_per_minute"), s["regime"],
+                             s["tax_state"], s["tax_reason"], w.get("kv_usage_p95")))
+                time.sleep(1.0)
+            preempted = preemptions(engine) - before
+            recomputed = share_of(counted, counters(engine))
+    finally:
+        load.kill()
+        load.wait(timeout=30)
     # the premise: eight sessions on 128 blocks really pressed the cache while kvwatt watched, by the engine's own
     # counters: it preempted, or it recomputed most of its prompt tokens (6 % with 2000 blocks, tests/support/
     # verdict.py; in one CI run the cache sat at p95 0.75 through the 75 s watch without a single preemption)
@@ -79,29 +76,29 @@ def test_started_beside_a_pressured_engine_the_tax_is_unknown_not_small(tmp_path
     assert unknown and unknown[-1][4].startswith("no low-pressure window seen yet: "), seen[-5:]
 
 
-def test_started_beside_a_pressured_engine_with_kv_cache_metrics_the_pressure_is_known(tmp_path):
-    with VllmEngine(build_tiny_model(), num_gpu_blocks=128, max_model_len=2048, extra_args=FLAGS,
-                    log_path=tmp_path / "engine.log") as engine:
-        load = replay(engine, 8, LOAD_SECONDS, tmp_path)
-        try:
-            time.sleep(25)  # the engine is busy before kvwatt starts
-            seen = []
-            config = {"windows": ["1m"], "threshold_window": "15s"}
-            server = {"url": engine.url, "kv_cache_metrics_sample": 1.0}
-            with KvwattDaemon(servers={"local": server}, interval="250ms", config=config) as d:
-                started = time.monotonic()
-                end = started + WATCH_SECONDS
-                while time.monotonic() < end:
-                    s = d.status()["servers"][0]
-                    w = s["windows"].get("1m", {})
-                    seen.append((round(time.monotonic() - started, 1), w.get("residency_evidence"), s["regime"],
-                                 s["tax_state"], s["tax_reason"], w.get("kv_usage_p95"),
-                                 w.get("kv_evictions_per_prompt_block"), s["reference_state"],
-                                 s["evidence"]["pressured"]))
-                    time.sleep(1.0)
-        finally:
-            load.kill()
-            load.wait(timeout=30)
+@pytest.mark.shares_engine(blocks=128, flags=KV_CACHE_METRICS)
+def test_started_beside_a_pressured_engine_with_kv_cache_metrics_the_pressure_is_known(tmp_path, engines):
+    engine = engines.get(blocks=128, flags=KV_CACHE_METRICS)
+    load = replay(engine, 8, LOAD_SECONDS, tmp_path)
+    try:
+        time.sleep(25)  # the engine is busy before kvwatt starts
+        seen = []
+        config = {"windows": ["1m"], "threshold_window": "15s"}
+        server = {"url": engine.url, "kv_cache_metrics_sample": 1.0}
+        with KvwattDaemon(servers={"local": server}, interval="250ms", config=config) as d:
+            started = time.monotonic()
+            end = started + WATCH_SECONDS
+            while time.monotonic() < end:
+                s = d.status()["servers"][0]
+                w = s["windows"].get("1m", {})
+                seen.append((round(time.monotonic() - started, 1), w.get("residency_evidence"), s["regime"],
+                             s["tax_state"], s["tax_reason"], w.get("kv_usage_p95"),
+                             w.get("kv_evictions_per_prompt_block"), s["reference_state"],
+                             s["evidence"]["pressured"]))
+                time.sleep(1.0)
+    finally:
+        load.kill()
+        load.wait(timeout=30)
     pressured = [x for x in seen if x[1] == "pressure"]
     assert pressured, seen[-5:]
     assert not [x for x in pressured if x[2] == "below"], pressured  # never "below" on the engine's evidence

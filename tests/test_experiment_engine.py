@@ -12,7 +12,7 @@ The study's workload is the multi-turn shape vllm-metrics.md measured on this en
 300-token start, 300 output + 150 tool tokens per turn), replayed from a kvwatt sessions file. The sample
 Applied Compute traces, scaled to fit a 2,048-token context, ask for 1-30 output tokens per turn, so requests
 hold KV blocks only briefly; measured here at 128 blocks: p95 0.36-0.82 and 0-2 preemptions over 14 settings
-(docs/experiment.md, "Choosing a workload"). They drive the failure-path test.
+(docs/experiment.md, "Choosing a workload for a small test engine"). They drive the failure-path test.
 """
 
 from __future__ import annotations
@@ -24,14 +24,13 @@ from pathlib import Path
 import pytest
 
 from kvwatt_lab.experiment.plan import load_plan, run_order
-from tests.support.engine import VllmEngine, build_tiny_model, engine_available, free_port
+from tests.support.engine import VllmEngine, build_tiny_model, free_port
 from tests.support.experiment import (SAMPLE_TRACES, is_png, kill_server_group, load_state, pids_serving,
                                       report_json, run_experiment, write_plan)
 from tests.support.power_driver import PowerDriver
 from tests.support.powercap import PowercapTree
 
-pytestmark = [pytest.mark.engine,
-              pytest.mark.skipif(not engine_available(), reason="vLLM venv not installed (scripts/install-deps.sh)")]
+pytestmark = pytest.mark.engine
 
 MAX_MODEL_LEN = 2048
 IDLE_WATTS, JOULES_PER_TOKEN, JOULES_PER_PREFILL_TOKEN = 10.0, 0.02, 0.005

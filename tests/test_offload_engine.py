@@ -1,8 +1,8 @@
-"""Issue 4, the OFF path on a REAL vLLM engine (offloading cannot run on a CPU engine, vllm-metrics.md):
-kappa observed and the `potential` saving (baseline="potential": an OFF server's own label value, never
-"estimated") come from the engine's real token counters, and kappa_crit and the break-even come from the tiny
-model's own config.json. GPU energy comes from the NVML test double (no GPU here) at a constant board power,
-so the estimate has J/token to price with."""
+"""Offloading figures (methods.md s2, s7), the OFF path on a REAL vLLM engine (offloading cannot run on a CPU
+engine, vllm-metrics.md): kappa observed and the `potential` saving (baseline="potential": an OFF server's own label
+value, never "estimated") come from the engine's real token counters, and kappa_crit and the break-even come from
+the tiny model's own config.json. GPU energy comes from the NVML test double (no GPU here) at a constant board
+power, so the estimate has J/token to price with."""
 
 import json
 import time
@@ -14,17 +14,17 @@ from exporter.sources import model_config
 from exporter.sources.expfmt import parse
 from exporter.sources.vllm import extract
 from tests.support.daemon import KvwattDaemon
-from tests.support.engine import VllmEngine, build_tiny_model
+from tests.support.engine import build_tiny_model
 from tests.support.fake_gpus import FakeGpus
 from tests.support.workload import drive
 
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.shares_engine(blocks=2000)]
 GPU = "GPU-0ff0-engine"
 REFERENCE, GPU_WATTS, IDLE_WATTS, REPEAT_SECONDS = 0.039, 200.0, 50.0, 4.0
 HARDWARE = {"flops_per_second": 1.0e12, "host_device_bytes_per_second": 1.0e10}
 
 
-def test_off_server_kappa_and_potential_saving_from_real_counters(tmp_path):
+def test_off_server_kappa_and_potential_saving_from_real_counters(tmp_path, engines):
     model_dir = build_tiny_model()
     gpus = FakeGpus(tmp_path / "gpus.json")
     gpus.add(GPU, power_mw=GPU_WATTS * 1000, counter_follows_power=True, t0=time.monotonic())
@@ -32,34 +32,34 @@ def test_off_server_kappa_and_potential_saving_from_real_counters(tmp_path):
     server = {"gpus": [GPU], "model_config": str(Path(model_dir) / "config.json"), "hardware": HARDWARE,
               "reference_local_compute_share": REFERENCE}
     config = {"windows": ["1m"], "min_load_duration": f"{REPEAT_SECONDS}s", "idle_power_watts": {f"gpu:{GPU}": IDLE_WATTS}}
-    with VllmEngine(model_dir, num_gpu_blocks=2000, max_model_len=2048) as engine:
-        server["url"] = engine.url
-        with KvwattDaemon(servers={"off": server}, config=config, env=gpus.env(), interval="500ms") as d:
-            before = extract(parse(engine.metrics_text())).counters
-            # >= 3 repeats of load however fast the machine: 2 x 16 fresh sessions (16 of <= 1,950 tokens fit
-            # the 2,000 16-token blocks), then 10 that repeat earlier prompts (cache hits: windows with no tax)
-            t_load = time.monotonic()
-            drive(engine.url, sessions=16)
-            drive(engine.url, sessions=16, first_session=100)
-            drive(engine.url, sessions=10, turns=2)
-            extra = 0
-            while time.monotonic() - t_load < 3.5 * REPEAT_SECONDS:  # a fast machine: more fresh prompts, so
-                drive(engine.url, sessions=8, first_session=200 + 8 * extra)  # >= 3 grid windows hold load
-                extra += 1
-            after = extract(parse(engine.metrics_text())).counters
-            load_seconds = time.monotonic() - t_load
-            # repeat windows are buckets of a fixed 4 s grid shared with a paired twin; wait for the bucket the
-            # load ended in to complete (and be read) so every loaded window counts
-            time.sleep(REPEAT_SECONDS + 1.5)
-            kappa_obs = d.value("kvwatt_cached_to_prefill_ratio", server="off", window="1m")
-            saving = d.value("kvwatt_energy_saving_ratio", server="off", window="1m", baseline="potential")
-            windows = d.value("kvwatt_comparison_windows", server="off", window="1m", baseline="potential")
-            crit = d.value("kvwatt_critical_cached_to_prefill_ratio", server="off")
-            breakeven = d.value("kvwatt_recompute_breakeven_tokens", server="off")
-            offload = d.value("kvwatt_offload_enabled", server="off")
-            # an OFF server has no `estimated` saving (that is an offloading server's model estimate)
-            estimated = d.value("kvwatt_energy_saving_ratio", server="off", window="1m", baseline="estimated")
-            status = d.status()["servers"][0]
+    engine = engines.get(blocks=2000)
+    server["url"] = engine.url
+    with KvwattDaemon(servers={"off": server}, config=config, env=gpus.env(), interval="500ms") as d:
+        before = extract(parse(engine.metrics_text())).counters
+        # >= 3 repeats of load however fast the machine: 2 x 16 fresh sessions (16 of <= 1,950 tokens fit
+        # the 2,000 16-token blocks), then 10 that repeat earlier prompts (cache hits: windows with no tax)
+        t_load = time.monotonic()
+        drive(engine.url, sessions=16)
+        drive(engine.url, sessions=16, first_session=100)
+        drive(engine.url, sessions=10, turns=2)
+        extra = 0
+        while time.monotonic() - t_load < 3.5 * REPEAT_SECONDS:  # a fast machine: more fresh prompts, so
+            drive(engine.url, sessions=8, first_session=200 + 8 * extra)  # >= 3 grid windows hold load
+            extra += 1
+        after = extract(parse(engine.metrics_text())).counters
+        load_seconds = time.monotonic() - t_load
+        # repeat windows are buckets of a fixed 4 s grid shared with a paired twin; wait for the bucket the
+        # load ended in to complete (and be read) so every loaded window counts
+        time.sleep(REPEAT_SECONDS + 1.5)
+        kappa_obs = d.value("kvwatt_cached_to_prefill_ratio", server="off", window="1m")
+        saving = d.value("kvwatt_energy_saving_ratio", server="off", window="1m", baseline="potential")
+        windows = d.value("kvwatt_comparison_windows", server="off", window="1m", baseline="potential")
+        crit = d.value("kvwatt_critical_cached_to_prefill_ratio", server="off")
+        breakeven = d.value("kvwatt_recompute_breakeven_tokens", server="off")
+        offload = d.value("kvwatt_offload_enabled", server="off")
+        # an OFF server has no `estimated` saving (that is an offloading server's model estimate)
+        estimated = d.value("kvwatt_energy_saving_ratio", server="off", window="1m", baseline="estimated")
+        status = d.status()["servers"][0]
     local = after["prompt_local_compute"] - before["prompt_local_compute"]
     external = after["prompt_external_kv_transfer"] - before["prompt_external_kv_transfer"]
     assert offload == 0 and local > 0

@@ -190,7 +190,6 @@ def test_fakevllm_drives_the_nvml_double(tmp_path):
     with FakeVllm(sim.collapsing_on(steady_seconds=10), auto=False) as fv:
         fv.attach_gpu(gpus, "GPU-a")
         fv.step(10)
-        g = FakeGpus.__new__(FakeGpus)
         import json
         state = json.loads((tmp_path / "gpus.json").read_text())["gpus"][0]
         assert state["energy_mj"] == 1_000_000 + int(fv.gpu_energy_joules() * 1000)

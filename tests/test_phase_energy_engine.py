@@ -1,11 +1,12 @@
-"""Issue 21 on a REAL vLLM engine: the per-phase energy estimate (methods.md s12) exists and is stable across
-windows. The engine computes prompt tokens and generates tokens; the energy is a DOUBLE (the CPU engine has no
-energy counter kvwatt could read here: a powercap tree is advanced by a known power model of the engine's own
+"""Per-phase energy costs on a REAL vLLM engine: the per-phase energy estimate (methods.md s12) exists and is stable
+across windows. The engine computes prompt tokens and generates tokens; the energy is a DOUBLE (the CPU engine has
+no energy counter kvwatt could read here: a powercap tree is advanced by a known power model of the engine's own
 counters, idle W + J per computed prompt token + J per generated token, polled at 20 Hz). So this proves the
 plumbing (the engine's token sources, kvwatt's repeat windows, the regression, the exported figures) and the
-estimate's stability on a real engine's token mix, not a CPU's per-phase costs (bench/phase_energy_gpu.py
-measures those on a GPU). The load draws prompt-heavy, decode-heavy and mixed rounds of random size at random so
-the mix varies across kvwatt's 5 s repeat windows.
+estimate's stability on a real engine's token mix, not a CPU's per-phase costs (bench/phase_energy_gpu.py measures
+those on a GPU). The load draws prompt-heavy, decode-heavy and mixed rounds of random size at random so the mix
+varies across kvwatt's 5 s repeat windows. The engine is the shared 2000-block one (the largest round, 8 x 1,504
+tokens, takes 376 blocks: nothing is preempted), its prefix cache emptied before the test.
 
 What it asserts: the estimate becomes measured (identifiable), lies within 4 of its SEs of the double's costs
 and tells the phases apart (prompt cheaper than generated, as the double; the prior prices them equal), and is
@@ -24,11 +25,10 @@ import requests
 from exporter.sources.expfmt import parse
 from exporter.sources.vllm import extract
 from tests.support.daemon import KvwattDaemon
-from tests.support.engine import VllmEngine, build_tiny_model
 from tests.support.powercap import PowercapTree
 from tests.support.workload import drive
 
-pytestmark = [pytest.mark.engine, pytest.mark.slow]
+pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.shares_engine(blocks=2000)]
 IDLE_WATTS, J_PROMPT, J_GENERATED = 40.0, 0.004, 0.02  # prefill 5x cheaper per token than decode
 HOST = {"zone": "package-0", "domain": "package"}
 
@@ -64,36 +64,36 @@ def _costs(d):
             for p in ("prompt_computed", "generated")}
 
 
-def test_the_per_phase_estimate_exists_and_is_stable_on_the_real_engine(tmp_path):
+def test_the_per_phase_estimate_exists_and_is_stable_on_the_real_engine(tmp_path, engines):
     tree = PowercapTree(tmp_path / "host")
     zone = tree.add_zone("package-0")
     config = {"powercap_root": tree.root, "state_dir": str(tmp_path / "state"), "nvml": False,
               "idle_power_watts": {"rapl:package-0:package": IDLE_WATTS}, "idle_min_duration": "1h",
               "min_load_duration": "5s", "windows": ["1m"], "phase_min_windows": 12}
     readings, session = [], 0
-    with VllmEngine(build_tiny_model(), num_gpu_blocks=4000, max_model_len=2048) as engine:
-        ctx = multiprocessing.get_context("fork")
-        halt = ctx.Event()
-        power = ctx.Process(target=_power_model, args=(tree, zone, engine.url, halt), daemon=True)
-        power.start()
-        try:
-            with KvwattDaemon(servers={"local": engine.url}, config=config, interval="500ms") as d:
-                start = time.monotonic()
-                rng = random.Random(21)
-                while time.monotonic() - start < 200:
-                    n = rng.randint(2, 8)
-                    start_tokens, output = rng.choice([(1500, 4), (40, 200), (600, 60)])
-                    # fresh sessions (new ids): no prefix-cache hits, every prompt token computed
-                    drive(engine.url, sessions=n, turns=1, first_session=session, start=start_tokens, output=output)
-                    session += n
-                    state = d.status()["servers"][0].get("phase_costs", {}).get("host", {})
-                    if state.get("source") == "measured":
-                        readings.append((time.monotonic() - start, state["windows"], _costs(d)))
-                status = d.status()["servers"][0]["phase_costs"]["host"]
-                log = d.log()
-        finally:
-            halt.set()
-            power.join(5)
+    engine = engines.get(blocks=2000)
+    ctx = multiprocessing.get_context("fork")
+    halt = ctx.Event()
+    power = ctx.Process(target=_power_model, args=(tree, zone, engine.url, halt), daemon=True)
+    power.start()
+    try:
+        with KvwattDaemon(servers={"local": engine.url}, config=config, interval="500ms") as d:
+            start = time.monotonic()
+            rng = random.Random(21)
+            while time.monotonic() - start < 200:
+                n = rng.randint(2, 8)
+                start_tokens, output = rng.choice([(1500, 4), (40, 200), (600, 60)])
+                # fresh sessions (new ids): no prefix-cache hits, every prompt token computed
+                drive(engine.url, sessions=n, turns=1, first_session=session, start=start_tokens, output=output)
+                session += n
+                state = d.status()["servers"][0].get("phase_costs", {}).get("host", {})
+                if state.get("source") == "measured":
+                    readings.append((time.monotonic() - start, state["windows"], _costs(d)))
+            status = d.status()["servers"][0]["phase_costs"]["host"]
+            log = d.log()
+    finally:
+        halt.set()
+        power.join(5)
     print(f"\nphase costs: {status}\nreadings (s, windows, costs): {readings}\n{log[-3000:]}")
     assert status["state"] == "known" and status["source"] == "measured", status
     final = status["prompt_computed"]["joules_per_token"], status["generated"]["joules_per_token"]

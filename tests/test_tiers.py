@@ -1,6 +1,8 @@
 """The tiers' guard (tests/support/tiers.py): a test that starts the engine's python, a Prometheus binary or
-chromium without its marker fails, the same test with its marker runs. Stand-in programs with those names
-are started in a separate pytest run, so no real slow dependency is needed."""
+chromium without its marker fails, the same test with its marker runs; an unmarked test that runs longer than
+the slow limit fails, marked slow it runs; an engine test without the engine fails with the install step.
+Stand-in programs with those names are started in a separate pytest run, so no real slow dependency is
+needed."""
 
 import os
 import re
@@ -89,4 +91,53 @@ def test_unmarked_starts_fail_and_marked_ones_run(tmp_path):
     assert "test_unmarked_amtool_error_swallowed starts amtool without @pytest.mark.prom" in out
     assert "test_unmarked_engine starts python without @pytest.mark.engine" in out
     assert "starts chromium without @pytest.mark.browser" in out
+    assert r.returncode == 1
+
+
+ALL_HOOKS = ("from tests.support.tiers import pytest_collection_modifyitems, pytest_configure, "
+             "pytest_runtest_makereport, pytest_runtest_protocol, pytest_runtest_setup\n")
+TIMED = '''
+import time
+import pytest
+from tests.support import tiers
+
+def over_the_limit():
+    time.sleep(tiers.slow_limit_seconds() + 0.5)
+
+def test_unmarked_long():
+    over_the_limit()
+
+@pytest.mark.slow
+def test_marked_long():
+    over_the_limit()
+
+def test_unmarked_short():
+    pass
+
+@pytest.mark.engine
+def test_engine_without_the_engine():
+    pass
+
+def test_tier_timeout_applied(request):
+    assert request.node.get_closest_marker("timeout").args == (tiers.TIMEOUT_SECONDS[None],)
+'''
+
+
+def test_long_unmarked_tests_fail_and_engine_tests_need_the_engine(tmp_path):
+    env = dict(os.environ, KVWATT_SLOW_SECONDS="1",
+               KVWATT_VLLM_PYTHON=str(tmp_path / "no-venv" / "bin" / "python"),
+               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "conftest.py").write_text(ALL_HOOKS)
+    (project / "test_timed.py").write_text(TIMED)
+    r = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rA", "-W", "ignore", "."],
+                       cwd=project, env=env, capture_output=True, text=True, timeout=120)
+    out = r.stdout + r.stderr
+    outcome = dict((name, word) for word, name in
+                   re.findall(r"^(PASSED|FAILED|ERROR) test_timed\.py::(\w+)", out, re.M))
+    assert outcome == {"test_unmarked_long": "FAILED", "test_marked_long": "PASSED", "test_unmarked_short": "PASSED",
+                       "test_engine_without_the_engine": "ERROR", "test_tier_timeout_applied": "PASSED"}, out
+    assert re.search(r"test_unmarked_long ran \d+ s \(> \d+ s\) without a tier marker", out), out
+    assert "the vLLM engine is not installed" in out and "make test" in out
     assert r.returncode == 1

@@ -21,7 +21,6 @@ from exporter.config import from_mapping
 from exporter.samples import REASON_CODES, reason_code
 from exporter.sampler import Sampler
 from exporter.sources.nvml import NvmlSource
-from exporter.sources.rapl import RaplSource
 from exporter.sources.endpoint import EngineSource
 from tests.conftest import FIXTURES
 from tests.support import vllm_sim as sim

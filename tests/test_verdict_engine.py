@@ -7,7 +7,8 @@ model/evidence_book.py):
 - kvwatt restarted under load with the same state directory has its located threshold back (the same value)
   and its regime within one window of the restart.
 
-Each ~3-4 minutes on 2 cores, most of it the engine's start. Run with KVWATT_VLLM_PYTHON set. Each test prints
+Both on the shared 128-block engine (the epoch test takes it over and stops it, so it runs last). Each ~2-4
+minutes on 2 cores. Each test prints
 what it measured (pytest -s)."""
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.daemon import KvwattDaemon
-from tests.support.engine import VllmEngine, build_tiny_model, free_port
+from tests.support.engine import VllmEngine, build_tiny_model
 
 pytestmark = pytest.mark.engine
 
@@ -58,62 +59,33 @@ def engine(port: int, blocks: int, tmp_path: Path) -> VllmEngine:
                       log_path=tmp_path / f"engine-{blocks}.log")
 
 
-def test_an_engine_restarted_with_another_cache_size_starts_a_new_epoch(tmp_path):
-    port = free_port()
+@pytest.mark.shares_engine(blocks=BLOCKS)
+def test_kvwatt_restarted_under_load_keeps_its_threshold_and_regime(tmp_path, engines):
     config = {**CONFIG, "state_dir": str(tmp_path / "state")}
-    with engine(port, BLOCKS, tmp_path) as first:
-        with KvwattDaemon(servers={"local": first.url}, interval="250ms", config=config) as d:
-            load = replay(first, 8, 60, tmp_path)
-            try:
-                before = d.wait_for(lambda d: server(d)["evidence"]["windows"] >= 2 and server(d), timeout=90,
-                                    what="evidence windows on the first engine")
-            finally:
-                stop(load)
-            first.stop()
-            with engine(port, OTHER_BLOCKS, tmp_path):  # the same URL, another KV cache
-                after = d.wait_for(lambda d: "num_gpu_blocks" in server(d)["epoch"]["cause"] and server(d),
-                                   timeout=60, what="a new epoch")
-                time.sleep(3)  # a few more ticks: the change is said once, not per tick
-                later = server(d)
-                log = Path(d.log_path).read_text()
-    print(f"\nepoch before: {before['epoch']}, evidence {before['evidence']['windows']} windows; "
-          f"after: {after['epoch']}, evidence {after['evidence']['windows']} windows")
-    assert before["evidence"]["windows"] >= 2
-    cause = after["epoch"]["cause"]
-    assert re.search(rf"num_gpu_blocks '?{BLOCKS}(\.0)?'? -> '?{OTHER_BLOCKS}(\.0)?'?", cause), cause
-    assert after["epoch"]["started"] > before["epoch"]["started"]
-    assert after["evidence"]["windows"] == 0 and after["evidence_windows"] == 0
-    assert after["threshold_located"] is None and after["reference_windows"] == 0
-    assert later["epoch"] == after["epoch"]
-    assert log.count("set aside (a new evidence epoch)") == 1, log[-3000:]
-
-
-def test_kvwatt_restarted_under_load_keeps_its_threshold_and_regime(tmp_path):
-    config = {**CONFIG, "state_dir": str(tmp_path / "state")}
-    with engine(free_port(), BLOCKS, tmp_path) as eng:
-        with KvwattDaemon(servers={"local": eng.url}, interval="250ms", config=config) as d:
-            quiet = replay(eng, 1, 45, tmp_path)  # clean windows: one session fits the cache
-            quiet.wait(timeout=120)
-            load = replay(eng, 8, 240, tmp_path)  # pressure: preemptions and a tax
-            try:
-                before = d.wait_for(lambda d: server(d)["threshold_source"] == "located"
-                                    and server(d)["regime"] == "above" and server(d), timeout=120,
-                                    what="a located threshold and the regime above it")
-                d.stop()
-                again = KvwattDaemon(servers={"local": eng.url}, interval="250ms", config=config)
-                restarted = time.monotonic()  # from the new process's start
-                with again:
-                    first = again.wait_for(server, timeout=10, what="the first snapshot")
-                    seen = []  # (seconds since the restart, regime, its reason, window p95, threshold in use)
-                    while time.monotonic() - restarted < WINDOW_SECONDS + 10:
-                        s = server(again)
-                        p95 = (s["windows"].get(WINDOW) or {}).get("kv_usage_p95")
-                        seen.append((round(time.monotonic() - restarted, 1), s["regime"], s["regime_reason"], p95,
-                                     s["threshold_in_use"]))
-                        time.sleep(0.5)
-                    log = Path(again.log_path).read_text()
-            finally:
-                stop(load)
+    eng = engines.get(blocks=BLOCKS)
+    with KvwattDaemon(servers={"local": eng.url}, interval="250ms", config=config) as d:
+        quiet = replay(eng, 1, 45, tmp_path)  # clean windows: one session fits the cache
+        quiet.wait(timeout=120)
+        load = replay(eng, 8, 240, tmp_path)  # pressure: preemptions and a tax
+        try:
+            before = d.wait_for(lambda d: server(d)["threshold_source"] == "located"
+                                and server(d)["regime"] == "above" and server(d), timeout=120,
+                                what="a located threshold and the regime above it")
+            d.stop()
+            again = KvwattDaemon(servers={"local": eng.url}, interval="250ms", config=config)
+            restarted = time.monotonic()  # from the new process's start
+            with again:
+                first = again.wait_for(server, timeout=10, what="the first snapshot")
+                seen = []  # (seconds since the restart, regime, its reason, window p95, threshold in use)
+                while time.monotonic() - restarted < WINDOW_SECONDS + 10:
+                    s = server(again)
+                    p95 = (s["windows"].get(WINDOW) or {}).get("kv_usage_p95")
+                    seen.append((round(time.monotonic() - restarted, 1), s["regime"], s["regime_reason"], p95,
+                                 s["threshold_in_use"]))
+                    time.sleep(0.5)
+                log = Path(again.log_path).read_text()
+        finally:
+            stop(load)
     to_regime = next((t for t, regime, *_ in seen if regime == before["regime"]), None)
     print(f"\nthreshold before restart: {before['threshold_in_use']} ({before['threshold_located']['method']}, "
           f"{before['threshold_located']['windows']} windows), after: {first['threshold_in_use']}; regime before "
@@ -129,3 +101,36 @@ def test_kvwatt_restarted_under_load_keeps_its_threshold_and_regime(tmp_path):
     lo, hi = before["threshold_located"]["low"], before["threshold_located"]["high"]
     assert all(x[4] is not None and lo <= x[4] <= hi for x in seen), (lo, hi, seen)
     assert "set aside" not in log  # the same engine: the stored epoch holds
+
+
+@pytest.mark.takes_engine(blocks=BLOCKS)  # stops the shared engine and starts another on its port
+def test_an_engine_restarted_with_another_cache_size_starts_a_new_epoch(tmp_path, engines):
+    config = {**CONFIG, "state_dir": str(tmp_path / "state")}
+    first = engines.take(blocks=BLOCKS)
+    try:
+        with KvwattDaemon(servers={"local": first.url}, interval="250ms", config=config) as d:
+            load = replay(first, 8, 60, tmp_path)
+            try:
+                before = d.wait_for(lambda d: server(d)["evidence"]["windows"] >= 2 and server(d), timeout=90,
+                                    what="evidence windows on the first engine")
+            finally:
+                stop(load)
+            first.stop()
+            with engine(first.port, OTHER_BLOCKS, tmp_path):  # the same URL, another KV cache
+                after = d.wait_for(lambda d: "num_gpu_blocks" in server(d)["epoch"]["cause"] and server(d),
+                                   timeout=60, what="a new epoch")
+                time.sleep(3)  # a few more ticks: the change is said once, not per tick
+                later = server(d)
+                log = Path(d.log_path).read_text()
+    finally:
+        first.stop()
+    print(f"\nepoch before: {before['epoch']}, evidence {before['evidence']['windows']} windows; "
+          f"after: {after['epoch']}, evidence {after['evidence']['windows']} windows")
+    assert before["evidence"]["windows"] >= 2
+    cause = after["epoch"]["cause"]
+    assert re.search(rf"num_gpu_blocks '?{BLOCKS}(\.0)?'? -> '?{OTHER_BLOCKS}(\.0)?'?", cause), cause
+    assert after["epoch"]["started"] > before["epoch"]["started"]
+    assert after["evidence"]["windows"] == 0 and after["evidence_windows"] == 0
+    assert after["threshold_located"] is None and after["reference_windows"] == 0
+    assert later["epoch"] == after["epoch"]
+    assert log.count("set aside (a new evidence epoch)") == 1, log[-3000:]

@@ -51,9 +51,6 @@ class SimulatedNvml:
     def nvmlDeviceGetUUID(self, handle: int) -> str:
         return self.gpus[handle][0]
 
-    def nvmlDeviceGetName(self, handle: int) -> str:
-        return "kvwatt demo: simulated GPU"
-
     def nvmlDeviceGetTotalEnergyConsumption(self, handle: int) -> int:
         """Millijoules since the demo started (an H100's counter starts at its boot; kvwatt uses differences)."""
         generated, computed, reloaded = self.gpus[handle][1]()

@@ -14,7 +14,7 @@ Three-valued logic (unknown is never a fake zero): each condition is True, False
 samples, no GPU energy or idle baseline, no history to compare with). The classic set is True only when all
 five are True, False as soon as one is False, else None (cannot be asserted or denied; ``reason`` says why).
 
-Reference level (docs/offload.md "Collapse thresholds"): the 90th percentile of generation tokens/s over
+Reference level (docs/offload.md "Collapse signature"): the 90th percentile of generation tokens/s over
 non-overlapping recent-window-sized buckets in the ``reference_seconds`` before the recent window. The buckets
 are the completed ones of the fixed grid [k*W, (k+1)*W) of the monotonic clock (W = recent_seconds) lying
 wholly inside that period, so ServerHistory keeps them incrementally (when ``now`` is not on the grid, the

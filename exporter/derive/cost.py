@@ -15,7 +15,6 @@ JOULES_PER_KWH = 3.6e6
 SECONDS_PER_DAY = 86_400.0
 TOKENS_PER_MILLION = 1e6
 TOKENS_PER_THOUSAND = 1e3
-GRAMS_PER_KILOGRAM = 1e3  # the model hook and the page speak kg per day; the series grams (base unit)
 
 
 def kwh_per_day(watts: float) -> float:

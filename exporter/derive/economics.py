@@ -1,4 +1,5 @@
-"""Energy saving and throughput gain of offloading (methods.md s2), three ways. docs/offload.md "dE kinds".
+"""Energy saving and throughput gain of offloading (methods.md s2), three ways. docs/offload.md "Energy saving and
+throughput gain" (the dE kinds).
 
     dE   = (J/tok_OFF - J/tok_ON) / J/tok_OFF         (ratio; positive = offloading saves energy)
     dTPS = (TPS_ON - TPS_OFF) / TPS_OFF
@@ -338,7 +339,7 @@ def price_from_roofline(active_parameters: float, flops_per_second: float) -> Ca
     """J_c per window = (2 * N_act / F) x the window's marginal GPU power: the time the GPU would spend
     recomputing one prompt token at its achieved FLOP rate, at the power it draws above idle while busy.
     Prefill runs near the achieved FLOP rate, so this prices recomputation as compute-bound work, far below
-    a decode token's J (docs/offload.md "estimated")."""
+    a decode token's J (docs/offload.md "Energy saving and throughput gain", the `estimated` kind)."""
     seconds_per_token = 2.0 * active_parameters / flops_per_second
 
     def price(w: WindowStat) -> float | None:

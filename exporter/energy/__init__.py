@@ -1,2 +1,2 @@
-"""Energy accounting: idle baselines (baseline), device-to-server attribution (attribution), the daemon's
-per-tick energy side (runtime) and the `kvwatt baseline idle` command (idle_command). docs/energy.md."""
+"""Energy accounting: idle baselines (baseline), device-to-server attribution (attribution) and the `kvwatt
+baseline idle` measurement (idle); the per-tick energy side is exporter/model/energy.py. docs/energy.md."""

@@ -1,9 +1,8 @@
-"""Money and carbon in the model: the price and carbon intensity in force at a tick, and the hook that turns a
-power figure (W) into money and kg CO2e per day (docs/energy.md, "Money and carbon").
+"""Money and carbon in the model: the price and carbon intensity in force at a tick, and the window's energy
+figures in money and CO2e per day (docs/energy.md, "Money and carbon").
 
     prices = Prices(cfg)
     prices.ingest(tick)                          # the URLs' values, as the sampler last read them
-    prices.cost_of_watts(120.0)                  # -> (money per day, kg CO2e per day), None where not set
     prices.with_costs(window_figures)            # the window's CostFigures from its energy figures
 
 A configured number is in force from the start; a URL's value once read (unknown after its staleness limit).
@@ -52,13 +51,6 @@ class Prices:
     @property
     def any_configured(self) -> bool:
         return any(s is not None for s in self.settings.values())
-
-    def cost_of_watts(self, watts: float | None) -> tuple[float | None, float | None]:
-        """A power held for a day (a marginal energy rate, the recomputation tax or an offload saving in W) ->
-        (money per day in the configured currency, kg CO2e per day); None where unknown or not configured."""
-        grams = cost.co2e_grams_per_day(watts, self.value("carbon_intensity"))
-        return (cost.money_per_day(watts, self.value("electricity_price")),
-                None if grams is None else grams / cost.GRAMS_PER_KILOGRAM)
 
     def cost_of_energy(self, e: EnergyFigure, tax_watts: float | None = None,
                        saved_watts: float | None = None) -> CostFigure:

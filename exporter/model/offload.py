@@ -57,7 +57,8 @@ def price(agg, cfg: Config, so: OffloadSetup):
 def savings(agg, on: Sequence[economics.WindowStat], on_total: Sequence[economics.WindowStat],
             off: Sequence[economics.WindowStat] | None, enabled: bool, reference_share: float | None,
             cfg: Config, so: OffloadSetup, costs: PhaseCosts | None = None) -> tuple[SavingFigure, ...]:
-    """dE / dTPS of one window for each baseline kind available (methods.md s2; docs/offload.md "dE kinds").
+    """dE / dTPS of one window for each baseline kind available (methods.md s2; docs/offload.md "Energy saving
+    and throughput gain").
 
     ``on``: this server's repeat windows (marginal GPU J/token); ``on_total`` the same with total J/token (for
     a profile recorded without P_idle); ``off``: the paired OFF twin's windows, when configured and watched.

@@ -181,7 +181,7 @@ class ServerModel:
         return offload.residency((self.gauges or {}).get("offload_buffer_tokens"), tokens.write_tokens_per_second)
 
     def _newest_series(self, agg: WindowAggregate) -> dict:
-        """The figures from vLLM's newest series (issue 14): preemptions per request, admission rejections,
+        """The figures from vLLM's newest series (0.30+, docs/vllm-metrics.md): preemptions per request, admission rejections,
         offload tiers; each absent where the engine does not export its series."""
         hist = preemption.histogram(agg)
         return {"preemptions_per_request": preemption.quantiles(hist),

@@ -14,7 +14,7 @@ from __future__ import annotations
 from html import escape
 from typing import Callable
 
-from exporter import catalog
+from exporter import catalog, rules
 from exporter.serve.page_assets import CSS, JS, REFRESH_SECONDS
 
 UNKNOWN = '<span class="unknown">unknown</span>'
@@ -460,7 +460,8 @@ def _threshold_words(s: dict) -> tuple[float | None, str]:
     if loc:
         return th, (f" The threshold is the configured one; this server's own history puts "
                     f"it at {_pct(loc['ratio'])} ({_pct(loc['low'])}–{_pct(loc['high'])}, {loc['windows']} windows).")
-    return th, (" The threshold is the configured one (0.90 by default, where a published study found offloading "
+    return th, (f" The threshold is the configured one ({rules.KV_PRESSURE_THRESHOLD.default:.2f} by default, where "
+                "a published study found offloading "
                 "starts to pay; the kv_pressure_threshold setting): a server can pay a "
                 "recompute tax below it; kvwatt locates this server's own once its history holds windows below "
                 "and above the onset.")

@@ -215,11 +215,3 @@ def adapters() -> tuple[EngineAdapter, ...]:
     registered later."""
     return tuple(adapter for _, _, adapter in _REGISTRY)
 
-
-def adapter_for(text: str) -> EngineAdapter:
-    """The first adapter that recognises the text; vLLM when none does (its read then says parse_error)."""
-    found = adapters()
-    for adapter in found:
-        if adapter.detect(text):
-            return adapter
-    return found[0]

@@ -189,5 +189,3 @@ def process_start_time(text: str) -> float | None:
     return v if math.isfinite(v) else None
 
 
-def finite(v: float | None) -> bool:
-    return v is not None and math.isfinite(v)

@@ -154,13 +154,6 @@ def pool_fractions(series: dict[str, Series], pick: Pick, spec: EngineSpec, key:
     return pools or None
 
 
-def highest(series: dict[str, Series], pick: Pick, spec: EngineSpec, key: str,
-            rejected: dict[str, str]) -> float | None:
-    """The highest picked sample of a fraction (the fullest rank), None when absent or out of [0, 1]."""
-    pools = pool_fractions(series, pick, spec, key, rejected)
-    return max(pools.values()) if pools else None
-
-
 def model_name(series: dict[str, Series]) -> str:
     for samples in series.values():
         for labels in samples:

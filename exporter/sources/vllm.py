@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import logging
 
-from exporter.sources.expfmt import Exposition, Labels, parse, parse_families, process_start_time
+from exporter.sources.expfmt import Exposition, Labels, parse_families, process_start_time
 from exporter.samples import EngineReading, EngineInfo
-from exporter.sources.engine import (KV_POOL_USAGE, OFFLOAD_BUFFER, VLLM_ORDER, EngineAdapter, SourceError,
+from exporter.sources.engine import (KV_POOL_USAGE, OFFLOAD_BUFFER, VLLM_ORDER, SourceError,
                                      capabilities_of, labelled_key, register)
 from exporter.sources.ranges import GIB, MAX_VALUE, OUT_OF_RANGE
 from exporter.sources.vllm_names import RENAMES

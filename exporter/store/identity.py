@@ -1,5 +1,5 @@
 """Whose counters a reading holds: the process identity behind a server's URL, and the steps no delta may
-cross (issue 23 item 1).
+cross (docs/architecture.md "Data-parallel engines and value ranges").
 
 The identity of a reading is (process_start_time_seconds, engine adapter, model name). Two processes behind one
 URL (a Kubernetes Service in front of two replicas, an upstream alternating vLLM and SGLang) give readings of

