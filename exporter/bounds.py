@@ -329,7 +329,9 @@ class BoundsCheck:
     def __init__(self, defs: Iterable) -> None:
         self.defs = tuple(defs)
         self.by_name = {d.name: d for d in self.defs}
-        self.counts: dict[tuple[str, str], float] = {}  # (figure, kind) -> figures rejected so far
+        # (figure, kind) -> figures rejected so far; every family's series from 0 (Prometheus' advice for a
+        # labelled counter: rate() and increase() see the first rejection)
+        self.counts: dict[tuple[str, str], float] = {(d.name, d.bounds.kind): 0.0 for d in self.defs if d.bounds}
         self.current: dict[tuple, Rejection] = {}
         self._last_t: float | None = None
 
