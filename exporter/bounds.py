@@ -145,21 +145,18 @@ def _token_rate(v: float, _w: Where) -> str | None:
     return None
 
 
-def _cost_of(attr: str) -> Callable[[Where], object]:
-    def find(where: Where):
-        w = where.window()
-        return next((c for c in (w.costs if w else ()) if c.scope == where.labels.get("scope")), None)
-    return find
+def _cost(where: Where):
+    """The CostFigure of the sample's server, window and scope, or None."""
+    w = where.window()
+    return next((c for c in (w.costs if w else ()) if c.scope == where.labels.get("scope")), None)
 
 
 def priced_watts(watts_of: Callable[[object, Where], "float | None"], quantity: str, factor: float,
                  watts_words: str) -> Test:
     """Money or CO2 per day = the watts it prices x 24 h / 1000 x the price (or intensity) per kWh: finite,
     and equal to it (so it is unknown when the watts are)."""
-    find = _cost_of("")
-
     def test(v: float, where: Where) -> str | None:
-        cost, price = find(where), where.price(quantity)
+        cost, price = _cost(where), where.price(quantity)
         watts = None if cost is None else watts_of(cost, where)
         if watts is None or price is None:
             return f"{v:.6g} prices {watts_words} that are unknown (or no {quantity})"
