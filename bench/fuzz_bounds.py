@@ -4,10 +4,11 @@ real vLLM adapter and the real Model, every family of every tick held to its dec
     .venv/bin/python bench/fuzz_bounds.py [--sequences 10000] [--seed 20261127] [--workers 1]
 
 Prints the count of violations (a served figure outside its bound: target 0) and the raw figures the one check
-rejected, by family, bound kind and cause: "identity" (a start time that moved forward or into the future, a
-second process behind the URL: counted whole by store/identity.py today, the check's to reject), "jump" (a
-counter up by 1e7 in one read), "stale_idle" (the GPU drew less than its configured P_idle: marginal energy
-< 0), or "-" (none of those: a figure kvwatt derived from plausible inputs, a defect to fix; target 0).
+rejected, by family, bound kind and cause: the implausible inputs seen so far that explain a rejection of that kind
+(tests/support/fuzz_engine.EXPLAINS): "identity" (a start time that moved forward or into the future, a second
+process behind the URL: counted whole by store/identity.py today; tokens/s), "jump" (a counter up by 1e7 in one
+read; tokens/s), "stale_idle" (the GPU drew less than its configured P_idle: J/token < 0 and what it prices), or
+"-" (nothing explains it: a figure kvwatt derived wrongly, a defect to fix; target 0).
 Hypothesis generates the sequences from the seed (generation only, no shrinking: tests/test_fuzz_bounds.py
 shrinks); with --workers K, worker k uses seed + k and its share of the sequences. Exit status 1 on a violation
 or an own rejection.
