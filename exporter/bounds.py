@@ -95,10 +95,6 @@ def _non_negative(v: float, _w: Where) -> str | None:
     return None if v >= 0 else f"{v:.6g} < 0"
 
 
-def _finite(_v: float, _w: Where) -> str | None:
-    return None
-
-
 def _at_most_one(v: float, _w: Where) -> str | None:
     return None if v <= 1.0 else f"dE {v:.6g} > 1: a saving of more than all the energy"
 
@@ -204,7 +200,6 @@ UNBOUNDED_RATIO = Bound("non_negative", ">= 0; +Inf when nothing was computed (m
                         infinite=True)
 JOULES_PER_TOKEN = Bound("joules_per_token", "J/token >= 0 (a marginal figure below 0 means a stale P_idle)",
                          _non_negative)
-SIGNED = Bound("finite", "finite, any sign", _finite)
 SAVING = Bound("saving", "dE <= 1: offloading cannot save more than all the energy", _at_most_one)
 GAIN = Bound("gain", "dTPS >= -1: throughput cannot fall below zero", _gain)
 POWER_PART = Bound("power_part", "a part of the scope's marginal power: 0 <= W <= (E - P_idle*dt)/dt",
@@ -232,7 +227,7 @@ MONEY_PER_MILLION_TOKENS = Bound("priced", ">= 0, = marginal J/token x 1e6 / 3.6
 CO2E_PER_THOUSAND_TOKENS = Bound("priced", ">= 0, = marginal J/token x 1e3 / 3.6e6 x the intensity per kWh",
                                  _per_token("carbon_intensity", 1e3 / _KWH_JOULES))
 
-KINDS = ("share", "share_difference", "boolean", "info", "non_negative", "joules_per_token", "finite", "saving",
+KINDS = ("share", "share_difference", "boolean", "info", "non_negative", "joules_per_token", "saving",
          "gain", "power_part", "saved_power", "token_rate", "priced")
 
 

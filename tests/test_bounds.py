@@ -158,3 +158,16 @@ def test_a_tax_beyond_the_power_names_its_inputs():
     # the money priced from the rejected watts goes with them
     assert "kvwatt_recompute_tax_cost_per_day" in reasons
     assert snap.servers[0].windows[0].costs[0].recompute_tax_money_per_day is None
+
+
+def test_every_kind_in_use_is_proven_by_a_case():
+    """Each kind of bound a family declares has a case above that the one check rejects (info series are
+    built 1 by their fills: their bound is checked on the value itself)."""
+    used = {m.bounds.kind for m in catalog.METRICS}
+    proven = {c[-1] for c in CASES}
+    assert used - proven <= {"info"}, used - proven
+    where = bounds.Where("kvwatt_server_info", {}, snapshot())
+    assert bounds.INFO.violation(0.5, where) and bounds.INFO.violation(1.0, where) is None
+    assert bounds.UNBOUNDED_RATIO.violation(float("inf"), where) is None  # kappa's documented +Inf
+    assert bounds.NON_NEGATIVE.violation(float("inf"), where)
+    assert all(m.bounds.violation(float("nan"), where) for m in catalog.METRICS)
