@@ -10,6 +10,8 @@ import logging
 import time
 from dataclasses import dataclass
 
+from exporter import catalog
+from exporter.bounds import BoundsCheck
 from exporter.config import Config
 from exporter.figures import Snapshot
 from exporter.model import Model
@@ -39,6 +41,7 @@ class Daemon:
     def __init__(self, cfg: Config, sampler: Sampler | None = None, model: Model | None = None):
         self.cfg = cfg
         self.model = model if model is not None else Model(cfg)
+        self.bounds = BoundsCheck(catalog.METRICS)  # every figure held to its declared bound (exporter/bounds.py)
         self.sampler = sampler if sampler is not None else Sampler(cfg)
         self.published: Published | None = None  # replaced whole at each tick, never mutated
         self.last_tick_t: float | None = None
@@ -56,7 +59,7 @@ class Daemon:
         and the process' own) and render the text exposition, publish (one reference assignment, so a request
         sees the old tick or the new one, never a mix)."""
         self.model.ingest(tick)
-        snap = self.model.snapshot()
+        snap = self.bounds.apply(self.model.snapshot())  # the one check, before anything is served
         self.published = Published(snap, Exposition(families(snap) + runtime_families()))
         self.last_tick_t, self.ticks = tick.t, self.ticks + 1
         return snap

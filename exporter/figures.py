@@ -287,6 +287,10 @@ class Snapshot:
     devices: tuple[DeviceFigures, ...] = ()
     notice: str = ""  # Config.notice: shown above the figures on every screen
     prices: tuple[PriceFigure, ...] = ()  # electricity price and carbon intensity (model/cost.py)
+    # the figures of this tick served as unknown for breaking their bounds (exporter/bounds.py Rejection), and
+    # how many each family has had rejected since start, by the bound's kind: (figure, kind) -> count
+    implausible: tuple = ()
+    rejected_counts: dict = field(default_factory=dict)
 
     def price(self, quantity: str) -> PriceFigure | None:
         return next((p for p in self.prices if p.quantity == quantity), None)

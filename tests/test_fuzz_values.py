@@ -76,7 +76,8 @@ NON_NEGATIVE = {"kvwatt_sample_duration_seconds", "kvwatt_window_covered_seconds
                 "kvwatt_price_age_seconds",
                 "kvwatt_phase_joules_per_token", "kvwatt_phase_joules_per_token_stderr", "kvwatt_phase_cost_windows",
                 "kvwatt_recompute_tax_watts", "kvwatt_recompute_energy_share_ratio",
-                "kvwatt_recompute_tax_cost_per_day", "kvwatt_recompute_tax_co2e_grams_per_day"}
+                "kvwatt_recompute_tax_cost_per_day", "kvwatt_recompute_tax_co2e_grams_per_day",
+                "kvwatt_figures_rejected_total"}
 # differences and stale-baseline figures: any finite sign (marginal J/token < 0 when P_idle is stale)
 SIGNED = {"kvwatt_marginal_energy_per_token_joules", "kvwatt_recompute_tax_ratio", "kvwatt_energy_saving_ratio",
           "kvwatt_energy_saving_stderr_ratio", "kvwatt_throughput_gain_ratio",

@@ -61,8 +61,10 @@ def test_a_constant_mix_is_not_identifiable_and_keeps_the_prior():
     c = fit(phase_double.windows(120, TRUE, constant_mix=True))
     assert (c.state, c.source) == ("not_identifiable", "prior")
     assert "does not vary enough" in c.reason and "prompt_computed and generated" in c.reason
-    # the prior: one unit per computed or generated token, 0.1 unit per reloaded one
-    assert c.prompt_computed_j == pytest.approx(c.generated_j) and c.reloaded_j == pytest.approx(0.1 * c.generated_j)
+    # the prior: one unit per generated token, a fraction of it per computed prompt token, 0.1 of that per reloaded
+    p = pe.PRIOR_PROMPT_TO_GENERATED_COST_RATIO
+    assert c.prompt_computed_j == pytest.approx(p * c.generated_j)
+    assert c.reloaded_j == pytest.approx(0.1 * p * c.generated_j)
     assert c.prompt_computed_se is None
 
 

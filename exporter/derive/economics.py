@@ -141,6 +141,13 @@ def _compare(on: Sequence[float], off: Sequence[float], fn, kind: str, note: str
     return Estimate(value, se, len(on), len(off), kind, note)
 
 
+def _spent(w: WindowStat) -> bool:
+    """A window that can enter dE: a J/token from energy above idle. A window with E <= 0 (a stale P_idle above
+    the loaded power) stays out, on every side and in every kind (estimated already did): with it, 1 - on/off
+    has no meaning (dE 3.6 against an OFF side at -0.2 J/token)."""
+    return w.joules_per_token is not None and w.joules is not None and w.joules > 0
+
+
 # --------------------------------------------------------------------------------------------------------
 # paired
 # --------------------------------------------------------------------------------------------------------
@@ -149,8 +156,7 @@ def paired(on: Sequence[WindowStat], off: Sequence[WindowStat]) -> tuple[Estimat
     off_by_t0 = {round(w.t0, 6): w for w in off}
     pairs = [(w, off_by_t0[round(w.t0, 6)]) for w in on if round(w.t0, 6) in off_by_t0]
     pairs = [(a, b) for a, b in pairs if a.loaded and b.loaded]
-    e_pairs = [(a.joules_per_token, b.joules_per_token) for a, b in pairs
-               if a.joules_per_token is not None and b.joules_per_token is not None]
+    e_pairs = [(a.joules_per_token, b.joules_per_token) for a, b in pairs if _spent(a) and _spent(b)]
     energy = _compare([a for a, _ in e_pairs], [b for _, b in e_pairs], saving, "paired")
     tput = _compare([a.tokens_per_second for a, _ in pairs], [b.tokens_per_second for _, b in pairs], gain,
                     "paired")
@@ -193,7 +199,7 @@ def build_bands(windows: Sequence[WindowStat], bands: Sequence[tuple[float, floa
     out = []
     for i, (lo, hi) in enumerate(bands):
         ws = [w for w in windows if w.loaded and band_of(bands, w.kv_p95) == i]
-        j, j_se = mean_and_stderr([w.joules_per_token for w in ws if w.joules_per_token is not None])
+        j, j_se = mean_and_stderr([w.joules_per_token for w in ws if _spent(w)])  # a band never goes <= 0
         t, t_se = mean_and_stderr([w.tokens_per_second for w in ws])
         out.append(BandProfile(lo, hi, len(ws), j, j_se, t, t_se))
     return out
@@ -215,8 +221,8 @@ def recorded(on: Sequence[WindowStat], profile: Sequence[BandProfile]) -> tuple[
     A band without profile data is skipped (and named in ``note``)."""
     results = {}
     for what, get_on, get_off, fn in (
-            ("energy", lambda w: w.joules_per_token, lambda b: (b.joules_per_token, b.joules_per_token_stderr),
-             saving),
+            ("energy", lambda w: w.joules_per_token if _spent(w) else None,
+             lambda b: (b.joules_per_token, b.joules_per_token_stderr), saving),
             ("throughput", lambda w: w.tokens_per_second,
              lambda b: (b.tokens_per_second, b.tokens_per_second_stderr), gain)):
         per_band, bands, skipped, ref = [], {}, [], 0
@@ -226,7 +232,7 @@ def recorded(on: Sequence[WindowStat], profile: Sequence[BandProfile]) -> tuple[
             if not vals:
                 continue
             x_off, se_off = get_off(b)
-            if x_off is None or x_off == 0:
+            if x_off is None or x_off <= 0:  # an OFF band with no energy above idle (or a rate of 0) compares nothing
                 skipped.append(b.label)
                 continue
             m_on, se_on = mean_and_stderr(vals)
@@ -258,7 +264,7 @@ def estimated(on: Sequence[WindowStat], price: float | Callable[[WindowStat], fl
         for w in on:
             if not w.loaded or w.joules is None or w.loaded_prompt_tokens is None or w.joules <= 0:
                 continue
-            c = j_c(w)
+            c = _within(j_c(w), w)
             if c is None:
                 continue
             saved = w.loaded_prompt_tokens * c * kept
@@ -287,7 +293,7 @@ def potential(off: Sequence[WindowStat], reference_share: float | None,
             if not w.loaded or w.joules is None or w.joules <= 0 or w.computed_prompt_tokens is None \
                     or not w.prompt_tokens:
                 continue
-            c = j_c(w)
+            c = _within(j_c(w), w)
             if c is None:
                 continue
             tax_tokens = max(w.computed_prompt_tokens - reference_share * w.prompt_tokens, 0.0)
@@ -298,6 +304,15 @@ def potential(off: Sequence[WindowStat], reference_share: float | None,
 
 
 PriceOf = Callable[[WindowStat], "float | None"]
+
+
+def _within(price: float | None, w: WindowStat) -> float | None:
+    """J per computed prompt token as the window may price it: at most its marginal joules over its computed +
+    reloaded prompt tokens (phase_energy.within_energy), so a potential dE stays <= 1 - J_r/J_c."""
+    if price is None or w.joules is None:
+        return price
+    tokens = (w.computed_prompt_tokens or 0.0) + (w.loaded_prompt_tokens or 0.0)
+    return min(price, w.joules / tokens) if tokens > 0 else price
 
 
 def _priced(values: Callable[[PriceOf, float], list[float]], price, ratio: float, costs: PhaseCosts | None,

@@ -15,7 +15,7 @@ from typing import Sequence
 
 from exporter.derive import phase_energy
 from exporter.derive.phase_energy import PhaseCosts
-from exporter.derive.recompute import token_counts
+from exporter.derive.recompute import recompute_tax, token_counts, token_shares
 from exporter.store import WindowAggregate
 
 TOKENS_KEY = "generation_tokens"
@@ -97,35 +97,39 @@ def prompt_attribution(agg: WindowAggregate, min_load_seconds: float,
     return {"local_compute": unit, "external_kv_transfer": load_to_compute_cost_ratio * unit}
 
 
-def tax_in_energy(agg: WindowAggregate, tax_share: float | None, costs: Sequence[PhaseCosts],
+def tax_in_energy(agg: WindowAggregate, reference_share: float | None, costs: Sequence[PhaseCosts],
                   offload_enabled: bool | None, load_to_compute_cost_ratio: float) -> dict[str, dict | None]:
     """The recomputation tax and the offloading saving of the window in W per scope (methods.md s12), priced
     with the server's per-phase costs, and the tax's share of the scope's marginal power over the window. Each
-    dict is None when no scope gives a figure; the saving only on a server that offloads."""
-    counts = token_counts(agg)
-    seconds = agg.covered_seconds
+    dict is None when no scope gives a figure; the saving only on a server that offloads.
+
+    Per scope, tokens, seconds and energy all come from the intervals with the scope's energy and P_idle (rule
+    10, as ``window_energy``): a burst the energy source missed is in none of them. The tax share is that of
+    those intervals (their local_compute share minus ``reference_share``, methods.md s4), and the costs are
+    capped at what the window's own energy allows (phase_energy.within_energy), so the tax is a part of the
+    scope's marginal power and the saving no larger than it."""
     tax, saved, share = {}, {}, {}
-    if counts and seconds > 0:
-        prompt_per_second = sum(counts.values()) / seconds
-        reloaded_per_second = counts["external_kv_transfer"] / seconds
-        for c in costs:
-            w = phase_energy.recompute_tax_watts(tax_share, prompt_per_second, c)
-            if w is not None:
-                tax[c.scope] = w
-                marginal = _marginal_watts(agg, c.scope)
-                if marginal is not None and marginal > 0:
-                    share[c.scope] = w / marginal
-            if offload_enabled:
-                s = phase_energy.offload_saved_watts(reloaded_per_second, c, load_to_compute_cost_ratio)
-                if s is not None:
-                    saved[c.scope] = s
+    for c in costs:
+        used = agg.scope(c.scope)
+        if used is None or used.idle_joules is None or used.covered_seconds <= 0:
+            continue
+        counts = token_counts(used)
+        if not counts:
+            continue
+        seconds, marginal = used.covered_seconds, used.energy_joules - used.idle_joules
+        priced = phase_energy.within_energy(c, marginal, counts["local_compute"], counts["external_kv_transfer"])
+        if priced is None:
+            continue
+        shares = token_shares(counts)
+        tax_share = recompute_tax(shares["local_compute"] if shares else None, reference_share)
+        w = phase_energy.recompute_tax_watts(tax_share, sum(counts.values()) / seconds, priced)
+        if w is not None:
+            tax[c.scope] = w
+            share[c.scope] = w / (marginal / seconds)
+        if offload_enabled:
+            s = phase_energy.offload_saved_watts(counts["external_kv_transfer"] / seconds, priced,
+                                                 load_to_compute_cost_ratio)
+            if s is not None:
+                saved[c.scope] = s
     return {"recompute_tax_watts": tax or None, "offload_saved_watts": saved or None,
             "recompute_energy_share": share or None}
-
-
-def _marginal_watts(agg: WindowAggregate, scope: str) -> float | None:
-    """(E - P_idle*dt) / dt over the intervals with the scope's energy; None without P_idle."""
-    used = agg.scope(scope)
-    if used is None or used.idle_joules is None or used.covered_seconds <= 0:
-        return None
-    return (used.energy_joules - used.idle_joules) / used.covered_seconds

@@ -140,6 +140,14 @@ class TierFlows:
     residency_seconds: float | None = None  # configured capacity / write rate
 
 
+def _hit_ratio(hits: float | None, queries: float | None) -> float | None:
+    """Hits / lookups; unknown when the counters disagree (more hits than lookups: a reset or a skew between the
+    two counters' reads), never a ratio above 1."""
+    if not queries or hits is None or hits > queries:
+        return None
+    return hits / queries
+
+
 def tier_flows(agg: WindowAggregate, capacities: dict[str, float] | None = None,
                p99_tool_latency_seconds: float = rules.P99_TOOL_LATENCY.default) -> tuple[TierFlows, ...]:
     """Every tier that carries a tiering counter in the window, sorted by tier label; ``capacities``: the
@@ -155,7 +163,7 @@ def tier_flows(agg: WindowAggregate, capacities: dict[str, float] | None = None,
         write = rate_per_second(agg, labelled_key("tier_write_bytes", tier))
         held = residency((capacities or {}).get(tier), write)
         flows = TierFlows(tier, write, rate_per_second(agg, labelled_key("tier_read_bytes", tier)),
-                          hits / queries if queries and hits is not None else None, failures,
+                          _hit_ratio(hits, queries), failures,
                           undersized(held, write, failures, p99_tool_latency_seconds), held)
         if any(v is not None for v in (flows.write_bytes_per_second, flows.read_bytes_per_second,
                                        flows.chunk_hit_ratio, flows.job_failures)):

@@ -22,13 +22,20 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar, Iterable, Sequence
 
 from exporter.derive.recompute import token_counts
 from exporter.store import Bucket
 
 PHASES = ("prompt_computed", "generated", "reloaded")
+# The prior's price of a computed prompt token, as a fraction of a generated one (methods.md s12 "prior"): prefill
+# is batched and compute-bound, decode memory-bound. On the roofline, a prompt token costs 2 N_act / F of GPU time
+# and a generated one, at decode batch B, the weights' read 2 N_act bytes / (B x memory bandwidth) (bf16), so
+# prompt / generated = B x bandwidth / F: an H100 SXM (3.35 TB/s, 989 dense bf16 TFLOP/s) at B = 64 gives 0.22;
+# the power double of tests/phase_double.py (H100-like measured orders, 0.03 vs 0.4 J) 0.075. 0.2 sits between,
+# leaning high (never cheaper than the roofline at a typical batch): the prior stays a guess until measured.
+PRIOR_PROMPT_TO_GENERATED_COST_RATIO = 0.2
 MIN_COVERAGE_RATIO = 0.9  # as economics.window_stat: a window counts when samples cover 90 % of it
 
 
@@ -261,18 +268,38 @@ def _collinear_reason(cols, names, cond: float, max_condition: float) -> str:
 
 
 def prior_costs(windows: Sequence[PhaseWindow], scope: str, load_to_compute_cost_ratio: float) -> PhaseCosts:
-    """The attribution model (energy.prompt_attribution) over the windows: a generated and a computed prompt
-    token cost one unit each, a reloaded one ``load_to_compute_cost_ratio`` units. Not a measurement."""
+    """The prior over the windows: a generated token costs one unit, a computed prompt token
+    PRIOR_PROMPT_TO_GENERATED_COST_RATIO of a unit, a reloaded one ``load_to_compute_cost_ratio`` of a computed
+    one; the windows' marginal energy is shared over the units. Not a measurement."""
     joules = sum(w.joules for w in windows)
-    units = sum(w.generated + w.computed + load_to_compute_cost_ratio * w.reloaded for w in windows)
+    p = PRIOR_PROMPT_TO_GENERATED_COST_RATIO
+    units = sum(w.generated + p * w.computed + p * load_to_compute_cost_ratio * w.reloaded for w in windows)
     if units <= 0:
         return PhaseCosts(scope, state="unknown", reason="no tokens")
     if joules <= 0:  # no price, rather than a negative one
         return PhaseCosts(scope, state="unknown", reason="marginal energy not positive (P_idle above the loaded "
                           "power: stale?)")
     u = joules / units
-    return PhaseCosts(scope, u, None, u, None, load_to_compute_cost_ratio * u, None, len(windows), "unknown",
+    return PhaseCosts(scope, p * u, None, u, None, load_to_compute_cost_ratio * p * u, None, len(windows), "unknown",
                       "", "prior")
+
+
+def within_energy(costs: PhaseCosts, marginal_joules: float, computed: float, reloaded: float) -> PhaseCosts | None:
+    """The costs as a window may price its prompt tokens: never beyond its own energy. A computed or reloaded
+    prompt token costs at most the window's marginal joules over its computed + reloaded prompt tokens (what each
+    would cost if every joule had gone to them; both scaled by one factor), so the tax (tax tokens <= computed
+    tokens) is at most the window's marginal energy, and the saving (reloaded tokens x the price difference)
+    too. None: the window spent
+    no energy above idle (a stale P_idle), so it prices nothing."""
+    if marginal_joules <= 0 or not costs.usable:
+        return None
+    tokens = computed + reloaded
+    top = max(costs.prompt_computed_j, costs.reloaded_j or 0.0)
+    if tokens <= 0 or top * tokens <= marginal_joules:
+        return costs
+    f = marginal_joules / (tokens * top)  # both scaled alike: the reload keeps its ratio to the computation
+    return replace(costs, prompt_computed_j=costs.prompt_computed_j * f,
+                   reloaded_j=None if costs.reloaded_j is None else costs.reloaded_j * f)
 
 
 # --- the tax in energy ----------------------------------------------------------------------------------

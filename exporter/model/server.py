@@ -167,9 +167,8 @@ class ServerModel:
             cached_to_prefill_ratio=kappa.observed(agg),
             savings=self._savings(agg, now, seconds, peers), **self._newest_series(agg),
             **self._residency_figures(agg),
-            **derive_energy.tax_in_energy(agg, recompute.recompute_tax(shares["local_compute"] if shares else None,
-                                                                       self.reference.value),
-                                          self.phase.figures(), self.info.offload_enabled if self.info else None,
+            **derive_energy.tax_in_energy(agg, self.reference.value, self.phase.figures(),
+                                          self.info.offload_enabled if self.info else None,
                                           cfg.load_to_compute_cost_ratio))
 
     def _residency(self, buffer_bytes: float | None, rates: offload.TransferRates,

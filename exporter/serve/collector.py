@@ -43,9 +43,10 @@ def family(d: catalog.MetricDef, snap: Snapshot) -> Metric | None:
     """The family of one definition for this snapshot, or None when it has no sample (not exported)."""
     fam = None
     seen: set[tuple[str, ...]] = set()
+    rejected = {r.labels for r in snap.implausible if r.figure == d.name}  # exporter/bounds.py
     for raw_labels, value in d.fill(snap):
         value = _value(value)
-        if value is None:
+        if value is None or (rejected and tuple(zip(d.labels, map(str, raw_labels))) in rejected):
             continue
         labels = tuple(bounded_label(str(x)) for x in raw_labels)
         if labels in seen:  # one definition, one sample per label set: a duplicate is a bug upstream

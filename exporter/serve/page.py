@@ -144,11 +144,21 @@ def content(status: dict) -> str:
     servers = "".join(server_panel(s) for s in status.get("servers", [])) or "<p>No server configured.</p>"
     notice = (f'<p class="banner notice" id="notice" data-field="notice">{_e(status["notice"])}</p>'
               if status.get("notice") else "")
-    return f"""<main id="content">{notice}
+    return f"""<main id="content">{notice}{implausible_list(status.get("implausible") or [])}
 <p class="asof" id="as-of">Figures as of <b>{_e(status["as_of"])}</b> (the daemon's last tick).</p>
 <div class="chips" id="host-sources">{"".join(_source_chip(st) for st in sources) or _chip("unknown",
     "no energy source read")}</div>
 {servers}</main>"""
+
+
+def implausible_list(rejected: list[dict]) -> str:
+    """The figures shown as unknown this tick because they broke their declared bounds, with why."""
+    if not rejected:
+        return ""
+    items = "".join(f'<li data-figure="{_e(r["figure"])}">{_e(r["reason"])} '
+                    f'({_e(", ".join(f"{k}={v}" for k, v in r["labels"].items()))})</li>' for r in rejected)
+    return (f'<details class="banner" id="implausible"><summary>{len(rejected)} figure(s) shown as unknown: '
+            f'outside what physics allows</summary><ul>{items}</ul></details>')
 
 
 _SOURCE_NAMES = {"nvml": "GPU energy (NVML)", "rapl": "host energy (RAPL)", "state_dir": "state directory",

@@ -317,6 +317,8 @@ def status_json(snap: Snapshot | None) -> dict:
         out["notice"] = snap.notice  # `kvwatt demo` says it is one
     if snap is not None:
         out["prices"] = prices_json(snap)
+        # the figures served as unknown this tick for breaking their declared bounds, with why (exporter/bounds.py)
+        out["implausible"] = [r.as_json() for r in snap.implausible]
     return _finite(out)
 
 

@@ -1,0 +1,354 @@
+"""What physics and arithmetic allow each figure (declared with its family in exporter.catalog, ``bounds=``), and
+the one check that holds the typed figures to it before anything is served (docs/methods.md "Bounds").
+
+A share lies in [0, 1]; dE <= 1 (a saving of more than all the energy is impossible); a power part of a scope's
+marginal power (the recomputation tax) is no larger than that power; J/token >= 0; generated tokens/s no larger
+than an engine can produce; money and CO2 per day finite and equal to the watts they price at the price in force.
+
+``BoundsCheck.apply(snapshot)`` runs once per tick in exporter.model.Model.snapshot, before /metrics,
+/api/status and the page read the snapshot: every sample of every family is checked against its family's bound;
+a figure outside it is replaced by None in the typed figures (unknown: absent from /metrics, null in the JSON,
+"unknown" on the page), its reason ("implausible: ...", naming the figure's inputs) goes into
+``Snapshot.implausible`` (/api/status, the page), it is counted in ``kvwatt_figures_rejected_total{figure,
+reason}`` (reason: the bound's kind) and logged once when it starts and once when it ends, never per tick.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+log = logging.getLogger("kvwatt.bounds")
+
+# A ceiling on one server's generated tokens/s, far above any engine: the fastest decode published for a
+# whole 8-GPU node is of the order of 1e5 tokens/s (vLLM/SGLang H100 and B200 benchmarks); a rate 10x that
+# can only come from a counter counted whole (a false restart, store/identity.py) or a counter that jumped.
+MAX_GENERATION_TOKENS_PER_SECOND = 1.0e6
+_KWH_JOULES = 3.6e6
+_DAY_HOURS = 24.0
+_REL_TOL = 1e-6  # priced figures: equal to watts x price up to rounding
+
+
+@dataclass(frozen=True)
+class Where:
+    """A sample being checked: its family's labels by name, and the snapshot it belongs to (for the bounds that
+    compare a figure with another one: a power part with the power, money with the watts it prices)."""
+
+    figure: str
+    labels: dict[str, str]
+    snap: object  # exporter.figures.Snapshot (not imported: the catalog imports this module)
+
+    def window(self):
+        """The WindowFigures of the sample's server and window, or None."""
+        for s in self.snap.servers:
+            if s.name == self.labels.get("server"):
+                return next((w for w in s.windows if w.window == self.labels.get("window")), None)
+        return None
+
+    def marginal_watts(self) -> tuple[float | None, str]:
+        """The scope's marginal power (E - P_idle*dt)/dt over the window, and its inputs in words."""
+        w = self.window()
+        e = next((e for e in (w.energy if w else ()) if e.scope == self.labels.get("scope")), None)
+        if e is None or e.basis.idle_joules is None or e.basis.seconds <= 0:
+            return None, f"no {self.labels.get('scope')} energy with P_idle in the window"
+        b = e.basis
+        watts = (b.energy_joules - b.idle_joules) / b.seconds
+        return watts, (f"{self.labels.get('scope')} marginal power {watts:.4g} W = (E {b.energy_joules:.4g} J - "
+                       f"P_idle*dt {b.idle_joules:.4g} J) / {b.seconds:.4g} s")
+
+    def price(self, quantity: str) -> float | None:
+        p = self.snap.price(quantity)
+        return p.value if p is not None else None
+
+
+Test = Callable[[float, Where], "str | None"]
+
+
+@dataclass(frozen=True)
+class Bound:
+    """One kind of bound: ``kind`` is the label value of kvwatt_figures_rejected_total{reason}, ``allows`` says
+    it in words (README, docs), ``test`` returns why a finite value breaks it (None: within)."""
+
+    kind: str
+    allows: str
+    test: Test
+    infinite: bool = False  # +Inf is a documented value (kappa observed with no computed prompt token)
+
+    def violation(self, value: float, where: Where) -> str | None:
+        if isinstance(value, bool):
+            value = float(value)
+        if math.isnan(value) or (math.isinf(value) and not (self.infinite and value > 0)):
+            return f"{value} is not a number kvwatt can serve"
+        return self.test(value, where)
+
+
+def _range(lo: float, hi: float) -> Test:
+    def test(v: float, _w: Where) -> str | None:
+        return None if lo <= v <= hi else f"{v:.6g} outside [{lo:g}, {hi:g}]"
+    return test
+
+
+def _non_negative(v: float, _w: Where) -> str | None:
+    return None if v >= 0 else f"{v:.6g} < 0"
+
+
+def _at_most_one(v: float, _w: Where) -> str | None:
+    return None if v <= 1.0 else f"dE {v:.6g} > 1: a saving of more than all the energy"
+
+
+def _gain(v: float, _w: Where) -> str | None:
+    return None if v >= -1.0 else f"dTPS {v:.6g} < -1: fewer than no tokens"
+
+
+def _one_of(*allowed: float) -> Test:
+    def test(v: float, _w: Where) -> str | None:
+        return None if v in allowed else f"{v:.6g} not one of {', '.join(f'{a:g}' for a in allowed)}"
+    return test
+
+
+def _power_part(v: float, where: Where) -> str | None:
+    """The recomputation tax's W is a part of the scope's marginal power over the window: 0 <= v <= it."""
+    if v < 0:
+        return f"{v:.6g} W < 0"
+    if v == 0:
+        return None
+    marginal, inputs = where.marginal_watts()
+    if marginal is None or v > marginal * (1 + _REL_TOL):
+        return f"{v:.4g} W > the {inputs}"
+    return None
+
+
+def _saved_power(v: float, where: Where) -> str | None:
+    """What offloading saved, priced with per-phase costs no higher than the window's energy allows (methods.md
+    s12): no more (in either sign) than the scope's marginal power."""
+    if v == 0:
+        return None
+    marginal, inputs = where.marginal_watts()
+    if marginal is None or abs(v) > max(marginal, 0.0) * (1 + _REL_TOL):
+        return f"|{v:.4g}| W > the {inputs}"
+    return None
+
+
+def _token_rate(v: float, _w: Where) -> str | None:
+    if v < 0:
+        return f"{v:.6g} tokens/s < 0"
+    if v > MAX_GENERATION_TOKENS_PER_SECOND:
+        return (f"{v:.4g} tokens/s > {MAX_GENERATION_TOKENS_PER_SECOND:g}, more than any engine generates "
+                "(a counter counted whole or a jump)")
+    return None
+
+
+def _cost(where: Where):
+    """The CostFigure of the sample's server, window and scope, or None."""
+    w = where.window()
+    return next((c for c in (w.costs if w else ()) if c.scope == where.labels.get("scope")), None)
+
+
+def priced_watts(watts_of: Callable[[object, Where], "float | None"], quantity: str, factor: float,
+                 watts_words: str) -> Test:
+    """Money or CO2 per day = the watts it prices x 24 h / 1000 x the price (or intensity) per kWh: finite,
+    and equal to it (so it is unknown when the watts are)."""
+    def test(v: float, where: Where) -> str | None:
+        cost, price = _cost(where), where.price(quantity)
+        watts = None if cost is None else watts_of(cost, where)
+        if watts is None or price is None:
+            return f"{v:.6g} prices {watts_words} that are unknown (or no {quantity})"
+        expected = watts * factor * price
+        if not math.isfinite(expected) or abs(v - expected) > _REL_TOL * max(abs(expected), 1e-12):
+            return f"{v:.6g} is not {watts_words} {watts:.4g} W x {factor:g} x {quantity} {price:.4g}"
+        return None
+    return test
+
+
+def _window_dict(key: str) -> Callable[[object, Where], "float | None"]:
+    def get(_cost, where: Where) -> float | None:
+        w = where.window()
+        return (getattr(w, key) or {}).get(where.labels.get("scope")) if w else None
+    return get
+
+
+def _marginal_of(cost, _where: Where) -> float | None:
+    return cost.marginal_watts
+
+
+def _per_token(quantity: str, factor: float) -> Test:
+    """Money per million / CO2 per thousand tokens = marginal J/token x factor x price: >= 0 and equal to it."""
+    def test(v: float, where: Where) -> str | None:
+        w = where.window()
+        e = next((e for e in (w.energy if w else ()) if e.scope == where.labels.get("scope")), None)
+        j, price = (e.marginal_joules_per_token if e else None), where.price(quantity)
+        if j is None or price is None:
+            return f"{v:.6g} prices a marginal J/token that is unknown (or no {quantity})"
+        expected = j * factor * price
+        if v < 0 or abs(v - expected) > _REL_TOL * max(abs(expected), 1e-12):
+            return f"{v:.6g} is not marginal J/token {j:.4g} x {factor:g} x {quantity} {price:.4g} (>= 0)"
+        return None
+    return test
+
+
+DAY_KWH_PER_WATT = _DAY_HOURS / 1000.0  # W held for a day in kWh
+
+SHARE = Bound("share", "a share in [0, 1]", _range(0.0, 1.0))
+SHARE_DIFFERENCE = Bound("share_difference", "a difference of two shares, in [-1, 1]", _range(-1.0, 1.0))
+BOOLEAN = Bound("boolean", "0 or 1", _one_of(0.0, 1.0))
+INFO = Bound("info", "1 (an info series)", _one_of(1.0))
+NON_NEGATIVE = Bound("non_negative", "finite, >= 0", _non_negative)
+UNBOUNDED_RATIO = Bound("non_negative", ">= 0; +Inf when nothing was computed (methods.md s7)", _non_negative,
+                        infinite=True)
+JOULES_PER_TOKEN = Bound("joules_per_token", "J/token >= 0 (a marginal figure below 0 means a stale P_idle)",
+                         _non_negative)
+SAVING = Bound("saving", "dE <= 1: offloading cannot save more than all the energy", _at_most_one)
+GAIN = Bound("gain", "dTPS >= -1: throughput cannot fall below zero", _gain)
+POWER_PART = Bound("power_part", "a part of the scope's marginal power: 0 <= W <= (E - P_idle*dt)/dt",
+                   _power_part)
+SAVED_POWER = Bound("saved_power", "|W| <= the scope's marginal power (costs capped at the window's energy, "
+                    "methods.md s12)", _saved_power)
+TOKEN_RATE = Bound("token_rate", f"0 <= tokens/s <= {MAX_GENERATION_TOKENS_PER_SECOND:g} (more than any "
+                   "engine generates)", _token_rate)
+
+
+def money_per_day(watts: str) -> Bound:
+    get = _marginal_of if watts == "marginal_watts" else _window_dict(watts)
+    return Bound("priced", f"finite, = {watts} x 24 h / 1000 x the price per kWh",
+                 priced_watts(get, "electricity_price", DAY_KWH_PER_WATT, watts))
+
+
+def co2e_per_day(watts: str) -> Bound:
+    get = _marginal_of if watts == "marginal_watts" else _window_dict(watts)
+    return Bound("priced", f"finite, = {watts} x 24 h / 1000 x the carbon intensity per kWh",
+                 priced_watts(get, "carbon_intensity", DAY_KWH_PER_WATT, watts))
+
+
+MONEY_PER_MILLION_TOKENS = Bound("priced", ">= 0, = marginal J/token x 1e6 / 3.6e6 x the price per kWh",
+                                 _per_token("electricity_price", 1e6 / _KWH_JOULES))
+CO2E_PER_THOUSAND_TOKENS = Bound("priced", ">= 0, = marginal J/token x 1e3 / 3.6e6 x the intensity per kWh",
+                                 _per_token("carbon_intensity", 1e3 / _KWH_JOULES))
+
+KINDS = ("share", "share_difference", "boolean", "info", "non_negative", "joules_per_token", "saving",
+         "gain", "power_part", "saved_power", "token_rate", "priced")
+
+
+# --- the one check ------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Rejection:
+    """A figure served as unknown: its family, labels, the bound's kind and the reason in words."""
+
+    figure: str
+    labels: tuple[tuple[str, str], ...]
+    kind: str
+    reason: str
+
+    @property
+    def key(self) -> tuple[str, tuple[tuple[str, str], ...]]:
+        return self.figure, self.labels
+
+    def as_json(self) -> dict:
+        return {"figure": self.figure, "labels": dict(self.labels), "bound": self.kind, "reason": self.reason}
+
+
+def violations(defs: Iterable, snap) -> list[Rejection]:
+    """Every sample of every declaration (exporter.catalog.MetricDef) outside its family's bound."""
+    out = []
+    for d in defs:
+        if d.bounds is None:
+            continue
+        for labels, value in d.fill(snap):
+            if value is None:
+                continue
+            where = Where(d.name, dict(zip(d.labels, map(str, labels))), snap)
+            why = d.bounds.violation(float(value), where)
+            if why is not None:
+                out.append(Rejection(d.name, tuple(where.labels.items()), d.bounds.kind,
+                                     f"implausible: {d.name} {why}"))
+    return out
+
+
+def _cleared(x, target: float):
+    """``x`` with every reference to the float object ``target`` replaced by None (dataclasses, dicts, tuples
+    rebuilt; identity, not equality: a figure is the object its fill read)."""
+    if x is target:
+        return None
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        changes = {}
+        for f in dataclasses.fields(x):
+            if not f.init:
+                continue
+            old = getattr(x, f.name)
+            new = _cleared(old, target)
+            if new is not old:
+                changes[f.name] = new
+        return dataclasses.replace(x, **changes) if changes else x
+    if isinstance(x, dict):
+        new = {k: _cleared(v, target) for k, v in x.items()}
+        return new if any(new[k] is not v for k, v in x.items()) else x
+    if isinstance(x, tuple) and not hasattr(x, "_fields"):
+        new = tuple(_cleared(v, target) for v in x)
+        return new if any(a is not b for a, b in zip(new, x)) else x
+    return x
+
+
+def _value_of(d, labels: tuple, snap):
+    for ls, value in d.fill(snap):
+        if tuple(map(str, ls)) == labels:
+            return value
+    return None
+
+
+def cleared(snap, defs_by_name: dict, rejections: list[Rejection]):
+    """The snapshot with each rejected figure None in its typed figures (only inside its own server where the
+    family has a server label, so a float shared by two servers stays for the other)."""
+    for r in rejections:
+        d = defs_by_name[r.figure]
+        labels = tuple(v for _, v in r.labels)
+        value = _value_of(d, labels, snap)
+        if not isinstance(value, float):
+            continue  # computed by the fill (a bool, a count): the collector leaves the sample out (rejected keys)
+        server = dict(r.labels).get("server")
+        if server is not None:
+            servers = tuple(_cleared(s, value) if s.name == server else s for s in snap.servers)
+            snap = dataclasses.replace(snap, servers=servers)
+        else:
+            snap = _cleared(snap, value)
+    return snap
+
+
+class BoundsCheck:
+    """Holds the figures to their bounds once per tick; counts and logs rejections (once per change)."""
+
+    def __init__(self, defs: Iterable) -> None:
+        self.defs = tuple(defs)
+        self.by_name = {d.name: d for d in self.defs}
+        # (figure, kind) -> figures rejected so far; every family's series from 0 (Prometheus' advice for a
+        # labelled counter: rate() and increase() see the first rejection)
+        self.counts: dict[tuple[str, str], float] = {(d.name, d.bounds.kind): 0.0 for d in self.defs if d.bounds}
+        self.current: dict[tuple, Rejection] = {}
+        self._last_t: float | None = None
+
+    def apply(self, snap):
+        found: list[Rejection] = []
+        for _ in range(3):  # a rejected figure makes the figures priced from it implausible in turn
+            seen = {r.key for r in found}
+            new = [r for r in violations(self.defs, snap) if r.key not in seen]
+            if not new:
+                break
+            found += new
+            snap = cleared(snap, self.by_name, new)
+        if snap.t != self._last_t:  # count once per tick (a second snapshot of the same tick counts nothing)
+            self._last_t = snap.t
+            for r in found:
+                self.counts[(r.figure, r.kind)] = self.counts.get((r.figure, r.kind), 0.0) + 1.0
+            self._log_changes(found)
+        return dataclasses.replace(snap, implausible=tuple(found), rejected_counts=dict(self.counts))
+
+    def _log_changes(self, found: list[Rejection]) -> None:
+        now = {r.key: r for r in found}
+        for key, r in now.items():
+            if key not in self.current:
+                log.warning("%s%s served as unknown: %s", r.figure, dict(r.labels), r.reason)
+        for key, r in self.current.items():
+            if key not in now:
+                log.info("%s%s within its bounds again", r.figure, dict(r.labels))
+        self.current = now
