@@ -104,10 +104,10 @@ def seed_evidence(state_dir: Path, now: float) -> None:
     clean = [(p, 0.0) for p in (0.30, 0.35, 0.40, 0.45, 0.50, 0.55)]
     pressured = [(p, 3.0) for p in (0.65, 0.70, 0.75, 0.80)]
     windows = [{"p95": p, "low": p - 0.01, "high": p + 0.01, "max": p + 0.02, "preemptions_per_minute": pre,
-                "tax": None, "tax_se": None, "weight": 1.0, "at": now - 60 * (10 - i)}
+                "tax": None, "tax_se": None, "weight": 1.0, "at": now - 60 * (10 - i), "capacity_share": 0.0}
                for i, (p, pre) in enumerate(clean + pressured)]
     state_dir.mkdir(parents=True, exist_ok=True)
-    (state_dir / "evidence-windows.json").write_text(json.dumps({"version": 1, "servers": {SERVER: {
+    (state_dir / "evidence-windows.json").write_text(json.dumps({"version": 2, "servers": {SERVER: {
         "epoch": {"started": now - 700, "cause": "first reading", "engine": {}}, "windows": windows}}}))
 
 
