@@ -63,7 +63,7 @@ NON_NEGATIVE = {"kvwatt_sample_duration_seconds", "kvwatt_window_covered_seconds
                 "kvwatt_recompute_breakeven_tokens", "kvwatt_prompt_energy_per_token_joules",
                 "kvwatt_preemptions_per_request", "kvwatt_admission_rejections_per_minute",
                 "kvwatt_offload_tier_write_bytes_per_second", "kvwatt_offload_tier_read_bytes_per_second",
-                "kvwatt_offload_tier_job_failures", "kvwatt_requests_waiting_for_kv",
+                "kvwatt_offload_tier_job_failures", "kvwatt_requests_in_kv_fetch",
                 "kvwatt_preemptions_by_reason_per_minute", "kvwatt_offload_tier_residency_seconds",
                 "kvwatt_offload_write_tokens_per_second", "kvwatt_offload_read_tokens_per_second",
                 "kvwatt_offload_buffer_used_bytes",

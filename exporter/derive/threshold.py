@@ -84,6 +84,12 @@ class Evidence:
     oldest_wall: float | None = None
     newest_wall: float | None = None
     low_pressure: int = 0       # windows with positive signs of no pressure (the reference's candidates)
+    quiet_streak: int = 0       # the newest windows, all clean: how long the server has shown low pressure
+
+
+def plural(n: int, noun: str) -> str:
+    """'1 window', '2 windows': a count in words agrees with its number."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 def preempting(p: PressurePoint, onset_per_minute: float = ONSET_PER_MINUTE) -> bool:
@@ -147,7 +153,7 @@ def locate_why(points: Sequence[PressurePoint], min_points: int = 3, min_side: f
     known = sorted(((p, c) for p in points if (c := classify(p, onset_per_minute)) is not None),
                    key=lambda pc: pc[0].kv_p95)
     if len(known) < max(min_points, 2):
-        return None, f"{len(known)} windows with known pressure ({max(min_points, 2)} needed)"
+        return None, f"{plural(len(known), 'window')} with known pressure ({max(min_points, 2)} needed)"
     total_clean = sum(p.weight for p, c in known if not c)
     pressured_below = clean_below = 0.0
     best, cuts = math.inf, []

@@ -37,7 +37,7 @@ from typing import Iterable
 from exporter import rules
 from exporter.derive import pressure, recompute, residency
 from exporter.derive.threshold import (LOW_PRESSURE_MAX, Evidence, LocatedThreshold, PressurePoint, classify,
-                                       locate, locate_why, quantile_bounds, taxed)
+                                       locate, locate_why, plural, quantile_bounds, taxed)
 from exporter.store import WindowAggregate
 from exporter.model import epoch as epochs
 
@@ -130,7 +130,7 @@ class LowPressureReference:
     def judgement(self, points: Iterable[PressurePoint]) -> tuple[str, str]:
         """(state, reason) of the reference share, and so of the tax resting on it (methods.md s10)."""
         if self.configured is not None:
-            return "known", f"configured reference_local_compute_share {self.configured:g}"
+            return "known", f"configured for this server: {self.configured:g}"
         good = self.eligible()
         if len(good) >= REFERENCE_KNOWN_WINDOWS:
             return "known", (f"median of {len(good)} low-pressure windows{_span(good)} (p95 <= {self.limit():.2f}, "
@@ -152,8 +152,8 @@ def no_reference_reason(points: list[PressurePoint], limit: float) -> str:
     lowest = min(p.kv_p95 for p in points)
     if lowest > limit:
         floor = math.floor(lowest * 100) / 100  # ">= 0.87" for 0.876: never rounded above what was seen
-        return f"no low-pressure window seen yet: {len(points)} windows, all with p95 >= {floor:.2f}"
-    return (f"no low-pressure window seen yet: {len(points)} windows; those with p95 <= {limit:.2f} preempted, "
+        return f"no low-pressure window seen yet: {plural(len(points), 'window')}, all with p95 >= {floor:.2f}"
+    return (f"no low-pressure window seen yet: {plural(len(points), 'window')}; those with p95 <= {limit:.2f} preempted, "
             f"had requests waiting for KV, touched KV usage >= {LOW_PRESSURE_MAX:.2f} or paid a tax")
 
 
@@ -410,7 +410,8 @@ class ThresholdLearner:
         walls = [p.wall for p in self.points if p.wall is not None]
         return Evidence(len(self.points), kinds.count(False), kinds.count(True), kinds.count(None), self.rejected,
                         (max(walls) - min(walls)) if walls else 0.0, min(walls, default=None),
-                        max(walls, default=None), sum(1 for p in self.points if self._low_pressure(p)))
+                        max(walls, default=None), sum(1 for p in self.points if self._low_pressure(p)),
+                        self.quiet_streak)
 
     def _count_quiet_streak(self) -> int:
         """The newest evidence windows that were all clean (positive signs of low pressure), counted back from
@@ -560,7 +561,7 @@ def verdict(g: Signs, threshold: float, over: bool, quiet_streak: int) -> Verdic
             return Verdict(False, "provisional", f"{why}; although {p95} is above the threshold in use "
                            f"{threshold:.3f}: the threshold predicts pressure the engine does not show")
         if quiet_streak >= QUIET_KNOWN_WINDOWS and engine_said:
-            return Verdict(False, "known", f"{why}; low pressure for the last {quiet_streak} evidence windows")
+            return Verdict(False, "known", f"{why}; low pressure for the last {plural(quiet_streak, 'evidence window')}")
         need = [] if engine_said else ["a known recompute tax, the engine's KV-block residency or its count of "
                                        "requests waiting for KV capacity"]
         if quiet_streak < QUIET_KNOWN_WINDOWS:
