@@ -496,7 +496,9 @@ def pressure_signs(g: Signs) -> list[tuple[str, bool]]:
     if g.preemptions_per_minute:
         out.append((f"{g.preemptions_per_minute:.1f} preemptions/min", bool(g.onset)))
     if taxed(_tax_point(g)):
-        out.append((f"a recompute tax of {g.tax * 100:+.1f} points", g.tax_state == "known"))
+        # known on a known reference over a window covered enough to call it sustained (as the onset, s3)
+        out.append((f"a recompute tax of {g.tax * 100:+.1f} points",
+                    g.tax_state == "known" and g.covered_ratio >= MIN_COVERED))
     if g.residency is not None and g.residency.kind == "pressure":
         out.append((f"the engine's KV-block residency shows pressure ({g.residency.reason})", True))
     return out
