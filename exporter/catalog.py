@@ -605,14 +605,16 @@ METRICS: tuple[MetricDef, ...] = (
               "Number of evidence windows (threshold_window each, clean or pressured) the located threshold "
               "rests on.", exporter.derive.threshold.locate, _K, _located("points")),
     MetricDef("kvwatt_kv_pressure_threshold_in_use_ratio", "gauge", ("server", "source"),
-              "The threshold the regime flag uses: source=located once located (kv_pressure_threshold_source: "
-              "located), else source=configured.", exporter.model.pressure.ThresholdLearner.observe, _K,
+              "The threshold the regime's prediction uses (it never overrules a sign the engine shows): "
+              "source=located once located (kv_pressure_threshold_source: located), else source=configured.", exporter.model.pressure.ThresholdLearner.observe, _K,
               _threshold_in_use),
     MetricDef("kvwatt_kv_pressure_above_threshold", "gauge", ("server", "window"),
-              "1 when the window's p95 KV usage is above the threshold in use: offloading pays in this regime. "
-              "Flips up only when the p95's lower bound clears the threshold, down only when its upper bound is "
-              "under it (hysteresis, methods.md s10).",
-              exporter.model.pressure.regime, _K, status=window_key("above_threshold", lambda w: w.above_threshold)),
+              "The window's KV-pressure regime: 1 on any sign of pressure the engine shows (requests waiting for "
+              "KV capacity, preemptions, a recompute tax above noise, KV-block residency), whatever the threshold "
+              "in use; 0 only on positive signs of low pressure; else the threshold's prediction (1 when the p95's "
+              "lower bound clears it) or absent (unknown). Its state is kvwatt_kv_pressure_regime_state "
+              "(methods.md s10).",
+              exporter.model.pressure.verdict, _K, status=window_key("above_threshold", lambda w: w.above_threshold)),
     MetricDef("kvwatt_kv_pressure_regime_state", "gauge", ("server", "state", "window"),
               "State of the window's regime verdict (kvwatt_kv_pressure_above_threshold), a stateset: 1 for its "
               "current state (known, provisional, unknown), 0 for the others; the why is in /api/status "
