@@ -192,10 +192,12 @@ def test_one_scenario_reads_the_same_verdict_everywhere(tmp_path: Path):
     assert status["regime"] == "above" and status["regime_window"] == WINDOW
     assert status["windows"][WINDOW]["above_threshold"] is True
     assert status["threshold_in_use"] == pytest.approx(mv["threshold"]) and status["threshold_source"] == "located"
-    pressure = re.search(r'<p data-field="pressure" data-regime="(\w+)">(.*?)</p>', page, re.S)
+    pressure = re.search(r'<p data-field="pressure" data-regime="(\w+)" data-state="(\w+)">(.*?)</p>', page, re.S)
     assert pressure and pressure.group(1) == "above", page[:2000]
-    assert "<b>above</b> the" in pressure.group(2) and "this server's own, located at" in pressure.group(2)
-    assert f"{round(100 * mv['threshold'])}" in pressure.group(2)  # the same threshold, in words
+    assert pressure.group(2) == status["regime_state"]  # the state the page shows is the JSON's
+    words = pressure.group(3)
+    assert "<b>above</b>" in words and "this server's own, located at" in words
+    assert f"{round(100 * mv['threshold'])}" in words  # the same threshold, in words
     pa = alerts["KVPressureAboveThreshold"]
     assert pa["state"] in ("pending", "firing") and pa["labels"]["detector"] == "kvwatt", pa
     assert float(pa["value"]) == pytest.approx(p95, abs=0.05)
