@@ -377,8 +377,9 @@ def wrong(s: dict) -> str:
 def _collapse(s: dict) -> str:
     c = s.get("collapse")
     if c is None:
+        why = "not evaluated yet" if s.get("up", True) else "kvwatt cannot read the server"
         return (f'<p class="banner unknown" data-field="collapse">Throughput collapse: {UNKNOWN} '
-                '(not evaluated yet).</p>')
+                f'({why}).</p>')
     sig = c["signature"]
     cls, word = ("alarm", "YES") if sig else ("calm", "no") if sig is False else ("unknown", "unknown")
     head = (f'<p class="banner {cls}" data-field="collapse">Throughput collapse: <span data-field="signature">'
