@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -121,13 +123,30 @@ def engine(blocks: int, out: Path, tag: str, kvm: bool, port: int | None = None)
                       extra_args=extra, log_path=out / f"engine-{tag}.log")
 
 
-def daemon(url: str, kvm: bool) -> KvwattDaemon:
+@contextlib.contextmanager
+def daemon(url: str, kvm: bool):
+    """A started `kvwatt run` (a generous start timeout: the machine is shared and loaded)."""
     server = {"url": url, **({"kv_cache_metrics_sample": KVM_SAMPLE} if kvm else {})}
-    return KvwattDaemon(servers={SERVER: server}, config={"windows": ["1m", "5m"]})
+    d = KvwattDaemon(servers={SERVER: server}, config={"windows": ["1m", "5m"]})
+    d.start(timeout=180)
+    try:
+        yield d
+    finally:
+        d.stop()
+        d.tmp.cleanup()
+
+
+@contextlib.contextmanager
+def running(e: VllmEngine):
+    e.start(timeout=900)
+    try:
+        yield e
+    finally:
+        e.stop()
 
 
 def busy(run: Run, args) -> None:
-    with engine(128, run.out, "busy", args.kvm) as e:
+    with running(engine(128, run.out, "busy", args.kvm)) as e:
         run.replay(e.url, 8, 60 + args.seconds + 30, "busy")
         time.sleep(60)  # kvwatt starts 60 s into the load
         with daemon(e.url, args.kvm) as d:
@@ -137,7 +156,7 @@ def busy(run: Run, args) -> None:
 
 def ramp(run: Run, args) -> None:
     step = args.seconds / 4
-    with engine(192, run.out, "ramp", args.kvm) as e, daemon(e.url, args.kvm) as d:
+    with running(engine(192, run.out, "ramp", args.kvm)) as e, daemon(e.url, args.kvm) as d:
         for c in (1, 2, 4, 8):
             p = run.replay(e.url, c, step, f"c{c}")
             run.watch(d, step, f"c{c}")
@@ -146,7 +165,14 @@ def ramp(run: Run, args) -> None:
 
 
 def restart(run: Run, args) -> None:
-    small = engine(192, run.out, "192", args.kvm).start()
+    small = engine(192, run.out, "192", args.kvm).start(timeout=900)
+    try:
+        _restart(run, args, small)
+    finally:
+        small.stop()
+
+
+def _restart(run: Run, args, small: VllmEngine) -> None:
     with daemon(small.url, args.kvm) as d:
         p = run.replay(small.url, 8, args.seconds, "192")
         run.watch(d, args.seconds, "192-busy")
@@ -156,8 +182,7 @@ def restart(run: Run, args) -> None:
         small.stop()
         big = engine(512, run.out, "512", args.kvm, port=port)
         started = time.monotonic()
-        import threading
-        t = threading.Thread(target=big.start, daemon=True)
+        t = threading.Thread(target=big.start, kwargs={"timeout": 900}, daemon=True)
         t.start()
         while t.is_alive():  # the down server, as every screen shows it
             run.read(d, "down")
@@ -173,7 +198,7 @@ def restart(run: Run, args) -> None:
 
 def healthy(run: Run, args) -> None:
     step = args.seconds / 3
-    with engine(512, run.out, "healthy", args.kvm) as e, daemon(e.url, args.kvm) as d:
+    with running(engine(512, run.out, "healthy", args.kvm)) as e, daemon(e.url, args.kvm) as d:
         for c in (1, 2, 4):
             p = run.replay(e.url, c, step, f"c{c}")
             run.watch(d, step, f"c{c}")
