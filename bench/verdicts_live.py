@@ -4,8 +4,8 @@ and kvwatt's /api/status, /metrics and landing page read every 2 s. One scenario
 
 - ``busy``: 128 blocks, 8 sessions, kvwatt started 60 s into the load (``--kv-cache-metrics`` with ``--kvm``);
 - ``ramp``: 192 blocks, 1 -> 2 -> 4 -> 8 sessions;
-- ``restart``: 192 blocks at 8 sessions, then the engine restarted with 512 blocks (the same kvwatt) at 2
-  sessions: no figure may mix the two engines, the down server is unknown everywhere, and the healthy engine
+- ``restart``: 192 blocks at 8 sessions (with ``--ramp``: 1 -> 2 -> 4 -> 8 sessions, the ramp), then the engine
+  restarted with 512 blocks (the same kvwatt) at 2 sessions: no figure may mix the two engines, the down server is unknown everywhere, and the healthy engine
   reaches "below (known)" and "Nothing to do";
 - ``healthy``: 512 blocks, 1 -> 2 -> 4 sessions.
 
@@ -174,10 +174,12 @@ def restart(run: Run, args) -> None:
 
 def _restart(run: Run, args, small: VllmEngine) -> None:
     with daemon(small.url, args.kvm) as d:
-        p = run.replay(small.url, 8, args.seconds, "192")
-        run.watch(d, args.seconds, "192-busy")
-        p.terminate()
-        p.wait(30)
+        steps = (1, 2, 4, 8) if args.ramp else (8,)
+        for c in steps:  # with --ramp the small engine's phase is the ramp, 1 -> 8 sessions
+            p = run.replay(small.url, c, args.seconds / len(steps), f"192-c{c}")
+            run.watch(d, args.seconds / len(steps), f"192-c{c}")
+            p.terminate()
+            p.wait(30)
         port = small.port
         small.stop()
         big = engine(512, run.out, "512", args.kvm, port=port)
@@ -254,6 +256,7 @@ def main() -> None:
                     "healthy), the small engine's phase (restart)")
     ap.add_argument("--healthy-seconds", type=float, default=240.0, help="restart: the 512-block phase")
     ap.add_argument("--kvm", action="store_true", help="start vLLM with --kv-cache-metrics (sample 0.05)")
+    ap.add_argument("--ramp", action="store_true", help="restart: the small engine's phase steps 1, 2, 4, 8 sessions")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     run = Run(args.out, args.seconds)
