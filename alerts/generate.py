@@ -462,6 +462,14 @@ SOURCE_REASON = ('{{ with printf "kvwatt_source_info{instance=%q,source=%q,serve
 THRESHOLD_IN_USE = ('{{ with printf "kvwatt_kv_pressure_threshold_in_use_ratio{server=%q}" $labels.server | query }}'
                     '{{ range . }} {{ .Value | humanizePercentage }} ({{ .Labels.source }}){{ end }}{{ end }}')
 
+# a kvwatt verdict that is provisional (methods.md s10: it may still change) fires, and says so
+REGIME_PROVISIONAL = ('{{ with printf "kvwatt_kv_pressure_regime_state{server=%q,window=%q,state=%q} == 1" '
+                      '$labels.server "@kvwatt_window" "provisional" | query }} Provisional: kvwatt\'s regime '
+                      "verdict may still change (its reason is in kvwatt's /api/status, regime_reason).{{ end }}")
+TAX_PROVISIONAL = ('{{ with printf "kvwatt_verdict_state{server=%q,verdict=%q,state=%q} == 1" $labels.server "tax" '
+                   '"provisional" | query }} Provisional: the low-pressure reference rests on fewer windows than a '
+                   "known one (kvwatt's /api/status, tax_reason).{{ end }}")
+
 ALERTS: tuple[Alert, ...] = (
     Alert("KVOffloadCollapse", "critical", "collapse_for", collapse_expr(),
           "A vLLM server has collapsed: requests wait while the engine stopped stepping, or throughput fell with "
@@ -484,9 +492,9 @@ ALERTS: tuple[Alert, ...] = (
           "server.{{ end }}"),
     Alert("KVPressureAboveThreshold", "warning", "kv_pressure_for", pressure_expr(),
           "KV-cache usage is above the regime threshold where offloading starts to matter.",
-          '{{ if eq $labels.detector "kvwatt" }}kvwatt reports server {{ $labels.server }} above its regime '
-          "threshold: p95 KV-cache usage {{ $value | humanizePercentage }} over @kvwatt_window, threshold in use"
-          + THRESHOLD_IN_USE + ". "
+          '{{ if eq $labels.detector "kvwatt" }}kvwatt reports server {{ $labels.server }} under KV pressure (its '
+          "regime verdict, from what the engine shows): p95 KV-cache usage {{ $value | humanizePercentage }} over "
+          "@kvwatt_window, threshold in use" + THRESHOLD_IN_USE + "." + REGIME_PROVISIONAL + " "
           "{{ else }}Server {{ $labels.server }} has p95 KV-cache usage {{ $value | humanizePercentage }} over "
           "@window, above the @kv_pressure_threshold_pct threshold (PromQL fallback: kvwatt does not watch this "
           "server). {{ end }}"
@@ -513,7 +521,7 @@ ALERTS: tuple[Alert, ...] = (
           "Prompt tokens are being recomputed that a larger KV cache would have reused.",
           "The local_compute share of prompt tokens on server {{ $labels.server }} exceeds its low-pressure "
           "reference by {{ $value | humanizePercentage }} of all prompt tokens (threshold "
-          "@recompute_tax_threshold_pct): evicted prefixes are being recomputed."),
+          "@recompute_tax_threshold_pct): evicted prefixes are being recomputed." + TAX_PROVISIONAL),
     Alert("KVRecomputeEnergyHigh", "warning", "recompute_energy_for", recompute_energy_expr(),
           "A large share of the GPU energy goes into recomputing prompt tokens a larger KV cache would have reused.",
           "Server {{ $labels.server }} spends {{ $value | humanizePercentage }} of its marginal GPU power over "

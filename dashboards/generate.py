@@ -477,6 +477,17 @@ def _undersized_or_no_offloading() -> str:
             f"({_by('server', kv('kvwatt_offload_enabled'))} == 0) - 1")
 
 
+VERDICT_STATE = (Mapping("2", "known", "ok"), Mapping("1", "provisional", "warn"), Mapping("0", "unknown", "unknown"),
+                 UNKNOWN)
+
+
+def _verdict_state() -> str:
+    """kvwatt_verdict_state as one number per server and verdict: 2 known, 1 provisional, 0 unknown."""
+    known = _by("server, verdict", kv("kvwatt_verdict_state", state="known"))
+    provisional = _by("server, verdict", kv("kvwatt_verdict_state", state="provisional"))
+    return f"2 * {known} + on (server, verdict) {provisional}"
+
+
 _DE = best_baseline("kvwatt_energy_saving_ratio")
 PAYING = Row("Is offloading paying right now?", (
     Panel("Energy saving dE now", "Per server: dE = (J/tok OFF - J/tok ON) / J/tok OFF (methods.md s2) against "
@@ -514,9 +525,12 @@ PAYING = Row("Is offloading paying right now?", (
     # the verdicts the alerts, /api/status and the page read (one verdict everywhere): kvwatt's own series,
     # never the p95 compared here against a copy of a threshold
     Panel("KV pressure regime now", "Per server: kvwatt's regime verdict over the window, "
-          "kvwatt_kv_pressure_above_threshold: above when the p95 KV usage is above the threshold in use (next "
-          "panel), with hysteresis on the p95's interval (methods.md s10). The same verdict as /api/status "
-          "`regime`, the landing page and the KVPressureAboveThreshold alert. unknown: no KV usage samples yet.",
+          "kvwatt_kv_pressure_above_threshold: above on any sign of pressure the engine shows (requests waiting "
+          "for KV capacity, preemptions, a recompute tax above noise, KV-block residency), below only on positive "
+          "signs of low pressure; the threshold in use (next panel) only predicts (methods.md s10). Its state "
+          "(known, provisional, unknown) is in the Verdict states panel. The same verdict as /api/status "
+          "`regime`, the landing page and the KVPressureAboveThreshold alert. unknown: neither shown yet, or the "
+          "server is down.",
           "none", (Target(or_unknown(_by("server", kv("kvwatt_kv_pressure_above_threshold"))), "{{server}}",
                           instant=True),),
           kind="stat", w=8, h=6, mappings=(Mapping("0", "below", "ok"), Mapping("1", "above", "warn"), UNKNOWN),
@@ -533,6 +547,12 @@ PAYING = Row("Is offloading paying right now?", (
           "few prompt tokens.", "percentunit",
           (Target(or_unknown(_by("server", kv("kvwatt_recompute_tax_ratio"))), "{{server}}", instant=True),),
           kind="stat", w=8, h=6, threshold_line=RECOMPUTE_TAX_THRESHOLD, mappings=(UNKNOWN,), no_value="unknown"),
+    Panel("Verdict states now", "Per server: the state of each learned verdict, kvwatt_verdict_state (a "
+          "stateset: the state whose series is 1): regime, tax, reference (the low-pressure share the tax rests "
+          "on) and threshold (the located one); known, provisional (shown, may still change) or unknown "
+          "(methods.md s10). Read the three panels above with it: a provisional verdict is not yet a known one.",
+          "none", (Target(or_unknown(_verdict_state(), "verdict"), "{{server}} {{verdict}}", instant=True),),
+          kind="stat", w=24, h=4, mappings=VERDICT_STATE, no_value="unknown"),
 ))
 
 REGIME = Row("Regime", (

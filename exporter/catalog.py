@@ -103,6 +103,7 @@ class Words:
     label: str
     unit: str
     path: tuple[str, ...] = ()
+    absent_when_none: bool = False  # no row when no window has it (a figure the server cannot have, not unknown)
 
 
 @dataclass(frozen=True)
@@ -302,6 +303,27 @@ def _located(attr: str) -> Fill:
 def _threshold_in_use(snap: Snapshot) -> Iterator[Sample]:
     for s in snap.servers:
         yield (s.name, s.threshold_source), s.threshold_in_use
+
+
+STATES = ("known", "provisional", "unknown")  # a verdict's state (methods.md s10): one series each, 1 for the current
+VERDICTS = ("regime", "tax", "reference", "threshold")
+
+
+def _verdict_states(snap: Snapshot) -> Iterator[Sample]:
+    """A stateset: per server and verdict, 1 for its current state and 0 for the others."""
+    for s in snap.servers:
+        for verdict in VERDICTS:
+            now = getattr(s, f"{verdict}_state")
+            for state in STATES:
+                yield (s.name, verdict, state), 1.0 if state == now else 0.0
+
+
+def _regime_states(snap: Snapshot) -> Iterator[Sample]:
+    """A stateset per window: 1 for the state of the window's regime, 0 for the others."""
+    for s in snap.servers:
+        for w in s.windows:
+            for state in STATES:
+                yield (s.name, state, w.window), 1.0 if state == w.regime_state else 0.0
 
 
 def _conditions(snap: Snapshot) -> Iterator[Sample]:
@@ -646,23 +668,56 @@ METRICS: tuple[MetricDef, ...] = (
               "rests on.", exporter.derive.threshold.locate, _K, _located("points"),
               bounds=bounds.NON_NEGATIVE),
     MetricDef("kvwatt_kv_pressure_threshold_in_use_ratio", "gauge", ("server", "source"),
-              "The threshold the regime flag uses: source=located once located (kv_pressure_threshold_source: "
-              "located), else source=configured.", exporter.model.pressure.ThresholdLearner.observe, _K,
+              "The threshold the regime's prediction uses (it never overrules a sign the engine shows): "
+              "source=located once located (kv_pressure_threshold_source: located), else source=configured.", exporter.model.pressure.ThresholdLearner.observe, _K,
               _threshold_in_use,
               bounds=bounds.SHARE),
     MetricDef("kvwatt_kv_pressure_above_threshold", "gauge", ("server", "window"),
-              "1 when the window's p95 KV usage is above the threshold in use: offloading pays in this regime. "
-              "Flips up only when the p95's lower bound clears the threshold, down only when its upper bound is "
-              "under it (hysteresis, methods.md s10).",
-              exporter.model.pressure.regime, _K, status=window_key("above_threshold", lambda w: w.above_threshold),
+              "The window's KV-pressure regime: 1 on any sign of pressure the engine shows (requests waiting for "
+              "KV capacity, preemptions, a recompute tax above noise, KV-block residency), whatever the threshold "
+              "in use; 0 only on positive signs of low pressure; else the threshold's prediction (1 when the p95's "
+              "lower bound clears it) or absent (unknown). Its state is kvwatt_kv_pressure_regime_state "
+              "(methods.md s10).",
+              exporter.model.pressure.verdict, _K, status=window_key("above_threshold", lambda w: w.above_threshold),
               bounds=bounds.BOOLEAN),
+    MetricDef("kvwatt_kv_pressure_regime_state", "gauge", ("server", "state", "window"),
+              "State of the window's regime verdict (kvwatt_kv_pressure_above_threshold), a stateset: 1 for its "
+              "current state (known, provisional, unknown), 0 for the others; the why is in /api/status "
+              "(windows.<window>.regime). Read the regime with its state: a provisional one may still change, an "
+              "unknown one has no value (methods.md s10).",
+              exporter.model.pressure.verdict, _K, _regime_states,
+              status=window_key("regime", lambda w: {"state": w.regime_state, "reason": w.regime_reason}),
+              bounds=bounds.BOOLEAN),
+    MetricDef("kvwatt_verdict_state", "gauge", ("server", "verdict", "state"),
+              "State of each of the server's learned verdicts, a stateset: verdict=regime (the shortest window with "
+              "one, as /api/status regime), tax (kvwatt_recompute_tax_ratio), reference "
+              "(kvwatt_recompute_reference_share_ratio), threshold (kvwatt_kv_pressure_threshold_located_ratio); 1 "
+              "for the current state (known, provisional, unknown), 0 for the others (methods.md s10).",
+              exporter.model.server.ServerModel.figures, _K, _verdict_states,
+              bounds=bounds.BOOLEAN),
+    MetricDef("kvwatt_requests_waiting_for_kv_capacity", "gauge", ("server", "window"),
+              "Requests waiting because the KV cache has no room for them, averaged over the window's samples, from "
+              "vllm:num_requests_waiting_by_reason{reason=\"capacity\"} (vLLM 0.20+): the most direct sign of KV "
+              "pressure (methods.md s10). Absent where the engine does not export it.",
+              exporter.derive.pressure.waiting_for_capacity, _K,
+              status=window_key("requests_waiting_for_kv_capacity", lambda w: w.requests_waiting_for_kv_capacity),
+              words=(Words("requests waiting for KV capacity (mean)", "number", absent_when_none=True),),
+              bounds=bounds.NON_NEGATIVE),
+    MetricDef("kvwatt_requests_waiting_for_kv_capacity_samples_ratio", "gauge", ("server", "window"),
+              "Share of the window's samples with at least one request waiting for KV capacity (vLLM 0.20+): in "
+              "most samples (>= 0.5) it is known pressure, in any it rules out low pressure (methods.md s10).",
+              exporter.derive.pressure.waiting_for_capacity, _K,
+              status=window_key("requests_waiting_for_kv_capacity_share",
+                                lambda w: w.requests_waiting_for_kv_capacity_share),
+              words=(Words("samples with requests waiting for KV capacity", "percent", absent_when_none=True),),
+              bounds=bounds.SHARE),
     MetricDef("kvwatt_kv_pools_above_threshold", "gauge", ("server", "window"),
               "Number of the server's KV pools (data-parallel ranks, a router's workers: docs/engines.md) whose "
               "own p95 usage over the window is above the threshold in use. Absent for a server with one pool; "
               "kvwatt_kv_cache_usage_p95_ratio is the fullest pool's.",
               exporter.derive.pressure.pools_above_threshold, _K,
               status=window_key("kv_pools_above_threshold", lambda w: w.kv_pools_above_threshold),
-              words=(Words("KV pools above threshold", "number"),),
+              words=(Words("KV pools above threshold", "number", absent_when_none=True),),
               bounds=bounds.NON_NEGATIVE),
     MetricDef("kvwatt_preemptions_per_minute", "gauge", ("server", "window"),
               "Preemptions per minute over the window, from vllm:num_preemptions_total deltas (SGLang: "
@@ -726,12 +781,13 @@ METRICS: tuple[MetricDef, ...] = (
               exporter.derive.pressure.labelled_per_minute, _K, status=window_key("admission_rejections_per_minute",
                                                     lambda w: w.admission_rejections_per_minute),
               bounds=bounds.NON_NEGATIVE),
-    MetricDef("kvwatt_requests_waiting_for_kv", "gauge", ("server", "stage"),
-              "Waiting requests by asynchronous KV load stage (waiting_to_start, in_progress, "
-              "completed_waiting) at the last read, from vllm:num_requests_kv_fetch_by_stage (0.32, with a "
-              "connector that loads KV). Requests held in_progress while nothing runs point at the async-load "
-              "stall (vLLM #57841).", exporter.sources.vllm.extract, _K,
-              status=server_key("requests_waiting_for_kv", lambda s: s.kv_fetch_waiting),
+    MetricDef("kvwatt_requests_in_kv_fetch", "gauge", ("server", "stage"),
+              "Requests in an asynchronous KV fetch, by stage (waiting_to_start, in_progress, completed_waiting) at "
+              "the last read, from vllm:num_requests_kv_fetch_by_stage (0.32, with a connector that loads KV): not "
+              "requests waiting for KV capacity (kvwatt_requests_waiting_for_kv_capacity). Requests held "
+              "in_progress while nothing runs point at the async-load stall (vLLM #57841).",
+              exporter.sources.vllm.extract, _K,
+              status=server_key("requests_in_kv_fetch", lambda s: s.kv_fetch_waiting),
               bounds=bounds.NON_NEGATIVE),
     MetricDef("kvwatt_recompute_tax_ratio", "gauge", ("server", "window"),
               "local_compute share minus this server's low-pressure reference share (methods.md s4).",

@@ -155,6 +155,12 @@ class WindowFigures:
     recompute_tax_watts: dict[str, float] | None = None
     offload_saved_watts: dict[str, float] | None = None
     recompute_energy_share: dict[str, float] | None = None
+    # the regime's state (known | provisional | unknown) and why, for this window (methods.md s10)
+    regime_state: str = "unknown"
+    regime_reason: str = ""
+    # requests waiting because the KV cache has no room (vllm:num_requests_waiting_by_reason{reason="capacity"})
+    requests_waiting_for_kv_capacity: float | None = None  # mean over the window's samples
+    requests_waiting_for_kv_capacity_share: float | None = None  # share of samples with at least one
 
 
 @dataclass(frozen=True)
@@ -217,7 +223,7 @@ class ServerFigures:
     engine: str = "vllm"  # the one name /metrics, /api/status and the page show (ServerModel: engine_name)
     capabilities: frozenset[str] = frozenset()
     tiers: TierState = TierState()  # offload tiers' occupancy and hit rates as the engine reports them
-    kv_fetch_waiting: dict[str, float] | None = None  # stage -> waiting requests at the last read
+    kv_fetch_waiting: dict[str, float] | None = None  # stage -> requests in asynchronous KV fetch, last read
     # the threshold located from the server's own history (methods.md s10) and the one the regime flag uses
     located: LocatedThreshold | None = None
     threshold_in_use: float | None = None

@@ -15,6 +15,7 @@ from exporter.derive.collapse import CONDITIONS, CollapseResult
 from exporter.derive.threshold import Evidence
 from exporter.figures import BufferFigures, ServerFigures, Snapshot, WindowFigures
 from exporter.model import advice as advice_model
+from exporter.model.pressure import QUIET_KNOWN_WINDOWS
 from exporter.samples import EngineInfo, SourceStatus
 from exporter.serve import page
 from exporter.serve.web import status_json
@@ -127,15 +128,20 @@ def test_a_provisional_tax_gives_the_evidence_advice_not_a_verdict():
     assert a["severity"] == "unknown" and a["evidence"]["figure"] == "tax"
     assert a["evidence"]["windows_needed"] == 2 and a["evidence"]["eta_seconds"] > 0
     assert "Recompute tax provisional: 1 low-pressure window (3 needed)" in a["text"]
-    assert "reference_local_compute_share" in a["text"] and "min" in a["text"]
+    assert "configuring this server's low-pressure recomputed share" in a["text"] and "min" in a["text"]
+    assert "reference_local_compute_share" not in a["text"]  # no setting name in prose
 
 
 def test_a_provisional_regime_says_how_long_and_what_would_make_it_known_now():
-    ev = Evidence(2, 1, 1, 0, 0, 60.0, None, None, 1)  # two windows a minute apart: one per minute
-    st = _status(_fig(regime_state="provisional", regime_reason="none located yet", evidence=ev))
+    # below on low-pressure signs for one evidence window: known after QUIET_KNOWN_WINDOWS in a row
+    ev = Evidence(2, 1, 1, 0, 0, 60.0, None, None, 1, quiet_streak=1)
+    st = _status(_fig(regime_state="provisional", regime_reason="below: no preemption", evidence=ev))
     (a,) = [a for a in st["advice"] if a["kind"] == "evidence"]
-    assert a["evidence"]["figure"] == "regime" and a["evidence"]["windows_needed"] == CFG.threshold_min_windows - 2
-    assert a["evidence"]["eta_seconds"] == 60.0 * (CFG.threshold_min_windows - 2)
+    assert a["evidence"]["figure"] == "regime" and a["evidence"]["windows_needed"] == QUIET_KNOWN_WINDOWS - 1
+    assert a["evidence"]["eta_seconds"] == 60.0 * (QUIET_KNOWN_WINDOWS - 1)
+    assert "It needs 2 more low-pressure windows of 60 s in a row" in a["text"]
+    one = _status(_fig(regime_state="provisional", regime_reason="below", evidence=replace(ev, quiet_streak=2)))
+    assert "It needs 1 more low-pressure window of 60 s in a row" in one["advice"][0]["text"]  # agrees in number
     assert "--kv-cache-metrics" in a["text"] and a["evidence"]["kv_cache_metrics"] is False
     with_residency = (replace(QUIET, kv_evictions_per_prompt_block=0.2),)
     (a,) = [a for a in _status(_fig(regime_state="provisional", regime_reason="x", windows=with_residency,
@@ -166,11 +172,12 @@ def test_undersized_buffer_names_the_size_to_use():
 def _measured_failure() -> dict:
     """The failure measured on a real engine: 86 % of prompts recomputed, 1-3 preemptions/min, a tax of +1.4
     points on a provisional reference, KV p95 under the configured threshold."""
-    w = replace(QUIET, kv_usage_p95=0.7, preemptions_per_minute=2.0, preemption_onset=True,
+    w = replace(QUIET, kv_usage_p95=0.7, preemptions_per_minute=2.0, preemption_onset=True, above_threshold=True,
                 recompute_tax=0.014, token_shares={"local_compute": 0.86})
     return _status(_fig(windows=(w,), reference_share=0.846, tax_state="provisional",
                         tax_reason="1 low-pressure window (3 needed before it is known)", reference_windows=1,
-                        regime_state="unknown", regime_reason="contradicted: 2.0 preemptions/min at p95 0.700"))
+                        regime_state="known",
+                        regime_reason="above: 2.0 preemptions/min at p95 0.700, under the threshold in use 0.900"))
 
 
 def test_a_provisional_tax_is_never_shown_as_a_plain_number():
@@ -190,18 +197,21 @@ def test_the_measured_failure_reads_as_pressure_not_as_nothing_to_do():
     st = _measured_failure()
     words = _words(page.server_panel(st))
     assert "saves nothing" not in words and "Nothing to do" not in words
-    assert "The regime is unknown: contradicted: 2.0 preemptions/min" in words
-    assert "--kv-cache-metrics" in words  # the engine flag that would make it known now
+    # the regime says why it is above although the p95 is under the threshold: the words match the numbers
+    assert "KV pressure over the last 1m: above : 2.0 preemptions/min at p95 0.700, under the threshold in use 0.900" \
+        in words
+    assert "KV-cache usage p95 70.0 %" in words and "threshold in use 90.0 %" in words
+    assert "is above the" not in words and "is under the" not in words  # no side claimed beside the verdict
     kinds = [a["kind"] for a in st["advice"]]
     assert kinds[0] == "kv_pressure" and "evidence" in kinds
 
 
 def test_below_saves_nothing_only_when_the_regime_is_known_and_unpreempted():
-    assert "where offloading saves nothing beyond noise" in _words(page._pressure(_status(_fig())))
-    for kw in (dict(regime_state="provisional", regime_reason="none located yet"),
-               dict(windows=(replace(QUIET, preemptions_per_minute=0.3),))):
-        words = _words(page._pressure(_status(_fig(**kw))))
-        assert "saves nothing" not in words and "under the 90.0 % threshold" in words, kw
+    assert "Offloading saves nothing beyond noise in this regime" in _words(page._pressure(_status(_fig())))
+    words = _words(page._pressure(_status(_fig(regime_state="provisional",
+                                                regime_reason="below: no preemption; known with 3 windows"))))
+    assert "saves nothing" not in words and "threshold in use 90.0 %" in words
+    assert "below ( provisional: no preemption; known with 3 windows )" in words
 
 
 def test_chips_are_coloured_by_meaning():

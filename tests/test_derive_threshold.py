@@ -9,8 +9,10 @@ from exporter.derive.threshold import (LocatedThreshold, PressurePoint, classify
                                        taxed)
 
 
-def pt(p95, pre=0.0, tax=None, se=None, weight=1.0, low=None, high=None):
-    return PressurePoint(p95, pre, tax, se, weight, low, high)
+def pt(p95, pre=0.0, tax=0.0, se=None, weight=1.0, low=None, high=None, **kw):
+    """A point; by default a clean one: preemptions counted and zero, a known tax of 0 (a clean point needs
+    positive signs of low pressure, methods.md s10)."""
+    return PressurePoint(p95, pre, tax, se, weight, low, high, **kw)
 
 
 def test_classify_needs_preemptions_or_a_tax_above_its_noise():
@@ -21,8 +23,20 @@ def test_classify_needs_preemptions_or_a_tax_above_its_noise():
     assert classify(pt(0.5, pre=0.0, tax=0.015, se=0.001)) is False  # above 2 SE but under 5 points
     assert classify(pt(0.5, pre=0.0, tax=0.025, se=0.007)) is False  # the 4-session window: 2.5 points, no preemption
     assert classify(pt(0.5, pre=None, tax=None)) is None
-    assert classify(pt(0.5, pre=None, tax=-0.2, se=0.01)) is False  # a negative tax is no pressure
+    assert classify(pt(0.5, pre=0.0, tax=-0.2, se=0.01)) is False  # a negative tax is no pressure
     assert taxed(pt(0.5, tax=0.06)) and not taxed(pt(0.5, tax=0.04))  # unknown SE: 5 points
+
+
+def test_clean_needs_positive_signs_and_waiting_for_capacity_is_pressure():
+    # the busy-at-start windows (p95 0.76-0.84, no reference, no preemption that minute) were kept clean
+    assert classify(pt(0.8, pre=0.0, tax=None, kv_max=0.9)) is None  # an unknown tax never makes a window clean
+    assert classify(pt(0.8, pre=None, tax=-0.2)) is None  # preemptions not counted: no positive sign
+    assert classify(pt(0.8, pre=0.0, tax=None, kv_max=0.9, capacity_share=1.0)) is True  # waited for KV
+    assert classify(pt(0.1, pre=0.0, tax=None, kv_max=0.2, capacity_share=0.02)) is True  # any wait is pressure
+    assert classify(pt(0.5, pre=0.0, tax=None, kv_max=0.6, capacity_share=0.0)) is False  # gauge read at zero
+    assert classify(pt(0.5, pre=0.0, tax=None, kv_max=0.85, capacity_share=0.0)) is None  # came near full
+    assert classify(pt(0.5, pre=0.0, tax=None, kv_max=0.6)) is None  # no capacity gauge: levels are no sign
+    assert classify(pt(0.9, pre=0.0, tax=None, kv_max=0.95, residency="low_pressure")) is False
 
 
 def test_vllm_cpu_block_sweep_locates_between_the_last_clean_and_first_taxed_p95():

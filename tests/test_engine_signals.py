@@ -140,13 +140,9 @@ def test_p95_above_the_threshold_only_with_the_small_cache(large, small):
     # two samplings of one run: kvwatt's ~95 % interval of the p95 and the engine series' own overlap
     engine_low, engine_high = quantile_bounds(sorted(engine), 0.95)
     assert low <= engine_high and engine_low <= high, ((low, p95, high), (engine_low, engine_high))
-    # the regime flips only when the p95's interval clears the threshold (model.pressure.regime); in between
-    # the previous regime holds, which a short run does not pin down
-    threshold = ms["threshold"]
-    if low > threshold:
-        assert ms["kvwatt_kv_pressure_above_threshold"] == 1
-    if high <= threshold:
-        assert ms["kvwatt_kv_pressure_above_threshold"] == below(ms)
+    # the small cache preempted and recomputed (almost) every prompt token: above, whatever its p95 against the
+    # threshold in use (the engine's signs decide; the threshold only predicts: methods.md s10)
+    assert ms["kvwatt_kv_pressure_above_threshold"] == 1
 
 
 def test_recompute_tax_and_the_mfu_view(large, small):

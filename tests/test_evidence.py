@@ -30,7 +30,8 @@ class InfoEngine(Engine):
         return type(r)(r.counters, r.gauges, self.info, r.capabilities)
 
 
-def pt(p95, pre=0.0, tax=None, se=None, weight=1.0):
+def pt(p95, pre=0.0, tax=0.0, se=None, weight=1.0):
+    """A point, clean by default: preemptions counted and zero, a known tax of 0 (positive signs, methods.md s10)."""
     return PressurePoint(p95, pre, tax, se, weight)
 
 
@@ -56,7 +57,7 @@ def test_started_under_load_has_no_reference_an_unknown_tax_and_never_reads_belo
                 each=each)
     assert preempting and "below" not in preempting
     f = run.fig()
-    assert f.regime == "above" and f.regime_state == "known" and f.regime_reason.startswith("above (onset): 2.0 ")
+    assert f.regime == "above" and f.regime_state == "known" and f.regime_reason.startswith("above: 2.0 preemptions/min at p95 0.8")
     assert f.tax_state == "unknown" and f.reference_state == "unknown"
     # the reference's reason, and (this engine exports no residency histograms) how to know the pressure now
     assert f.tax_reason == ("no low-pressure window seen yet: 8 windows, all with p95 >= 0.87; start vLLM with "
@@ -80,7 +81,7 @@ def test_waiting_requests_or_a_high_kv_max_are_no_low_pressure(tmp_path):
 
     def waiting(*a, **kw):
         r = orig(*a, **kw)
-        r.gauges["waiting"] = 3.0
+        r.gauges["waiting"] = r.gauges["waiting_capacity"] = 3.0
         return r
     run.engine.second = waiting
     run.seconds(60, 0.2, 0.3)
@@ -164,7 +165,8 @@ def test_an_implausible_preemption_counter_is_no_evidence(tmp_path):
     run.seconds(3 * 60, 0.25, 0.06)
     f = run.fig()
     assert f.located.ratio == pytest.approx(0.575) and f.evidence.rejected == 3 and f.evidence.windows == 6
-    assert f.regime == "below"  # the glitch contradicts nothing either
+    # the glitch is no preemption count: neither a sign of pressure nor one of its absence
+    assert f.regime == "unknown" and "missing a preemption count" in f.regime_reason
 
 
 # --- epochs and persistence ---------------------------------------------------------------------------------
@@ -226,7 +228,7 @@ def test_the_evidence_file_is_hardened_like_the_other_state_files(tmp_path):
     state = tmp_path / "state"
     state.mkdir()
     path = state / EVIDENCE_FILE
-    path.write_text(json.dumps({"version": 1, "servers": {"s": {
+    path.write_text(json.dumps({"version": 2, "servers": {"s": {
         "epoch": {"started": WALL - 60, "cause": "first reading", "engine": {"num_gpu_blocks": 128.0}},
         "windows": [{"p95": 0.3, "weight": 1.0, "at": WALL - 60, "preemptions_per_minute": 0.0, "tax": 0.0},
                     {"p95": 7, "weight": 1.0, "at": WALL}, {"p95": 0.3, "weight": 1.0, "at": WALL - 10 ** 6}]}}}))
@@ -296,3 +298,46 @@ def test_a_barely_covered_window_cannot_say_below():
     assert regime(low, 0.54, True, covered_ratio=0.1) is True
     assert regime(low, 0.54, None, covered_ratio=0.6) is False
     assert regime(P95(0.70, 0.60, 0.80), 0.54, None, covered_ratio=0.1) is True  # "above" may be said at once
+
+
+def test_windows_persisted_by_the_old_rule_are_set_aside_not_trusted(tmp_path, caplog):
+    # version 1 kept busy windows clean on an unknown tax (p95 0.76-0.84 at 97 % recomputed): never read back
+    state = tmp_path / "state"
+    state.mkdir()
+    windows = [{"p95": p, "weight": 1.0, "at": WALL - 60, "preemptions_per_minute": 0.0, "tax": None, "max": 0.9}
+               for p in (0.76, 0.8, 0.84)]
+    (state / EVIDENCE_FILE).write_text(json.dumps({"version": 1, "servers": {"s": {
+        "epoch": {"started": WALL - 600, "cause": "first reading", "engine": {}}, "windows": windows}}}))
+    caplog.set_level("WARNING", logger="kvwatt.evidence")
+    m = model(tmp_path, book(tmp_path))
+    assert not m.servers["s"].pressure.points
+    assert any("set aside" in r.getMessage() for r in caplog.records)
+    st = next(s for s in m.snapshot().sources if s.source == "state_dir")
+    assert "evidence" not in (st.reason or "")  # not a bad file: an old one, set aside
+
+
+def test_a_window_with_requests_waiting_for_capacity_is_pressured_by_how_much_of_it_waited(tmp_path):
+    run = Run(model(tmp_path), InfoEngine())
+    run.engine.waiting_capacity = 4.0
+    run.seconds(60, 0.8, 0.9)  # busy at start: no reference, no preemption, 4 waiting for KV in every sample
+    f = run.fig()
+    assert f.evidence.pressured == 1 and f.evidence.clean == 0
+    assert run.m.servers["s"].pressure.points[-1].weight == pytest.approx(1.0)
+    assert f.regime == "above" and f.regime_state == "known"
+    assert f.regime_reason.startswith("above: requests waiting for KV capacity in 100 % of samples (mean 4.0)")
+    w = f.windows[0]
+    assert w.requests_waiting_for_kv_capacity == pytest.approx(4.0)
+    assert w.requests_waiting_for_kv_capacity_share == pytest.approx(1.0)
+    orig = run.engine.second
+
+    def some(*a, **kw):  # a quarter of the next window's samples waited
+        r = orig(*a, **kw)
+        r.gauges["waiting_capacity"] = 2.0 if run.t % 4 == 0 else 0.0
+        return r
+    run.engine.second = some
+    run.seconds(60, 0.5, 0.2)
+    pts = run.m.servers["s"].pressure.points
+    assert len(pts) == 2 and pts[-1].capacity_share == pytest.approx(0.25, abs=0.02)
+    assert pts[-1].weight == pytest.approx(pts[-1].capacity_share)
+    f = run.fig()
+    assert f.regime == "above" and f.regime_state == "provisional"  # waited, but not through the window

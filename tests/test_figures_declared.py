@@ -164,10 +164,24 @@ def test_one_declaration_is_enough_for_json_series_page_and_reference(scenario, 
 
 def test_page_rows_are_the_declared_words(scenario):
     _, status = scenario
-    table = page.windows_table(status["servers"][1])
-    labels = [w.label for d in catalog.METRICS for w in d.words]
-    assert labels and all(f"<th>{label}</th>" in table for label in labels)
-    assert table.count("<tr>") == len(labels) + 1  # the header row and one per declared row
+    server = status["servers"][1]
+    table = page.windows_table(server)
+    declared = [w for d in catalog.METRICS for w in d.words]
+    shown = [label for label, _ in page.window_rows(server)]
+    # only a figure the server cannot have (declared absent_when_none, null in every window) has no row
+    left_out = [w for w in declared if w.label not in shown]
+    assert all(w.absent_when_none for w in left_out) and "KV pools above threshold" in [w.label for w in left_out]
+    assert shown and all(f"<th>{label}</th>" in table for label in shown)
+    assert table.count("<tr>") == len(shown) + 1  # the header row and one per declared row shown
+
+
+def test_a_one_pool_server_has_no_pools_row_and_a_several_pool_one_has(scenario):
+    _, status = scenario
+    server = status["servers"][1]
+    assert "KV pools above threshold" not in page.windows_table(server)  # one pool: the figure cannot exist
+    for w in server["windows"].values():
+        w["kv_pools_above_threshold"] = 1
+    assert "<th>KV pools above threshold</th>" in page.windows_table(server)
 
 
 def test_a_figure_without_a_fill_or_status_key_is_refused():

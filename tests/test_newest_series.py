@@ -189,7 +189,7 @@ def test_figures_through_a_daemon():
                                                                                                   rel=1e-6)
             assert not [k for k in m if k[0] == "kvwatt_offload_tier_chunk_hit_ratio" and
                         ("tier", "2:obj") in k[1]]  # unknown, absent
-            assert d.value("kvwatt_requests_waiting_for_kv", server="t", stage="in_progress") == 3
+            assert d.value("kvwatt_requests_in_kv_fetch", server="t", stage="in_progress") == 3
             status = next(s for s in d.status()["servers"] if s["server"] == "t")
             w = status["windows"]["1m"]
             assert w["offload_tiers"]["1:fs"]["job_failures"] == 2

@@ -104,10 +104,10 @@ def seed_evidence(state_dir: Path, now: float) -> None:
     clean = [(p, 0.0) for p in (0.30, 0.35, 0.40, 0.45, 0.50, 0.55)]
     pressured = [(p, 3.0) for p in (0.65, 0.70, 0.75, 0.80)]
     windows = [{"p95": p, "low": p - 0.01, "high": p + 0.01, "max": p + 0.02, "preemptions_per_minute": pre,
-                "tax": None, "tax_se": None, "weight": 1.0, "at": now - 60 * (10 - i)}
+                "tax": None, "tax_se": None, "weight": 1.0, "at": now - 60 * (10 - i), "capacity_share": 0.0}
                for i, (p, pre) in enumerate(clean + pressured)]
     state_dir.mkdir(parents=True, exist_ok=True)
-    (state_dir / "evidence-windows.json").write_text(json.dumps({"version": 1, "servers": {SERVER: {
+    (state_dir / "evidence-windows.json").write_text(json.dumps({"version": 2, "servers": {SERVER: {
         "epoch": {"started": now - 700, "cause": "first reading", "engine": {}}, "windows": windows}}}))
 
 
@@ -192,10 +192,12 @@ def test_one_scenario_reads_the_same_verdict_everywhere(tmp_path: Path):
     assert status["regime"] == "above" and status["regime_window"] == WINDOW
     assert status["windows"][WINDOW]["above_threshold"] is True
     assert status["threshold_in_use"] == pytest.approx(mv["threshold"]) and status["threshold_source"] == "located"
-    pressure = re.search(r'<p data-field="pressure" data-regime="(\w+)">(.*?)</p>', page, re.S)
+    pressure = re.search(r'<p data-field="pressure" data-regime="(\w+)" data-state="(\w+)">(.*?)</p>', page, re.S)
     assert pressure and pressure.group(1) == "above", page[:2000]
-    assert "<b>above</b> the" in pressure.group(2) and "this server's own, located at" in pressure.group(2)
-    assert f"{round(100 * mv['threshold'])}" in pressure.group(2)  # the same threshold, in words
+    assert pressure.group(2) == status["regime_state"]  # the state the page shows is the JSON's
+    words = pressure.group(3)
+    assert "<b>above</b>" in words and "this server's own, located at" in words
+    assert f"{round(100 * mv['threshold'])}" in words  # the same threshold, in words
     pa = alerts["KVPressureAboveThreshold"]
     assert pa["state"] in ("pending", "firing") and pa["labels"]["detector"] == "kvwatt", pa
     assert float(pa["value"]) == pytest.approx(p95, abs=0.05)

@@ -46,7 +46,7 @@ def test_small_cache_is_pressure_evidence():
     assert r.evicted_before_reuse_ratio == 1.0
     ev = residency.residency_evidence(r)
     assert ev.kind == "pressure", ev.reason
-    assert "p99_tool_latency" in ev.reason
+    assert "(the p99 tool-call latency)" in ev.reason and "p99_tool_latency" not in ev.reason  # words, not the key
 
 
 def test_large_cache_is_low_pressure_evidence():

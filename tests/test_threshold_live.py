@@ -31,6 +31,7 @@ class Engine:
                   "prompt_external_kv_transfer": 0.0, "generation_tokens": 0.0}
         self.rng = random.Random(seed)
         self.carry = 0.0
+        self.waiting_capacity = 0.0  # requests waiting for KV capacity (vllm:num_requests_waiting_by_reason)
 
     def second(self, kv: float, share: float, preemptions_per_minute: float = 0.0,
                prompt_per_second: float = 1000.0) -> EngineReading:
@@ -42,8 +43,9 @@ class Engine:
         self.c["preemptions"] += whole
         self.carry -= whole
         running = 4.0 if prompt_per_second else 0.0
-        return EngineReading(dict(self.c), {"kv_usage": kv, "running": running, "waiting": 0.0}, EngineInfo(),
-                             frozenset({"token_sources"}))
+        gauges = {"kv_usage": kv, "running": running, "waiting": self.waiting_capacity,
+                  "waiting_capacity": self.waiting_capacity}  # vLLM >= 0.20 says why requests wait
+        return EngineReading(dict(self.c), gauges, EngineInfo(), frozenset({"token_sources"}))
 
 
 def model(tmp_path, refs: ReferenceBook | None = None, **cfg) -> Model:
@@ -100,9 +102,17 @@ def test_a_noisy_series_near_the_threshold_does_not_flip(tmp_path):
     flips = sum(a != b for a, b in zip(naive, naive[1:]))
     assert flips >= 4, "the series must really cross the threshold on noise for this test to mean anything"
     assert set(flags) == {False}
-    # clearly above: the lower bound clears 0.90 and the flag turns
+    # clearly above the threshold, while the engine shows no pressure: the threshold only predicts; the regime
+    # stays below and says why (provisional)
     run.seconds(60, lambda: rng.uniform(0.93, 0.99), 0.3)
-    assert run.fig().windows[0].above_threshold is True
+    f = run.fig()
+    assert f.windows[0].above_threshold is False and f.regime_state == "provisional"
+    assert "is above the threshold in use 0.900: the threshold predicts pressure the engine does not show" in \
+        f.regime_reason
+    run.engine.waiting_capacity = 2.0  # now requests wait for KV capacity: above, whatever the threshold
+    run.seconds(60, lambda: rng.uniform(0.93, 0.99), 0.3)
+    f = run.fig()
+    assert f.windows[0].above_threshold is True and f.regime_state == "known"
 
 
 def test_threshold_located_from_the_servers_own_windows_and_used_by_the_regime(tmp_path, caplog):
@@ -147,14 +157,16 @@ def test_reference_survives_a_threshold_located_just_above_bursty_low_load(tmp_p
     assert f.reference_share == pytest.approx(0.06) and f.windows[0].recompute_tax == pytest.approx(0.34)
 
 
-def test_configured_source_keeps_the_regime_on_the_configured_threshold(tmp_path):
+def test_configured_source_keeps_the_threshold_but_the_engine_decides(tmp_path):
     run = Run(model(tmp_path, kv_pressure_threshold_source="configured"))
     run.seconds(5 * 60, 0.40, 0.30)
     run.seconds(5 * 60, 0.80, 0.30, preemptions_per_minute=3.0)
     f = run.fig()
     assert f.located is not None  # still located and exported ...
     assert f.threshold_source == "configured" and f.threshold_in_use == 0.90
-    assert f.windows[0].above_threshold is False  # ... but the flag stays on 0.90
+    # ... the configured 0.90 predicts, but sustained preemptions are pressure whatever the threshold in use
+    assert f.windows[0].above_threshold is True and f.regime_state == "known"
+    assert f.regime_reason == "above: 3.0 preemptions/min at p95 0.800, under the threshold in use 0.900"
 
 
 def test_reference_learns_only_true_low_pressure_and_within_minutes(tmp_path):

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from bisect import bisect_right
+from dataclasses import dataclass
+
 from exporter.quantile import quantile
 from exporter.store import WindowAggregate
 
 __all__ = ["quantile", "kv_usage_quantile", "pools_above_threshold", "above_threshold", "rate_per_second",
-           "labelled_per_minute", "preemption_onset"]
+           "labelled_per_minute", "preemption_onset", "CapacityWait", "waiting_for_capacity"]
 
 
 def kv_usage_quantile(x: WindowAggregate, q: float) -> float | None:
@@ -52,3 +55,32 @@ def preemption_onset(per_minute: float | None, covered: float, window_seconds: f
     if per_minute is None or covered < 0.8 * window_seconds:
         return None
     return per_minute >= onset_per_minute
+
+
+@dataclass(frozen=True)
+class CapacityWait:
+    """Requests waiting because the KV cache has no room for them (vLLM's
+    ``vllm:num_requests_waiting_by_reason{reason="capacity"}``) over a window's samples: the most direct sign of
+    KV pressure the engine exports (methods.md s10)."""
+
+    mean: float         # requests waiting for KV capacity, averaged over the window's samples
+    share: float        # share of the samples with at least one such request (0..1)
+    samples: int
+
+
+def waiting_for_capacity(x: WindowAggregate) -> CapacityWait | None:
+    """The window's CapacityWait; None when the engine does not export the gauge (vLLM < 0.20, other engines).
+    Read from the gauge's sorted values a distinct value at a time (O(distinct values x log n): the count is a
+    small integer), so its cost does not grow with the window's length."""
+    s = x.sorted_gauge("waiting_capacity")
+    n = len(s)
+    if not n:
+        return None
+    zero = bisect_right(s, 0.0)
+    total, i = 0.0, zero
+    while i < n:
+        v = s[i]
+        j = bisect_right(s, v, i)
+        total += v * (j - i)
+        i = j
+    return CapacityWait(total / n, (n - zero) / n, n)

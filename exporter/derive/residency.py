@@ -177,10 +177,18 @@ def residency_evidence(window: Residency | None) -> Evidence:
         return Evidence(None, f"{shown}: between the low-pressure and pressure levels")
     before = window.evicted_before_reuse_ratio
     if before is None or before < BEFORE_REUSE_SHARE:
-        return Evidence(None, f"{shown}, but {_pct(before)} evicted before reuse ({window.yardstick}): "
+        return Evidence(None, f"{shown}, but {_pct(before)} evicted before reuse ({_yard_words(window)}): "
                               "blocks nobody came back for")
     return Evidence("pressure", f"{shown} >= {PRESSURE_EVICTIONS_PER_PROMPT_BLOCK:g}, {_pct(before)} evicted "
-                                f"idle <= {window.yardstick_seconds:g} s ({window.yardstick})")
+                                f"idle <= {window.yardstick_seconds:g} s ({_yard_words(window)})")
+
+
+YARDSTICK_WORDS = {"reuse_gap_p50": "the window's reuse-gap p50", "p99_tool_latency": "the p99 tool-call latency"}
+
+
+def _yard_words(window) -> str:
+    """The yardstick in words (its key is in /api/status, kv_before_reuse_yardstick)."""
+    return YARDSTICK_WORDS.get(window.yardstick, "the yardstick")
 
 
 def _pct(share: float | None) -> str:

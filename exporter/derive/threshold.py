@@ -2,9 +2,11 @@
 
 A ``PressurePoint`` is one observation of a server at one pressure level: a live window, or one experiment run
 or condition. It is *pressured* when it shows sustained preemptions (>= ``onset_per_minute``, methods.md s3),
-a recomputation tax above its noise (methods.md s4) or, for a live window, the engine's KV-block residency
-evidence of pressure (methods.md s11), *clean* when what is known says none of them, and *unknown* (ignored)
-when nothing is known. ``locate`` puts the threshold at the KV-p95 cut that best separates
+a recomputation tax above its noise (methods.md s4) or, for a live window, requests waiting for KV capacity or
+the engine's KV-block residency evidence of pressure (methods.md s11); *clean* only on positive signs of low
+pressure (preemptions counted and below onset, nobody waiting for KV capacity, and a known tax within noise,
+the residency evidence of low pressure, or a KV max under ``LOW_PRESSURE_MAX`` with the capacity gauge read
+at zero); *unknown* (ignored) otherwise: an unknown tax never makes a window clean. ``locate`` puts the threshold at the KV-p95 cut that best separates
 clean points (below) from pressured ones (above): a one-dimensional decision stump, weighted by the evidence
 behind each point (windows or runs; a live window with a single preemption weighs a third), ties going to the
 cut with the most evidence on its thinner side, then the lowest. A cut at the idle floor is not a threshold;
@@ -32,6 +34,7 @@ IDLE_FLOOR = 0.10          # a cut under this KV p95 separates idle from busy, n
 KNOWN_SIDE_WEIGHT = 3.0    # evidence weight each side of a known threshold needs (three full windows)
 KNOWN_WIDTH = 0.30         # a known threshold's interval is at most this wide (in KV p95)
 KNOWN_MISPLACED = 0.2      # ... and at most this share of its evidence weight lies on the wrong side
+LOW_PRESSURE_MAX = 0.80    # a window whose KV max stayed under this came nowhere near preempting (methods.md s10)
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,8 @@ class PressurePoint:
     kv_max: float | None = None            # live windows: the highest KV usage sampled in the window
     residency: str | None = None           # live windows: the engine's KV-block residency evidence (methods.md
                                            # s11): "pressure" | "low_pressure" | None (unknown or no histograms)
+    capacity_share: float | None = None    # live windows: share of samples with a request waiting for KV
+                                           # capacity (None: the engine does not export the gauge)
 
 
 @dataclass(frozen=True)
@@ -79,6 +84,12 @@ class Evidence:
     oldest_wall: float | None = None
     newest_wall: float | None = None
     low_pressure: int = 0       # windows with positive signs of no pressure (the reference's candidates)
+    quiet_streak: int = 0       # the newest windows, all clean: how long the server has shown low pressure
+
+
+def plural(n: int, noun: str) -> str:
+    """'1 window', '2 windows': a count in words agrees with its number."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 def preempting(p: PressurePoint, onset_per_minute: float = ONSET_PER_MINUTE) -> bool:
@@ -95,14 +106,28 @@ def taxed(p: PressurePoint, z: float = TAX_Z, min_tax: float = MIN_TAX,
     return p.tax > max(z * p.tax_se, min_tax)
 
 
+def waited(p: PressurePoint) -> bool:
+    """Some sample of the window had a request waiting for KV capacity."""
+    return bool(p.capacity_share)
+
+
 def classify(p: PressurePoint, onset_per_minute: float = ONSET_PER_MINUTE) -> bool | None:
-    """True: pressured (sustained preemptions, a tax above noise, or the engine's residency evidence of
-    pressure); False: clean; None: nothing known (neither preemptions, nor tax, nor residency evidence)."""
-    if preempting(p, onset_per_minute) or taxed(p) or p.residency == "pressure":
+    """True: pressured (sustained preemptions, a tax above noise, requests waiting for KV capacity, or the
+    engine's residency evidence of pressure); False: clean, on positive signs of low pressure only (``headroom``);
+    None: neither (an unknown tax, a window whose KV neared full with nothing else known)."""
+    if preempting(p, onset_per_minute) or taxed(p) or p.residency == "pressure" or waited(p):
         return True
-    if p.preemptions_per_minute is None and p.tax is None and p.residency is None:
-        return None
-    return False
+    return False if headroom(p) else None
+
+
+def headroom(p: PressurePoint) -> bool:
+    """Positive signs of low pressure in a point that shows no pressure: preemptions counted, and a known tax (then
+    within noise), the engine's residency evidence of low pressure, or the capacity gauge read at zero in every
+    sample with a KV max under LOW_PRESSURE_MAX (methods.md s10)."""
+    if p.preemptions_per_minute is None:
+        return False
+    quiet_levels = p.capacity_share == 0 and p.kv_max is not None and p.kv_max < LOW_PRESSURE_MAX
+    return p.tax is not None or p.residency == "low_pressure" or quiet_levels
 
 
 def locate(points: Sequence[PressurePoint], min_points: int = 3, min_side: float = 1.0,
@@ -128,7 +153,7 @@ def locate_why(points: Sequence[PressurePoint], min_points: int = 3, min_side: f
     known = sorted(((p, c) for p in points if (c := classify(p, onset_per_minute)) is not None),
                    key=lambda pc: pc[0].kv_p95)
     if len(known) < max(min_points, 2):
-        return None, f"{len(known)} windows with known pressure ({max(min_points, 2)} needed)"
+        return None, f"{plural(len(known), 'window')} with known pressure ({max(min_points, 2)} needed)"
     total_clean = sum(p.weight for p, c in known if not c)
     pressured_below = clean_below = 0.0
     best, cuts = math.inf, []

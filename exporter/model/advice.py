@@ -14,7 +14,8 @@ from exporter.config import DEFAULT_SERVER_URL, Config
 from exporter.derive.threshold import MIN_TAX, MIN_TAX_UNKNOWN_SE, TAX_Z
 from exporter.figures import Advice, BufferFigures, ServerFigures, WindowFigures
 from exporter.model import offload as offload_figures
-from exporter.model.pressure import REFERENCE_KNOWN_WINDOWS
+from exporter.derive.threshold import plural
+from exporter.model.pressure import CAPACITY_SUSTAINED, QUIET_KNOWN_WINDOWS, REFERENCE_KNOWN_WINDOWS
 
 NO_SERVER_CONFIGURED = ("No server is configured, and nothing answers at the default URL: start vLLM there "
                         "(vllm serve MODEL --port 8000), point kvwatt at your engine with --server NAME=URL (or the "
@@ -95,16 +96,26 @@ def _tax_window(v: ServerFigures) -> WindowFigures | None:
     return next((w for w in sorted(v.windows, key=lambda w: -w.seconds) if w.recompute_tax is not None), None)
 
 
+def _waiting_window(v: ServerFigures) -> WindowFigures | None:
+    """The shortest window where requests waited for KV capacity through most of it (methods.md s10)."""
+    return next((w for w in sorted(v.windows, key=lambda w: w.seconds)
+                 if (w.requests_waiting_for_kv_capacity_share or 0.0) >= CAPACITY_SUSTAINED), None)
+
+
 def _pressure(v: ServerFigures) -> Advice | None:
-    """Preemption onset, or a known tax above noise: the KV cache is too small for the load (methods.md s3)."""
-    onset, taxed = _onset_window(v), _tax_window(v)
+    """Preemption onset, requests waiting for KV capacity through a window, or a known tax above noise: the KV
+    cache is too small for the load (methods.md s3, s10)."""
+    onset, taxed, waited = _onset_window(v), _tax_window(v), _waiting_window(v)
     if taxed is not None and not (v.tax_state == "known" and tax_above_noise(taxed.recompute_tax,
                                                                                v.reference_spread)):
         taxed = None  # a provisional tax is not evidence of pressure (the evidence advice says why)
-    if onset is None and taxed is None:
+    if onset is None and taxed is None and waited is None:
         return None
-    w = onset or taxed
+    w = onset or waited or taxed
     seen = []
+    if waited is not None:
+        seen.append(f"requests waiting for KV capacity in {waited.requests_waiting_for_kv_capacity_share * 100:.0f} % "
+                    f"of samples over the last {waited.window} (mean {waited.requests_waiting_for_kv_capacity:.1f})")
     if onset is not None:
         seen.append(f"{onset.preemptions_per_minute:.1f} preemptions/min over the last {onset.window}")
     if taxed is not None:
@@ -124,6 +135,8 @@ def _pressure(v: ServerFigures) -> Advice | None:
                   {"window": w.window,
                    "preemptions_per_minute": onset.preemptions_per_minute if onset else w.preemptions_per_minute,
                    "recompute_tax": taxed.recompute_tax if taxed else None, "kv_usage_p95": w.kv_usage_p95,
+                   "requests_waiting_for_kv_capacity_share":
+                       waited.requests_waiting_for_kv_capacity_share if waited else None,
                    "recommended_buffer_gib": v.buffer.recommended_gib if v.buffer else None})
 
 
@@ -155,13 +168,13 @@ def _evidence(v: ServerFigures, cfg: Config) -> list[Advice]:
     ev, width = v.evidence, cfg.threshold_window_seconds
     hint = "" if _has_residency(v) or v.engine != "vllm" else " " + KV_CACHE_METRICS
     if v.regime_state != "known":
-        needed = max(cfg.threshold_min_windows - (ev.clean + ev.pressured), 0)
-        if v.regime_state == "provisional" and needed:
-            seconds, words = _eta(needed, ev.windows, ev.span_seconds, width)
-            when = f" It needs at least {needed} more evidence windows of {width:.0f} s ({words})."
-        elif v.regime_state == "provisional":
-            seconds, when = None, (" It becomes known once this server's history holds evidence windows on both "
-                                   "sides of the onset (clean below it, pressured above it).")
+        # a "below" becomes known after QUIET_KNOWN_WINDOWS clean windows in a row; any other regime with a sign
+        # the engine shows (methods.md s10), which no count of windows can promise
+        needed = max(QUIET_KNOWN_WINDOWS - ev.quiet_streak, 0) if v.regime == "below" else 0
+        if needed:
+            seconds, words = _eta(needed, 1, 0.0, width)
+            when = (f" It needs {plural(needed, 'more low-pressure window')} of {width:.0f} s in a row ({words}, while "
+                    "the load stays this light).")
         else:
             seconds, when = None, ""
         out.append(Advice("evidence", "unknown",
@@ -173,15 +186,17 @@ def _evidence(v: ServerFigures, cfg: Config) -> list[Advice]:
         needed = max(REFERENCE_KNOWN_WINDOWS - v.reference_windows, 0)
         if ev.low_pressure and needed:
             seconds, words = _eta(needed, ev.low_pressure, ev.span_seconds, width)
-            when = (f" It needs {needed} more low-pressure windows of {width:.0f} s ({words}, while the load stays "
-                    "this light)")
-        else:
+            when = (f" It needs {plural(needed, 'more low-pressure window')} of {width:.0f} s ({words}, while the "
+                    "load stays this light)")
+        elif needed:
             seconds = None
-            when = (f" It needs {needed} low-pressure windows of {width:.0f} s (KV p95 under the threshold, no "
-                    f"preemption): none so far in {ev.windows} evidence windows")
+            when = (f" It needs {plural(needed, 'low-pressure window')} of {width:.0f} s (KV p95 under the "
+                    f"threshold, no preemption): none so far in {plural(ev.windows, 'evidence window')}")
+        else:
+            seconds, when = None, ""
         out.append(Advice("evidence", "unknown",
-                          f"Recompute tax {v.tax_state}: {v.tax_reason}.{when}; setting "
-                          "reference_local_compute_share makes it known now.",
+                          f"Recompute tax {v.tax_state}: {v.tax_reason}.{when}; configuring this server's "
+                          "low-pressure recomputed share (docs/pressure.md) makes it known now.",
                           {"figure": "tax", "state": v.tax_state, "reason": v.tax_reason,
                            "reference_windows": v.reference_windows, "windows_needed": needed,
                            "eta_seconds": seconds}))

@@ -29,7 +29,11 @@ from exporter.model.pressure import MAX_EVIDENCE_WEIGHT
 log = logging.getLogger("kvwatt.evidence")
 
 STATE_FILE = "evidence-windows.json"
-FORMAT_VERSION = 1
+# 2: a window is clean only on positive signs of low pressure, and carries its share of samples with requests
+# waiting for KV capacity (methods.md s10). Version 1 files were classified by the old rule (an unknown tax could
+# make a busy window clean): they are set aside at start, not trusted.
+FORMAT_VERSION = 2
+SET_ASIDE_VERSIONS = (1,)
 MAX_FILE_BYTES = 8 << 20   # 10,000 windows x a few servers at ~250 bytes each; more is not ours
 MAX_WINDOWS = 10_000       # per server (model.pressure.MAX_EVIDENCE_WINDOWS)
 CLOCK_SLACK_SECONDS = 300.0  # a stored time this far after now is accepted (the wall clock stepped back)
@@ -68,12 +72,17 @@ def _entry(p: PressurePoint, now: float) -> dict:
     return {"p95": p.kv_p95, "low": p.kv_p95_low, "high": p.kv_p95_high, "max": p.kv_max,
             "preemptions_per_minute": p.preemptions_per_minute, "tax": p.tax, "tax_se": p.tax_se,
             "weight": p.weight, "at": p.wall if p.wall is not None else now,
-            **({"residency": p.residency} if p.residency else {})}
+            **({"residency": p.residency} if p.residency else {}),
+            **({"capacity_share": p.capacity_share} if p.capacity_share is not None else {})}
 
 
 def parse_file(data: Any, now_wall: float) -> tuple[Stored, list[str]]:
     """The file's JSON -> (server -> (epoch, valid windows), 'server[i]: why' per dropped one). ValueError when
     the file as a whole is not an evidence file."""
+    if isinstance(data, dict) and type(data.get("version")) is int and data["version"] in SET_ASIDE_VERSIONS:
+        log.warning("evidence windows: the file was written by version %s of the rule (a window could be kept clean "
+                    "on no evidence): set aside; the windows are learned again", data.get("version"))
+        return {}, []
     servers = atomic.versioned_mapping(data, FORMAT_VERSION, "servers")
     good: Stored = {}
     bad: list[str] = []
@@ -126,4 +135,5 @@ def parse_entry(entry: Any, now_wall: float) -> PressurePoint:
                          _optional(entry, "preemptions_per_minute", 0.0, 1e9),
                          _optional(entry, "tax", -1.0, 1.0), _optional(entry, "tax_se", 0.0, 1.0),
                          _number(entry["weight"], "weight", 0.0, MAX_EVIDENCE_WEIGHT), _optional(entry, "low", 0.0, 1.0),
-                         _optional(entry, "high", 0.0, 1.0), None, at, _optional(entry, "max", 0.0, 1.0), kind)
+                         _optional(entry, "high", 0.0, 1.0), None, at, _optional(entry, "max", 0.0, 1.0), kind,
+                         _optional(entry, "capacity_share", 0.0, 1.0))

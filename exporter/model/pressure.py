@@ -36,8 +36,8 @@ from typing import Iterable
 
 from exporter import rules
 from exporter.derive import pressure, recompute, residency
-from exporter.derive.threshold import (Evidence, LocatedThreshold, PressurePoint, classify, locate, locate_why,
-                                       quantile_bounds, taxed)
+from exporter.derive.threshold import (LOW_PRESSURE_MAX, Evidence, LocatedThreshold, PressurePoint, classify,
+                                       locate, locate_why, plural, quantile_bounds, taxed)
 from exporter.store import WindowAggregate
 from exporter.model import epoch as epochs
 
@@ -45,7 +45,8 @@ log = logging.getLogger("kvwatt.pressure")
 
 REFERENCE_MARGIN = 0.05     # a learning window's p95 stays this far under the threshold in force
 LOW_PRESSURE_P95 = 0.50     # ... and under this absolute KV p95 (methods.md s10: below every onset seen)
-LOW_PRESSURE_MAX = 0.80     # ... and its KV max under this (a window that touched 80 % came near preempting)
+# LOW_PRESSURE_MAX (derive/threshold.py): ... and its KV max under this (a window that touched 80 % came near
+# preempting)
 REFERENCE_KNOWN_WINDOWS = 3  # low-pressure windows before the reference is known (fewer: provisional)
 SUSTAINED_PREEMPTIONS = 3.0  # preemptions in a window that make it a full window of pressure evidence
 MAX_EVIDENCE_WEIGHT = 1.0   # a full window's weight: no window, live or stored, weighs more
@@ -53,6 +54,8 @@ MAX_STEPS_PER_SECOND = 1000.0  # engine steps per second when the engine does no
 MIN_PROMPT_TOKENS = 100.0   # fewer prompt tokens in a window: its share is not worth a point or a sample
 MIN_COVERED = 0.8           # a bucket less covered than this is not a window of evidence
 MIN_BELOW_COVERAGE = 0.5    # a regime window less covered than this cannot say "below" (start, restart)
+CAPACITY_SUSTAINED = 0.5    # requests waited for KV capacity in this share of a window's samples: known pressure
+QUIET_KNOWN_WINDOWS = 3     # consecutive clean evidence windows before a "below" is known (methods.md s10)
 MAX_EVIDENCE_WINDOWS = 10_000  # bounds memory and the sort in locate whatever history / window asks
 
 
@@ -128,7 +131,7 @@ class LowPressureReference:
     def judgement(self, points: Iterable[PressurePoint]) -> tuple[str, str]:
         """(state, reason) of the reference share, and so of the tax resting on it (methods.md s10)."""
         if self.configured is not None:
-            return "known", f"configured reference_local_compute_share {self.configured:g}"
+            return "known", f"configured for this server: {self.configured:g}"
         good = self.eligible()
         if len(good) >= REFERENCE_KNOWN_WINDOWS:
             return "known", (f"median of {len(good)} low-pressure windows{_span(good)} (p95 <= {self.limit():.2f}, "
@@ -150,8 +153,8 @@ def no_reference_reason(points: list[PressurePoint], limit: float) -> str:
     lowest = min(p.kv_p95 for p in points)
     if lowest > limit:
         floor = math.floor(lowest * 100) / 100  # ">= 0.87" for 0.876: never rounded above what was seen
-        return f"no low-pressure window seen yet: {len(points)} windows, all with p95 >= {floor:.2f}"
-    return (f"no low-pressure window seen yet: {len(points)} windows; those with p95 <= {limit:.2f} preempted, "
+        return f"no low-pressure window seen yet: {plural(len(points), 'window')}, all with p95 >= {floor:.2f}"
+    return (f"no low-pressure window seen yet: {plural(len(points), 'window')}; those with p95 <= {limit:.2f} preempted, "
             f"had requests waiting for KV, touched KV usage >= {LOW_PRESSURE_MAX:.2f} or paid a tax")
 
 
@@ -248,12 +251,15 @@ def quiet(agg: WindowAggregate, p: P95, residency_kind: str | None = None) -> bo
     return not agg.quantile("waiting", 0.5)
 
 
-def evidence_weight(preemptions: float | None, taxed_: bool) -> float:
-    """A window pressured only by preemptions weighs count / SUSTAINED_PREEMPTIONS (at most 1); one with a tax
-    or the engine's residency evidence of pressure (``taxed_`` true for either) is a full window."""
-    if taxed_ or not preemptions:
+def evidence_weight(preemptions: float | None, taxed_: bool, capacity_share: float | None = None) -> float:
+    """A window pressured only by preemptions weighs count / SUSTAINED_PREEMPTIONS (at most 1), one pressured
+    only by requests waiting for KV capacity the share of its samples that had one (weighted by how much of it
+    waited), the larger of the two when both; one with a tax or the engine's residency evidence of pressure
+    (``taxed_`` true for either), or with neither, is a full window."""
+    if taxed_ or not (preemptions or capacity_share):
         return MAX_EVIDENCE_WEIGHT
-    return min(MAX_EVIDENCE_WEIGHT, preemptions / SUSTAINED_PREEMPTIONS)
+    by_preemptions = min(MAX_EVIDENCE_WEIGHT, preemptions / SUSTAINED_PREEMPTIONS) if preemptions else 0.0
+    return max(by_preemptions, min(MAX_EVIDENCE_WEIGHT, capacity_share or 0.0))
 
 
 class ThresholdLearner:
@@ -284,6 +290,7 @@ class ThresholdLearner:
         self.epoch = epochs.Epoch()
         self.changed = False       # evidence added or set aside since the owner last persisted
         self.epochs_set_aside = 0  # new epochs this run: the owner sets its own learned figures aside with them
+        self.quiet_streak = 0      # the newest evidence windows, all clean (_count_quiet_streak)
         reference.threshold = configured_threshold
 
     @property
@@ -349,6 +356,7 @@ class ThresholdLearner:
         before = self.located
         args = (self.points, self.min_windows, 2.0, self.onset)
         self.located = locate(*args)  # catalog: the located families' where
+        self.quiet_streak = self._count_quiet_streak()
         self.why_not = "" if self.located is not None else locate_why(*args)[1]
         self.reference.threshold = self.threshold
         self._log_change(before)
@@ -383,9 +391,11 @@ class ThresholdLearner:
         share = shares["local_compute"] if shares else None
         if p.value is None or (share is None and not per_second):
             return False  # a window that served (almost) nothing shows no pressure either way
+        capacity = pressure.waiting_for_capacity(agg)
         point = PressurePoint(p.value, None if per_second is None else per_second * 60.0,
                               recompute.recompute_tax(share, self.reference.value), self.reference.spread,
-                              1.0, p.low, p.high, t1, wall, agg.gauge_max("kv_usage"), sign.kind)
+                              1.0, p.low, p.high, t1, wall, agg.gauge_max("kv_usage"), sign.kind,
+                              None if capacity is None else capacity.share)
         point = _weighted(point, preemptions)
         self.disagreement = disagreement(sign, point.preemptions_per_minute, taxed(point), point.tax is not None)
         self.points.append(point)
@@ -401,7 +411,18 @@ class ThresholdLearner:
         walls = [p.wall for p in self.points if p.wall is not None]
         return Evidence(len(self.points), kinds.count(False), kinds.count(True), kinds.count(None), self.rejected,
                         (max(walls) - min(walls)) if walls else 0.0, min(walls, default=None),
-                        max(walls, default=None), sum(1 for p in self.points if self._low_pressure(p)))
+                        max(walls, default=None), sum(1 for p in self.points if self._low_pressure(p)),
+                        self.quiet_streak)
+
+    def _count_quiet_streak(self) -> int:
+        """The newest evidence windows that were all clean (positive signs of low pressure), counted back from
+        the last one: how long the server has shown low pressure (a "below" is known from QUIET_KNOWN_WINDOWS)."""
+        n = 0
+        for p in reversed(self.points):
+            if classify(p, self.onset) is not False:
+                break
+            n += 1
+        return n
 
     def _low_pressure(self, p: PressurePoint) -> bool:
         """A held window with positive signs of no pressure (the reference's candidates; ``quiet``)."""
@@ -435,56 +456,123 @@ class ThresholdLearner:
 
 
 def _weighted(point: PressurePoint, preemptions: float | None) -> PressurePoint:
-    return replace(point, weight=evidence_weight(preemptions, taxed(point) or point.residency == "pressure"))
+    return replace(point, weight=evidence_weight(preemptions, taxed(point) or point.residency == "pressure",
+                                                 point.capacity_share))
 
 
-def contradicted(flag: bool | None, per_minute: float | None, onset: bool | None, follow_evidence: bool,
-                 residency_kind: str | None = None) -> bool | None:
-    """Preemptions, or the engine's residency evidence of pressure (methods.md s11), under the threshold in force
-    contradict a *below*. When the regime follows the evidence (source located), residency pressure and
-    sustained preemptions (onset, methods.md s3) turn the flag *above*, fewer preemptions (or over a window not
-    yet covered enough to call them sustained) make it unknown (None). With source configured the flag stays on
-    the configured threshold as asked, and ``regime_judgement`` says the regime is unknown."""
-    if flag is False and follow_evidence:
-        if residency_kind == "pressure":
-            return True  # history-free and volume-gated (>= MIN_EXPECTED_SAMPLES): sustained by construction
-        if per_minute:
-            return True if onset else None
-    return flag
+@dataclass(frozen=True)
+class Signs:
+    """What one window shows about KV pressure (methods.md s10, "The regime: evidence both ways")."""
+
+    p: P95
+    covered_ratio: float
+    preemptions_per_minute: float | None  # None: not counted, or an implausible counter
+    onset: bool | None                    # sustained preemptions over a window covered enough (methods.md s3)
+    capacity: pressure.CapacityWait | None  # requests waiting for KV capacity; None: gauge not exported
+    waiting_median: float | None          # requests waiting for any reason (without the capacity gauge)
+    kv_max: float | None
+    tax: float | None                     # against the reference in force (None: no reference)
+    tax_spread: float | None              # the reference's spread: the tax's noise
+    tax_state: str                        # the reference's state: the tax rests on it
+    residency: ResidencySign | None
 
 
-def regime_judgement(flag: bool | None, p: P95, threshold: float, per_minute: float | None, onset: bool | None,
-                     learner: ThresholdLearner, sign: ResidencySign | None = None) -> tuple[str, str]:
-    """(state, reason) of one window's regime (methods.md s10, s11 for the residency evidence)."""
-    state, reason = _regime_judgement(flag, p, threshold, per_minute, onset, learner, sign)
-    if flag and sign is not None and sign.kind == "low_pressure":
-        # above on the KV level while the engine evicted (almost) nothing: said, and no more than provisional
-        state = "provisional" if state == "known" else state
-        reason += f"; contradicted by the engine's KV-block residency: low pressure ({sign.reason})"
-    return state, reason
+@dataclass(frozen=True)
+class Verdict:
+    above: bool | None  # True above, False below, None unknown
+    state: str          # known | provisional | unknown
+    reason: str
 
 
-def _regime_judgement(flag: bool | None, p: P95, threshold: float, per_minute: float | None, onset: bool | None,
-                      learner: ThresholdLearner, sign: ResidencySign | None) -> tuple[str, str]:
-    under = p.value is not None and p.value <= threshold
-    if per_minute and under:
-        seen = f"{per_minute:.1f} preemptions/min at p95 {p.value:.3f}, under the threshold in use {threshold:.3f}"
-        if flag and onset:
-            return "known", f"above (onset): {seen}"
-        if not flag:  # False (source configured) or None (too few preemptions to call it onset)
-            return "unknown", f"contradicted: {seen}"
-    if sign is not None and sign.kind == "pressure" and under:
-        seen = (f"the engine's KV-block residency shows pressure ({sign.reason}) at p95 {p.value:.3f}, under the "
-                f"threshold in use {threshold:.3f}")
-        return ("known", f"above (KV-block residency): {seen}") if flag else ("unknown", f"contradicted: {seen}")
-    if flag is None:
-        if p.value is None:
-            return "unknown", "no KV usage sampled in the window"
-        return "unknown", "the window is not yet half covered: too few KV samples to call it below"
-    if learner.source == "configured":
-        if learner.use_located:
-            return "provisional", f"on the configured threshold {threshold:.2f}: none located yet ({learner.why_not})"
-        return "known", f"on the configured threshold {threshold:.2f} (kv_pressure_threshold_source: configured)"
-    state, reason = learner.judgement()
-    loc = learner.located
-    return state, f"on the located threshold {loc.ratio:.3f} [{loc.low:.3f}, {loc.high:.3f}]: {reason}"
+def _tax_point(g: Signs) -> PressurePoint:
+    return PressurePoint(g.p.value or 0.0, None, g.tax, g.tax_spread)
+
+
+def pressure_signs(g: Signs) -> list[tuple[str, bool]]:
+    """(words, known) for every sign of pressure the window shows, whatever the threshold in use."""
+    out = []
+    if g.capacity is not None and g.capacity.share > 0:
+        out.append((f"requests waiting for KV capacity in {g.capacity.share * 100:.0f} % of samples (mean "
+                    f"{g.capacity.mean:.1f})", g.capacity.share >= CAPACITY_SUSTAINED))
+    if g.preemptions_per_minute:
+        out.append((f"{g.preemptions_per_minute:.1f} preemptions/min", bool(g.onset)))
+    if taxed(_tax_point(g)):
+        # known on a known reference over a window covered enough to call it sustained (as the onset, s3)
+        out.append((f"a recompute tax of {g.tax * 100:+.1f} points",
+                    g.tax_state == "known" and g.covered_ratio >= MIN_COVERED))
+    if g.residency is not None and g.residency.kind == "pressure":
+        out.append((f"the engine's KV-block residency shows pressure ({g.residency.reason})", True))
+    return out
+
+
+def low_pressure_signs(g: Signs, threshold: float) -> tuple[list[str], list[str], bool]:
+    """(the positive signs of low pressure seen, what is missing for a "below", whether a sign rests on the
+    engine's own record: a known tax, the residency evidence or the capacity gauge)."""
+    seen, missing = [], []
+    if g.preemptions_per_minute is None:
+        missing.append("a preemption count")
+    else:
+        seen.append("no preemption")
+    if g.capacity is not None:
+        seen.append("no request waiting for KV capacity")
+    elif g.waiting_median == 0:
+        seen.append("no request waiting for most of the window")
+    else:
+        missing.append("requests waiting (the engine does not say for what)")
+    levels = g.kv_max is not None and g.kv_max < min(LOW_PRESSURE_MAX, threshold - REFERENCE_MARGIN)
+    if g.tax is not None:
+        seen.append(f"a recompute tax of {g.tax * 100:+.1f} points, within noise")
+    if g.residency is not None and g.residency.kind == "low_pressure":
+        seen.append(f"the engine's KV-block residency shows low pressure ({g.residency.reason})")
+    if levels:
+        seen.append(f"KV max {g.kv_max * 100:.0f} %")
+    if g.tax is None and not levels and not (g.residency and g.residency.kind == "low_pressure"):
+        top = "unknown" if g.kv_max is None else f"{g.kv_max * 100:.0f} %"
+        missing.append(f"a known recompute tax, the engine's KV-block residency, or a KV max under "
+                       f"{min(LOW_PRESSURE_MAX, threshold - REFERENCE_MARGIN) * 100:.0f} % (it reached {top})")
+    if g.covered_ratio < MIN_BELOW_COVERAGE:
+        missing.append("a window at least half covered")
+    engine_said = (g.capacity is not None or (g.tax is not None and g.tax_state == "known")
+                   or bool(g.residency and g.residency.kind == "low_pressure"))
+    return seen, missing, engine_said
+
+
+def verdict(g: Signs, threshold: float, over: bool, quiet_streak: int) -> Verdict:
+    """One window's regime on positive evidence both ways (methods.md s10): *above* on any sign of pressure
+    (known when sustained: requests waiting for KV capacity in most samples, preemption onset, a tax above noise
+    on a known reference, residency pressure), whatever the threshold in use; *below* only on positive signs of
+    low pressure (known once the server showed them for QUIET_KNOWN_WINDOWS evidence windows and the KV p95 is
+    not above the threshold in use); otherwise the threshold predicts (*above*, provisional, when the p95's lower
+    bound clears it) or the regime is unknown, with what is missing. ``over``: the threshold's prediction (``regime``,
+    with hysteresis on the p95's interval)."""
+    if g.p.value is None:
+        return Verdict(None, "unknown", "no KV usage sampled in the window")
+    p95 = f"p95 {g.p.value:.3f}"
+    seen = pressure_signs(g)
+    if seen:
+        known = any(k for _, k in seen)
+        where = "" if over else f" at {p95}, under the threshold in use {threshold:.3f}"
+        v = Verdict(True, "known" if known else "provisional", "above: " + "; ".join(w for w, _ in seen) + where)
+        if g.residency is not None and g.residency.kind == "low_pressure":
+            v = Verdict(True, "provisional" if v.state == "known" else v.state, v.reason +
+                        f"; contradicted by the engine's KV-block residency: low pressure ({g.residency.reason})")
+        return v
+    low, missing, engine_said = low_pressure_signs(g, threshold)
+    if not missing:
+        why = "below: " + ", ".join(low)
+        if over:
+            return Verdict(False, "provisional", f"{why}; although {p95} is above the threshold in use "
+                           f"{threshold:.3f}: the threshold predicts pressure the engine does not show")
+        if quiet_streak >= QUIET_KNOWN_WINDOWS and engine_said:
+            return Verdict(False, "known", f"{why}; low pressure for the last {plural(quiet_streak, 'evidence window')}")
+        need = [] if engine_said else ["a known recompute tax, the engine's KV-block residency or its count of "
+                                       "requests waiting for KV capacity"]
+        if quiet_streak < QUIET_KNOWN_WINDOWS:
+            need.append(f"{QUIET_KNOWN_WINDOWS} evidence windows of low pressure in a row "
+                        f"({quiet_streak} so far)")
+        return Verdict(False, "provisional", f"{why}; known with {' and '.join(need)}")
+    if over:
+        return Verdict(True, "provisional", f"above (predicted): {p95} is above the threshold in use "
+                       f"{threshold:.3f}, the engine shows no sign of pressure yet; missing for a below: "
+                       + "; ".join(missing))
+    return Verdict(None, "unknown", "neither pressure nor low pressure shown: missing " + "; ".join(missing))

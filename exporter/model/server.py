@@ -20,6 +20,8 @@ from exporter.keys import labelled
 from exporter.store import ServerHistory, WindowAggregate
 
 SCOPES = ("gpu", "host")
+# a server unread for this long (intervals, and at least seconds) was out: the windows restart when it is back
+OUTAGE_INTERVALS, OUTAGE_MIN_SECONDS = 5, 10.0
 
 
 class ServerModel:
@@ -39,8 +41,12 @@ class ServerModel:
             cfg.kv_pressure_threshold_source == "located", self.reference, server.name,
             server.kv_cache_metrics_sample, cfg.p99_tool_latency_seconds)
         self._p95: dict[float, pressure_model.P95] = {}  # per window length, as of the last learn()
-        self._regime: dict[float, bool | None] = {}  # per window length: hysteresis state (methods.md s10)
+        self._predicted: dict[float, bool | None] = {}  # per window length: the threshold's prediction (hysteresis)
+        self._regime: dict[float, bool | None] = {}  # per window length: the regime (methods.md s10)
         self._regime_why: dict[float, tuple[str, str]] = {}  # per window length: the regime's state, reason
+        # a read failed since the last good one, and when that was: the windows restart after an outage
+        self._down_since: float | None = None
+        self.outage_seconds = max(OUTAGE_INTERVALS * cfg.interval_seconds, OUTAGE_MIN_SECONDS)
         self.offload = offload_figures.setup(server)
         self.status = SourceStatus("vllm", server.name, False, "not_read_yet", 0.0, "down")
         self.info: EngineInfo | None = None
@@ -59,13 +65,31 @@ class ServerModel:
     def read(self, t: float, status: SourceStatus, reading: EngineReading | None) -> None:
         self.status = status
         self.gauges = reading.gauges if reading is not None else None  # down: no current value
+        if reading is None and not status.up and self._down_since is None:
+            self._down_since = t
         if reading is not None:
+            self._back(t)
             self.info, self.engine, self.capabilities = reading.info, engine_name(reading.engine), reading.capabilities
             self.history.add_reading(t, reading)
             flapping = self.history.identity.problem  # two processes behind one URL (store/identity.py)
             if flapping and status.up:
                 joined = f"{flapping}; {status.reason}" if status.reason else flapping
                 self.status = replace(status, reason=joined, state="degraded")
+
+    def _back(self, t: float) -> None:
+        """A good read after failed ones: after an outage (unread for ``outage_seconds``) the windows restart, so
+        none spans it (docs/pressure.md "Windows, outages and epochs"); a short miss keeps them (the interval
+        across it carries its counters and energy, energy-measurement.md rule 10)."""
+        last = self.history.last_t
+        if self._down_since is not None and last is not None and t - last >= self.outage_seconds:
+            self.history.restart_windows(break_run=True)
+            self._restart_regime()
+        self._down_since = None
+
+    def _restart_regime(self) -> None:
+        self._predicted.clear()
+        self._regime.clear()
+        self._regime_why.clear()
 
     def learn(self, now: float, wall: float | None = None) -> None:
         """Once per tick, after every read: slide the windows, then feed the learners (all O(1) in window
@@ -80,15 +104,22 @@ class ServerModel:
             pl.engine_facts(info, wall)  # a changed engine sets the evidence aside (model/epoch.py)
             if pl.epochs_set_aside != set_aside:
                 self.phase.set_aside()  # and the per-phase costs measured on the old engine
+                self.history.restart_windows()  # and no rolling window mixes the two engines
+                self._restart_regime()
         pl.observe(self.history.buckets(pl.width, pl.last_t1, now), wall)
         self.phase.observe(self.history.buckets(self.repeat_seconds, self.phase.last_t1, now))
+        if not self.status.up:  # down: no verdict is known, not the last one (every screen reads these)
+            self._restart_regime()
+            self.collapse = None
+            return
+        tax_state = self.reference.judgement(pl.points)[0]
         for seconds in self.cfg.windows_seconds:
-            self._learn_regime(seconds)
+            self._learn_regime(seconds, tax_state)
         self.collapse = self._collapse(now)
 
-    def _learn_regime(self, seconds: float) -> None:
-        """The window's regime with hysteresis, contradicted by sustained preemptions under the threshold in
-        force, and its state and reason (methods.md s10)."""
+    def _learn_regime(self, seconds: float, tax_state: str) -> None:
+        """The window's regime on positive evidence both ways, its state and reason (methods.md s10); the
+        threshold in use only predicts (with hysteresis on the p95's interval)."""
         pl, agg = self.pressure, self.history.aggregate(seconds)
         p = self._p95[seconds] = pressure_model.p95_of(agg)
         per_second = pressure.rate_per_second(agg, "preemptions")
@@ -97,11 +128,18 @@ class ServerModel:
             per_minute = None  # a counter glitch says nothing about the regime either
         onset = pressure.preemption_onset(per_minute, agg.covered_seconds, seconds,
                                           self.cfg.preemption_onset_per_minute)
-        sign = pl.residency_of(agg)  # the engine's own eviction record (methods.md s11)
-        flag = pressure_model.regime(p, pl.threshold, self._regime.get(seconds), agg.covered_seconds / seconds)
-        flag = self._regime[seconds] = pressure_model.contradicted(flag, per_minute, onset, pl.use_located, sign.kind)
-        self._regime_why[seconds] = pressure_model.regime_judgement(flag, p, pl.threshold, per_minute, onset, pl,
-                                                                    sign)
+        counts = recompute.token_counts(agg)
+        shares = recompute.token_shares(counts) if counts and sum(counts.values()) >= \
+            pressure_model.MIN_PROMPT_TOKENS else None
+        signs = pressure_model.Signs(
+            p, agg.covered_seconds / seconds, per_minute, onset, pressure.waiting_for_capacity(agg),
+            agg.quantile("waiting", 0.5), agg.gauge_max("kv_usage"),
+            recompute.recompute_tax(shares["local_compute"] if shares else None, self.reference.value),
+            self.reference.spread, tax_state, pl.residency_of(agg))  # residency: the engine's own eviction record
+        over = self._predicted[seconds] = pressure_model.regime(p, pl.threshold, self._predicted.get(seconds))
+        v = pressure_model.verdict(signs, pl.threshold, bool(over), pl.quiet_streak)
+        self._regime[seconds] = v.above
+        self._regime_why[seconds] = (v.state, v.reason)
 
     def _collapse(self, now: float) -> collapse.CollapseResult:
         """methods.md s5; the previous result latches the reference level while the signature holds."""
@@ -134,8 +172,10 @@ class ServerModel:
         cfg = self.cfg
         agg: WindowAggregate = self.history.aggregate(seconds)
         covered = agg.covered_seconds
-        if agg.n == 0:
-            return WindowFigures(window=format_window(seconds), seconds=seconds, covered_seconds=covered)
+        if agg.n == 0 or not self.status.up:  # down: nothing of it is known now (model/advice.py says so too)
+            why = self._regime_why.get(seconds, self._unknown_regime())
+            return WindowFigures(window=format_window(seconds), seconds=seconds, covered_seconds=covered,
+                                 regime_state=why[0], regime_reason=why[1])
         p95_interval = self._p95.get(seconds) or pressure_model.p95_of(agg)  # learn() computed it this tick
         p95 = p95_interval.value
         per_second = pressure.rate_per_second(agg, "preemptions")
@@ -145,7 +185,12 @@ class ServerModel:
         rates = offload.transfer_rates(agg)
         tokens = offload.token_rates(agg)
         buffer_bytes = self.info.offload_buffer_bytes if self.info else None
+        capacity = pressure.waiting_for_capacity(agg)
+        regime_state, regime_reason = self._regime_why.get(seconds, self._unknown_regime())
         return WindowFigures(
+            regime_state=regime_state, regime_reason=regime_reason,
+            requests_waiting_for_kv_capacity=capacity.mean if capacity else None,
+            requests_waiting_for_kv_capacity_share=capacity.share if capacity else None,
             window=format_window(seconds), seconds=seconds, covered_seconds=covered,
             kv_usage_p95=p95, kv_usage_max=pressure.kv_usage_quantile(agg, 1.0),
             kv_usage_p95_low=p95_interval.low, kv_usage_p95_high=p95_interval.high,
@@ -248,15 +293,22 @@ class ServerModel:
         advice = advice_model.advise(fig, self.cfg)  # "what do I do?", from the figures just derived
         return replace(fig, advice=advice, recommendations=advice_model.recommendations(advice))
 
+    def _unknown_regime(self) -> tuple[str, str]:
+        if not self.status.up:
+            return "unknown", f"kvwatt cannot read the server ({self.status.reason or self.status.state})"
+        return "unknown", "no window with a KV p95"
+
     def _judgements(self, windows) -> dict:
         """Each learned figure's state and reason, and the evidence and epoch they rest on (methods.md s10)."""
         pl = self.pressure
         threshold_state, threshold_reason = pl.judgement()
         reference_state, reference_reason = self.reference.judgement(pl.points)
         tax_state, tax_reason = pl.tax_judgement(reference_state, reference_reason)
+        if not self.status.up:  # down: the tax of now is not known, whatever the reference
+            tax_state, tax_reason = self._unknown_regime()
         regime_seconds = next((w.seconds for w in windows if w.above_threshold is not None), None)
-        # no window has a regime: the first window's own reason (no KV usage, or too little of it covered)
-        unknown = self._regime_why.get(windows[0].seconds if windows else None, ("unknown", "no window with a KV p95"))
+        # no window has a regime: the first window's own reason (why neither answer is shown)
+        unknown = self._regime_why.get(windows[0].seconds if windows else None, self._unknown_regime())
         regime_state, regime_reason = self._regime_why.get(regime_seconds, unknown)
         return {"threshold_state": threshold_state, "threshold_reason": threshold_reason,
                 "reference_state": reference_state, "reference_reason": reference_reason,

@@ -362,8 +362,7 @@ def _tax_sentence(s: dict) -> str:
                      if ref is not None else "")
         body = (f"{_state_words(state, reason or 'its low-pressure share is not known yet', 'tax-state')}: the "
                 f"server recomputed {_pct(shares['local_compute'])} of its prompt tokens{ref_words} (the "
-                "low-pressure share is learned from windows below the KV-pressure threshold, or can be set as "
-                "reference_local_compute_share in the configuration)")
+                "low-pressure share is learned from windows of low pressure, or can be configured for this server)")
     else:
         body = (f"<b>{w['recompute_tax'] * 100:+.1f} points</b>: the server recomputed "
                 f"{_pct(shares['local_compute'])} of its prompt tokens, against {_pct(ref)} at low pressure "
@@ -388,8 +387,9 @@ def wrong(s: dict) -> str:
 def _collapse(s: dict) -> str:
     c = s.get("collapse")
     if c is None:
+        why = "not evaluated yet" if s.get("up", True) else "kvwatt cannot read the server"
         return (f'<p class="banner unknown" data-field="collapse">Throughput collapse: {UNKNOWN} '
-                '(not evaluated yet).</p>')
+                f'({why}).</p>')
     sig = c["signature"]
     cls, word = ("alarm", "YES") if sig else ("calm", "no") if sig is False else ("unknown", "unknown")
     head = (f'<p class="banner {cls}" data-field="collapse">Throughput collapse: <span data-field="signature">'
@@ -472,43 +472,60 @@ def _threshold_words(s: dict) -> tuple[float | None, str]:
                     f"it at {_pct(loc['ratio'])} ({_pct(loc['low'])}–{_pct(loc['high'])}, {loc['windows']} windows).")
     return th, (f" The threshold is the configured one ({rules.KV_PRESSURE_THRESHOLD.default:.2f} by default, where "
                 "a published study found offloading "
-                "starts to pay; the kv_pressure_threshold setting): a server can pay a "
-                "recompute tax below it; kvwatt locates this server's own once its history holds windows below "
-                "and above the onset.")
+                "starts to pay); it only predicts: the regime rests on what the engine shows (requests waiting for "
+                "KV capacity, preemptions, the recompute tax), and kvwatt locates this server's own threshold once "
+                "its history holds windows below and above the onset.")
 
 
 def _pressure(s: dict) -> str:
+    """The regime as the engine's signs decided it (methods.md s10), then the p95 and the threshold as facts beside
+    it: the words never claim a side of the threshold the regime does not rest on; its reason says why."""
     regime, label = s["regime"], s.get("regime_window")
     th, where = _threshold_words(s)
     w = (s.get("windows") or {}).get(label) if label else None
-    thw = f"the {_pct(th)} threshold"
     state, reason = s.get("regime_state", "known"), s.get("regime_reason") or ""
-    preempting = bool(w and w.get("preemptions_per_minute"))
+    shown = _regime_reason_words(regime, reason)
     if regime == "unknown" or w is None:
-        text = f"KV pressure: {UNKNOWN} (no KV-cache usage samples yet; the threshold is {_pct(th)})."
+        text = f"KV pressure: {UNKNOWN}" + (f" ({_e(reason)})" if reason else "") + "."
+        label, w = _first_window(s)
     else:
+        why = f": {_e(shown)}" if state == "known" else f" ({_state_words(state, shown, 'regime-state')})"
+        text = f"KV pressure over the last {_e(label)}: <b>{_e(regime)}</b>{why}."
+        if state == "known":
+            text += (" Offloading starts to pay in this regime." if regime == "above" else
+                     " Offloading saves nothing beyond noise in this regime.")
+    if w is not None and w.get("kv_usage_p95") is not None:
         lo, hi = w.get("kv_usage_p95_interval") or (None, None)
-        p95 = f"<b>{_pct(w['kv_usage_p95'])}</b>" + (f" ({_pct(lo)}–{_pct(hi)})" if lo is not None else "")
-        if regime == "above":
-            side = f"<b>above</b> {thw}, where offloading starts to pay"
-        elif state == "known" and not preempting:  # "saves nothing" only when nothing contradicts it
-            side = f"<b>below</b> {thw}, where offloading saves nothing beyond noise"
-        else:
-            side = f"under {thw}"
-        text = f"KV pressure: KV-cache usage p95 {p95} over the last {_e(label)} is {side}."
-    if state != "known":
-        text += f" The regime is {_state_words(state, reason, 'regime-state')}."
+        interval = f" ({_pct(lo)}–{_pct(hi)})" if lo is not None else ""
+        text += (f" KV-cache usage p95 <b>{_pct(w['kv_usage_p95'])}</b>{interval} over the last {_e(label)}; "
+                 f"threshold in use {_pct(th)}.")
     text += where
     loc_state = s.get("threshold_state", "known")
     if s.get("threshold_located") and loc_state != "known":
-        why = s.get("threshold_reason") or ""
-        text += f" The located threshold is {_state_words(loc_state, why, 'threshold-state')}."
+        text += f" The located threshold is {_state_words(loc_state, s.get('threshold_reason') or '', 'threshold-state')}."
     if w is not None and w.get("preemptions_per_minute") is not None:
         onset = " (preemption onset: the leading sign of pressure)" if w.get("preemption_onset") else ""
         text += f" Preemptions: {_num(w['preemptions_per_minute'])} per minute{onset}."
+    if w is not None and w.get("requests_waiting_for_kv_capacity_share") is not None:
+        text += (f' <span data-field="waiting-for-capacity">Requests waiting for KV capacity: '
+                 f"{_num(w['requests_waiting_for_kv_capacity'])} on average, in "
+                 f"{_pct(w['requests_waiting_for_kv_capacity_share'])} of samples.</span>")
     if state != "known" and _without_residency(s):
         text += f' <span class="note" data-field="kv-cache-metrics">{_e(KV_CACHE_METRICS)}</span>'
-    return f'<p data-field="pressure" data-regime="{_e(regime)}">{text}</p>'
+    return f'<p data-field="pressure" data-regime="{_e(regime)}" data-state="{_e(state)}">{text}</p>'
+
+
+def _regime_reason_words(regime: str, reason: str) -> str:
+    """The regime's reason without its leading "above: " / "below: " (the page says the side itself)."""
+    for head in (f"{regime}: ", f"{regime} "):
+        if reason.startswith(head):
+            return reason[len(head):]
+    return reason
+
+
+def _first_window(s: dict) -> tuple[str | None, dict | None]:
+    wins = s.get("windows") or {}
+    return next(iter(wins.items()), (None, None))
 
 
 def _without_residency(s: dict) -> bool:
@@ -569,9 +586,12 @@ def window_rows(s: dict | None = None) -> list[tuple[str, Callable[[dict], str]]
     whose state in the server's dict ``s`` is not known reads its state, not a number (methods.md s10)."""
     rows = []
     tax_state = (s or {}).get("tax_state", "known")
+    wins = list(((s or {}).get("windows") or {}).values())
     for d in catalog.METRICS:
         for words in d.words:
             path = words.path or (d.status.key,)
+            if words.absent_when_none and wins and all(_at(w, path) is None for w in wins):
+                continue  # a figure this server cannot have (one KV pool): no row, not "unknown"
             fmt = FORMATS[words.unit]
             if words.unit == "points" and tax_state != "known":
                 fmt = (lambda x, _w, st=tax_state: UNKNOWN if x is None else

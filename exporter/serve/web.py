@@ -228,7 +228,8 @@ SERVER_BLOCKS: tuple[Block, ...] = (
     Block(THRESHOLD_KEYS,
           _named("kvwatt_kv_pressure_threshold_in_use_ratio", "kvwatt_kv_pressure_threshold_located_ratio",
                  "kvwatt_kv_pressure_threshold_located_low_ratio", "kvwatt_kv_pressure_threshold_located_high_ratio",
-                 "kvwatt_kv_pressure_threshold_located_windows", "kvwatt_recompute_reference_windows"),
+                 "kvwatt_kv_pressure_threshold_located_windows", "kvwatt_recompute_reference_windows",
+                 "kvwatt_verdict_state"),
           _threshold_json),
     Block(("kappa",), _named("kvwatt_critical_cached_to_prefill_ratio", "kvwatt_recompute_breakeven_tokens"),
           _kappa_json),
@@ -274,7 +275,7 @@ SERVER_KEY_ORDER = (
     "server", "url", "up", "state", "reason_code", "reason", "engine", "capabilities", "model_name",
     "offload_enabled", "offload_buffer_bytes", "offload_buffer_used_ratio", "offload_buffer_used_bytes",
     "offload_tier_hit_ratio", "regime", "regime_window", "threshold", "reference_local_compute_share",
-    "reference_kind", "signatures", "recommendations", "advice", "requests_waiting_for_kv", "windows", "kappa",
+    "reference_kind", "signatures", "recommendations", "advice", "requests_in_kv_fetch", "windows", "kappa",
     *THRESHOLD_KEYS, "collapse", "offload_buffer", "phase_costs")
 
 

@@ -29,8 +29,9 @@ from exporter.samples import Interval
 from exporter.store.columns import IntervalColumns, Span, gauge_values  # noqa: F401 (gauge_values: re-exported)
 
 # gauges kept in order structures: quantiles of KV usage and pending requests, and the maxima of running and
-# waiting read every tick (model/pressure.py plausible_preemptions: a scan of a 1 h window otherwise)
-ORDERED_GAUGES = ("kv_usage", "pending", "running", "waiting")
+# waiting read every tick (model/pressure.py plausible_preemptions: a scan of a 1 h window otherwise); requests
+# waiting for KV capacity, whose mean and share of samples above zero are read every tick (derive/pressure.py)
+ORDERED_GAUGES = ("kv_usage", "pending", "running", "waiting", "waiting_capacity")
 POOL_PREFIX = "kv_pool_usage@"  # one KV pool's usage (sources/engine.py LABELLED_GAUGE_KEYS): ordered per pool
 TOKENS_KEY = "generation_tokens"
 RUNNING_KEY = "running"
@@ -55,6 +56,9 @@ def ordered_gauge_values(iv: Interval) -> Iterator[tuple[str, float]]:
         yield "running", r
     if w is not None:
         yield "waiting", w
+    c = g.get("waiting_capacity")
+    if c is not None:
+        yield "waiting_capacity", c
     if len(g) > 2:  # pools are there only beside kv_usage and the request gauges
         for key, v in g.items():
             if key.startswith(POOL_PREFIX):

@@ -170,6 +170,20 @@ class ServerHistory:
             grid.trim(now - self.max_age_seconds)
         self._trim(now)
 
+    def restart_windows(self, break_run: bool = False) -> None:
+        """Start the sliding windows afresh (a new evidence epoch, the server back from an outage): every held
+        interval leaves them, so no window mixes two engines or spans an outage, and their coverage counts only
+        what came after. ``break_run``: the next reading only sets the counters' base (no interval spans the
+        gap, and the energy accumulated over it is dropped with it). Grid buckets keep theirs: one cut by the break
+        is less covered, and a consumer that needs coverage (evidence windows, repeat windows) drops it."""
+        for agg in self._windows.values():
+            while agg.intervals:
+                agg.remove()
+        if break_run:
+            self.last_t = None
+            self.last_counters = {}
+            self.energy.take()
+
     def _trim(self, now: float) -> None:
         rows = self._rows
         while rows and rows.t1(rows.first) < now - self.max_age_seconds:
