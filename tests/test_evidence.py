@@ -10,7 +10,7 @@ import os
 import pytest
 
 from exporter.derive.threshold import PressurePoint, locate, locate_why
-from exporter.model.evidence_book import MAX_FILE_BYTES, STATE_FILE as EVIDENCE_FILE
+from exporter.model.evidence_book import FORMAT_VERSION, MAX_FILE_BYTES, STATE_FILE as EVIDENCE_FILE
 from exporter.model.reference_book import ReferenceBook
 from exporter.samples import EngineInfo
 from exporter.serve.web import _server_json
@@ -254,7 +254,8 @@ def _crafted(engine: dict, weight: float, at: float) -> dict:
             for i in range(10)]
     hot = [{"p95": 0.25 + 0.015 * i, "weight": weight, "at": at, "preemptions_per_minute": 10.0, "tax": 0.3}
            for i in range(10)]
-    return {"version": 1, "servers": {"s": {"epoch": {"started": at, "cause": "first reading", "engine": engine},
+    return {"version": FORMAT_VERSION, "servers": {"s": {"epoch": {"started": at, "cause": "first reading",
+                                                             "engine": engine},
                                             "windows": calm + hot}}}
 
 
