@@ -13,6 +13,7 @@ from exporter.derive.collapse import CollapseResult
 from exporter.derive.energy import EnergyPerToken
 from exporter.derive.offload import TierFlows, TierState
 from exporter.derive.phase_energy import PhaseCosts
+from exporter.derive.recompute import PreemptionRecompute
 from exporter.derive.threshold import Evidence, LocatedThreshold
 from exporter.energy.baseline import Baseline
 from exporter.samples import DeviceReading, SourceStatus, EngineInfo
@@ -155,6 +156,9 @@ class WindowFigures:
     recompute_tax_watts: dict[str, float] | None = None
     offload_saved_watts: dict[str, float] | None = None
     recompute_energy_share: dict[str, float] | None = None
+    # tokens computed again after a preemption, which no token counter shows (methods.md s4), and their power
+    preemption_recompute: PreemptionRecompute | None = None
+    preemption_recompute_watts: dict[str, float] | None = None  # scope -> W (per-phase costs, methods.md s12)
 
 
 @dataclass(frozen=True)
