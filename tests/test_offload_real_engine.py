@@ -5,8 +5,10 @@ ONE start of each engine serves every test here (module fixture ``lab``: an ON e
 and an OFF engine, both 130 blocks of 32 tokens, started side by side) and ONE workload run feeds every check:
   1. an evict-and-reload: a 1,500-token prompt, five other prompts that evict it from the device, the same
      prompt again (ON: reloaded from the host tier; OFF: computed again);
-  2. preemption: four concurrent 700-token requests generating 600 tokens each, needing 164 blocks of 130
+  2. preemption: six concurrent 700-token requests generating 600 tokens each, needing 244 blocks of 130
      (ON: preempted requests resume from the host tier; OFF: recomputed).
+The two engines start each phase together (a barrier at each checkpoint), so their windows carry the same phase
+and kvwatt can pair them.
 A kvwatt daemon watches both from before the first request (ON paired with OFF, each with the tiny model's
 config.json). Every figure is compared with an independent scrape of the engine's own /metrics (parsed with
 prometheus_client's parser, not kvwatt's), with the tolerance each test states. GPU energy is the NVML test
@@ -36,10 +38,9 @@ from tests.support.fake_gpus import FakeGpus
 pytestmark = pytest.mark.engine
 BLOCKS = 130
 HOST_POOL_GIB = 1 / 64  # 16 MiB: 1,024 blocks of the tiny model's 16 KiB
-LONG, OTHERS, PRESSURE, PRESSURE_PROMPT, PRESSURE_OUTPUT = 1500, 5, 4, 700, 600
+LONG, OTHERS, PRESSURE, PRESSURE_PROMPT, PRESSURE_OUTPUT = 1500, 5, 6, 700, 600
 IDLE_WATTS, J_ON, J_OFF = 50.0, 0.6, 0.8
 WINDOW = "10m"  # longer than the run: every kvwatt window figure covers the whole run since the daemon started
-PAIRED_WINDOW, STEADY_SECONDS = "30s", 36.0  # the paired dE: a 30 s window of the same steady load on both
 BLOCK_BYTES = 16 * 1024  # 2 layers x (K, V) x 2 KV heads x 32 dims x 32 tokens x 2 bytes
 
 
@@ -114,7 +115,6 @@ class Lab:
     kvwatt_end: dict  # after the run, once kvwatt has read the final counters
     status_end: dict  # /api/status then
     engine_at_start: dict  # the ON engine's exposition before any request (parsed)
-    kvwatt_steady: dict  # kvwatt's figures at the end of the steady stage, the load still running
 
 
 def kv(parsed: dict, name: str, **labels) -> float | None:
@@ -148,11 +148,12 @@ def _settled(d: KvwattDaemon, side: Side, counters: dict) -> dict:
     return d.metrics()
 
 
-def _run(side: Side, d: KvwattDaemon, kvwatt_at: dict) -> None:
+def _run(side: Side, d: KvwattDaemon, kvwatt_at: dict, together: threading.Barrier) -> None:
     def checkpoint(name):
         time.sleep(1.0)  # the engine's stats reach /metrics at its next step
         side.at[name] = engine_counters(side.engine.url)
         kvwatt_at.setdefault(name, {})[side.name] = _settled(d, side, side.at[name])
+        together.wait(timeout=600)  # both engines start the next phase at once
     try:
         side.before = engine_counters(side.engine.url)
         side.outputs = workload(side.engine.url, checkpoint)
@@ -160,6 +161,7 @@ def _run(side: Side, d: KvwattDaemon, kvwatt_at: dict) -> None:
         side.after = engine_counters(side.engine.url)
     except BaseException as exc:  # noqa: BLE001 (reported by the tests that read this side)
         side.error = exc
+        together.abort()  # the other side does not wait for this one
 
 
 def _generated(url: str) -> float:
@@ -184,29 +186,6 @@ def _energy_double(gpus: FakeGpus, sides, stop: threading.Event) -> None:
         gpus.write()
 
 
-def _steady(sides, d: KvwattDaemon) -> dict:
-    """Both engines under the same steady load (three clients each sending fresh 64-token prompts for 48
-    tokens) for STEADY_SECONDS; kvwatt's figures at the end while the load still runs (its 30 s window then holds
-    only this stage, every 5 s window of it loaded on both)."""
-    stop = threading.Event()
-
-    def client(url, seed):
-        rng = random.Random(seed)
-        while not stop.is_set():
-            _complete(url, [rng.randrange(4, 2048) for _ in range(64)], 48)
-    threads = [threading.Thread(target=client, args=(s.engine.url, 1000 * i + j)) for i, s in enumerate(sides)
-               for j in range(3)]
-    for t in threads:
-        t.start()
-    try:
-        time.sleep(STEADY_SECONDS)
-        return d.metrics()
-    finally:
-        stop.set()
-        for t in threads:
-            t.join()
-
-
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("offload-real")
@@ -222,7 +201,7 @@ def lab(tmp_path_factory):
         config = str(Path(model) / "config.json")
         servers = {"on": {"url": on.url, "gpus": ["GPU-on"], "pair_off_server": "off", "model_config": config},
                    "off": {"url": off.url, "gpus": ["GPU-off"], "model_config": config}}
-        settings = {"windows": [WINDOW, PAIRED_WINDOW], "min_load_duration": "5s", "state_dir": str(tmp / "state"),
+        settings = {"windows": [WINDOW], "min_load_duration": "5s", "state_dir": str(tmp / "state"),
                     "idle_power_watts": {"gpu:GPU-on": IDLE_WATTS, "gpu:GPU-off": IDLE_WATTS}}
         with KvwattDaemon(servers=servers, config=settings, env=gpus.env(), interval="500ms") as d:
             engine_at_start = parse_exposition(requests.get(on.url + "/metrics", timeout=10).text)
@@ -233,7 +212,8 @@ def lab(tmp_path_factory):
             stop = threading.Event()
             energy = threading.Thread(target=_energy_double, args=(gpus, sides, stop), daemon=True)
             energy.start()
-            threads = [threading.Thread(target=_run, args=(s, d, kvwatt_at)) for s in sides]
+            together = threading.Barrier(len(sides))
+            threads = [threading.Thread(target=_run, args=(s, d, kvwatt_at, together)) for s in sides]
             for t in threads:
                 t.start()
             for t in threads:
@@ -243,9 +223,8 @@ def lab(tmp_path_factory):
                     raise AssertionError(f"workload failed on {s.name}: {s.error!r}\n{s.engine.log_tail()}")
             time.sleep(5.5)  # the last 5 s grid window completes and is read
             end, status = _settled(d, sides[0], sides[0].after), d.status()
-            steady = _steady(sides, d)
             stop.set()
-            yield Lab(*sides, at_start, kvwatt_at, end, status, engine_at_start, steady)
+            yield Lab(*sides, at_start, kvwatt_at, end, status, engine_at_start)
     finally:
         on.stop()
         off.stop()
@@ -269,7 +248,7 @@ def test_an_evicted_prompt_reloads_from_the_host_tier_with_outputs_identical_to_
 
 
 def test_preempted_requests_resume_from_the_host_tier(lab):
-    """The four concurrent requests outgrow the 130 blocks: both engines preempt; ON reloads the preempted
+    """The six concurrent requests outgrow the 130 blocks: both engines preempt; ON reloads the preempted
     context (kv_offload_load_bytes beyond the evicted prompt's), OFF recomputes it. vLLM 0.32 counts neither in
     prompt_tokens_by_source (first prefills only, vllm/v1/core/sched/scheduler.py)."""
     for side in (lab.on, lab.off):
@@ -363,21 +342,20 @@ def test_stores_that_nothing_reloaded_read_as_zero_reloads(lab):
 
 # --- energy, from the NVML double ----------------------------------------------------------------------
 def test_paired_saving_on_a_real_on_off_pair(lab):
-    """After the run both engines take the same steady load side by side; kvwatt pairs their 5 s grid windows
-    over its 30 s window. The double prices a generated token at 0.6 J on ON and 0.8 J on OFF over the same
-    idle, so every window's marginal J/token is that price up to the double's polling lag (its 5 Hz loop reads
-    two /metrics and lags 0.2-2 s on a loaded machine: a window's energy carries tokens of its neighbour), and
-    dE = 1 - 0.6/0.8 = 0.25 whatever the engines' speeds. Tolerance: 3 of kvwatt's own standard errors (from the
-    spread of the per-window J/token), at least 0.05."""
-    m = lab.kvwatt_steady
-    de = kv(m, "kvwatt_energy_saving_ratio", server="on", baseline="paired", window=PAIRED_WINDOW)
-    se = kv(m, "kvwatt_energy_saving_stderr_ratio", server="on", baseline="paired", window=PAIRED_WINDOW)
-    n = kv(m, "kvwatt_comparison_windows", server="on", baseline="paired", window=PAIRED_WINDOW)
-    gain = kv(m, "kvwatt_throughput_gain_ratio", server="on", baseline="paired", window=PAIRED_WINDOW)
+    """ON and OFF ran the same requests side by side; kvwatt pairs the 5 s grid windows in which both generated
+    tokens. The double prices a generated token at 0.6 J on ON and 0.8 J on OFF over the same idle (integrated
+    exactly by the double), so every window's marginal J/token is that price up to the 5 Hz token poll's lag (a
+    window's energy may carry tokens of its neighbour), and dE = 1 - 0.6/0.8 = 0.25 whatever the engines' speeds.
+    Tolerance: 3 of kvwatt's own standard errors (the spread of the per-window J/token), at least 0.05."""
+    m = lab.kvwatt_end
+    de = kv(m, "kvwatt_energy_saving_ratio", server="on", baseline="paired", window=WINDOW)
+    se = kv(m, "kvwatt_energy_saving_stderr_ratio", server="on", baseline="paired", window=WINDOW)
+    n = kv(m, "kvwatt_comparison_windows", server="on", baseline="paired", window=WINDOW)
+    gain = kv(m, "kvwatt_throughput_gain_ratio", server="on", baseline="paired", window=WINDOW)
     print(f"\npaired dE {de} +/- {se} over {n} windows (double: {1 - J_ON / J_OFF:+.3f}); dTPS {gain}")
     assert n is not None and n >= 2 and se is not None, (de, se, n)
     assert de == pytest.approx(1 - J_ON / J_OFF, abs=max(0.05, 3 * se))
-    assert kv(m, "kvwatt_energy_saving_ratio", server="off", baseline="paired", window=PAIRED_WINDOW) is None
+    assert kv(m, "kvwatt_energy_saving_ratio", server="off", baseline="paired", window=WINDOW) is None
 
 
 def test_the_per_phase_price_of_a_reloaded_token(lab):
