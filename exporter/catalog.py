@@ -134,6 +134,19 @@ class MetricDef:
         return f"{fn.__module__.removeprefix('exporter.')}.{fn.__qualname__}"
 
 
+def _again(w: WindowFigures, attr: str) -> float | None:
+    """A field of the window's post-preemption recomputation (None when the window has none)."""
+    return getattr(w.preemption_recompute, attr) if w.preemption_recompute is not None else None
+
+
+def _again_json(r) -> dict | None:
+    if r is None:
+        return None
+    return {"tokens_per_second": r.tokens_per_second, "share": r.share,
+            "scheduled_tokens_per_second": r.scheduled_tokens_per_second, "residual_share": r.residual_share,
+            "state": r.state, "reason": r.reason}
+
+
 def _b(v: bool | None) -> float | None:
     return None if v is None else (1.0 if v else 0.0)
 
@@ -819,6 +832,29 @@ METRICS: tuple[MetricDef, ...] = (
               status=window_key("estimated_flops_per_generated_token", lambda w: w.flops_per_generated_token),
               words=(Words("FLOPs per generated token (estimated)", "gigaflops"),),
               bounds=bounds.NON_NEGATIVE),
+    MetricDef("kvwatt_preemption_recompute_tokens_per_second", "gauge", ("server", "window"),
+              "Tokens computed again after a preemption (a resumed request's prompt and generated context), per "
+              "second: every token vLLM scheduled (its write-traffic estimate, --enable-mfu-metrics, over the "
+              "model's bytes per token from config.json) less the first prefills and generated tokens its counters "
+              "see (methods.md s4). vLLM 0.16+ counts prompt tokens by source on first prefills only, so the "
+              "recomputation tax misses this work. State and reason in /api/status.",
+              exporter.derive.recompute.preemption_recompute, _K,
+              status=window_key("preemption_recompute", lambda w: _again(w, "tokens_per_second"),
+                                json=lambda w: _again_json(w.preemption_recompute)),
+              bounds=bounds.TOKEN_RATE),
+    MetricDef("kvwatt_preemption_recompute_share_ratio", "gauge", ("server", "window"),
+              "The post-preemption recomputation's share of the tokens the engine scheduled in the window "
+              "(kvwatt_preemption_recompute_tokens_per_second over all scheduled tokens/s, methods.md s4).",
+              exporter.derive.recompute.preemption_recompute, _K,
+              status=window_key("preemption_recompute_share", lambda w: _again(w, "share")),
+              words=(Words("recomputed after preemption (of scheduled tokens)", "percent"),),
+              bounds=bounds.SHARE),
+    MetricDef("kvwatt_preemption_recompute_watts", "gauge", ("server", "scope", "window"),
+              "Power spent on the post-preemption recomputation: its tokens/s x J per computed prompt token "
+              "(kvwatt_phase_joules_per_token, measured or prior; methods.md s12).",
+              exporter.derive.recompute.preemption_recompute_watts, _E,
+              status=window_key("preemption_recompute_watts", lambda w: w.preemption_recompute_watts),
+              bounds=bounds.POWER_PART),
     # --- offloading ------------------------------------------------------------------------------------
     MetricDef("kvwatt_offload_enabled", "gauge", ("server",),
               "1 when the server offloads KV to host memory (vLLM: cache_config_info or offload series; SGLang "

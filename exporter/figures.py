@@ -13,6 +13,7 @@ from exporter.derive.collapse import CollapseResult
 from exporter.derive.energy import EnergyPerToken
 from exporter.derive.offload import TierFlows, TierState
 from exporter.derive.phase_energy import PhaseCosts
+from exporter.derive.recompute import PreemptionRecompute
 from exporter.derive.threshold import Evidence, LocatedThreshold
 from exporter.energy.baseline import Baseline
 from exporter.samples import DeviceReading, SourceStatus, EngineInfo
@@ -161,6 +162,9 @@ class WindowFigures:
     # requests waiting because the KV cache has no room (vllm:num_requests_waiting_by_reason{reason="capacity"})
     requests_waiting_for_kv_capacity: float | None = None  # mean over the window's samples
     requests_waiting_for_kv_capacity_share: float | None = None  # share of samples with at least one
+    # tokens computed again after a preemption, which no token counter shows (methods.md s4), and their power
+    preemption_recompute: PreemptionRecompute | None = None
+    preemption_recompute_watts: dict[str, float] | None = None  # scope -> W (per-phase costs, methods.md s12)
 
 
 @dataclass(frozen=True)

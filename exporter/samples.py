@@ -197,6 +197,10 @@ class ModelParams:
     hidden_size: int | None = None          # D_m (Tetris)
     attention_width: int | None = None      # heads * head_dim (attention FLOPs); hidden_size if unknown
     source: str = ""
+    # vLLM's own estimate of bytes written per scheduled token and per token that gets logits (its MFU model,
+    # vllm/v1/metrics/perf.py); None where kvwatt does not model it (MoE, a configured-only model)
+    engine_write_bytes_per_token: float | None = None
+    engine_write_bytes_per_logits_token: float | None = None
 
     @property
     def kv_bytes_per_token(self) -> float:

@@ -74,7 +74,9 @@ def config_mapping(tmp_path, urls: dict[str, str] | None = None) -> dict:
     urls = urls or {n: f"http://{n}.invalid:8000" for n in SERVERS}
     return {
         "servers": [
-            {"name": "cpu", "url": urls["cpu"], "gpus": []},
+            # the tiny Llama the real captures served: its config.json prices the engine's write traffic per
+            # token, so the post-preemption recomputation is measured on the real counters (methods.md s4)
+            {"name": "cpu", "url": urls["cpu"], "gpus": [], "model_config": str(FIXTURES / "model" / "config.json")},
             {"name": "on", "url": urls["on"], "gpus": ["GPU-on"], "pair_off_server": "off",
              "model": LLAMA_8B, "hardware": {"gpu_model": "H100-SXM"},
              "offload_tier_bytes": {"1:fs": 2 ** 40}},  # a 1 TiB file-system tier

@@ -3,6 +3,8 @@ reference; the MFU-counter view that also sees re-prefill after preemption (vllm
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+
 from exporter.store import ScopeSums, WindowAggregate
 
 SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
@@ -73,3 +75,97 @@ def mfu_view(x: WindowAggregate,
     # fewer than one token: no per-token figure (a near-zero fraction, from a broken exposition, gives +Inf)
     per_token = flops / generated_tokens if generated_tokens is not None and generated_tokens >= 1 else None
     return flops / seconds, per_token
+
+
+# --- the recomputation no token counter shows (methods.md s4, "after preemption") --------------------------
+MIN_COVERED_SHARE = 0.8  # a window less covered is provisional (as the onset's, derive/pressure.py)
+# the token identity's check: a window without preemption and with at least this many scheduled tokens must
+# give recomputed ~ 0; measured -0.19 % and under 0.5 % on the real engine, +100 % when the shape is wrong
+# (tensor parallel 2 halves the per-GPU heads): 2 % tells the two apart
+IDENTITY_MIN_TOKENS = 1000.0
+IDENTITY_TOLERANCE = 0.02
+
+
+@dataclass(frozen=True)
+class PreemptionRecompute:
+    """Prompt and generated tokens computed again after a preemption, over a window (methods.md s4).
+
+    vLLM >= 0.16 counts prompt tokens by source on a request's first prefill only, so a preempted request that
+    resumes (recomputed OFF, reloaded ON) moves no token counter. vLLM's write-traffic estimate
+    (vllm:estimated_write_bytes_per_gpu_total, --enable-mfu-metrics) is built from every scheduled token:
+        scheduled = (write bytes - bytes per logits token x generated) / bytes per token
+        recomputed = scheduled - prompt tokens computed (first prefills) - generated tokens
+    ``residual_share`` is recomputed / scheduled before clipping at 0: with no preemption it is the identity's
+    error (a logits row per chunked-prefill step the estimate also bills), measured below 0.5 % on the real
+    engine (docs/offload.md)."""
+
+    tokens_per_second: float | None = None
+    share: float | None = None  # of the tokens the engine scheduled in the window
+    scheduled_tokens_per_second: float | None = None
+    residual_share: float | None = None
+    state: str = "unknown"  # known | provisional | unknown
+    reason: str = ""
+    scheduled_tokens: float | None = None
+
+
+def preemption_recompute(x: WindowAggregate, write_bytes_per_token: float | None,
+                         write_bytes_per_logits_token: float | None, window_seconds: float) -> PreemptionRecompute:
+    """The window's post-preemption recomputation from the write-traffic estimate and the token counters;
+    ``write_bytes_per_*``: the model's coefficients (sources/model_config.engine_write_bytes)."""
+    writes, generated = x.delta("engine_write_bytes"), x.delta("generation_tokens")
+    computed = x.delta("prompt_local_compute")
+    seconds = x.seconds_with("engine_write_bytes")
+    if writes is None or seconds <= 0:
+        return PreemptionRecompute(reason="the engine exports no write-traffic estimate "
+                                          "(vLLM 0.17+ vllm:estimated_write_bytes_per_gpu_total)")
+    if computed is None or generated is None:
+        return PreemptionRecompute(reason="the engine does not count prompt tokens by source (vLLM 0.16+)")
+    if writes <= 0 and generated + computed > 0:
+        return PreemptionRecompute(reason="the write-traffic estimate does not move: start vLLM with "
+                                          "--enable-mfu-metrics")
+    if not write_bytes_per_token or write_bytes_per_logits_token is None:
+        return PreemptionRecompute(reason="the model's write traffic per token is unknown (a dense decoder's "
+                                          "config.json as servers[].model_config; MoE models are not modelled)")
+    scheduled = (writes - write_bytes_per_logits_token * generated) / write_bytes_per_token
+    if scheduled <= 0:
+        return PreemptionRecompute(0.0, None, 0.0, None, "known", "no tokens scheduled in the window", 0.0)
+    recomputed = scheduled - computed - generated
+    clipped = max(recomputed, 0.0)
+    fig = PreemptionRecompute(clipped / seconds, clipped / scheduled, scheduled / seconds, recomputed / scheduled,
+                              "known", "", scheduled)
+    if x.covered_seconds < MIN_COVERED_SHARE * window_seconds:
+        return replace(fig, state="provisional",
+                       reason=f"window {x.covered_seconds / window_seconds:.0%} covered")
+    return fig
+
+
+def identity_residual(r: PreemptionRecompute, preemptions: float | None) -> float | None:
+    """The window's check of the write model: its residual share when the window saw no preemption and enough
+    tokens to tell (IDENTITY_MIN_TOKENS), else None (nothing checked)."""
+    if preemptions != 0 or r.residual_share is None or (r.scheduled_tokens or 0.0) < IDENTITY_MIN_TOKENS:
+        return None
+    return r.residual_share
+
+
+def judged(r: PreemptionRecompute, checked_residual: float | None) -> PreemptionRecompute:
+    """The figure's state given the latest check of the write model on this engine (identity_residual):
+    ``provisional`` until a window without preemption has checked it, ``unknown`` when that check failed (the
+    estimate does not follow config.json's shape: tensor or pipeline parallelism, another KV dtype)."""
+    if r.state == "unknown":
+        return r
+    if checked_residual is None:
+        why = "the write model is not yet checked on a window without preemption"
+        return replace(r, state="provisional", reason=f"{r.reason}; {why}" if r.reason else why)
+    if abs(checked_residual) > IDENTITY_TOLERANCE:
+        return PreemptionRecompute(reason=f"without preemption the write estimate gave {checked_residual:+.1%} "
+                                          "tokens against the counted ones: not this model's shape on one GPU "
+                                          "(tensor or pipeline parallel? another KV-cache dtype?)")
+    return r
+
+
+def preemption_recompute_watts(recompute: PreemptionRecompute, costs) -> float | None:
+    """W spent on the window's post-preemption recomputation: recomputed tokens/s x J per computed prompt token
+    (methods.md s12; a re-prefill is a prefill). None without the figure or a usable price."""
+    if recompute.tokens_per_second is None or costs is None or not costs.usable:
+        return None
+    return recompute.tokens_per_second * costs.prompt_computed_j

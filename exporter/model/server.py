@@ -48,6 +48,9 @@ class ServerModel:
         self._down_since: float | None = None
         self.outage_seconds = max(OUTAGE_INTERVALS * cfg.interval_seconds, OUTAGE_MIN_SECONDS)
         self.offload = offload_figures.setup(server)
+        # the latest check of the write model on a window without preemption, and the epoch it belongs to
+        self._write_check: float | None = None
+        self._write_check_epoch = 0
         self.status = SourceStatus("vllm", server.name, False, "not_read_yet", 0.0, "down")
         self.info: EngineInfo | None = None
         self.engine, self.capabilities = engine_name(None), frozenset()
@@ -116,6 +119,22 @@ class ServerModel:
         for seconds in self.cfg.windows_seconds:
             self._learn_regime(seconds, tax_state)
         self.collapse = self._collapse(now)
+        self._check_write_model(min(self.cfg.windows_seconds), pl.epochs_set_aside)
+
+    def _check_write_model(self, seconds: float, epoch: int) -> None:
+        """The post-preemption recomputation's check (methods.md s4): the shortest window, when it saw no
+        preemption, must satisfy the token identity; the latest check stands for this engine (epoch)."""
+        if epoch != self._write_check_epoch:
+            self._write_check, self._write_check_epoch = None, epoch
+        agg = self.history.aggregate(seconds)
+        residual = recompute.identity_residual(self._again(agg, seconds), agg.delta("preemptions"))
+        if residual is not None:
+            self._write_check = residual
+
+    def _again(self, agg: WindowAggregate, seconds: float) -> recompute.PreemptionRecompute:
+        model = self.offload.model
+        return recompute.preemption_recompute(agg, model.engine_write_bytes_per_token if model else None,
+                                              model.engine_write_bytes_per_logits_token if model else None, seconds)
 
     def _learn_regime(self, seconds: float, tax_state: str) -> None:
         """The window's regime on positive evidence both ways, its state and reason (methods.md s10); the
@@ -187,6 +206,9 @@ class ServerModel:
         buffer_bytes = self.info.offload_buffer_bytes if self.info else None
         capacity = pressure.waiting_for_capacity(agg)
         regime_state, regime_reason = self._regime_why.get(seconds, self._unknown_regime())
+        again = recompute.judged(self._again(agg, seconds), self._write_check)
+        again_watts = {c.scope: w for c in self.phase.figures()
+                       if (w := recompute.preemption_recompute_watts(again, c)) is not None}
         return WindowFigures(
             regime_state=regime_state, regime_reason=regime_reason,
             requests_waiting_for_kv_capacity=capacity.mean if capacity else None,
@@ -211,6 +233,7 @@ class ServerModel:
             offload_buffer_residency_seconds=self._residency(buffer_bytes, rates, tokens),
             cached_to_prefill_ratio=kappa.observed(agg),
             savings=self._savings(agg, now, seconds, peers), **self._newest_series(agg),
+            preemption_recompute=again, preemption_recompute_watts=again_watts or None,
             **self._residency_figures(agg),
             **derive_energy.tax_in_energy(agg, self.reference.value, self.phase.figures(),
                                           self.info.offload_enabled if self.info else None,

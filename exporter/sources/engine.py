@@ -44,6 +44,8 @@ COUNTER_KEYS: dict[str, str] = {
     "external_prefix_queries": "tokens looked up in an external KV store / connector",
     "external_prefix_hits": "tokens found in an external KV store / connector",
     "flops": "estimated floating-point operations per GPU",
+    "engine_write_bytes": "estimated bytes written to device memory per GPU (every scheduled token's activations "
+                          "and KV, re-prefills after preemption included)",
     "offload_store_bytes": "bytes copied GPU -> offload tier",
     "offload_load_bytes": "bytes copied offload tier -> GPU",
     "offload_allocation_failures": "offload-tier allocations that failed",

@@ -50,6 +50,25 @@ def estimate_parameters(cfg: Mapping[str, Any]) -> float:
     return float(layers * per_layer + embed + h)
 
 
+def engine_write_bytes(cfg: Mapping[str, Any], dtype_bytes: float) -> tuple[float, float] | tuple[None, None]:
+    """(bytes per scheduled token, bytes per logits token) of vLLM's write-traffic estimate
+    (vllm:estimated_write_bytes_per_gpu_total, --enable-mfu-metrics; vllm/v1/metrics/perf.py, 0.17+) for a dense
+    decoder on one GPU, the KV cache in the model's dtype. Per layer, attention writes q, k, v
+    ((heads + 2 kv_heads) x head_dim), the KV cache (2 kv_heads x head_dim) and its output (hidden); the gated MLP
+    writes up+gate (2 x intermediate), the activation (intermediate) and down (hidden). The LM head writes a
+    vocabulary row per token that gets logits. Its input is the token count of every step, so it includes
+    re-prefills after preemption (methods.md s4). (None, None) for MoE models, which kvwatt does not model."""
+    if _get(cfg, "num_experts", "num_local_experts", "n_routed_experts"):
+        return None, None
+    h, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+    kv = int(_get(cfg, "num_key_value_heads") or heads)
+    hd = int(_get(cfg, "head_dim") or h // heads)
+    inter, layers, vocab = int(cfg["intermediate_size"]), int(cfg["num_hidden_layers"]), int(cfg["vocab_size"])
+    attention = (heads + 2 * kv) * hd * dtype_bytes + 2 * kv * hd * dtype_bytes + h * dtype_bytes
+    mlp = 3 * inter * dtype_bytes + h * dtype_bytes
+    return float(layers * (attention + mlp)), float(vocab * dtype_bytes)
+
+
 def from_hf_config(cfg: Mapping[str, Any], source: str = "config.json") -> ModelParams:
     """ModelParams from a HF config.json mapping (text_config is used for multimodal wrappers)."""
     if "text_config" in cfg and "num_hidden_layers" not in cfg:
@@ -65,10 +84,12 @@ def from_hf_config(cfg: Mapping[str, Any], source: str = "config.json") -> Model
         dtype = str(_get(cfg, "torch_dtype", "dtype") or "bfloat16").replace("torch.", "")
         if dtype not in DTYPE_BYTES:
             raise ConfigError(f"{source}: unknown torch_dtype {dtype!r}; set model.dtype_bytes")
+        writes = engine_write_bytes(cfg, DTYPE_BYTES[dtype])
         return ModelParams(layers=int(cfg["num_hidden_layers"]),
                            kv_heads=int(_get(cfg, "num_key_value_heads") or heads), head_dim=head_dim,
                            dtype_bytes=DTYPE_BYTES[dtype], active_parameters=estimate_parameters(cfg),
-                           hidden_size=h, attention_width=heads * head_dim, source=source)
+                           hidden_size=h, attention_width=heads * head_dim, source=source,
+                           engine_write_bytes_per_token=writes[0], engine_write_bytes_per_logits_token=writes[1])
     except (KeyError, TypeError, ValueError, ArithmeticError) as e:  # ArithmeticError: a size of 0 or 1e400
         raise ConfigError(f"{source}: not a usable decoder config.json ({type(e).__name__}: {e})") from None
 
@@ -93,8 +114,13 @@ def model_params(model_config_path: str | None, model: Mapping[str, float]) -> M
     if any(vals[k] is None for k in ("layers", "kv_heads", "head_dim", "dtype_bytes")):
         return None
     width = base.attention_width if base and "hidden_size" not in model else vals["hidden_size"]
+    # the write-traffic model rests on config.json's shapes: a configured shape leaves it unknown
+    reshaped = any(k in model for k in ("layers", "kv_heads", "head_dim", "dtype_bytes", "hidden_size"))
+    writes = (None, None) if base is None or reshaped else (base.engine_write_bytes_per_token,
+                                                            base.engine_write_bytes_per_logits_token)
     return ModelParams(int(vals["layers"]), int(vals["kv_heads"]), int(vals["head_dim"]),
                        float(vals["dtype_bytes"]), vals["active_parameters"],
                        int(vals["hidden_size"]) if vals["hidden_size"] else None,
                        int(width) if width else None,
-                       source=" + ".join(x for x in (model_config_path, "configured" if model else None) if x))
+                       source=" + ".join(x for x in (model_config_path, "configured" if model else None) if x),
+                       engine_write_bytes_per_token=writes[0], engine_write_bytes_per_logits_token=writes[1])

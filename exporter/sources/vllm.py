@@ -40,6 +40,9 @@ COUNTERS: dict[str, tuple[str, dict[str, str]]] = {
     "external_prefix_queries": ("external_prefix_cache_queries", {}),
     "external_prefix_hits": ("external_prefix_cache_hits", {}),
     "flops": ("estimated_flops_per_gpu", {}),
+    # --enable-mfu-metrics (0.17+): from the tokens actually scheduled, so re-prefill after preemption is in it
+    # (the token counters count first prefills only): the recomputation no token counter shows (methods.md s4)
+    "engine_write_bytes": ("estimated_write_bytes_per_gpu", {}),
     "offload_store_bytes": ("kv_offload_store_bytes", {}),
     "offload_load_bytes": ("kv_offload_load_bytes", {}),
     "offload_allocation_failures": ("kv_offload_allocation_failure", {}),
