@@ -245,11 +245,12 @@ def kvwatt_text(exposition: str) -> str:
 
 
 def status_text(snapshot) -> str:
-    """/api/status as the endpoint writes it, the version replaced by a placeholder (a release is no diff)."""
+    """/api/status as the endpoint writes it, the version replaced by a placeholder (a release is no diff) and the
+    checkout's path by ``<fixtures>`` (the model's config.json is named by its path: a clone elsewhere is no diff)."""
     js = _finite(status_json(snapshot))
     assert js["version"] == __version__
     js["version"] = "<version>"
-    return json.dumps(js, indent=2) + "\n"
+    return json.dumps(js, indent=2).replace(json.dumps(str(FIXTURES))[1:-1], "<fixtures>") + "\n"
 
 
 def _compare(path: Path, got: str) -> None:
