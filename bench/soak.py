@@ -169,6 +169,18 @@ async def measure(daemon: Daemon, clock: list[float], work: SoakWorkload, k0: in
             "errors": scraped["errors"], "step": summary(steps), "ticks": k - k0}
 
 
+def cyclic_garbage() -> int:
+    """Objects that only the collector could free, frozen or not, at the end (a freeze policy's leak shows
+    here: a frozen object dropped in a reference cycle is never collected until unfrozen)."""
+    gc.unfreeze()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    gc.collect()
+    n = len(gc.garbage)
+    gc.set_debug(0)
+    gc.garbage.clear()
+    return n
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--servers", type=int, default=8)
@@ -185,14 +197,17 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     args.windows = tuple(float(w) for w in args.windows.split(","))
     gct = GcTimer()
-    gc.callbacks.append(gct)
     rss0 = rss_mib(os.getpid())
     with tempfile.TemporaryDirectory(prefix="kvwatt-soak-") as tmp:
         daemon, clock = build(args, tmp)
         if not args.untuned:
-            tune_runtime()
-            print(f"tune_runtime(): {gc.get_freeze_count()} start-up objects out of the collector's walks, "
-                  f"switch interval {sys.getswitchinterval() * 1e3:g} ms")
+            start = time.perf_counter()
+            tune_runtime(daemon)
+            print(f"tune_runtime(): {gc.get_freeze_count()} start-up objects out of the collector's walks "
+                  f"(its one collection, before the first tick: {(time.perf_counter() - start) * 1e3:.1f} ms), "
+                  f"switch interval {sys.getswitchinterval() * 1e3:g} ms, {daemon.gc_policy.__class__.__name__} "
+                  f"every {daemon.gc_policy.every_seconds:g} s of ticks")
+        gc.callbacks.append(gct)  # from the first tick on: every collection the daemon's life has
         work = SoakWorkload(args.servers, args.gpus, args.interval)
         keep = daemon.model.servers["s0"].history.max_age_seconds
         seconds = args.fill_seconds if args.fill_seconds is not None else keep + 300
@@ -209,13 +224,20 @@ def main(argv=None) -> dict:
         got = asyncio.run(measure(daemon, clock, work, ticks, args))
         rss_end = rss_mib(os.getpid())
         measure_gc = gct.report()
+        gc.callbacks.remove(gct)
+        policy = daemon.gc_policy
+        if policy is not None:
+            print(f"FreezePolicy: {policy.freezes} freezes (last {policy.last_ms:.1f} ms), {policy.refreshes} "
+                  f"refreshes (last {policy.last_refresh_ms:.1f} ms), {gc.get_freeze_count()} objects frozen, "
+                  f"{len(gc.get_objects())} tracked and not frozen")
+        garbage = cyclic_garbage()
         result = {"rss_plateau_mib": round(rss_plateau, 1), "rss_after_measure_mib": round(rss_end, 1),
                   "gc_pause_max_ms": round(max(fill_longest, gct.longest()), 2),
                   "gc_fill": fill_gc, "gc_measure": measure_gc, "metrics_p99_ms": got["metrics"]["p99_ms"],
-                  **got}
+                  "cyclic_garbage_at_end": garbage, **got}
     print(f"measure ({args.measure:.0f} s real time, {got['ticks']} ticks, store full): /metrics {got['metrics']} "
           f"({got['metrics_bytes']} bytes, {got['errors']} errors); tick step {got['step']}; RSS {rss_end:.1f} MiB; "
-          f"GC {measure_gc}; {load()}")
+          f"GC {measure_gc}; cyclic garbage at the end {result['cyclic_garbage_at_end']} objects; {load()}")
     for key, target in TARGETS.items():
         v = result[key]
         print(f"  {key}: {v} (target < {target:g}) {'ok' if v < target else 'OVER'}")
