@@ -211,6 +211,9 @@ def main(argv=None) -> dict:
                     help="leave out exporter.service.tune_runtime(daemon), which `kvwatt run` calls after start-up "
                          "(gc.freeze() of the start-up objects, a 0.5 ms switch interval, the FreezePolicy): to "
                          "measure its effect")
+    ap.add_argument("--no-freeze-policy", action="store_true",
+                    help="tune_runtime() without the daemon's FreezePolicy (the start-up objects frozen only, as "
+                         "before the policy): to compare")
     args = ap.parse_args(argv)
     args.windows = tuple(float(w) for w in args.windows.split(","))
     gct = GcTimer()
@@ -219,11 +222,12 @@ def main(argv=None) -> dict:
         daemon, clock = build(args, tmp)
         if not args.untuned:
             start = time.perf_counter()
-            tune_runtime(daemon)
+            tune_runtime(None if args.no_freeze_policy else daemon)
+            policy = daemon.gc_policy
             print(f"tune_runtime(): {gc.get_freeze_count()} start-up objects out of the collector's walks "
                   f"(its one collection, before the first tick: {(time.perf_counter() - start) * 1e3:.1f} ms), "
-                  f"switch interval {sys.getswitchinterval() * 1e3:g} ms, {daemon.gc_policy.__class__.__name__} "
-                  f"every {daemon.gc_policy.every_seconds:g} s of ticks")
+                  f"switch interval {sys.getswitchinterval() * 1e3:g} ms, "
+                  + (f"FreezePolicy every {policy.every_seconds:g} s of ticks" if policy else "no FreezePolicy"))
         gc.callbacks.append(gct)  # from the first tick on: every collection the daemon's life has
         work = SoakWorkload(args.servers, args.gpus, args.interval)
         keep = daemon.model.servers["s0"].history.max_age_seconds
