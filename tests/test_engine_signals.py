@@ -21,6 +21,8 @@ pytestmark = pytest.mark.engine
 WINDOW, WINDOW_SECONDS = "10m", 600.0  # the whole run inside one window
 RESULTS = {}  # size -> measured figures, printed at the end for the issue note
 
+P95_BOUNDS = ["kvwatt_kv_cache_usage_p95_lower_ratio", "kvwatt_kv_cache_usage_p95_upper_ratio"]  # opt-in families
+
 
 def counters(engine):
     return extract(parse(engine.metrics_text())).counters
@@ -61,7 +63,8 @@ def run_condition(model_dir, blocks, reference=None):
         server = {"url": engine.url}
         if reference is not None:
             server["reference_local_compute_share"] = reference
-        with KvwattDaemon(servers={"local": server}, interval="250ms", config={"windows": [WINDOW]}) as d, \
+        with KvwattDaemon(servers={"local": server}, interval="250ms",
+                          config={"windows": [WINDOW], "metrics_opt_in": P95_BOUNDS}) as d, \
                 UsageSampler(engine) as usage:
             d.wait_for(lambda d: d.value("kvwatt_window_covered_seconds", server="local", window=WINDOW),
                        what="first interval")
