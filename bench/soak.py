@@ -163,7 +163,7 @@ async def measure(daemon: Daemon, clock: list[float], work: SoakWorkload, k0: in
     runner = await start_web(daemon, "127.0.0.1", 0)
     port = runner.addresses[0][1]
     scraper = start_scrape(f"http://127.0.0.1:{port}", args.measure, 10.0, 1.0)
-    steps, late = [], []
+    steps, late, cpu = [], [], []
     t_start = time.perf_counter()
     k = k0
     while time.perf_counter() - t_start < args.measure + 0.5:
@@ -172,7 +172,7 @@ async def measure(daemon: Daemon, clock: list[float], work: SoakWorkload, k0: in
         clock[0] = T0 + k * args.interval
         tick = work.tick(clock[0])
         a = time.perf_counter()
-        await asyncio.to_thread(daemon.step, tick)
+        cpu.append(await asyncio.to_thread(_timed_step, daemon, tick))
         steps.append((time.perf_counter() - a) * 1e3)
         late.append(max(0.0, (a - due) * 1e3))
         k += 1
@@ -182,7 +182,15 @@ async def measure(daemon: Daemon, clock: list[float], work: SoakWorkload, k0: in
     import json
     scraped = json.loads(out)
     return {"metrics": summary(scraped["/metrics"]), "metrics_bytes": scraped["metrics_bytes"],
-            "errors": scraped["errors"], "step": summary(steps), "ticks": k - k0}
+            "errors": scraped["errors"], "step": summary(steps), "step_cpu": summary(cpu), "ticks": k - k0}
+
+
+def _timed_step(daemon: Daemon, tick: Tick) -> float:
+    """Daemon.step in the worker thread; the CPU time (ms) that thread spent in it (the tick's cost on an
+    idle core, whatever the machine's load)."""
+    start = time.thread_time()
+    daemon.step(tick)
+    return (time.thread_time() - start) * 1e3
 
 
 def cyclic_garbage() -> int:
@@ -258,7 +266,7 @@ def main(argv=None) -> dict:
                   "gc_fill": fill_gc, "gc_measure": measure_gc, "metrics_p99_ms": got["metrics"]["p99_ms"],
                   "cyclic_garbage_at_end": garbage, **got}
     print(f"measure ({args.measure:.0f} s real time, {got['ticks']} ticks, store full): /metrics {got['metrics']} "
-          f"({got['metrics_bytes']} bytes, {got['errors']} errors); tick step {got['step']}; RSS {rss_end:.1f} MiB; "
+          f"({got['metrics_bytes']} bytes, {got['errors']} errors); tick step {got['step']} (CPU {got['step_cpu']}); RSS {rss_end:.1f} MiB; "
           f"GC {measure_gc}; cyclic garbage at the end {result['cyclic_garbage_at_end']} objects; {load()}")
     result["step_p99_ms"] = got["step"]["p99_ms"]
     print(f"  (longest collection in CPU time of the collecting thread: {result['gc_pause_max_cpu_ms']} ms)")
