@@ -20,7 +20,7 @@ from urllib.parse import urlparse, urlsplit
 
 import yaml
 
-from exporter import rules
+from exporter import optin, rules
 from exporter.limits import MAX_FILE_BYTES
 
 DEFAULT_SERVER_URL = "http://127.0.0.1:8000"
@@ -224,6 +224,8 @@ class Config:
     phase_min_windows: int = rules.PHASE_MIN_WINDOWS.default
     phase_max_condition: float = rules.PHASE_MAX_CONDITION.default
     phase_history_seconds: float = rules.PHASE_HISTORY.default
+    # families exported only when named here (exporter/optin.py; "all": every one): docs/fleet.md "Series budget"
+    metrics_opt_in: frozenset[str] = frozenset()
     web_config_path: str | None = None  # TLS / basic auth of the endpoints (exporter/serve/webconfig.py)
     log_level: str = "info"  # debug | info | warn | error (exporter/logsetup.py)
     log_format: str = "logfmt"  # logfmt | json
@@ -398,6 +400,17 @@ def parse_telemetry_path(value: Any, key: str) -> str:
     return text
 
 
+def _opt_in(value: Any, key: str) -> frozenset[str]:
+    """A list of optin.OPT_IN_FAMILIES names, or [all]."""
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ConfigError(f"{key}: expected a list of family names (or [all]), got {shown(value)}")
+    for i, v in enumerate(value):
+        if v != optin.ALL and v not in optin.OPT_IN_FAMILIES:
+            raise ConfigError(f"{key}[{i}]: {shown(v)} is not an opt-in family; expected all or one of "
+                              f"{', '.join(sorted(optin.OPT_IN_FAMILIES))}")
+    return frozenset(value)
+
+
 def _windows(value: Any, key: str) -> tuple[float, ...]:
     if not isinstance(value, list) or not value:
         raise ConfigError(f"{key}: expected a list of durations like [1m, 5m], got {shown(value)}")
@@ -513,6 +526,7 @@ KEYS: dict[str, tuple[str, Any]] = {
     **_from_rule(rules.PHASE_MIN_WINDOWS, _int_pos),
     **_from_rule(rules.PHASE_MAX_CONDITION, _float_range(1.0)),
     **_from_rule(rules.PHASE_HISTORY, _duration_at_most(rules.PHASE_HISTORY.most, "168h (a week)")),
+    "metrics_opt_in": ("metrics_opt_in", _opt_in),
     "web_config_file": ("web_config_path", _str),
     "log_level": ("log_level", parse_log_level),
     "log_format": ("log_format", parse_log_format),

@@ -14,6 +14,7 @@ from exporter import catalog
 from exporter.bounds import BoundsCheck
 from exporter.config import Config
 from exporter.figures import Snapshot
+from exporter.gcpolicy import FreezePolicy
 from exporter.model import Model
 from exporter.samples import Tick
 from exporter.sampler import Sampler
@@ -47,6 +48,7 @@ class Daemon:
         self.last_tick_t: float | None = None
         self.ticks = 0
         self.error = ""  # the last tick's failure, '' when it succeeded
+        self.gc_policy: FreezePolicy | None = None  # `kvwatt run` sets it (service.tune_runtime)
         self._stop = asyncio.Event()
 
     @property
@@ -60,8 +62,10 @@ class Daemon:
         sees the old tick or the new one, never a mix)."""
         self.model.ingest(tick)
         snap = self.bounds.apply(self.model.snapshot())  # the one check, before anything is served
-        self.published = Published(snap, Exposition(families(snap) + runtime_families()))
+        self.published = Published(snap, Exposition(families(snap, self.cfg.metrics_opt_in) + runtime_families()))
         self.last_tick_t, self.ticks = tick.t, self.ticks + 1
+        if self.gc_policy is not None:
+            self.gc_policy.after_tick(tick.t)
         return snap
 
     async def run_loop(self) -> None:

@@ -13,7 +13,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from exporter import catalog, config, rules
+from exporter import catalog, config, optin, rules
 from exporter.serve import web
 
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -57,6 +57,9 @@ CONFIG_DOCS: dict[str, tuple[str | None, str]] = {
     "carbon_intensity_g_per_kwh": (None, "grid carbon intensity in g CO2e per kWh for the CO2 figures: a number "
                                    "or a URL as for the price; none: no CO2 figures (flag "
                                    "`--carbon-intensity-g-per-kwh`, `$KVWATT_CARBON_INTENSITY_G_PER_KWH`)"),
+    "metrics_opt_in": ("`[]`", "families /metrics exports only when named here, or `[all]`: those marked *opt-in* "
+                       "below, which no alert, dashboard or page reads (their figures stay in /api/status); "
+                       "docs/fleet.md \"Series budget\""),
     "web_config_file": (None, "TLS and basic auth of every endpoint, exporter-toolkit format (flag "
                               "`--web.config.file`; docs/deployment.md)"),
     "log_level": (None, "`debug`, `info`, `warn` or `error` (flag `--log.level`, `$KVWATT_LOG_LEVEL`)"),
@@ -111,7 +114,9 @@ def metric_table() -> str:
             if m.section == section:
                 labels = ", ".join(f"`{label}`" for label in m.labels)
                 where = ", ".join(f"`{p}`" for p in web.status_paths(m)) or "-"
-                out.append(f"| `{m.name}` | {m.type} | {labels} | {m.help.replace('|', '/')} | `{m.where}` | {where} |")
+                opt = " *opt-in* (`metrics_opt_in`)" if m.name in optin.OPT_IN_FAMILIES else ""
+                out.append(f"| `{m.name}`{opt} | {m.type} | {labels} | {m.help.replace('|', '/')} | `{m.where}` "
+                           f"| {where} |")
         out.append("")
     return "\n".join(out).rstrip()
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import math
 import signal
 import sys
 import time
@@ -15,6 +16,7 @@ from exporter.build import build_info
 from exporter.config import Config, is_unconfigured_default, shown_server
 from exporter.daemon import Daemon
 from exporter.energy.baseline import BaselineBook
+from exporter.gcpolicy import FreezePolicy
 from exporter.model import Model
 from exporter.model.reference_book import ReferenceBook
 from exporter.sampler import Sampler
@@ -32,16 +34,23 @@ class CannotListen(Exception):
 # A tick is derived in a worker thread (daemon.run_loop) while the loop answers scrapes; with CPython's default
 # 5 ms switch interval a scrape waited up to a whole slice of the tick's thread for the GIL
 SWITCH_INTERVAL_SECONDS = 0.0005
+DEFAULT_REFRESH_SECONDS = 3600.0  # a history kept without an age bound: check for a leak hourly
 
 
-def tune_runtime() -> None:
+def tune_runtime(daemon: Daemon | None = None) -> None:
     """Once start-up is done. The start-up objects (modules, catalog, configuration: ~43,500) live as long as the
     process: frozen out of the collector's walks, a full collection's pause fell from 23-96 ms to 11-14 ms; a
     0.5 ms switch interval put /metrics' p99 at 2.2 ms instead of 12.4 ms while ticks are derived (bench/soak.py,
-    8 servers x 8 GPUs at 0.25 s, windows [1m, 1h], load 0.6-0.8; docs/architecture.md "Windows")."""
+    8 servers x 8 GPUs at 0.25 s, windows [1m, 1h], load 0.6-0.8; docs/architecture.md "Windows"). The hour's
+    history is frozen as it ages by the ``daemon``'s FreezePolicy (exporter/gcpolicy.py), one span of history
+    between the checks for a leak."""
     gc.collect()
     gc.freeze()
     sys.setswitchinterval(SWITCH_INTERVAL_SECONDS)
+    if daemon is not None:
+        spans = [sm.history.max_age_seconds for sm in daemon.model.servers.values()]
+        span = max((s for s in spans if math.isfinite(s)), default=DEFAULT_REFRESH_SECONDS)
+        daemon.gc_policy = FreezePolicy(refresh_seconds=span)
 
 
 async def serve(cfg: Config, limits: WebLimits | None = None, web_config: WebConfig | None = None,
@@ -66,7 +75,7 @@ async def serve(cfg: Config, limits: WebLimits | None = None, web_config: WebCon
         log.info("%s listening on %s%s (%s), watching %s", build_info().line(), cfg.listen, telemetry_path,
                  web_config.describe() if web_config else "http, no auth",
                  ", ".join(shown_server(s) for s in cfg.servers))
-        tune_runtime()
+        tune_runtime(daemon)
         if any(is_unconfigured_default(s) for s in cfg.servers):
             log.info("no server configured: watching %s; if nothing answers there, start vLLM on it, pass "
                      "--server NAME=URL, or run `kvwatt demo` to see kvwatt on a real engine's capture",

@@ -21,6 +21,8 @@ pytestmark = [pytest.mark.engine, pytest.mark.shares_engine(blocks=2000), pytest
 WINDOW, WINDOW_SECONDS = "10m", 600.0  # the whole run inside one window
 RESULTS = {}  # size -> measured figures, printed at the end for the issue note
 
+P95_BOUNDS = ["kvwatt_kv_cache_usage_p95_lower_ratio", "kvwatt_kv_cache_usage_p95_upper_ratio"]  # opt-in families
+
 
 def counters(engine):
     return extract(parse(engine.metrics_text())).counters

@@ -33,7 +33,10 @@ from tests.test_alerts_e2e import short_rules
 pytestmark = pytest.mark.prom
 
 WINDOW = "10s"
-KVWATT_CONFIG = {"windows": [WINDOW], "collapse_reference_window": "20s", "min_load_duration": "5s"}
+KVWATT_CONFIG = {"windows": [WINDOW], "collapse_reference_window": "20s", "min_load_duration": "5s",
+                 # opt-in families this test reads besides the dashboards' (exporter/optin.py)
+                 "metrics_opt_in": ["kvwatt_server_capability", "kvwatt_offload_write_tokens_per_second",
+                                    "kvwatt_offload_tier_hit_ratio"]}
 ENGINE_NAME = {"sglang": "sglang", "trtllm": "trtllm", "lmcache": "vllm+lmcache", "dynamo": "vllm+dynamo"}
 # what each engine's series support (docs/engines.md); a vLLM backend may add more (engine_steps from
 # vllm:iteration_tokens_total), so the vLLM-backed rows are checked as "at least" and "never"

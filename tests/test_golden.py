@@ -92,6 +92,9 @@ def config_mapping(tmp_path, urls: dict[str, str] | None = None) -> dict:
         # money and carbon (docs/energy.md): a configured price, a carbon intensity read from a series URL
         "electricity_price_per_kwh": ELECTRICITY_PRICE, "electricity_currency": "EUR",
         "carbon_intensity_g_per_kwh": CARBON_URL,
+        # every family, the opt-in ones too (exporter/optin.py): the golden files cover the whole catalog;
+        # tests/test_series_budget.py runs the same scenario with the default (none)
+        "metrics_opt_in": ["all"],
     }
 
 

@@ -12,7 +12,7 @@ from prometheus_client import GCCollector, PlatformCollector, ProcessCollector, 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from exporter import catalog
+from exporter import catalog, optin
 from exporter.figures import Snapshot
 
 
@@ -59,8 +59,10 @@ def family(d: catalog.MetricDef, snap: Snapshot) -> Metric | None:
     return fam
 
 
-def families(snap: Snapshot) -> list[Metric]:
-    return [f for d in catalog.METRICS if (f := family(d, snap)) is not None]
+def families(snap: Snapshot, opt_in: frozenset[str] = frozenset({optin.ALL})) -> list[Metric]:
+    """Every catalog family with a sample; ``opt_in``: the configuration's metrics_opt_in (the daemon passes
+    it; the default, every family, is what the catalog declares)."""
+    return [f for d in catalog.METRICS if optin.exported(d.name, opt_in) and (f := family(d, snap)) is not None]
 
 
 # The standard process_* and python_* families of the kvwatt process (the catalog's one documented exception,

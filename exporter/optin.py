@@ -1,0 +1,48 @@
+"""The families /metrics carries only when the configuration asks for them (``metrics_opt_in``): no alert rule,
+dashboard or page reads them, and at fleet scale each is series Prometheus would store for nothing
+(docs/fleet.md "Series budget"). /api/status and the page still show every figure: this only decides what
+/metrics exports. tests/test_series_budget.py checks that no alert or dashboard reads one of them and that the
+default exposition stays within the documented budget."""
+
+from __future__ import annotations
+
+ALL = "all"  # metrics_opt_in: [all] exports every family (the golden files do)
+
+# family -> why it is left out by default (the README's metric reference says "opt-in")
+OPT_IN_FAMILIES: dict[str, str] = {
+    "kvwatt_server_capability": "one series per capability an exposition showed (12 for vLLM): /api/status lists them",
+    "kvwatt_cached_prompt_token_share_ratio": "five cache sources per window; kvwatt_prompt_token_share_ratio "
+                                              "and kvwatt_cached_to_prefill_ratio carry what panels read",
+    "kvwatt_offload_tier_write_bytes_per_second": "per offload tier and window: the per-server totals are exported",
+    "kvwatt_offload_tier_read_bytes_per_second": "per offload tier and window: the per-server totals are exported",
+    "kvwatt_offload_tier_chunk_hit_ratio": "per offload tier and window",
+    "kvwatt_offload_tier_job_failures": "per offload tier and window",
+    "kvwatt_offload_tier_residency_seconds": "per offload tier and window: kvwatt_offload_buffer_residency_seconds "
+                                             "is the server's",
+    "kvwatt_offload_tier_undersized": "per offload tier and window: kvwatt_offload_buffer_undersized is the server's",
+    "kvwatt_offload_saved_cost_per_day": "money per baseline and window: kvwatt_offload_saved_watts times the price",
+    "kvwatt_offload_saved_co2e_grams_per_day": "per baseline and window: kvwatt_offload_saved_watts times the "
+                                               "carbon intensity",
+    "kvwatt_kv_cache_usage_p95_lower_ratio": "the p95's uncertainty interval, per window",
+    "kvwatt_kv_cache_usage_p95_upper_ratio": "the p95's uncertainty interval, per window",
+    "kvwatt_requests_in_kv_fetch": "per waiting reason",
+    "kvwatt_preemptions_by_reason_per_minute": "per preemption reason and window: kvwatt_preemptions_per_minute "
+                                               "is the total the alerts read",
+    "kvwatt_preemptions_per_request": "per percentile and window",
+    "kvwatt_preempted_requests_ratio": "per bound and window",
+    "kvwatt_admission_rejections_per_minute": "per rejection reason and window",
+    "kvwatt_recompute_tax_cost_per_day": "money per scope and window: kvwatt_recompute_tax_watts times the price",
+    "kvwatt_recompute_tax_co2e_grams_per_day": "per scope and window: kvwatt_recompute_tax_watts times the carbon "
+                                               "intensity",
+    "kvwatt_offload_write_tokens_per_second": "per window: kvwatt_offload_write_bytes_per_second is the panel's",
+    "kvwatt_offload_read_tokens_per_second": "per window: kvwatt_offload_read_bytes_per_second is the panel's",
+    "kvwatt_offload_tier_hit_ratio": "per offload tier",
+    "kvwatt_estimated_flops_per_second": "per window: kvwatt_estimated_flops_per_generated_token is the panel's",
+    "kvwatt_recompute_reference_windows": "evidence behind the reference share (/api/status)",
+    "kvwatt_offload_buffer_residency_target_seconds": "the residency target, a configured rule",
+}
+
+
+def exported(name: str, opt_in: frozenset[str]) -> bool:
+    """Whether the family ``name`` is on /metrics with ``opt_in`` (the configuration's metrics_opt_in)."""
+    return name not in OPT_IN_FAMILIES or name in opt_in or ALL in opt_in

@@ -1,0 +1,55 @@
+"""exporter.serve.exposition.text_format writes what prometheus_client's generate_latest writes, byte for byte:
+on the golden scenario's families (every catalog family, the process' own ones) and on the values and
+families its fast path must hand back to generate_latest."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily,
+                                    InfoMetricFamily)
+from prometheus_client.exposition import generate_latest
+
+from exporter.serve.collector import families, runtime_families
+from exporter.serve.exposition import Exposition, _Families, _fast_lines, text_format
+from tests.test_golden import run_scenario
+
+
+def reference(fams) -> bytes:
+    return generate_latest(_Families(fams))
+
+
+def test_the_golden_scenario_families_byte_for_byte(tmp_path):
+    daemon = run_scenario(tmp_path)
+    fams = families(daemon.snapshot) + runtime_families()
+    assert len(fams) > 60
+    assert all(_fast_lines(f) is not None for f in fams)  # all on the fast path: the test compares it
+    assert text_format(fams) == reference(fams)
+    assert Exposition(fams).text == reference(fams)
+
+
+def test_awkward_values_and_labels():
+    g = GaugeMetricFamily("kvwatt_x_ratio", 'help with \\ backslash\nand "quotes"', labels=["server", "a_b"])
+    for i, v in enumerate([0.0, -0.0, 1.0, -2.5, 1e-300, 123456789.0, 1234567.0, 12345678901234.5, math.inf,
+                           -math.inf, math.nan, 0.1 + 0.2, 7e22]):
+        g.add_metric([f's{i}"\\\n\u00e9', "b" * i], v)
+    c = CounterMetricFamily("kvwatt_y", "a counter", labels=["z"])
+    c.add_metric(["1"], 3.0)
+    empty = GaugeMetricFamily("kvwatt_empty", "no sample")
+    nolabels = GaugeMetricFamily("kvwatt_plain", "no labels", value=4.0)
+    fams = [g, c, empty, nolabels]
+    assert text_format(fams) == reference(fams)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: InfoMetricFamily("kvwatt_i", "info", value={"a": "b"}),
+    lambda: HistogramMetricFamily("kvwatt_h", "hist", buckets=[("1.0", 1.0), ("+Inf", 2.0)], sum_value=3.0),
+    lambda: CounterMetricFamily("kvwatt_c", "with created", value=1.0, created=1700000000.0),
+    lambda: GaugeMetricFamily("kvwatt.dotted", "utf-8 name", value=1.0),
+])
+def test_families_off_the_fast_path_go_through_generate_latest(make):
+    fam = make()
+    assert _fast_lines(fam) is None
+    fams = [GaugeMetricFamily("kvwatt_before", "b", value=1.0), fam, GaugeMetricFamily("kvwatt_after", "a", value=2.0)]
+    assert text_format(fams) == reference(fams)  # the order kept around the fallback
