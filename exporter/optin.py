@@ -25,7 +25,7 @@ OPT_IN_FAMILIES: dict[str, str] = {
                                                "carbon intensity",
     "kvwatt_kv_cache_usage_p95_lower_ratio": "the p95's uncertainty interval, per window",
     "kvwatt_kv_cache_usage_p95_upper_ratio": "the p95's uncertainty interval, per window",
-    "kvwatt_requests_in_kv_fetch": "per waiting reason",
+    "kvwatt_requests_in_kv_fetch": "per KV fetch stage: the stall detector reads it in /api/status",
     "kvwatt_preemptions_by_reason_per_minute": "per preemption reason and window: kvwatt_preemptions_per_minute "
                                                "is the total the alerts read",
     "kvwatt_preemptions_per_request": "per percentile and window",
@@ -40,6 +40,9 @@ OPT_IN_FAMILIES: dict[str, str] = {
     "kvwatt_estimated_flops_per_second": "per window: kvwatt_estimated_flops_per_generated_token is the panel's",
     "kvwatt_recompute_reference_windows": "evidence behind the reference share (/api/status)",
     "kvwatt_offload_buffer_residency_target_seconds": "the residency target, a configured rule",
+    "kvwatt_preemption_recompute_tokens_per_second": "per window: kvwatt_preemption_recompute_share_ratio is the "
+                                                     "share of the engine's work it is",
+    "kvwatt_preemption_recompute_watts": "per scope and window: its power at the per-phase cost (/api/status)",
 }
 
 
