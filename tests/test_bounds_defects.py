@@ -114,3 +114,15 @@ def test_a_tier_chunk_hit_ratio_never_exceeds_one():
                                               "tier_write_bytes@1:fs": 1e6}, {}) for t in range(3)])
     (flows,) = offload.tier_flows(agg)
     assert flows.chunk_hit_ratio is None or flows.chunk_hit_ratio <= 1.0
+
+
+def test_the_estimated_de_never_exceeds_one_when_a_reload_costs_more_than_recomputing():
+    """Found by bench/fuzz_bounds.py (seed 20261127, 32 of 82,976 ticks): measured costs with a reload dearer
+    than a recomputation make the saving negative; where it is larger than the window's energy, the estimated
+    OFF energy E + saved is <= 0 and dE = saved / (E + saved) came out above 1. Such a window stays out."""
+    costs = pe.PhaseCosts("gpu", 0.01, 0.001, 0.4, 0.01, 0.05, 0.001, 60, "known", "", "measured")
+    on = [_stat(joules=10.0, computed=0.0, loaded=1000.0, prompt=1000.0) for _ in range(4)]
+    est = economics.estimated(on, None, RATIO, costs)
+    assert est.value is None or est.value <= 1.0, est
+    fine = [_stat(joules=100.0, computed=0.0, loaded=1000.0, prompt=1000.0) for _ in range(4)]
+    assert economics.estimated(fine, None, RATIO, costs).value < 0  # a reload that costs: dE < 0, kept

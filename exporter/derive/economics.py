@@ -268,6 +268,8 @@ def estimated(on: Sequence[WindowStat], price: float | Callable[[WindowStat], fl
             if c is None:
                 continue
             saved = w.loaded_prompt_tokens * c * kept
+            if w.joules + saved <= 0:  # reloads dearer than the window's energy: no OFF energy left to compare
+                continue
             vals.append(saved / (w.joules + saved))
         return vals
     return _priced(values, price, load_to_compute_cost_ratio, costs, "model estimate: reloaded tokens priced as "
