@@ -132,3 +132,29 @@ def test_the_report_marks_every_energy_figure_of_a_power_double(tmp_path):
         if name in figs:
             assert "[energy: power double]" in figs[name].axes[0].get_title(), name
     assert "[energy: power double]" not in figs["mechanism.png"].axes[0].get_title()
+
+
+def _with_flops(runs: list[dict], preemptions: float) -> list[dict]:
+    for r in runs:
+        r["window"].update(flops_per_generated_token=2e6 * (3 if r["condition"] == "off-c6" else 1),
+                           preemptions=preemptions, preemptions_per_minute=preemptions / 5)
+    return runs
+
+
+@pytest.mark.parametrize("preemptions, words", [
+    (4, "36 preemptions in the measurement windows: vLLM 0.32 counts a request's first prefill only"),
+    (0, "No run preempted in its measurement window: Table 2's shares"),
+])
+def test_the_report_says_what_first_prefill_counting_means_for_table_2(tmp_path, preemptions, words):
+    """vLLM 0.32 counts a request's first prefill only: Table 2c shows the re-prefill in FLOPs; the summary says
+    what the shares miss (or that they miss nothing)."""
+    out = state_for(tmp_path, plan_file(tmp_path, PAIRED), _with_flops(paired_runs(), preemptions))
+    model = report.build(ExperimentState.load(str(out)).data)
+    assert any(line.startswith(words) for line in model["summary"]), model["summary"]
+    title, header, rows = next(t for t in model["tables"] if t[0].startswith("Table 2c"))
+    assert header[3:6] == ["OFF FLOPs per generated token (MFLOP)", "ON FLOPs per generated token (MFLOP)",
+                           "dFLOPs (%)"]
+    # ON 2 MFLOP against OFF 6 MFLOP per generated token: -66.7 %
+    (row,) = rows
+    assert row[0] == "on-c6 vs off-c6" and row[3:] == ["6 ± 0", "2 ± 0", "-66.7 ± 0.0", "3 / 3"]
+    assert row[1].startswith(f"{preemptions / 5:g} ± ") and row[2].startswith(f"{preemptions / 5:g} ± ")

@@ -36,6 +36,7 @@ MAX_ENERGY_RANGE_UJ = 262_143_328_850   # an Intel package zone's range
 ZONE = "intel-rapl:0"
 ZONE_NAME = "package-0"
 GIB = 2 ** 30
+READY_TIMEOUT_SECONDS = 30.0  # a spawned child imports kvwatt's parser: seconds on a loaded machine
 
 
 @dataclass(frozen=True)
@@ -88,13 +89,17 @@ class PowerDouble:
     def __init__(self, model: PowerModel, url: str, base: str):
         self.model, self.url, self.base = model, url.rstrip("/"), base
         ctx = multiprocessing.get_context("spawn")
-        self.halt = ctx.Event()
+        self.halt, self.ready = ctx.Event(), ctx.Event()
         self.root, self.energy_path = write_zone(base)
-        self.process = ctx.Process(target=_drive, args=(model, self.url, str(self.energy_path), self.halt),
+        self.process = ctx.Process(target=_drive, args=(model, self.url, str(self.energy_path), self.halt,
+                                                        self.ready),
                                    name="kvwatt-power-double", daemon=True)
 
     def __enter__(self) -> str:
+        """Start the double and return its powercap root once it has read the engine's counters (work before
+        that first reading is not charged), or after READY_TIMEOUT_SECONDS when the engine does not answer."""
         self.process.start()
+        self.ready.wait(READY_TIMEOUT_SECONDS)
         return self.root
 
     def __exit__(self, *exc) -> None:
@@ -108,7 +113,7 @@ class PowerDouble:
             self.process.join(5)
 
 
-def _drive(model: PowerModel, url: str, energy_path: str, halt) -> None:
+def _drive(model: PowerModel, url: str, energy_path: str, halt, ready=None) -> None:
     lock = threading.Lock()
     work_joules = [0.0]
     started = time.monotonic()
@@ -121,15 +126,18 @@ def _drive(model: PowerModel, url: str, energy_path: str, halt) -> None:
             set_energy(path, int(round(joules * 1e6)) % MAX_ENERGY_RANGE_UJ)
 
     def poll() -> None:
-        last = counters(url)
-        while not halt.wait(POLL_SECONDS):
+        last = None
+        while True:
             now = counters(url)
-            if now is None:
-                continue
-            if last is not None and all(a >= b for a, b in zip(now, last)):
-                with lock:
-                    work_joules[0] += model.work_joules(*(a - b for a, b in zip(now, last)))
-            last = now
+            if now is not None:
+                if last is not None and all(a >= b for a, b in zip(now, last)):
+                    with lock:
+                        work_joules[0] += model.work_joules(*(a - b for a, b in zip(now, last)))
+                last = now
+                if ready is not None:   # the first reading is the base: work from here on is charged
+                    ready.set()
+            if halt.wait(POLL_SECONDS):
+                return
 
     threads = [threading.Thread(target=write, daemon=True), threading.Thread(target=poll, daemon=True)]
     for t in threads:

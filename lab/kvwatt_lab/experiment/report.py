@@ -134,10 +134,12 @@ def power_double_line(plan: dict) -> str:
 
 
 def first_prefill_lines(data: dict, table_2c: bool) -> list[str]:
-    """What vLLM 0.32's first-prefill counting means for Table 2, when some run preempted."""
+    """What vLLM 0.32's first-prefill counting means for Table 2: when some run preempted, what its shares miss;
+    when none did and the runs carry what would show it (Table 2c), that they miss nothing."""
     preempted = sum((r.get("window") or {}).get("preemptions") or 0 for r in data["finished"].values())
     if not preempted:
-        return []
+        return [f"No run preempted in its measurement window: Table 2's shares (vLLM 0.32 counts a request's first "
+                "prefill only) miss no re-prefill here."] if table_2c and data["finished"] else []
     return [f"{preempted:.0f} preemptions in the measurement windows: vLLM 0.32 counts a request's first prefill "
             "only, so the re-prefill of a preempted request (recomputed OFF, reloaded from the offload tier ON) is in "
             "no share of Table 2, which therefore understates the recomputation OFF and the reloads ON"
