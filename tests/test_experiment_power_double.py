@@ -17,7 +17,8 @@ from exporter.config import ConfigError
 from exporter.sources.rapl import RaplSource
 from kvwatt_lab.experiment import plots, report, tables
 from kvwatt_lab.experiment.plan import load_plan
-from kvwatt_lab.experiment.power_double import GIB, PowerDouble, PowerModel
+from exporter.sources.rapl import MAX_PLAUSIBLE_WATTS
+from kvwatt_lab.experiment.power_double import GIB, POLL_SECONDS, PowerDouble, PowerModel, Spread
 from kvwatt_lab.experiment.state import ExperimentState
 from tests.support.loopback import MetricsServer
 from tests.test_experiment_report import PAIRED, paired_runs, plan_file, state_for
@@ -158,3 +159,17 @@ def test_the_report_says_what_first_prefill_counting_means_for_table_2(tmp_path,
     (row,) = rows
     assert row[0] == "on-c6 vs off-c6" and row[3:] == ["6 ± 0", "2 ± 0", "-66.7 ± 0.0", "3 / 3"]
     assert row[1].startswith(f"{preemptions / 5:g} ± ") and row[2].startswith(f"{preemptions / 5:g} ± ")
+
+
+def test_work_found_after_a_late_answer_is_spread_over_the_gap_not_charged_in_one_step():
+    """An engine that answers /metrics 3 s late: its 3 s of work (1,200 J) charged at once would be a 1.2 kW
+    step, which kvwatt's RAPL source drops as implausible (> 1 kW), losing that energy; spread over the gap it is
+    400 W, as a real counter would have shown it."""
+    spread = Spread()
+    spread.add(10.0, 3.0, 1200.0)
+    assert spread.released(10.0) == 0.0
+    assert spread.released(11.0) == pytest.approx(400.0)   # 400 W, under the RAPL source's 1 kW bound
+    assert spread.released(13.0) == pytest.approx(1200.0) and spread.released(99.0) == pytest.approx(1200.0)
+    spread.add(20.0, 0.0, 10.0)   # a gap shorter than one poll: over one poll interval at least
+    assert spread.released(20.0 + POLL_SECONDS) == pytest.approx(1210.0)
+    assert MAX_PLAUSIBLE_WATTS == 1000.0

@@ -17,8 +17,9 @@ guarantees is that dE follows the engine's work, not that it is any machine's.
 
 A child process (spawned, so the experiment's threads and event loop are not forked) runs two threads: a
 writer puts the cumulative energy into ``energy_uj`` every 20 ms (idle energy accrues with the clock), and a
-poller reads /metrics every 0.2 s and credits the work done since its last answer; a counter that went down
-is a new engine process, re-based and never credited negatively.
+poller reads /metrics every 0.2 s and charges the work done since its last answer, spread over as long as that
+answer took to come (``Spread``); a counter that went down is a new engine process, re-based and never charged
+negatively.
 """
 
 from __future__ import annotations
@@ -115,25 +116,27 @@ class PowerDouble:
 
 def _drive(model: PowerModel, url: str, energy_path: str, halt, ready=None) -> None:
     lock = threading.Lock()
-    work_joules = [0.0]
+    spread = Spread()
     started = time.monotonic()
     path = Path(energy_path)
 
     def write() -> None:
         while not halt.wait(WRITE_SECONDS):
+            now = time.monotonic()
             with lock:
-                joules = model.idle_watts * (time.monotonic() - started) + work_joules[0]
+                joules = model.idle_watts * (now - started) + spread.released(now)
             set_energy(path, int(round(joules * 1e6)) % MAX_ENERGY_RANGE_UJ)
 
     def poll() -> None:
-        last = None
+        last, last_t = None, 0.0
         while True:
             now = counters(url)
+            t = time.monotonic()
             if now is not None:
                 if last is not None and all(a >= b for a, b in zip(now, last)):
                     with lock:
-                        work_joules[0] += model.work_joules(*(a - b for a, b in zip(now, last)))
-                last = now
+                        spread.add(t, t - last_t, model.work_joules(*(a - b for a, b in zip(now, last))))
+                last, last_t = now, t
                 if ready is not None:   # the first reading is the base: work from here on is charged
                     ready.set()
             if halt.wait(POLL_SECONDS):
@@ -144,6 +147,33 @@ def _drive(model: PowerModel, url: str, energy_path: str, halt, ready=None) -> N
         t.start()
     for t in threads:
         t.join()
+
+
+class Spread:
+    """Work energy released evenly over as long as it took to do: the work a poll finds after a gap of g seconds
+    (an engine that answered /metrics late) is charged over the next g seconds, not in one step. A real counter
+    has no such step, and kvwatt rightly drops a step above its plausible power (exporter/sources/rapl.py), which
+    would lose that work's energy; the price is a lag of one poll gap."""
+
+    def __init__(self) -> None:
+        self.done = 0.0
+        self.pending: list[tuple[float, float, float]] = []   # (start, seconds, joules)
+
+    def add(self, t: float, seconds: float, joules: float) -> None:
+        if joules > 0:
+            self.pending.append((t, max(seconds, POLL_SECONDS), joules))
+
+    def released(self, t: float) -> float:
+        partial = 0.0
+        keep = []
+        for start, seconds, joules in self.pending:
+            if t >= start + seconds:
+                self.done += joules
+            else:
+                partial += joules * max(0.0, t - start) / seconds
+                keep.append((start, seconds, joules))
+        self.pending = keep
+        return self.done + partial
 
 
 def counters(url: str) -> tuple[float, float, float] | None:
