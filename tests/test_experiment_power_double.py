@@ -173,3 +173,17 @@ def test_work_found_after_a_late_answer_is_spread_over_the_gap_not_charged_in_on
     spread.add(20.0, 0.0, 10.0)   # a gap shorter than one poll: over one poll interval at least
     assert spread.released(20.0 + POLL_SECONDS) == pytest.approx(1210.0)
     assert MAX_PLAUSIBLE_WATTS == 1000.0
+
+
+def test_a_burst_above_the_cap_is_carried_forward_never_above_the_rapl_sources_bound():
+    """vLLM's FLOPs estimate, priced, can exceed 1 kW for a second on a busy engine; kvwatt would drop such a
+    step. The double releases at most MAX_WATTS - idle for work and carries the rest forward."""
+    from kvwatt_lab.experiment.power_double import MAX_WATTS
+
+    spread = Spread(MAX_WATTS - 70.0)
+    spread.released(0.0)
+    spread.add(0.0, 1.0, 2000.0)   # 2 kJ of work found for one second
+    steps = [spread.released(i * 0.02) for i in range(0, 301)]   # the writer's 20 ms ticks over 6 s
+    per_second = [(steps[i + 50] - steps[i]) / 1.0 for i in range(0, 250, 50)]
+    assert max(per_second) + 70.0 == pytest.approx(MAX_WATTS) and MAX_WATTS < MAX_PLAUSIBLE_WATTS
+    assert steps[-1] == pytest.approx(2000.0)   # nothing lost, only late

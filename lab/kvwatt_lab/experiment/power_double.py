@@ -37,6 +37,9 @@ MAX_ENERGY_RANGE_UJ = 262_143_328_850   # an Intel package zone's range
 ZONE = "intel-rapl:0"
 ZONE_NAME = "package-0"
 GIB = 2 ** 30
+# kvwatt's RAPL source drops a step above 1 kW as implausible (exporter/sources/rapl.py MAX_PLAUSIBLE_WATTS),
+# losing its energy: the double never draws more than this, carrying a burst's excess forward instead
+MAX_WATTS = 900.0
 READY_TIMEOUT_SECONDS = 30.0  # a spawned child imports kvwatt's parser: seconds on a loaded machine
 
 
@@ -116,7 +119,7 @@ class PowerDouble:
 
 def _drive(model: PowerModel, url: str, energy_path: str, halt, ready=None) -> None:
     lock = threading.Lock()
-    spread = Spread()
+    spread = Spread(max(0.0, MAX_WATTS - model.idle_watts))
     started = time.monotonic()
     path = Path(energy_path)
 
@@ -150,30 +153,37 @@ def _drive(model: PowerModel, url: str, energy_path: str, halt, ready=None) -> N
 
 
 class Spread:
-    """Work energy released evenly over as long as it took to do: the work a poll finds after a gap of g seconds
-    (an engine that answered /metrics late) is charged over the next g seconds, not in one step. A real counter
-    has no such step, and kvwatt rightly drops a step above its plausible power (exporter/sources/rapl.py), which
-    would lose that work's energy; the price is a lag of one poll gap."""
+    """Work energy released evenly over as long as it took to do, and never faster than ``max_watts``: the work a
+    poll finds after a gap of g seconds (an engine that answered /metrics late) is charged over the next g
+    seconds, not in one step, and a burst above ``max_watts`` is carried forward. A real counter has no such
+    step, and kvwatt rightly drops a step above its plausible power (exporter/sources/rapl.py), which would lose
+    that work's energy; the price is a lag of one poll gap (longer only while the work's power exceeds the cap)."""
 
-    def __init__(self) -> None:
-        self.done = 0.0
-        self.pending: list[tuple[float, float, float]] = []   # (start, seconds, joules)
+    def __init__(self, max_watts: float = float("inf")) -> None:
+        self.max_watts = max_watts
+        self.done = 0.0                       # joules released up to ``self.t``
+        self.t: float | None = None
+        self.pending: list[list[float]] = []  # [start, seconds, joules, released], oldest first
 
     def add(self, t: float, seconds: float, joules: float) -> None:
         if joules > 0:
-            self.pending.append((t, max(seconds, POLL_SECONDS), joules))
+            self.pending.append([t, max(seconds, POLL_SECONDS), joules, 0.0])
 
     def released(self, t: float) -> float:
-        partial = 0.0
-        keep = []
-        for start, seconds, joules in self.pending:
-            if t >= start + seconds:
-                self.done += joules
-            else:
-                partial += joules * max(0.0, t - start) / seconds
-                keep.append((start, seconds, joules))
-        self.pending = keep
-        return self.done + partial
+        """Joules released by time ``t`` (called with non-decreasing ``t``)."""
+        dt = 0.0 if self.t is None else max(0.0, t - self.t)
+        self.t = t if self.t is None else max(self.t, t)
+        budget = self.max_watts * dt if self.max_watts != float("inf") else float("inf")
+        for entry in self.pending:            # oldest first: what the even spread has made due, within the cap
+            start, seconds, joules, released = entry
+            due = joules * min(1.0, max(0.0, t - start) / seconds) - released
+            take = min(due, budget)
+            if take > 0:
+                entry[3] += take
+                budget -= take
+                self.done += take
+        self.pending = [e for e in self.pending if e[2] - e[3] > 1e-9]
+        return self.done
 
 
 def counters(url: str) -> tuple[float, float, float] | None:
