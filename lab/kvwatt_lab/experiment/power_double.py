@@ -40,7 +40,8 @@ GIB = 2 ** 30
 # kvwatt's RAPL source drops a step above 1 kW as implausible (exporter/sources/rapl.py MAX_PLAUSIBLE_WATTS),
 # losing its energy: the double never draws more than this, carrying a burst's excess forward instead
 MAX_WATTS = 900.0
-READY_TIMEOUT_SECONDS = 30.0  # a spawned child imports kvwatt's parser: seconds on a loaded machine
+READY_TIMEOUT_SECONDS = 30.0
+NICE = -10  # a spawned child imports kvwatt's parser: seconds on a loaded machine
 
 
 @dataclass(frozen=True)
@@ -118,6 +119,10 @@ class PowerDouble:
 
 
 def _drive(model: PowerModel, url: str, energy_path: str, halt, ready=None) -> None:
+    try:
+        os.nice(NICE)   # a writer starved for half a second on a busy machine skews a 5 s idle baseline by 10 %
+    except OSError:
+        pass            # not allowed (not root): normal priority
     lock = threading.Lock()
     spread = Spread(max(0.0, MAX_WATTS - model.idle_watts))
     started = time.monotonic()
