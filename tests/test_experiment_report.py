@@ -351,7 +351,7 @@ def test_sweep_figures_plot_every_condition_pair_and_run(tmp_path):
     model = report.build(model_data(sweep_state(tmp_path)))
     figs = {name: fig for name, _, fig in plots.figures(model)}
     assert list(figs) == ["savings_vs_kv_p95.png", "energy_throughput_bars.png", "frontier.png", "mechanism.png",
-                          "buffer_size.png"]
+                          "token_sources.png", "buffer_size.png"]
     savings = figs["savings_vs_kv_p95.png"]
     assert _gid_points(savings, "means") == 8 and _gid_points(savings, "runs") == 24
     (ax,) = savings.axes
@@ -372,6 +372,9 @@ def test_sweep_figures_plot_every_condition_pair_and_run(tmp_path):
     mech = figs["mechanism.png"]
     assert _gid_points(mech, "means-off") == 2 * 5 and _gid_points(mech, "means-on") == 2 * 8
     assert _gid_points(mech, "runs-off") == 2 * 15
+    sources = figs["token_sources.png"]   # 8 pairs, 3 stacked sources per bar, OFF next to ON
+    assert _gid_points(sources, "bars-off") == 8 * 3 and _gid_points(sources, "bars-on") == 8 * 3
+    assert _gid_points(sources, "runs-on") == 24
     buffers = figs["buffer_size.png"]
     assert _gid_points(buffers, "means") == 4 and _gid_points(buffers, "runs") == 12
     assert [ax.get_xlabel() for ax in buffers.axes] == ["offload buffer (GiB, log scale)"]
@@ -385,7 +388,7 @@ def test_sweep_report_files_are_pngs_and_deterministic(tmp_path):
     report.write_report(str(out), model_data(out))
     first = {p.name: p.read_bytes() for p in (out / "plots").iterdir()}
     assert sorted(first) == sorted(["savings_vs_kv_p95.png", "energy_throughput_bars.png", "frontier.png",
-                                    "mechanism.png", "buffer_size.png"])
+                                    "mechanism.png", "token_sources.png", "buffer_size.png"])
     assert all(b.startswith(b"\x89PNG\r\n\x1a\n") and len(b) > 20000 for b in first.values())
     report.write_report(str(out), model_data(out))
     assert {p.name: p.read_bytes() for p in (out / "plots").iterdir()} == first

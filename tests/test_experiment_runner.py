@@ -240,3 +240,37 @@ def test_a_slow_engine_start_and_the_measurement_say_where_they_are(tmp_path):
     measuring = re.findall(r"measuring: (\d+) of 4 s, (\d+) requests answered", done.stderr)
     assert len(starting) >= 2, done.stderr
     assert len(measuring) >= 2 and int(measuring[-1][0]) >= 2, done.stderr
+
+
+DOUBLE = {"idle_watts": 30.0, "joules_per_generated_token": 0.2, "joules_per_gflop": 4.0,
+          "joules_per_gib_transferred": 0.0}
+FLOPS_PER_TOKEN = 2e6
+
+
+def test_a_power_double_plays_each_runs_energy_from_its_engines_counters(tmp_path):
+    """energy.power_double: each run gets its own double (a RAPL zone in its run directory, following the
+    server's generated tokens and FLOPs estimate), read by the real RaplSource; the report says so."""
+    port = free_port()
+    plan = plan_for(tmp_path, port, [{"name": "off", "vars": OFF},
+                                     {"name": "on", "baseline": "off", "vars": ON}], repeats=1, phases=PHASES)
+    data = yaml.safe_load(plan.read_text())
+    data["server"]["command"] += ["--flops-per-token", str(FLOPS_PER_TOKEN)]
+    data["energy"] = {"nvml": False, "min_load": "1s", "power_double": DOUBLE}
+    plan.write_text(yaml.safe_dump(data))
+    out = tmp_path / "out"
+    done = run_experiment(plan, "--out", str(out), timeout=180)
+    assert done.returncode == 0, done.stderr
+    state = load_state(out)
+    for run in state["finished"].values():
+        w = run["window"]
+        assert (out / "runs" / run["run"] / "power-double" / "sys/class/powercap/intel-rapl:0").is_symlink()
+        assert run["idle"]["watts"]["rapl:package-0:package"] == pytest.approx(DOUBLE["idle_watts"],
+                                                                               rel=ENERGY_TOLERANCE)
+        counts = w["prompt_tokens_by_source"]
+        flops = FLOPS_PER_TOKEN * (counts["local_compute"] + w["generation_tokens"])
+        assert w["flops_per_generated_token"] == pytest.approx(flops / w["generation_tokens"], rel=0.02)
+        expected = DOUBLE["joules_per_generated_token"] + DOUBLE["joules_per_gflop"] * flops / 1e9 / w["generation_tokens"]
+        assert w["energy"]["host"]["marginal_joules_per_token"] == pytest.approx(expected, rel=ENERGY_TOLERANCE)
+    md = (out / "report.md").read_text()
+    assert "ENERGY FROM A POWER DOUBLE, not measured: 30 W idle" in md and "dE (%, power double)" in md
+    assert not pids_serving(port)

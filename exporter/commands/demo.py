@@ -1,6 +1,6 @@
-"""`kvwatt demo`: the real daemon, on loopback only, watching two demo engines that replay a bundled capture of a
-real vLLM engine (exporter/demo/story.py): one without offloading, and its offloading twin (a simulation: the
-CPU engine that was captured cannot offload). GPU energy is simulated (exporter/demo/gpus.py) and every screen
+"""`kvwatt demo`: the real daemon, on loopback only, watching two demo engines that replay bundled captures of
+real vLLM engines (exporter/demo/story.py): one without offloading, and its offloading twin (the same engine with
+vLLM's OffloadingConnector on a host tier). GPU energy is simulated (exporter/demo/gpus.py) and every screen
 says so. docs/demo.md."""
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def notice(length_seconds: float) -> str:
-    return (f"DEMO: the servers here replay a {length_seconds:.0f}-second capture of a real vLLM engine (quiet, "
-            "then KV pressure, then a stalled engine); demo-offload is that capture with offloading simulated, "
-            "and all GPU energy is simulated. To watch a real server: kvwatt run --server NAME=http://HOST:PORT.")
+    return (f"DEMO: the servers here replay {length_seconds:.0f}-second captures of a real vLLM engine (quiet, "
+            "then KV pressure, then a stalled engine), demo-offload with KV offloading to a host tier on; all GPU "
+            "energy is simulated. To watch a real server: kvwatt run --server NAME=http://HOST:PORT.")
 
 
 def config(listen: str, off_url: str, on_url: str, length_seconds: float, state_dir: str) -> Config:
@@ -59,16 +59,16 @@ def _speed(text: str) -> float:
 
 
 async def _run(listen: str, speed: float) -> None:
-    playback = Playback(story.load(), speed)
+    playback = Playback(story.load(), story.load(story.OFFLOAD_STORY_FILE), speed)
     off, off_url = await start_engine(lambda: playback.frame().text)
-    on, on_url = await start_engine(playback.offloaded_text)
+    on, on_url = await start_engine(lambda: playback.frame(offloading=True).text)
     nvml = gpus.SimulatedNvml([(GPU_OFF, lambda: playback.token_counts(False)),
                                (GPU_ON, lambda: playback.token_counts(True))])
     try:
         with tempfile.TemporaryDirectory(prefix="kvwatt-demo-") as state_dir:
             cfg = config(listen, off_url, on_url, playback.length_seconds / speed, state_dir)
-            log.info("demo: replaying a %.0f s capture of a real vLLM engine (energy simulated); open %s",
-                     playback.length_seconds / speed, listen_url(listen))
+            log.info("demo: replaying %.0f s captures of a real vLLM engine, without and with offloading (energy "
+                     "simulated); open %s", playback.length_seconds / speed, listen_url(listen))
             sampler = Sampler(cfg, nvml=NvmlSource(module=nvml), rapl=RaplSource(cfg.powercap_root))
             await serve(cfg, sampler=sampler)
     finally:

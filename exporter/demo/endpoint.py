@@ -1,4 +1,4 @@
-"""The demo's engines: one loopback HTTP server per demo server, answering GET /metrics with the story's frame for
+"""The demo's engines: one loopback HTTP server per demo server, answering GET /metrics with its capture's frame for
 the time since the demo started (exporter/demo/story.py), as the engine served it when it was captured."""
 
 from __future__ import annotations
@@ -16,34 +16,29 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 @dataclass
 class Playback:
-    """Where the story is: the same clock for every demo server and its simulated GPU."""
+    """Where the story is: the same clock for both captures (the engine, its offloading twin) and their
+    simulated GPUs."""
 
     frames: tuple[story.Frame, ...]
+    offload_frames: tuple[story.Frame, ...]
     speed: float = 1.0
     started: float = field(default_factory=time.monotonic)
 
     def elapsed_seconds(self) -> float:
         return (time.monotonic() - self.started) * self.speed
 
-    def frame(self) -> story.Frame:
-        return story.frame_at(self.frames, self.elapsed_seconds())
+    def frame(self, offloading: bool = False) -> story.Frame:
+        return story.frame_at(self.offload_frames if offloading else self.frames, self.elapsed_seconds())
 
     @property
     def length_seconds(self) -> float:
-        return self.frames[-1].t
-
-    def offloaded_text(self) -> str:
-        return story.offloaded(self.frame(), story.acts(self.frames)["pressure"])
+        return max(self.frames[-1].t, self.offload_frames[-1].t)
 
     def token_counts(self, offloading: bool) -> tuple[float, float, float]:
-        """(generated, computed prompt, reloaded) tokens so far, for the simulated GPU's energy counter."""
-        f = self.frame()
-        generated, computed = f.counter("generation_tokens"), f.counter("local_compute")
-        if not offloading:
-            return generated, computed, 0.0
-        pressure = story.acts(self.frames)["pressure"].counter("local_compute")
-        reloaded = story.RELOADED_SHARE * max(0.0, computed - pressure)
-        return generated, computed - reloaded, reloaded
+        """(generated, computed prompt, reloaded prompt) tokens so far by the capture's own counters, for the
+        simulated GPU's energy counter."""
+        f = self.frame(offloading)
+        return f.counter("generation_tokens"), f.counter("local_compute"), f.counter("external_kv_transfer")
 
 
 async def start_engine(text: Callable[[], str]) -> tuple[web.AppRunner, str]:

@@ -41,7 +41,8 @@
           --external-ratio 0.3 --preempt-every 5 --seconds-per-token 0.002
 
   ``--fail-start`` exits at once with status 2 and an argparse-like message (a bad flag), ``--startup-seconds``
-  delays listening. Exits on SIGINT/SIGTERM.
+  delays listening, ``--flops-per-token F`` exports vLLM's FLOPs estimate (F per computed prompt or generated
+  token). Exits on SIGINT/SIGTERM.
 """
 
 from __future__ import annotations
@@ -456,6 +457,9 @@ class Engine:
         metric("kv_cache_usage_perc", "gauge", self.args.kv_usage if running else 0.0)
         for name in ("generation_tokens", "prompt_tokens", "num_preemptions"):
             metric(f"{name}_total", "counter", c[name])
+        if self.args.flops_per_token:   # vLLM's estimate (--enable-mfu-metrics): every computed token, both phases
+            metric("estimated_flops_per_gpu_total", "counter",
+                   self.args.flops_per_token * (c["local_compute"] + c["generation_tokens"]))
         lines.append("# TYPE vllm:prompt_tokens_by_source_total counter")
         for source in ("local_compute", "local_cache_hit", "external_kv_transfer"):
             lines.append(f'vllm:prompt_tokens_by_source_total{{{labels},source="{source}"}} {float(c.get(source, 0))}')
@@ -526,6 +530,7 @@ def main() -> int:
     p.add_argument("--external-ratio", type=float, default=0.0)
     p.add_argument("--preempt-every", type=int, default=0)
     p.add_argument("--seconds-per-token", type=float, default=0.002)
+    p.add_argument("--flops-per-token", type=float, default=0.0)
     p.add_argument("--startup-seconds", type=float, default=0.0)
     p.add_argument("--fail-start", action="store_true")
     args = p.parse_args()

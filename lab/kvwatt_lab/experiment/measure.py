@@ -61,12 +61,13 @@ class RunSampler:
     (``start``/``close``), so the replay's work in the main loop (thousands of streamed events per second)
     never delays a sample. The main thread only calls the methods below; the lock guards the model."""
 
-    def __init__(self, plan: Plan, url: str, state_dir: str):
+    def __init__(self, plan: Plan, url: str, state_dir: str, powercap_root: str | None = None):
+        """``powercap_root``: where RAPL is read, when not the plan's (a power double's tree)."""
         self.cfg = Config(servers=(ServerConfig(SERVER_NAME, url, gpus=plan.energy.gpus),),
                           interval_seconds=plan.sample_interval_seconds,
                           windows_seconds=(plan.phases.measure_seconds,),
                           kv_pressure_threshold_ratio=plan.kv_pressure_threshold, state_dir=state_dir,
-                          powercap_root=plan.energy.powercap_root, nvml_enabled=plan.energy.nvml,
+                          powercap_root=powercap_root or plan.energy.powercap_root, nvml_enabled=plan.energy.nvml,
                           min_load_seconds=plan.energy.min_load_seconds)
         self.model = Model(self.cfg, keep_seconds=math.inf, learn_idle=False)  # keep the whole run
         # One server and no scrapes to answer: a tick may wait for the engine's /metrics up to 90 % of the

@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 from exporter import rules
 from exporter.config import ConfigError, finite_number, parse_url, read_yaml, shown
+from kvwatt_lab.experiment.power_double import PowerModel
 from kvwatt_lab.experiment import sweep, template, values
 from kvwatt_lab.experiment.values import BUILTINS
 from exporter.limits import MAX_CONCURRENCY, MAX_CONTEXT_TOKENS, MAX_RUNS
@@ -31,7 +32,8 @@ SERVER_KEYS = ("command", "url", "port", "env", "model", "startup_timeout", "sto
                "startup_estimate")
 WORKLOAD_KEYS = ("trace", "format", "concurrency", "length_scale", "latency_scale", "max_context", "seed",
                  "system_prompt_tokens", "retries", "request_timeout")
-ENERGY_KEYS = ("nvml", "powercap_root", "gpus", "min_load", "scope", "basis")
+ENERGY_KEYS = ("nvml", "powercap_root", "gpus", "min_load", "scope", "basis", "power_double")
+POWER_DOUBLE_KEYS = ("idle_watts", "joules_per_generated_token", "joules_per_gflop", "joules_per_gib_transferred")
 CONDITION_KEYS = ("name", "baseline", "args", "env", "vars", "workload", "params")
 SCOPES = ("auto", "gpu", "host")
 BASES = ("marginal", "total")
@@ -97,6 +99,8 @@ class EnergySpec:
     min_load_seconds: float = rules.MIN_LOAD_DURATION.default
     scope: str = "auto"              # energy used for dE: auto (gpu when measured, else host), gpu, host
     basis: str = "marginal"          # marginal (idle-subtracted, methods.md s1) or total J/token
+    # a power double in place of RAPL (power_double.py): its costs, or None to read the machine's energy
+    power_double: PowerModel | None = None
 
 
 @dataclass(frozen=True)
@@ -145,6 +149,8 @@ class Plan:
         """Everything that defines the experiment (not where its results go)."""
         d = asdict(self)
         d.pop("out_dir")
+        if d["energy"]["power_double"] is None:
+            d["energy"].pop("power_double")   # the protocol of a plan without one hashes as before it existed
         return d
 
     def fingerprints(self) -> dict:
@@ -314,7 +320,25 @@ def _energy(value: Any) -> EnergySpec:
         kw["scope"] = values.choice(data["scope"], "energy.scope", SCOPES)
     if "basis" in data:
         kw["basis"] = values.choice(data["basis"], "energy.basis", BASES)
+    if "power_double" in data:
+        kw["power_double"] = _power_double(data)
     return EnergySpec(**kw)
+
+
+def _power_double(energy: dict) -> PowerModel:
+    """energy.power_double: the double's costs; it plays the host's RAPL zone, so neither NVML nor another
+    powercap root may be read beside it (a report would mix a measurement with the double)."""
+    data = values.mapping(energy["power_double"], "energy.power_double")
+    values.known_keys(data, POWER_DOUBLE_KEYS, "energy.power_double")
+    if "idle_watts" not in data:
+        raise ConfigError("energy.power_double.idle_watts: missing")
+    if energy.get("nvml") is not False:
+        raise ConfigError("energy.power_double: needs energy.nvml: false (the double stands in for every energy "
+                          "source)")
+    if "powercap_root" in energy:
+        raise ConfigError("energy.powercap_root: not with energy.power_double (the double writes its own powercap "
+                          "tree in each run's directory)")
+    return PowerModel(**{k: values.number(v, f"energy.power_double.{k}", 0.0, False) for k, v in data.items()})
 
 
 def _conditions(value: Any, workload: Workload, plan_dir: Path, sweep_data: Any, server: ServerSpec,

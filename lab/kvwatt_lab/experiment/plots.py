@@ -92,7 +92,8 @@ def _groups(model: dict) -> list[tuple[dict, list[dict]]]:
 
 def _energy_label(model: dict) -> str:
     scopes = sorted({s["energy_scope"] for s in model["conditions"] if s.get("energy_scope")})
-    return f"J per generated token ({model['energy_basis']}, {'/'.join(scopes) or 'no energy data'})"
+    double = ", power double" if model.get("power_double") else ""
+    return f"J per generated token ({model['energy_basis']}, {'/'.join(scopes) or 'no energy data'}{double})"
 
 
 BAND_MAX_FRACTION = 0.5   # a threshold interval wider than this share of the data's x range is no band: it
@@ -419,6 +420,60 @@ def _mechanism(fig, model: dict) -> bool:
 
 
 # ------------------------------------------------------------------------------------------------------
+# (d2) the study's Table 2 as stacked bars: where each pair's prompt tokens came from, OFF next to ON
+# ------------------------------------------------------------------------------------------------------
+SOURCE_BARS = (("share_local_compute", "computed (local_compute)", "#d62728"),
+               ("share_local_cache_hit", "prefix-cached (local_cache_hit)", "#bdbdbd"),
+               ("share_external_kv_transfer", "reloaded from the offload tier (external_kv_transfer)", ON_COLOR))
+
+
+def _sources(fig, model: dict) -> bool:
+    by_name = _by_name(model)
+    pairs = [(by_name[s["baseline"]], s) for s in model["conditions"]
+             if s.get("baseline") in by_name and _ms(s, "share_local_compute")[0] is not None
+             and _ms(by_name[s["baseline"]], "share_local_compute")[0] is not None]
+    if not pairs:
+        return False
+    pairs.sort(key=lambda p: _ms(p[0], "kv_usage_p95_ratio")[0] or 0.0)
+    ax = fig.subplots()
+    ticks, labels, crosses = [], [], {"OFF": ([], []), "ON": ([], [])}
+    pos, labelled = 0.0, set()
+    for off, on in pairs:
+        for side, s in (("OFF", off), ("ON", on)):
+            bottom = 0.0
+            for key, label, color in SOURCE_BARS:
+                share = (_ms(s, key, 100)[0] or 0.0)
+                bar = ax.bar([pos], [share], bottom=[bottom], width=0.8, color=color, edgecolor="white", lw=0.5,
+                             hatch=None if side == "ON" else "//", gid=f"bars-{side.lower()}")
+                if share > 0 and label not in labelled:   # one legend entry per source that has a share
+                    bar.patches[0].set_label(label)
+                    labelled.add(label)
+                bottom += share
+            runs = _runs(model, s["condition"], "share_local_compute", 100)
+            crosses[side][0].extend([pos] * len(runs))
+            crosses[side][1].extend(runs)
+            ax.text(pos, 100.8, side, ha="center", va="bottom", fontsize=7)
+            pos += 1.0
+        kv = _ms(off, "kv_usage_p95_ratio", 100)[0]
+        ticks.append(pos - 1.5)
+        labels.append(f"{on['condition']}\nvs {off['condition']}" + ("" if kv is None else f"\nKV p95 {kv:.0f} %"))
+        pos += 0.6
+    for side, (xs, ys) in crosses.items():
+        if xs:
+            ax.scatter(xs, ys, s=16, marker="x", lw=0.9, zorder=6, color=RUN_COLOR if side == "OFF" else "#0b3d66",
+                       gid=f"runs-{side.lower()}", label=f"{side} runs (computed share)")
+    ax.set_xticks(ticks)
+    ax.set_xticklabels(labels, fontsize=7)
+    ax.set_ylim(0, 106)
+    ax.set_ylabel("share of prompt tokens (%), first prefills\n(OFF hatched, ON plain)")
+    ax.grid(axis="x", visible=False)
+    ax.set_title("Token sources OFF vs ON, pairs by the OFF condition's KV p95\n(vLLM 0.32 counts first prefills only: "
+                 "re-prefill after preemption is in no bar)")
+    fig.legend(*ax.get_legend_handles_labels(), loc="outside lower center", ncols=2, frameon=False)
+    return True
+
+
+# ------------------------------------------------------------------------------------------------------
 # (e) buffer size
 # ------------------------------------------------------------------------------------------------------
 def _buffer(fig, model: dict) -> bool:
@@ -492,6 +547,11 @@ FIGURES: dict[str, tuple[Callable, tuple[float, float], str]] = {
                       "crosses over the means: runs; a panel whose every run is zero is omitted and said in the "
                       "title; band: the located threshold's interval when narrower than half the data's KV p95 "
                       "range, else a line at it (dashed: the configured one, when none is located)."),
+    "token_sources.png": (_sources, (7.2, 5.2),
+                          "The study's Table 2 as stacked bars: the shares of prompt tokens computed, prefix-cached "
+                          "and reloaded from the offload tier, OFF (hatched) next to ON, mean over runs, pairs by the "
+                          "OFF condition's KV p95; crosses: each run's computed share. vLLM 0.32 counts a request's "
+                          "first prefill only: the re-prefill of a preempted request is in no bar (Table 2c)."),
     "buffer_size.png": (_buffer, (7.2, 5.2),
                         "Buffer-size comparison: dE % of ON conditions at several offload buffer sizes "
                         "against one OFF condition (mean ± SE, crosses: runs), filled where the residency rule "
@@ -510,6 +570,18 @@ def _say_synthetic(fig, model: dict) -> None:
             ax.set_title("\n".join([f"{first} [{words}]", *rest]))
 
 
+ENERGY_FIGURES = ("savings_vs_kv_p95.png", "energy_throughput_bars.png", "frontier.png", "buffer_size.png")
+
+
+def _say_power_double(fig) -> None:
+    """A figure drawn from a power double's energy says so in its first title, so a copy alone still says it."""
+    for ax in fig.axes:
+        if ax.get_title():
+            first, *rest = ax.get_title().split("\n")
+            ax.set_title("\n".join([f"{first} [energy: power double]", *rest]))
+            return
+
+
 def figures(model: dict) -> list[tuple[str, str, object]]:
     """(file name, caption, matplotlib Figure) for each figure with something to show, in report order."""
     Figure = _figure_class()
@@ -522,6 +594,8 @@ def figures(model: dict) -> list[tuple[str, str, object]]:
             if draw(fig, model):
                 if model.get("synthetic_runs"):
                     _say_synthetic(fig, model)
+                if model.get("power_double") and name in ENERGY_FIGURES:
+                    _say_power_double(fig)
                 out.append((name, caption, fig))
     return out
 
@@ -531,7 +605,8 @@ def skipped(model: dict, drawn: list[str]) -> dict[str, str]:
                "buffer_size.png": "no OFF condition with ON conditions at two or more buffer sizes (reported by "
                                   "the engine in vllm:cache_config_info, or the conditions' params.buffer_gib)",
                "frontier.png": "no condition with both tokens/s and J/token",
-               "mechanism.png": "no condition with a KV p95", "energy_throughput_bars.png": "no condition with J/token or tokens/s yet"}
+               "mechanism.png": "no condition with a KV p95",
+               "token_sources.png": "no ON/OFF pair with token-source shares", "energy_throughput_bars.png": "no condition with J/token or tokens/s yet"}
     return {n: reasons[n] for n in FIGURES if n not in drawn}
 
 

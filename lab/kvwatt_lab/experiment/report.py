@@ -22,6 +22,7 @@ from exporter import atomic
 from exporter.config import ConfigError
 from exporter.derive.recompute import SOURCES
 from kvwatt_lab.experiment import analysis, plots, stats, tables
+from kvwatt_lab.experiment.power_double import PowerModel
 from kvwatt_lab.experiment.tables import NA, num, pct_unit
 
 # ------------------------------------------------------------------------------------------------------
@@ -114,8 +115,36 @@ def build(data: dict) -> dict:
              "runs": [flatten_run(r) for r in tables.ordered_runs(data)],
              "failed": data.get("failed"), "in_progress": data.get("in_progress")}
     model["synthetic_runs"] = synthetic_runs(data)
-    model["summary"] = [threshold_line(model)] + synthetic_lines(model["synthetic_runs"], len(data["finished"]))
+    model["power_double"] = power_double_line(plan)
+    table_2c = any(t[0].startswith("Table 2c") for t in model["tables"])
+    model["summary"] = ([threshold_line(model)] + ([model["power_double"]] if model["power_double"] else [])
+                        + first_prefill_lines(data, table_2c)
+                        + synthetic_lines(model["synthetic_runs"], len(data["finished"])))
     return model
+
+
+def power_double_line(plan: dict) -> str:
+    """The report's words when a power double stood in for the energy sources (energy.power_double): every
+    J/token, dE and energy figure is the double's, and says so."""
+    double = (plan.get("energy") or {}).get("power_double")
+    if not double:
+        return ""
+    return (f"ENERGY FROM A POWER DOUBLE, not measured: {PowerModel(**double).costs()}; every J/token and dE here is "
+            "the double's (marked 'power double').")
+
+
+def first_prefill_lines(data: dict, table_2c: bool) -> list[str]:
+    """What vLLM 0.32's first-prefill counting means for Table 2: when some run preempted, what its shares miss;
+    when none did and the runs carry what would show it (Table 2c), that they miss nothing."""
+    preempted = sum((r.get("window") or {}).get("preemptions") or 0 for r in data["finished"].values())
+    if not preempted:
+        return [f"No run preempted in its measurement window: Table 2's shares (vLLM 0.32 counts a request's first "
+                "prefill only) miss no re-prefill here."] if table_2c and data["finished"] else []
+    return [f"{preempted:.0f} preemptions in the measurement windows: vLLM 0.32 counts a request's first prefill "
+            "only, so the re-prefill of a preempted request (recomputed OFF, reloaded from the offload tier ON) is in "
+            "no share of Table 2, which therefore understates the recomputation OFF and the reloads ON"
+            + ("; Table 2c shows that work in vLLM's FLOPs estimate per generated token and in the offload tier's "
+               "traffic." if table_2c else " (run the engine with --enable-mfu-metrics to see it in FLOPs).")]
 
 
 def synthetic_runs(data: dict) -> int:
@@ -191,7 +220,7 @@ def flatten_run(run: dict) -> dict[str, Any]:
                            "startup_seconds": run.get("startup_seconds")}
     for key in ("covered_seconds", "kv_usage_p95_ratio", "kv_usage_max_ratio", "preemptions",
                 "preemptions_per_minute", "generation_tokens", "prompt_tokens", "tokens_per_second",
-                "flops_per_generated_token"):
+                "flops_per_generated_token", "offload_write_bytes_per_second", "offload_read_bytes_per_second"):
         row[key] = w.get(key)
     for src in SOURCES:
         row[f"prompt_{src}_tokens"] = (w.get("prompt_tokens_by_source") or {}).get(src)

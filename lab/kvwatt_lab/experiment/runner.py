@@ -21,6 +21,7 @@ from exporter import atomic
 from exporter.config import redacted_url
 from kvwatt_lab.experiment import report
 from kvwatt_lab.experiment.measure import RunSampler, interval_rows, window_figures
+from kvwatt_lab.experiment.power_double import PowerDouble
 from kvwatt_lab.experiment.plan import Condition, Plan, RunSpec, template_values
 from kvwatt_lab.experiment.server import (RunFailed, ServerProcess, describe_exit, ensure_nothing_listening,
                                         first_model, free_port)
@@ -96,7 +97,8 @@ async def execute_run(plan: Plan, run: RunSpec, run_dir: str, say: Say,
                              f"{estimate:g} s, timeout {plan.server.startup_timeout_seconds:g} s)"):
             result["startup_seconds"] = await server.wait_healthy(launch.url, plan.server.startup_timeout_seconds)
         say(f"{run.run_id}: healthy after {result['startup_seconds']:.1f} s")
-        result.update(await _measure(plan, condition, run, run_dir, launch.url, server, say))
+        with _energy_root(plan, launch.url, run_dir) as powercap_root:
+            result.update(await _measure(plan, condition, run, run_dir, launch.url, server, say, powercap_root))
     except RunFailed as e:
         tail = "".join(f"\n    | {line}" for line in server.log_tail().splitlines())
         raise RunFailed(f"{e} (server log: {server.log_path}){tail}") from None
@@ -106,9 +108,21 @@ async def execute_run(plan: Plan, run: RunSpec, run_dir: str, say: Say,
     return result
 
 
+@contextlib.contextmanager
+def _energy_root(plan: Plan, url: str, run_dir: str):
+    """The powercap root the run reads: the plan's, or the tree of the run's own power double (from /health to
+    the end of the cool-down, so its idle baseline and its window are the double's)."""
+    model = plan.energy.power_double
+    if model is None:
+        yield None
+        return
+    with PowerDouble(model, url, os.path.join(run_dir, "power-double")) as root:
+        yield root
+
+
 async def _measure(plan: Plan, condition: Condition, run: RunSpec, run_dir: str, url: str,
-                   server: ServerProcess, say: Say) -> dict:
-    sampler = RunSampler(plan, url, os.path.join(run_dir, "state"))
+                   server: ServerProcess, say: Say, powercap_root: str | None = None) -> dict:
+    sampler = RunSampler(plan, url, os.path.join(run_dir, "state"), powercap_root)
     sampler.start()
     phase = Phase("settle")
     try:

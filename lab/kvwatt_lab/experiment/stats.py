@@ -40,7 +40,11 @@ METRICS: dict[str, Getter] = {
     "preemptions_per_minute": lambda r: _window(r).get("preemptions_per_minute"),
     "tokens_per_second": lambda r: _window(r).get("tokens_per_second"),
     **{f"share_{s}": (lambda r, s=s: share(r, s)) for s in SOURCES},
+    # vLLM's FLOPs estimate per generated token: counts the re-prefill of a preempted request, which the
+    # token-source shares (first prefills only, vLLM 0.32) do not
+    "flops_per_generated_token": lambda r: _window(r).get("flops_per_generated_token"),
     "offload_write_bytes_per_second": lambda r: _window(r).get("offload_write_bytes_per_second"),
+    "offload_read_bytes_per_second": lambda r: _window(r).get("offload_read_bytes_per_second"),
     "offload_store_failures": lambda r: _window(r).get("offload_store_failures"),
     # the engine's own report of its offload buffer (vllm:cache_config_info), per run
     "offload_buffer_bytes": lambda r: (r.get("server") or {}).get("offload_buffer_bytes"),
@@ -93,6 +97,8 @@ def compare(on_runs: list[dict], off_runs: list[dict], scope_pref: str, basis: s
     tps = [[_window(r).get("tokens_per_second") for r in runs] for runs in (on_runs, off_runs)]
     out["dTPS_percent"], out["dTPS_se_percent"], out["n_on_tps"], out["n_off_tps"] = _percent(*tps, gain)
     out["dTPS_runs_percent"] = _each(*tps, lambda on, off: (on - off) / off * 100)
+    flops = [[_window(r).get("flops_per_generated_token") for r in runs] for runs in (on_runs, off_runs)]
+    out["dFLOPs_percent"], out["dFLOPs_se_percent"], _, _ = _percent(*flops, gain)
     return out
 
 

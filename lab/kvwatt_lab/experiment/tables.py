@@ -56,6 +56,26 @@ def _regime(kv: float | None, threshold: float) -> str:
     return NA if kv is None else ("above" if kv > threshold else "below")
 
 
+def _mflops(summary: dict) -> str:
+    """FLOPs per generated token in MFLOP (the tiny CPU model's ~2 MFLOP per token reads as 2.0)."""
+    mean, se = _stat(summary, "flops_per_generated_token")
+    return _pm(None if mean is None else mean / 1e6, None if se is None else se / 1e6, "{:.3g}", "{:.2g}")
+
+
+def _mib(summary: dict, key: str) -> str:
+    mean, se = _stat(summary, key)
+    return _pm(None if mean is None else mean / 2 ** 20, None if se is None else se / 2 ** 20, "{:.3g}", "{:.2g}")
+
+
+def _has(summaries: list[dict], key: str) -> bool:
+    return any(_stat(s, key)[0] is not None for s in summaries)
+
+
+def energy_words(plan: dict) -> str:
+    """", power double" in the energy columns' headers when a power double stood in for the energy sources."""
+    return ", power double" if (plan.get("energy") or {}).get("power_double") else ""
+
+
 def _params(model_params: dict[str, dict[str, str]], name: str) -> str:
     return ", ".join(f"{k}={v}" for k, v in model_params.get(name, {}).items()) or "–"
 
@@ -79,16 +99,21 @@ def table1(summaries: list[dict], plan: dict, found: dict) -> list[tuple[str, li
     by_name = {s["condition"]: s for s in summaries}
     pairs = sorted((s for s in summaries if s.get("comparison") and s["baseline"] in by_name),
                    key=lambda s: _stat(by_name[s["baseline"]], "kv_usage_p95_ratio")[0] or 0.0)
+    flops = _has(summaries, "flops_per_generated_token")   # with --enable-mfu-metrics
     out = []
     if pairs:
         header = (["condition (ON vs OFF)"] + (["parameters (ON)"] if has_params else [])
-                  + ["OFF KV p95 (%)", regime, "OFF preemptions per minute", "dE (%)", "dTPS (%)", "n (ON / OFF runs)"])
+                  + ["OFF KV p95 (%)", regime, "OFF preemptions per minute"]
+                  + (["OFF FLOPs per generated token (MFLOP)", "ON FLOPs per generated token (MFLOP)"] if flops else [])
+                  + [f"dE (%{energy_words(plan)})", "dTPS (%)", "n (ON / OFF runs)"])
         rows = []
         for s in pairs:
             off, c = by_name[s["baseline"]], s["comparison"]
             rows.append([f"{s['condition']} vs {off['condition']}"] + ([_params(params, s["condition"])] if has_params else [])
                         + [_pm_pct(off, "kv_usage_p95_ratio"), _regime(_stat(off, "kv_usage_p95_ratio")[0], threshold),
-                           _pm_g(off, "preemptions_per_minute"), _pm(c["dE_percent"], c["dE_se_percent"]),
+                           _pm_g(off, "preemptions_per_minute")]
+                        + ([_mflops(off), _mflops(s)] if flops else [])
+                        + [_pm(c["dE_percent"], c["dE_se_percent"]),
                            _pm(c["dTPS_percent"], c["dTPS_se_percent"]), f"{s['n']} / {off['n']}"])
         out.append(("Table 1: the saving of offloading by KV pressure (ON/OFF pairs, by the OFF condition's KV p95)",
                     header, rows))
@@ -105,18 +130,22 @@ def conditions_table(summaries: list[dict], plan: dict, found: dict, threshold: 
     mixed = len(scopes) > 1
     params = found["parameters"]
     has_params = any(params.values())
+    flops = _has(summaries, "flops_per_generated_token")
+    double = energy_words(plan)
     header = (["condition", "baseline"] + (["parameters"] if has_params else [])
-              + ["KV p95 (%)", regime, "preemptions per minute", "tokens/s",
-                 f"J/token ({basis}, {'scope per row' if mixed else (next(iter(scopes)) if scopes else 'n/a')})"]
-              + (["energy scope"] if mixed else []) + ["dE (%)", "dTPS (%)", "n (ON / OFF runs)"])
+              + ["KV p95 (%)", regime, "preemptions per minute", "tokens/s"]
+              + (["FLOPs per generated token (MFLOP)"] if flops else [])
+              + [f"J/token ({basis}, {'scope per row' if mixed else (next(iter(scopes)) if scopes else 'n/a')}{double})"]
+              + (["energy scope"] if mixed else []) + [f"dE (%{double})", "dTPS (%)", "n (ON / OFF runs)"])
     rows, by_name = [], {s["condition"]: s for s in summaries}
     for s in summaries:
         jpt = s["joules_per_token"] or {}
         c = s.get("comparison")
         row = [s["condition"], s["baseline"] or "–"] + ([_params(params, s["condition"])] if has_params else [])
         row += [_pm_pct(s, "kv_usage_p95_ratio"), _regime(_stat(s, "kv_usage_p95_ratio")[0], threshold),
-                _pm_g(s, "preemptions_per_minute"), _pm(*_stat(s, "tokens_per_second"), "{:.1f}"),
-                _pm(jpt.get("mean"), jpt.get("se"), "{:#.3g}", "{:.2g}")]
+                _pm_g(s, "preemptions_per_minute"), _pm(*_stat(s, "tokens_per_second"), "{:.1f}")]
+        row += [_mflops(s)] if flops else []
+        row += [_pm(jpt.get("mean"), jpt.get("se"), "{:#.3g}", "{:.2g}")]
         row += [s["energy_scope"] or NA] if mixed else []
         row += [_pm(c["dE_percent"], c["dE_se_percent"]) if c else NA,
                 _pm(c["dTPS_percent"], c["dTPS_se_percent"]) if c else NA,
@@ -142,6 +171,9 @@ def table2(summaries: list[dict], found: dict) -> list[tuple[str, list[str], lis
                          _pm_pct(s, "share_local_cache_hit"), _pm_pct(s, "share_external_kv_transfer"),
                          f"{s['n']} / {off['n']}"])
         tables.append(("Table 2: token-source decomposition, OFF vs ON (shares of prompt tokens)", header, rows))
+        beyond = beyond_first_prefill(paired, by_name)
+        if beyond:
+            tables.append(beyond)
     off_conditions = [s for s in summaries if not s.get("baseline")]
     if off_conditions:
         tax = found["tax"]
@@ -162,6 +194,32 @@ def table2(summaries: list[dict], found: dict) -> list[tuple[str, list[str], lis
                  "Table 2: token-source decomposition and recomputation tax by condition (shares of prompt tokens)")
         tables.append((title, header, rows))
     return tables
+
+
+def beyond_first_prefill(paired: list[dict], by_name: dict) -> tuple[str, list[str], list[list[str]]] | None:
+    """Table 2c: what Table 2 cannot count. vLLM 0.32 counts a request's FIRST prefill only, so a preempted
+    request's re-prefill (recomputed OFF, reloaded from the offload tier ON) is in no share of Table 2; it shows in
+    vLLM's FLOPs estimate per generated token and in the tier's loads (vllm:kv_offload_load_bytes). None when
+    the runs have neither (no --enable-mfu-metrics, no offload tier)."""
+    flops = _has(paired + [by_name[s["baseline"]] for s in paired], "flops_per_generated_token")
+    loads = _has(paired, "offload_read_bytes_per_second") or _has(paired, "offload_write_bytes_per_second")
+    if not flops and not loads:
+        return None
+    header = (["condition", "OFF preemptions per minute", "ON preemptions per minute"]
+              + (["OFF FLOPs per generated token (MFLOP)", "ON FLOPs per generated token (MFLOP)", "dFLOPs (%)"]
+                 if flops else [])
+              + (["ON offload loads (MiB/s)", "ON offload stores (MiB/s)"] if loads else []) + ["n (ON / OFF runs)"])
+    rows = []
+    for s in paired:
+        off, c = by_name[s["baseline"]], s.get("comparison") or {}
+        rows.append([f"{s['condition']} vs {s['baseline']}", _pm_g(off, "preemptions_per_minute"),
+                     _pm_g(s, "preemptions_per_minute")]
+                    + ([_mflops(off), _mflops(s), _pm(c.get("dFLOPs_percent"), c.get("dFLOPs_se_percent"))]
+                       if flops else [])
+                    + ([_mib(s, "offload_read_bytes_per_second"), _mib(s, "offload_write_bytes_per_second")]
+                       if loads else []) + [f"{s['n']} / {off['n']}"])
+    return ("Table 2c: beyond the first prefill (the re-prefill after preemption that Table 2 does not count: "
+            "vLLM's FLOPs estimate and the offload tier's traffic)", header, rows)
 
 
 def threshold_tables(found: dict) -> list[tuple[str, list[str], list[list[str]]]]:
