@@ -138,7 +138,7 @@ def first_prefill_lines(data: dict, table_2c: bool) -> list[str]:
     when none did and the runs carry what would show it (Table 2c), that they miss nothing."""
     preempted = sum((r.get("window") or {}).get("preemptions") or 0 for r in data["finished"].values())
     if not preempted:
-        return [f"No run preempted in its measurement window: Table 2's shares (vLLM 0.32 counts a request's first "
+        return ["No run preempted in its measurement window: Table 2's shares (vLLM 0.32 counts a request's first "
                 "prefill only) miss no re-prefill here."] if table_2c and data["finished"] else []
     return [f"{preempted:.0f} preemptions in the measurement windows: vLLM 0.32 counts a request's first prefill "
             "only, so the re-prefill of a preempted request (recomputed OFF, reloaded from the offload tier ON) is in "
