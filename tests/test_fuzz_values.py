@@ -44,7 +44,8 @@ UNIT = {"kvwatt_kv_cache_usage_p95_ratio", "kvwatt_kv_cache_usage_max_ratio", "k
         "kvwatt_kv_cache_usage_p95_lower_ratio", "kvwatt_kv_cache_usage_p95_upper_ratio",
         "kvwatt_kv_pressure_threshold_located_ratio", "kvwatt_kv_pressure_threshold_located_low_ratio",
         "kvwatt_kv_pressure_threshold_located_high_ratio", "kvwatt_kv_pressure_threshold_in_use_ratio",
-        "kvwatt_kv_block_evicted_before_reuse_ratio", "kvwatt_requests_waiting_for_kv_capacity_samples_ratio"}
+        "kvwatt_kv_block_evicted_before_reuse_ratio", "kvwatt_requests_waiting_for_kv_capacity_samples_ratio",
+        "kvwatt_preemption_recompute_share_ratio"}
 BOOLEAN = {"kvwatt_source_up", "kvwatt_kv_pressure_above_threshold", "kvwatt_preemption_onset",
            "kvwatt_offload_enabled", "kvwatt_offload_buffer_undersized", "kvwatt_collapse_signature",
            "kvwatt_collapse_condition", "kvwatt_collapse_condition_set", "kvwatt_offload_tier_undersized",
@@ -55,6 +56,7 @@ NON_NEGATIVE = {"kvwatt_sample_duration_seconds", "kvwatt_window_covered_seconds
                 "kvwatt_gpu_power_watts", "kvwatt_host_energy_joules_total", "kvwatt_gpu_idle_power_watts",
                 "kvwatt_host_idle_power_watts", "kvwatt_idle_baseline_age_seconds", "kvwatt_energy_per_token_joules",
                 "kvwatt_preemptions_per_minute", "kvwatt_generation_tokens_per_second",
+                "kvwatt_preemption_recompute_watts", "kvwatt_preemption_recompute_tokens_per_second",
                 "kvwatt_estimated_flops_per_second", "kvwatt_estimated_flops_per_generated_token",
                 "kvwatt_offload_buffer_bytes", "kvwatt_kv_capacity_tokens", "kvwatt_offload_write_bytes_per_second",
                 "kvwatt_offload_read_bytes_per_second", "kvwatt_offload_buffer_residency_seconds",
