@@ -173,7 +173,7 @@ PER_PHASE: tuple[MetricDef, ...] = (
              "repeat window's marginal energy on its token counts over the last phase_history (methods.md s12); "
              "until identifiable, the configured attribution model (see kvwatt_phase_cost_source). reloaded is "
              "absent where the server reloads nothing.",
-        computes="derive.phase_energy.estimate",
+        computes=("derive.phase_energy.estimate", "derive.phase_energy.prior_costs"),  # source=measured, prior
         section=SECTION,
         fill=_phase("j"),
         bounds=bounds.JOULES_PER_TOKEN,
@@ -199,7 +199,7 @@ PER_PHASE: tuple[MetricDef, ...] = (
         name="kvwatt_phase_cost_source", type="info", labels=("server", "scope", "source", "state"),
         help="Which per-phase costs are in use: source=measured (state=known) or source=prior (the configured "
              "attribution model; state=not_identifiable with the reason in /api/status, or unknown); value 1.",
-        computes="derive.phase_energy.estimate",
+        computes=("derive.phase_energy.estimate", "derive.phase_energy.prior_costs"),  # source=measured, prior
         section=SECTION,
         fill=_phase_source,
         bounds=bounds.INFO,

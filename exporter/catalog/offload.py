@@ -12,12 +12,6 @@ from exporter.figures import Snapshot
 
 SECTION = "Offloading"
 
-# dE's kinds, one formula each (methods.md s2; docs/offload.md "Energy saving and throughput gain"): the label
-# baseline= is the kind. Only paired and recorded measure a throughput (dTPS).
-ENERGY_SAVING_KINDS = ("derive.economics.paired", "derive.economics.recorded", "derive.economics.estimated",
-                       "derive.economics.potential")
-THROUGHPUT_GAIN_KINDS = ENERGY_SAVING_KINDS[:2]
-
 
 def _tier_hits(snap: Snapshot) -> Iterator[Sample]:
     for s in snap.servers:
@@ -265,7 +259,8 @@ TRAFFIC: tuple[MetricDef, ...] = (
         help="dE as a ratio (0.26 = 26 % less energy per token with offloading, methods.md s2). baseline=estimated "
              "is a model estimate, baseline=potential the saving a server without offloading would see with it (a "
              "model estimate too), see docs/offload.md.",
-        computes=ENERGY_SAVING_KINDS,
+        computes=("derive.economics.paired", "derive.economics.recorded", "derive.economics.estimated",
+                  "derive.economics.potential"),  # one formula per kind, the label baseline= (methods.md s2)
         section=SECTION,
         fill=_savings(lambda sv: sv.energy_saving),
         bounds=bounds.SAVING,
@@ -273,7 +268,8 @@ TRAFFIC: tuple[MetricDef, ...] = (
     MetricDef(
         name="kvwatt_energy_saving_stderr_ratio", type="gauge", labels=("server", "baseline", "window"),
         help="Standard error of dE (delta method, methods.md s2), where there are repeats.",
-        computes=ENERGY_SAVING_KINDS,
+        computes=("derive.economics.paired", "derive.economics.recorded", "derive.economics.estimated",
+                  "derive.economics.potential"),  # one formula per kind, the label baseline= (methods.md s2)
         section=SECTION,
         fill=_savings(lambda sv: sv.energy_saving_stderr),
         bounds=bounds.NON_NEGATIVE,
@@ -281,7 +277,7 @@ TRAFFIC: tuple[MetricDef, ...] = (
     MetricDef(
         name="kvwatt_throughput_gain_ratio", type="gauge", labels=("server", "baseline", "window"),
         help="dTPS as a ratio (methods.md s2).",
-        computes=THROUGHPUT_GAIN_KINDS,
+        computes=("derive.economics.paired", "derive.economics.recorded"),  # the kinds that measure a throughput
         section=SECTION,
         fill=_savings(lambda sv: sv.throughput_gain, throughput_only=True),
         bounds=bounds.GAIN,
@@ -289,7 +285,7 @@ TRAFFIC: tuple[MetricDef, ...] = (
     MetricDef(
         name="kvwatt_throughput_gain_stderr_ratio", type="gauge", labels=("server", "baseline", "window"),
         help="Standard error of dTPS, where there are repeats.",
-        computes=THROUGHPUT_GAIN_KINDS,
+        computes=("derive.economics.paired", "derive.economics.recorded"),  # the kinds that measure a throughput
         section=SECTION,
         fill=_savings(lambda sv: sv.throughput_gain_stderr, throughput_only=True),
         bounds=bounds.NON_NEGATIVE,
@@ -297,7 +293,8 @@ TRAFFIC: tuple[MetricDef, ...] = (
     MetricDef(
         name="kvwatt_comparison_windows", type="gauge", labels=("server", "baseline", "window"),
         help="Number of windows the dE/dTPS comparison rests on.",
-        computes=ENERGY_SAVING_KINDS,
+        computes=("derive.economics.paired", "derive.economics.recorded", "derive.economics.estimated",
+                  "derive.economics.potential"),  # one formula per kind, the label baseline= (methods.md s2)
         section=SECTION,
         fill=_savings(lambda sv: sv.windows if sv.energy_saving is not None else None),
         bounds=bounds.NON_NEGATIVE,
