@@ -108,7 +108,9 @@ MEASURED: tuple[MetricDef, ...] = (
     MetricDef(
         name="kvwatt_gpu_idle_power_watts", type="gauge", labels=("gpu", "uuid"),
         help="Idle baseline P_idle of this GPU (learned, measured or configured).",
-        computes=learned("energy.baseline.BaselineBook.get", why="P_idle learned across ticks, measured or configured, kept in the state directory (docs/energy.md)"),
+        computes=learned("energy.baseline.BaselineBook.get",
+                         why="P_idle learned across ticks, measured or configured, kept in the state directory "
+                             "(docs/energy.md)"),
         section=SECTION,
         fill=_devices("gpu", lambda d: (_gpu_labels(d), d.baseline.watts if d.baseline else None)),
         status=DEVICES,
@@ -117,7 +119,9 @@ MEASURED: tuple[MetricDef, ...] = (
     MetricDef(
         name="kvwatt_host_idle_power_watts", type="gauge", labels=("zone", "domain"),
         help="Idle baseline P_idle of this RAPL zone.",
-        computes=learned("energy.baseline.BaselineBook.get", why="P_idle learned across ticks, measured or configured, kept in the state directory (docs/energy.md)"),
+        computes=learned("energy.baseline.BaselineBook.get",
+                         why="P_idle learned across ticks, measured or configured, kept in the state directory "
+                             "(docs/energy.md)"),
         section=SECTION,
         fill=_devices("host", lambda d: (_host_labels(d), d.baseline.watts if d.baseline else None)),
         status=DEVICES,
@@ -126,7 +130,8 @@ MEASURED: tuple[MetricDef, ...] = (
     MetricDef(
         name="kvwatt_idle_baseline_age_seconds", type="gauge", labels=("device",),
         help="Seconds since that device's idle baseline was measured.",
-        computes=bookkeeping("energy.baseline.Baseline.age_seconds", why="the age of a stored idle baseline (docs/energy.md)"),
+        computes=bookkeeping("energy.baseline.Baseline.age_seconds",
+                             why="the age of a stored idle baseline (docs/energy.md)"),
         section=SECTION,
         fill=_idle_age,
         status=DEVICES,
@@ -190,7 +195,8 @@ PER_PHASE: tuple[MetricDef, ...] = (
     MetricDef(
         name="kvwatt_phase_cost_windows", type="gauge", labels=("server", "scope"),
         help="Repeat windows the per-phase costs rest on.",
-        computes=bookkeeping("model.energy.PhaseLearner.observe", why="a count of the repeat windows the per-phase learner holds"),
+        computes=bookkeeping("model.energy.PhaseLearner.observe",
+                             why="a count of the repeat windows the per-phase learner holds"),
         section=SECTION,
         fill=_phase_windows,
         bounds=bounds.NON_NEGATIVE,

@@ -95,7 +95,8 @@ SOURCES: tuple[MetricDef, ...] = (
         help="Figures served as unknown because they broke their family's declared bound (reason: the bound's kind: "
              "share, power_part, saving, token_rate, priced, ...; exporter/bounds.py), counted once per tick each; "
              "the figure and its inputs are in /api/status's implausible list and the log.",
-        computes=bookkeeping("bounds.BoundsCheck.apply", why="a count of the figures the bounds check rejected, not a figure of a server"),
+        computes=bookkeeping("bounds.BoundsCheck.apply",
+                             why="a count of the figures the bounds check rejected, not a figure of a server"),
         section=SOURCES_SECTION,
         fill=_rejected,
         status=Elsewhere("a count of the bounds check: /api/status lists the figures rejected this tick"),
@@ -134,7 +135,8 @@ SOURCES: tuple[MetricDef, ...] = (
         name="kvwatt_window_covered_seconds", type="gauge", labels=("server", "window"),
         help="Seconds of gap-free samples the window actually holds (less than the window right after start or after "
              "a server outage).",
-        computes=bookkeeping("model.server.ServerModel.window", why="how much of the window the store holds, counted when the window is cut"),
+        computes=bookkeeping("model.server.ServerModel.window",
+                             why="how much of the window the store holds, counted when the window is cut"),
         section=SOURCES_SECTION,
         status=window_key("covered_seconds", lambda w: w.covered_seconds,
                            json=lambda w: round(w.covered_seconds, 3)),

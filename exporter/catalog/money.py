@@ -49,7 +49,8 @@ METRICS: tuple[MetricDef, ...] = (
         name="kvwatt_electricity_price_per_kwh", type="gauge", labels=("currency", "source"),
         help="The electricity price per kWh in force (source=configured: a number set; source=url: read from a "
              "series URL every price_refresh, absent once older than price_max_age). Absent when not configured.",
-        computes=setting("model.cost.Prices.value", why="a configured number, or a URL's reading used as given (docs/energy.md)"),
+        computes=setting("model.cost.Prices.value",
+                         why="a configured number, or a URL's reading used as given (docs/energy.md)"),
         section=SECTION,
         fill=_price("electricity_price", with_currency=True),
         status=PRICES,
@@ -59,7 +60,8 @@ METRICS: tuple[MetricDef, ...] = (
         name="kvwatt_carbon_intensity_grams_per_kwh", type="gauge", labels=("source",),
         help="The grid's carbon intensity in g CO2e per kWh in force (source=configured or url, as the price). "
              "Absent when not configured.",
-        computes=setting("model.cost.Prices.value", why="a configured number, or a URL's reading used as given (docs/energy.md)"),
+        computes=setting("model.cost.Prices.value",
+                         why="a configured number, or a URL's reading used as given (docs/energy.md)"),
         section=SECTION,
         fill=_price("carbon_intensity", with_currency=False),
         status=PRICES,

@@ -334,7 +334,9 @@ RESIDENCY_TARGET: tuple[MetricDef, ...] = (
         help="The residency the offload buffer must outlast in kvwatt_offload_buffer_undersized and "
              "kvwatt_offload_recommended_buffer_bytes: the measured KV-block reuse-gap p99 (source=reuse_gap_p99, "
              "vLLM --kv-cache-metrics) or the configured p99 tool-call latency (source=p99_tool_latency).",
-        computes=judged("model.offload.residency_target", why="a choice between the measured reuse-gap p99 and the configured p99 tool-call latency, made where both are at hand"),
+        computes=judged("model.offload.residency_target",
+                        why="a choice between the measured reuse-gap p99 and the configured p99 tool-call latency, "
+                            "made where both are at hand"),
         section=SECTION,
         fill=_residency_target,
         bounds=bounds.NON_NEGATIVE,

@@ -168,7 +168,9 @@ REGIME: tuple[MetricDef, ...] = (
         name="kvwatt_kv_pressure_threshold_in_use_ratio", type="gauge", labels=("server", "source"),
         help="The threshold the regime's prediction uses (it never overrules a sign the engine shows): "
              "source=located once located (kv_pressure_threshold_source: located), else source=configured.",
-        computes=learned("model.pressure.ThresholdLearner.observe", why="the located threshold once the history locates one, else the configured one (methods.md s10)"),
+        computes=learned("model.pressure.ThresholdLearner.observe",
+                         why="the located threshold once the history locates one, else the configured one "
+                             "(methods.md s10)"),
         section=SECTION,
         fill=_threshold_in_use,
         bounds=bounds.SHARE,
@@ -179,7 +181,9 @@ REGIME: tuple[MetricDef, ...] = (
              "capacity, preemptions, a recompute tax above noise, KV-block residency), whatever the threshold in "
              "use; 0 only on positive signs of low pressure; else the threshold's prediction (1 when the p95's lower "
              "bound clears it) or absent (unknown). Its state is kvwatt_kv_pressure_regime_state (methods.md s10).",
-        computes=judged("model.pressure.verdict", why="weighs the engine's signs of pressure against the threshold's prediction (methods.md s10)"),
+        computes=judged("model.pressure.verdict",
+                        why="weighs the engine's signs of pressure against the threshold's prediction (methods.md "
+                            "s10)"),
         section=SECTION,
         status=window_key("above_threshold", lambda w: w.above_threshold),
         bounds=bounds.BOOLEAN,
@@ -190,7 +194,9 @@ REGIME: tuple[MetricDef, ...] = (
              "current state (known, provisional, unknown), 0 for the others; the why is in /api/status "
              "(windows.<window>.regime). Read the regime with its state: a provisional one may still change, an "
              "unknown one has no value (methods.md s10).",
-        computes=judged("model.pressure.verdict", why="weighs the engine's signs of pressure against the threshold's prediction (methods.md s10)"),
+        computes=judged("model.pressure.verdict",
+                        why="weighs the engine's signs of pressure against the threshold's prediction (methods.md "
+                            "s10)"),
         section=SECTION,
         fill=_regime_states,
         status=window_key("regime", lambda w: {"state": w.regime_state, "reason": w.regime_reason}),
@@ -202,7 +208,9 @@ REGIME: tuple[MetricDef, ...] = (
              "one, as /api/status regime), tax (kvwatt_recompute_tax_ratio), reference "
              "(kvwatt_recompute_reference_share_ratio), threshold (kvwatt_kv_pressure_threshold_located_ratio); 1 "
              "for the current state (known, provisional, unknown), 0 for the others (methods.md s10).",
-        computes=judged("model.server.ServerModel.figures", why="the state of each learned verdict, gathered when the server's figures are assembled (methods.md s10)"),
+        computes=judged("model.server.ServerModel.figures",
+                        why="the state of each learned verdict, gathered when the server's figures are assembled "
+                            "(methods.md s10)"),
         section=SECTION,
         fill=_verdict_states,
         bounds=bounds.BOOLEAN,
@@ -358,7 +366,9 @@ REGIME: tuple[MetricDef, ...] = (
         help="The low-pressure local_compute reference share the tax is measured against (learned or configured). "
              "Learned from windows of true low pressure only: no preemption, no tax above noise, p95 well under the "
              "threshold in use (methods.md s10); persisted in the state directory.",
-        computes=learned("model.pressure.LowPressureReference.offer", why="learned from the low-pressure windows of the server's history and persisted (methods.md s10)"),
+        computes=learned("model.pressure.LowPressureReference.offer",
+                         why="learned from the low-pressure windows of the server's history and persisted "
+                             "(methods.md s10)"),
         section=SECTION,
         status=server_key("reference_local_compute_share", lambda s: s.reference_share),
         bounds=bounds.SHARE,
@@ -367,7 +377,9 @@ REGIME: tuple[MetricDef, ...] = (
         name="kvwatt_recompute_reference_windows", type="gauge", labels=("server",),
         help="Number of low-pressure windows (threshold_window each) the learned reference share rests on; 0 when "
              "configured.",
-        computes=learned("model.pressure.LowPressureReference.offer", why="learned from the low-pressure windows of the server's history and persisted (methods.md s10)"),
+        computes=learned("model.pressure.LowPressureReference.offer",
+                         why="learned from the low-pressure windows of the server's history and persisted "
+                             "(methods.md s10)"),
         section=SECTION,
         fill=per_server(lambda s: s.reference_windows),
         bounds=bounds.NON_NEGATIVE,
