@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from exporter.derive.collapse import CollapseResult
 from exporter.derive.energy import EnergyPerToken
 from exporter.derive.offload import TierFlows, TierState
-from exporter.derive.phase_energy import PhaseCosts
+from exporter.derive.phase_energy import PHASES, PhaseCosts  # noqa: F401 (PHASES: for the catalog, which imports no derive/)
 from exporter.derive.recompute import PreemptionRecompute
 from exporter.derive.threshold import Evidence, LocatedThreshold
 from exporter.energy.baseline import Baseline

@@ -1,4 +1,4 @@
-"""exporter.catalog's "computed in" is proven: for each MetricDef, the function its ``where`` names (under
+"""exporter.catalog's "computed in" is proven: for each MetricDef, each function its ``wheres`` name (under
 ``exporter.``) is wrapped by a spy, the golden scenario (tests/test_golden.py) runs through the real pipeline
 -- config.resolve on a YAML file, the real Sampler reading the servers over loopback HTTP, the NVML double
 and a powercap tree, Daemon.step -- and the test asserts that the spy was called in the phase that computes
@@ -193,34 +193,56 @@ def spied(tmp_path_factory):
     spies: dict[str, Spy] = {}
     errors = {}
     for d in catalog.METRICS:
-        try:
-            install(mp, d.where, spies)
-        except (ImportError, AttributeError) as e:
-            errors[d.where] = f"{type(e).__name__}: {e}"
+        for where in d.wheres:
+            try:
+                install(mp, where, spies)
+            except (ImportError, AttributeError) as e:
+                errors[where] = f"{type(e).__name__}: {e}"
     try:
         _, fams = run_pipeline(tmp_path_factory.mktemp("catalog"))
     finally:
         mp.undo()
-    return spies, errors, _sample_names(fams)
+    return spies, errors, _sample_names(fams), _kinds(fams)
+
+
+def _kinds(fams: dict) -> dict[str, set[str]]:
+    """family -> the values of its ``baseline`` label in the scenario (dE's kinds: paired, recorded, ...)."""
+    return {f.name: {s.labels["baseline"] for s in f.samples if "baseline" in s.labels} for f in fams.values()}
 
 
 @pytest.mark.parametrize("d", catalog.METRICS, ids=lambda d: d.name)
 def test_where_is_called_for_its_series(spied, d):
-    spies, errors, samples = spied
-    assert d.where not in errors, f"{d.name}: where={d.where!r} does not resolve: {errors[d.where]}"
+    """A family with one formula: it was called. A family with one formula per kind: where a ``baseline`` label
+    names the kind (dE's paired, recorded, ...), each kind the scenario has was computed by its own formula;
+    otherwise (per-phase costs: measured, prior) each formula was called."""
+    spies, errors, samples, kinds = spied
+    for where in d.wheres:
+        assert where not in errors, f"{d.name}: where={where!r} does not resolve: {errors[where]}"
     phase = "startup" if d.name in STARTUP else "tick"
-    calls = spies[d.where].calls
-    assert calls.get(phase, 0) > 0, f"{d.name}: exporter.{d.where} was never called ({phase}); calls: {calls}"
+    if len(d.wheres) == 1:
+        calls = spies[d.where].calls
+        assert calls.get(phase, 0) > 0, f"{d.name}: exporter.{d.where} was never called ({phase}); calls: {calls}"
+    elif "baseline" not in d.labels:
+        for where in d.wheres:
+            calls = spies[where].calls
+            assert calls.get(phase, 0) > 0, f"{d.name}: exporter.{where} was never called ({phase}); calls: {calls}"
+    else:
+        by_kind = {w.rpartition(".")[2]: w for w in d.wheres}
+        assert kinds[d.name] and kinds[d.name] <= set(by_kind), (d.name, kinds[d.name], d.wheres)
+        for kind in kinds[d.name]:
+            calls = spies[by_kind[kind]].calls
+            assert calls.get(phase, 0) > 0, f"{d.name}{{baseline={kind}}}: exporter.{by_kind[kind]} never called"
     assert samples.get(d.name, 0) > 0, f"{d.name}: no sample in the scenario"
 
 
 def test_startup_families_are_really_constants(spied):
     """The families exempted from the per-tick check are configuration constants: their where is not called
     per tick (if it were, the family belongs with the per-tick ones)."""
-    spies, _, _ = spied
+    spies, _, _, _ = spied
     for d in catalog.METRICS:
         if d.name in STARTUP:
-            assert spies[d.where].calls.get("tick", 0) == 0, (d.name, spies[d.where].calls)
+            for where in d.wheres:
+                assert spies[where].calls.get("tick", 0) == 0, (d.name, spies[where].calls)
 
 
 def test_every_family_appears_in_the_golden_output():

@@ -120,7 +120,8 @@ def test_a_key_with_two_declarations_fails(scenario):
 
 def test_a_block_naming_a_family_outside_the_catalog_fails(scenario):
     snap, status = scenario
-    ghost = MetricDef("kvwatt_ghost_ratio", "gauge", ("server",), "never exported", catalog.build_info, "Exporter",
+    ghost = MetricDef(name="kvwatt_ghost_ratio", type="gauge", labels=("server",), help="never exported",
+                      computes=catalog.NotDerived("info", "build.build_info", "a test family"), section="Exporter",
                       fill=lambda _snap: (), status=Elsewhere("test"))
     blocks = web.SERVER_BLOCKS + (Block(("ghost",), (ghost,), lambda v: {}),)
     found = problems(snap, status, server_blocks=blocks)
@@ -134,19 +135,23 @@ def test_a_block_writing_a_key_it_does_not_declare_fails(scenario):
     assert any("writes undeclared keys ['kappa_extra']" in p for p in found), found
 
 
-def test_a_declaration_names_its_function_directly():
-    """``where`` (the README's "computed in") is derived from the function object, so they cannot disagree."""
+def test_a_declaration_names_its_formula_directly():
+    """``where`` (the README's "computed in") is derived from ``computes``, so they cannot disagree: each kind's
+    formula for dE, the producer of a figure with no formula in derive/."""
     d = catalog.get("kvwatt_energy_saving_ratio")
-    assert callable(d.computes) and d.where == "model.offload.savings"
-    assert catalog.get("kvwatt_idle_baseline_age_seconds").where == "energy.baseline.Baseline.age_seconds"
+    assert d.wheres == tuple(f"derive.economics.{k}" for k in ("paired", "recorded", "estimated", "potential"))
+    assert all(callable(catalog.formula(w)) for w in d.wheres)
+    assert d.where == ", ".join(d.wheres)
+    age = catalog.get("kvwatt_idle_baseline_age_seconds")
+    assert age.where == "energy.baseline.Baseline.age_seconds" and age.computes.kind == "bookkeeping"
 
 
 def test_one_declaration_is_enough_for_json_series_page_and_reference(scenario, monkeypatch):
     """Adding a figure = one declaration (plus its function): the series, the /api/status key, the page row and
     the README row all follow from it."""
     snap, _ = scenario
-    new = MetricDef("kvwatt_test_covered_twice_seconds", "gauge", ("server", "window"), "Twice the coverage.",
-                    catalog.build_info, "Sources",
+    new = MetricDef(name="kvwatt_test_covered_twice_seconds", type="gauge", labels=("server", "window"),
+                    help="Twice the coverage.", computes="derive.pressure.rate_per_second", section="Sources",
                     status=catalog.window_key("test_covered_twice", lambda w: 2 * w.covered_seconds),
                     words=(Words("twice covered", "seconds"),))
     monkeypatch.setattr(catalog, "METRICS", catalog.METRICS + (new,))
@@ -186,4 +191,5 @@ def test_a_one_pool_server_has_no_pools_row_and_a_several_pool_one_has(scenario)
 
 def test_a_figure_without_a_fill_or_status_key_is_refused():
     with pytest.raises(ValueError, match="no fill and no status key"):
-        MetricDef("kvwatt_x", "gauge", ("server",), "x", catalog.build_info, "Exporter", status=None)
+        MetricDef(name="kvwatt_x", type="gauge", labels=("server",), help="x", computes="build.build_info",
+                  section="Exporter", status=None)

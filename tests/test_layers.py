@@ -208,6 +208,36 @@ def test_serve_imports_no_model_derivation_or_source():
     assert not offending, "exporter.serve imports what it should be handed:\n" + "\n".join(offending)
 
 
+# what the catalog may not import: the computations it names (``computes`` is a dotted string) and the readers
+COMPUTATIONS = ("exporter.derive", "exporter.model", "exporter.sources", "exporter.sampler", "exporter.config",
+                "exporter.daemon", "exporter.energy")
+
+
+def test_the_catalog_imports_no_computation():
+    """The catalog names each figure's formula as a dotted string; only tests and docs tooling import it."""
+    offending = _edges("exporter.catalog", COMPUTATIONS)
+    assert not offending, "exporter.catalog imports a computation:\n" + "\n".join(offending)
+
+
+def _loaded_by(*modules: str) -> set[str]:
+    """The exporter modules a fresh interpreter has loaded after importing ``modules``."""
+    code = (f"import sys\nfor m in {modules!r}: __import__(m)\n"
+            "print('\\n'.join(sorted(m for m in sys.modules if m.startswith('exporter.'))))\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    return set(r.stdout.split())
+
+
+def test_serving_the_figures_loads_no_computation_at_runtime():
+    """Importing the catalog and the renderers that walk it loads no model, source, sampler or configuration
+    module, and no derive/ module beyond those whose value types exporter.figures holds."""
+    served = _loaded_by("exporter.catalog", "exporter.serve.collector", "exporter.serve.page")
+    types_only = _loaded_by("exporter.figures")
+    assert "exporter.catalog.offload" in served and "exporter.derive.phase_energy" in types_only  # the probe works
+    beyond = sorted(m for m in served - types_only if any(_within(m, p) for p in COMPUTATIONS))
+    assert not beyond, "serving the figures loads computations:\n" + "\n".join(beyond)
+
+
 def test_offload_profile_does_not_import_the_model():
     offending = _edges("exporter.offload", "exporter.model")
     assert not offending, "exporter.offload imports exporter.model:\n" + "\n".join(offending)

@@ -1,0 +1,344 @@
+"""Offloading: transfer rates, buffer and tiers (methods.md s6), the collapse signature (s5), dE and dTPS by
+baseline (s2) and kappa (s7)."""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+from exporter import bounds
+from exporter.catalog.declare import (Fill, MetricDef, Sample, Words, flag, judged, per_server, reading,
+                                      series_value, server_key, window_key)
+from exporter.figures import Snapshot
+
+SECTION = "Offloading"
+
+
+def _tier_hits(snap: Snapshot) -> Iterator[Sample]:
+    for s in snap.servers:
+        for tier, ratio in sorted((s.tiers.hit_ratio or {}).items()):
+            yield (s.name, tier), ratio
+
+
+def _residency_target(snap: Snapshot) -> Iterator[Sample]:
+    for s in snap.servers:
+        if s.buffer is not None and s.info and s.info.offload_enabled:
+            yield (s.name, s.buffer.residency_target_source), s.buffer.residency_target_seconds
+
+
+def _tiers(attr: str) -> Fill:
+    def fill(snap: Snapshot) -> Iterator[Sample]:
+        for s in snap.servers:
+            for w in s.windows:
+                for t in w.offload_tiers:
+                    yield (s.name, t.tier, w.window), series_value(getattr(t, attr))
+    return fill
+
+
+def _buffer(attr: str) -> Fill:
+    return per_server(lambda s: getattr(s.buffer, attr) if s.buffer and s.info and s.info.offload_enabled else None)
+
+
+def _conditions(snap: Snapshot) -> Iterator[Sample]:
+    for s in snap.servers:
+        if s.collapse is not None:
+            for name, value in s.collapse.conditions.items():
+                yield (s.name, name), flag(value)
+
+
+def _condition_sets(snap: Snapshot) -> Iterator[Sample]:
+    for s in snap.servers:
+        if s.collapse is not None:
+            for name, value in s.collapse.condition_sets.items():
+                yield (s.name, name), flag(value)
+
+
+def _savings(get, *, throughput_only: bool = False) -> Fill:
+    """One sample per server, baseline and window of a SavingFigure attribute; ``throughput_only``: only the
+    baselines that measure a throughput."""
+    def fill(snap: Snapshot) -> Iterator[Sample]:
+        for s in snap.servers:
+            for w in s.windows:
+                for sv in w.savings:
+                    if not throughput_only or sv.has_throughput:
+                        yield (s.name, sv.baseline, w.window), get(sv)
+    return fill
+
+
+TRAFFIC: tuple[MetricDef, ...] = (
+    MetricDef(
+        name="kvwatt_offload_enabled", type="gauge", labels=("server",),
+        help="1 when the server offloads KV to host memory (vLLM: cache_config_info or offload series; SGLang "
+             "HiCache, TensorRT-LLM host tier, LMCache, Dynamo KVBM series: docs/engines.md).",
+        computes=reading("sources.vllm.extract"),
+        section=SECTION,
+        status=server_key("offload_enabled", lambda s: s.info.offload_enabled if s.info else None),
+        bounds=bounds.BOOLEAN,
+    ),
+    MetricDef(
+        name="kvwatt_offload_buffer_bytes", type="gauge", labels=("server",),
+        help="Configured host offload buffer (kv_offloading_size GiB, or kv_offload_config_info on 0.33).",
+        computes=reading("sources.vllm.extract"),
+        section=SECTION,
+        status=server_key("offload_buffer_bytes", lambda s: s.info.offload_buffer_bytes if s.info else None),
+        bounds=bounds.NON_NEGATIVE,
+    ),
+    MetricDef(
+        name="kvwatt_offload_write_bytes_per_second", type="gauge", labels=("server", "window"),
+        help="Store rate GPU -> offload tier over the window.",
+        computes="derive.offload.transfer_rates",
+        section=SECTION,
+        status=window_key("offload_write_bytes_per_second", lambda w: w.offload_write_bytes_per_second),
+        words=(Words("offload writes", "bytes_per_second"),),
+        bounds=bounds.NON_NEGATIVE,
+    ),
+    MetricDef(
+        name="kvwatt_offload_read_bytes_per_second", type="gauge", labels=("server", "window"),
+        help="Load rate offload tier -> GPU over the window.",
+        computes="derive.offload.transfer_rates",
+        section=SECTION,
+        status=window_key("offload_read_bytes_per_second", lambda w: w.offload_read_bytes_per_second),
+        words=(Words("offload reads", "bytes_per_second"),),
+        bounds=bounds.NON_NEGATIVE,
+    ),
+    MetricDef(
+        name="kvwatt_offload_write_tokens_per_second", type="gauge", labels=("server", "window"),
+        help="Offload stores counted in tokens over the window (engines that count tokens: SGLang HiCache evictions "
+             "to host, LMCache stored tokens, Dynamo KVBM blocks x block size).",
+        computes="derive.offload.token_rates",
+        section=SECTION,
+        status=window_key("offload_write_tokens_per_second", lambda w: w.offload_write_tokens_per_second),
+        bounds=bounds.NON_NEGATIVE,
+    ),
+    MetricDef(
+        name="kvwatt_offload_read_tokens_per_second", type="gauge", labels=("server", "window"),
+        help="Offload loads counted in tokens over the window (SGLang load-back, LMCache hits retrieved, Dynamo KVBM "
+             "matched tokens).",
+        computes="derive.offload.token_rates",
+        section=SECTION,
+        status=window_key("offload_read_tokens_per_second", lambda w: w.offload_read_tokens_per_second),
+        bounds=bounds.NON_NEGATIVE,
+    ),
+    MetricDef(
+        name="kvwatt_offload_buffer_used_ratio", type="gauge", labels=("server",),
+        help="Offload buffer occupancy as the engine last reported it: used / capacity (SGLang "
+             "hicache_host_used_tokens / hicache_host_total_tokens, TensorRT-LLM kv_cache_host_utilization). Never "
+             "vLLM's kv_offload_cpu_cache_usage_perc, which is the share pinned by transfers.",
+        computes="derive.offload.tier_state",
+        section=SECTION,
+        status=server_key("offload_buffer_used_ratio", lambda s: s.tiers.used_ratio),
+        bounds=bounds.SHARE,
+    ),
+    MetricDef(
+        name="kvwatt_offload_buffer_used_bytes", type="gauge", labels=("server",),
+        help="Bytes of KV held in the offload buffer as the engine last reported them (LMCache local_cache_usage, "
+             "summed over workers; LMCache exports no capacity, so no ratio).",
+        computes="derive.offload.tier_state",
+        section=SECTION,
+        status=server_key("offload_buffer_used_bytes", lambda s: s.tiers.used_bytes),
+        bounds=bounds.NON_NEGATIVE,
+    ),
+    MetricDef(
+        name="kvwatt_offload_tier_hit_ratio", type="gauge", labels=("server", "tier"),
+        help="The engine's own recent hit rate of an offload tier (host, disk), as last reported (Dynamo KVBM's "
+             "sliding window).",
+        computes="derive.offload.tier_state",
+        section=SECTION,
+        fill=_tier_hits,
+        status=server_key("offload_tier_hit_ratio", lambda s: s.tiers.hit_ratio),
+        bounds=bounds.SHARE,
+    ),
+    MetricDef(
+        name="kvwatt_offload_buffer_residency_seconds", type="gauge", labels=("server", "window"),
+        help="Buffer bytes / write rate: how long an offloaded block survives (methods.md s6); in tokens for an "
+             "engine that counts them (SGLang HiCache host pool / tokens backed up to it per second).",
+        computes="derive.offload.residency",
+        section=SECTION,
+        status=window_key("offload_buffer_residency_seconds", lambda w: w.offload_buffer_residency_seconds),
+        words=(Words("buffer residency", "seconds"),),
+        bounds=bounds.NON_NEGATIVE,
+    ),
+    MetricDef(
+        name="kvwatt_offload_tier_write_bytes_per_second", type="gauge", labels=("server", "tier", "window"),
+        help="vLLM tiering (0.28+): bytes/s written from the primary CPU tier to a secondary tier (tier = "
+             "\"<index>:<type>\", e.g. \"1:fs\") over the window (vllm:kv_offload_tiering_write_bytes_total).",
+        computes="derive.offload.tier_flows",
+        section=SECTION,
+        fill=_tiers("write_bytes_per_second"),
+        bounds=bounds.NON_NEGATIVE,
+    ),
+    MetricDef(
+        name="kvwatt_offload_tier_read_bytes_per_second", type="gauge", labels=("server", "tier", "window"),
+        help="vLLM tiering: bytes/s read from a secondary tier back into the primary tier (promotions) over the "
+             "window (vllm:kv_offload_tiering_read_bytes_total).",
+        computes="derive.offload.tier_flows",
+        section=SECTION,
+        fill=_tiers("read_bytes_per_second"),
+        bounds=bounds.NON_NEGATIVE,
+    ),
+    MetricDef(
+        name="kvwatt_offload_tier_chunk_hit_ratio", type="gauge", labels=("server", "tier", "window"),
+        help="vLLM tiering: chunk lookups that hit in the tier / lookups sent to it over the window.",
+        computes="derive.offload.tier_flows",
+        section=SECTION,
+        fill=_tiers("chunk_hit_ratio"),
+        bounds=bounds.SHARE,
+    ),
+    MetricDef(
+        name="kvwatt_offload_tier_job_failures", type="gauge", labels=("server", "tier", "window"),
+        help="vLLM tiering: failed promotion (read) and cascade (write) jobs of the tier in the window.",
+        computes="derive.offload.tier_flows",
+        section=SECTION,
+        fill=_tiers("job_failures"),
+        bounds=bounds.NON_NEGATIVE,
+    ),
+    MetricDef(
+        name="kvwatt_offload_tier_residency_seconds", type="gauge", labels=("server", "tier", "window"),
+        help="vLLM tiering: the tier's configured capacity (servers[].offload_tier_bytes: vLLM exports none) / its "
+             "write rate: how long a block written to it survives (methods.md s6).",
+        computes="derive.offload.tier_flows",
+        section=SECTION,
+        fill=_tiers("residency_seconds"),
+        bounds=bounds.NON_NEGATIVE,
+    ),
+    MetricDef(
+        name="kvwatt_offload_tier_undersized", type="gauge", labels=("server", "tier", "window"),
+        help="vLLM tiering: 1 when the tier's residency is below the p99 tool-call latency or one of its promotion "
+             "or cascade jobs failed in the window (the CPU tier's flag is kvwatt_offload_buffer_undersized).",
+        computes="derive.offload.tier_flows",
+        section=SECTION,
+        fill=_tiers("undersized"),
+        bounds=bounds.BOOLEAN,
+    ),
+    MetricDef(
+        name="kvwatt_offload_buffer_undersized", type="gauge", labels=("server",),
+        help="1 when residency is below the configured p99 tool-call latency, or stores fail.",
+        computes="derive.offload.undersized",
+        section=SECTION,
+        fill=_buffer("undersized"),
+        bounds=bounds.BOOLEAN,
+    ),
+    MetricDef(
+        name="kvwatt_offload_recommended_buffer_bytes", type="gauge", labels=("server",),
+        help="Buffer size that keeps residency above the p99 tool-call latency with the configured headroom.",
+        computes="derive.offload.recommended_buffer",
+        section=SECTION,
+        fill=_buffer("recommended_bytes"),
+        bounds=bounds.NON_NEGATIVE,
+    ),
+    MetricDef(
+        name="kvwatt_collapse_signature", type="gauge", labels=("server",),
+        help="1 while the collapse signature holds (methods.md s5): one of its condition sets holds "
+             "(kvwatt_collapse_condition_set says which).",
+        computes="derive.collapse.evaluate_aggregates",
+        section=SECTION,
+        fill=per_server(lambda s: flag(s.collapse.signature) if s.collapse else None),
+        bounds=bounds.BOOLEAN,
+    ),
+    MetricDef(
+        name="kvwatt_collapse_condition_set", type="gauge", labels=("server", "condition_set"),
+        help="Each condition set of the collapse signature: stalled_engine (engine steps stopped while requests are "
+             "pending; only where the engine exports a step counter) and classic (all five throughput conditions). 1 "
+             "holds, 0 not; absent while unknown.",
+        computes="derive.collapse.evaluate_aggregates",
+        section=SECTION,
+        fill=_condition_sets,
+        bounds=bounds.BOOLEAN,
+    ),
+    MetricDef(
+        name="kvwatt_collapse_condition", type="gauge", labels=("server", "condition"),
+        help="Each collapse condition on its own: offload_enabled, zero_preemptions, throughput_collapsed, "
+             "power_near_idle, requests_pending (classic), engine_steps_stopped (stalled_engine, with "
+             "requests_pending).",
+        computes="derive.collapse.evaluate_aggregates",
+        section=SECTION,
+        fill=_conditions,
+        bounds=bounds.BOOLEAN,
+    ),
+    MetricDef(
+        name="kvwatt_energy_saving_ratio", type="gauge", labels=("server", "baseline", "window"),
+        help="dE as a ratio (0.26 = 26 % less energy per token with offloading, methods.md s2). baseline=estimated "
+             "is a model estimate, baseline=potential the saving a server without offloading would see with it (a "
+             "model estimate too), see docs/offload.md.",
+        computes=("derive.economics.paired", "derive.economics.recorded", "derive.economics.estimated",
+                  "derive.economics.potential"),  # one formula per kind, the label baseline= (methods.md s2)
+        section=SECTION,
+        fill=_savings(lambda sv: sv.energy_saving),
+        bounds=bounds.SAVING,
+    ),
+    MetricDef(
+        name="kvwatt_energy_saving_stderr_ratio", type="gauge", labels=("server", "baseline", "window"),
+        help="Standard error of dE (delta method, methods.md s2), where there are repeats.",
+        computes=("derive.economics.paired", "derive.economics.recorded", "derive.economics.estimated",
+                  "derive.economics.potential"),  # one formula per kind, the label baseline= (methods.md s2)
+        section=SECTION,
+        fill=_savings(lambda sv: sv.energy_saving_stderr),
+        bounds=bounds.NON_NEGATIVE,
+    ),
+    MetricDef(
+        name="kvwatt_throughput_gain_ratio", type="gauge", labels=("server", "baseline", "window"),
+        help="dTPS as a ratio (methods.md s2).",
+        computes=("derive.economics.paired", "derive.economics.recorded"),  # the kinds that measure a throughput
+        section=SECTION,
+        fill=_savings(lambda sv: sv.throughput_gain, throughput_only=True),
+        bounds=bounds.GAIN,
+    ),
+    MetricDef(
+        name="kvwatt_throughput_gain_stderr_ratio", type="gauge", labels=("server", "baseline", "window"),
+        help="Standard error of dTPS, where there are repeats.",
+        computes=("derive.economics.paired", "derive.economics.recorded"),  # the kinds that measure a throughput
+        section=SECTION,
+        fill=_savings(lambda sv: sv.throughput_gain_stderr, throughput_only=True),
+        bounds=bounds.NON_NEGATIVE,
+    ),
+    MetricDef(
+        name="kvwatt_comparison_windows", type="gauge", labels=("server", "baseline", "window"),
+        help="Number of windows the dE/dTPS comparison rests on.",
+        computes=("derive.economics.paired", "derive.economics.recorded", "derive.economics.estimated",
+                  "derive.economics.potential"),  # one formula per kind, the label baseline= (methods.md s2)
+        section=SECTION,
+        fill=_savings(lambda sv: sv.windows if sv.energy_saving is not None else None),
+        bounds=bounds.NON_NEGATIVE,
+    ),
+    MetricDef(
+        name="kvwatt_cached_to_prefill_ratio", type="gauge", labels=("server", "window"),
+        help="kappa observed: external_kv_transfer / local_compute prompt tokens over the window (methods.md s7).",
+        computes="derive.kappa.observed",
+        section=SECTION,
+        status=window_key("cached_to_prefill_ratio", lambda w: w.cached_to_prefill_ratio),
+        words=(Words("cached-to-prefill ratio (kappa)", "number"),),
+        bounds=bounds.UNBOUNDED_RATIO,
+    ),
+    MetricDef(
+        name="kvwatt_critical_cached_to_prefill_ratio", type="gauge", labels=("server",),
+        help="kappa_crit from model and hardware parameters (roofline form, methods.md s7).",
+        computes="derive.kappa.critical",
+        section=SECTION,
+        fill=per_server(lambda s: s.kappa.critical),
+        bounds=bounds.NON_NEGATIVE,
+    ),
+    MetricDef(
+        name="kvwatt_recompute_breakeven_tokens", type="gauge", labels=("server",),
+        help="Sequence length above which reloading KV beats recomputing it (Tetris form with GQA width, methods.md "
+             "s7).",
+        computes="derive.kappa.breakeven",
+        section=SECTION,
+        fill=per_server(lambda s: s.kappa.breakeven_tokens),
+        bounds=bounds.NON_NEGATIVE,
+    ),
+)
+
+
+RESIDENCY_TARGET: tuple[MetricDef, ...] = (
+    MetricDef(
+        name="kvwatt_offload_buffer_residency_target_seconds", type="gauge", labels=("server", "source"),
+        help="The residency the offload buffer must outlast in kvwatt_offload_buffer_undersized and "
+             "kvwatt_offload_recommended_buffer_bytes: the measured KV-block reuse-gap p99 (source=reuse_gap_p99, "
+             "vLLM --kv-cache-metrics) or the configured p99 tool-call latency (source=p99_tool_latency).",
+        computes=judged("model.offload.residency_target",
+                        why="a choice between the measured reuse-gap p99 and the configured p99 tool-call latency, "
+                            "made where both are at hand"),
+        section=SECTION,
+        fill=_residency_target,
+        bounds=bounds.NON_NEGATIVE,
+    ),
+)
