@@ -15,10 +15,10 @@ from exporter.cli import main
 _real_families = daemon.families
 
 
-def families(snap):
+def families(snap, *args, **kwargs):
     if os.path.exists(os.environ["KVWATT_FAIL_RENDER"]):
         raise RuntimeError("injected render failure")
-    return _real_families(snap)
+    return _real_families(snap, *args, **kwargs)
 
 
 daemon.families = families  # Daemon.step looks the name up in its module at each tick
