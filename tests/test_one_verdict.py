@@ -108,7 +108,9 @@ def seed_evidence(state_dir: Path, now: float) -> None:
                for i, (p, pre) in enumerate(clean + pressured)]
     state_dir.mkdir(parents=True, exist_ok=True)
     (state_dir / "evidence-windows.json").write_text(json.dumps({"version": 2, "servers": {SERVER: {
-        "epoch": {"started": now - 700, "cause": "first reading", "engine": {}}, "windows": windows}}}))
+        # the same engine as the scenario's (an epoch without engine facts would match any engine: refused)
+        "epoch": {"started": now - 700, "cause": "first reading",
+                  "engine": {"model_name": scenario().model_name}}, "windows": windows}}}))
 
 
 def test_rules(tmp: Path) -> Path:
