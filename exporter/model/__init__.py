@@ -95,7 +95,7 @@ class Model:
 
     def snapshot(self) -> Snapshot:
         t = self.last_t if self.last_t is not None else time.monotonic()
-        servers = tuple(self._with_costs(sm.figures(t, self.servers)) for sm in self.servers.values())
+        servers = tuple(sm.figures(t, self.servers, self.prices) for sm in self.servers.values())
         now_wall = self.wall_clock()
         state = self.energy.book.status()  # the state directory's health sits with the host-wide sources
         more = self.references.problems() if self.references is not None else []
@@ -106,12 +106,6 @@ class Model:
         sources = tuple(self.energy.statuses) + (() if state is None else (state,)) + self.prices.statuses()
         return Snapshot(t, now_wall, servers, sources, self.energy.devices(now_wall),
                         notice=self.cfg.notice, prices=self.prices.figures())
-
-    def _with_costs(self, figures):
-        """Each window's energy figures in money and carbon (model/cost.py), when a price or intensity is set."""
-        if not self.prices.any_configured:
-            return figures
-        return replace(figures, windows=tuple(self.prices.with_costs(w) for w in figures.windows))
 
 
 def _last(sm: ServerModel):

@@ -36,6 +36,7 @@ from typing import Iterable
 
 from exporter import rules
 from exporter.derive import pressure, recompute, residency
+from exporter.derive.pressure import MAX_STEPS_PER_SECOND, plausible_preemptions  # noqa: F401 (their home)
 from exporter.derive.threshold import (LOW_PRESSURE_MAX, Evidence, LocatedThreshold, PressurePoint, classify,
                                        locate, locate_why, plural, quantile_bounds, taxed)
 from exporter.store import WindowAggregate
@@ -50,7 +51,6 @@ LOW_PRESSURE_P95 = 0.50     # ... and under this absolute KV p95 (methods.md s10
 REFERENCE_KNOWN_WINDOWS = 3  # low-pressure windows before the reference is known (fewer: provisional)
 SUSTAINED_PREEMPTIONS = 3.0  # preemptions in a window that make it a full window of pressure evidence
 MAX_EVIDENCE_WEIGHT = 1.0   # a full window's weight: no window, live or stored, weighs more
-MAX_STEPS_PER_SECOND = 1000.0  # engine steps per second when the engine does not count them (1 ms a step)
 MIN_PROMPT_TOKENS = 100.0   # fewer prompt tokens in a window: its share is not worth a point or a sample
 MIN_COVERED = 0.8           # a bucket less covered than this is not a window of evidence
 MIN_BELOW_COVERAGE = 0.5    # a regime window less covered than this cannot say "below" (start, restart)
@@ -225,17 +225,6 @@ def regime(p: P95, threshold: float, previous: bool | None, covered_ratio: float
     return previous if previous is not None else pressure.above_threshold(p.value, threshold)
 
 
-def plausible_preemptions(agg: WindowAggregate) -> float:
-    """The most preemptions a window can hold: each engine step can preempt at most the requests there are
-    (running + waiting, at least 1), and there are at most the steps the engine counted (else
-    MAX_STEPS_PER_SECOND over the covered seconds). A counter that jumps past it is a glitch, not evidence."""
-    requests = max((agg.gauge_max("running") or 0.0) + (agg.gauge_max("waiting") or 0.0), 1.0)
-    steps = agg.delta("engine_steps")
-    if not steps:
-        steps = MAX_STEPS_PER_SECOND * agg.covered_seconds
-    return requests * steps
-
-
 def quiet(agg: WindowAggregate, p: P95, residency_kind: str | None = None) -> bool:
     """Positive signs of no pressure in a window (the threshold-relative test is the reference's): preemptions
     counted and zero, no residency evidence of pressure, KV max under LOW_PRESSURE_MAX (waived when the engine's
@@ -385,21 +374,19 @@ class ThresholdLearner:
             log.warning("%s: %g preemptions in one %gs window is implausible (at most %g); not evidence",
                         self.name, preemptions, self.width, plausible_preemptions(agg))
             return False
-        per_second = pressure.rate_per_second(agg, "preemptions")
-        counts = recompute.token_counts(agg)
-        shares = recompute.token_shares(counts) if counts and sum(counts.values()) >= MIN_PROMPT_TOKENS else None
-        share = shares["local_compute"] if shares else None
-        if p.value is None or (share is None and not per_second):
+        per_minute = pressure.preemptions_per_minute(agg)  # plausible: checked above
+        shares = recompute.judged_shares(agg, MIN_PROMPT_TOKENS)
+        if p.value is None or (shares is None and not per_minute):
             return False  # a window that served (almost) nothing shows no pressure either way
         capacity = pressure.waiting_for_capacity(agg)
-        point = PressurePoint(p.value, None if per_second is None else per_second * 60.0,
-                              recompute.recompute_tax(share, self.reference.value), self.reference.spread,
+        point = PressurePoint(p.value, per_minute,
+                              recompute.window_tax(shares, self.reference.value), self.reference.spread,
                               1.0, p.low, p.high, t1, wall, agg.gauge_max("kv_usage"), sign.kind,
                               None if capacity is None else capacity.share)
         point = _weighted(point, preemptions)
         self.disagreement = disagreement(sign, point.preemptions_per_minute, taxed(point), point.tax is not None)
         self.points.append(point)
-        self.reference.offer(point, share, quiet(agg, p, sign.kind), t1, wall)
+        self.reference.offer(point, shares["local_compute"] if shares else None, quiet(agg, p, sign.kind), t1, wall)
         return True
 
     def residency_of(self, agg: WindowAggregate) -> ResidencySign:
