@@ -19,7 +19,7 @@ from exporter.config.schema import (  # noqa: F401 (the package's face)
     ServerConfig, Config, is_unconfigured_default, shown_server, check_prices, SERVER_KEYS, MODEL_KEYS,
     HARDWARE_KEYS, MAX_SIDECARS)
 from exporter.config.settings import (  # noqa: F401 (the package's face)
-    KEYS, from_mapping, PRICE_ENVIRONMENT)
+    Setting, SETTINGS, KEYS, ENVIRONMENT, FLAGS, PRICE_ENVIRONMENT, add_flags, flag_overrides, from_mapping)
 from exporter.config.files import (  # noqa: F401 (the package's face)
     read_text, read_yaml, read_json, check_writable, load_file)
 from exporter.config.layers import (  # noqa: F401 (the package's face)

@@ -6,10 +6,9 @@ import os
 from dataclasses import replace
 from typing import Any
 
-from exporter.config.values import (
-    DEFAULT_SERVER_URL, ConfigError, shown, parse_interval, parse_listen, parse_log_level, parse_log_format)
+from exporter.config.values import DEFAULT_SERVER_URL, ConfigError, shown, parse_interval, parse_listen
 from exporter.config.schema import ServerConfig, Config, check_prices, _server, _servers
-from exporter.config.settings import PRICE_ENVIRONMENT
+from exporter.config.settings import CONFIG_ENV, ENVIRONMENT
 from exporter.config.files import load_file
 
 
@@ -28,29 +27,20 @@ def keep_settings(configured: tuple[ServerConfig, ...], given: tuple[ServerConfi
 
 
 def apply_environment(cfg: Config, env: dict[str, str] | None = None) -> Config:
-    """KVWATT_LISTEN, KVWATT_INTERVAL, KVWATT_SERVERS ("a=URL,b=URL"), KVWATT_STATE_DIR, KVWATT_POWERCAP_ROOT,
-    KVWATT_LOG_LEVEL, KVWATT_LOG_FORMAT, and PRICE_ENVIRONMENT's (money and carbon)."""
+    """Every variable of the settings table (settings.ENVIRONMENT: KVWATT_LISTEN, KVWATT_INTERVAL, KVWATT_SERVERS
+    as "a=URL,b=URL", KVWATT_STATE_DIR, the log and the money-and-carbon ones ...) that is set and not empty,
+    parsed as its key is. KVWATT_CONFIG names the file (resolve)."""
     env = os.environ if env is None else env
     kw: dict[str, Any] = {}
-    if env.get("KVWATT_LISTEN"):
-        kw["listen"] = parse_listen(env["KVWATT_LISTEN"], "KVWATT_LISTEN")
-    if env.get("KVWATT_INTERVAL"):
-        kw["interval_seconds"] = parse_interval(env["KVWATT_INTERVAL"], "KVWATT_INTERVAL")
-    if env.get("KVWATT_SERVERS"):
-        kw["servers"] = keep_settings(cfg.servers, _servers(
-            [{"name": n, "url": u} for n, u in (p.partition("=")[::2] for p in env["KVWATT_SERVERS"].split(","))],
-            "KVWATT_SERVERS"))
-    if env.get("KVWATT_STATE_DIR"):
-        kw["state_dir"] = env["KVWATT_STATE_DIR"]
-    if env.get("KVWATT_POWERCAP_ROOT"):
-        kw["powercap_root"] = env["KVWATT_POWERCAP_ROOT"]
-    if env.get("KVWATT_LOG_LEVEL"):
-        kw["log_level"] = parse_log_level(env["KVWATT_LOG_LEVEL"], "KVWATT_LOG_LEVEL")
-    if env.get("KVWATT_LOG_FORMAT"):
-        kw["log_format"] = parse_log_format(env["KVWATT_LOG_FORMAT"], "KVWATT_LOG_FORMAT")
-    for var, attribute, parse in PRICE_ENVIRONMENT:
-        if env.get(var):
-            kw[attribute] = parse(env[var], var)
+    for s in ENVIRONMENT:
+        text = env.get(s.env)
+        if not text or s.attribute is None:
+            continue
+        if s.attribute == "servers":  # NAME=URL pairs keep the file's per-server settings
+            kw["servers"] = keep_settings(cfg.servers, _servers(
+                [{"name": n, "url": u} for n, u in (p.partition("=")[::2] for p in text.split(","))], s.env))
+        else:
+            kw[s.attribute] = s.parse(text, s.env)
     return replace(cfg, **kw)
 
 
@@ -58,7 +48,7 @@ def resolve(config_path: str | None, servers: list[str] | None = None, listen: s
             interval: str | None = None, env: dict[str, str] | None = None, **overrides: Any) -> Config:
     """File < environment < flags. With no server anywhere, watch DEFAULT_SERVER_URL as 'default'."""
     env = os.environ if env is None else env
-    path = config_path or env.get("KVWATT_CONFIG")
+    path = config_path or env.get(CONFIG_ENV)
     cfg = load_file(path) if path else Config()
     from_file = cfg.servers
     cfg = apply_environment(cfg, env)
