@@ -65,7 +65,7 @@ SERVERS_MEANING = (
 CONFIG_ENV = "KVWATT_CONFIG"  # names the configuration file (layers.resolve reads it before the file)
 
 # The table, in the README's order (configuration keys), then what only `kvwatt run` takes.
-SETTINGS = (  # tuple[Setting, ...]
+SETTINGS: tuple[Setting, ...] = (
     Setting("listen", "listen", parse_listen, "address of /metrics, /, /healthz, /api/status, /runbook",
             env="KVWATT_LISTEN", flags=("--web.listen-address", "--listen"), dest="listen", metavar="HOST:PORT",
             help="address to serve /metrics on (default 0.0.0.0:8492; also the key listen, $KVWATT_LISTEN)",
