@@ -63,7 +63,8 @@ def test_the_answer_is_the_models_collapse_verdict():
 def _with_saving(status: dict) -> dict:
     for s in status["servers"]:
         lw = page._longest(s)
-        if lw is not None and lw[1].get("energy_saving") and next(iter(lw[1]["energy_saving"].values()))["dE"] is not None:
+        savings = (lw[1].get("energy_saving") or {}) if lw is not None else {}
+        if savings and next(iter(savings.values()))["dE"] is not None:
             return s
     raise AssertionError("the golden scenario has a server with a known dE")
 

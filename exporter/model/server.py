@@ -1,5 +1,5 @@
 """One watched server at tick time: its history and windows, its learners (located threshold and low-pressure
-reference share: model/pressure.py; collapse latch), and the typed figures derived from them once per tick."""
+reference share: model/pressure/; collapse latch), and the typed figures derived from them once per tick."""
 
 from __future__ import annotations
 
