@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import difflib
-import json
 import math
 import re
 import reprlib

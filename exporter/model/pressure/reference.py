@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from exporter.derive.threshold import (LOW_PRESSURE_MAX, PressurePoint, plural, taxed)
-from exporter.model.pressure.regime_signs import (REFERENCE_MARGIN, LOW_PRESSURE_P95, REFERENCE_KNOWN_WINDOWS, quiet)
+from exporter.model.pressure.regime_signs import (REFERENCE_MARGIN, LOW_PRESSURE_P95, REFERENCE_KNOWN_WINDOWS)
 
 
 @dataclass(frozen=True)
