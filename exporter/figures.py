@@ -91,6 +91,9 @@ class SavingFigure:
     throughput_gain: float | None = None
     throughput_gain_stderr: float | None = None
     has_throughput: bool = False  # paired and recorded compare throughput; the model estimates do not
+    # the server offloads and its collapse signature holds (methods.md s5): a stalled GPU near idle makes marginal
+    # J/token look cheap, so dE answers nothing (``answer``)
+    collapse_holds: bool = False
 
     @property
     def verdict(self) -> str:
@@ -103,6 +106,13 @@ class SavingFigure:
         if se is not None and abs(self.energy_saving) < NOISE_STDERRS * se:
             return "within_noise"
         return "saves" if self.energy_saving > 0 else "costs"
+
+    @property
+    def answer(self) -> str:
+        """The answer to "is offloading paying?" that every screen shows (/api/status ``answer``; the page only
+        words it): ``collapse`` where dE is known but the collapse signature holds (no, whatever dE says),
+        else ``verdict``."""
+        return "collapse" if self.collapse_holds and self.energy_saving is not None else self.verdict
 
 
 @dataclass(frozen=True)

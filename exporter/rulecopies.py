@@ -18,7 +18,7 @@ from pathlib import Path
 from exporter import rules
 
 REPO = Path(__file__).resolve().parents[1]
-SCANNED = ("alerts/generate.py", "dashboards/generate.py", "deploy/kubernetes/generate.py", "exporter/config.py",
+SCANNED = ("alerts/generate.py", "dashboards/generate.py", "deploy/kubernetes/generate.py", "exporter/config/*.py",
            "exporter/reference.py", "exporter/derive/*.py", "exporter/model/*.py",
            "lab/kvwatt_lab/experiment/plan.py", "lab/kvwatt_lab/experiment/measure.py",
            "lab/kvwatt_lab/experiment/analysis.py")

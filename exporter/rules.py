@@ -1,6 +1,6 @@
 """Every threshold, window and rate kvwatt's artefacts share, defined once (kubernetes-mixin ``_config`` style).
 
-The daemon's Config defaults (exporter/config.py), the alert rules' settings (alerts/generate.py), the dashboards
+The daemon's Config defaults (exporter/config/), the alert rules' settings (alerts/generate.py), the dashboards
 (dashboards/generate.py), the experiment plan's default (kvwatt_lab) and the README's configuration table
 (exporter/reference.py) all read the entries below; none types a value of its own. ``key`` is the YAML key of
 the daemon's configuration (and the alert setting of the same name); ``field`` the Config attribute where it

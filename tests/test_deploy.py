@@ -45,7 +45,7 @@ K8S_DIR = REPO / "deploy" / "kubernetes"
 FLEET_DIR = REPO / "deploy" / "fleet"
 ALERTS = REPO / "alerts"
 DASHBOARDS = REPO / "dashboards"
-KVWATT_PORT = 8492  # the default listen address 0.0.0.0:8492 (exporter/config.py DEFAULT_LISTEN)
+KVWATT_PORT = 8492  # the default listen address 0.0.0.0:8492 (exporter/config/values.py DEFAULT_LISTEN)
 K8S_VERSION = "1.37"
 
 if str(REPO) not in sys.path:

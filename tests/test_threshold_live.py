@@ -1,4 +1,4 @@
-"""The live, per-server KV-pressure learners (model/pressure.py, methods.md s10) through the real Model: the
+"""The live, per-server KV-pressure learners (model/pressure/, methods.md s10) through the real Model: the
 threshold located from the server's own 1-minute windows, the regime flag's hysteresis on the p95 interval, the
 reference share learned only from true low pressure, and its persistence (model/reference_book.py).
 

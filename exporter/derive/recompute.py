@@ -61,6 +61,20 @@ def recompute_tax(local_compute_share: float | None, reference_share: float | No
     return local_compute_share - reference_share
 
 
+def window_tax(shares: dict[str, float] | None, reference_share: float | None) -> float | None:
+    """The recompute tax of a window from its prompt-token shares (token_shares; None: no prompt tokens, or too
+    few to judge) against the low-pressure reference share (methods.md s10): the one place every window figure,
+    regime sign and evidence window takes it from."""
+    return recompute_tax(shares["local_compute"] if shares else None, reference_share)
+
+
+def judged_shares(x: WindowAggregate | ScopeSums, min_prompt_tokens: float) -> dict[str, float] | None:
+    """token_shares, or None where the window served fewer than ``min_prompt_tokens`` prompt tokens: a share of
+    a handful of tokens is no evidence (the learners' guard, model/pressure/regime_signs.py MIN_PROMPT_TOKENS)."""
+    counts = token_counts(x)
+    return token_shares(counts) if counts and sum(counts.values()) >= min_prompt_tokens else None
+
+
 def mfu_view(x: WindowAggregate,
              generated_tokens: float | None) -> tuple[float | None, float | None]:
     """(FLOP/s, FLOPs per generated token) from vllm:estimated_flops_per_gpu_total. These count the tokens

@@ -39,6 +39,15 @@ def advise(v: ServerFigures, cfg: Config) -> tuple[Advice, ...]:
     return tuple(out) or (Advice("nothing_to_do", "info", NOTHING_TO_DO, {}),)
 
 
+def attach(v: ServerFigures, cfg: Config) -> ServerFigures:
+    """``v`` with its advice and recommendations set, the figures not copied: advice reads the finished figures,
+    so it is the one pair of fields set after construction (the figures are frozen to every later reader)."""
+    advice = advise(v, cfg)
+    object.__setattr__(v, "advice", advice)
+    object.__setattr__(v, "recommendations", recommendations(advice))
+    return v
+
+
 def recommendations(advice: tuple[Advice, ...]) -> tuple[str, ...]:
     """The words of every advice item that asks something of the operator (empty: nothing to do)."""
     return tuple(a.text for a in advice if a.kind != "nothing_to_do")

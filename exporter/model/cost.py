@@ -3,7 +3,7 @@ figures in money and CO2e per day (docs/energy.md, "Money and carbon").
 
     prices = Prices(cfg)
     prices.ingest(tick)                          # the URLs' values, as the sampler last read them
-    prices.with_costs(window_figures)            # the window's CostFigures from its energy figures
+    prices.costs(energy, tax_watts, saved_watts)  # a window's CostFigures from its energy figures
 
 A configured number is in force from the start; a URL's value once read (unknown after its staleness limit).
 Neither set: no PriceFigure value and no CostFigure at all (absent, never 0).
@@ -11,11 +11,9 @@ Neither set: no PriceFigure value and no CostFigure at all (absent, never 0).
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from exporter.config import Config, PriceSetting
 from exporter.derive import cost
-from exporter.figures import CostFigure, EnergyFigure, PriceFigure, WindowFigures
+from exporter.figures import CostFigure, EnergyFigure, PriceFigure
 from exporter.samples import PriceReading, SourceStatus, Tick
 
 # how each quantity is set, for /api/status's "not configured" (key, flag, environment variable)
@@ -66,12 +64,14 @@ class Prices:
                           cost.money_per_day(tax_watts, price), cost.co2e_grams_per_day(tax_watts, intensity),
                           cost.money_per_day(saved_watts, price), cost.co2e_grams_per_day(saved_watts, intensity))
 
-    def with_costs(self, w: WindowFigures) -> WindowFigures:
+    def costs(self, energy: tuple[EnergyFigure, ...], tax_watts: dict[str, float] | None,
+              saved_watts: dict[str, float] | None) -> tuple[CostFigure, ...]:
+        """A window's CostFigures, one per energy scope, while it is assembled (model/server.py ServerModel.window):
+        empty when no price or intensity is configured."""
         if not self.any_configured:
-            return w
-        tax, saved = w.recompute_tax_watts or {}, w.offload_saved_watts or {}
-        return replace(w, costs=tuple(self.cost_of_energy(e, tax.get(e.scope), saved.get(e.scope))
-                                      for e in w.energy))
+            return ()
+        tax, saved = tax_watts or {}, saved_watts or {}
+        return tuple(self.cost_of_energy(e, tax.get(e.scope), saved.get(e.scope)) for e in energy)
 
     def figures(self) -> tuple[PriceFigure, ...]:
         return tuple(self._figure(q) for q in self.settings)

@@ -1,8 +1,8 @@
-"""Persistence of the evidence windows and their epoch (model/pressure.py, model/epoch.py), beside the reference
+"""Persistence of the evidence windows and their epoch (model/pressure/learner.py, model/epoch.py), beside the reference
 shares (model/reference_book.py): ``<state_dir>/evidence-windows.json``, written atomically (exporter.atomic)
 when a server added or set aside a window (at most once per threshold window), read back at start, so a
 restarted daemon has its located threshold, and the regime resting on it, at once: within its epoch only (the
-first reading whose engine facts differ from the stored ones sets them aside, model/pressure.py).
+first reading whose engine facts differ from the stored ones sets them aside, model/pressure/learner.py).
 
 Hardened as the other state files: a regular file only (not a link, a FIFO or a device), at most
 ``MAX_FILE_BYTES``; entries that fail validation are dropped with a reason; windows older than the history

@@ -39,9 +39,11 @@ def setup(s: ServerConfig) -> OffloadSetup:
     return OffloadSetup(model, hw, figures, prof)
 
 
-def _figure(kind: str, energy: economics.Estimate, tput: economics.Estimate | None) -> SavingFigure:
+def _figure(kind: str, energy: economics.Estimate, tput: economics.Estimate | None,
+            collapse_holds: bool = False) -> SavingFigure:
     return SavingFigure(kind, energy.value, energy.stderr, energy.windows, energy.reference_windows, energy.note,
-                        tput.value if tput else None, tput.stderr if tput else None, tput is not None)
+                        tput.value if tput else None, tput.stderr if tput else None, tput is not None,
+                        collapse_holds=collapse_holds)
 
 
 def price(agg, cfg: Config, so: OffloadSetup):
@@ -56,7 +58,8 @@ def price(agg, cfg: Config, so: OffloadSetup):
 
 def savings(agg, on: Sequence[economics.WindowStat], on_total: Sequence[economics.WindowStat],
             off: Sequence[economics.WindowStat] | None, enabled: bool, reference_share: float | None,
-            cfg: Config, so: OffloadSetup, costs: PhaseCosts | None = None) -> tuple[SavingFigure, ...]:
+            cfg: Config, so: OffloadSetup, costs: PhaseCosts | None = None,
+            collapse_holds: bool = False) -> tuple[SavingFigure, ...]:
     """dE / dTPS of one window for each baseline kind available (methods.md s2; docs/offload.md "Energy saving
     and throughput gain").
 
@@ -64,7 +67,8 @@ def savings(agg, on: Sequence[economics.WindowStat], on_total: Sequence[economic
     a profile recorded without P_idle); ``off``: the paired OFF twin's windows, when configured and watched.
     An OFF server gets ``potential``: the recomputation tax priced as what offloading would reload. ``costs``:
     the server's GPU per-phase costs (methods.md s12); once measured they price both model estimates, their SE
-    carried into dE's."""
+    carried into dE's. ``collapse_holds``: the (offloading) server's collapse signature holds; each figure's
+    ``answer`` then says so whatever its dE."""
     measured = costs if costs is not None and costs.source == "measured" else None
     j_c, how = price(agg, cfg, so) if measured is None else (None, " (measured per-phase price)")
     if not enabled:
@@ -72,12 +76,12 @@ def savings(agg, on: Sequence[economics.WindowStat], on_total: Sequence[economic
         return (_figure("potential", _noted(est, how), None),)
     out = []
     if off is not None:
-        out.append(_figure("paired", *economics.paired(on, off)))
+        out.append(_figure("paired", *economics.paired(on, off), collapse_holds))
     if so.profile is not None:  # compare like with like: the profile says marginal or total J/token
         out.append(_figure("recorded", *economics.recorded(on if so.profile.energy == "marginal" else on_total,
-                                                            so.profile.bands)))
+                                                            so.profile.bands), collapse_holds))
     est = economics.estimated(on, j_c, cfg.load_to_compute_cost_ratio, measured)
-    out.append(_figure("estimated", _noted(est, how), None))
+    out.append(_figure("estimated", _noted(est, how), None, collapse_holds))
     return tuple(out)
 
 

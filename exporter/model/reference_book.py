@@ -1,4 +1,4 @@
-"""Persistence of the learned low-pressure reference shares (model/pressure.py), like the idle baselines
+"""Persistence of the learned low-pressure reference shares (model/pressure/reference.py), like the idle baselines
 (energy/baseline.py BaselineBook): ``<state_dir>/reference-share.json``, written atomically (exporter.atomic)
 when a server learned a window, read back at start, so a restarted daemon has its reference (and its tax)
 at once.

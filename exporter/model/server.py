@@ -1,5 +1,5 @@
 """One watched server at tick time: its history and windows, its learners (located threshold and low-pressure
-reference share: model/pressure.py; collapse latch), and the typed figures derived from them once per tick."""
+reference share: model/pressure/; collapse latch), and the typed figures derived from them once per tick."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from exporter.derive import residency
 from exporter.derive import energy as derive_energy
 from exporter.figures import EnergyFigure, ServerFigures, WindowFigures, engine_name
 from exporter.model import advice as advice_model
+from exporter.model.cost import Prices
 from exporter.model.energy import PhaseLearner
 from exporter.model import offload as offload_figures
 from exporter.model import pressure as pressure_model
@@ -41,6 +42,7 @@ class ServerModel:
             cfg.kv_pressure_threshold_source == "located", self.reference, server.name,
             server.kv_cache_metrics_sample, cfg.p99_tool_latency_seconds)
         self._p95: dict[float, pressure_model.P95] = {}  # per window length, as of the last learn()
+        self._per_minute: dict[float, float | None] = {}  # per window length: preemptions/min, as of learn()
         self._predicted: dict[float, bool | None] = {}  # per window length: the threshold's prediction (hysteresis)
         self._regime: dict[float, bool | None] = {}  # per window length: the regime (methods.md s10)
         self._regime_why: dict[float, tuple[str, str]] = {}  # per window length: the regime's state, reason
@@ -141,19 +143,14 @@ class ServerModel:
         threshold in use only predicts (with hysteresis on the p95's interval)."""
         pl, agg = self.pressure, self.history.aggregate(seconds)
         p = self._p95[seconds] = pressure_model.p95_of(agg)
-        per_second = pressure.rate_per_second(agg, "preemptions")
-        per_minute = None if per_second is None else per_second * 60.0
-        if (agg.delta("preemptions") or 0.0) > pressure_model.plausible_preemptions(agg):
-            per_minute = None  # a counter glitch says nothing about the regime either
+        per_minute = self._per_minute[seconds] = pressure.preemptions_per_minute(agg)  # window() reuses it
         onset = pressure.preemption_onset(per_minute, agg.covered_seconds, seconds,
                                           self.cfg.preemption_onset_per_minute)
-        counts = recompute.token_counts(agg)
-        shares = recompute.token_shares(counts) if counts and sum(counts.values()) >= \
-            pressure_model.MIN_PROMPT_TOKENS else None
+        shares = recompute.judged_shares(agg, pressure_model.MIN_PROMPT_TOKENS)
         signs = pressure_model.Signs(
             p, agg.covered_seconds / seconds, per_minute, onset, pressure.waiting_for_capacity(agg),
             agg.quantile("waiting", 0.5), agg.gauge_max("kv_usage"),
-            recompute.recompute_tax(shares["local_compute"] if shares else None, self.reference.value),
+            recompute.window_tax(shares, self.reference.value),
             self.reference.spread, tax_state, pl.residency_of(agg))  # residency: the engine's own eviction record
         over = self._predicted[seconds] = pressure_model.regime(p, pl.threshold, self._predicted.get(seconds))
         v = pressure_model.verdict(signs, pl.threshold, bool(over), pl.quiet_streak)
@@ -187,7 +184,9 @@ class ServerModel:
         for key in [k for k in self._stats if k[0] < horizon]:
             del self._stats[key]
 
-    def window(self, now: float, seconds: float, peers: Mapping[str, "ServerModel"]) -> WindowFigures:
+    def window(self, now: float, seconds: float, peers: Mapping[str, "ServerModel"],
+               prices: Prices | None = None) -> WindowFigures:
+        """The window's figures, built once (with their money and carbon when ``prices`` has a setting)."""
         cfg = self.cfg
         agg: WindowAggregate = self.history.aggregate(seconds)
         covered = agg.covered_seconds
@@ -197,8 +196,8 @@ class ServerModel:
                                  regime_state=why[0], regime_reason=why[1])
         p95_interval = self._p95.get(seconds) or pressure_model.p95_of(agg)  # learn() computed it this tick
         p95 = p95_interval.value
-        per_second = pressure.rate_per_second(agg, "preemptions")
-        per_minute = None if per_second is None else per_second * 60.0
+        per_minute = self._per_minute[seconds] if seconds in self._per_minute else \
+            pressure.preemptions_per_minute(agg)  # learn() derived it this tick
         shares = recompute.token_shares(recompute.token_counts(agg))
         flops, flops_per_token = recompute.mfu_view(agg, agg.delta("generation_tokens"))
         rates = offload.transfer_rates(agg)
@@ -209,6 +208,11 @@ class ServerModel:
         again = recompute.judged(self._again(agg, seconds), self._write_check)
         again_watts = {c.scope: w for c in self.phase.figures()
                        if (w := recompute.preemption_recompute_watts(again, c)) is not None}
+        energy = self._energy(agg)
+        priced = derive_energy.tax_in_energy(agg, self.reference.value, self.phase.figures(),
+                                             self.info.offload_enabled if self.info else None,
+                                             cfg.load_to_compute_cost_ratio)
+        costs = prices.costs(energy, priced["recompute_tax_watts"], priced["offload_saved_watts"]) if prices else ()
         return WindowFigures(
             regime_state=regime_state, regime_reason=regime_reason,
             requests_waiting_for_kv_capacity=capacity.mean if capacity else None,
@@ -221,9 +225,9 @@ class ServerModel:
             preemption_onset=pressure.preemption_onset(per_minute, covered, seconds, cfg.preemption_onset_per_minute),
             generation_tokens_per_second=pressure.rate_per_second(agg, "generation_tokens"),
             token_shares=shares, cached_tier_shares=recompute.cached_tier_shares(agg),
-            recompute_tax=recompute.recompute_tax(shares["local_compute"] if shares else None, self.reference.value),
+            recompute_tax=recompute.window_tax(shares, self.reference.value),
             flops_per_second=flops, flops_per_generated_token=flops_per_token,
-            energy=self._energy(agg),
+            energy=energy, costs=costs,
             prompt_energy_per_token=derive_energy.prompt_attribution(agg, cfg.min_load_seconds,
                                                                      cfg.load_to_compute_cost_ratio),
             offload_write_bytes_per_second=rates.write_bytes_per_second,
@@ -234,10 +238,7 @@ class ServerModel:
             cached_to_prefill_ratio=kappa.observed(agg),
             savings=self._savings(agg, now, seconds, peers), **self._newest_series(agg),
             preemption_recompute=again, preemption_recompute_watts=again_watts or None,
-            **self._residency_figures(agg),
-            **derive_energy.tax_in_energy(agg, self.reference.value, self.phase.figures(),
-                                          self.info.offload_enabled if self.info else None,
-                                          cfg.load_to_compute_cost_ratio))
+            **self._residency_figures(agg), **priced)
 
     def _residency(self, buffer_bytes: float | None, rates: offload.TransferRates,
                    tokens: offload.TokenRates) -> float | None:
@@ -291,11 +292,14 @@ class ServerModel:
         total = self.repeat_windows(now, seconds, marginal=False) if self.offload.profile is not None else on
         pair = peers.get(self.server.pair_off_server or "")
         off = pair.repeat_windows(now, seconds) if pair is not None and enabled else None
+        collapsed = bool(enabled and self.collapse is not None and self.collapse.signature)  # learn() judged it
         return offload_figures.savings(agg, on, total, off, enabled, self.reference.value, self.cfg, self.offload,
-                                       self.phase.costs.get("gpu"))
+                                       self.phase.costs.get("gpu"), collapse_holds=collapsed)
 
-    def figures(self, now: float, peers: Mapping[str, "ServerModel"]) -> ServerFigures:
-        windows = tuple(self.window(now, s, peers) for s in self.cfg.windows_seconds)
+    def figures(self, now: float, peers: Mapping[str, "ServerModel"], prices: Prices | None = None) -> ServerFigures:
+        """The server's figures of this tick, each built once: every window (costs included), then the server's
+        figures, then the advice read from them (attached, not rebuilt: advice_model.attach)."""
+        windows = tuple(self.window(now, s, peers, prices) for s in self.cfg.windows_seconds)
         self._forget_old_stats(now)
         enabled = self.info.offload_enabled if self.info else None
         buf = None
@@ -313,8 +317,7 @@ class ServerModel:
             threshold_source=self.pressure.source, evidence_windows=len(self.pressure.points),
             reference_windows=self.reference.windows, reference_spread=self.reference.spread,
             phase_costs=self.phase.figures(), **self._judgements(windows))
-        advice = advice_model.advise(fig, self.cfg)  # "what do I do?", from the figures just derived
-        return replace(fig, advice=advice, recommendations=advice_model.recommendations(advice))
+        return advice_model.attach(fig, self.cfg)  # "what do I do?", from the figures just derived
 
     def _unknown_regime(self) -> tuple[str, str]:
         if not self.status.up:

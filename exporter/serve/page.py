@@ -263,15 +263,15 @@ def _first_saving(s: dict):
     return lw, kind, sv
 
 
-def _collapsed(s: dict) -> bool:
-    return bool((s.get("collapse") or {}).get("signature")) and bool(s.get("offload_enabled"))
+# the style of each answer /api/status gives (figures.py SavingFigure.answer): a collapse reads as a cost
+_ANSWER_CLASS = {"collapse": "costs"}
 
 
 def _verdict_class(s: dict) -> str:
     _, kind, sv = _first_saving(s)
     if sv is None:
         return "unknown"
-    return "costs" if _collapsed(s) and sv["dE"] is not None else escape(sv["verdict"])
+    return escape(_ANSWER_CLASS.get(sv["answer"], sv["answer"]))
 
 
 def _saving_sentences(s: dict) -> tuple[str, str]:
@@ -291,14 +291,15 @@ def _saving_sentences(s: dict) -> tuple[str, str]:
             f" ± {_pct_se(sv['dTPS_stderr'])}." if sv.get("dTPS_stderr") is not None else ".")
     if sv.get("note"):
         basis += f" {_e(sv['note'])}."
-    return _lead(kind, sv, _collapsed(s)), basis
+    return _lead(kind, sv), basis
 
 
-def _lead(kind: str, sv: dict, collapsed: bool) -> str:
+def _lead(kind: str, sv: dict) -> str:
+    """The words of the model's answer (sv["answer"]: the page decides nothing, figures.py SavingFigure.answer)."""
     figure = f'<b class="figure">{_pct(sv["dE"], True)}</b>'
     se = (f"± {_pct_se(sv['dE_stderr'])} (standard error)" if sv["dE_stderr"] is not None
           else "(standard error unknown: fewer than two windows)")
-    if collapsed:
+    if sv["answer"] == "collapse":
         return (f"No, whatever dE says: dE {figure} {se} reads as a saving, but the collapse signature holds, and "
                 "a stalled GPU near idle makes marginal J/token look cheap.")
     if kind == "potential":
@@ -306,10 +307,10 @@ def _lead(kind: str, sv: dict, collapsed: bool) -> str:
                          "per generated token.",
                 "costs": f"Offloading is off here, and turning it on would not save energy: dE {figure} {se}.",
                 "within_noise": f"Offloading is off here; turning it on would save nothing measurable: dE {figure} "
-                                f"{se} is within two standard errors of zero."}[sv["verdict"]]
+                                f"{se} is within two standard errors of zero."}[sv["answer"]]
     return {"saves": f"Yes: offloading saves {figure} {se} of GPU energy per generated token.",
             "costs": f"No: offloading costs energy: dE {figure} {se} (more GPU energy per generated token).",
-            "within_noise": f"Not measurably: dE {figure} {se} is within two standard errors of zero."}[sv["verdict"]]
+            "within_noise": f"Not measurably: dE {figure} {se} is within two standard errors of zero."}[sv["answer"]]
 
 
 def _other_savings(s: dict) -> str:

@@ -67,6 +67,7 @@ def _energy_json(w: WindowFigures) -> dict:
 
 def _savings_json(w: WindowFigures) -> dict:
     savings = {sv.baseline: {"dE": sv.energy_saving, "dE_stderr": sv.energy_saving_stderr, "verdict": sv.verdict,
+                             "answer": sv.answer,
                              "windows": sv.windows, "reference_windows": sv.reference_windows, "note": sv.note,
                              "dTPS": sv.throughput_gain, "dTPS_stderr": sv.throughput_gain_stderr}
                for sv in w.savings}

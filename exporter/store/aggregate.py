@@ -29,7 +29,7 @@ from exporter.samples import Interval
 from exporter.store.columns import IntervalColumns, Span, gauge_values  # noqa: F401 (gauge_values: re-exported)
 
 # gauges kept in order structures: quantiles of KV usage and pending requests, and the maxima of running and
-# waiting read every tick (model/pressure.py plausible_preemptions: a scan of a 1 h window otherwise); requests
+# waiting read every tick (derive/pressure.py plausible_preemptions: a scan of a 1 h window otherwise); requests
 # waiting for KV capacity, whose mean and share of samples above zero are read every tick (derive/pressure.py)
 ORDERED_GAUGES = ("kv_usage", "pending", "running", "waiting", "waiting_capacity")
 POOL_PREFIX = "kv_pool_usage@"  # one KV pool's usage (sources/engine.py LABELLED_GAUGE_KEYS): ordered per pool

@@ -1,0 +1,226 @@
+"""Pure functions of the KV-pressure regime (methods.md s10): a window's KV p95 with its interval, the regime
+with hysteresis, the signs of pressure and of its absence, and the verdict with its state and reason; and the
+constants the learners share."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from exporter.derive import pressure, residency
+from exporter.derive.threshold import (LOW_PRESSURE_MAX, PressurePoint, plural, quantile_bounds, taxed)
+from exporter.store import WindowAggregate
+
+
+REFERENCE_MARGIN = 0.05     # a learning window's p95 stays this far under the threshold in force
+LOW_PRESSURE_P95 = 0.50     # ... and under this absolute KV p95 (methods.md s10: below every onset seen)
+# LOW_PRESSURE_MAX (derive/threshold.py): ... and its KV max under this (a window that touched 80 % came near
+# preempting)
+REFERENCE_KNOWN_WINDOWS = 3  # low-pressure windows before the reference is known (fewer: provisional)
+SUSTAINED_PREEMPTIONS = 3.0  # preemptions in a window that make it a full window of pressure evidence
+MAX_EVIDENCE_WEIGHT = 1.0   # a full window's weight: no window, live or stored, weighs more
+MIN_PROMPT_TOKENS = 100.0   # fewer prompt tokens in a window: its share is not worth a point or a sample
+MIN_COVERED = 0.8           # a bucket less covered than this is not a window of evidence
+MIN_BELOW_COVERAGE = 0.5    # a regime window less covered than this cannot say "below" (start, restart)
+CAPACITY_SUSTAINED = 0.5    # requests waited for KV capacity in this share of a window's samples: known pressure
+QUIET_KNOWN_WINDOWS = 3     # consecutive clean evidence windows before a "below" is known (methods.md s10)
+MAX_EVIDENCE_WINDOWS = 10_000  # bounds memory and the sort in locate whatever history / window asks
+
+
+@dataclass(frozen=True)
+class ResidencySign:
+    """A window's KV-block residency evidence (derive/residency.py, methods.md s11) and whether the engine
+    exports the histograms at all (without them the evidence is unknown for want of ``--kv-cache-metrics``)."""
+
+    kind: str | None  # "pressure" | "low_pressure" | None
+    reason: str
+    histograms: bool
+
+
+def residency_sign(agg: WindowAggregate, block_size: float | None, sample_share: float,
+                   p99_tool_latency_seconds: float) -> ResidencySign:
+    r = residency.window_residency(agg, block_size, sample_share, p99_tool_latency_seconds)
+    ev = residency.residency_evidence(r)
+    return ResidencySign(ev.kind, ev.reason, r.sampled_evictions is not None)
+
+
+def disagreement(sign: ResidencySign | None, preemptions_per_minute: float | None, taxed_: bool,
+                 tax_known: bool = True) -> str:
+    """Words for a window whose residency evidence contradicts its other signals; "" when they agree (an unknown
+    tax, with no reference yet, contradicts nothing)."""
+    if sign is None or sign.kind is None:
+        return ""
+    if sign.kind == "pressure" and not preemptions_per_minute and tax_known and not taxed_:
+        return (f"the engine's KV-block residency shows pressure ({sign.reason}) in a window with no preemption "
+                "and no tax above noise: counted pressured")
+    if sign.kind == "low_pressure" and (preemptions_per_minute or taxed_):
+        seen = f"{preemptions_per_minute:.1f} preemptions/min" if preemptions_per_minute else "a tax above noise"
+        return (f"the engine's KV-block residency shows low pressure ({sign.reason}) in a window with {seen}: "
+                "counted pressured")
+    return ""
+
+
+@dataclass(frozen=True)
+class P95:
+    """A window's KV p95 with its order-statistic interval (derive.threshold.quantile_bounds)."""
+
+    value: float | None
+    low: float | None
+    high: float | None
+
+
+def p95_of(agg: WindowAggregate) -> P95:
+    s = agg.sorted_gauge("kv_usage")
+    bounds = quantile_bounds(s, 0.95)
+    if bounds is None:
+        return P95(None, None, None)
+    return P95(pressure.kv_usage_quantile(agg, 0.95), bounds[0], bounds[1])
+
+
+def regime(p: P95, threshold: float, previous: bool | None, covered_ratio: float = 1.0) -> bool | None:
+    """Above (True) only when the p95's lower bound clears the threshold, below (False) only when its upper
+    bound is under it; in between the previous regime holds (hysteresis: no flip on sampling noise). With no
+    previous regime the point estimate decides (pressure.above_threshold). "Below" also needs the window at
+    least MIN_BELOW_COVERAGE covered: the few samples right after kvwatt starts (or restarts beside a busy
+    engine) cannot rule pressure out, so the previous regime holds, or none (unknown) after a start."""
+    if p.value is None:
+        return None
+    if p.low > threshold:
+        return True
+    if p.high <= threshold:
+        return False if covered_ratio >= MIN_BELOW_COVERAGE or previous is False else previous
+    if covered_ratio < MIN_BELOW_COVERAGE and previous is None and not pressure.above_threshold(p.value, threshold):
+        return None
+    return previous if previous is not None else pressure.above_threshold(p.value, threshold)
+
+
+def quiet(agg: WindowAggregate, p: P95, residency_kind: str | None = None) -> bool:
+    """Positive signs of no pressure in a window (the threshold-relative test is the reference's): preemptions
+    counted and zero, no residency evidence of pressure, KV max under LOW_PRESSURE_MAX (waived when the engine's
+    residency record says low pressure: it measures what the level stands in for), nobody waiting for KV
+    (waiting_capacity where the engine tells, else no request waiting for most of the window)."""
+    if agg.delta("preemptions") != 0 or p.value is None or residency_kind == "pressure":
+        return False
+    kv_max = agg.gauge_max("kv_usage")
+    if kv_max is None or (kv_max >= LOW_PRESSURE_MAX and residency_kind != "low_pressure"):
+        return False
+    if agg.gauge_count("waiting_capacity"):
+        return not agg.gauge_max("waiting_capacity")
+    return not agg.quantile("waiting", 0.5)
+
+
+@dataclass(frozen=True)
+class Signs:
+    """What one window shows about KV pressure (methods.md s10, "The regime: evidence both ways")."""
+
+    p: P95
+    covered_ratio: float
+    preemptions_per_minute: float | None  # None: not counted, or an implausible counter
+    onset: bool | None                    # sustained preemptions over a window covered enough (methods.md s3)
+    capacity: pressure.CapacityWait | None  # requests waiting for KV capacity; None: gauge not exported
+    waiting_median: float | None          # requests waiting for any reason (without the capacity gauge)
+    kv_max: float | None
+    tax: float | None                     # against the reference in force (None: no reference)
+    tax_spread: float | None              # the reference's spread: the tax's noise
+    tax_state: str                        # the reference's state: the tax rests on it
+    residency: ResidencySign | None
+
+
+@dataclass(frozen=True)
+class Verdict:
+    above: bool | None  # True above, False below, None unknown
+    state: str          # known | provisional | unknown
+    reason: str
+
+
+def _tax_point(g: Signs) -> PressurePoint:
+    return PressurePoint(g.p.value or 0.0, None, g.tax, g.tax_spread)
+
+
+def pressure_signs(g: Signs) -> list[tuple[str, bool]]:
+    """(words, known) for every sign of pressure the window shows, whatever the threshold in use."""
+    out = []
+    if g.capacity is not None and g.capacity.share > 0:
+        out.append((f"requests waiting for KV capacity in {g.capacity.share * 100:.0f} % of samples (mean "
+                    f"{g.capacity.mean:.1f})", g.capacity.share >= CAPACITY_SUSTAINED))
+    if g.preemptions_per_minute:
+        out.append((f"{g.preemptions_per_minute:.1f} preemptions/min", bool(g.onset)))
+    if taxed(_tax_point(g)):
+        # known on a known reference over a window covered enough to call it sustained (as the onset, s3)
+        out.append((f"a recompute tax of {g.tax * 100:+.1f} points",
+                    g.tax_state == "known" and g.covered_ratio >= MIN_COVERED))
+    if g.residency is not None and g.residency.kind == "pressure":
+        out.append((f"the engine's KV-block residency shows pressure ({g.residency.reason})", True))
+    return out
+
+
+def low_pressure_signs(g: Signs, threshold: float) -> tuple[list[str], list[str], bool]:
+    """(the positive signs of low pressure seen, what is missing for a "below", whether a sign rests on the
+    engine's own record: a known tax, the residency evidence or the capacity gauge)."""
+    seen, missing = [], []
+    if g.preemptions_per_minute is None:
+        missing.append("a preemption count")
+    else:
+        seen.append("no preemption")
+    if g.capacity is not None:
+        seen.append("no request waiting for KV capacity")
+    elif g.waiting_median == 0:
+        seen.append("no request waiting for most of the window")
+    else:
+        missing.append("requests waiting (the engine does not say for what)")
+    levels = g.kv_max is not None and g.kv_max < min(LOW_PRESSURE_MAX, threshold - REFERENCE_MARGIN)
+    if g.tax is not None:
+        seen.append(f"a recompute tax of {g.tax * 100:+.1f} points, within noise")
+    if g.residency is not None and g.residency.kind == "low_pressure":
+        seen.append(f"the engine's KV-block residency shows low pressure ({g.residency.reason})")
+    if levels:
+        seen.append(f"KV max {g.kv_max * 100:.0f} %")
+    if g.tax is None and not levels and not (g.residency and g.residency.kind == "low_pressure"):
+        top = "unknown" if g.kv_max is None else f"{g.kv_max * 100:.0f} %"
+        missing.append(f"a known recompute tax, the engine's KV-block residency, or a KV max under "
+                       f"{min(LOW_PRESSURE_MAX, threshold - REFERENCE_MARGIN) * 100:.0f} % (it reached {top})")
+    if g.covered_ratio < MIN_BELOW_COVERAGE:
+        missing.append("a window at least half covered")
+    engine_said = (g.capacity is not None or (g.tax is not None and g.tax_state == "known")
+                   or bool(g.residency and g.residency.kind == "low_pressure"))
+    return seen, missing, engine_said
+
+
+def verdict(g: Signs, threshold: float, over: bool, quiet_streak: int) -> Verdict:
+    """One window's regime on positive evidence both ways (methods.md s10): *above* on any sign of pressure
+    (known when sustained: requests waiting for KV capacity in most samples, preemption onset, a tax above noise
+    on a known reference, residency pressure), whatever the threshold in use; *below* only on positive signs of
+    low pressure (known once the server showed them for QUIET_KNOWN_WINDOWS evidence windows and the KV p95 is
+    not above the threshold in use); otherwise the threshold predicts (*above*, provisional, when the p95's lower
+    bound clears it) or the regime is unknown, with what is missing. ``over``: the threshold's prediction (``regime``,
+    with hysteresis on the p95's interval)."""
+    if g.p.value is None:
+        return Verdict(None, "unknown", "no KV usage sampled in the window")
+    p95 = f"p95 {g.p.value:.3f}"
+    seen = pressure_signs(g)
+    if seen:
+        known = any(k for _, k in seen)
+        where = "" if over else f" at {p95}, under the threshold in use {threshold:.3f}"
+        v = Verdict(True, "known" if known else "provisional", "above: " + "; ".join(w for w, _ in seen) + where)
+        if g.residency is not None and g.residency.kind == "low_pressure":
+            v = Verdict(True, "provisional" if v.state == "known" else v.state, v.reason +
+                        f"; contradicted by the engine's KV-block residency: low pressure ({g.residency.reason})")
+        return v
+    low, missing, engine_said = low_pressure_signs(g, threshold)
+    if not missing:
+        why = "below: " + ", ".join(low)
+        if over:
+            return Verdict(False, "provisional", f"{why}; although {p95} is above the threshold in use "
+                           f"{threshold:.3f}: the threshold predicts pressure the engine does not show")
+        if quiet_streak >= QUIET_KNOWN_WINDOWS and engine_said:
+            return Verdict(False, "known", f"{why}; low pressure for the last {plural(quiet_streak, 'evidence window')}")
+        need = [] if engine_said else ["a known recompute tax, the engine's KV-block residency or its count of "
+                                       "requests waiting for KV capacity"]
+        if quiet_streak < QUIET_KNOWN_WINDOWS:
+            need.append(f"{QUIET_KNOWN_WINDOWS} evidence windows of low pressure in a row "
+                        f"({quiet_streak} so far)")
+        return Verdict(False, "provisional", f"{why}; known with {' and '.join(need)}")
+    if over:
+        return Verdict(True, "provisional", f"above (predicted): {p95} is above the threshold in use "
+                       f"{threshold:.3f}, the engine shows no sign of pressure yet; missing for a below: "
+                       + "; ".join(missing))
+    return Verdict(None, "unknown", "neither pressure nor low pressure shown: missing " + "; ".join(missing))
