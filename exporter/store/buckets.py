@@ -64,6 +64,7 @@ class Grid:
         self.store = store
         self.open: dict[int, WindowAggregate] = {}
         self.done: deque[Bucket] = deque()
+        self.reorders = 0  # buckets completed out of time order (a reader that keeps what it saw starts again)
 
     def add(self, iv: Interval) -> None:
         k = bucket_index(iv.t1, self.width)
@@ -105,6 +106,7 @@ class Grid:
             self._seal(b)
             if self.done and self.done[-1].t0 > t0:  # out of order (late interval): keep time order
                 self.done = deque(sorted([*self.done, b], key=lambda x: x.t0))
+                self.reorders += 1
             else:
                 self.done.append(b)
 
