@@ -9,6 +9,8 @@ import math
 import random
 import tracemalloc
 
+import pytest
+
 from exporter.samples import Interval
 from exporter.store import Grid, ServerHistory, aggregate_of, buckets_of
 
@@ -147,11 +149,12 @@ def _bucket_readings(agg) -> tuple:
             scopes, gauges, list(agg))
 
 
-def test_a_store_keeps_completed_buckets_packed_and_they_read_as_the_live_ones():
+@pytest.mark.parametrize("sparse", [True, False])  # dense: the energy scope shares the bucket's counter sums
+def test_a_store_keeps_completed_buckets_packed_and_they_read_as_the_live_ones(sparse):
     """A history's completed bucket is one array (store/packed.py), not ~22 objects, and reads exactly as the
     aggregate it was packed from (a grid over the same intervals without a store keeps live ones)."""
     from exporter.store.packed import PackedAggregate
-    ivs = stream(400, dt=1.0, sparse=True)
+    ivs = stream(400, dt=1.0, sparse=sparse)
     h = ServerHistory(math.inf, grids=(30.0,))
     feed(h, ivs)
     packed = h.buckets(30.0, -math.inf, math.inf)
@@ -161,6 +164,8 @@ def test_a_store_keeps_completed_buckets_packed_and_they_read_as_the_live_ones()
         assert type(p.agg) is PackedAggregate and type(lv.agg) is not PackedAggregate
         assert (p.t0, p.t1) == (lv.t0, lv.t1)
         assert _bucket_readings(p.agg) == _bucket_readings(lv.agg)
+    shared = [p.agg._layout.scopes["gpu"][1] is p.agg._layout.keys for p in packed]
+    assert not any(shared) if sparse else all(shared)
 
 
 def test_a_late_interval_unpacks_a_packed_bucket_and_keeps_it_exact():

@@ -39,13 +39,16 @@ class Layout:
 
     __slots__ = ("keys", "scopes", "gauges", "gauge_at")
 
-    def __init__(self, keys: tuple[str, ...], scopes: tuple[tuple[str, tuple[str, ...]], ...],
+    def __init__(self, keys: tuple[str, ...], scopes: tuple[tuple[str, tuple[str, ...] | None], ...],
                  gauges: tuple[str, ...]) -> None:
         self.keys = {k: _HEAD + i * _PER_KEY for i, k in enumerate(keys)}
         at = _HEAD + len(keys) * _PER_KEY
         self.scopes: dict[str, tuple[int, dict[str, int]]] = {}
         for name, skeys in scopes:
             base = at + _SCOPE_HEAD
+            if skeys is None:  # the scope's counter sums are the bucket's own (every interval has its energy)
+                self.scopes[name], at = (at, self.keys), base
+                continue
             self.scopes[name] = (at, {k: base + i * _PER_KEY for i, k in enumerate(skeys)})
             at = base + len(skeys) * _PER_KEY
         self.gauges = gauges
@@ -65,24 +68,36 @@ def _layout(keys: tuple[str, ...], scopes: tuple, gauges: tuple[str, ...]) -> La
     return found
 
 
-def _key_values(sums, out: list[float]) -> None:
+def _key_values(sums) -> list[float]:
+    out: list[float] = []
     for key in sums.keys():
         k = sums._keys[key]
         out += (float(k[0]), float(k[1]), sums.delta(key), sums.seconds_with(key))
+    return out
 
 
 def pack(agg: "WindowAggregate") -> "PackedAggregate":
-    """The read-only twin of a completed bucket's aggregate (held in a store's rows: a Span)."""
+    """The read-only twin of a completed bucket's aggregate (held in a store's rows: a Span). A scope whose
+    counter sums equal the bucket's (the usual case: every interval carries its energy; the same intervals
+    added in the same order give the same sums) shares them instead of a copy (~1 KB a bucket)."""
     span = agg.intervals
-    scopes = [(name, sc) for name, sc in agg._scopes.items() if sc.n > 0]
-    gauges = tuple(k for k, s in agg._sorted.items() if s)
-    layout = _layout(tuple(agg.keys()), tuple((name, tuple(sc.keys())) for name, sc in scopes), gauges)
+    keys = tuple(agg.keys())
     out = [float(agg.n), agg.covered_seconds, agg.loaded_seconds, float(span.lo), float(span.hi)]
-    _key_values(agg, out)
-    for _, sc in scopes:
+    main = _key_values(agg)
+    out += main
+    scopes = []
+    for name, sc in agg._scopes.items():
+        if sc.n == 0:
+            continue
+        skeys, svalues = tuple(sc.keys()), _key_values(sc)
+        shared = skeys == keys and svalues == main
+        scopes.append((name, None if shared else skeys))
         out += (float(sc.n), sc.covered_seconds, sc.loaded_seconds, sc.energy_joules, float(sc.idle_n),
                 sc.idle_subset_idle_joules, sc.idle_subset_energy_joules, sc.idle_subset_seconds)
-        _key_values(sc, out)
+        if not shared:
+            out += svalues
+    gauges = tuple(k for k, s in agg._sorted.items() if s)
+    layout = _layout(keys, tuple(scopes), gauges)
     values = array("d", out)
     values.extend(float(len(agg._sorted[k])) for k in gauges)
     for k in gauges:
