@@ -9,6 +9,8 @@ import math
 import random
 import tracemalloc
 
+import pytest
+
 from exporter.samples import Interval
 from exporter.store import Grid, ServerHistory, aggregate_of, buckets_of
 
@@ -110,7 +112,7 @@ def test_no_tracked_object_per_interval():
     grown = len(gc.get_objects()) - n0
     from exporter.store.columns import CHUNK
     chunks = (len(COUNTERS) + len(GAUGES) + 4) * (n / CHUNK + 1)  # an array per column per chunk of rows
-    assert grown < 25 * buckets + chunks < n / 2, (grown, buckets, chunks)  # one per interval: 3,900
+    assert grown < 4 * buckets + chunks < n / 2, (grown, buckets, chunks)  # one per interval: 3,900; a bucket packs
 
 
 def test_a_late_interval_thaws_a_completed_bucket_and_keeps_it_exact():
@@ -128,3 +130,58 @@ def test_a_late_interval_thaws_a_completed_bucket_and_keeps_it_exact():
     assert b.agg.delta("generation_tokens") == ref.agg.delta("generation_tokens")
     assert b.agg.count_with("generation_tokens") == ref.agg.count_with("generation_tokens")
     assert list(b.agg.sorted_gauge("kv_usage")) == list(ref.agg.sorted_gauge("kv_usage"))
+
+
+def _bucket_readings(agg) -> tuple:
+    """Everything a reader of a completed bucket asks (window_stat, the threshold and phase learners, the
+    collapse reference): the same numbers whether the bucket is live or packed."""
+    scopes = []
+    for name in ("gpu", "host"):
+        sc = agg.scope(name)
+        scopes.append(None if sc is None else (
+            sc.n, sc.covered_seconds, sc.loaded_seconds, sc.energy_joules, sc.idle_n, sc.idle_joules,
+            sc.idle_subset_seconds, sc.idle_subset_energy_joules, sc.idle_subset_idle_joules,
+            [(k, sc.delta(k), sc.count_with(k), sc.seconds_with(k)) for k in sc.keys()]))
+    gauges = [(k, list(agg.sorted_gauge(k)), agg.quantile(k, 0.95), agg.gauge_max(k), agg.gauge_count(k))
+              for k in (*GAUGES, "pending", "waiting_deferred", "kv_pool_usage@cpu")]
+    return (agg.n, len(agg), agg.covered_seconds, agg.loaded_seconds, agg.pools(),
+            [(k, agg.delta(k), agg.count_with(k), agg.seconds_with(k)) for k in (*agg.keys(), "absent")],
+            scopes, gauges, list(agg))
+
+
+@pytest.mark.parametrize("sparse", [True, False])  # dense: the energy scope shares the bucket's counter sums
+def test_a_store_keeps_completed_buckets_packed_and_they_read_as_the_live_ones(sparse):
+    """A history's completed bucket is one array (store/packed.py), not ~22 objects, and reads exactly as the
+    aggregate it was packed from (a grid over the same intervals without a store keeps live ones)."""
+    from exporter.store.packed import PackedAggregate
+    ivs = stream(400, dt=1.0, sparse=sparse)
+    h = ServerHistory(math.inf, grids=(30.0,))
+    feed(h, ivs)
+    packed = h.buckets(30.0, -math.inf, math.inf)
+    live = buckets_of(ivs, 30.0, end=ivs[-1].t1)
+    assert len(packed) == len(live) == 13
+    for p, lv in zip(packed, live):
+        assert type(p.agg) is PackedAggregate and type(lv.agg) is not PackedAggregate
+        assert (p.t0, p.t1) == (lv.t0, lv.t1)
+        assert _bucket_readings(p.agg) == _bucket_readings(lv.agg)
+    shared = [p.agg._layout.scopes["gpu"][1] is p.agg._layout.keys for p in packed]
+    assert not any(shared) if sparse else all(shared)
+
+
+def test_a_late_interval_unpacks_a_packed_bucket_and_keeps_it_exact():
+    from exporter.store.packed import PackedAggregate
+    ivs = stream(40, dt=1.0, sparse=True)
+    h = ServerHistory(math.inf, grids=(10.0,))
+    feed(h, ivs[:25])
+    h.advance(ivs[24].t1 + 0.5)
+    b = h.buckets(10.0, -math.inf, math.inf)[-1]
+    assert type(b.agg) is PackedAggregate
+    late = Interval(ivs[24].t1, b.t1, {"generation_tokens": 7.0}, {"kv_usage": 0.9, "running": 3.0})
+    h._append(late)  # ends in the bucket already completed: unpacked, added to, packed again
+    assert type(b.agg) is PackedAggregate
+    ref = [x for x in buckets_of([*ivs[:25], late], 10.0) if x.t0 == b.t0][0]
+    for key in ("generation_tokens", "counter_3"):
+        assert b.agg.delta(key) == ref.agg.delta(key)
+        assert b.agg.count_with(key) == ref.agg.count_with(key)
+    assert list(b.agg.sorted_gauge("kv_usage")) == list(ref.agg.sorted_gauge("kv_usage"))
+    assert b.agg.covered_seconds == ref.agg.covered_seconds and b.agg.n == ref.agg.n == 11

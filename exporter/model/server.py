@@ -16,6 +16,7 @@ from exporter.model.cost import Prices
 from exporter.model.energy import PhaseLearner
 from exporter.model import offload as offload_figures
 from exporter.model import pressure as pressure_model
+from exporter.model.repeat import RepeatWindows
 from exporter.samples import EngineReading, SourceStatus, EngineInfo
 from exporter.keys import labelled
 from exporter.store import ServerHistory, WindowAggregate
@@ -58,7 +59,7 @@ class ServerModel:
         self.engine, self.capabilities = engine_name(None), frozenset()
         self.gauges: dict[str, float] | None = None  # the last reading's, None while the server is not read
         self.collapse: collapse.CollapseResult | None = None
-        self._stats: dict[tuple[float, bool], economics.WindowStat] = {}
+        self._repeat: dict[bool, RepeatWindows] = {}  # marginal or total J/token: the repeat windows' stats
         self.phase = PhaseLearner(server.name, self.repeat_seconds, cfg.phase_history_seconds,
                                   cfg.phase_min_windows, cfg.phase_max_condition, cfg.load_to_compute_cost_ratio)
 
@@ -168,21 +169,15 @@ class ServerModel:
 
     # --- tick time: figures -----------------------------------------------------------------------------
     def repeat_windows(self, now: float, seconds: float, marginal: bool = True) -> list[economics.WindowStat]:
-        """The completed repeat windows inside the last ``seconds`` (fixed grid: shared with a paired twin)."""
-        out = []
-        for b in self.history.buckets(self.repeat_seconds, now - seconds, now):
-            key = (b.t0, marginal)
-            stat = self._stats.get(key)
-            if stat is None:  # a completed bucket never changes: its stat is computed once
-                stat = self._stats[key] = economics.window_stat(b.agg, b.t0, b.t1, self.repeat_seconds, "gpu",
-                                                                 marginal)
-            out.append(stat)
-        return out
+        """The completed repeat windows inside the last ``seconds`` (fixed grid: shared with a paired twin); each
+        bucket's stat is computed once, as it completes, and a window is a slice (model/repeat.py)."""
+        kept = self._repeat.get(marginal)
+        if kept is None:
+            kept = self._repeat[marginal] = RepeatWindows(self.repeat_seconds, marginal)
+        return kept.within(self.history, now, seconds)
 
     def _forget_old_stats(self, now: float) -> None:
-        horizon = now - self.history.max_age_seconds
-        for key in [k for k in self._stats if k[0] < horizon]:
-            del self._stats[key]
+        """Nothing to do: RepeatWindows drops a stat when the grid drops its bucket."""
 
     def window(self, now: float, seconds: float, peers: Mapping[str, "ServerModel"],
                prices: Prices | None = None) -> WindowFigures:

@@ -12,24 +12,41 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass
 from typing import Iterable
 
 from exporter.samples import Interval
 from exporter.store.aggregate import WindowAggregate
 from exporter.store.columns import IntervalColumns
+from exporter.store.packed import PackedAggregate, pack, unpack
 
 EPS = 1e-9  # clock slack: a tick landing on a bucket's edge belongs to the bucket it ends
 
 
-@dataclass(frozen=True)
 class Bucket:
     """One fixed-grid window [t0, t1) of the shared monotonic clock (t0 = k * width) and the aggregate of
-    the intervals that ended in it."""
+    the intervals that ended in it: read-only once completed (a grid with a store keeps it packed,
+    store/packed.py: two objects a bucket, not ~22; only the grid itself thaws it)."""
 
-    t0: float
-    t1: float
-    agg: WindowAggregate
+    __slots__ = ("t0", "t1", "agg")
+
+    def __init__(self, t0: float, t1: float, agg: "WindowAggregate | PackedAggregate") -> None:
+        self.t0, self.t1, self.agg = t0, t1, agg
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Bucket):
+            return NotImplemented
+        return (self.t0, self.t1, self.agg) == (other.t0, other.t1, other.agg)
+
+    __hash__ = None  # type: ignore[assignment]  (mutable: the grid thaws and repacks its aggregate)
+
+    def __repr__(self) -> str:
+        return f"Bucket(t0={self.t0!r}, t1={self.t1!r}, agg={self.agg!r})"
+
+    def live(self) -> WindowAggregate:
+        """The bucket's aggregate as a live WindowAggregate (unpacked in place when packed)."""
+        if type(self.agg) is PackedAggregate:
+            self.agg = unpack(self.agg)
+        return self.agg
 
 
 def bucket_index(t1: float, width: float) -> int:
@@ -47,6 +64,7 @@ class Grid:
         self.store = store
         self.open: dict[int, WindowAggregate] = {}
         self.done: deque[Bucket] = deque()
+        self.reorders = 0  # buckets completed out of time order (a reader that keeps what it saw starts again)
 
     def add(self, iv: Interval) -> None:
         k = bucket_index(iv.t1, self.width)
@@ -54,7 +72,9 @@ class Grid:
         if agg is None:
             for b in reversed(self.done):  # a late interval for a bucket already closed (rare): join it
                 if abs(b.t0 - k * self.width) < EPS:
-                    b.agg.add(iv)
+                    b.live().add(iv)
+                    if self.store is not None:
+                        self._seal(b)  # packed again (a storeless bucket stays thawed: it is rare and small)
                     return
                 if b.t0 < k * self.width:
                     break
@@ -69,7 +89,7 @@ class Grid:
             return agg
         for b in reversed(self.done):
             if abs(b.t0 - k * self.width) < EPS:
-                return b.agg
+                return b.live()  # to be amended (history._void): left live, a rare event
             if b.t0 < k * self.width:
                 break
         return None
@@ -83,11 +103,20 @@ class Grid:
             if t1 > now + EPS:
                 break
             b = Bucket(t0, t1, self.open.pop(k))
-            b.agg.freeze()
+            self._seal(b)
             if self.done and self.done[-1].t0 > t0:  # out of order (late interval): keep time order
                 self.done = deque(sorted([*self.done, b], key=lambda x: x.t0))
+                self.reorders += 1
             else:
                 self.done.append(b)
+
+    def _seal(self, b: Bucket) -> None:
+        """A completed bucket no longer changes: packed (store/packed.py) when its rows are a store's, else its
+        sums frozen (a list of intervals: tests, a recorded run)."""
+        if self.store is not None:
+            b.agg = pack(b.agg)
+        else:
+            b.agg.freeze()
 
     def trim(self, oldest_t1: float) -> None:
         while self.done and self.done[0].t1 < oldest_t1:

@@ -215,6 +215,10 @@ class ServerHistory:
             return WindowAggregate()
         return aggregate_of(self.window(self.now, seconds))
 
+    def grid(self, width: float) -> Grid | None:
+        """The registered grid of ``width`` (None: not registered)."""
+        return self._registered(self._grids, width)
+
     def buckets(self, width: float, start: float, end: float) -> list[Bucket]:
         """Completed buckets of the grid of ``width`` with t0 >= start and t1 <= end, in time order; a bucket
         no interval ended in is missing, not empty. An unregistered width is built from the intervals held."""

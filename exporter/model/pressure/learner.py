@@ -64,6 +64,7 @@ class ThresholdLearner:
         self.changed = False       # evidence added or set aside since the owner last persisted
         self.epochs_set_aside = 0  # new epochs this run: the owner sets its own learned figures aside with them
         self.quiet_streak = 0      # the newest evidence windows, all clean (_count_quiet_streak)
+        self._evidence: tuple | None = None  # evidence() as of what it read (and the points it named by id)
         reference.threshold = configured_threshold
 
     @property
@@ -178,6 +179,17 @@ class ThresholdLearner:
 
     # --- judgement -------------------------------------------------------------------------------------
     def evidence(self) -> Evidence:
+        """What the evidence windows show; read every tick, recounted only when what it reads changed (a window
+        added or dropped, a rejection, the reference's limits): the points are up to threshold_history of them."""
+        pts, ref = self.points, self.reference
+        ends = (pts[0], pts[-1]) if pts else ()
+        read = (len(pts), *map(id, ends), self.rejected, self.quiet_streak, self.onset, ref.limit(False),
+                ref.limit(True))  # the points by identity: held below, so an id is not reused meanwhile
+        if self._evidence is None or self._evidence[0] != read:
+            self._evidence = (read, self._count_evidence(), ends)
+        return self._evidence[1]
+
+    def _count_evidence(self) -> Evidence:
         kinds = [classify(p, self.onset) for p in self.points]
         walls = [p.wall for p in self.points if p.wall is not None]
         return Evidence(len(self.points), kinds.count(False), kinds.count(True), kinds.count(None), self.rejected,
