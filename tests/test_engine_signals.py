@@ -58,7 +58,8 @@ def run_condition(engines, blocks, reference=None):
     server = {"url": engine.url}
     if reference is not None:
         server["reference_local_compute_share"] = reference
-    with KvwattDaemon(servers={"local": server}, interval="250ms", config={"windows": [WINDOW]}) as d, \
+    with KvwattDaemon(servers={"local": server}, interval="250ms",
+                      config={"windows": [WINDOW], "metrics_opt_in": P95_BOUNDS}) as d, \
             UsageSampler(engine) as usage:
         d.wait_for(lambda d: d.value("kvwatt_window_covered_seconds", server="local", window=WINDOW),
                    what="first interval")

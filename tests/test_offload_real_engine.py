@@ -202,7 +202,11 @@ def lab(tmp_path_factory):
         servers = {"on": {"url": on.url, "gpus": ["GPU-on"], "pair_off_server": "off", "model_config": config},
                    "off": {"url": off.url, "gpus": ["GPU-off"], "model_config": config}}
         settings = {"windows": [WINDOW], "min_load_duration": "5s", "state_dir": str(tmp / "state"),
-                    "idle_power_watts": {"gpu:GPU-on": IDLE_WATTS, "gpu:GPU-off": IDLE_WATTS}}
+                    "idle_power_watts": {"gpu:GPU-on": IDLE_WATTS, "gpu:GPU-off": IDLE_WATTS},
+                    # opt-in families (docs/fleet.md "Series budget") these checks read on /metrics
+                    "metrics_opt_in": ["kvwatt_cached_prompt_token_share_ratio",
+                                       "kvwatt_preemption_recompute_tokens_per_second",
+                                       "kvwatt_preemption_recompute_watts"]}
         with KvwattDaemon(servers=servers, config=settings, env=gpus.env(), interval="500ms") as d:
             engine_at_start = parse_exposition(requests.get(on.url + "/metrics", timeout=10).text)
             d.wait_for(lambda d: d.value("kvwatt_offload_enabled", server="on") is not None
