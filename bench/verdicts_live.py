@@ -37,7 +37,7 @@ if str(REPO) not in sys.path:
 from tests.support.daemon import KvwattDaemon  # noqa: E402
 from tests.support.engine import VllmEngine, build_tiny_model  # noqa: E402
 
-TRACE = Path("/work/shared/traces/office_work_8k.sample.jsonl")
+TRACE = REPO / "tests" / "data" / "office_work_8k.sample.jsonl"  # Applied Compute, Apache-2.0 (tests/data/README.md)
 MAX_MODEL_LEN = 2048
 SERVER = "local"
 KVM_SAMPLE = 0.05
