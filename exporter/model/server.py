@@ -176,9 +176,6 @@ class ServerModel:
             kept = self._repeat[marginal] = RepeatWindows(self.repeat_seconds, marginal)
         return kept.within(self.history, now, seconds)
 
-    def _forget_old_stats(self, now: float) -> None:
-        """Nothing to do: RepeatWindows drops a stat when the grid drops its bucket."""
-
     def window(self, now: float, seconds: float, peers: Mapping[str, "ServerModel"],
                prices: Prices | None = None) -> WindowFigures:
         """The window's figures, built once (with their money and carbon when ``prices`` has a setting)."""
@@ -295,7 +292,6 @@ class ServerModel:
         """The server's figures of this tick, each built once: every window (costs included), then the server's
         figures, then the advice read from them (attached, not rebuilt: advice_model.attach)."""
         windows = tuple(self.window(now, s, peers, prices) for s in self.cfg.windows_seconds)
-        self._forget_old_stats(now)
         enabled = self.info.offload_enabled if self.info else None
         buf = None
         if enabled and windows:
