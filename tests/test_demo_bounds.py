@@ -1,4 +1,5 @@
-"""`kvwatt demo` over its whole story (quiet, pressure, stalled, recovered; 150 s at --speed 1) shows no figure
+"""`kvwatt demo` over its whole story (quiet, pressure, stalled, recovered; 150 s at --speed 1, played here at
+--speed 3: every frame still passes through the daemon, in a third of the CI's time) shows no figure
 outside its declared bounds: a real headless chromium reads the page every few seconds (every share on it within
 0-100 %), /api/status lists no implausible figure, and at the end kvwatt_figures_rejected_total is 0 for every
 family (the one check, exporter/bounds.py, saw every figure of every tick). Before the bounds and the pricing fix
@@ -22,7 +23,8 @@ from tests.support.daemon import parse_exposition
 from tests.support.engine import free_port
 from tests.test_demo import REPO
 
-STORY_SECONDS = 150 + 15  # the capture's length at --speed 1, and a margin for the last windows
+SPEED = 3
+STORY_SECONDS = 150 / SPEED + 15  # the capture's length at --speed SPEED, and a margin for the last windows
 SHARE_ROWS = {w.label for d in catalog.METRICS for w in d.words if w.unit == "percent"}  # shares: 0-100 %
 PERCENT = re.compile(r"(-?[\d,.]+) %")
 
@@ -47,14 +49,15 @@ async def _read_page_over_the_story(url: str, seen: dict) -> None:
                 seen["bad"].append(await b.text("#implausible"))
             status = requests.get(url + "/api/status", timeout=5).json()
             seen["bad"] += [r["reason"] for r in status.get("implausible", [])]
-            await asyncio.sleep(3.0)
+            await asyncio.sleep(1.5)
 
 
 @pytest.mark.browser
 @pytest.mark.slow
 def test_the_demo_shows_no_figure_outside_its_bounds_over_its_whole_story():
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "exporter", "demo", "--listen", f"127.0.0.1:{port}"],
+    proc = subprocess.Popen([sys.executable, "-m", "exporter", "demo", "--listen", f"127.0.0.1:{port}",
+                             "--speed", str(SPEED)],
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     seen: dict = {"shares": 0, "bad": []}
     try:

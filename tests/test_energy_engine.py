@@ -9,6 +9,8 @@ import threading
 import time
 
 import pytest
+
+from tests.support.engine import LARGE_CACHE
 import requests
 
 from exporter.sources.expfmt import parse
@@ -17,7 +19,7 @@ from tests.support.daemon import KvwattDaemon
 from tests.support.powercap import PowercapTree
 from tests.support.workload import drive
 
-pytestmark = [pytest.mark.engine, pytest.mark.shares_engine(blocks=2000)]
+pytestmark = [pytest.mark.engine, pytest.mark.shares_engine(**LARGE_CACHE)]
 # ~100 W at this engine's ~3k tok/s. The double is advanced by a Python thread that can stall for a second on
 # 2 busy cores and then write a catch-up burst; kept well under RAPL's 1 kW plausibility guard so that no
 # burst is dropped as implausible (a real RAPL counter never stalls like that).
@@ -78,7 +80,7 @@ def test_marginal_joules_per_token_and_idle_baseline_within_one_percent(tmp_path
     zone = tree.add_zone("package-0")
     config = {"powercap_root": tree.root, "state_dir": str(tmp_path / "state"), "nvml": False,
               "idle_settle": "2s", "idle_min_duration": "30s", "min_load_duration": "30s", "windows": ["5m"]}
-    engine = engines.get(blocks=2000)
+    engine = engines.get(**LARGE_CACHE)
     power = EnginePower(tree, zone, engine.url)
     power.start()
     try:

@@ -8,7 +8,7 @@ import urllib.request
 
 import pytest
 
-from tests.support.engine import SERVED_MODEL_NAME, VllmEngine, build_tiny_model, group_members
+from tests.support.engine import LARGE_CACHE, SERVED_MODEL_NAME, VllmEngine, build_tiny_model, group_members
 
 pytestmark = pytest.mark.engine
 
@@ -30,9 +30,9 @@ def test_tiny_model_is_cached(tmp_path):
     assert os.stat(os.path.join(model_dir, "model.safetensors")).st_mtime_ns == before
 
 
-@pytest.mark.takes_engine(blocks=2000)  # started by the pool (the harness's start), stopped here
+@pytest.mark.takes_engine(**LARGE_CACHE)  # started by the pool (the harness's start), stopped here
 def test_engine_serves_exact_lengths_and_stops_cleanly(engines):
-    engine = engines.take(blocks=2000)
+    engine = engines.take(**LARGE_CACHE)
     with engine:
         assert engine.url == f"http://127.0.0.1:{engine.port}"
         body = {"model": SERVED_MODEL_NAME, "prompt": list(range(10, 110)), "max_tokens": 7, "min_tokens": 7,

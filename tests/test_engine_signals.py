@@ -14,10 +14,11 @@ from exporter.derive.threshold import quantile_bounds
 from exporter.sources.expfmt import parse
 from exporter.sources.vllm import extract
 from tests.support.daemon import KvwattDaemon
+from tests.support.engine import LARGE_CACHE
 from exporter.model.pressure import MIN_BELOW_COVERAGE
 from tests.support.workload import drive
 
-pytestmark = [pytest.mark.engine, pytest.mark.shares_engine(blocks=2000), pytest.mark.shares_engine(blocks=128)]
+pytestmark = [pytest.mark.engine, pytest.mark.shares_engine(**LARGE_CACHE), pytest.mark.shares_engine(blocks=128)]
 WINDOW, WINDOW_SECONDS = "10m", 600.0  # the whole run inside one window
 RESULTS = {}  # size -> measured figures, printed at the end for the issue note
 
@@ -54,7 +55,7 @@ class UsageSampler:
 
 
 def run_condition(engines, blocks, reference=None):
-    engine = engines.get(blocks=blocks)
+    engine = engines.get(**LARGE_CACHE) if blocks == LARGE_CACHE["blocks"] else engines.get(blocks=blocks)
     server = {"url": engine.url}
     if reference is not None:
         server["reference_local_compute_share"] = reference

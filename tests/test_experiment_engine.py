@@ -3,7 +3,8 @@ RAPL test double advanced by a power model from the engine's own counters (tests
 
 1. A shortened study of two OFF conditions declared as a sweep (`sweep: {kv_blocks: [2000, 128]}`, which
    appends --num-gpu-blocks-override to each run's command): a large KV cache (2000 blocks) against a small one
-   (128 blocks, --max-model-len 2048), n = 2 each, restarted per run: the small cache must show the higher KV
+   (128 blocks, --max-model-len 2048), one run each, restarted per run (n = 1: each run is ~70 s of a CI budget
+   of 25 minutes; the fast tier's runner tests cover repeats and the ± of the report): the small cache must show the higher KV
    p95, the preemptions and the higher local_compute share, and the energy figures must follow the power model.
 2. The failure paths on the same engine: a server command with a bad flag, a server killed mid-measurement,
    and --resume after each.
@@ -24,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from kvwatt_lab.experiment.plan import load_plan, run_order
-from tests.support.engine import VllmEngine, build_tiny_model, free_port
+from tests.support.engine import COMPILE_CACHE_ENV, VllmEngine, build_tiny_model, free_port
 from tests.support.experiment import (SAMPLE_TRACES, is_png, kill_server_group, load_state, pids_serving,
                                       report_json, run_experiment, write_plan)
 from tests.support.power_driver import PowerDriver
@@ -36,11 +37,10 @@ MAX_MODEL_LEN = 2048
 IDLE_WATTS, JOULES_PER_TOKEN, JOULES_PER_PREFILL_TOKEN = 10.0, 0.02, 0.005
 # The double credits tokens when its poll of /metrics returns, up to ~1 s late while the API server streams
 # to ten clients, and this workload comes in bursts: up to a second of token energy lands on the wrong side of
-# a window edge (measured: 0-14 % on single 18 s windows, a real RAPL counter has no such lag). Per condition,
-# over both runs, the edge effects partly cancel.
-RUN_TOLERANCE, CONDITION_TOLERANCE, IDLE_TOLERANCE = 0.20, 0.10, 0.05
+# a window edge (measured: 0-14 % on single 18 s windows, a real RAPL counter has no such lag).
+RUN_TOLERANCE, IDLE_TOLERANCE = 0.20, 0.05
 ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONUNBUFFERED": "1", "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1",
-       "TRANSFORMERS_OFFLINE": "1"}
+       "TRANSFORMERS_OFFLINE": "1", **COMPILE_CACHE_ENV}
 
 
 def server_command(model_dir: str, blocks: bool = True) -> list[str]:
@@ -65,7 +65,7 @@ def reference_workload(path: Path) -> Path:
 
 def study_plan(tmp_path: Path, port: int, powercap_root: str) -> Path:
     return write_plan(
-        tmp_path / "study.yaml", name="kv-cache-size", seed=11, repeats=2, sample_interval="1s",
+        tmp_path / "study.yaml", name="kv-cache-size", seed=11, repeats=1, sample_interval="1s",
         phases={"settle": "1s", "idle": "3s", "warmup": "3s", "measure": "18s", "cooldown": "1s"},
         server={"command": server_command(build_tiny_model(), blocks=False), "port": port, "env": ENV,
                 "startup_timeout": "5m", "stop_timeout": "20s"},
@@ -113,12 +113,6 @@ def test_small_kv_cache_shows_pressure_preemptions_and_the_recomputation_tax(tmp
         else:
             assert w["preemptions"] == 0, r["run"]
 
-    for condition in (LARGE, SMALL):
-        of = [r for r in runs if r["condition"] == condition]
-        measured = (sum(r["window"]["energy"]["host"]["marginal_joules_per_token"] * r["window"]["generation_tokens"]
-                        for r in of) / sum(r["window"]["generation_tokens"] for r in of))
-        assert measured == pytest.approx(model_joules_per_token(of), rel=CONDITION_TOLERANCE), condition
-
     by = {c["condition"]: c for c in report_json(out)["conditions"]}
     small, large = by[SMALL], by[LARGE]
     # 128 blocks pin the cache (p95 0.90-0.96 when the cores are not shared with other work), 2000 do not
@@ -128,7 +122,7 @@ def test_small_kv_cache_shows_pressure_preemptions_and_the_recomputation_tax(tmp
     assert "comparison" not in small and "comparison" not in large  # OFF only: dE/dTPS n/a
     md = (out / "report.md").read_text()
     row = next(line for line in md.splitlines() if line.startswith(f"| {SMALL} |"))
-    assert row.count("n/a") == 2
+    assert [c.strip() for c in row.strip().strip("|").split("|")][-3:-1] == ["n/a", "n/a"], row  # dE, dTPS
     for name in ("energy_throughput_bars.png", "frontier.png", "mechanism.png"):
         assert is_png(out / "plots" / name)
     assert not (out / "plots" / "savings_vs_kv_p95.png").exists()  # OFF only: no dE to plot, the report says so

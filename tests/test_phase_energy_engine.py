@@ -20,6 +20,8 @@ import threading
 import time
 
 import pytest
+
+from tests.support.engine import LARGE_CACHE
 import requests
 
 from exporter.sources.expfmt import parse
@@ -28,7 +30,7 @@ from tests.support.daemon import KvwattDaemon
 from tests.support.powercap import PowercapTree
 from tests.support.workload import drive
 
-pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.shares_engine(blocks=2000)]
+pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.shares_engine(**LARGE_CACHE)]
 IDLE_WATTS, J_PROMPT, J_GENERATED = 40.0, 0.004, 0.02  # prefill 5x cheaper per token than decode
 HOST = {"zone": "package-0", "domain": "package"}
 
@@ -71,7 +73,7 @@ def test_the_per_phase_estimate_exists_and_is_stable_on_the_real_engine(tmp_path
               "idle_power_watts": {"rapl:package-0:package": IDLE_WATTS}, "idle_min_duration": "1h",
               "min_load_duration": "5s", "windows": ["1m"], "phase_min_windows": 12}
     readings, session = [], 0
-    engine = engines.get(blocks=2000)
+    engine = engines.get(**LARGE_CACHE)
     ctx = multiprocessing.get_context("fork")
     halt = ctx.Event()
     power = ctx.Process(target=_power_model, args=(tree, zone, engine.url, halt), daemon=True)

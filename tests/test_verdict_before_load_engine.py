@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.engine import build_tiny_model
-from tests.support.verdict import FLAGS, TOLERANCE, phase
+from tests.support.engine import LARGE_CACHE, build_tiny_model
+from tests.support.verdict import TOLERANCE, phase
 
-pytestmark = [pytest.mark.engine, pytest.mark.shares_engine(blocks=2000, flags=FLAGS)]
+pytestmark = [pytest.mark.engine, pytest.mark.shares_engine(**LARGE_CACHE)]
 
 
 def test_started_before_the_load_it_learns_the_reference_from_clean_windows(tmp_path, engines):
     large = phase(build_tiny_model(), "large", 2000, 8, 90, tmp_path, "15s",
-                  engine=engines.get(blocks=2000, flags=FLAGS))
+                  engine=engines.get(**LARGE_CACHE))
     f = large["final"]
     assert large["engine_preemptions"] == 0 and large["engine_local_compute_share"] is not None, large
     assert "low_pressure" in large["residency_evidence_seen"], large["residency_evidence_seen"]
