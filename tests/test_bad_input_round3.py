@@ -1,4 +1,4 @@
-"""Issue 23 (hardening round 3), the input parts of items 3 and 5: each input below gave a traceback, hung, or
+"""Hardening, the inputs: each input below gave a traceback, hung, or
 was accepted or labelled wrongly. The real `kvwatt` as a subprocess must exit 2 with exactly one line on stderr
 naming the problem, never a traceback; `experiment --dry-run` must refuse what the run itself would crash on.
 

@@ -1,4 +1,4 @@
-"""Flags, configuration keys and logs in the Prometheus ecosystem's spelling (issue 13, "Exporter conventions"):
+"""Flags, configuration keys and logs in the Prometheus ecosystem's spelling (the Prometheus exporter conventions):
 ``--web.listen-address``, ``--web.telemetry-path``, ``--log.level``, ``--log.format``, ``--version``; the
 logging keys and environment variables (file < environment < flags); one line per log record in logfmt or
 JSON with the repeated-line folding kept; every duration flag through the one parser; an unknown key

@@ -44,7 +44,7 @@ SCRAPE_LABELS = {"job", "instance"}
 # documented in dashboards/README.md.
 JOB_EXEMPT = {"ALERTS"}
 # Grafana unit ids (the linter's list, grafana-data valueFormats categories), restricted to families we may use.
-# "short" is not among them: it is a scale, not a unit (issue 13: tokens/s, FLOPs per token, token counts).
+# "short" is not among them: it is a scale, not a unit (tokens/s, FLOPs per token, token counts).
 VALID_UNITS = {
     "none", "string", "percent", "percentunit", "sci", "locale",
     "bytes", "decbytes", "bits", "decbits", "kbytes", "mbytes", "gbytes",
@@ -134,7 +134,7 @@ CHAIN = {"instance": ("job",), "server": ("job", "instance"), "server_on": ("job
 
 
 def template_chained_rule(d: Dashboard) -> list[str]:
-    """kvwatt: job -> instance -> server are chained (issue 13: no matching by hand), in that order, on
+    """kvwatt: job -> instance -> server are chained (no matching by hand), in that order, on
     kvwatt series; instance is kvwatt's exporter, so no vLLM address has to be matched to a server."""
     errors = []
     order = [v.get("name") for v in variables(d)]
@@ -408,7 +408,7 @@ def _value_texts(p: dict[str, Any]) -> tuple[dict[str, str], str | None]:
 
 
 def first_row_rule(d: Dashboard) -> list[str]:
-    """kvwatt (issue 13): the overview opens with "is offloading paying right now": per server dE with its
+    """kvwatt: the overview opens with "is offloading paying right now": per server dE with its
     baseline kind (legend) and SE, offload on/off, marginal J/token and the failure signatures, as instant
     stats; a server whose figure is unknown reads "unknown" (a NaN filler from kvwatt_server_info mapped by a
     null+nan mapping), never clear or off."""
@@ -454,7 +454,7 @@ def _threshold_values(p: dict[str, Any]) -> list[float]:
 
 
 def de_time_series_rule(d: Dashboard) -> list[str]:
-    """kvwatt (issue 13): every dE time series draws a zero line; each dashboard has one with an SE band:
+    """kvwatt: every dE time series draws a zero line; each dashboard has one with an SE band:
     targets dE + SE and dE - SE, the upper filled down to the lower (fillBelowTo)."""
     errors, bands = [], 0
     for p in query_panels(d):

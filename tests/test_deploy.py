@@ -1,4 +1,4 @@
-"""Deployment artefacts (issue 8): Dockerfile, the compose stack, the Kubernetes manifests, the fleet rules.
+"""Deployment artefacts: Dockerfile, the compose stack, the Kubernetes manifests, the fleet rules.
 
 Docker cannot build or run on these machines and there is no cluster, so each artefact is checked by what can
 run here:

@@ -40,7 +40,7 @@ def test_clean_needs_positive_signs_and_waiting_for_capacity_is_pressure():
 
 
 def test_vllm_cpu_block_sweep_locates_between_the_last_clean_and_first_taxed_p95():
-    # issue 15's sweep: blocks 2000/512/256/192/128 -> p95 0.08/0.34/0.77/0.79/0.79, local_compute
+    # the CPU engine's KV-size sweep: blocks 2000/512/256/192/128 -> p95 0.08/0.34/0.77/0.79/0.79, local_compute
     # 0.04/0.04/0.33/0.63/0.86, preemptions only at 128 blocks; reference 0.04, tax SE 0.01; 3 runs each
     sweep = [pt(0.08, 0, 0.0, 0.01, 3), pt(0.34, 0, 0.0, 0.01, 3), pt(0.77, 0, 0.29, 0.01, 3),
              pt(0.79, 0, 0.59, 0.01, 3), pt(0.79, 4.0, 0.82, 0.01, 3)]

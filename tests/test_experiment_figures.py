@@ -1,4 +1,4 @@
-"""The report figures fit for a paper (issue 24), checked on the matplotlib Figure objects, not on pixels: no
+"""The report figures fit for a paper, checked on the matplotlib Figure objects, not on pixels: no
 panel without data, legend entries only for what is drawn (no "ON" without an ON condition), y limits that hold
 every plotted value and are not ten times its range, the threshold band only where it informs (its width
 stated; a wide interval is a line with the interval in the legend), per-run crosses over the means and in the

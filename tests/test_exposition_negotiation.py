@@ -1,4 +1,4 @@
-"""/metrics as the Prometheus ecosystem expects it (issue 13, "Exporter conventions"): the format and the
+"""/metrics as the Prometheus ecosystem expects it (the Prometheus exporter conventions): the format and the
 compression negotiated as prometheus_client's own handler does (OpenMetrics when Accept asks for it, gzip when
 Accept-Encoding names it, ``name[]`` filtering), the process' own process_*/python_* families and
 kvwatt_build_info, the exposition on ``--web.telemetry-path``, JSON logs with ``--log.format json``.

@@ -1,4 +1,4 @@
-"""Two processes behind one URL (issue 23 item 1): a changing process identity is its own condition. No counter
+"""Two processes behind one URL: a changing process identity is its own condition. No counter
 delta across it, the server degraded (reason identity_flapping) and logged once; a single restart is still a
 restart. Unit level on ServerHistory, then end to end: the real daemon reading one loopback URL that alternates
 two expositions."""

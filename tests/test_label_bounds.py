@@ -1,4 +1,4 @@
-"""Upstream label values without bound (issue 23 item 2): per family and server kvwatt keeps the first
+"""Upstream label values without bound: per family and server kvwatt keeps the first
 rules.MAX_LABEL_VALUES values of tier / reason / stage, drops the rest with reason label_values_capped (logged
 once per change), and an engine label changing at every read is logged a bounded number of times."""
 

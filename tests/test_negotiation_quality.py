@@ -1,4 +1,4 @@
-"""Content negotiation of /metrics with quality values and versions (issue 23, item 5): ``q=0`` refuses a
+"""Content negotiation of /metrics with quality values and versions: ``q=0`` refuses a
 media range or a coding (RFC 9110 s12.4.2), and an OpenMetrics version kvwatt does not produce is never echoed
 in the Content-Type (prometheus/common expfmt.Negotiate skips it). prometheus_client's choose_encoder and
 gzip_accepted ignore q and echo any version >= 1.0.0."""

@@ -1,4 +1,4 @@
-"""Engines as they run in production (issue 22): parallel ranks, routers, metrics paths, expositions no adapter
+"""Engines as they run in production: parallel ranks, routers, metrics paths, expositions no adapter
 can use, and the engine name of a down server -- through the real HTTP read (loopback) and the daemon's model.
 
 The expositions are tests/support/rank_expositions.py's (committed frames under tests/data/<engine>/, the

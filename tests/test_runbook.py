@@ -1,4 +1,4 @@
-"""Issue 24: the runbook every alert links to is served by kvwatt itself (GET /runbook), and nothing links to the
+"""The runbook every alert links to is served by kvwatt itself (GET /runbook), and nothing links to the
 placeholder repository any more.
 
 - GET /runbook over real HTTP on loopback: one self-contained HTML page with an ``id`` for the anchor of every

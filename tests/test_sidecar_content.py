@@ -1,6 +1,6 @@
 """A sidecar that answers 200 with something that is not a Prometheus exposition (HTML, JSON, binary) degrades
 the server with a reason that says what it looked like, instead of leaving it "ok" with its figures silently
-missing (issue 23 item 5)."""
+missing."""
 
 import asyncio
 

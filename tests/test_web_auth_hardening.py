@@ -1,4 +1,4 @@
-"""Basic auth and TLS must not become a denial of service (issue 23, item 4 and part of 5): bcrypt costs
+"""Basic auth and TLS must not become a denial of service: bcrypt costs
 above webconfig.MAX_BCRYPT_COST, hashes with a line break and passphrase-protected keys are refused at start
 (one line, exit 2, no terminal read); nothing is hashed before the daemon listens; password checks are
 bounded (429 past the bound), skipped when their client has gone, and a good login is served promptly while

@@ -1,4 +1,4 @@
-"""Expositions of engines as they run in production (issue 22): parallel ranks, a router, the shapes no adapter
+"""Expositions of engines as they run in production: parallel ranks, a router, the shapes no adapter
 can use. Each is one frame at ``T0`` seconds of steady load: every counter is its rate times ``T0``, so
 ``at(text, t)`` gives the frame at ``t`` seconds (counters scaled, gauges kept) and a series of frames served
 over loopback has known rates. tests/data/engines/shapes.py writes them under tests/data/<engine>/ (flat files:
