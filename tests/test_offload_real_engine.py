@@ -411,11 +411,13 @@ def test_the_per_phase_price_of_a_reloaded_token(lab):
                                                     rel=1e-9)
     reloaded = delta(lab.on.after, lab.on.before, "vllm:prompt_tokens_by_source_total{external_kv_transfer}")
     saved = kv(m, "kvwatt_offload_saved_watts", server="on", scope="gpu", window=WINDOW)
-    # kvwatt prices over the intervals that have energy (derive/energy.py tax_in_energy): with every NVML read in
-    # time that is the whole window (1 %); a read that missed its deadline leaves its interval out of the rate
-    # (1.2-12 % seen when both engines computed on the two cores), which the daemon's log says
-    tolerance = 0.25 if lab.energy_gaps else 0.01
-    assert saved == pytest.approx(reloaded / _covered(m, "on") * 0.9 * cost["prompt_computed"], rel=tolerance), \
+    # 25 %: kvwatt prices over the intervals whose energy is known and plausible (derive/energy.py
+    # tax_in_energy), and with this double some are not: an NVML read that missed its deadline (the daemon's log
+    # says so), or a short interval that got one of the double's 5 Hz steps of token energy and so read above
+    # kvwatt's 3 kW glitch limit for one GPU; the reloaded-token rate over the rest differed from the whole
+    # window's by 1.2-12 % in seven runs on the two cores. Still caught: no saving, a saving priced at a generated
+    # token's cost (5x) or over all prompt tokens (~10x here); the 0.9 itself is checked exactly in tests/test_phase_energy.py
+    assert saved == pytest.approx(reloaded / _covered(m, "on") * 0.9 * cost["prompt_computed"], rel=0.25), \
         lab.energy_gaps
 
 
