@@ -146,8 +146,8 @@ def offload_args(host_pool_gib: float, link: str | float | None = None, check_ve
 # ("Compiling model again due to a load failure ... 'function' object has no attribute 'finalize_loading'"), so
 # every start compiled the model again (~15-20 s of a ~40 s start). Without AOT, vLLM's inductor cache
 # (~/.cache/vllm/torch_compile_cache) is found by the next start of the same model and length: measured here,
-# warm-up 21 s on the first start, 4 s on the next, the compiled engine's speed unchanged (--enforce-eager would
-# also skip the compile, but the eager CPU engine runs at a third of the speed).
+# warm-up 21 s on the first start, 4 s on the next, still the compiled engine (--enforce-eager would also skip
+# the compile, but the eager CPU engine runs at a third of the speed).
 COMPILE_CACHE_ENV = {"VLLM_USE_AOT_COMPILE": "0"}
 
 

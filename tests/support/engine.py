@@ -141,8 +141,9 @@ class VllmEngine:
             raise RuntimeError(ENGINE_MISSING)
         timeout = START_TIMEOUT_SECONDS if timeout is None else timeout
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-                   PYTHONUNBUFFERED="1", VLLM_NO_USAGE_STATS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-                   **COMPILE_CACHE_ENV, **self.env)
+                   PYTHONUNBUFFERED="1", VLLM_NO_USAGE_STATS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+        env.update(COMPILE_CACHE_ENV)
+        env.update(self.env)  # the test's own settings win
         if self.offload_args:
             env.update(offload_env(env))
         started = time.monotonic()
