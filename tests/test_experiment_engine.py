@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from kvwatt_lab.experiment.plan import load_plan, run_order
-from tests.support.engine import COMPILE_CACHE_ENV, VllmEngine, build_tiny_model, free_port
+from tests.support.engine import ENGINE_ENV, VllmEngine, build_tiny_model, free_port
 from tests.support.experiment import (SAMPLE_TRACES, is_png, kill_server_group, load_state, pids_serving,
                                       report_json, run_experiment, write_plan)
 from tests.support.power_driver import PowerDriver
@@ -39,8 +39,7 @@ IDLE_WATTS, JOULES_PER_TOKEN, JOULES_PER_PREFILL_TOKEN = 10.0, 0.02, 0.005
 # to ten clients, and this workload comes in bursts: up to a second of token energy lands on the wrong side of
 # a window edge (measured: 0-14 % on single 18 s windows, a real RAPL counter has no such lag).
 RUN_TOLERANCE, IDLE_TOLERANCE = 0.20, 0.05
-ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONUNBUFFERED": "1", "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1",
-       "TRANSFORMERS_OFFLINE": "1", **COMPILE_CACHE_ENV}
+ENV = ENGINE_ENV  # the test harness's engine environment (tests/support/engine.py)
 
 
 def server_command(model_dir: str, blocks: bool = True) -> list[str]:

@@ -10,8 +10,8 @@ and an OFF engine, both 130 blocks of 32 tokens, started side by side) and ONE w
 The two engines start each phase together (a barrier at each checkpoint), so their windows carry the same phase
 and kvwatt can pair them.
 Each engine's worker has its own core (VLLM_CPU_OMP_THREADS_BIND 0 and 1), both niced so that the watcher keeps
-some CPU. A kvwatt daemon (1 s ticks) watches both from before the first request (ON paired with OFF, each with the tiny model's
-config.json). Every figure is compared with an independent scrape of the engine's own /metrics (parsed with
+some CPU. A kvwatt daemon (1 s ticks) watches both from before the first request (ON paired with OFF, each with
+the tiny model's config.json). Every figure is compared with an independent scrape of the engine's own /metrics (parsed with
 prometheus_client's parser, not kvwatt's), with the tolerance each test states. GPU energy is the NVML test
 DOUBLE (tests/support/fake_gpus.py: no GPU here): each "GPU"'s energy counter is a known model of its engine's
 own generated-token counter, 50 W idle (integrated by the double at each read) + J_ON = 0.6 J (ON) or

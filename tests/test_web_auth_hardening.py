@@ -245,7 +245,8 @@ def _first_logins_under_flood(sources: list[str], flood_user: str, login_from: s
         for n in range(1, logins + 1):
             arrived = len(checks)
             verdict = await a.check(header(f"u{n}", f"pw-u{n}"), login_from)
-            out.append((verdict, checks.index(f"pw-u{n}", arrived) - arrived))
+            ran = checks[arrived:]
+            out.append((verdict, ran.index(f"pw-u{n}") if f"pw-u{n}" in ran else None))  # None: never checked
         stop.set()
         await asyncio.gather(*flood)
         a.close()
@@ -267,7 +268,7 @@ def test_a_first_login_gets_in_during_a_flood_of_wrong_passwords(counted_checks,
     assert verdicts == [Verdict.ALLOWED] * len(results), verdicts
     # about one check per flooding key ahead of it, never the whole flood: counted, not timed (a loaded CI machine
     # took 0.96 s where a quiet one takes 0.3)
-    assert max(ahead for _, ahead in results) <= len(sources) + 3, results
+    assert max(ahead for _, ahead in results) <= len(sources) + 3, results  # ALLOWED: each was checked
 
 
 def test_the_limit_is_logged_when_reached_and_drained_at_most_once_a_minute(counted_checks, caplog):

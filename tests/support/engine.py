@@ -59,6 +59,10 @@ from tests.support.shared_engines import shape_key
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SERVED_MODEL_NAME = "tiny"
 BLOCK_SIZE_TOKENS = 32
+# what every test engine runs with (its own settings added on top): 1 GiB of KV space, no telemetry, offline,
+# vLLM's compile cache found by the next start (kvwatt_lab.cpu_engine); the experiment tests' plans use it too
+ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONUNBUFFERED": "1", "VLLM_NO_USAGE_STATS": "1",
+              "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **COMPILE_CACHE_ENV}
 KV_CACHE_METRICS = ("--kv-cache-metrics", "--kv-cache-metrics-sample", "1.0")  # the engine's residency record
 # the large cache (no pressure) every large-cache test shares, with its residency record (the verdict tests read
 # it; the others ignore it): one start instead of two, each start 30-60 s of the engine tier
@@ -140,10 +144,8 @@ class VllmEngine:
         if not engine_available():
             raise RuntimeError(ENGINE_MISSING)
         timeout = START_TIMEOUT_SECONDS if timeout is None else timeout
-        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-                   PYTHONUNBUFFERED="1", VLLM_NO_USAGE_STATS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-        env.update(COMPILE_CACHE_ENV)
-        env.update(self.env)  # the test's own settings win
+        env = {**os.environ, **ENGINE_ENV,  # a KV space set in the environment is kept; the test's own settings win
+               "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"), **self.env}
         if self.offload_args:
             env.update(offload_env(env))
         started = time.monotonic()
