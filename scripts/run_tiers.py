@@ -1,24 +1,31 @@
 """Runs pytest in passes and closes with one line for all of them (scripts/test.sh, scripts/test-fast.sh).
 
     python scripts/run_tiers.py all  [pytest args...]   # the fast tier, then the prom, browser and slow tiers,
-                                                        # each in parallel workers, then the engine tier serially
+                                                        # each in parallel workers, then the engine tier
     python scripts/run_tiers.py fast [pytest args...]   # the fast tier, in parallel workers
+    python scripts/run_tiers.py all --store-engine-seconds   # also rewrites tests/engine-seconds.json
 
-Why three passes: the prom, browser and slow tiers mostly wait (on kvwatt daemons, Prometheus, chromium,
+Why these passes: the prom, browser and slow tiers mostly wait (on kvwatt daemons, Prometheus, chromium,
 real-time scenarios), so pytest-xdist workers overlap them, more workers than cores (KVWATT_WAIT_WORKERS, default
 4); the fast tier has tests that time themselves against a baseline measured alongside, so it gets one worker
-per core (KVWATT_TEST_WORKERS, default 2); the real vLLM engine binds a core and its tests time real loads, so
-that tier runs alone, one engine at a time. A ``-m EXPR`` among the arguments narrows every pass. Every pass prints
-its slowest tests (--durations, pyproject.toml); the last line, "tests: N passed, N failed, N skipped", adds the
-passes up (CI reads it). Exit status: the first failing pass's, else 5 when no pass ran a test (pytest's "no
-tests"), else 0. """
+per core (KVWATT_TEST_WORKERS, default 2). The engine tier's tests wait on real-time loads with one engine
+computing on one core, so it runs as KVWATT_ENGINE_SHARDS (default: one per core) pytest processes side by
+side, each shard's engines bound to its own core (VLLM_CPU_OMP_THREADS_BIND) and niced (KVWATT_ENGINE_NICENESS=10:
+the tests' watchers and doubles come first), each shard a fixed set of whole modules (tests/support/
+shared_engines.py deals them by their measured seconds, tests/engine-seconds.json); then the modules that start
+engines on both cores (marker owns_cores) alone. A shard's output is printed whole when it ends. A ``-m EXPR``
+among the arguments narrows every pass. Every pass prints its slowest tests (--durations, pyproject.toml); the
+last line, "tests: N passed, N failed, N skipped", adds the passes up (CI reads it). Exit status: the first
+failing pass's, else 5 when no pass ran a test (pytest's "no tests"), else 0. """
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 import tempfile
+import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -50,15 +57,90 @@ def parallel(workers: str) -> list[str]:
     return ["-n", workers, "--dist", "loadfile"] if workers not in ("0", "1") else []
 
 
-def passes(kind: str, user_expr: str | None) -> list[tuple[str, list[str]]]:
-    fast = ("fast tier", ["-m", both(FAST, user_expr), *parallel(os.environ.get("KVWATT_TEST_WORKERS", "2"))])
+Run = tuple[list[str], dict[str, str]]  # one pytest process: its arguments, its environment's additions
+
+
+def passes(kind: str, user_expr: str | None) -> list[tuple[str, list[Run]]]:
+    """Each pass: its name and its pytest processes (more than one: side by side)."""
+    fast = ("fast tier", [(["-m", both(FAST, user_expr), *parallel(os.environ.get("KVWATT_TEST_WORKERS", "2"))], {})])
     if kind == "fast":
         return [fast]
     waiting = parallel(os.environ.get("KVWATT_WAIT_WORKERS", "4"))
+    engine = ["-m", both("engine", user_expr)]
+    cores = os.cpu_count() or 1
+    shards = int(os.environ.get("KVWATT_ENGINE_SHARDS", str(cores)))
+    engine_passes = [("engine tier (serial)", [(engine, {})])] if shards <= 1 else [
+        (f"engine tier ({shards} shards side by side, one core each)",
+         [([*engine, "--engine-shard", f"{k}/{shards}"],
+           {"VLLM_CPU_OMP_THREADS_BIND": str(k % cores), "KVWATT_ENGINE_NICENESS": "10"}) for k in range(shards)]),
+        ("engine tier (the modules that own both cores, alone)", [([*engine, "--engine-shard", "solo"], {})])]
     return [fast,
-            ("prom, browser and slow tiers", ["-m", both("not engine and (prom or browser or slow)", user_expr),
-                                              *waiting]),
-            ("engine tier (serial)", ["-m", both("engine", user_expr)])]
+            ("prom, browser and slow tiers", [(["-m", both("not engine and (prom or browser or slow)", user_expr),
+                                               *waiting], {})]),
+            *engine_passes]
+
+
+def run_pass(runs: list[Run], rest: list[str], tmp: Path, n: int) -> list[tuple[int, Path]]:
+    """Run the pass's pytest processes (side by side when several; their output printed whole, in turn, when
+    all ended); (exit status, junit path) of each."""
+    procs = []
+    for i, (args, env) in enumerate(runs):
+        junit = tmp / f"pass{n}-{i}.xml"
+        argv = [sys.executable, "-m", "pytest", f"--junitxml={junit}", *args, *rest]
+        if len(runs) > 1:
+            print(f"--- started: pytest {' '.join(args + rest)}" + "".join(f" {k}={v}" for k, v in env.items()),
+                  flush=True)
+        out = open(tmp / f"pass{n}-{i}.log", "wb") if len(runs) > 1 else None
+        procs.append((subprocess.Popen(argv, cwd=REPO, env={**os.environ, **env}, stdout=out,
+                                       stderr=subprocess.STDOUT if out else None), junit, out))
+    results = []
+    for i, (proc, junit, out) in enumerate(procs):
+        code = proc.wait()
+        if out is not None:
+            out.close()
+            print(f"\n--- pytest {' '.join(runs[i][0] + rest)} (exit {code}):", flush=True)
+            sys.stdout.buffer.write((tmp / f"pass{n}-{i}.log").read_bytes())
+            sys.stdout.flush()
+        results.append((code, junit))
+    return results
+
+
+def module_seconds(junits: list[Path]) -> dict[str, float]:
+    """Seconds per test module (setup, call and teardown of its tests) in these junit reports."""
+    out: dict[str, float] = {}
+    for junit in junits:
+        try:
+            root = ET.parse(junit).getroot()
+        except (OSError, ET.ParseError):
+            continue
+        for case in root.iter("testcase"):
+            parts = case.get("classname", "").split(".")
+            module = next((p for p in ("/".join(parts[:k]) + ".py" for k in range(len(parts), 0, -1))
+                           if (REPO / p).is_file()), None)
+            if module:
+                out[module] = out.get(module, 0.0) + float(case.get("time", 0))
+    return out
+
+
+def store_engine_seconds(junits: list[Path], starts_file: Path) -> None:
+    """tests/engine-seconds.json from this run: each module's seconds less the shared engines it started, each
+    shape's start (tests/support/shared_engines.py deals the shards by them); entries this run lacks are kept."""
+    path = REPO / "tests" / "engine-seconds.json"
+    try:
+        stored = json.loads(path.read_text())
+    except (OSError, ValueError):
+        stored = {}
+    modules, shapes = module_seconds(junits), {}
+    lines = starts_file.read_text().splitlines() if starts_file.exists() else []
+    for start in map(json.loads, lines):
+        modules[start["module"]] = modules.get(start["module"], 0.0) - start["seconds"]
+        shapes.setdefault(start["shape"], []).append(start["seconds"])
+    stored = {"modules": {**stored.get("modules", {}), **{m: round(max(s, 0.0), 1) for m, s in modules.items()}},
+              "starts": {**stored.get("starts", {}), **{k: round(sum(v) / len(v), 1) for k, v in shapes.items()}}}
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps({k: dict(sorted(v.items())) for k, v in stored.items()}, indent=1) + "\n")
+    os.replace(tmp, path)
+    print(f"stored the engine modules' seconds and the shapes' starts in {path.relative_to(REPO)}", flush=True)
 
 
 def counts(junit: Path) -> dict[str, int] | None:
@@ -77,27 +159,36 @@ def main(argv: list[str]) -> int:
     if not argv or argv[0] not in ("all", "fast"):
         print("usage: run_tiers.py all|fast [pytest args...]", file=sys.stderr)
         return 2
-    user_expr, rest = split_marker(argv[1:])
+    store = "--store-engine-seconds" in argv
+    user_expr, rest = split_marker([a for a in argv[1:] if a != "--store-engine-seconds"])
     total = {"passed": 0, "failed": 0, "skipped": 0}
-    status, ran = 0, False
+    status, ran, engine_junits = 0, False, []
     with tempfile.TemporaryDirectory(prefix="kvwatt-junit-") as tmp:
-        for n, (name, args) in enumerate(passes(argv[0], user_expr)):
-            junit = Path(tmp) / f"pass{n}.xml"
-            print(f"\n=== {name}: pytest {' '.join(args + rest)}", flush=True)
-            code = subprocess.call([sys.executable, "-m", "pytest", f"--junitxml={junit}", *args, *rest], cwd=REPO)
-            got = counts(junit)
-            if code == NO_TESTS:
-                continue
-            ran = True
-            if got is None:
-                total["failed"] += 1  # pytest died before writing its report: count the pass as a failure
-            else:
-                failed = got["failures"] + got["errors"]
-                total["passed"] += got["tests"] - failed - got["skipped"]
-                total["failed"] += failed
-                total["skipped"] += got["skipped"]
-            if code != 0 and status == 0:
-                status = code
+        starts_file = Path(tmp) / "engine-starts.jsonl"  # every shared-engine start (tests/conftest.py)
+        os.environ["KVWATT_ENGINE_STARTS_FILE"] = str(starts_file)
+        for n, (name, runs) in enumerate(passes(argv[0], user_expr)):
+            print(f"\n=== {name}" + (f": pytest {' '.join(runs[0][0] + rest)}" if len(runs) == 1 else ""),
+                  flush=True)
+            started = time.monotonic()
+            for code, junit in run_pass(runs, rest, Path(tmp), n):
+                if name.startswith("engine tier"):
+                    engine_junits.append(junit)
+                got = counts(junit)
+                if code == NO_TESTS:
+                    continue
+                ran = True
+                if got is None:
+                    total["failed"] += 1  # pytest died before writing its report: count the run as a failure
+                else:
+                    failed = got["failures"] + got["errors"]
+                    total["passed"] += got["tests"] - failed - got["skipped"]
+                    total["failed"] += failed
+                    total["skipped"] += got["skipped"]
+                if code != 0 and status == 0:
+                    status = code
+            print(f"=== {name}: {time.monotonic() - started:.0f} s", flush=True)
+        if store:
+            store_engine_seconds(engine_junits, starts_file)
     print(f"tests: {total['passed']} passed, {total['failed']} failed, {total['skipped']} skipped", flush=True)
     return status if ran or status else NO_TESTS
 

@@ -17,6 +17,11 @@ from tests.support.tiers import (pytest_configure, pytest_runtest_makereport,  #
 _POOL = []  # the session's EnginePool, once the `engines` fixture made it
 
 
+def pytest_addoption(parser):
+    parser.addoption("--engine-shard", default=None, metavar="K/N|solo",
+                     help="run only this shard of the engine modules (tests/support/shared_engines.py)")
+
+
 def pytest_collection_modifyitems(config, items):
     tiers.pytest_collection_modifyitems(config, items)
     shared_engines.order_and_plan(config, items)
@@ -41,10 +46,14 @@ def engines(tmp_path_factory):
     finally:
         _POOL.clear()
         pool.close()
+        shared_engines.record_starts(pool.starts)
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     """Every vLLM engine this session started (shape, seconds to /health): the engine tier's main cost."""
+    for k, n, work, every in shared_engines.SHARD_WORK:
+        terminalreporter.write_sep("-", f"engine shard {k}/{n}: ~{work:.0f} s of work by tests/engine-seconds.json "
+                                        f"(the shards: {', '.join(f'{w:.0f}' for w in every)} s)")
     engine = sys.modules.get("tests.support.engine")
     starts = getattr(engine, "START_LOG", [])
     if starts:

@@ -38,7 +38,7 @@ from tests.support.daemon import KvwattDaemon, parse_exposition
 from tests.support.engine import VllmEngine, build_tiny_model
 from tests.support.fake_gpus import FakeGpus
 
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.owns_cores]  # ON on core 0, OFF on core 1
 BLOCKS = 130
 HOST_POOL_GIB = 1 / 64  # 16 MiB: 1,024 blocks of the tiny model's 16 KiB
 LONG, OTHERS, PRESSURE, PRESSURE_PROMPT, PRESSURE_OUTPUT = 1500, 5, 10, 700, 900

@@ -104,11 +104,12 @@ class VllmEngine:
                  max_model_len: int = 4096, extra_args: tuple[str, ...] | list[str] = (),
                  log_path: str | os.PathLike | None = None, env: dict[str, str] | None = None,
                  offload_gib: float | None = None, offload_link: str | float | None = None,
-                 cpu: int | None = None, niceness: int = 0):
+                 cpu: int | None = None, niceness: int | None = None):
         """``cpu``: the core the engine's worker computes on (VLLM_CPU_OMP_THREADS_BIND; vLLM CPU binds core 0
         unless told, so two engines side by side need one each). ``niceness``: the engine's processes yield the
         CPU to the watcher and the test (on a GPU node the engine computes on the GPU and kvwatt has the host's
-        cores; on 2 cores with both engines computing, kvwatt's 0.25 s NVML deadline was missed)."""
+        cores; on 2 cores with both engines computing, kvwatt's 0.25 s NVML deadline was missed); by default
+        $KVWATT_ENGINE_NICENESS (scripts/run_tiers.py sets it for the shards that run side by side), else 0."""
         self.model_dir = str(model_dir)
         self.port = port or free_port()
         self.num_gpu_blocks = num_gpu_blocks
@@ -120,7 +121,7 @@ class VllmEngine:
         self.url = f"http://127.0.0.1:{self.port}"
         self.startup_seconds: float | None = None
         self.env = dict(env or {}, **({"VLLM_CPU_OMP_THREADS_BIND": str(cpu)} if cpu is not None else {}))
-        self.niceness = niceness
+        self.niceness = int(os.environ.get("KVWATT_ENGINE_NICENESS", "0")) if niceness is None else niceness
         self._proc: subprocess.Popen | None = None
 
     @property
@@ -238,6 +239,9 @@ class EnginePool:
         self._model_dir = model_dir
         self.log_dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="vllm-pool-"))
         self._engines: dict[tuple, VllmEngine] = {}
+        # (shape, module of the test that started it, seconds to /health): the engine tier's shards price a
+        # shape's start apart from its users' own work (tests/support/shared_engines.py)
+        self.starts: list[tuple[tuple, str, float]] = []
 
     def get(self, blocks: int, max_model_len: int = 2048, flags: tuple[str, ...] | list[str] = ()) -> VllmEngine:
         """The shape's running engine, idle, with an empty prefix cache; started on first use."""
@@ -252,6 +256,8 @@ class EnginePool:
             engine = VllmEngine(model_dir, num_gpu_blocks=blocks, max_model_len=max_model_len, extra_args=flags,
                                 log_path=log, env={"VLLM_SERVER_DEV_MODE": "1"})
             self._engines[key] = engine.start()
+            self.starts.append((key, os.environ.get("PYTEST_CURRENT_TEST", "").split("::")[0],
+                                engine.startup_seconds or 0.0))
         else:
             wait_idle(engine)
             reset_prefix_cache(engine)

@@ -9,15 +9,31 @@ At collection the engine tests' modules are ordered so that the users of one sha
 others that share it; after each test, the engine of a shape no test still declares is stopped. So each shape
 starts once and at most a few idle engines (2 GB each) are held. A test that calls ``engines.get()`` for a shape
 it did not declare still works: that engine is kept until the session ends.
+
+Shards (scripts/run_tiers.py runs the engine tier as two pytest processes side by side, one core each, then the
+modules that need both cores alone): ``--engine-shard K/N`` keeps the engine modules of shard K, ``--engine-shard
+solo`` those marked ``owns_cores`` (they start engines on both cores). Whole modules are dealt, longest first,
+to the shard with the least work, counting an engine start for each shape the shard has not started yet
+(shard_modules); a module's work is the seconds it took in a measured run less the shared engines it started, and
+each shape's start its own measured seconds (tests/engine-seconds.json, ``run_tiers.py all --store-engine-seconds``
+rewrites it; a module not in it counts DEFAULT_SECONDS, a shape START_SECONDS).
 """
 
 from __future__ import annotations
 
+import json
+import os
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
 _PLAN = pytest.StashKey[Counter]()
+SECONDS_FILE = Path(__file__).resolve().parents[1] / "engine-seconds.json"
+DEFAULT_SECONDS = 60.0  # a module the seconds file does not know yet: about one engine start and a short load
+SOLO = "solo"
+SHARD_WORK: list[tuple] = []  # (k, n, this shard's work, every shard's work) once dealt: the session summary says it
+START_SECONDS = 40.0  # one engine start beside another shard (measured 27-51 s): a shape not measured yet
 
 
 def shape_key(blocks: int, max_model_len: int = 2048, flags=()) -> tuple:
@@ -49,12 +65,95 @@ def order_and_plan(config: pytest.Config, items: list[pytest.Item]) -> None:
     for shape in sorted({shape for used, _ in uses.values() for shape in used}):
         group = [name for name in modules if name not in order and shape in uses[name][0]]
         order += sorted(group, key=lambda name: shape in uses[name][1])
+    spec = config.getoption("engine_shard", None)
+    if spec:
+        keep = shard_modules(spec, {n: uses[n][0] for n in order if _is_engine(modules[n])},
+                             {n for n in order if any(i.get_closest_marker("owns_cores") for i in modules[n])})
+        dropped = [i for n in order if _is_engine(modules[n]) and n not in keep for i in modules[n]]
+        order = [n for n in order if n in keep or not _is_engine(modules[n])]
+        if dropped:
+            config.hook.pytest_deselected(items=dropped)
     items[:] = [item for name in order for item in modules[name]]
     plan: Counter = Counter()
     for item in items:
         shared, taken = shapes_of(item)
         plan.update(set(shared) | set(taken))
     config.stash[_PLAN] = plan
+
+
+def _is_engine(members: list[pytest.Item]) -> bool:
+    return any(item.get_closest_marker("engine") for item in members)
+
+
+def shape_name(key: tuple) -> str:
+    blocks, max_model_len, flags = key
+    return " ".join([f"blocks={blocks}", f"max_model_len={max_model_len}", *flags])
+
+
+def shard_modules(spec: str, uses: dict[str, set], solo: set[str]) -> set[str]:
+    """The engine modules of shard ``spec`` ("K/N" or "solo"). A shard's work: its modules' own seconds plus
+    one start of each shape they use (a shape split across shards starts in each). Longest module first to the
+    shard it adds least to, then single moves and swaps while they lower the largest shard's work."""
+    if spec == SOLO:
+        return set(solo)
+    try:
+        k, n = (int(x) for x in spec.split("/"))
+        assert 0 <= k < n
+    except (ValueError, AssertionError):
+        raise pytest.UsageError(f"--engine-shard: {spec!r} is neither K/N (0 <= K < N) nor {SOLO!r}") from None
+    stored = engine_seconds()
+    own = {m: stored.get("modules", {}).get(m, DEFAULT_SECONDS) for m in uses if m not in solo}
+    starts = stored.get("starts", {})
+
+    def work(members: set[str]) -> float:  # summed in a fixed order: the same in every shard's process
+        shapes = sorted(set().union(*(uses[m] for m in members))) if members else []
+        return round(sum(own[m] for m in sorted(members)) + sum(starts.get(shape_name(s), START_SECONDS)
+                                                               for s in shapes), 3)
+
+    shards: list[set[str]] = [set() for _ in range(n)]
+    for module in sorted(own, key=lambda m: (-own[m], m)):
+        min(shards, key=lambda sh: (work(sh | {module}) - work(sh), work(sh))).add(module)
+    improved = True
+    while improved:  # deterministic: the first improving move or swap, in a fixed order, until none improves
+        improved = False
+        worst = max(range(n), key=lambda i: work(shards[i]))
+        for other in range(n):
+            if other == worst:
+                continue
+            before = max(work(shards[worst]), work(shards[other]))
+            for m in sorted(shards[worst]):
+                for swap in [None, *sorted(shards[other])]:
+                    a = shards[worst] - {m} | ({swap} if swap else set())
+                    b = shards[other] - ({swap} if swap else set()) | {m}
+                    if max(work(a), work(b)) < before - 1.0:
+                        shards[worst], shards[other], improved = a, b, True
+                        break
+                if improved:
+                    break
+            if improved:
+                break
+    SHARD_WORK.append((k, n, work(shards[k]), [work(sh) for sh in shards]))
+    return shards[k]
+
+
+def engine_seconds() -> dict:
+    """The stored run (tests/engine-seconds.json): each module's own seconds ("modules": its tests' time less
+    the shared engines it started) and each shape's start ("starts"); empty when there is none."""
+    try:
+        stored = json.loads(SECONDS_FILE.read_text())
+        return stored if isinstance(stored, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def record_starts(starts: list[tuple[tuple, str, float]]) -> None:
+    """Append this session's shared-engine starts to $KVWATT_ENGINE_STARTS_FILE (scripts/run_tiers.py reads it
+    to store each shape's start apart from its users' seconds); nothing when unset."""
+    path = os.environ.get("KVWATT_ENGINE_STARTS_FILE")
+    if path and starts:
+        with open(path, "a") as f:
+            for key, module, seconds in starts:
+                f.write(json.dumps({"shape": shape_name(key), "module": module, "seconds": seconds}) + "\n")
 
 
 def plan_of(config: pytest.Config) -> Counter:

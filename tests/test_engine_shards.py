@@ -1,0 +1,72 @@
+"""The engine tier's shards (tests/support/shared_engines.py shard_modules, run side by side by
+scripts/run_tiers.py): every engine module runs in exactly one shard, the modules that own both cores in the solo
+pass only, the deal is the same in every process (each shard's pytest computes it on its own), and a heavy
+group of one shape's users is split when that balances the shards better than one start saved."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.support import shared_engines
+from tests.support.shared_engines import shape_key, shard_modules
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+A, B = shape_key(128), shape_key(2000)
+USES = {"tests/test_a1.py": {A}, "tests/test_a2.py": {A}, "tests/test_a3.py": {A}, "tests/test_b.py": {B},
+        "tests/test_ab.py": {A, B}, "tests/test_x.py": set(), "tests/test_y.py": set(),
+        "tests/test_solo.py": set()}
+STORED = {"modules": {"tests/test_a1.py": 300, "tests/test_a2.py": 250, "tests/test_a3.py": 200,
+                      "tests/test_b.py": 100, "tests/test_ab.py": 20, "tests/test_x.py": 150, "tests/test_y.py": 5},
+          "starts": {shared_engines.shape_name(A): 40, shared_engines.shape_name(B): 50}}
+
+
+@pytest.fixture
+def stored(tmp_path, monkeypatch):
+    path = tmp_path / "engine-seconds.json"
+    path.write_text(json.dumps(STORED))
+    monkeypatch.setattr(shared_engines, "SECONDS_FILE", path)
+    return path
+
+
+def work(members):
+    shapes = set().union(*(USES[m] for m in members))
+    return sum(STORED["modules"][m] for m in members) + sum(STORED["starts"][shared_engines.shape_name(s)]
+                                                              for s in shapes)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_every_module_runs_in_exactly_one_shard_and_solo_only_alone(stored, n):
+    shards = [shard_modules(f"{k}/{n}", USES, {"tests/test_solo.py"}) for k in range(n)]
+    assert sorted(m for s in shards for m in s) == sorted(set(USES) - {"tests/test_solo.py"})
+    assert shard_modules("solo", USES, {"tests/test_solo.py"}) == {"tests/test_solo.py"}
+
+
+def test_one_shapes_heavy_users_are_split_when_that_balances_the_shards(stored):
+    uses = {m: s for m, s in USES.items() if m != "tests/test_solo.py"}
+    shards = [shard_modules(f"{k}/2", uses, set()) for k in range(2)]
+    # together the 128-block users alone are 790 s of 1,115: kept in one shard the other would wait ~500 s
+    assert all({"tests/test_a1.py", "tests/test_a2.py"} & s for s in shards) or \
+        all({"tests/test_a1.py", "tests/test_a3.py"} & s for s in shards), shards
+    loads = sorted(work(s) for s in shards)
+    assert loads[1] - loads[0] <= 150, loads
+
+
+def test_the_deal_is_the_same_whatever_the_hash_seed(stored):
+    code = ("import json, sys; sys.path.insert(0, '.'); from tests.support import shared_engines as se; "
+            f"from pathlib import Path; se.SECONDS_FILE = Path({str(stored)!r}); "
+            f"uses = {{k: set(v) for k, v in {dict((k, sorted(v)) for k, v in USES.items())!r}.items()}}; "
+            "print(json.dumps([sorted(se.shard_modules(f'{k}/2', uses, set())) for k in range(2)]))")
+    deals = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                            cwd=REPO,
+                            env={**os.environ, "PYTHONHASHSEED": str(seed)}).stdout for seed in (1, 2, 3)}
+    assert len(deals) == 1, deals
+
+
+@pytest.mark.parametrize("spec", ["2/2", "a/b", "1", "-1/2"])
+def test_a_bad_shard_is_refused_in_one_line(stored, spec):
+    with pytest.raises(pytest.UsageError, match="--engine-shard"):
+        shard_modules(spec, USES, set())
