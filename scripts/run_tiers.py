@@ -12,8 +12,9 @@ per core (KVWATT_TEST_WORKERS, default 2). The engine tier's tests wait on real-
 computing on one core, so it runs as KVWATT_ENGINE_SHARDS (default: one per core) pytest processes side by
 side, each shard's engines bound to its own core (VLLM_CPU_OMP_THREADS_BIND) and niced (KVWATT_ENGINE_NICENESS=10:
 the tests' watchers and doubles come first), each shard a fixed set of whole modules (tests/support/
-shared_engines.py deals them by their measured seconds, tests/engine-seconds.json); then the modules that start
-engines on both cores (marker owns_cores) alone. A shard's output is printed whole when it ends. A ``-m EXPR``
+shared_engines.py deals them by their measured seconds, tests/engine-seconds.json), with the waiting tiers beside
+them (their processes come before the niced engines; KVWATT_WAIT_BESIDE_ENGINES=0 runs them before instead);
+then the modules that start engines on both cores (marker owns_cores) alone. A shard's output is printed whole when it ends. A ``-m EXPR``
 among the arguments narrows every pass. Every pass prints its slowest tests (--durations, pyproject.toml); the
 last line, "tests: N passed, N failed, N skipped", adds the passes up (CI reads it). Exit status: the first
 failing pass's, else 5 when no pass ran a test (pytest's "no tests"), else 0. """
@@ -57,34 +58,38 @@ def parallel(workers: str) -> list[str]:
     return ["-n", workers, "--dist", "loadfile"] if workers not in ("0", "1") else []
 
 
-Run = tuple[list[str], dict[str, str]]  # one pytest process: its arguments, its environment's additions
+Run = tuple[list[str], dict[str, str], bool]  # one pytest process: arguments, environment additions, engine tests?
 
 
 def passes(kind: str, user_expr: str | None) -> list[tuple[str, list[Run]]]:
     """Each pass: its name and its pytest processes (more than one: side by side)."""
-    fast = ("fast tier", [(["-m", both(FAST, user_expr), *parallel(os.environ.get("KVWATT_TEST_WORKERS", "2"))], {})])
+    fast = ("fast tier", [(["-m", both(FAST, user_expr), *parallel(os.environ.get("KVWATT_TEST_WORKERS", "2"))],
+                           {}, False)])
     if kind == "fast":
         return [fast]
-    waiting = parallel(os.environ.get("KVWATT_WAIT_WORKERS", "4"))
+    waiting: Run = (["-m", both("not engine and (prom or browser or slow)", user_expr),
+                     *parallel(os.environ.get("KVWATT_WAIT_WORKERS", "4"))], {}, False)
     engine = ["-m", both("engine", user_expr)]
     cores = os.cpu_count() or 1
     shards = int(os.environ.get("KVWATT_ENGINE_SHARDS", str(cores)))
-    engine_passes = [("engine tier (serial)", [(engine, {})])] if shards <= 1 else [
-        (f"engine tier ({shards} shards side by side, one core each)",
-         [([*engine, "--engine-shard", f"{k}/{shards}"],
-           {"VLLM_CPU_OMP_THREADS_BIND": str(k % cores), "KVWATT_ENGINE_NICENESS": "10"}) for k in range(shards)]),
-        ("engine tier (the modules that own both cores, alone)", [([*engine, "--engine-shard", "solo"], {})])]
-    return [fast,
-            ("prom, browser and slow tiers", [(["-m", both("not engine and (prom or browser or slow)", user_expr),
-                                               *waiting], {})]),
-            *engine_passes]
+    if shards <= 1:
+        return [fast, ("prom, browser and slow tiers", [waiting]), ("engine tier (serial)", [(engine, {}, True)])]
+    sharded = [([*engine, "--engine-shard", f"{k}/{shards}"],
+                {"VLLM_CPU_OMP_THREADS_BIND": str(k % cores), "KVWATT_ENGINE_NICENESS": "10"}, True)
+               for k in range(shards)]
+    solo = ("engine tier (the modules that own both cores, alone)", [([*engine, "--engine-shard", "solo"], {}, True)])
+    if os.environ.get("KVWATT_WAIT_BESIDE_ENGINES", "1") == "1":  # the waiting tiers beside the niced engines
+        return [fast, (f"engine tier ({shards} shards, one core each) beside the prom, browser and slow tiers",
+                       [*sharded, waiting]), solo]
+    return [fast, ("prom, browser and slow tiers", [waiting]),
+            (f"engine tier ({shards} shards side by side, one core each)", sharded), solo]
 
 
 def run_pass(runs: list[Run], rest: list[str], tmp: Path, n: int) -> list[tuple[int, Path]]:
     """Run the pass's pytest processes (side by side when several; their output printed whole, in turn, when
     all ended); (exit status, junit path) of each."""
     procs = []
-    for i, (args, env) in enumerate(runs):
+    for i, (args, env, _) in enumerate(runs):
         junit = tmp / f"pass{n}-{i}.xml"
         argv = [sys.executable, "-m", "pytest", f"--junitxml={junit}", *args, *rest]
         if len(runs) > 1:
@@ -170,8 +175,8 @@ def main(argv: list[str]) -> int:
             print(f"\n=== {name}" + (f": pytest {' '.join(runs[0][0] + rest)}" if len(runs) == 1 else ""),
                   flush=True)
             started = time.monotonic()
-            for code, junit in run_pass(runs, rest, Path(tmp), n):
-                if name.startswith("engine tier"):
+            for (code, junit), (_, _, engine_tests) in zip(run_pass(runs, rest, Path(tmp), n), runs):
+                if engine_tests:
                     engine_junits.append(junit)
                 got = counts(junit)
                 if code == NO_TESTS:

@@ -70,3 +70,58 @@ def test_the_deal_is_the_same_whatever_the_hash_seed(stored):
 def test_a_bad_shard_is_refused_in_one_line(stored, spec):
     with pytest.raises(pytest.UsageError, match="--engine-shard"):
         shard_modules(spec, USES, set())
+
+
+def test_a_niced_engine_session_yields_to_the_test_session():
+    """The shards' engines are niced (KVWATT_ENGINE_NICENESS) in their own session: the session's scheduler
+    group must carry the niceness too (with autogroup, nice alone ranks processes only within a session)."""
+    from tests.support.engine import yield_cpu
+
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    proc = subprocess.Popen(["sleep", "30"], start_new_session=True, preexec_fn=lambda: yield_cpu(7))
+    try:
+        assert os.getpriority(os.PRIO_PROCESS, proc.pid) == min(base + 7, 19)
+        if open("/proc/sys/kernel/sched_autogroup_enabled").read().strip() == "1":
+            assert open(f"/proc/{proc.pid}/autogroup").read().split()[-1] == "7"
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def _run_tiers():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("run_tiers", os.path.join(REPO, "scripts", "run_tiers.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_each_shard_has_its_own_core_and_the_solo_pass_comes_last(monkeypatch):
+    monkeypatch.setenv("KVWATT_ENGINE_SHARDS", "2")
+    passes = _run_tiers().passes("all", None)
+    shards = [env for _, runs in passes for args, env, engine in runs if "--engine-shard" in args and engine
+              and args[args.index("--engine-shard") + 1] != "solo"]
+    assert sorted(env["VLLM_CPU_OMP_THREADS_BIND"] for env in shards) == ["0", "1"]
+    assert all(env["KVWATT_ENGINE_NICENESS"] == "10" for env in shards)
+    last_name, last_runs = passes[-1]
+    assert [args[-1] for args, _, _ in last_runs] == ["solo"] and last_runs[0][1] == {}  # alone, not bound
+
+
+def test_stored_seconds_are_each_modules_own_and_each_shapes_start(tmp_path, monkeypatch):
+    run_tiers = _run_tiers()
+    (tmp_path / "tests").mkdir()
+    for name in ("test_a", "test_b"):
+        (tmp_path / "tests" / f"{name}.py").write_text("")
+    junit = tmp_path / "junit.xml"
+    junit.write_text('<testsuites><testsuite><testcase classname="tests.test_a" name="t1" time="100"/>'
+                     '<testcase classname="tests.test_a" name="t2" time="20"/>'
+                     '<testcase classname="tests.test_b" name="t" time="7.5"/></testsuite></testsuites>')
+    starts = tmp_path / "starts.jsonl"
+    starts.write_text(json.dumps({"shape": "blocks=128 max_model_len=2048", "module": "tests/test_a.py",
+                                  "seconds": 30.0}) + "\n")
+    monkeypatch.setattr(run_tiers, "REPO", tmp_path)
+    run_tiers.store_engine_seconds([junit], starts)
+    stored = json.loads((tmp_path / "tests" / "engine-seconds.json").read_text())
+    assert stored == {"modules": {"tests/test_a.py": 90.0, "tests/test_b.py": 7.5},
+                      "starts": {"blocks=128 max_model_len=2048": 30.0}}

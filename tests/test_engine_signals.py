@@ -85,6 +85,8 @@ def run_condition(engines, blocks, reference=None):
         m["offload_enabled"] = d.value("kvwatt_offload_enabled", server="local")
         m["threshold"] = d.value("kvwatt_kv_pressure_threshold_in_use_ratio", server="local")
         m["server_info"] = d.value("kvwatt_server_info", server="local", model_name="tiny")
+        s = d.status()["servers"][0]
+        m["regime"] = (s.get("regime"), s.get("regime_state"), s.get("regime_reason"))  # shown when a check fails
     m["engine_kv_usage"] = usage.values
     delta = {k: after[k] - before.get(k, 0) for k in after}
     return m, delta

@@ -47,13 +47,13 @@ def test_reference_share_stays_at_the_low_pressure_level_under_pressure(tmp_path
     with KvwattDaemon(servers={"local": engine.url}, interval="250ms", config=config) as d:
         d.wait_for(lambda d: d.value("kvwatt_window_covered_seconds", server="local", window="1m"),
                    what="first interval")
-        replay(engine, 1, 50, tmp_path)
+        replay(engine, 1, 40, tmp_path)  # >= two 15 s reference windows
         quiet = d.wait_for(lambda d: d.status()["servers"][0]["reference_windows"] >= 2 and
                            d.status()["servers"][0], timeout=30, what="a learned reference")
         ref = quiet["reference_local_compute_share"]
         assert quiet["reference_kind"] == "learned"
         before = counters(engine)
-        replay(engine, 8, 60, tmp_path)
+        replay(engine, 8, 50, tmp_path)
         after = counters(engine)
         loaded = d.status()["servers"][0]
     share = engine_share(before, after)

@@ -97,6 +97,18 @@ def _http_get(url: str, timeout_seconds: float = 5.0) -> tuple[int, str]:
         return 0, ""
 
 
+def yield_cpu(niceness: int) -> None:
+    """In the engine's child, after setsid: lower its priority. The scheduler shares the CPU between sessions
+    first (autogroup, /proc/sys/kernel/sched_autogroup_enabled) and by nice only within one, so the engine's new
+    session gets the niceness too, or a niced engine would still take as much CPU as the whole test session."""
+    os.nice(niceness)
+    try:
+        with open("/proc/self/autogroup", "w") as f:
+            f.write(str(niceness))
+    except OSError:
+        pass  # no autogroup (disabled, or not Linux): the process's nice value is all there is
+
+
 class VllmEngine:
     """A vLLM OpenAI-compatible server on 127.0.0.1, started in its own process group."""
 
@@ -153,7 +165,7 @@ class VllmEngine:
         with open(self.log_path, "wb") as log:
             self._proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
                                           stdin=subprocess.DEVNULL, env=env, start_new_session=True,
-                                          preexec_fn=(lambda: os.nice(self.niceness)) if self.niceness else None)
+                                          preexec_fn=(lambda: yield_cpu(self.niceness)) if self.niceness else None)
         _LIVE.add(self)
         while time.monotonic() - started < timeout:
             if self._proc.poll() is not None:

@@ -133,6 +133,14 @@ class Replay:
     def _offset(self) -> float:
         return round(self.elapsed_seconds(), 6)
 
+    def _past_duration(self) -> bool:
+        """The duration is over (stopping from here on): its timer can fire late on a busy event loop, and no
+        turn may start after the duration."""
+        d = self.options.duration_seconds
+        if d is not None and self.started_monotonic and self.elapsed_seconds() >= d:
+            self.request_stop()
+        return self.stopping.is_set()
+
     def request_stop(self, interrupt: bool = False) -> None:
         """Start no new turn; with ``interrupt`` also cancel the requests in flight."""
         self.stopping.set()
@@ -171,7 +179,7 @@ class Replay:
         _raise_failures(await asyncio.gather(*workers, return_exceptions=True))
 
     async def _worker(self, worker: int) -> None:
-        while not self.stopping.is_set() and (item := self.queue.take()) is not None:
+        while not self._past_duration() and (item := self.queue.take()) is not None:
             if self.failing_turns and not await self._sleep_until(time.monotonic() + self.outage_backoff_seconds()):
                 return
             await self._play(*item, worker=worker)
@@ -200,7 +208,7 @@ class Replay:
     async def _open_loop(self) -> None:
         arrivals = poisson_arrival_offsets(self.options.rate_sessions_per_second, self.options.seed)
         sessions: list[asyncio.Task] = []
-        while not self.stopping.is_set() and (item := self.queue.take()) is not None:
+        while not self._past_duration() and (item := self.queue.take()) is not None:
             if not await self._sleep_until(self.started_monotonic + next(arrivals)):
                 break
             sessions.append(self._spawn(self._play(*item, worker=None)))
@@ -236,7 +244,7 @@ class Replay:
     async def _play_turns(self, conversation: Conversation, worker: int | None) -> None:
         session = conversation.session
         for index, turn in enumerate(session.turns):
-            if self.stopping.is_set():
+            if self._past_duration():
                 return
             if not fits(conversation.context_tokens + turn.input_tokens, turn.output_tokens,
                         self.options.max_context_tokens):
