@@ -32,14 +32,30 @@ _DAY_HOURS = 24.0
 _REL_TOL = 1e-6  # priced figures: equal to watts x price up to rounding
 
 
-@dataclass(frozen=True)
 class Where:
     """A sample being checked: its family's labels by name, and the snapshot it belongs to (for the bounds that
     compare a figure with another one: a power part with the power, money with the watts it prices)."""
 
-    figure: str
-    labels: dict[str, str]
-    snap: object  # exporter.figures.Snapshot (not imported: the catalog imports this module)
+    __slots__ = ("figure", "snap", "_labels", "_names", "_values")
+
+    def __init__(self, figure: str, labels: dict[str, str], snap: object) -> None:
+        self.figure = figure
+        self._labels = labels
+        self.snap = snap  # exporter.figures.Snapshot (not imported: the catalog imports this module)
+
+    @classmethod
+    def of(cls, figure: str, names: tuple[str, ...], values: tuple, snap: object) -> "Where":
+        """A sample's Where whose labels dict is built only if its bound reads it (most test the value alone:
+        every sample of every family is checked each tick)."""
+        where = cls(figure, None, snap)  # type: ignore[arg-type]
+        where._names, where._values = names, values
+        return where
+
+    @property
+    def labels(self) -> dict[str, str]:
+        if self._labels is None:
+            self._labels = dict(zip(self._names, map(str, self._values)))
+        return self._labels
 
     def window(self):
         """The WindowFigures of the sample's server and window, or None."""
@@ -258,7 +274,7 @@ def violations(defs: Iterable, snap) -> list[Rejection]:
         for labels, value in d.fill(snap):
             if value is None:
                 continue
-            where = Where(d.name, dict(zip(d.labels, map(str, labels))), snap)
+            where = Where.of(d.name, d.labels, labels, snap)
             why = d.bounds.violation(float(value), where)
             if why is not None:
                 out.append(Rejection(d.name, tuple(where.labels.items()), d.bounds.kind,

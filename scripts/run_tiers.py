@@ -12,9 +12,7 @@ per core (KVWATT_TEST_WORKERS, default 2). The engine tier's tests wait on real-
 computing on one core, so it runs as KVWATT_ENGINE_SHARDS (default: one per core) pytest processes side by
 side, each shard's engines bound to its own core (VLLM_CPU_OMP_THREADS_BIND) and niced (KVWATT_ENGINE_NICENESS=10:
 the tests' watchers and doubles come first), each shard a fixed set of whole modules (tests/support/
-shared_engines.py deals them by their measured seconds, tests/engine-seconds.json), with the waiting tiers beside
-them (their processes come before the niced engines; KVWATT_WAIT_BESIDE_ENGINES=0 runs them before instead);
-then the modules that start engines on both cores (marker owns_cores) alone. A shard's output is printed whole when it ends. A ``-m EXPR``
+shared_engines.py deals them by their measured seconds, tests/engine-seconds.json); then the modules that start engines on both cores (marker owns_cores) alone. A shard's output is printed whole when it ends. A ``-m EXPR``
 among the arguments narrows every pass. Every pass prints its slowest tests (--durations, pyproject.toml); the
 last line, "tests: N passed, N failed, N skipped", adds the passes up (CI reads it). Exit status: the first
 failing pass's, else 5 when no pass ran a test (pytest's "no tests"), else 0. """
@@ -78,9 +76,8 @@ def passes(kind: str, user_expr: str | None) -> list[tuple[str, list[Run]]]:
                 {"VLLM_CPU_OMP_THREADS_BIND": str(k % cores), "KVWATT_ENGINE_NICENESS": "10"}, True)
                for k in range(shards)]
     solo = ("engine tier (the modules that own both cores, alone)", [([*engine, "--engine-shard", "solo"], {}, True)])
-    if os.environ.get("KVWATT_WAIT_BESIDE_ENGINES", "1") == "1":  # the waiting tiers beside the niced engines
-        return [fast, (f"engine tier ({shards} shards, one core each) beside the prom, browser and slow tiers",
-                       [*sharded, waiting]), solo]
+    # not beside the shards: the waiting tiers' real-time scenarios failed there (a collapse signature that
+    # flapped, a J/token 10 % off), the cores being full with both shards' engines, daemons and loads
     return [fast, ("prom, browser and slow tiers", [waiting]),
             (f"engine tier ({shards} shards side by side, one core each)", sharded), solo]
 

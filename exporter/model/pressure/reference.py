@@ -32,6 +32,10 @@ class LowPressureReference:
         self.samples: deque[ReferenceSample] = deque(maxlen=keep)
         self.threshold = math.inf  # the threshold in force, set by the learner before each use
         self.changed = False       # a sample was added (or the samples set aside) since the owner persisted
+        # the eligible samples and their median and spread, read several times a tick per server (the spread's
+        # statistics.stdev is exact, in fractions): kept until a sample or the threshold in force changes
+        self._version = 0
+        self._cached: tuple | None = None
 
     def limit(self, residency_low: bool = False) -> float:
         """The highest p95 a reference window may have under the threshold in force; a window the engine's
@@ -40,28 +44,37 @@ class LowPressureReference:
         return relative if residency_low else min(relative, LOW_PRESSURE_P95)
 
     def eligible(self) -> list[ReferenceSample]:
-        return [s for s in self.samples if s.p95 <= self.limit(s.residency_low)]
+        return list(self._learned()[0])
+
+    def _learned(self) -> tuple:
+        """(eligible samples, their median share, their spread), recomputed only when a sample or the
+        threshold in force changed since the last read."""
+        key = (self._version, self.threshold)
+        if self._cached is None or self._cached[0] != key:
+            good = tuple(s for s in self.samples if s.p95 <= self.limit(s.residency_low))
+            median = statistics.median(s.share for s in good) if good else None
+            spread = statistics.stdev(s.share for s in good) if len(good) >= 3 else None
+            self._cached = (key, good, median, spread)
+        return self._cached[1:]
 
     @property
     def value(self) -> float | None:
         if self.configured is not None:
             return self.configured
-        good = self.eligible()
-        return statistics.median(s.share for s in good) if good else None
+        return self._learned()[1]
 
     @property
     def windows(self) -> int:
-        return 0 if self.configured is not None else len(self.eligible())
+        return 0 if self.configured is not None else len(self._learned()[0])
 
     @property
     def spread(self) -> float | None:
         """Standard deviation of the learned windows' shares (>= 3 of them), else None (unknown noise)."""
-        good = self.eligible()
-        return statistics.stdev(s.share for s in good) if len(good) >= 3 else None
+        return self._learned()[2]
 
     @property
     def kind(self) -> str:
-        return "configured" if self.configured is not None else ("learned" if self.eligible() else "none")
+        return "configured" if self.configured is not None else ("learned" if self._learned()[0] else "none")
 
     def offer(self, point: PressurePoint, share: float | None, quiet: bool, t: float,
               wall: float | None = None) -> bool:
@@ -71,22 +84,25 @@ class LowPressureReference:
             return False
         self.samples.append(ReferenceSample(share, point.kv_p95, t, wall, low))
         self.changed = True
+        self._version += 1
         return True
 
     def restore(self, samples: Iterable[ReferenceSample]) -> None:
         for s in samples:
             self.samples.append(s)
+        self._version += 1
 
     def set_aside(self) -> None:
         if self.samples:
             self.samples.clear()
             self.changed = True
+            self._version += 1
 
     def judgement(self, points: Iterable[PressurePoint]) -> tuple[str, str]:
         """(state, reason) of the reference share, and so of the tax resting on it (methods.md s10)."""
         if self.configured is not None:
             return "known", f"configured for this server: {self.configured:g}"
-        good = self.eligible()
+        good = self._learned()[0]
         if len(good) >= REFERENCE_KNOWN_WINDOWS:
             return "known", (f"median of {len(good)} low-pressure windows{_span(good)} (p95 <= {self.limit():.2f}, "
                              "no preemption)")
