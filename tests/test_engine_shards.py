@@ -75,7 +75,7 @@ def test_a_bad_shard_is_refused_in_one_line(stored, spec):
 def test_a_niced_engine_session_yields_to_the_test_session():
     """The shards' engines are niced (KVWATT_ENGINE_NICENESS) in their own session: the session's scheduler
     group must carry the niceness too (with autogroup, nice alone ranks processes only within a session)."""
-    from tests.support.engine import yield_cpu
+    from tests.support.niced import yield_cpu
 
     base = os.getpriority(os.PRIO_PROCESS, 0)
     proc = subprocess.Popen(["sleep", "30"], start_new_session=True, preexec_fn=lambda: yield_cpu(7))
@@ -125,3 +125,19 @@ def test_stored_seconds_are_each_modules_own_and_each_shapes_start(tmp_path, mon
     stored = json.loads((tmp_path / "tests" / "engine-seconds.json").read_text())
     assert stored == {"modules": {"tests/test_a.py": 90.0, "tests/test_b.py": 7.5},
                       "starts": {"blocks=128 max_model_len=2048": 30.0}}
+
+
+def test_an_engine_another_program_starts_is_niced_the_same_way(monkeypatch, tmp_path):
+    """`kvwatt experiment` starts its engines itself: its test's plan runs them through tests/support/niced.py."""
+    from tests.support.engine import niced_command
+
+    monkeypatch.setenv("KVWATT_ENGINE_NICENESS", "6")
+    out = tmp_path / "nice.txt"
+    cmd = niced_command(["sh", "-c", f"cut -d' ' -f19 /proc/self/stat > {out}; cat /proc/self/autogroup >> {out}"])
+    subprocess.run(cmd, start_new_session=True, check=True)
+    got = out.read_text().split()
+    assert int(got[0]) == min(os.getpriority(os.PRIO_PROCESS, 0) + 6, 19)
+    if open("/proc/sys/kernel/sched_autogroup_enabled").read().strip() == "1":
+        assert got[-1] == "6"
+    monkeypatch.setenv("KVWATT_ENGINE_NICENESS", "0")
+    assert niced_command(["vllm", "serve"]) == ["vllm", "serve"]

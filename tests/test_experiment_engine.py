@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from kvwatt_lab.experiment.plan import load_plan, run_order
-from tests.support.engine import ENGINE_ENV, VllmEngine, build_tiny_model, free_port
+from tests.support.engine import ENGINE_ENV, VllmEngine, build_tiny_model, free_port, niced_command
 from tests.support.experiment import (SAMPLE_TRACES, is_png, kill_server_group, load_state, pids_serving,
                                       report_json, run_experiment, write_plan)
 from tests.support.power_driver import PowerDriver
@@ -51,7 +51,7 @@ def server_command(model_dir: str, blocks: bool = True) -> list[str]:
     cmd[cmd.index("--port") + 1] = "{port}"
     if blocks:
         cmd[cmd.index("--num-gpu-blocks-override") + 1] = "{blocks}"
-    return cmd
+    return niced_command(cmd)  # as the test harness's engines when the engine tier's shards nice them
 
 
 def reference_workload(path: Path) -> Path:

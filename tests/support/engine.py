@@ -54,6 +54,7 @@ from pathlib import Path
 from kvwatt_lab.cpu_engine import (COMPILE_CACHE_ENV, VOCAB_SIZE, build_tiny_model,  # noqa: F401 (re-exported)
                                    default_model_dir, engine_available, offload_args, offload_env, vllm_python)
 from kvwatt_lab.experiment.server import free_port, group_members  # noqa: F401 (re-exported for the tests)
+from tests.support.niced import yield_cpu
 from tests.support.shared_engines import shape_key
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -97,16 +98,15 @@ def _http_get(url: str, timeout_seconds: float = 5.0) -> tuple[int, str]:
         return 0, ""
 
 
-def yield_cpu(niceness: int) -> None:
-    """In the engine's child, after setsid: lower its priority. The scheduler shares the CPU between sessions
-    first (autogroup, /proc/sys/kernel/sched_autogroup_enabled) and by nice only within one, so the engine's new
-    session gets the niceness too, or a niced engine would still take as much CPU as the whole test session."""
-    os.nice(niceness)
-    try:
-        with open("/proc/self/autogroup", "w") as f:
-            f.write(str(niceness))
-    except OSError:
-        pass  # no autogroup (disabled, or not Linux): the process's nice value is all there is
+def default_niceness() -> int:
+    """The engines' niceness: $KVWATT_ENGINE_NICENESS (scripts/run_tiers.py sets it for the shards), else 0."""
+    return int(os.environ.get("KVWATT_ENGINE_NICENESS", "0"))
+
+
+def niced_command(cmd: list[str]) -> list[str]:
+    """``cmd`` run at the engines' niceness (tests/support/niced.py), for engines started by another program."""
+    n = default_niceness()
+    return [sys.executable, str(Path(__file__).with_name("niced.py")), str(n), *cmd] if n else list(cmd)
 
 
 class VllmEngine:
@@ -133,7 +133,7 @@ class VllmEngine:
         self.url = f"http://127.0.0.1:{self.port}"
         self.startup_seconds: float | None = None
         self.env = dict(env or {}, **({"VLLM_CPU_OMP_THREADS_BIND": str(cpu)} if cpu is not None else {}))
-        self.niceness = int(os.environ.get("KVWATT_ENGINE_NICENESS", "0")) if niceness is None else niceness
+        self.niceness = default_niceness() if niceness is None else niceness
         self._proc: subprocess.Popen | None = None
 
     @property
