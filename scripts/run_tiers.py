@@ -12,7 +12,8 @@ per core (KVWATT_TEST_WORKERS, default 2). The engine tier's tests wait on real-
 computing on one core, so it runs as KVWATT_ENGINE_SHARDS (default: one per core) pytest processes side by
 side, each shard's engines bound to its own core (VLLM_CPU_OMP_THREADS_BIND) and niced (KVWATT_ENGINE_NICENESS=10:
 the tests' watchers and doubles come first), each shard a fixed set of whole modules (tests/support/
-shared_engines.py deals them by their measured seconds, tests/engine-seconds.json); then the modules that start engines on both cores (marker owns_cores) alone. A shard's output is printed whole when it ends. A ``-m EXPR``
+shared_engines.py deals them by their measured seconds, tests/engine-seconds.json); then the modules that start
+engines on both cores (marker owns_cores) alone. A shard's output is printed whole when it ends. A ``-m EXPR``
 among the arguments narrows every pass. Every pass prints its slowest tests (--durations, pyproject.toml); the
 last line, "tests: N passed, N failed, N skipped", adds the passes up (CI reads it). Exit status: the first
 failing pass's, else 5 when no pass ran a test (pytest's "no tests"), else 0. """

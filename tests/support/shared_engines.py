@@ -67,10 +67,11 @@ def order_and_plan(config: pytest.Config, items: list[pytest.Item]) -> None:
         order += sorted(group, key=lambda name: shape in uses[name][1])
     spec = config.getoption("engine_shard", None)
     if spec:
-        keep = shard_modules(spec, {n: uses[n][0] for n in order if _is_engine(modules[n])},
+        engine = {n for n in order if any(item.get_closest_marker("engine") for item in modules[n])}
+        keep = shard_modules(spec, {n: uses[n][0] for n in order if n in engine},
                              {n for n in order if any(i.get_closest_marker("owns_cores") for i in modules[n])})
-        dropped = [i for n in order if _is_engine(modules[n]) and n not in keep for i in modules[n]]
-        order = [n for n in order if n in keep or not _is_engine(modules[n])]
+        dropped = [i for n in order if n in engine and n not in keep for i in modules[n]]
+        order = [n for n in order if n in keep or n not in engine]
         if dropped:
             config.hook.pytest_deselected(items=dropped)
     items[:] = [item for name in order for item in modules[name]]
@@ -79,10 +80,6 @@ def order_and_plan(config: pytest.Config, items: list[pytest.Item]) -> None:
         shared, taken = shapes_of(item)
         plan.update(set(shared) | set(taken))
     config.stash[_PLAN] = plan
-
-
-def _is_engine(members: list[pytest.Item]) -> bool:
-    return any(item.get_closest_marker("engine") for item in members)
 
 
 def shape_name(key: tuple) -> str:
@@ -113,27 +110,28 @@ def shard_modules(spec: str, uses: dict[str, set], solo: set[str]) -> set[str]:
     shards: list[set[str]] = [set() for _ in range(n)]
     for module in sorted(own, key=lambda m: (-own[m], m)):
         min(shards, key=lambda sh: (work(sh | {module}) - work(sh), work(sh))).add(module)
-    improved = True
-    while improved:  # deterministic: the first improving move or swap, in a fixed order, until none improves
-        improved = False
+    while True:  # deterministic: the first improving move or swap, in a fixed order, until none improves
         worst = max(range(n), key=lambda i: work(shards[i]))
-        for other in range(n):
-            if other == worst:
-                continue
-            before = max(work(shards[worst]), work(shards[other]))
-            for m in sorted(shards[worst]):
-                for swap in [None, *sorted(shards[other])]:
-                    a = shards[worst] - {m} | ({swap} if swap else set())
-                    b = shards[other] - ({swap} if swap else set()) | {m}
-                    if max(work(a), work(b)) < before - 1.0:
-                        shards[worst], shards[other], improved = a, b, True
-                        break
-                if improved:
-                    break
-            if improved:
-                break
+        found = next(((other, better) for other in range(n) if other != worst
+                      if (better := _improvement(shards[worst], shards[other], work)) is not None), None)
+        if found is None:
+            break
+        other, (shards[worst], shards[other]) = found
     SHARD_WORK.append((k, n, work(shards[k]), [work(sh) for sh in shards]))
     return shards[k]
+
+
+def _improvement(heavy: set[str], light: set[str], work) -> tuple[set[str], set[str]] | None:
+    """The first move of one module from ``heavy`` to ``light`` (or swap with one of ``light``'s), in a fixed
+    order, that lowers the larger of the two shards' work by over a second; None when none does."""
+    before = max(work(heavy), work(light))
+    for m in sorted(heavy):
+        for swap in [None, *sorted(light)]:
+            a = heavy - {m} | ({swap} if swap else set())
+            b = light - ({swap} if swap else set()) | {m}
+            if max(work(a), work(b)) < before - 1.0:
+                return a, b
+    return None
 
 
 def engine_seconds() -> dict:
