@@ -7,16 +7,25 @@
 
 Why these passes: the prom, browser and slow tiers mostly wait (on kvwatt daemons, Prometheus, chromium,
 real-time scenarios), so pytest-xdist workers overlap them, more workers than cores (KVWATT_WAIT_WORKERS, default
-4); the fast tier has tests that time themselves against a baseline measured alongside, so it gets one worker
-per core (KVWATT_TEST_WORKERS, default 2). The engine tier's tests wait on real-time loads with one engine
+4); the fast tier is mostly CPU with some waiting on subprocesses and loopback HTTP, and has tests that time
+themselves against a baseline measured alongside, so it gets one worker more than cores (KVWATT_TEST_WORKERS,
+default cores + 1; on 2 cores: 2 workers 226-229 s, 3 workers 177 s, 4 workers 163 s, all passing). The engine tier's tests wait on real-time loads with one engine
 computing on one core, so it runs as KVWATT_ENGINE_SHARDS (default: one per core) pytest processes side by
 side, each shard's engines bound to its own core (VLLM_CPU_OMP_THREADS_BIND) and niced (KVWATT_ENGINE_NICENESS=10:
 the tests' watchers and doubles come first), each shard a fixed set of whole modules (tests/support/
 shared_engines.py deals them by their measured seconds, tests/engine-seconds.json); then the modules that start
 engines on both cores (marker owns_cores) alone. A shard's output is printed whole when it ends. A ``-m EXPR``
-among the arguments narrows every pass. Every pass prints its slowest tests (--durations, pyproject.toml); the
-last line, "tests: N passed, N failed, N skipped", adds the passes up (CI reads it). Exit status: the first
-failing pass's, else 5 when no pass ran a test (pytest's "no tests"), else 0. """
+among the arguments narrows every pass. Every pass prints its slowest tests (--durations, pyproject.toml).
+
+A test that failed beside other work (up to MAX_RERUNS of them, and only when pytest said "tests failed", not
+an internal error) runs once more at the end, alone on both cores: each real-time scenario here shares two
+cores with three others or an engine, and a late thread there is a late window, not a broken feature. One that
+passes alone is named on a "flaky:" line and counted as passed; one that fails again is a failure. More failures
+than MAX_RERUNS get no rerun: the change broke something.
+
+The last line, "tests: N passed, N failed, N skipped", adds the passes up (CI reads it). Exit status: 0 when
+every failure passed alone, else the first failing pass's, else 5 when no pass ran a test (pytest's "no
+tests"), else 0. """
 
 from __future__ import annotations
 
@@ -32,6 +41,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 FAST = "not engine and not prom and not browser and not slow"
 NO_TESTS = 5  # pytest.ExitCode.NO_TESTS_COLLECTED
+# more failures than this in one run: the change broke something; no rerun (each costs up to minutes)
+MAX_RERUNS = 4
 
 
 def split_marker(args: list[str]) -> tuple[str | None, list[str]]:
@@ -62,14 +73,14 @@ Run = tuple[list[str], dict[str, str], bool]  # one pytest process: arguments, e
 
 def passes(kind: str, user_expr: str | None) -> list[tuple[str, list[Run]]]:
     """Each pass: its name and its pytest processes (more than one: side by side)."""
-    fast = ("fast tier", [(["-m", both(FAST, user_expr), *parallel(os.environ.get("KVWATT_TEST_WORKERS", "2"))],
-                           {}, False)])
+    cores = os.cpu_count() or 1
+    workers = os.environ.get("KVWATT_TEST_WORKERS", str(cores + 1))
+    fast = ("fast tier", [(["-m", both(FAST, user_expr), *parallel(workers)], {}, False)])
     if kind == "fast":
         return [fast]
     waiting: Run = (["-m", both("not engine and (prom or browser or slow)", user_expr),
                      *parallel(os.environ.get("KVWATT_WAIT_WORKERS", "4"))], {}, False)
     engine = ["-m", both("engine", user_expr)]
-    cores = os.cpu_count() or 1
     shards = int(os.environ.get("KVWATT_ENGINE_SHARDS", str(cores)))
     if shards <= 1:
         return [fast, ("prom, browser and slow tiers", [waiting]), ("engine tier (serial)", [(engine, {}, True)])]
@@ -108,20 +119,45 @@ def run_pass(runs: list[Run], rest: list[str], tmp: Path, n: int) -> list[tuple[
     return results
 
 
+def _cases(junit: Path) -> list[ET.Element]:
+    try:
+        return list(ET.parse(junit).getroot().iter("testcase"))
+    except (OSError, ET.ParseError):
+        return []
+
+
+def _module_of(classname: str) -> tuple[str | None, list[str]]:
+    """A junit classname's test module (a path under the repository) and the classes after it."""
+    parts = classname.split(".")
+    for k in range(len(parts), 0, -1):
+        path = "/".join(parts[:k]) + ".py"
+        if (REPO / path).is_file():
+            return path, parts[k:]
+    return None, []
+
+
 def module_seconds(junits: list[Path]) -> dict[str, float]:
     """Seconds per test module (setup, call and teardown of its tests) in these junit reports."""
     out: dict[str, float] = {}
-    for junit in junits:
-        try:
-            root = ET.parse(junit).getroot()
-        except (OSError, ET.ParseError):
-            continue
-        for case in root.iter("testcase"):
-            parts = case.get("classname", "").split(".")
-            module = next((p for p in ("/".join(parts[:k]) + ".py" for k in range(len(parts), 0, -1))
-                           if (REPO / p).is_file()), None)
-            if module:
-                out[module] = out.get(module, 0.0) + float(case.get("time", 0))
+    for case in (c for junit in junits for c in _cases(junit)):
+        module, _ = _module_of(case.get("classname", ""))
+        if module:
+            out[module] = out.get(module, 0.0) + float(case.get("time", 0))
+    return out
+
+
+def _node_id(case: ET.Element) -> str | None:
+    module, classes = _module_of(case.get("classname", ""))
+    return "::".join([module, *classes, case.get("name", "")]) if module else None
+
+
+def failed_ids(junit: Path) -> list[str]:
+    """The pytest node ids of the tests that failed or errored (setup and teardown included) in this report."""
+    out = []
+    for case in _cases(junit):
+        node = _node_id(case)
+        if node and node not in out and (case.find("failure") is not None or case.find("error") is not None):
+            out.append(node)
     return out
 
 
@@ -158,6 +194,20 @@ def counts(junit: Path) -> dict[str, int] | None:
     return out
 
 
+def rerun_alone(failed: list[str], rest: list[str], tmp: Path) -> list[str]:
+    """Runs the tests that failed beside other work again, alone (one pytest process, both cores, engines not
+    niced); the node ids that passed this time."""
+    print(f"\n=== rerun alone: {len(failed)} test(s) failed beside other work: pytest {' '.join(failed)}",
+          flush=True)
+    started = time.monotonic()
+    junit = tmp / "rerun.xml"
+    subprocess.run([sys.executable, "-m", "pytest", f"--junitxml={junit}", *failed, *rest], cwd=REPO)
+    print(f"=== rerun alone: {time.monotonic() - started:.0f} s", flush=True)
+    ran = {_node_id(c) for c in _cases(junit)}
+    still = set(failed_ids(junit))
+    return [t for t in failed if t in ran and t not in still]
+
+
 def main(argv: list[str]) -> int:
     if not argv or argv[0] not in ("all", "fast"):
         print("usage: run_tiers.py all|fast [pytest args...]", file=sys.stderr)
@@ -165,7 +215,7 @@ def main(argv: list[str]) -> int:
     store = "--store-engine-seconds" in argv
     user_expr, rest = split_marker([a for a in argv[1:] if a != "--store-engine-seconds"])
     total = {"passed": 0, "failed": 0, "skipped": 0}
-    status, ran, engine_junits = 0, False, []
+    status, ran, engine_junits, failed, unexplained = 0, False, [], [], False
     with tempfile.TemporaryDirectory(prefix="kvwatt-junit-") as tmp:
         starts_file = Path(tmp) / "engine-starts.jsonl"  # every shared-engine start (tests/conftest.py)
         os.environ["KVWATT_ENGINE_STARTS_FILE"] = str(starts_file)
@@ -183,16 +233,29 @@ def main(argv: list[str]) -> int:
                 if got is None:
                     total["failed"] += 1  # pytest died before writing its report: count the run as a failure
                 else:
-                    failed = got["failures"] + got["errors"]
-                    total["passed"] += got["tests"] - failed - got["skipped"]
-                    total["failed"] += failed
+                    failed_here = got["failures"] + got["errors"]
+                    total["passed"] += got["tests"] - failed_here - got["skipped"]
+                    total["failed"] += failed_here
                     total["skipped"] += got["skipped"]
+                    failed += failed_ids(junit)
+                # pytest's 1 is "some tests failed"; any other status (internal error, interrupted) is not a flake
+                unexplained |= code != 0 and (code != 1 or got is None)
                 if code != 0 and status == 0:
                     status = code
             print(f"=== {name}: {time.monotonic() - started:.0f} s", flush=True)
         if store:
             store_engine_seconds(engine_junits, starts_file)
-    print(f"tests: {total['passed']} passed, {total['failed']} failed, {total['skipped']} skipped", flush=True)
+        flaky = []
+        if argv[0] == "all" and failed and len(failed) <= MAX_RERUNS and not unexplained:
+            flaky = rerun_alone(failed, rest, Path(tmp))
+    for test in flaky:
+        print(f"flaky: {test} failed beside other work and passed alone", flush=True)
+    total["failed"] -= len(flaky)
+    total["passed"] += len(flaky)
+    if flaky and len(flaky) == len(failed) and not unexplained:
+        status = 0
+    print(f"tests: {total['passed']} passed, {total['failed']} failed, {total['skipped']} skipped"
+          + (f" ({len(flaky)} of them flaky: passed on a rerun alone)" if flaky else ""), flush=True)
     return status if ran or status else NO_TESTS
 
 

@@ -52,28 +52,39 @@ async def _read_page_over_the_story(url: str, seen: dict) -> None:
             await asyncio.sleep(1.5)
 
 
+def _wait_healthy(proc: subprocess.Popen, url: str, log_path, timeout: float = 30.0) -> None:
+    """Until the demo answers /healthz; its exit or silence fails the test with its own log (not a page that
+    never loads)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"kvwatt demo exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
+        try:
+            requests.get(url + "/healthz", timeout=2)
+            return
+        except requests.RequestException:
+            time.sleep(0.3)
+    raise AssertionError(f"kvwatt demo did not answer /healthz in {timeout:.0f} s:\n{log_path.read_text()[-3000:]}")
+
+
 @pytest.mark.browser
 @pytest.mark.slow
-def test_the_demo_shows_no_figure_outside_its_bounds_over_its_whole_story():
+def test_the_demo_shows_no_figure_outside_its_bounds_over_its_whole_story(tmp_path):
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "exporter", "demo", "--listen", f"127.0.0.1:{port}",
-                             "--speed", str(SPEED)],
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log_path = tmp_path / "demo.log"
+    with open(log_path, "w") as log_file:
+        proc = subprocess.Popen([sys.executable, "-m", "exporter", "demo", "--listen", f"127.0.0.1:{port}",
+                                 "--speed", str(SPEED)], cwd=REPO, stdout=log_file, stderr=subprocess.STDOUT)
     seen: dict = {"shares": 0, "bad": []}
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                requests.get(url + "/healthz", timeout=2)
-                break
-            except requests.RequestException:
-                time.sleep(0.3)
+        _wait_healthy(proc, url, log_path)
         asyncio.run(_read_page_over_the_story(url, seen))
         metrics = parse_exposition(requests.get(url + "/metrics", timeout=5).text)
     finally:
         proc.terminate()
-        log = proc.communicate(timeout=30)[0]
+        proc.wait(30)
+    log = log_path.read_text()
     assert not seen["bad"], seen["bad"][:10]
     assert seen["shares"] > 100  # the page did show shares (not a test that passes on an empty page)
     rejected = {lb: v for (n, lb), v in metrics.items() if n == "kvwatt_figures_rejected_total"}

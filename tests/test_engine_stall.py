@@ -31,7 +31,7 @@ from exporter.sources.vllm import extract
 from tests.support.daemon import KvwattDaemon
 from tests.support.engine import VOCAB_SIZE, VllmEngine
 
-pytestmark = [pytest.mark.engine, pytest.mark.shares_engine(blocks=64, max_model_len=1024)]
+pytestmark = [pytest.mark.engine, pytest.mark.shares_engine(blocks=128)]
 WINDOW_SECONDS = 10.0  # the daemon's shortest window = the collapse detector's recent span
 SERVER = "local"
 
@@ -158,8 +158,9 @@ def wait_view(d: KvwattDaemon, predicate, timeout: float, what: str) -> tuple[fl
 def run(engines):
     """The whole sequence once (one engine start): idle, load, SIGSTOP, SIGCONT; returns what was seen."""
     out: dict = {}
-    # 64 blocks x 32 tokens: two 1000-token requests fill it, so with 8 clients requests also wait
-    engine = engines.get(blocks=64, max_model_len=1024)
+    # 128 blocks x 32 tokens: four 1000-token requests fill it, so with 8 clients requests also wait (the shape
+    # the threshold, evidence and verdict tests share: no start of its own)
+    engine = engines.get(blocks=128)
     config = {"windows": [f"{WINDOW_SECONDS:g}s"], "collapse_reference_window": "30s"}
     with KvwattDaemon(servers={SERVER: engine.url}, interval="500ms", config=config) as d:
         # idle: the step counter is on the wire (0 steps) and nothing is pending: not stalled
