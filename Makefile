@@ -50,6 +50,6 @@ check:
 	.venv/bin/python alerts/generate.py --check
 	.venv/bin/python dashboards/generate.py --check
 	.venv/bin/python deploy/kubernetes/generate.py --check
-	.venv/bin/python -m exporter.reference --check
+	.venv/bin/python -m exporter.readme_tables --check
 	.venv/bin/python -m pytest -q tests/test_golden.py tests/test_doc_references.py \
 	  tests/test_architecture_map.py

@@ -19,7 +19,7 @@ from exporter import rules
 
 REPO = Path(__file__).resolve().parents[1]
 SCANNED = ("alerts/generate.py", "dashboards/generate.py", "deploy/kubernetes/generate.py", "exporter/config/*.py",
-           "exporter/reference.py", "exporter/derive/*.py", "exporter/model/*.py",
+           "exporter/readme_tables.py", "exporter/derive/*.py", "exporter/model/*.py",
            "lab/kvwatt_lab/experiment/plan.py", "lab/kvwatt_lab/experiment/measure.py",
            "lab/kvwatt_lab/experiment/analysis.py")
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")

@@ -2,7 +2,7 @@
 
 The daemon's Config defaults (exporter/config/), the alert rules' settings (alerts/generate.py), the dashboards
 (dashboards/generate.py), the experiment plan's default (kvwatt_lab) and the README's configuration table
-(exporter/reference.py) all read the entries below; none types a value of its own. ``key`` is the YAML key of
+(exporter/readme_tables.py) all read the entries below; none types a value of its own. ``key`` is the YAML key of
 the daemon's configuration (and the alert setting of the same name); ``field`` the Config attribute where it
 differs. exporter/rulecopies.py (run by each generator's ``--check`` and tests/test_rules.py) refuses a
 literal copy of a rule in the modules that use them.

@@ -162,9 +162,9 @@ def test_one_declaration_is_enough_for_json_series_page_and_reference(scenario, 
     assert w["test_covered_twice"] == 2 * w["covered_seconds"]
     assert list(w)[-1] == "test_covered_twice"  # appended after the keys /api/status always had
     assert "<th>twice covered</th>" in page.windows_table(js["servers"][0])
-    from exporter import reference
-    assert "`kvwatt_test_covered_twice_seconds`" in reference.metric_table()
-    assert "`windows.<window>.test_covered_twice`" in reference.metric_table()
+    from exporter import readme_tables
+    assert "`kvwatt_test_covered_twice_seconds`" in readme_tables.metric_table()
+    assert "`windows.<window>.test_covered_twice`" in readme_tables.metric_table()
 
 
 def test_page_rows_are_the_declared_words(scenario):

@@ -11,7 +11,7 @@ import dataclasses
 import re
 from pathlib import Path
 
-from exporter import config, reference, rules
+from exporter import config, readme_tables, rules
 from exporter.commands import run
 from exporter.config import settings
 
@@ -82,6 +82,6 @@ def test_config_attributes_and_keys_are_the_tables():
 
 
 def test_the_readme_table_has_a_row_per_key_of_the_table():
-    table = reference.config_table()
+    table = readme_tables.config_table()
     keys = re.findall(r"^\| `([a-z0-9_]+)` \|", table, flags=re.M)
     assert keys == [s.key for s in settings.SETTINGS if s.key is not None]

@@ -5,7 +5,7 @@ exporter.catalog.declare holds what a declaration is made of.
 
 Derived from these declarations, never copied by hand: the collector (exporter.serve.collector walks
 METRICS), /api/status's per-window and per-server figure keys (exporter.serve.web), the landing page's table
-of figures per window (exporter.serve.page), and the README's metric reference (exporter.reference). The
+of figures per window (exporter.serve.page), and the README's metric reference (exporter.readme_tables). The
 alert/dashboard generators refuse a query naming a ``kvwatt_`` series missing from it. To find a metric's
 formula: search its name under exporter/catalog/; ``computes`` is the dotted path of the formula under
 exporter. (each kind's, where there are several), or a NotDerived saying why there is none in exporter/derive/

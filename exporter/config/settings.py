@@ -1,7 +1,7 @@
 """The one table of settings: each setting's YAML key, Config attribute, parser, documentation, default where
 Config() cannot say it, environment variable and flag (``SETTINGS``); ``KEYS``, the environment
 (layers.apply_environment), the flags of `kvwatt run` (add_flags, flag_overrides) and the README's configuration
-table (exporter/reference.py) are derived from it."""
+table (exporter/readme_tables.py) are derived from it."""
 
 from __future__ import annotations
 

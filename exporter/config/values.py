@@ -109,7 +109,7 @@ def _duration_at_most(most: float, words: str):
         if seconds > most:
             raise ConfigError(f"{key}: must be at most {words}, got {shown(value)}")
         return seconds
-    parse.duration = True  # exporter/reference.py writes its default as a duration
+    parse.duration = True  # exporter/readme_tables.py writes its default as a duration
     return parse
 
 

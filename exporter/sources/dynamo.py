@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from exporter.samples import EngineInfo
 from exporter.sources.engine import DYNAMO_ORDER, register
-from exporter.sources.families import EngineSpec, Parts, Pick, SpecAdapter, model_name
+from exporter.sources.engine_specs import EngineSpec, Parts, Pick, SpecAdapter, model_name
 
 KVSTATS = "dynamo_component_kvstats_"
 SPEC = EngineSpec(

@@ -50,7 +50,7 @@ from __future__ import annotations
 
 from exporter.samples import EngineInfo
 from exporter.sources.engine import LMCACHE_ORDER, register
-from exporter.sources.families import EngineSpec, Parts, Pick, SpecAdapter, model_name
+from exporter.sources.engine_specs import EngineSpec, Parts, Pick, SpecAdapter, model_name
 
 SPEC = EngineSpec(
     prefixes=("lmcache:", "lmcache_mp_"),

@@ -43,7 +43,7 @@ SGLang has no FLOP estimate: that figure is absent.
 Parallelism (docs/engines.md "Labels"): ``dp_rank`` (data-parallel attention) is a rank with its own requests,
 tokens and KV pool -- summed, each pool's usage kept, and the store tracks each rank's resets. Tensor-,
 pipeline- and expert-parallel ranks (``tp_rank``, ``pp_rank``, ``moe_ep_rank``) repeat their group's
-scheduler figures: counted once (families.py ``kept``), so ``dp_rank="3",tp_rank="3"`` is DP rank 3, not a
+scheduler figures: counted once (engine_specs.py ``kept``), so ``dp_rank="3",tp_rank="3"`` is DP rank 3, not a
 replica. ``pid`` (prometheus_client's multiprocess mode) is ignored. A router re-exporting its workers' series
 labels each with ``worker_addr``: each worker is its own engine, summed into the one server.
 """
@@ -53,7 +53,7 @@ from __future__ import annotations
 from exporter.samples import EngineInfo
 from exporter.sources.engine import SGLANG_ORDER, register
 from exporter.sources.ranges import MAX_VALUE
-from exporter.sources.families import EngineSpec, Parts, Pick, SpecAdapter, model_name, rank_sums
+from exporter.sources.engine_specs import EngineSpec, Parts, Pick, SpecAdapter, model_name, rank_sums
 
 STORAGE = "storage_"
 KV_POOL = (("pool", "kv"),)  # the host pool group's KV pool (hicache_pool_stats.DEFAULT_HOST_POOL_LABELS)

@@ -273,7 +273,7 @@ def _gauges(series: dict, rejected: dict[str, str]) -> dict[str, float]:
         else:
             gauges["kv_usage"] = max(v for _, v in usage)
             pools = {dict(labels).get("engine", ""): v for labels, v in usage}
-            if len(pools) > 1:  # data-parallel engines: one KV pool each (families.py does the same)
+            if len(pools) > 1:  # data-parallel engines: one KV pool each (engine_specs.py does the same)
                 gauges.update({labelled_key(KV_POOL_USAGE, engine): v for engine, v in pools.items()})
     return gauges
 

@@ -2,30 +2,30 @@
 
 import re
 
-from exporter import catalog, config, reference, rules
+from exporter import catalog, config, readme_tables, rules
 from tests.conftest import REPO
 
 
 def test_readme_reference_sections_are_current():
     readme = (REPO / "README.md").read_text()
-    assert reference.render(readme) == readme, "run: python -m exporter.reference --write"
+    assert readme_tables.render(readme) == readme, "run: python -m exporter.readme_tables --write"
 
 
 def test_every_config_key_is_documented_and_nothing_else():
     # each key documented once: a shared rule in exporter/rules.py, any other key in CONFIG_DOCS
     # (a rule may be the alerts' only, e.g. recompute_tax_threshold: not a configuration key)
-    assert set(reference.CONFIG_DOCS) | (set(rules.RULES) & set(config.KEYS)) == set(config.KEYS)
-    assert set(reference.CONFIG_DOCS) <= set(config.KEYS)
-    assert set(reference.CONFIG_DOCS) & set(rules.RULES) == set()
+    assert set(readme_tables.CONFIG_DOCS) | (set(rules.RULES) & set(config.KEYS)) == set(config.KEYS)
+    assert set(readme_tables.CONFIG_DOCS) <= set(config.KEYS)
+    assert set(readme_tables.CONFIG_DOCS) & set(rules.RULES) == set()
 
 
 def test_config_table_defaults_come_from_the_rules(monkeypatch):
     """No default is typed in the table: change a rule's default and the README's row follows."""
-    assert reference.config_row("kv_pressure_threshold") == ("`0.9`", rules.KV_PRESSURE_THRESHOLD.meaning)
-    assert reference.config_row("collapse_reference_window")[0] == "`10m`"
-    assert reference.config_row("windows")[0] == "`[1m, 5m]`"
+    assert readme_tables.config_row("kv_pressure_threshold") == ("`0.9`", rules.KV_PRESSURE_THRESHOLD.meaning)
+    assert readme_tables.config_row("collapse_reference_window")[0] == "`10m`"
+    assert readme_tables.config_row("windows")[0] == "`[1m, 5m]`"
     monkeypatch.setattr(config.Config, "__init__", _config_init_with(kv_pressure_threshold_ratio=0.85))
-    assert reference.config_row("kv_pressure_threshold")[0] == "`0.85`"
+    assert readme_tables.config_row("kv_pressure_threshold")[0] == "`0.85`"
 
 
 def _config_init_with(**kw):

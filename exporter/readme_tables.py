@@ -3,8 +3,8 @@ from Config() and the shared rules' meanings from exporter/rules.py, catalog.MET
 
 The metric reference also says where /api/status carries each figure (exporter.serve.web.status_paths).
 
-    python -m exporter.reference --write   # rewrite the README sections between the markers
-    python -m exporter.reference --check   # exit 1 when the README is stale (tests/test_reference.py)
+    python -m exporter.readme_tables --write   # rewrite the README sections between the markers
+    python -m exporter.readme_tables --check   # exit 1 when the README is stale (tests/test_readme_tables.py)
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ def main(argv=None) -> int:
     new = render(current)
     if args.check:
         if new != current:
-            print("README.md reference is stale: run python -m exporter.reference --write", file=sys.stderr)
+            print("README.md reference is stale: run python -m exporter.readme_tables --write", file=sys.stderr)
             return 1
         return 0
     if args.write:
