@@ -7,7 +7,7 @@ KV pressure. Prints, and writes to OUT/result.json, what the daemon located and 
 - per step: the engine's own counter deltas (local_compute share, preemptions) beside kvwatt's figures.
 
     KVWATT_VLLM_PYTHON=.venv-vllm/bin/python nice .venv/bin/python bench/threshold_live.py \\
-        --out /work/threshold-run [--blocks 192] [--steps 1,2,4,8] [--step-seconds 150]
+        --out /tmp/kvwatt-threshold-run [--blocks 192] [--steps 1,2,4,8] [--step-seconds 150]
 
 Not a bench_*.py: run_all does not run it (it needs the engine and ~12 minutes). OUT also gets the timeline
 (status.jsonl: /api/status every 5 s), the replay records and summaries, and the engine and daemon logs.
@@ -22,6 +22,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -105,7 +106,7 @@ def old_rule_reference(status_path: Path, threshold: float = 0.90) -> float | No
 
 def main() -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", type=Path, default=Path("/work/threshold-run"))
+    ap.add_argument("--out", type=Path, default=Path(tempfile.gettempdir()) / "kvwatt-threshold-run")
     ap.add_argument("--blocks", type=int, default=192)
     ap.add_argument("--steps", default="1,2,4,8")
     ap.add_argument("--step-seconds", type=int, default=150)
