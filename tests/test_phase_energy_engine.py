@@ -27,6 +27,7 @@ import requests
 from exporter.sources.expfmt import parse
 from exporter.sources.vllm import extract
 from tests.support.daemon import KvwattDaemon
+from tests.support.niced import come_first
 from tests.support.powercap import PowercapTree
 from tests.support.workload import drive
 
@@ -44,7 +45,9 @@ def _counters(url):
 
 def _power_model(tree, zone, engine_url, halt):
     """Child process (as test_energy_engine's): IDLE_WATTS x dt every 20 ms, plus the per-token costs of the
-    tokens the engine computed and generated since (its counters polled at 20 Hz in a second thread)."""
+    tokens the engine computed and generated since (its counters polled at 20 Hz in a second thread); its own
+    scheduler group at a raised priority (come_first): a RAPL counter does not wait for the CPU."""
+    come_first()
     state = {"seen": _counters(engine_url)}
 
     def poll():

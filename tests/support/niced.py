@@ -12,17 +12,36 @@ import os
 import sys
 
 
+def _group_niceness(niceness: int) -> None:
+    try:
+        with open("/proc/self/autogroup", "w") as f:
+            f.write(str(niceness))
+    except OSError:
+        pass  # no autogroup (disabled, or not Linux), or a raise without the privilege: the nice value is all
+
+
+def come_first(niceness: int = -10) -> None:
+    """The opposite, for a test double that stands in for hardware (a RAPL or NVML counter never lags): a session
+    of its own (its own scheduler group, not one share among the test session's workers) at a raised priority,
+    where allowed (root). Call it in a forked child, never in the test process itself."""
+    try:
+        os.setsid()
+    except OSError:
+        pass  # already a session leader
+    try:
+        os.nice(niceness)
+    except OSError:
+        return  # not allowed to raise it: normal priority, in the session it has
+    _group_niceness(niceness)
+
+
 def yield_cpu(niceness: int) -> None:
     """Lower this process's priority and its session's. The scheduler shares the CPU between sessions first
     (autogroup, /proc/sys/kernel/sched_autogroup_enabled) and by nice only within one, so a niced engine in a
     session of its own (started with start_new_session, so that its group can be killed) would otherwise still
     take as much CPU as the whole test session."""
     os.nice(niceness)
-    try:
-        with open("/proc/self/autogroup", "w") as f:
-            f.write(str(niceness))
-    except OSError:
-        pass  # no autogroup (disabled, or not Linux): the process's nice value is all there is
+    _group_niceness(niceness)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
 
     energy = idle_watts * elapsed + joules_per_token * generated tokens + joules_per_prefill_token * local_compute
 
-A child process (raised priority where allowed, so busy cores do not stall it for seconds) runs two threads:
+A child process (a session and scheduler group of its own at a raised priority where allowed,
+tests/support/niced.py come_first, so busy cores and other sessions do not stall it for seconds) runs two threads:
 a writer puts the cumulative energy into ``energy_uj`` every 20 ms (idle energy accrues with the clock,
 whatever the server does), and a poller reads the server's /metrics every 0.2 s and credits the tokens
 generated since its last answer, so a slow /metrics delays only the token energy, by one poll. Servers come
@@ -18,7 +19,6 @@ never credited negatively.
 from __future__ import annotations
 
 import multiprocessing
-import os
 import threading
 import time
 
@@ -26,6 +26,7 @@ import requests
 
 from exporter.sources.expfmt import parse
 from exporter.sources.vllm import extract
+from tests.support.niced import come_first
 
 WRITE_SECONDS = 0.02
 POLL_SECONDS = 0.2  # each /metrics costs the API server ~50 KB of rendering: do not starve it
@@ -51,10 +52,7 @@ class PowerDriver:
 
 
 def _drive(tree, zone, url, idle_watts, joules_per_token, joules_per_prefill_token, halt) -> None:
-    try:
-        os.nice(NICE)
-    except OSError:
-        pass  # not root: normal priority
+    come_first(NICE)  # its own scheduler group, raised: busy cores and other sessions do not stall it for seconds
     lock = threading.Lock()
     token_joules = [0.0]
     started, start_uj, max_uj = time.monotonic(), tree.energy_uj(zone), tree.max_range_uj(zone)
