@@ -141,7 +141,7 @@ MEASURED: tuple[MetricDef, ...] = (
         name="kvwatt_marginal_energy_per_token_joules", type="gauge", labels=("server", "scope", "window"),
         help="(E - P_idle*dt) / generated tokens over the window (methods.md s1). Absent without >= 30 s of load or "
              "without tokens.",
-        computes="derive.energy.qualified",
+        computes="derive.energy.window_energy",
         section=SECTION,
         fill=_energy("marginal_joules_per_token"),
         words=(Words("GPU J/token, marginal", "joules", ("energy", "gpu", "marginal_joules_per_token")),
@@ -151,7 +151,7 @@ MEASURED: tuple[MetricDef, ...] = (
     MetricDef(
         name="kvwatt_energy_per_token_joules", type="gauge", labels=("server", "scope", "window"),
         help="E / generated tokens over the window, no idle subtraction. Absent without enough load.",
-        computes="derive.energy.qualified",
+        computes="derive.energy.window_energy",
         section=SECTION,
         fill=_energy("joules_per_token"),
         words=(Words("GPU J/token, total", "joules", ("energy", "gpu", "joules_per_token")),

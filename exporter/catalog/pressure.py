@@ -252,7 +252,7 @@ REGIME: tuple[MetricDef, ...] = (
         name="kvwatt_preemptions_per_minute", type="gauge", labels=("server", "window"),
         help="Preemptions per minute over the window, from vllm:num_preemptions_total deltas (SGLang: retractions, "
              "sglang:num_retracted_requests_total; absent for engines without such a counter).",
-        computes="derive.pressure.rate_per_second",
+        computes="derive.pressure.preemptions_per_minute",
         section=SECTION,
         status=window_key("preemptions_per_minute", lambda w: w.preemptions_per_minute),
         words=(Words("preemptions per minute", "number"),),

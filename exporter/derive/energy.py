@@ -43,7 +43,10 @@ class EnergyPerToken:
 
 
 def window_energy(x: WindowAggregate, scope: str) -> EnergyPerToken | None:
-    """Sums over the intervals with an energy sample for ``scope``; None when there is none."""
+    """The window's energy per generated token for ``scope`` (methods.md s1), summed over its intervals with an
+    energy sample for the scope (None when there is none): total J/token = E / N (``joules_per_token`` above),
+    marginal J/token = (E - P_idle x dt) / N (``marginal_joules_per_token``, the idle joules summed the same
+    way). ``qualified`` then keeps it only on enough load and at least one token."""
     used = x.scope(scope)
     if used is None:
         return None

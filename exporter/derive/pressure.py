@@ -16,7 +16,9 @@ MAX_STEPS_PER_SECOND = 1000.0  # engine steps per second when the engine does no
 
 
 def kv_usage_quantile(x: WindowAggregate, q: float) -> float | None:
-    """Quantile of vllm:kv_cache_usage_perc over the window's dense (tick) samples."""
+    """Quantile of vllm:kv_cache_usage_perc over the window's dense (tick) samples: PromQL's quantile_over_time
+    (rank q x (n - 1) in the sorted samples, linear between its two neighbours; the arithmetic is
+    exporter/quantile.py interpolate_sorted, the sorted samples the window's own, store/aggregate.py)."""
     return x.quantile("kv_usage", q)
 
 
