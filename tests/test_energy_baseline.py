@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 
-from exporter.energy.baseline import STATE_FILE, BaselineBook, IdleEstimate, IdleLearner
+from exporter.energy.baseline import STATE_FILE, UNKNOWN_HOLD_SECONDS, BaselineBook, IdleEstimate, IdleLearner
 
 REPO = Path(__file__).resolve().parents[1]
 G, H = "gpu:GPU-a", "rapl:package-0:package"
@@ -63,6 +63,52 @@ def test_device_without_sample_does_not_count_those_seconds():
     got = run(lr, 31, 61, idle=True)
     assert [(e.device, e.watts, e.duration_seconds) for e in got] == [(H, 40.0, 30.0)]
 
+
+
+def test_a_short_unanswered_gap_leaves_the_stretch_standing_and_counts_for_no_device():
+    """A busy server's /metrics can miss a read: unknown is not busy. Those steps count for no device (their
+    joules are not idle evidence), the stretch goes on, and its next answer's interval spans the gap."""
+    lr = IdleLearner(settle_seconds=0, min_seconds=30)
+    run(lr, 0, 1, idle=False)
+    assert run(lr, 1, 21, idle=True) == []  # 20 s measured
+    assert run(lr, 21, 21 + UNKNOWN_HOLD_SECONDS, idle=None, watts={G: 500.0, H: 500.0}) == []  # not counted
+    assert lr.state == "measuring"
+    got = run(lr, 21 + UNKNOWN_HOLD_SECONDS, 31 + UNKNOWN_HOLD_SECONDS, idle=True)
+    assert {e.device: (e.watts, e.duration_seconds) for e in got} == {G: (60.0, 30.0), H: (40.0, 30.0)}
+
+
+def test_a_long_unanswered_gap_ends_the_stretch_and_work_after_it_too():
+    lr = IdleLearner(settle_seconds=5, min_seconds=30)
+    run(lr, 0, 1, idle=False)
+    run(lr, 1, 20, idle=True)
+    assert run(lr, 20, 21 + UNKNOWN_HOLD_SECONDS, idle=None) == []  # longer than the hold: over, too short
+    assert lr.state == "busy" and lr.acc == {}
+    lr = IdleLearner(settle_seconds=0, min_seconds=30)
+    run(lr, 0, 1, idle=False)
+    run(lr, 1, 20, idle=True)
+    run(lr, 20, 22, idle=None)
+    assert run(lr, 22, 23, idle=False) == [] and lr.state == "busy"  # the gap's interval showed work
+
+
+def test_the_shared_devices_are_idle_only_when_every_server_is():
+    from exporter.model.energy import everyone_idle
+
+    assert everyone_idle({"a": True, "b": True}) is True
+    assert everyone_idle({"a": True, "b": None}) is None  # one did not answer: unknown, not busy
+    assert everyone_idle({"a": False, "b": None}) is False
+    assert everyone_idle({}) is False
+
+
+def test_a_server_that_did_not_answer_is_unknown_not_busy():
+    from exporter.model.energy import is_idle
+    from exporter.samples import Interval, SourceStatus
+
+    up, down = SourceStatus("vllm", "a", True), SourceStatus("vllm", "a", False, "timeout")
+    quiet = Interval(9.0, 10.0, {"generation_tokens": 0.0, "prompt_tokens": 0.0}, {"running": 0.0, "waiting": 0.0})
+    assert is_idle(up, quiet, 10.0) is True
+    assert is_idle(down, quiet, 11.0) is None and is_idle(up, quiet, 11.0) is None  # no interval ending at t
+    busy = Interval(9.0, 10.0, {"generation_tokens": 12.0}, {"running": 1.0, "waiting": 0.0})
+    assert is_idle(up, busy, 10.0) is False
 
 def test_long_stretch_refreshes_and_commits_at_its_end():
     lr = IdleLearner(settle_seconds=0, min_seconds=30, refresh_seconds=100)

@@ -27,6 +27,9 @@ log = logging.getLogger("kvwatt.baseline")
 STATE_FILE = "idle-baseline.json"
 FORMAT_VERSION = 1
 REFRESH_SECONDS = 600.0  # during one long idle stretch, re-commit the (longer) estimate this often
+# a server that did not answer for up to this long leaves an idle stretch standing (those steps count for no
+# device); its next answer's interval spans the gap, so work done meanwhile still ends the stretch. Longer: over.
+UNKNOWN_HOLD_SECONDS = 10.0
 
 
 @dataclass(frozen=True)
@@ -96,7 +99,8 @@ class IdleLearner:
     """busy -> settling (idle, waiting ``settle_seconds``) -> measuring (accumulating per device).
 
     ``feed(t, idle, joules)``: ``idle`` says whether the interval ending at ``t`` was idle (server up, no
-    running or waiting requests, no tokens); ``joules`` maps device -> (joules, seconds between that device's
+    running or waiting requests, no tokens), None when that is unknown (the server did not answer at ``t``: the
+    step counts for no device, and a stretch survives up to UNKNOWN_HOLD_SECONDS of them); ``joules`` maps device -> (joules, seconds between that device's
     own readings) from DeviceTracker.spans, or plain joules over the tick (None = no sample: that interval
     does not count for that device, rule 3). The arithmetic is IdleAccumulator's. Returns estimates to commit: when a
     device first reaches ``min_seconds`` of idle samples, every ``refresh_seconds`` after, and when the
@@ -109,15 +113,21 @@ class IdleLearner:
     state: str = "busy"
     idle_since: float | None = None
     prev_t: float | None = None
+    unknown_since: float | None = None
     accum: IdleAccumulator = field(default_factory=IdleAccumulator)
 
     @property
     def acc(self) -> dict[str, _Accum]:
         return self.accum.acc
 
-    def feed(self, t: float, idle: bool, joules: Mapping[str, float | None],
+    def feed(self, t: float, idle: bool | None, joules: Mapping[str, float | None],
              temperatures: Mapping[str, float | None] | None = None) -> list[IdleEstimate]:
         prev_t, self.prev_t = self.prev_t, t
+        if idle is None:  # the server did not answer: no sample, and the stretch holds for a short gap
+            if self.unknown_since is None:
+                self.unknown_since = prev_t if prev_t is not None else t
+            return self._end() if self.state != "busy" and t - self.unknown_since > UNKNOWN_HOLD_SECONDS else []
+        self.unknown_since = None
         if not idle or prev_t is None or t <= prev_t:
             return self._end() if not idle else []
         if self.state == "busy":
@@ -146,7 +156,7 @@ class IdleLearner:
         """The stretch ended: hand out what grew since the last estimate, then start over."""
         out = [a.estimate(d) for d, a in self.accum.acc.items()
                if a.seconds >= self.min_seconds and a.seconds > a.emitted_seconds]
-        self.state, self.idle_since, self.accum = "busy", None, IdleAccumulator()
+        self.state, self.idle_since, self.unknown_since, self.accum = "busy", None, None, IdleAccumulator()
         return out
 
 

@@ -41,14 +41,24 @@ class TickEnergy:
     by_server: dict[str, dict[str, tuple[float | None, float | None]]] = field(default_factory=dict)
 
 
-def is_idle(status: SourceStatus, interval: Interval | None, t: float) -> bool:
+def is_idle(status: SourceStatus, interval: Interval | None, t: float) -> bool | None:
     """Idle for the baseline: the server answered at t, and its interval ending at t shows no running or
-    waiting requests and no prompt or generated tokens (unknown counts as not idle)."""
+    waiting requests and no prompt or generated tokens. None when the server did not answer at t (the idle
+    learner holds its stretch over a short gap: the next interval spans it, so work in the gap still shows)."""
     if not status.up or interval is None or interval.t1 != t:
-        return False
+        return None
     g, d = interval.gauges, interval.deltas
     return (g.get("running") == 0 and g.get("waiting") == 0
             and (d.get("generation_tokens") or 0) == 0 and (d.get("prompt_tokens") or 0) == 0)
+
+
+def everyone_idle(idle_by_server: Mapping[str, bool | None]) -> bool | None:
+    """The shared devices' idleness (host zones, unassigned GPUs): busy when any server is busy, unknown when
+    none is busy but one did not answer, idle when every server is."""
+    values = list(idle_by_server.values())
+    if not values or False in values:
+        return False
+    return None if None in values else True
 
 
 class EnergyLedger:
@@ -126,7 +136,7 @@ class EnergyLedger:
         for scope, (joules, idle) in self.last.by_server.get(server, {}).items():
             history.add_energy(scope, joules, idle)
 
-    def learn(self, t: float, idle_by_server: Mapping[str, bool]) -> None:
+    def learn(self, t: float, idle_by_server: Mapping[str, bool | None]) -> None:
         """Feed the idle learners with each device's own span (IdleAccumulator's arithmetic)."""
         energy = self.last
         if energy is None or energy.t != t:
@@ -138,10 +148,9 @@ class EnergyLedger:
         for name, idle in idle_by_server.items():
             self._learn(self.learners[name], t, idle, self.assignment.by_server.get(name, ()), energy, temps)
         shared = [d for d, r in self.readings.items() if r.kind == "host"] + list(self.assignment.unassigned)
-        everyone = bool(idle_by_server) and all(idle_by_server.values())
-        self._learn(self.shared_learner, t, everyone, shared, energy, temps)
+        self._learn(self.shared_learner, t, everyone_idle(idle_by_server), shared, energy, temps)
 
-    def _learn(self, learner: IdleLearner, t: float, idle: bool, devices: Sequence[str], energy: TickEnergy,
+    def _learn(self, learner: IdleLearner, t: float, idle: bool | None, devices: Sequence[str], energy: TickEnergy,
                temps: dict) -> None:
         estimates = learner.feed(t, idle, {d: energy.spans.get(d) for d in devices}, temps)
         if estimates:
