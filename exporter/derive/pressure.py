@@ -5,7 +5,7 @@ from __future__ import annotations
 from bisect import bisect_right
 from dataclasses import dataclass
 
-from exporter.quantile import quantile
+from exporter.quantile import interpolate_sorted, quantile
 from exporter.store import WindowAggregate
 
 __all__ = ["quantile", "kv_usage_quantile", "pools_above_threshold", "above_threshold", "rate_per_second",
@@ -16,10 +16,9 @@ MAX_STEPS_PER_SECOND = 1000.0  # engine steps per second when the engine does no
 
 
 def kv_usage_quantile(x: WindowAggregate, q: float) -> float | None:
-    """Quantile of vllm:kv_cache_usage_perc over the window's dense (tick) samples: PromQL's quantile_over_time
-    (rank q x (n - 1) in the sorted samples, linear between its two neighbours; the arithmetic is
-    exporter/quantile.py interpolate_sorted, the sorted samples the window's own, store/aggregate.py)."""
-    return x.quantile("kv_usage", q)
+    """Quantile of vllm:kv_cache_usage_perc over the window's dense (tick) samples: PromQL's quantile_over_time,
+    rank q x (n - 1) in the sorted samples, linear between its two neighbours (interpolate_sorted)."""
+    return interpolate_sorted(x.sorted_gauge("kv_usage"), q)
 
 
 def pools_above_threshold(x: WindowAggregate, threshold: float) -> int | None:
