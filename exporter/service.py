@@ -54,10 +54,11 @@ def tune_runtime(daemon: Daemon | None = None) -> None:
 
 
 async def serve(cfg: Config, limits: WebLimits | None = None, web_config: WebConfig | None = None,
-                telemetry_path: str = "/metrics", sampler: Sampler | None = None) -> None:
+                telemetry_path: str = "/metrics", sampler: Sampler | None = None, notes: tuple[str, ...] = ()) -> None:
     """Open the state directory, build the model with its books, serve the web endpoints and run the
     daemon's loop until SIGTERM or SIGINT. CannotListen when the address cannot be bound. ``sampler``: the
-    daemon's own by default (`kvwatt demo` gives one with its simulated GPUs)."""
+    daemon's own by default (`kvwatt demo` gives one with its simulated GPUs). ``notes``: what start-up changed
+    (the open-file limit), logged once kvwatt listens."""
     state = open_state_dir(cfg.state_dir)  # locked for the daemon's life; never fatal (exporter.statedir)
     try:
         cfg = replace(cfg, state_dir=state.path)
@@ -75,6 +76,8 @@ async def serve(cfg: Config, limits: WebLimits | None = None, web_config: WebCon
         log.info("%s listening on %s%s (%s), watching %s", build_info().line(), cfg.listen, telemetry_path,
                  web_config.describe() if web_config else "http, no auth",
                  ", ".join(shown_server(s) for s in cfg.servers))
+        for note in notes:
+            log.info("%s", note)
         tune_runtime(daemon)
         if any(is_unconfigured_default(s) for s in cfg.servers):
             log.info("no server configured: watching %s; if nothing answers there, start vLLM on it, pass "

@@ -29,29 +29,30 @@ def config_from_args(args: argparse.Namespace) -> Config:
 
 
 def web_settings(args: argparse.Namespace, cfg: Config):
-    """The web limits and configuration from the flags (ConfigError on bad input); raises the fd limit."""
+    """The web limits and configuration from the flags (ConfigError on bad input); raises the fd limit. Returns
+    what changed as lines to log once kvwatt listens: bad input found later (a model config, a recorded profile)
+    is then still one line alone."""
     if args.web_max_connections <= 0:
         raise ConfigError(f"--web.max-connections: expected a positive integer, got {args.web_max_connections}")
     read_timeout = parse_duration(args.web_read_timeout, "--web.read-timeout")
     path = args.web_config_file or cfg.web_config_path
     web_config = webconfig.load(path) if path else None
     before, soft = connections.raise_fd_limit()
-    if soft != before:
-        log.info("open-file limit raised from %d to %d", before, soft)
+    notes = [f"open-file limit raised from {before} to {soft}"] if soft != before else []
     max_connections = connections.fit_max_connections(args.web_max_connections, soft)
     if max_connections < args.web_max_connections:
-        log.info("--web.max-connections lowered from %d to %d to fit the open-file limit %d",
-                 args.web_max_connections, max_connections, soft)
-    return WebLimits(max_connections, read_timeout), web_config
+        notes.append(f"--web.max-connections lowered from {args.web_max_connections} to {max_connections} to fit "
+                     f"the open-file limit {soft}")
+    return WebLimits(max_connections, read_timeout), web_config, tuple(notes)
 
 
 def main(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     telemetry_path = parse_telemetry_path(args.telemetry_path, "--web.telemetry-path")
     logsetup.setup(cfg.log_level, cfg.log_format)
-    limits, web_config = web_settings(args, cfg)
+    limits, web_config, notes = web_settings(args, cfg)
     try:
-        asyncio.run(serve(cfg, limits, web_config, telemetry_path))
+        asyncio.run(serve(cfg, limits, web_config, telemetry_path, notes=notes))
     except CannotListen as e:  # e.g. the port is taken
         log.error("cannot serve on %s: %s", cfg.listen, e)
         return 2

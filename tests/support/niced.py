@@ -10,14 +10,20 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 
 def _group_niceness(niceness: int) -> None:
-    try:
-        with open("/proc/self/autogroup", "w") as f:
-            f.write(str(niceness))
-    except OSError:
-        pass  # no autogroup (disabled, or not Linux), or a raise without the privilege: the nice value is all
+    # without CAP_SYS_ADMIN the kernel takes one such write per 100 ms machine-wide (EAGAIN): a few tries
+    for _ in range(10):
+        try:
+            with open("/proc/self/autogroup", "w") as f:
+                f.write(str(niceness))
+            return
+        except BlockingIOError:
+            time.sleep(0.11)
+        except OSError:
+            return  # no autogroup (disabled, or not Linux), or a raise without the privilege: the nice value is all
 
 
 def come_first(niceness: int = -10) -> None:
