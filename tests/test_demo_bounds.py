@@ -19,7 +19,7 @@ import pytest
 import requests
 
 from exporter import catalog
-from tests.support.daemon import parse_exposition
+from tests.support.daemon import ADDRESS_IN_USE, BIND_TRIES, parse_exposition
 from tests.support.engine import free_port
 from tests.test_demo import REPO
 
@@ -67,18 +67,32 @@ def _wait_healthy(proc: subprocess.Popen, url: str, log_path, timeout: float = 3
     raise AssertionError(f"kvwatt demo did not answer /healthz in {timeout:.0f} s:\n{log_path.read_text()[-3000:]}")
 
 
+def _start_demo(log_path) -> tuple[subprocess.Popen, str]:
+    """`kvwatt demo` on a free port, answering /healthz; started again on another port when free_port()'s was
+    taken before the demo bound it (ADDRESS_IN_USE, as tests/support/daemon.py does)."""
+    for attempt in range(BIND_TRIES):
+        port = free_port()
+        with open(log_path, "w") as log_file:
+            proc = subprocess.Popen([sys.executable, "-m", "exporter", "demo", "--listen", f"127.0.0.1:{port}",
+                                     "--speed", str(SPEED)], cwd=REPO, stdout=log_file, stderr=subprocess.STDOUT)
+        try:
+            _wait_healthy(proc, f"http://127.0.0.1:{port}", log_path)
+            return proc, f"http://127.0.0.1:{port}"
+        except AssertionError as e:
+            proc.kill()
+            proc.wait()
+            if ADDRESS_IN_USE not in str(e) or attempt == BIND_TRIES - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
 @pytest.mark.browser
 @pytest.mark.slow
 def test_the_demo_shows_no_figure_outside_its_bounds_over_its_whole_story(tmp_path):
-    port = free_port()
     log_path = tmp_path / "demo.log"
-    with open(log_path, "w") as log_file:
-        proc = subprocess.Popen([sys.executable, "-m", "exporter", "demo", "--listen", f"127.0.0.1:{port}",
-                                 "--speed", str(SPEED)], cwd=REPO, stdout=log_file, stderr=subprocess.STDOUT)
+    proc, url = _start_demo(log_path)
     seen: dict = {"shares": 0, "bad": []}
     try:
-        url = f"http://127.0.0.1:{port}"
-        _wait_healthy(proc, url, log_path)
         asyncio.run(_read_page_over_the_story(url, seen))
         metrics = parse_exposition(requests.get(url + "/metrics", timeout=5).text)
     finally:

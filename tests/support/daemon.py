@@ -27,6 +27,8 @@ import yaml
 from tests.support.engine import free_port  # noqa: F401 (re-exported: tests import it from here)
 
 REPO = Path(__file__).resolve().parents[2]
+ADDRESS_IN_USE = "address already in use"  # kvwatt's "cannot serve on ...: [Errno 98] ... address already in use"
+BIND_TRIES = 3
 
 
 def parse_exposition(text: str) -> dict[tuple[str, frozenset], float]:
@@ -59,18 +61,38 @@ class KvwattDaemon:
         cfg.setdefault("powercap_root", os.path.join(self.tmp.name, "no-powercap"))
         if servers:  # a value is a URL, or a mapping of server keys (url, gpus, ...)
             cfg["servers"] = [{"name": n, **({"url": u} if isinstance(u, str) else u)} for n, u in servers.items()]
-        cfg["listen"] = f"127.0.0.1:{self.port}"
         cfg["interval"] = interval
         self.config_path = os.path.join(self.tmp.name, "kvwatt.yaml")
-        with open(self.config_path, "w") as f:
-            yaml.safe_dump(cfg, f)
+        self._cfg = cfg
+        self._write_config()
         self.env = {**os.environ, **(env or {})}
         self.args = args
         self.module = module  # what `python -m` runs: kvwatt, or a launcher that injects a fault into it
         self.log_path = os.path.join(self.tmp.name, "kvwatt.log")
         self.proc: subprocess.Popen | None = None
 
+    def _write_config(self) -> None:
+        self._cfg["listen"] = f"127.0.0.1:{self.port}"
+        with open(self.config_path, "w") as f:
+            yaml.safe_dump(self._cfg, f)
+
     def start(self, timeout: float = 20.0) -> "KvwattDaemon":
+        """Start kvwatt and wait for /healthz. free_port()'s port can be taken before kvwatt binds it (another
+        test's connection got it as its ephemeral port): then kvwatt says so and exits, and it is started again
+        on another port, up to BIND_TRIES times."""
+        for attempt in range(BIND_TRIES):
+            try:
+                return self._start(timeout)
+            except RuntimeError as e:
+                if ADDRESS_IN_USE not in str(e) or attempt == BIND_TRIES - 1:
+                    raise
+                self._log.close()
+                self.port = free_port()
+                self.url = f"{self.url.split('://')[0]}://127.0.0.1:{self.port}"
+                self._write_config()
+        raise AssertionError("unreachable")
+
+    def _start(self, timeout: float) -> "KvwattDaemon":
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen([sys.executable, "-m", self.module, "run", "--config", self.config_path,
                                       *self.args], cwd=REPO, env=self.env, stdout=self._log,
