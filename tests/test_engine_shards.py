@@ -117,12 +117,12 @@ def _run_tiers():
 def test_each_shard_has_its_own_core_and_the_solo_pass_comes_last(monkeypatch):
     monkeypatch.setenv("KVWATT_ENGINE_SHARDS", "2")
     passes = _run_tiers().passes("all", None)
-    shards = [env for _, runs in passes for args, env, engine in runs if "--engine-shard" in args and engine
-              and args[args.index("--engine-shard") + 1] != "solo"]
+    shards = [r.env for _, runs in passes for r in runs if "--engine-shard" in r.args and r.engine
+              and r.args[r.args.index("--engine-shard") + 1] != "solo"]
     assert sorted(env["VLLM_CPU_OMP_THREADS_BIND"] for env in shards) == ["0", "1"]
     assert all(env["KVWATT_ENGINE_NICENESS"] == "10" for env in shards)
     last_name, last_runs = passes[-1]
-    assert [args[-1] for args, _, _ in last_runs] == ["solo"] and last_runs[0][1] == {}  # alone, not bound
+    assert [r.args[-1] for r in last_runs] == ["solo"] and last_runs[0].env == {}  # alone, not bound
 
 
 def test_stored_seconds_are_each_modules_own_and_each_shapes_start(tmp_path, monkeypatch):

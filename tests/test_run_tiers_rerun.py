@@ -27,8 +27,8 @@ def _run(tmp_path, monkeypatch, capsys, files: dict[str, str]) -> tuple[int, str
     for name, text in files.items():
         (tmp_path / "tests" / f"{name}.py").write_text(text)
     monkeypatch.setattr(run_tiers, "REPO", tmp_path)
-    monkeypatch.setattr(run_tiers, "passes", lambda kind, expr: [("one pass", [(["-p", "no:cacheprovider",
-                                                                                 "tests"], {}, False)])])
+    monkeypatch.setattr(run_tiers, "passes", lambda kind, expr: [("one pass", [run_tiers.Run(
+        ["-p", "no:cacheprovider", "tests"], {}, False)])])
     code = run_tiers.main(["all"])
     return code, capsys.readouterr().out
 

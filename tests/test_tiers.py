@@ -141,3 +141,22 @@ def test_long_unmarked_tests_fail_and_engine_tests_need_the_engine(tmp_path):
     assert re.search(r"test_unmarked_long ran \d+ s \(> \d+ s\) without a tier marker", out), out
     assert "the vLLM engine is not installed" in out and "make test" in out
     assert r.returncode == 1
+
+
+def test_modules_with_a_real_time_scenario_are_collected_first_each_kept_whole(tmp_path):
+    """The order parallel workers take modules in (--dist loadfile): a slow-marked module first, so the longest
+    waits start first, each module's tests together and in their own order."""
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "conftest.py").write_text(ALL_HOOKS)
+    (project / "test_a.py").write_text("def test_a1():\n    pass\n\ndef test_a2():\n    pass\n")
+    (project / "test_b.py").write_text("import pytest\n\ndef test_b1():\n    pass\n\n"
+                                       "@pytest.mark.slow\ndef test_b2():\n    pass\n\ndef test_b3():\n    pass\n")
+    (project / "test_c.py").write_text("def test_c1():\n    pass\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--collect-only", "-q",
+                        "-m", "", "-o", "markers=slow", "."], cwd=project, env=env, capture_output=True, text=True,
+                       timeout=120)
+    ids = [line for line in r.stdout.splitlines() if "::" in line]
+    assert ids == ["test_b.py::test_b1", "test_b.py::test_b2", "test_b.py::test_b3", "test_a.py::test_a1",
+                   "test_a.py::test_a2", "test_c.py::test_c1"], r.stdout + r.stderr
