@@ -137,7 +137,8 @@ def model_joules_per_token(runs: list[dict]) -> float:
 
 
 def failure_plan(tmp_path: Path, port: int, bad_extra: str, seed: int) -> Path:
-    command = server_command(build_tiny_model()) + ["{extra}"]
+    # eager: three full starts here, each half as long uncompiled; the failure paths need tokens, not speed
+    command = server_command(build_tiny_model()) + ["--enforce-eager", "{extra}"]
     return write_plan(
         tmp_path / "failures.yaml", name="failures", seed=seed, repeats=1, sample_interval="1s",
         phases={"settle": "0s", "idle": "2s", "warmup": "2s", "measure": "6s", "cooldown": "0s"},
