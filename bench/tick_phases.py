@@ -5,8 +5,8 @@ apart, in the CPU time of the thread running them (a busy machine shows in the w
 
 bench/soak.py's workload and daemon (exporter.daemon.Daemon, tuned as `kvwatt run` tunes it), the history filled
 time-compressed to the plateau (the longest kept span + 300 s), then ``--ticks`` ticks, each split into the
-stages Daemon.step runs: ingest (store, buckets, learners), snapshot (the figures), the bounds check, the families
-(collector) and the text exposition, plus the GC policy. Prints the median and the maximum of each stage and of
+stages Daemon.step runs: ingest (store, buckets, learners), snapshot (the figures), the bounds check, the samples
+(collector.collect) and the text exposition (written from them), plus the GC policy. Prints the median and the maximum of each stage and of
 the whole, and the slowest ticks with the collections inside them. No /metrics scraper runs (bench/soak.py measures
 the tick beside one): the difference between the two is what serving costs the tick.
 """
@@ -27,11 +27,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_derive import T0  # noqa: E402
 from soak import SoakWorkload, build  # noqa: E402
 
-from exporter.serve.collector import families, runtime_families  # noqa: E402
-from exporter.serve.exposition import Exposition  # noqa: E402
+from exporter.serve.collector import collect, exposition_of  # noqa: E402
 from exporter.service import tune_runtime  # noqa: E402
 
-STAGES = ("ingest", "snapshot", "bounds", "families", "text", "gc_policy")
+STAGES = ("ingest", "snapshot", "bounds", "samples", "text", "gc_policy")
 
 
 def timed_tick(daemon, tick) -> list[float]:
@@ -44,9 +43,9 @@ def timed_tick(daemon, tick) -> list[float]:
     marks.append(c())
     snap = daemon.bounds.apply(snap)
     marks.append(c())
-    fams = families(snap, daemon.cfg.metrics_opt_in) + runtime_families()
+    collected = collect(snap, daemon.cfg.metrics_opt_in)
     marks.append(c())
-    Exposition(fams)
+    exposition_of(collected)
     marks.append(c())
     if daemon.gc_policy is not None:
         daemon.gc_policy.after_tick(tick.t)

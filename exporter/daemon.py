@@ -18,7 +18,7 @@ from exporter.gcpolicy import FreezePolicy
 from exporter.model import Model
 from exporter.samples import Tick
 from exporter.sampler import Sampler
-from exporter.serve.collector import families, runtime_families
+from exporter.serve.collector import exposition
 from exporter.serve.exposition import Exposition
 
 log = logging.getLogger("kvwatt")
@@ -57,12 +57,12 @@ class Daemon:
         return None if p is None else p.snapshot
 
     def step(self, tick: Tick) -> Snapshot:
-        """One tick's work after the reads: learn, derive the figures once, collect the families (the catalog's
-        and the process' own) and render the text exposition, publish (one reference assignment, so a request
+        """One tick's work after the reads: learn, derive the figures once, collect the samples (the catalog's
+        and the process' own) and write the text exposition, publish (one reference assignment, so a request
         sees the old tick or the new one, never a mix)."""
         self.model.ingest(tick)
         snap = self.bounds.apply(self.model.snapshot())  # the one check, before anything is served
-        self.published = Published(snap, Exposition(families(snap, self.cfg.metrics_opt_in) + runtime_families()))
+        self.published = Published(snap, exposition(snap, self.cfg.metrics_opt_in))
         self.last_tick_t, self.ticks = tick.t, self.ticks + 1
         if self.gc_policy is not None:
             self.gc_policy.after_tick(tick.t)

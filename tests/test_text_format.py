@@ -11,7 +11,7 @@ from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, Hist
                                     InfoMetricFamily)
 from prometheus_client.exposition import generate_latest
 
-from exporter.serve.collector import families, runtime_families
+from exporter.serve.collector import exposition, families, runtime_families
 from exporter.serve.exposition import Exposition, _Families, _fast_lines, text_format
 from tests.test_golden import run_scenario
 
@@ -53,3 +53,39 @@ def test_families_off_the_fast_path_go_through_generate_latest(make):
     assert _fast_lines(fam) is None
     fams = [GaugeMetricFamily("kvwatt_before", "b", value=1.0), fam, GaugeMetricFamily("kvwatt_after", "a", value=2.0)]
     assert text_format(fams) == reference(fams)  # the order kept around the fallback
+
+
+def test_the_tick_writes_the_text_from_the_samples_byte_for_byte_and_builds_families_only_when_asked(tmp_path):
+    """collector.exposition writes the text format straight from the catalog's samples: the same bytes as
+    generate_latest over the families (every catalog family of the golden scenario, the process' own ones), and
+    the families for the other forms are built on the first scrape that asks for one."""
+    daemon = run_scenario(tmp_path)
+    built = []
+    exp = exposition(daemon.snapshot, frozenset({"all"}))
+    exp._families = (lambda make: lambda: built.append(1) or make())(exp._families)
+    fams = families(daemon.snapshot) + runtime_families()
+    # the process' own families change between two reads (CPU seconds, GC counts): compare the catalog's part
+    text, ref = exp.text.decode(), reference(fams).decode()
+    assert text[:text.index("# HELP process_")] == ref[:ref.index("# HELP process_")]
+    assert "# HELP python_gc_objects_collected_total" in text and text.endswith("\n")
+    assert built == []
+    om = exp.serve("application/openmetrics-text; version=1.0.0", None, None)
+    assert built == [1] and om.body.startswith(b"# HELP kvwatt_") and om.body.endswith(b"# EOF\n")
+    subset = exp.serve(None, None, {"kvwatt_build_info"})
+    assert subset.body.startswith(b"# HELP kvwatt_build_info") and built == [1]  # built once
+
+
+def test_label_values_rendered_once_are_reused_and_still_escaped():
+    from exporter.serve.exposition import sample_lines
+    rows = [(("s1", 'a"b\\c\nd'), 1.5), (("s2", "w"), 2.0)]
+    first = sample_lines("kvwatt_t_ratio", "gauge", "h", ("server", "window"), rows)
+    again = sample_lines("kvwatt_t_ratio", "gauge", "h", ("server", "window"), rows)
+    g = GaugeMetricFamily("kvwatt_t_ratio", "h", labels=["server", "window"])
+    for labels, v in rows:
+        g.add_metric(list(labels), v)
+    assert "".join(first) == "".join(again) == reference([g]).decode()
+    # label names declared out of alphabetical order: written sorted, as generate_latest does
+    swapped = sample_lines("kvwatt_u", "counter", "c", ("zone", "domain"), [(("z", "d"), 3.0)])
+    c = CounterMetricFamily("kvwatt_u", "c", labels=["zone", "domain"])
+    c.add_metric(["z", "d"], 3.0)
+    assert "".join(swapped) == reference([c]).decode()

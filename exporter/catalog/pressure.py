@@ -135,7 +135,7 @@ REGIME: tuple[MetricDef, ...] = (
         help="KV-p95 threshold located from this server's own history: the p95 cut between clean windows and windows "
              "with sustained preemptions (method=preemption_onset) or a recomputation tax above noise "
              "(method=tax_onset), methods.md s10. Absent until the evidence is there.",
-        computes="derive.threshold.locate",
+        computes="derive.threshold.locate_why",
         section=SECTION,
         fill=_located("ratio"),
         bounds=bounds.SHARE,
@@ -143,7 +143,7 @@ REGIME: tuple[MetricDef, ...] = (
     MetricDef(
         name="kvwatt_kv_pressure_threshold_located_low_ratio", type="gauge", labels=("server", "method"),
         help="Lower end of the located threshold's interval: the highest clean window's p95 (its lower bound).",
-        computes="derive.threshold.locate",
+        computes="derive.threshold.locate_why",
         section=SECTION,
         fill=_located("low"),
         bounds=bounds.SHARE,
@@ -151,7 +151,7 @@ REGIME: tuple[MetricDef, ...] = (
     MetricDef(
         name="kvwatt_kv_pressure_threshold_located_high_ratio", type="gauge", labels=("server", "method"),
         help="Upper end of the located threshold's interval: the lowest pressured window's p95 (its upper bound).",
-        computes="derive.threshold.locate",
+        computes="derive.threshold.locate_why",
         section=SECTION,
         fill=_located("high"),
         bounds=bounds.SHARE,
@@ -159,7 +159,7 @@ REGIME: tuple[MetricDef, ...] = (
     MetricDef(
         name="kvwatt_kv_pressure_threshold_located_windows", type="gauge", labels=("server", "method"),
         help="Number of evidence windows (threshold_window each, clean or pressured) the located threshold rests on.",
-        computes="derive.threshold.locate",
+        computes="derive.threshold.locate_why",
         section=SECTION,
         fill=_located("points"),
         bounds=bounds.NON_NEGATIVE,

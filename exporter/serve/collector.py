@@ -14,6 +14,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 
 from exporter import catalog, optin
 from exporter.figures import Snapshot
+from exporter.serve.exposition import Exposition, sample_lines, text_format
 
 
 def _value(v) -> float | None:
@@ -39,30 +40,73 @@ def bounded_label(value: str) -> str:
     return value[:MAX_LABEL_CHARS - len(TRUNCATION_MARKER) - _HASH_CHARS] + TRUNCATION_MARKER + digest
 
 
-def family(d: catalog.MetricDef, snap: Snapshot) -> Metric | None:
-    """The family of one definition for this snapshot, or None when it has no sample (not exported)."""
-    fam = None
+Samples = list[tuple[tuple[str, ...], float]]  # one family's (label values, value), as exported
+
+
+def samples(d: catalog.MetricDef, snap: Snapshot) -> Samples:
+    """One definition's samples for this snapshot: unknown (None, NaN) and rejected values (exporter/bounds.py)
+    left out, label values bounded (empty: the family is not exported)."""
+    out: Samples = []
     seen: set[tuple[str, ...]] = set()
-    rejected = {r.labels for r in snap.implausible if r.figure == d.name}  # exporter/bounds.py
+    rejected = {r.labels for r in snap.implausible if r.figure == d.name} if snap.implausible else None
     for raw_labels, value in d.fill(snap):
         value = _value(value)
         if value is None or (rejected and tuple(zip(d.labels, map(str, raw_labels))) in rejected):
             continue
-        labels = tuple(bounded_label(str(x)) for x in raw_labels)
+        labels = tuple([bounded_label(str(x)) for x in raw_labels])
         if labels in seen:  # one definition, one sample per label set: a duplicate is a bug upstream
             raise ValueError(f"{d.name}{dict(zip(d.labels, labels))}: duplicate sample")
         seen.add(labels)
-        if fam is None:
-            cls = CounterMetricFamily if d.type == "counter" else GaugeMetricFamily
-            fam = cls(d.name, d.help, labels=d.labels)
+        out.append((labels, value))
+    return out
+
+
+def metric(d: catalog.MetricDef, got: Samples) -> Metric:
+    """The prometheus_client family of one definition's samples."""
+    cls = CounterMetricFamily if d.type == "counter" else GaugeMetricFamily
+    fam = cls(d.name, d.help, labels=d.labels)
+    for labels, value in got:
         fam.add_metric(list(labels), value)
     return fam
 
 
+def family(d: catalog.MetricDef, snap: Snapshot) -> Metric | None:
+    """The family of one definition for this snapshot, or None when it has no sample (not exported)."""
+    got = samples(d, snap)
+    return metric(d, got) if got else None
+
+
+Collected = list[tuple[catalog.MetricDef, Samples]]
+
+
+def collect(snap: Snapshot, opt_in: frozenset[str] = frozenset({optin.ALL})) -> Collected:
+    """Every catalog family with a sample, as (definition, samples); ``opt_in``: the configuration's
+    metrics_opt_in (the daemon passes it; the default, every family, is what the catalog declares)."""
+    return [(d, got) for d in catalog.METRICS if optin.exported(d.name, opt_in) and (got := samples(d, snap))]
+
+
 def families(snap: Snapshot, opt_in: frozenset[str] = frozenset({optin.ALL})) -> list[Metric]:
-    """Every catalog family with a sample; ``opt_in``: the configuration's metrics_opt_in (the daemon passes
-    it; the default, every family, is what the catalog declares)."""
-    return [f for d in catalog.METRICS if optin.exported(d.name, opt_in) and (f := family(d, snap)) is not None]
+    """Every catalog family with a sample, as prometheus_client families."""
+    return [metric(d, got) for d, got in collect(snap, opt_in)]
+
+
+def exposition(snap: Snapshot, opt_in: frozenset[str]) -> Exposition:
+    """What /metrics serves until the next tick: the catalog's families and the process' own. The text format is
+    written at once, straight from the samples (a third of the cost of building the families and then writing
+    them: at 64 servers ~9,000 samples a tick); the prometheus_client families, which the other forms
+    (OpenMetrics, name[] subsets) serialise, are built on the first scrape that asks for one."""
+    return exposition_of(collect(snap, opt_in))
+
+
+def exposition_of(collected: Collected) -> Exposition:
+    runtime = runtime_families()
+    text = "".join(line for d, got in collected for line in _lines(d, got)) + text_format(runtime).decode("utf-8")
+    return Exposition.lazy(text.encode("utf-8"), lambda: [metric(d, got) for d, got in collected] + runtime)
+
+
+def _lines(d: catalog.MetricDef, got: Samples) -> list[str]:
+    lines = sample_lines(d.name, "counter" if d.type == "counter" else "gauge", d.help, d.labels, got)
+    return lines if lines is not None else [text_format([metric(d, got)]).decode("utf-8")]
 
 
 # The standard process_* and python_* families of the kvwatt process (the catalog's one documented exception,

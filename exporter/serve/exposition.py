@@ -15,7 +15,7 @@ from __future__ import annotations
 import gzip
 import re
 import threading
-from typing import Iterable, NamedTuple
+from typing import Callable, Iterable, NamedTuple
 
 from functools import partial
 
@@ -134,30 +134,53 @@ def _escape_value(v: str) -> str:
     return v.replace("\\", r"\\").replace("\n", r"\n").replace('"', r'\"')
 
 
+# label names -> label values -> their rendering inside {...}: the same servers and windows come back every tick
+_INNER: dict[tuple[str, ...], dict[tuple[str, ...], str]] = {}
+_INNER_MAX = 65536  # entries per label-name tuple before that cache starts again (servers that came and went)
+
+
+def sample_lines(name: str, mtype: str, doc: str, label_names: tuple[str, ...],
+                 samples: Iterable[tuple[tuple[str, ...], float]]) -> list[str] | None:
+    """generate_latest's lines for a gauge or counter family ``name`` (a counter's without or with its _total)
+    given as (label values in ``label_names``' order, value); None when a name needs escaping (then
+    generate_latest must write it)."""
+    wire = (name if name.endswith("_total") else name + "_total") if mtype == "counter" else name
+    if mtype not in ("gauge", "counter") or not _LEGACY_NAME.fullmatch(wire) \
+            or not all(_LEGACY_LABEL.fullmatch(k) for k in label_names):
+        return None
+    order = sorted(range(len(label_names)), key=label_names.__getitem__)  # generate_latest sorts labels by name
+    keys = [label_names[i] for i in order]
+    cache = _INNER.setdefault(tuple(label_names), {})
+    if len(cache) > _INNER_MAX:
+        cache.clear()
+    doc = doc.replace("\\", r"\\").replace("\n", r"\n")
+    lines = [f"# HELP {wire} {doc}\n# TYPE {wire} {mtype}\n"]
+    for values, value in samples:
+        inner = cache.get(values)
+        if inner is None:
+            inner = cache[values] = ",".join([f'{k}="{_escape_value(values[i])}"' for k, i in zip(keys, order)])
+        v = floatToGoString(value)
+        lines.append(f"{wire}{{{inner}}} {v}\n" if keys else f"{wire} {v}\n")
+    return lines
+
+
 def _fast_lines(metric: Metric) -> list[str] | None:
-    """generate_latest's lines for a gauge or counter whose names need no escaping and whose samples all share
-    the family's label names (the catalog's, process_*, python_*); None for anything else."""
+    """sample_lines of a prometheus_client gauge or counter whose samples all share the family's label names
+    (the catalog's, process_*, python_*); None for anything else."""
     mtype, name = metric.type, metric.name
-    if mtype not in ("gauge", "counter") or not _LEGACY_NAME.fullmatch(name):
+    if mtype not in ("gauge", "counter"):
         return None
     wire = name + "_total" if mtype == "counter" else name
-    samples = metric.samples
-    keys = sorted(samples[0].labels) if samples else []
-    if not all(_LEGACY_LABEL.fullmatch(k) for k in keys):
-        return None
-    doc = metric.documentation.replace("\\", r"\\").replace("\n", r"\n")
-    lines = [f"# HELP {wire} {doc}\n# TYPE {wire} {mtype}\n"]
-    for s in samples:
-        labels = s.labels
-        if s.name != wire or s.timestamp is not None or len(labels) != len(keys):
+    names = tuple(metric.samples[0].labels) if metric.samples else ()
+    rows = []
+    for s in metric.samples:
+        if s.name != wire or s.timestamp is not None or len(s.labels) != len(names):
             return None
         try:
-            inner = ",".join([f'{k}="{_escape_value(labels[k])}"' for k in keys])
+            rows.append((tuple([s.labels[k] for k in names]), s.value))
         except KeyError:
             return None
-        value = floatToGoString(s.value)
-        lines.append(f"{wire}{{{inner}}} {value}\n" if keys else f"{wire} {value}\n")
-    return lines
+    return sample_lines(name, mtype, metric.documentation, names, rows)
 
 
 def text_format(families: list[Metric]) -> bytes:
@@ -177,12 +200,28 @@ def text_format(families: list[Metric]) -> bytes:
 
 class Exposition:
     def __init__(self, families: list[Metric]):
-        # without names: restricted_registry (name[]) then filters this collector's families by sample name
-        self.registry = CollectorRegistry(auto_describe=False, support_collectors_without_names=True)
-        self.registry.register(_Families(families))
+        self._families, self._registry = (lambda: families), None
         self._cache: dict[tuple, bytes] = {}
         self._lock = threading.RLock()
         self.text = self._once((*_variant(generate_latest), False), lambda: text_format(families))
+
+    @classmethod
+    def lazy(cls, text: bytes, families: Callable[[], list[Metric]]) -> "Exposition":
+        """An exposition whose text format is written already (``text``: generate_latest's bytes for the families
+        ``families()`` returns) and whose families are built only when a scrape asks for another form."""
+        self = cls([])
+        self._families = families
+        self._cache[(*_variant(generate_latest), False)] = self.text = text
+        return self
+
+    @property
+    def registry(self) -> CollectorRegistry:
+        with self._lock:
+            if self._registry is None:
+                # without names: restricted_registry (name[]) then filters this collector's families by sample name
+                self._registry = CollectorRegistry(auto_describe=False, support_collectors_without_names=True)
+                self._registry.register(_Families(self._families()))
+            return self._registry
 
     def cached(self, accept: str | None, accept_encoding: str | None, names: set[str] | None) -> Served | None:
         """The response if it is serialised already (a dict lookup: fine on the event loop), else None."""

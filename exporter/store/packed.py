@@ -22,6 +22,7 @@ from array import array
 from typing import TYPE_CHECKING, Iterator
 
 from exporter.quantile import interpolate_sorted
+from exporter.store.aggregate import SCOPE_KEYS, scope_key
 from exporter.store.columns import IntervalColumns, Span
 
 if TYPE_CHECKING:
@@ -85,12 +86,15 @@ def pack(agg: "WindowAggregate") -> "PackedAggregate":
     out = [float(agg.n), agg.covered_seconds, agg.loaded_seconds, float(span.lo), float(span.hi)]
     main = _key_values(agg)
     out += main
+    by_key = {k: main[i * _PER_KEY:(i + 1) * _PER_KEY] for i, k in enumerate(keys)}
     scopes = []
     for name, sc in agg._scopes.items():
         if sc.n == 0:
             continue
         skeys, svalues = tuple(sc.keys()), _key_values(sc)
-        shared = skeys == keys and svalues == main
+        # a scope sums only SCOPE_KEYS: shared when each of those reads as the bucket's own
+        shared = set(skeys) == {k for k in keys if k in SCOPE_KEYS} and \
+            svalues == [v for k in skeys for v in by_key[k]]
         scopes.append((name, None if shared else skeys))
         out += (float(sc.n), sc.covered_seconds, sc.loaded_seconds, sc.energy_joules, float(sc.idle_n),
                 sc.idle_subset_idle_joules, sc.idle_subset_energy_joules, sc.idle_subset_seconds)
@@ -140,6 +144,19 @@ class PackedScope(_PackedSums):
 
     def _key_at(self) -> dict[str, int]:
         return self._keys
+
+    # as ScopeSums: only the counters of SCOPE_KEYS (a shared layout's table holds the bucket's other keys too)
+    def delta(self, key: str) -> float | None:
+        return super().delta(scope_key(key))
+
+    def seconds_with(self, key: str) -> float:
+        return super().seconds_with(scope_key(key))
+
+    def count_with(self, key: str) -> int:
+        return super().count_with(scope_key(key))
+
+    def keys(self) -> list[str]:
+        return [k for k in SCOPE_KEYS if k in self._keys]
 
     n = property(lambda self: int(self._v[self._at]))
     covered_seconds = property(lambda self: self._v[self._at + 1])
@@ -243,7 +260,7 @@ def unpack(p: PackedAggregate) -> "WindowAggregate":
         sc.n, sc._cov[0], sc._loaded[0], sc._energy[0] = int(v[at]), v[at + 1], v[at + 2], v[at + 3]
         sc.idle_n, sc._idle[0], sc._idle_energy[0], sc._idle_seconds[0] = int(v[at + 4]), v[at + 5], v[at + 6], \
             v[at + 7]
-        sc._keys = _unpacked_keys(v, keys)
+        sc._keys = _unpacked_keys(v, {k: i for k, i in keys.items() if k in SCOPE_KEYS})  # shared: the bucket's
     agg._sorted = {k: array("d") for k in ORDERED_GAUGES}
     for k in lay.gauges:
         agg._sorted[k] = array("d", p.sorted_gauge(k))

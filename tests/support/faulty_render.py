@@ -1,5 +1,5 @@
-"""`python -m tests.support.faulty_render run ...`: the real `kvwatt run`, except that collecting the exposition's
-families raises while the file named by $KVWATT_FAIL_RENDER exists (fault injection for /healthz end-to-end
+"""`python -m tests.support.faulty_render run ...`: the real `kvwatt run`, except that collecting the exposition
+raises while the file named by $KVWATT_FAIL_RENDER exists (fault injection for /healthz end-to-end
 tests).
 
     KvwattDaemon(..., module="tests.support.faulty_render", env={"KVWATT_FAIL_RENDER": flag})
@@ -12,16 +12,16 @@ import os
 from exporter import daemon
 from exporter.cli import main
 
-_real_families = daemon.families
+_real_exposition = daemon.exposition
 
 
-def families(snap, *args, **kwargs):
+def exposition(snap, *args, **kwargs):
     if os.path.exists(os.environ["KVWATT_FAIL_RENDER"]):
         raise RuntimeError("injected render failure")
-    return _real_families(snap, *args, **kwargs)
+    return _real_exposition(snap, *args, **kwargs)
 
 
-daemon.families = families  # Daemon.step looks the name up in its module at each tick
+daemon.exposition = exposition  # Daemon.step looks the name up in its module at each tick
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -12,7 +12,7 @@ from typing import Iterable
 from exporter import rules
 from exporter.derive import pressure, recompute, residency
 from exporter.derive.pressure import plausible_preemptions
-from exporter.derive.threshold import (LOW_PRESSURE_MAX, Evidence, LocatedThreshold, PressurePoint, classify, locate,
+from exporter.derive.threshold import (LOW_PRESSURE_MAX, Evidence, LocatedThreshold, PressurePoint, classify,
     locate_why, taxed)
 from exporter.store import WindowAggregate
 from exporter.model import epoch as epochs
@@ -128,10 +128,10 @@ class ThresholdLearner:
 
     def _relocate(self) -> None:
         before = self.located
-        args = (self.points, self.min_windows, 2.0, self.onset)
-        self.located = locate(*args)  # catalog: the located families' where
+        # the catalog's `computes` of the located families: the threshold, or None and why
+        self.located, why = locate_why(self.points, self.min_windows, 2.0, self.onset)
         self.quiet_streak = self._count_quiet_streak()
-        self.why_not = "" if self.located is not None else locate_why(*args)[1]
+        self.why_not = "" if self.located is not None else why
         self.reference.threshold = self.threshold
         self._log_change(before)
 
