@@ -41,19 +41,29 @@ READ_DEADLINE_FRACTION = 0.9  # of the sampling interval (RunSampler: one server
 
 @dataclass
 class IdleMeter:
-    """The idle phase: IdleAccumulator over the devices, plus how much of the phase was not idle."""
+    """The idle phase: IdleAccumulator over the devices, plus how much of the phase was not idle. A tick at which
+    the server did not answer is neither (model/energy.py is_idle: None): its energy waits for the server's next
+    answer, whose interval spans the gap and so says whether work was done in it (the daemon's idle learner holds
+    such ticks the same way, energy/baseline.py)."""
 
     accum: IdleAccumulator = field(default_factory=IdleAccumulator)
     busy_seconds: float = 0.0
     total_seconds: float = 0.0
+    pending: list = field(default_factory=list)  # (seconds, spans, temps) of the unanswered ticks since an answer
 
-    def add(self, seconds: float, idle: bool, spans: dict[str, tuple[float, float] | None], temps: dict) -> None:
+    def add(self, seconds: float, idle: bool | None, spans: dict[str, tuple[float, float] | None],
+            temps: dict) -> None:
         self.total_seconds += seconds
-        if not idle:
-            self.busy_seconds += seconds  # requests or tokens during the idle phase: reported, not measured
+        if idle is None:
+            self.pending.append((seconds, spans, temps))
             return
-        for device, span in spans.items():
-            self.accum.add(device, span, temps.get(device))
+        held, self.pending = [*self.pending, (seconds, spans, temps)], []
+        if not idle:
+            self.busy_seconds += sum(s for s, _, _ in held)  # requests or tokens in the idle phase: not measured
+            return
+        for _, tick_spans, tick_temps in held:
+            for device, span in tick_spans.items():
+                self.accum.add(device, span, tick_temps.get(device))
 
 
 class RunSampler:
