@@ -1,7 +1,7 @@
 """Runs pytest in passes and closes with one line for all of them (scripts/test.sh, scripts/test-fast.sh).
 
-    python scripts/run_tiers.py all  [pytest args...]   # the fast tier, then the prom, browser and slow tiers,
-                                                        # each in parallel workers, then the engine tier
+    python scripts/run_tiers.py all  [pytest args...]   # the fast tier and the prom, browser and slow tiers
+                                                        # side by side, in parallel workers, then the engine tier
     python scripts/run_tiers.py fast [pytest args...]   # the fast tier, in parallel workers
     python scripts/run_tiers.py all --store-engine-seconds   # also rewrites tests/engine-seconds.json
     python scripts/run_tiers.py all --install-rest   # installs the Debian packages and vLLM beside the fast tier
@@ -10,7 +10,10 @@ Why these passes: the prom, browser and slow tiers mostly wait (on kvwatt daemon
 real-time scenarios), so pytest-xdist workers overlap them, more workers than cores (KVWATT_WAIT_WORKERS, default
 4); the fast tier is mostly CPU with some waiting on subprocesses and loopback HTTP, and has tests that time
 themselves against a baseline measured alongside, so it gets one worker more than cores (KVWATT_TEST_WORKERS,
-default cores + 1; on 2 cores: 2 workers 226-229 s, 3 workers 177 s, 4 workers 163 s, all passing). The engine tier's tests wait on real-time loads with one engine
+default cores + 1; on 2 cores: 2 workers 226-229 s, 3 workers 177 s, 4 workers 163 s, all passing). The two run
+side by side (the waiting tiers used 30-70 % of two cores alone), the fast tier at FAST_NICENESS in a session of
+its own so that the real-time scenarios come first: 357 s for both instead of 234 + 273 s one after the other
+(CI-like runs here). The engine tier's tests wait on real-time loads with one engine
 computing on one core, so it runs as KVWATT_ENGINE_SHARDS (default: one per core) pytest processes side by
 side, each shard's engines bound to its own core (VLLM_CPU_OMP_THREADS_BIND) and niced (KVWATT_ENGINE_NICENESS=10:
 the tests' watchers and doubles come first), each shard a fixed set of whole modules (tests/support/
