@@ -42,7 +42,7 @@ def test_the_install_runs_beside_the_first_pass_and_is_waited_for_before_the_sec
     started = out.index("=== installing the Debian packages and vLLM beside the fast tier")
     first, steps = out.index("=== first pass"), out.index("install steps: debian vllm")
     waited, second = out.index("=== install beside the fast tier: exit 0"), out.index("=== second pass")
-    niced_started = out.index("(niceness 5)")
+    niced_started = out.index("(a session of its own, niceness 5)")
     waiting_started = out.index("--- started: pytest -p no:cacheprovider tests\n")
     assert started < first < niced_started < steps < waited < waiting_started < second, out
     assert out.rstrip().splitlines()[-1] == "tests: 3 passed, 0 failed, 0 skipped"

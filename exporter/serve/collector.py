@@ -99,6 +99,7 @@ def exposition(snap: Snapshot, opt_in: frozenset[str]) -> Exposition:
 
 
 def exposition_of(collected: Collected) -> Exposition:
+    """``exposition`` of samples already collected (bench/tick_phases.py times the two stages apart)."""
     runtime = runtime_families()
     text = "".join(line for d, got in collected for line in _lines(d, got)) + text_format(runtime).decode("utf-8")
     return Exposition.lazy(text.encode("utf-8"), lambda: [metric(d, got) for d, got in collected] + runtime)

@@ -201,6 +201,8 @@ def scope_key(key: str) -> str:
     if key not in _SCOPE_KEY_SET:
         raise KeyError(f"{key}: a scope's sums hold only the counters of store/aggregate.py SCOPE_KEYS")
     return key
+
+
 _KEY_INDEX: dict[tuple[str, ...], dict[str, int]] = {}  # one index per key set, shared by every bucket
 
 
