@@ -203,6 +203,25 @@ def scope_key(key: str) -> str:
     return key
 
 
+class ScopeKeyed:
+    """The counter queries of a scope's sums, live (ScopeSums) or packed (store/packed.py PackedScope): only the
+    counters of SCOPE_KEYS."""
+
+    __slots__ = ()
+
+    def delta(self, key: str) -> float | None:
+        return super().delta(scope_key(key))  # type: ignore[misc]
+
+    def seconds_with(self, key: str) -> float:
+        return super().seconds_with(scope_key(key))  # type: ignore[misc]
+
+    def count_with(self, key: str) -> int:
+        return super().count_with(scope_key(key))  # type: ignore[misc]
+
+    def keys(self) -> list[str]:
+        return [k for k in SCOPE_KEYS if k in self._keys]  # type: ignore[attr-defined]
+
+
 _KEY_INDEX: dict[tuple[str, ...], dict[str, int]] = {}  # one index per key set, shared by every bucket
 
 
@@ -241,7 +260,7 @@ class _PackedKeys:
         return len(self._index)
 
 
-class ScopeSums(_Sums):
+class ScopeSums(ScopeKeyed, _Sums):
     """The sums of one window restricted to its intervals with an energy sample for one scope (of the counters,
     those of SCOPE_KEYS: asking for another is an error, not None)."""
 
@@ -289,18 +308,6 @@ class ScopeSums(_Sums):
                 _acc(self._idle, 0, -idle)
                 _acc(self._idle_energy, 0, -iv.energy_joules[self.name])
                 _acc(self._idle_seconds, 0, -seconds)
-
-    def delta(self, key: str) -> float | None:
-        return super().delta(scope_key(key))
-
-    def seconds_with(self, key: str) -> float:
-        return super().seconds_with(scope_key(key))
-
-    def count_with(self, key: str) -> int:
-        return super().count_with(scope_key(key))
-
-    def keys(self) -> list[str]:
-        return [k for k in SCOPE_KEYS if k in self._keys]
 
     @property
     def energy_joules(self) -> float:

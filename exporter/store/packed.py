@@ -22,7 +22,7 @@ from array import array
 from typing import TYPE_CHECKING, Iterator
 
 from exporter.quantile import interpolate_sorted
-from exporter.store.aggregate import SCOPE_KEYS, scope_key
+from exporter.store.aggregate import SCOPE_KEYS, ScopeKeyed
 from exporter.store.columns import IntervalColumns, Span
 
 if TYPE_CHECKING:
@@ -134,8 +134,9 @@ class _PackedSums:
         return list(self._key_at())
 
 
-class PackedScope(_PackedSums):
-    """ScopeSums' read side over a packed bucket (made when asked for: nothing kept per scope)."""
+class PackedScope(ScopeKeyed, _PackedSums):
+    """ScopeSums' read side over a packed bucket (made when asked for: nothing kept per scope); as ScopeSums, only
+    the counters of SCOPE_KEYS (a shared layout's table holds the bucket's other keys too)."""
 
     __slots__ = ("name", "_v", "_at", "_keys")
 
@@ -144,19 +145,6 @@ class PackedScope(_PackedSums):
 
     def _key_at(self) -> dict[str, int]:
         return self._keys
-
-    # as ScopeSums: only the counters of SCOPE_KEYS (a shared layout's table holds the bucket's other keys too)
-    def delta(self, key: str) -> float | None:
-        return super().delta(scope_key(key))
-
-    def seconds_with(self, key: str) -> float:
-        return super().seconds_with(scope_key(key))
-
-    def count_with(self, key: str) -> int:
-        return super().count_with(scope_key(key))
-
-    def keys(self) -> list[str]:
-        return [k for k in SCOPE_KEYS if k in self._keys]
 
     n = property(lambda self: int(self._v[self._at]))
     covered_seconds = property(lambda self: self._v[self._at + 1])
