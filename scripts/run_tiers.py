@@ -12,7 +12,7 @@ real-time scenarios), so pytest-xdist workers overlap them, more workers than co
 themselves against a baseline measured alongside, so it gets one worker more than cores (KVWATT_TEST_WORKERS,
 default cores + 1; on 2 cores: 2 workers 226-229 s, 3 workers 177 s, 4 workers 163 s, all passing). The two run
 side by side (the waiting tiers used 30-70 % of two cores alone), the fast tier in a session of its own
-(FAST_NICENESS): 311-357 s for both instead of 234 + 273 s one after the other (CI-like runs here). The engine tier's tests wait on real-time loads with one engine
+(FAST_SESSION): 311-357 s for both instead of 234 + 273 s one after the other (CI-like runs here). The engine tier's tests wait on real-time loads with one engine
 computing on one core, so it runs as KVWATT_ENGINE_SHARDS (default: one per core) pytest processes side by
 side, each shard's engines bound to its own core (VLLM_CPU_OMP_THREADS_BIND) and niced (KVWATT_ENGINE_NICENESS=10:
 the tests' watchers and doubles come first), each shard a fixed set of whole modules (tests/support/
@@ -43,7 +43,6 @@ from pathlib import Path
 from typing import NamedTuple
 
 REPO = Path(__file__).resolve().parents[1]
-NICED = REPO / "tests" / "support" / "niced.py"  # runs a command at a niceness, its session's scheduler group too
 FAST = "not engine and not prom and not browser and not slow"
 NO_TESTS = 5  # pytest.ExitCode.NO_TESTS_COLLECTED
 # more failures than this in one run: the change broke something; no rerun (each costs up to minutes)
@@ -79,7 +78,7 @@ class Run(NamedTuple):
     args: list[str]
     env: dict[str, str]  # environment additions
     engine: bool  # the engine tier's tests (their seconds are stored, tests/engine-seconds.json)
-    niceness: int | None = None  # not None: started in a session of its own, at this niceness
+    own_session: bool = False  # started in a session of its own (its own scheduler group; FAST_SESSION)
     after_install: bool = False  # started once scripts/install-deps.sh's other steps are done (--install-rest)
 
 
@@ -88,7 +87,7 @@ class Run(NamedTuple):
 # it one session's share beside each scenario's daemons, Prometheus and chromium, not a share of the test workers'
 # own session. Not niced: at niceness 10 that share fell to ~10 % of one beside several busy sessions, and its own
 # timing tests starved (an NVML read missed a 0.5 s deadline, an integrated power read 1.4 % high; CI-like run).
-FAST_NICENESS = 0
+FAST_SESSION = True
 
 
 def passes(kind: str, user_expr: str | None) -> list[tuple[str, list[Run]]]:
@@ -100,7 +99,7 @@ def passes(kind: str, user_expr: str | None) -> list[tuple[str, list[Run]]]:
         return [("fast tier", [Run(fast, {}, False)])]
     waiting = Run(["-m", both("not engine and (prom or browser or slow)", user_expr),
                    *parallel(os.environ.get("KVWATT_WAIT_WORKERS", "4"))], {}, False, after_install=True)
-    first = ("fast tier, and the prom, browser and slow tiers beside it", [Run(fast, {}, False, FAST_NICENESS),
+    first = ("fast tier, and the prom, browser and slow tiers beside it", [Run(fast, {}, False, FAST_SESSION),
                                                                           waiting])
     engine = ["-m", both("engine", user_expr)]
     shards = int(os.environ.get("KVWATT_ENGINE_SHARDS", str(cores)))
@@ -141,12 +140,8 @@ class InstallBeside:
 
 
 def _start(run: Run, argv: list[str], out) -> subprocess.Popen:
-    env = {**os.environ, **run.env}
-    if run.niceness is None:
-        return subprocess.Popen(argv, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT if out else None)
-    niced = [sys.executable, str(NICED), str(run.niceness), *argv]
-    return subprocess.Popen(niced, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
-                            start_new_session=True)
+    return subprocess.Popen(argv, cwd=REPO, env={**os.environ, **run.env}, stdout=out,
+                            stderr=subprocess.STDOUT if out else None, start_new_session=run.own_session)
 
 
 def run_pass(runs: list[Run], rest: list[str], tmp: Path, n: int,
@@ -165,7 +160,7 @@ def run_pass(runs: list[Run], rest: list[str], tmp: Path, n: int,
             if len(runs) > 1:
                 print(f"--- started: pytest {' '.join(run.args + rest)}"
                       + "".join(f" {k}={v}" for k, v in run.env.items())
-                      + (f" (a session of its own, niceness {run.niceness})" if run.niceness is not None else ""),
+                      + (" (a session of its own)" if run.own_session else ""),
                       flush=True)
             out = open(tmp / f"pass{n}-{i}.log", "wb") if len(runs) > 1 else None
             procs.append((_start(run, argv, out), junit, out))
