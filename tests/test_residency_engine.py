@@ -43,7 +43,10 @@ def test_small_cache_shows_pressure_evidence(engines):
         for t in threads:
             t.join()
 
-        def evidence(d):
+        def evidence(d):  # a timeout names the window's figures and reason (AssertionError is wait_for's last)
+            w = d.status()["servers"][0]["windows"]["5m"]
+            assert w["residency_evidence"] == "pressure", {k: v for k, v in w.items() if k.startswith(
+                ("kv_evict", "kv_before", "kv_idle", "kv_reuse", "residency"))}
             return d.value("kvwatt_kv_block_residency_pressure_evidence", server="local", window="5m") == 1.0
         d.wait_for(evidence, timeout=30, what="pressure evidence")
         w = d.status()["servers"][0]["windows"]["5m"]

@@ -472,8 +472,8 @@ RESIDENCY: tuple[MetricDef, ...] = (
     MetricDef(
         name="kvwatt_kv_block_evicted_before_reuse_ratio", type="gauge", labels=("server", "yardstick", "window"),
         help="Share of the window's KV-block evictions that came before the block's reuse was due: idle at most the "
-             "reuse-gap p50 (yardstick=reuse_gap_p50, with >= 10 gaps in the window) or the configured p99 tool-call "
-             "latency (yardstick=p99_tool_latency); methods.md s11.",
+             "configured p99 tool-call latency (yardstick=p99_tool_latency) or the window's reuse-gap p50 where it "
+             "saw >= 10 gaps and it is longer (yardstick=reuse_gap_p50); methods.md s11.",
         computes="derive.residency.window_residency",
         section=SECTION,
         fill=_evicted_before_reuse,
