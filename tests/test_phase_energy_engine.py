@@ -34,8 +34,9 @@ from tests.support.workload import drive
 pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.shares_engine(**LARGE_CACHE)]
 IDLE_WATTS, J_PROMPT, J_GENERATED = 40.0, 0.004, 0.02  # prefill 5x cheaper per token than decode
 HOST = {"zone": "package-0", "domain": "package"}
-# measured from ~65 s on (12 repeat windows of 5 s after the first load): the last half holds ~15 estimates
-RUN_SECONDS = 160
+# measured from ~65 s on (12 repeat windows of 5 s after the first load): the last half (from ~60 s) holds every
+# measured estimate, ~10 of them (one per round of load)
+RUN_SECONDS = 120
 
 
 def _counters(url):
