@@ -3,6 +3,7 @@ random Llama): the same multi-turn workload at two KV-cache sizes, watched by a 
 kvwatt reports is compared with the counter deltas read directly from the engine's /metrics before and after the
 workload."""
 
+import functools
 import json
 import os
 import threading
@@ -13,7 +14,7 @@ from exporter.derive.pressure import quantile
 from exporter.derive.threshold import quantile_bounds
 from exporter.sources.expfmt import parse
 from exporter.sources.vllm import extract
-from tests.support.daemon import KvwattDaemon
+from tests.support.daemon import KvwattDaemon, pick
 from tests.support.engine import LARGE_CACHE
 from exporter.model.pressure import MIN_BELOW_COVERAGE
 from tests.support.workload import drive
@@ -75,16 +76,18 @@ def run_condition(engines, blocks, reference=None):
             cov = d.value("kvwatt_window_covered_seconds", server="local", window=WINDOW)
             return rate is not None and abs(rate * cov - want) < 0.5
         d.wait_for(caught_up, timeout=30, what="kvwatt caught up with the engine")
-        m = {k: d.value(k, server="local", window=WINDOW) for k in (
+        scrape = d.metrics()  # one scrape: a rate and the seconds it covers from the same tick
+        value = functools.partial(pick, scrape)
+        m = {k: value(k, server="local", window=WINDOW) for k in (
             "kvwatt_kv_cache_usage_p95_ratio", "kvwatt_kv_cache_usage_p95_lower_ratio",
             "kvwatt_kv_cache_usage_p95_upper_ratio", "kvwatt_kv_pressure_above_threshold",
             "kvwatt_preemptions_per_minute", "kvwatt_window_covered_seconds",
             "kvwatt_recompute_tax_ratio", "kvwatt_estimated_flops_per_generated_token")}
-        m["shares"] = {s: d.value("kvwatt_prompt_token_share_ratio", server="local", window=WINDOW, source=s)
+        m["shares"] = {s: value("kvwatt_prompt_token_share_ratio", server="local", window=WINDOW, source=s)
                        for s in ("local_compute", "local_cache_hit", "external_kv_transfer")}
-        m["offload_enabled"] = d.value("kvwatt_offload_enabled", server="local")
-        m["threshold"] = d.value("kvwatt_kv_pressure_threshold_in_use_ratio", server="local")
-        m["server_info"] = d.value("kvwatt_server_info", server="local", model_name="tiny")
+        m["offload_enabled"] = value("kvwatt_offload_enabled", server="local")
+        m["threshold"] = value("kvwatt_kv_pressure_threshold_in_use_ratio", server="local")
+        m["server_info"] = value("kvwatt_server_info", server="local", model_name="tiny")
         s = d.status()["servers"][0]
         m["regime"] = (s.get("regime"), s.get("regime_state"), s.get("regime_reason"))  # shown when a check fails
     m["engine_kv_usage"] = usage.values

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from tests.support import vllm_sim as sim
-from tests.support.daemon import KvwattDaemon
+from tests.support.daemon import KvwattDaemon, pick
 from tests.support.fake_gpus import FakeGpus
 from tests.support.loopback import FakeVllm
 
@@ -84,11 +84,13 @@ def test_undersized_buffer_and_offload_series(tmp_path):
             # a 10 s window covering a few seconds by 6 % in CI; over 20 s the same skew is ~1 %
             d.wait_for(lambda d: d.value("kvwatt_window_covered_seconds", server="on", window="30s") >= 20,
                        what="20 s in the 30 s window")
-            m = {(n, dict(lab).get("window")): v for (n, lab), v in d.metrics().items()
-                 if dict(lab).get("server") == "on"}
-            rate = m["kvwatt_offload_write_bytes_per_second", "30s"]
+            scrape = d.metrics()
+            rate = pick(scrape, "kvwatt_offload_write_bytes_per_second", server="on", window="30s")
             assert rate == pytest.approx(0.9 * 2 ** 30, rel=0.05)
-            assert m["kvwatt_offload_buffer_residency_seconds", "30s"] == pytest.approx(8 * 2 ** 30 / rate)
+            assert pick(scrape, "kvwatt_offload_buffer_residency_seconds", server="on", window="30s") == \
+                pytest.approx(8 * 2 ** 30 / rate)
             # the advice sizes for the fastest window's writes over the p99 tool latency (20 s), x1.5 headroom
-            fastest = max(m["kvwatt_offload_write_bytes_per_second", w] for w in ("10s", "30s"))
-            assert m["kvwatt_offload_recommended_buffer_bytes", None] == pytest.approx(fastest * 20 * 1.5)
+            fastest = max(pick(scrape, "kvwatt_offload_write_bytes_per_second", server="on", window=w)
+                          for w in ("10s", "30s"))
+            assert pick(scrape, "kvwatt_offload_recommended_buffer_bytes", server="on") == \
+                pytest.approx(fastest * 20 * 1.5)

@@ -6,7 +6,9 @@ in [0.7, 1.4] (SE calibrated)."""
 
 from __future__ import annotations
 
+import itertools
 import math
+import random
 import statistics
 
 import pytest
@@ -86,6 +88,42 @@ def test_nnls_pins_a_negative_cost_at_zero():
     f = pe.nnls([x1, x2], y)
     assert f.coef[1] == 0.0 and f.free == (True, False)
     assert f.coef[0] == pytest.approx(sum(a * b for a, b in zip(x1, y)) / sum(a * a for a in x1))
+
+
+def _brute_nnls(cols, y):
+    """Every subset fitted row by row (its own Gram matrix, its residuals summed over the rows), the feasible
+    one with the least residual, the larger set on a tie: what nnls did before it read one pass's normal
+    equations."""
+    best = None
+    for size in range(len(cols), 0, -1):
+        for subset in itertools.combinations(range(len(cols)), size):
+            xs = [cols[i] for i in subset]
+            b = pe._solve(pe._gram(xs), [sum(x * v for x, v in zip(c, y)) for c in xs])
+            if b is None or any(v < 0 for v in b):
+                continue
+            rss = sum((v - sum(bi * c[k] for bi, c in zip(b, xs))) ** 2 for k, v in enumerate(y))
+            if best is None or rss < best[1] * (1 - 1e-9):
+                best = (subset, rss, b)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_nnls_from_the_normal_equations_is_the_row_by_row_fit(seed):
+    """Random windows with 2 or 3 columns, some true costs negative (so subsets are pinned): the same free set,
+    coefficients and residual as fitting every subset over the rows."""
+    rng = random.Random(seed)
+    k, n = rng.choice([2, 3]), rng.randint(5, 300)
+    true = [rng.uniform(-0.2, 1.0) for _ in range(k)]
+    cols = [[rng.uniform(0, 1000) * rng.choice([0.0, 1.0, 1.0]) for _ in range(n)] for _ in range(k)]
+    y = [sum(t * c[i] for t, c in zip(true, cols)) + rng.gauss(0, 20) for i in range(n)]
+    got, want = pe.nnls(cols, y), _brute_nnls(cols, y)
+    assert (got is None) == (want is None)
+    if got is None:
+        return
+    subset, rss, b = want
+    assert got.free == tuple(i in subset for i in range(k))
+    assert [got.coef[i] for i in subset] == pytest.approx(b, rel=1e-9, abs=1e-12)
+    assert got.rss == pytest.approx(rss, rel=1e-9)
 
 
 def test_condition_number_of_orthogonal_and_proportional_columns():
@@ -181,6 +219,29 @@ def test_the_learner_measures_from_grid_buckets_and_logs_the_change_once(caplog)
     assert abs(gpu.prompt_computed_j - TRUE[0]) <= 3.5 * gpu.prompt_computed_se
     changes = [r.getMessage() for r in caplog.records]
     assert len(changes) == 2, changes  # unknown -> not_identifiable (first window) -> known, not once per tick
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_the_learners_running_sums_give_the_fit_over_the_windows_it_keeps(offload):
+    """A 300 s history of 10 s windows (30 kept) fed 200: the refit from the sums kept as windows come and go
+    (PhaseSums) is the fit over the windows kept, identical before the first leaves and through every recount."""
+    from exporter.model.energy import PhaseLearner
+    wins = phase_double.windows(200, TRUE, seed=5, offload=offload)
+    ivs = [iv for k, w in enumerate(wins) for iv in _bucket_ivs(k, w)]
+    learner = PhaseLearner("s", 10.0, 300.0, MIN_W, MAX_COND, 0.1)
+    for k in range(1, 201):
+        learner.observe(buckets_of([iv for iv in ivs if (k - 1) * 10.0 < iv.t1 <= k * 10.0], 10.0))
+        kept = list(learner.windows["gpu"])
+        assert len(kept) == min(k, 30)
+        want, got = fit(kept), learner.costs["gpu"]
+        assert (got.state, got.source, got.windows) == (want.state, want.source, want.windows), k
+        for phase in ("prompt_computed", "generated", "reloaded"):
+            for a, b, rel in ((got.joules(phase), want.joules(phase), 1e-9), (got.stderr(phase), want.stderr(phase),
+                                                                               1e-6)):
+                assert (a is None and b is None) or a == pytest.approx(b, rel=rel), (k, phase, a, b)
+        if k <= 30:
+            assert got == want, k  # no window has left yet: the very sums of a pass over the rows
+    assert learner.sums["gpu"].removed < 30  # recounted as windows left
 
 
 def test_a_stale_idle_gives_no_prior_rather_than_a_negative_price():

@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import itertools
 import math
+from itertools import repeat
+from operator import add, mul, sub
 from dataclasses import dataclass, replace
-from typing import ClassVar, Iterable, Sequence
+from typing import ClassVar, Iterable, NamedTuple, Sequence
 
 from exporter.derive.recompute import token_counts
 from exporter.store import Bucket
@@ -128,7 +130,12 @@ def _inverse(a: list[list[float]]) -> list[list[float]] | None:
 
 
 def _gram(cols: Sequence[Sequence[float]]) -> list[list[float]]:
-    return [[sum(x * y for x, y in zip(a, b)) for b in cols] for a in cols]
+    """X'X: each sum once (the matrix is symmetric), added in row order."""
+    g = [[0.0] * len(cols) for _ in cols]
+    for i, a in enumerate(cols):
+        for j in range(i, len(cols)):
+            g[i][j] = g[j][i] = sum(map(mul, a, cols[j]))
+    return g
 
 
 def _eigen_sym(a: list[list[float]], sweeps: int = 50) -> list[float]:
@@ -158,10 +165,15 @@ def _eigen_sym(a: list[list[float]], sweeps: int = 50) -> list[float]:
 
 def condition_number(cols: Sequence[Sequence[float]]) -> float:
     """Condition number of X'X with each column scaled to unit length (scale-free); inf when singular."""
-    norms = [math.sqrt(sum(x * x for x in c)) for c in cols]
+    return _condition_of(_gram(cols))
+
+
+def _condition_of(g: list[list[float]]) -> float:
+    """condition_number from X'X itself: the unit-length columns' Gram matrix is g_ij / sqrt(g_ii g_jj)."""
+    norms = [math.sqrt(g[i][i]) for i in range(len(g))]
     if any(n == 0 for n in norms):
         return math.inf
-    eig = _eigen_sym(_gram([[x / n for x in c] for c, n in zip(cols, norms)]))
+    eig = _eigen_sym([[g[i][j] / (norms[i] * norms[j]) for j in range(len(g))] for i in range(len(g))])
     lo, hi = min(eig), max(eig)
     return math.inf if lo <= 1e-12 * hi else hi / lo
 
@@ -175,31 +187,106 @@ class Fit:
     rss: float
 
 
-def _ols(cols: Sequence[Sequence[float]], y: Sequence[float], subset: Sequence[int]):
-    xs = [cols[i] for i in subset]
-    g = _gram(xs)
-    b = _solve(g, [sum(x * v for x, v in zip(c, y)) for c in xs])
+class Normal(NamedTuple):
+    """The regression's sufficient statistics, one pass over the rows: X'X, X'y, y'y."""
+
+    g: list[list[float]]
+    xy: list[float]
+    yy: float
+
+    @classmethod
+    def of(cls, cols: Sequence[Sequence[float]], y: Sequence[float]) -> "Normal":
+        return cls(_gram(cols), [sum(map(mul, c, y)) for c in cols], sum(map(mul, y, y)))
+
+
+class PhaseSums:
+    """X'X, X'y and y'y of a learner's windows kept as they come and go (columns computed, generated, reloaded;
+    y the joules), so a refit reads them instead of passing over up to PHASE_HISTORY / width rows (360 at the
+    defaults) for every scope of every server each time a window completes. Added in row order, the sums are
+    the very ones a pass over the rows gives; each removal's rounding is undone by a recount over the rows
+    kept once as many windows have left as it holds (``recount``)."""
+
+    __slots__ = ("g", "xy", "yy", "reloading", "removed")
+
+    def __init__(self) -> None:
+        self.g = [[0.0] * 3 for _ in range(3)]  # upper triangle
+        self.xy, self.yy, self.reloading, self.removed = [0.0] * 3, 0.0, 0, 0
+
+    @classmethod
+    def of(cls, windows: Iterable[PhaseWindow]) -> "PhaseSums":
+        sums = cls()
+        for w in windows:
+            sums.add(w)
+        return sums
+
+    def add(self, w: PhaseWindow) -> None:
+        x, g = (w.computed, w.generated, w.reloaded), self.g
+        for i in range(3):
+            for j in range(i, 3):
+                g[i][j] += x[i] * x[j]
+            self.xy[i] += x[i] * w.joules
+        self.yy += w.joules * w.joules
+        self.reloading += w.reloaded > 0
+
+    def remove(self, w: PhaseWindow) -> None:
+        x, g = (w.computed, w.generated, w.reloaded), self.g
+        for i in range(3):
+            for j in range(i, 3):
+                g[i][j] -= x[i] * x[j]
+            self.xy[i] -= x[i] * w.joules
+        self.yy -= w.joules * w.joules
+        self.reloading -= w.reloaded > 0
+        self.removed += 1
+
+    def recount(self, kept: Sequence[PhaseWindow]) -> "PhaseSums":
+        """Itself, or the sums counted afresh over ``kept`` once len(kept) windows have been removed."""
+        return PhaseSums.of(kept) if self.removed >= max(len(kept), 1) else self
+
+    def normal(self, columns: Sequence[int]) -> Normal:
+        g = self.g
+        return Normal([[g[min(i, j)][max(i, j)] for j in columns] for i in columns], [self.xy[i] for i in columns],
+                      self.yy)
+
+
+def _ols(n: Normal, subset: Sequence[int]):
+    """The OLS fit on ``subset`` from the normal equations: its X'X and X'y are the submatrices (the very sums a
+    per-subset pass would add), its residual sum of squares y'y - b'X'y (b solves them; used to choose, not
+    reported: its rounding is ~1e-16 y'y, see nnls)."""
+    g = [[n.g[i][j] for j in subset] for i in subset]
+    b = _solve(g, [n.xy[i] for i in subset])
     if b is None:
         return None
-    fitted = [sum(bi * c[k] for bi, c in zip(b, xs)) for k in range(len(y))]
-    return b, g, sum((v - f) ** 2 for v, f in zip(y, fitted))
+    return b, g, n.yy - sum(bi * n.xy[i] for bi, i in zip(b, subset))
 
 
-def nnls(cols: Sequence[Sequence[float]], y: Sequence[float]) -> Fit | None:
+def _rss(xs: Sequence[Sequence[float]], b: Sequence[float], y: Sequence[float]) -> float:
+    """sum over the rows of (y - X b)^2, a row's fitted value added column by column as sum() adds it (the
+    same rounding as the per-row sum, at a third of its cost: map, not a generator per row)."""
+    fitted: Iterable[float] = [0.0] * len(y)
+    for bi, c in zip(b, xs):
+        fitted = list(map(add, fitted, map(mul, repeat(bi), c)))
+    return sum(map(pow, map(sub, y, fitted), repeat(2)))
+
+
+def nnls(cols: Sequence[Sequence[float]], y: Sequence[float], normal: Normal | None = None) -> Fit | None:
     """min ||y - X b|| subject to b >= 0, exactly, by trying every subset of free columns (k <= 3): the NNLS
     optimum is the OLS fit on its free set, and every non-negative subset fit is feasible, so the feasible
-    fit with the least residual is it."""
+    fit with the least residual is it. Every subset is solved from one pass's normal equations (``normal``,
+    made here when not given); the chosen fit's residual is then summed over the rows (the SEs rest on it)."""
+    n = normal or Normal.of(cols, y)
     k, best = len(cols), None
+    slack = 1e-13 * n.yy  # the normal-equation residuals' rounding: nearer than this is a tie, the larger set wins
     for size in range(k, 0, -1):
         for subset in itertools.combinations(range(k), size):
-            r = _ols(cols, y, subset)
+            r = _ols(n, subset)
             if r is None or any(v < 0 for v in r[0]):
                 continue
-            if best is None or r[2] < best[0][2] - 1e-12 * max(1.0, abs(r[2])):
+            if best is None or r[2] < best[0][2] - 1e-12 * max(1.0, abs(best[0][2])) - slack:
                 best = (r, subset)
     if best is None:
         return None
-    (b, g, rss), subset = best
+    (b, g, _), subset = best
+    rss = _rss([cols[i] for i in subset], b, y)
     coef = [0.0] * k
     for i, v in zip(subset, b):
         coef[i] = v
@@ -217,28 +304,33 @@ def nnls(cols: Sequence[Sequence[float]], y: Sequence[float]) -> Fit | None:
 
 
 def estimate(windows: Sequence[PhaseWindow], scope: str, min_windows: int, max_condition: float,
-             load_to_compute_cost_ratio: float) -> PhaseCosts:
+             load_to_compute_cost_ratio: float, sums: PhaseSums | None = None) -> PhaseCosts:
     """The measured costs when identifiable, else the prior with the reason (state not_identifiable, or
-    unknown without any window)."""
+    unknown without any window). ``sums``: the windows' running sums when the caller keeps them (PhaseSums)."""
     n = len(windows)
     if n == 0:
         return PhaseCosts(scope, state="unknown", reason=f"no window with {scope} energy, P_idle and token sources")
-    prior = prior_costs(windows, scope, load_to_compute_cost_ratio)
     if n < min_windows:
-        return _not(prior, n, f"{n} windows, needs {min_windows}")
-    with_reload = sum(1 for w in windows if w.reloaded > 0) >= min_windows
+        return _not(prior_costs(windows, scope, load_to_compute_cost_ratio), n, f"{n} windows, needs {min_windows}")
+    sums = sums or PhaseSums.of(windows)
+    with_reload = sums.reloading >= min_windows
     names = ["prompt_computed", "generated"] + (["reloaded"] if with_reload else [])
+    normal = sums.normal(range(len(names)))  # the condition number and every subset's fit read it
+    cond = _condition_of(normal.g)
+    if not cond <= max_condition:
+        return _not(prior_costs(windows, scope, load_to_compute_cost_ratio), n,
+                    _collinear_reason(normal.g, names, cond, max_condition), cond)
     cols = [[w.computed for w in windows], [w.generated for w in windows]]
     if with_reload:
         cols.append([w.reloaded for w in windows])
-    cond = condition_number(cols)
-    if not cond <= max_condition:
-        return _not(prior, n, _collinear_reason(cols, names, cond, max_condition), cond)
-    fit = nnls(cols, [w.joules for w in windows])
+    y = [w.joules for w in windows]
+    fit = nnls(cols, y, normal)
     if fit is None or fit.cov is None:
-        return _not(prior, n, "the regression has no solution", cond)
+        return _not(prior_costs(windows, scope, load_to_compute_cost_ratio), n, "the regression has no solution",
+                    cond)
     if fit.coef[0] <= 0 and fit.coef[1] <= 0:
-        return _not(prior, n, "no energy rises with tokens (P_idle above the loaded power?)", cond)
+        return _not(prior_costs(windows, scope, load_to_compute_cost_ratio), n,
+                    "no energy rises with tokens (P_idle above the loaded power?)", cond)
     se = [math.sqrt(fit.cov[i][i]) if fit.free[i] else None for i in range(len(names))]
     out = {f"{p}_j": fit.coef[i] for i, p in enumerate(names)} | {f"{p}_se": se[i] for i, p in enumerate(names)}
     return PhaseCosts(scope, **out, windows=n, state="known", source="measured", condition=cond,
@@ -253,13 +345,12 @@ def _not(prior: PhaseCosts, n: int, reason: str, cond: float | None = None) -> P
                       n, "not_identifiable", reason, "prior", cond)
 
 
-def _collinear_reason(cols, names, cond: float, max_condition: float) -> str:
-    """Name the pair of columns closest to proportional (cosine of the uncentred columns)."""
+def _collinear_reason(g: list[list[float]], names, cond: float, max_condition: float) -> str:
+    """Name the pair of columns closest to proportional (cosine of the uncentred columns, from X'X)."""
     best, pair = -1.0, (names[0], names[1])
-    for i, j in itertools.combinations(range(len(cols)), 2):
-        ni = math.sqrt(sum(x * x for x in cols[i]))
-        nj = math.sqrt(sum(x * x for x in cols[j]))
-        c = 1.0 if ni == 0 or nj == 0 else sum(a * b for a, b in zip(cols[i], cols[j])) / (ni * nj)
+    for i, j in itertools.combinations(range(len(g)), 2):
+        ni, nj = math.sqrt(g[i][i]), math.sqrt(g[j][j])
+        c = 1.0 if ni == 0 or nj == 0 else g[i][j] / (ni * nj)
         if c > best:
             best, pair = c, (names[i], names[j])
     shown = "inf" if math.isinf(cond) else f"{cond:.0f}"

@@ -184,8 +184,9 @@ class PhaseLearner:
     def __init__(self, name: str, width: float, history_seconds: float, min_windows: int, max_condition: float,
                  load_to_compute_cost_ratio: float) -> None:
         self.name, self.width = name, width
-        keep = max(int(history_seconds // width), 1)
-        self.windows: dict[str, deque[phase_energy.PhaseWindow]] = {s: deque(maxlen=keep) for s in SCOPES}
+        self.keep = max(int(history_seconds // width), 1)
+        self.windows: dict[str, deque[phase_energy.PhaseWindow]] = {s: deque() for s in SCOPES}
+        self.sums = {s: phase_energy.PhaseSums() for s in SCOPES}  # the regression's, kept with the windows
         self.min_windows, self.max_condition = min_windows, max_condition
         self.ratio = load_to_compute_cost_ratio
         self.last_t1 = -math.inf
@@ -201,17 +202,26 @@ class PhaseLearner:
             for scope in SCOPES:
                 o = phase_energy.observation(b, self.width, scope)
                 if o is not None:
-                    self.windows[scope].append(o)
+                    self._keep(scope, o)
                     added = True
         if added:
             for scope in SCOPES:
                 self._refit(scope)
         return added
 
+    def _keep(self, scope: str, o: phase_energy.PhaseWindow) -> None:
+        """The window and its sums in; the oldest out past the history."""
+        kept, sums = self.windows[scope], self.sums[scope]
+        kept.append(o)
+        sums.add(o)
+        if len(kept) > self.keep:
+            sums.remove(kept.popleft())
+            self.sums[scope] = sums.recount(kept)
+
     def _refit(self, scope: str) -> None:
         before = self.costs[scope]
         now = self.costs[scope] = phase_energy.estimate(list(self.windows[scope]), scope, self.min_windows,
-                                                         self.max_condition, self.ratio)
+                                                         self.max_condition, self.ratio, self.sums[scope])
         if (before.state, before.source) != (now.state, now.source):
             log.info("%s: %s per-phase energy costs %s (%s, %d windows)%s", self.name, scope, now.state, now.source,
                      now.windows, f": {now.reason}" if now.reason else "")
@@ -221,6 +231,7 @@ class PhaseLearner:
         phases; the costs start again from the prior."""
         for scope in SCOPES:
             self.windows[scope].clear()
+            self.sums[scope] = phase_energy.PhaseSums()
             self._refit(scope)
 
     def figures(self) -> tuple[phase_energy.PhaseCosts, ...]:

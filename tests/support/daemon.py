@@ -31,6 +31,16 @@ ADDRESS_IN_USE = "address already in use"  # kvwatt's "cannot serve on ...: [Err
 BIND_TRIES = 3
 
 
+def pick(metrics: dict[tuple[str, frozenset], float], name: str, **labels: str) -> float | None:
+    """The value of the one sample of ``name`` in a parsed scrape whose labels include ``labels``; None if
+    absent."""
+    want = set(labels.items())
+    hits = [v for (n, lab), v in metrics.items() if n == name and want <= lab]
+    if len(hits) > 1:
+        raise AssertionError(f"{name}{labels} matches {len(hits)} samples")
+    return hits[0] if hits else None
+
+
 def parse_exposition(text: str) -> dict[tuple[str, frozenset], float]:
     """Parse with prometheus_client's own parser (independent of kvwatt's). A sample that appears twice (same
     name and labels) fails: a dict would silently keep the last one and hide the duplicate."""
@@ -146,12 +156,9 @@ class KvwattDaemon:
         return parse_exposition(self.metrics_text())
 
     def value(self, name: str, **labels: str) -> float | None:
-        """The value of the one sample of ``name`` whose labels include ``labels``; None if absent."""
-        want = set(labels.items())
-        hits = [v for (n, lab), v in self.metrics().items() if n == name and want <= lab]
-        if len(hits) > 1:
-            raise AssertionError(f"{name}{labels} matches {len(hits)} samples")
-        return hits[0] if hits else None
+        """The value of the one sample of ``name`` whose labels include ``labels``; None if absent. Each call
+        scrapes: values that must come from one tick are picked from one ``metrics()`` (``pick``)."""
+        return pick(self.metrics(), name, **labels)
 
     def status(self) -> dict:
         return self.get("/api/status").json()
