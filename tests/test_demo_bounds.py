@@ -49,6 +49,7 @@ async def _read_page_over_the_story(url: str, seen: dict) -> None:
                 seen["bad"].append(await b.text("#implausible"))
             status = requests.get(url + "/api/status", timeout=5).json()
             seen["bad"] += [r["reason"] for r in status.get("implausible", [])]
+            seen["references"] |= {x.get("reference_state") for x in status["servers"]}
             metrics = parse_exposition(requests.get(url + "/metrics", timeout=5).text)
             seen["energy_share"] += [v for (n, _), v in metrics.items() if n == "kvwatt_recompute_energy_share_ratio"]
             await asyncio.sleep(1.5)
@@ -93,7 +94,7 @@ def _start_demo(log_path) -> tuple[subprocess.Popen, str]:
 def test_the_demo_shows_no_figure_outside_its_bounds_over_its_whole_story(tmp_path):
     log_path = tmp_path / "demo.log"
     proc, url = _start_demo(log_path)
-    seen: dict = {"shares": 0, "bad": [], "energy_share": []}
+    seen: dict = {"shares": 0, "bad": [], "energy_share": [], "references": set()}
     try:
         asyncio.run(_read_page_over_the_story(url, seen))
         metrics = parse_exposition(requests.get(url + "/metrics", timeout=5).text)
@@ -105,7 +106,10 @@ def test_the_demo_shows_no_figure_outside_its_bounds_over_its_whole_story(tmp_pa
     assert seen["shares"] > 100  # the page did show shares (not a test that passes on an empty page)
     rejected = {lb: v for (n, lb), v in metrics.items() if n == "kvwatt_figures_rejected_total"}
     assert rejected and not any(rejected.values()), {lb: v for lb, v in rejected.items() if v}
-    # the figure the first screen once showed at 261.6 %: served during the story (read with every page), in 0-1
+    # the figure the first screen once showed at 261.6 %, read with every page, in 0-1 whenever served; served
+    # once a low-pressure reference exists (the tax needs one). A starved runner can keep every window of the
+    # story from being low-pressure evidence (CI-like runs here, twice in three): then it must stay absent.
     energy_share = seen["energy_share"]
-    assert energy_share and all(0.0 <= v <= 1.0 for v in energy_share), energy_share
+    assert all(0.0 <= v <= 1.0 for v in energy_share), energy_share
+    assert bool(energy_share) == bool(seen["references"] & {"provisional", "known"}), seen["references"]
     assert "served as unknown" not in log and "Traceback" not in log
