@@ -25,9 +25,8 @@ from __future__ import annotations
 
 import itertools
 import math
-from itertools import repeat
-from operator import add, mul, sub
 from dataclasses import dataclass, replace
+from operator import add, mul, sub
 from typing import ClassVar, Iterable, NamedTuple, Sequence
 
 from exporter.derive.recompute import token_counts
@@ -204,7 +203,7 @@ class Normal(NamedTuple):
 
 class PhaseSums:
     """X'X, X'y and y'y of a learner's windows kept as they come and go (columns computed, generated, reloaded;
-    y the joules), so a refit reads them instead of passing over up to PHASE_HISTORY / width rows (360 at the
+    y the joules), so a refit reads them instead of passing over up to PHASE_HISTORY / width rows (720 at the
     defaults) for every scope of every server each time a window completes. Added in row order, the sums are
     the very ones a pass over the rows gives; each removal's rounding is undone by a recount over the rows
     kept once as many windows have left as it holds (``recount``)."""
@@ -223,23 +222,21 @@ class PhaseSums:
         return sums
 
     def add(self, w: PhaseWindow) -> None:
-        x, g = (w.computed, w.generated, w.reloaded), self.g
-        for i in range(3):
-            for j in range(i, 3):
-                g[i][j] += x[i] * x[j]
-            self.xy[i] += x[i] * w.joules
-        self.yy += w.joules * w.joules
-        self.reloading += w.reloaded > 0
+        self._fold(w, 1.0)
 
     def remove(self, w: PhaseWindow) -> None:
+        self._fold(w, -1.0)
+        self.removed += 1
+
+    def _fold(self, w: PhaseWindow, sign: float) -> None:
+        """Each product added (sign 1) or taken away (-1): x * sign is exact, so adding is a pass's very sum."""
         x, g = (w.computed, w.generated, w.reloaded), self.g
         for i in range(3):
             for j in range(i, 3):
-                g[i][j] -= x[i] * x[j]
-            self.xy[i] -= x[i] * w.joules
-        self.yy -= w.joules * w.joules
-        self.reloading -= w.reloaded > 0
-        self.removed += 1
+                g[i][j] += x[i] * x[j] * sign
+            self.xy[i] += x[i] * w.joules * sign
+        self.yy += w.joules * w.joules * sign
+        self.reloading += int(sign) * (w.reloaded > 0)
 
     def recount(self, kept: Sequence[PhaseWindow]) -> "PhaseSums":
         """Itself, or the sums counted afresh over ``kept`` once len(kept) windows have been removed."""
@@ -267,8 +264,8 @@ def _rss(xs: Sequence[Sequence[float]], b: Sequence[float], y: Sequence[float]) 
     same rounding as the per-row sum, at a third of its cost: map, not a generator per row)."""
     fitted: Iterable[float] = [0.0] * len(y)
     for bi, c in zip(b, xs):
-        fitted = list(map(add, fitted, map(mul, repeat(bi), c)))
-    return sum(map(pow, map(sub, y, fitted), repeat(2)))
+        fitted = list(map(add, fitted, map(mul, itertools.repeat(bi), c)))
+    return sum(map(pow, map(sub, y, fitted), itertools.repeat(2)))
 
 
 def nnls(cols: Sequence[Sequence[float]], y: Sequence[float], normal: Normal | None = None) -> Fit | None:
@@ -284,7 +281,7 @@ def nnls(cols: Sequence[Sequence[float]], y: Sequence[float], normal: Normal | N
             r = _ols(n, subset)
             if r is None or any(v < 0 for v in r[0]):
                 continue
-            if best is None or r[2] < best[0][2] - 1e-12 * max(1.0, abs(best[0][2])) - slack:
+            if best is None or r[2] < best[0][2] - 1e-12 * max(1.0, abs(r[2])) - slack:
                 best = (r, subset)
     if best is None:
         return None
