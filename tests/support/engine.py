@@ -117,8 +117,11 @@ class VllmEngine:
                  log_path: str | os.PathLike | None = None, env: dict[str, str] | None = None,
                  offload_gib: float | None = None, offload_link: str | float | None = None,
                  cpu: int | None = None, niceness: int | None = None):
-        """``cpu``: the core the engine's worker computes on (VLLM_CPU_OMP_THREADS_BIND; vLLM CPU binds core 0
-        unless told, so two engines side by side need one each). ``niceness``: the engine's processes yield the
+        """``cpu``: the core the engine runs on: its worker's OMP threads (VLLM_CPU_OMP_THREADS_BIND; vLLM CPU binds
+        core 0 unless told, so two engines side by side need one each) and its API server and engine core too
+        (their affinity): the engine core busy-polls its worker (~80 % of a core in top), and unbound it took the
+        other engine's core, so that two engines side by side ran by turns (one at ~1,400 tokens/s, the other at
+        0 for seconds at a time). ``niceness``: the engine's processes yield the
         CPU to the watcher and the test (on a GPU node the engine computes on the GPU and kvwatt has the host's
         cores; on 2 cores with both engines computing, kvwatt's 0.25 s NVML deadline was missed); by default
         $KVWATT_ENGINE_NICENESS (scripts/run_tiers.py sets it for the shards that run side by side), else 0."""
@@ -134,6 +137,7 @@ class VllmEngine:
         self.startup_seconds: float | None = None
         self.env = dict(env or {}, **({"VLLM_CPU_OMP_THREADS_BIND": str(cpu)} if cpu is not None else {}))
         self.niceness = default_niceness() if niceness is None else niceness
+        self.cpu = cpu
         self._proc: subprocess.Popen | None = None
 
     @property
@@ -165,7 +169,7 @@ class VllmEngine:
         with open(self.log_path, "wb") as log:
             self._proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
                                           stdin=subprocess.DEVNULL, env=env, start_new_session=True,
-                                          preexec_fn=(lambda: yield_cpu(self.niceness)) if self.niceness else None)
+                                          preexec_fn=self._confine)
         _LIVE.add(self)
         while time.monotonic() - started < timeout:
             if self._proc.poll() is not None:
@@ -181,6 +185,14 @@ class VllmEngine:
         self.stop()
         START_LOG.append((self.shape, None))
         raise RuntimeError(self._failure(f"vLLM did not answer /health within {timeout:.0f} s"))
+
+    def _confine(self) -> None:
+        """In the engine's first process, before vLLM starts: its core and its niceness, which every process it
+        starts inherits."""
+        if self.cpu is not None:
+            os.sched_setaffinity(0, {self.cpu})
+        if self.niceness:
+            yield_cpu(self.niceness)
 
     def _failure(self, what: str) -> str:
         tail = self.log_tail()
