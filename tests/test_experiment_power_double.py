@@ -187,3 +187,11 @@ def test_a_burst_above_the_cap_is_carried_forward_never_above_the_rapl_sources_b
     per_second = [(steps[i + 50] - steps[i]) / 1.0 for i in range(0, 250, 50)]
     assert max(per_second) + 70.0 == pytest.approx(MAX_WATTS) and MAX_WATTS < MAX_PLAUSIBLE_WATTS
     assert steps[-1] == pytest.approx(2000.0)   # nothing lost, only late
+    # 2 kJ due within 1 s, released at 830 W: due work waited until ~2.4 s (said at the run's end), not after
+    assert spread.capped_seconds == pytest.approx(2000.0 / (MAX_WATTS - 70.0), abs=0.05)
+    within = Spread(MAX_WATTS - 70.0)
+    within.released(0.0)
+    within.add(0.0, 1.0, 500.0)
+    for i in range(301):
+        within.released(i * 0.02)
+    assert within.capped_seconds == 0.0

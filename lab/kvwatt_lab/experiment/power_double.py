@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -155,6 +156,10 @@ def _drive(model: PowerModel, url: str, energy_path: str, halt, ready=None) -> N
         t.start()
     for t in threads:
         t.join()
+    if spread.capped_seconds >= 1.0:  # the work drew more than the cap: its energy came late, some after the run
+        print(f"power double: the work's power exceeded {MAX_WATTS:g} W for {spread.capped_seconds:.0f} s of "
+              f"this run, whose energy was held back (J/token low): lower the plan's energy.power_double costs",
+              file=sys.stderr, flush=True)
 
 
 class Spread:
@@ -169,6 +174,7 @@ class Spread:
         self.done = 0.0                       # joules released up to ``self.t``
         self.t: float | None = None
         self.pending: list[list[float]] = []  # [start, seconds, joules, released], oldest first
+        self.capped_seconds = 0.0             # time in which the cap held due work back (its energy came late)
 
     def add(self, t: float, seconds: float, joules: float) -> None:
         if joules > 0:
@@ -179,6 +185,7 @@ class Spread:
         dt = 0.0 if self.t is None else max(0.0, t - self.t)
         self.t = t if self.t is None else max(self.t, t)
         budget = self.max_watts * dt if self.max_watts != float("inf") else float("inf")
+        held = False
         for entry in self.pending:            # oldest first: what the even spread has made due, within the cap
             start, seconds, joules, released = entry
             due = joules * min(1.0, max(0.0, t - start) / seconds) - released
@@ -187,6 +194,8 @@ class Spread:
                 entry[3] += take
                 budget -= take
                 self.done += take
+            held = held or due - max(take, 0.0) > 1e-9
+        self.capped_seconds += dt if held else 0.0
         self.pending = [e for e in self.pending if e[2] - e[3] > 1e-9]
         return self.done
 
