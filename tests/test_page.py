@@ -22,6 +22,7 @@ import html.parser
 import io
 import json
 import os
+import time
 from pathlib import Path
 
 import aiohttp
@@ -352,14 +353,30 @@ async def _live(d: KvwattDaemon):
                          "(document.querySelector('#server-on [data-field=buffer-verdict]'))", timeout=90,
                          what="the undersized buffer on the page")
         assert await b.eval("window.notReloaded === true")  # followed by the page's own refresh
-        st = _server(d.status(), "on")
-        assert await b.text("#server-on [data-field=recommended-buffer]") == \
-            f"{st['offload_buffer']['recommended_gib']} GiB"
+        shown, seen = await _shown_and_served(b, d, "#server-on [data-field=recommended-buffer]",
+                                              lambda st: f"{_server(st, 'on')['offload_buffer']['recommended_gib']} GiB")
+        assert shown in seen, (shown, seen)  # the page shows what /api/status served for the same tick
         assert (await b.text("[data-source=nvml]")) == "GPU energy (NVML): ok"
         assert "of 30 s covered" in await b.text("#server-on [data-field=joules-per-token]")
         assert (await b.text("#as-of")).startswith("Figures as of 20")
         from tests.test_page_words import internal_terms  # (that module imports this one)
         assert internal_terms(await b.eval("document.body.innerText")) == []  # plain words, as chromium shows them
+
+
+async def _shown_and_served(b, d: KvwattDaemon, selector: str, served, seconds: float = 30.0):
+    """(the page's text at ``selector``, the values /api/status served in the second the page's figures are as
+    of). The page shows the snapshot of its last refresh, /api/status the latest tick's (every 250 ms here): the
+    two are compared within one as-of second (it names no finer time), status read every 0.1 s so that every
+    tick of that second is seen (a figure read once from each moved from 27 to 28 GiB between them in CI)."""
+    seen: dict[str, set] = {}
+    deadline = time.monotonic() + seconds
+    while True:
+        st = d.status()
+        seen.setdefault(st["as_of"], set()).add(served(st))
+        as_of, shown = await b.text("#as-of b"), await b.text(selector)
+        if (as_of in seen and shown in seen[as_of]) or time.monotonic() > deadline:
+            return shown, seen.get(as_of, set())
+        await asyncio.sleep(0.1)
 
 
 # --- without a browser: every figure unknown ------------------------------------------------------------------
