@@ -38,6 +38,7 @@ import requests
 from pathlib import Path
 
 from exporter.derive.phase_energy import PRIOR_PROMPT_TO_GENERATED_COST_RATIO
+from kvwatt_lab.replay.client import SseSplitter
 from tests.support.daemon import KvwattDaemon, parse_exposition
 from tests.support.engine import VllmEngine, build_tiny_model
 from tests.support.fake_gpus import FakeGpus
@@ -93,22 +94,23 @@ def _complete(url: str, prompt: list[int], n: int, tally: Tally) -> list[int]:
     body = {"model": "tiny", "prompt": prompt, "max_tokens": n, "min_tokens": n, "ignore_eos": True,
             "temperature": 0.0, "return_token_ids": True, "stream": True}
     out: list[int] = []
+    events = SseSplitter()  # the replayer's parser of server-sent events
     with requests.post(url + "/v1/completions", json=body, timeout=600, stream=True) as r:
         r.raise_for_status()
-        for line in r.iter_lines():
-            if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                continue
-            for choice in json.loads(line[6:]).get("choices") or ():
-                ids = choice.get("token_ids") or []
-                out.extend(ids)
-                tally.add(len(ids))
-    assert len(out) == n, (len(out), n)
+        for chunk in r.iter_content(chunk_size=None):
+            for payload in events.feed(chunk):
+                for choice in json.loads(payload).get("choices") or ():
+                    ids = choice.get("token_ids") or []
+                    out.extend(ids)
+                    tally.add(len(ids))
+    assert events.done and len(out) == n, (events.done, len(out), n)
     return out
 
 
-def workload(url: str, tally: Tally, checkpoint=lambda name: None) -> dict[str, list]:
+def workload(url: str, tally: Tally, checkpoint=lambda name: None, in_steady_load=lambda: None) -> dict[str, list]:
     """The same token ids for ON and OFF (seeded), so their outputs can be compared token for token.
-    ``checkpoint(name)`` runs between the phases (the fixture reads both engines and kvwatt there)."""
+    ``checkpoint(name)`` runs between the phases (the fixture reads both engines and kvwatt there);
+    ``in_steady_load()`` while the steady phase's clients run, which stop when it returns."""
     rng = random.Random(27)
     long_prompt = [rng.randrange(4, 2048) for _ in range(LONG)]
     others = [[rng.randrange(4, 2048) for _ in range(LONG)] for _ in range(OTHERS)]
@@ -121,11 +123,11 @@ def workload(url: str, tally: Tally, checkpoint=lambda name: None) -> dict[str, 
     out["pressure"] = _concurrently(PRESSURE, lambda i: _complete(url, pressure[i], PRESSURE_OUTPUT, tally))
     checkpoint("pressured")
     stop = threading.Event()
-    clients = threading.Thread(target=lambda: out.setdefault("steady", _concurrently(
-        STEADY_CLIENTS, lambda i: _steady(url, tally, stop, random.Random(i)))))
+    clients = threading.Thread(target=_concurrently,
+                               args=(STEADY_CLIENTS, lambda i: _steady(url, tally, stop, random.Random(i))))
     clients.start()
     try:
-        checkpoint("steady")  # read while the clients still run: the steady window ends in steady load
+        in_steady_load()
     finally:
         stop.set()
         clients.join()
@@ -145,15 +147,12 @@ def _concurrently(n: int, fn) -> list:
     return results
 
 
-def _steady(url: str, tally: Tally, stop: threading.Event, rng: random.Random) -> int:
+def _steady(url: str, tally: Tally, stop: threading.Event, rng: random.Random) -> None:
     """One client of the steady phase: short fresh requests back to back until ``stop`` (no preemption:
     3 x (256 + 128) tokens are 36 of the 130 blocks), so that both engines generate through every 5 s window
-    of STEADY_WINDOW and kvwatt pairs them. Returns its requests."""
-    done = 0
+    of STEADY_WINDOW and kvwatt pairs them."""
     while not stop.is_set():
         _complete(url, [rng.randrange(4, 2048) for _ in range(rng.randrange(64, 256))], STEADY_OUTPUT, tally)
-        done += 1
-    return done
 
 
 @dataclass
@@ -219,18 +218,18 @@ def _settled(d: KvwattDaemon, side: Side, counters: dict) -> dict:
 
 
 def _run(side: Side, d: KvwattDaemon, kvwatt_at: dict, together: threading.Barrier) -> None:
+    def in_steady_load():  # no barrier: each side's steady load runs until it has read kvwatt
+        time.sleep(STEADY_SECONDS)
+        kvwatt_at.setdefault("steady", {})[side.name] = _settled(d, side, {})
+
     def checkpoint(name):
-        if name == "steady":  # no barrier: the steady load runs until each side has read kvwatt
-            time.sleep(STEADY_SECONDS)
-            kvwatt_at.setdefault(name, {})[side.name] = _settled(d, side, {})
-            return
         time.sleep(1.0)  # the engine's stats reach /metrics at its next step
         side.at[name] = engine_counters(side.engine.url)
         kvwatt_at.setdefault(name, {})[side.name] = _settled(d, side, side.at[name])
         together.wait(timeout=600)  # both engines start the next phase at once
     try:
         side.before = engine_counters(side.engine.url)
-        side.outputs = workload(side.engine.url, side.tally, checkpoint)
+        side.outputs = workload(side.engine.url, side.tally, checkpoint, in_steady_load)
         time.sleep(1.0)
         side.after = engine_counters(side.engine.url)
     except BaseException as exc:  # noqa: BLE001 (reported by the tests that read this side)

@@ -367,7 +367,8 @@ async def _shown_and_served(b, d: KvwattDaemon, selector: str, served, seconds: 
     """(the page's text at ``selector``, the values /api/status served in the second the page's figures are as
     of). The page shows the snapshot of its last refresh, /api/status the latest tick's (every 250 ms here): the
     two are compared within one as-of second (it names no finer time), status read every 0.1 s so that every
-    tick of that second is seen (a figure read once from each moved from 27 to 28 GiB between them in CI)."""
+    tick of that second is seen (a figure read once from each moved from 27 to 28 GiB between them in a CI-like
+    run here)."""
     seen: dict[str, set] = {}
     deadline = time.monotonic() + seconds
     while True:
