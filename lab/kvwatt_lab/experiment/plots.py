@@ -93,7 +93,8 @@ def _groups(model: dict) -> list[tuple[dict, list[dict]]]:
 def _energy_label(model: dict) -> str:
     scopes = sorted({s["energy_scope"] for s in model["conditions"] if s.get("energy_scope")})
     double = ", power double" if model.get("power_double") else ""
-    return f"J per generated token ({model['energy_basis']}, {'/'.join(scopes) or 'no energy data'}{double})"
+    # two lines: on one, the label outran a 4-inch panel's height (clipped in the bars figure)
+    return f"J per generated token\n({model['energy_basis']}, {'/'.join(scopes) or 'no energy data'}{double})"
 
 
 BAND_MAX_FRACTION = 0.5   # a threshold interval wider than this share of the data's x range is no band: it
@@ -574,11 +575,13 @@ ENERGY_FIGURES = ("savings_vs_kv_p95.png", "energy_throughput_bars.png", "fronti
 
 
 def _say_power_double(fig) -> None:
-    """A figure drawn from a power double's energy says so in its first title, so a copy alone still says it."""
+    """A figure drawn from a power double's energy says so in its first title, so a copy alone still says it: on
+    a line of its own after the title's first (at its end, the bars figure's half-width title ran off the
+    figure)."""
     for ax in fig.axes:
         if ax.get_title():
             first, *rest = ax.get_title().split("\n")
-            ax.set_title("\n".join([f"{first} [energy: power double]", *rest]))
+            ax.set_title("\n".join([first, "[energy: power double]", *rest]))
             return
 
 
