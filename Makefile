@@ -43,7 +43,8 @@ generate: .venv/.kvwatt-installed
 	.venv/bin/python deploy/kubernetes/generate.py
 
 # the tree's consistency in a minute: the linter (ruff, config in pyproject.toml), the generated artefacts
-# (alerts, dashboards, manifests), the README's reference tables, the golden expositions and the doc map
+# (alerts, dashboards, manifests), the README's reference tables, the golden expositions, the doc map and the
+# structural tests (the import layers, the one settings table, the rules, every catalog formula)
 check:
 	scripts/install-python.sh
 	.venv/bin/python -m ruff check .
@@ -52,4 +53,5 @@ check:
 	.venv/bin/python deploy/kubernetes/generate.py --check
 	.venv/bin/python -m exporter.readme_tables --check
 	.venv/bin/python -m pytest -q tests/test_golden.py tests/test_doc_references.py \
-	  tests/test_architecture_map.py
+	  tests/test_architecture_map.py tests/test_layers.py tests/test_settings_table.py tests/test_rules.py \
+	  tests/test_catalog_formulas.py
