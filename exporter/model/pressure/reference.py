@@ -43,9 +43,6 @@ class LowPressureReference:
         relative = self.threshold - REFERENCE_MARGIN
         return relative if residency_low else min(relative, LOW_PRESSURE_P95)
 
-    def eligible(self) -> list[ReferenceSample]:
-        return list(self._learned()[0])
-
     def _learned(self) -> tuple:
         """(eligible samples, their median share, their spread), recomputed only when a sample or the
         threshold in force changed since the last read."""
