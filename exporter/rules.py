@@ -114,6 +114,10 @@ def longest_window_seconds() -> float:
     return max(WINDOWS.default)
 
 
+# vLLM's --kv-cache-metrics-sample default: the share of KV blocks its residency histograms track (exported
+# nowhere, so kvwatt assumes it unless servers[].kv_cache_metrics_sample says otherwise; derive/residency.py)
+VLLM_KV_CACHE_METRICS_SAMPLE = 0.01
+
 # Operational bounds (not configuration keys: not in RULES). Documented in docs/architecture.md "Limits".
 # A labelled family (tier, reason, stage) has a handful of values in every engine; 64 leaves room for many
 # tiers while 10,000 upstream values (a label carrying an id) stay 64 series per family and server instead of

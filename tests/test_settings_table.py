@@ -85,3 +85,40 @@ def test_the_readme_table_has_a_row_per_key_of_the_table():
     table = readme_tables.config_table()
     keys = re.findall(r"^\| `([a-z0-9_]+)` \|", table, flags=re.M)
     assert keys == [s.key for s in settings.SETTINGS if s.key is not None]
+
+
+def _declared_flags(module: str) -> list[str]:
+    tree = ast.parse((ROOT / "exporter" / "commands" / f"{module}.py").read_text())
+    return [c.args[0].value for c in ast.walk(tree)
+            if isinstance(c, ast.Call) and getattr(c.func, "attr", None) == "add_argument"
+            and c.args and isinstance(c.args[0], ast.Constant)]
+
+
+def test_other_commands_take_the_shared_flags_from_the_table():
+    """kvwatt baseline idle / record read the daemon's configuration: their --config, --state-dir,
+    --powercap-root and --interval are the table's rows (settings.add_shared_flags), with the table's help; none
+    is typed again in the command (the --server of these commands is a selector of one server, their own)."""
+    from exporter.commands import baseline_idle, baseline_record
+    table = {s.dest: s for s in settings.FLAGS}
+    for module in (baseline_idle, baseline_record):
+        name = module.__name__.rsplit(".", 1)[1]
+        redeclared = set(_declared_flags(name)) & {table[d].flags[0] for d in settings.SHARED_FLAGS}
+        assert not redeclared, f"{name} declares {redeclared} itself"
+        p = argparse.ArgumentParser()
+        module.add_arguments(p)
+        actions = {a.dest: a for a in p._actions}
+        for dest in settings.SHARED_FLAGS:
+            assert actions[dest].help == table[dest].help and actions[dest].default is None, (name, dest)
+
+
+def test_baseline_idle_samples_at_the_configured_interval(tmp_path):
+    """--interval unset: the configuration's interval (a flag no longer carries its own default of 1s)."""
+    from exporter.commands import baseline_idle
+    cfg_file = tmp_path / "kvwatt.yaml"
+    cfg_file.write_text(f"interval: 2s\nstate_dir: {tmp_path}\n")
+    p = argparse.ArgumentParser()
+    baseline_idle.add_arguments(p)
+    cfg, _ = baseline_idle._config(p.parse_args(["--config", str(cfg_file), "--no-server-check"]))
+    assert cfg.interval_seconds == 2.0
+    cfg, _ = baseline_idle._config(p.parse_args(["--config", str(cfg_file), "--no-server-check", "--interval", "500ms"]))
+    assert cfg.interval_seconds == 0.5

@@ -434,7 +434,8 @@ RESIDENCY: tuple[MetricDef, ...] = (
         name="kvwatt_kv_block_evictions_per_second", type="gauge", labels=("server", "window"),
         help="KV blocks evicted per second over the window: sampled evictions "
              "(vllm:kv_block_idle_before_evict_seconds_count, vLLM --kv-cache-metrics) / the configured "
-             "servers[].kv_cache_metrics_sample (the engine's --kv-cache-metrics-sample, default 0.01).",
+             "servers[].kv_cache_metrics_sample (the engine's --kv-cache-metrics-sample, default "
+             f"{rules.VLLM_KV_CACHE_METRICS_SAMPLE:g}).",
         computes="derive.residency.window_residency",
         section=SECTION,
         status=window_key("kv_evicted_blocks_per_second", lambda w: w.kv_evicted_blocks_per_second),

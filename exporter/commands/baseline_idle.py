@@ -15,8 +15,9 @@ import asyncio
 import sys
 from dataclasses import replace
 
-from exporter.config import (ConfigError, Config, ServerConfig, check_writable, parse_duration, parse_interval,
-                             parse_server_flag, resolve)
+from exporter.config import (ConfigError, Config, ServerConfig, check_writable, parse_duration, parse_server_flag,
+                             resolve)
+from exporter.config.settings import add_shared_flags
 from exporter.energy.baseline import BaselineBook
 from exporter.energy.idle import Busy, measure
 from exporter.statedir import resolve_dir
@@ -26,19 +27,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--duration", default="30s", metavar="DURATION", help="how long to measure (default 30s)")
     p.add_argument("--settle", metavar="DURATION",
                    help="wait this long, idle, before measuring (default: idle_settle from the config, 30s)")
-    p.add_argument("--config", metavar="FILE", help="YAML configuration file (also $KVWATT_CONFIG)")
+    # a selector, not run's repeatable list: the one server (configured, or NAME=URL) whose GPUs to measure
     p.add_argument("--server", metavar="NAME[=URL]",
                    help="the server whose GPUs to measure (a configured name, or NAME=URL); default: all")
     p.add_argument("--no-server-check", action="store_true",
                    help="measure without checking a vLLM server (understates idle without a loaded model)")
-    p.add_argument("--state-dir", metavar="DIR", help="where the baseline is persisted (default /var/lib/kvwatt)")
-    p.add_argument("--powercap-root", metavar="DIR", help="powercap tree for RAPL (default /sys/class/powercap)")
-    p.add_argument("--interval", default="1s", metavar="DURATION", help="sampling interval (default 1s)")
+    add_shared_flags(p)  # --config, --state-dir, --powercap-root, --interval: the settings table's rows
 
 
 def _config(args: argparse.Namespace) -> tuple[Config, list[ServerConfig]]:
     flag = [args.server] if args.server and "=" in args.server else None
-    cfg = resolve(args.config, servers=flag, state_dir=args.state_dir, powercap_root=args.powercap_root)
+    cfg = resolve(args.config, servers=flag, interval=args.interval, state_dir=args.state_dir,
+                  powercap_root=args.powercap_root)
     state_dir, why = resolve_dir(cfg.state_dir)  # the daemon's directory, per-user fallback included
     if why:  # say it now, not after the measurement
         raise ConfigError(f"state_dir: cannot write {state_dir} ({why})")
@@ -60,7 +60,7 @@ def main(args: argparse.Namespace) -> int:
     cfg, checked = _config(args)
     duration = parse_duration(args.duration, "--duration")
     settle = cfg.idle_settle_seconds if args.settle is None else parse_duration(args.settle, "--settle", zero_ok=True)
-    interval = parse_interval(args.interval, "--interval")
+    interval = cfg.interval_seconds  # the table's --interval over the file's and the environment's
     check_writable(cfg.state_dir, "--state-dir" if args.state_dir else "state_dir", directory=True)
     if not checked:
         print("warning: no vLLM server checked; with no model loaded the baseline understates idle power",

@@ -20,6 +20,7 @@ from dataclasses import replace
 
 from exporter.config import Config, ConfigError, ServerConfig, check_writable, format_window, parse_duration, \
     parse_server_flag, resolve
+from exporter.config.settings import add_shared_flags
 from exporter.model.recording import record_intervals
 from exporter.progress import Progress
 from exporter.offload import profile as profile_mod
@@ -30,12 +31,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the OFF server to record (a configured name, or NAME=URL)")
     p.add_argument("--duration", required=True, metavar="DURATION", help="how long to record (e.g. 30m)")
     p.add_argument("--out", required=True, metavar="FILE", help="profile file to write (JSON, atomic)")
-    p.add_argument("--config", metavar="FILE", help="YAML configuration file (also $KVWATT_CONFIG)")
     p.add_argument("--window", default="60s", metavar="DURATION",
                    help="repeat window (default 60s; >= 30s for energy figures)")
-    p.add_argument("--interval", metavar="DURATION", help="sampling interval (default: the config's, 1s)")
-    p.add_argument("--state-dir", metavar="DIR", help="where idle baselines are persisted")
-    p.add_argument("--powercap-root", metavar="DIR", help="powercap tree for RAPL")
+    add_shared_flags(p)  # --config, --state-dir, --powercap-root, --interval: the settings table's rows
 
 
 def _config(args: argparse.Namespace) -> tuple[Config, ServerConfig]:

@@ -27,8 +27,8 @@ class ServerConfig:
     sidecar_urls: tuple[str, ...] = ()
     offload_tier_bytes: dict[str, float] = field(default_factory=dict)  # vLLM tiering: tier label -> capacity
     # vLLM --kv-cache-metrics-sample: the share of KV blocks its residency histograms track (exported nowhere);
-    # scales sampled evictions to blocks (derive/residency.py). vLLM's default 0.01.
-    kv_cache_metrics_sample: float = 0.01
+    # scales sampled evictions to blocks (derive/residency.py). vLLM's default (rules.py).
+    kv_cache_metrics_sample: float = rules.VLLM_KV_CACHE_METRICS_SAMPLE
 
 
 @dataclass(frozen=True)

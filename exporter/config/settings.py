@@ -60,7 +60,7 @@ SERVERS_MEANING = (
     "`offload_tier_bytes` (capacity in bytes of each vLLM tiering tier, e.g. `{\"1:fs\": 2e12}`: "
     "vLLM exports none; gives the tier's residency, docs/offload.md), `kv_cache_metrics_sample` (the "
     "share of KV blocks vLLM's residency histograms track: the server's `--kv-cache-metrics-sample`, "
-    "default `0.01`, exported nowhere; docs/pressure.md)")
+    f"default `{rules.VLLM_KV_CACHE_METRICS_SAMPLE:g}`, exported nowhere; docs/pressure.md)")
 
 CONFIG_ENV = "KVWATT_CONFIG"  # names the configuration file (layers.resolve reads it before the file)
 
@@ -191,6 +191,20 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     """The flags of `kvwatt run`, one per row of the table that has one."""
     for s in sorted(FLAGS, key=lambda s: s.dest not in ("config", "server")):  # what to watch first in --help
         p.add_argument(*s.flags, dest=s.dest, metavar=s.metavar, help=s.help, **dict(s.flag_options))
+
+
+# The flags every command that reads the daemon's configuration shares with `kvwatt run` (kvwatt baseline idle,
+# kvwatt baseline record): declared by their rows above, never retyped by a command.
+SHARED_FLAGS = ("config", "state_dir", "powercap_root", "interval")
+
+
+def add_shared_flags(p: argparse.ArgumentParser, dests: tuple[str, ...] = SHARED_FLAGS) -> None:
+    """Add the named rows' flags to another command's parser, with the table's names, metavar and help (their
+    values reach the command as given, to pass to layers.resolve: file < environment < flag, as for run)."""
+    rows = {s.dest: s for s in FLAGS}
+    for dest in dests:
+        s = rows[dest]
+        p.add_argument(*s.flags, dest=s.dest, metavar=s.metavar, help=s.help)
 
 
 def flag_overrides(args: argparse.Namespace) -> dict[str, Any]:

@@ -39,7 +39,7 @@ from exporter.derive.pressure import rate_per_second
 from exporter.keys import labelled
 from exporter.store import WindowAggregate
 
-DEFAULT_SAMPLE_SHARE = 0.01  # vLLM's --kv-cache-metrics-sample default
+DEFAULT_SAMPLE_SHARE = rules.VLLM_KV_CACHE_METRICS_SAMPLE  # vLLM's --kv-cache-metrics-sample default
 QUANTILES = (0.5, 0.99)
 # levels in evictions per prompt block: the captures gave 0.84 (pressure) and 0.037 (none); each level sits
 # a factor ~3 inside its side, and the band between says nothing
