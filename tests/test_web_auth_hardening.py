@@ -446,3 +446,20 @@ def test_a_scrape_gets_in_over_http_during_a_flood_from_its_own_address_and_user
         assert statuses[-1] == 200 and len(statuses) <= 3, (statuses, dict(flood))
         assert set(flood) <= {401, 429} and flood[401] >= 1, dict(flood)
         assert "Traceback" not in d.log()
+
+
+def test_refusal_counts_grow_per_password_and_halve_each_half_life():
+    now = [0.0]
+    counts = webconfig._RefusalCounts(lambda: now[0])
+    a, b = os.urandom(32), os.urandom(32)
+    for _ in range(6):
+        counts.add(a)
+    counts.add(b)
+    assert (counts.count(a), counts.count(b)) == (6, 1)
+    now[0] = webconfig.REFUSAL_HALF_LIFE_SECONDS  # one half-life later
+    assert (counts.count(a), counts.count(b)) == (3, 0)
+    for _ in range(300):
+        counts.add(a)
+    assert counts.count(a) == 255  # saturates, never wraps to 0
+    now[0] += 100 * webconfig.REFUSAL_HALF_LIFE_SECONDS  # idle for long: empty, at most 8 halvings of work
+    assert counts.count(a) == 0
