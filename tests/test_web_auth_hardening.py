@@ -414,7 +414,8 @@ async def _flood_until(url: str, stop: asyncio.Event, clients: int) -> collectio
     return answers
 
 
-async def _scrape_under_own_flood(url: str, tries: int = 12, pause: float = 0.5) -> tuple[list[int], collections.Counter]:
+async def _scrape_under_own_flood(url: str, tries: int = 12,
+                                 pause: float = 0.5) -> tuple[list[int], collections.Counter]:
     stop = asyncio.Event()
     flood = asyncio.ensure_future(_flood_until(url, stop, clients=100))
     await asyncio.sleep(1.0)  # the flood under way

@@ -11,8 +11,8 @@ sampling.
 /api/status and the landing page follow the same pattern (``Views``): each is serialised at most once per
 snapshot, in that render thread, on the first request that asks for it after a tick; every other request of the
 tick is served the same bytes. Built on the loop for every request, 50 clients asking for them took the loop from
-kvwatt's own engine reads (half the reads of 8 servers missed, some servers marked down; tests/test_web_page_flood.py,
-bench/bench_page_flood.py).
+kvwatt's own engine reads (half the reads of 8 servers lost here, 4-6 of 8 servers marked down in the issue's
+run; tests/test_web_page_flood.py, bench/bench_page_flood.py).
 
 Connections are bounded (exporter/serve/connections.py: a cap, eviction of the least recently active, TLS per
 connection); a connection that sends no complete request within ``read_timeout_seconds`` -- idle after a
