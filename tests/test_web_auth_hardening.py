@@ -8,6 +8,7 @@ loopback (the flood comes from 127.0.0.2, the scraper from 127.0.0.1)."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import os
 import signal
 import subprocess
@@ -276,7 +277,8 @@ def test_the_limit_is_logged_when_reached_and_drained_at_most_once_a_minute(coun
 
     async def wave(a: BasicAuth, at: float) -> None:
         now[0] = at
-        await asyncio.gather(*(a.check(header(USER, f"x{i}"), "10.0.0.9") for i in range(5)))
+        # new passwords each wave: a wrong password is checked once, then answered 401 without a place
+        await asyncio.gather(*(a.check(header(USER, f"x{at}-{i}"), "10.0.0.9") for i in range(5)))
 
     async def main():
         a = BasicAuth({USER: bcrypt.hashpw(PASSWORD.encode(), bcrypt.gensalt(4))}, clock=lambda: now[0])
@@ -353,3 +355,112 @@ def test_a_first_login_from_the_flooding_address_gets_in_over_http(tmp_path):
         print(f"first login beside {FLOOD} wrong passwords from its own address: {status} in {seconds:.3f} s")
         assert status == 200 and seconds < GOOD_LOGIN_BOUND_SECONDS, (status, seconds)
         assert set(flood) <= {401, 429} and flood.count(429) >= FLOOD - 10 * AUTH_QUEUE_MAX
+
+
+# --- the scraper's own address and user name flooded (issue 38.5) --------------------------------------------
+
+async def _retrying_login(a: BasicAuth, client: str, tries: int, pause: float) -> list[Verdict]:
+    """A scraper's first (not remembered) good login, sent again after each 429 as Prometheus does at its next
+    scrape; the verdicts until the first that is not BUSY."""
+    verdicts = []
+    for _ in range(tries):
+        verdicts.append(await a.check(header(USER, PASSWORD), client))
+        if verdicts[-1] is not Verdict.BUSY:
+            break
+        await asyncio.sleep(pause)
+    return verdicts
+
+
+def test_a_good_login_gets_in_during_a_flood_from_its_own_address_and_user_name(counted_checks):
+    """Before: the flood held the (address, user)'s one place at every moment, so each first login was answered 429
+    at once (the issue's run: 57 of 57 over 18 s; here 10 of 10). Now a password refused for lack of a place counts
+    for it: the next time it comes, it takes the place of the flood's waiting check (a flood of distinct passwords
+    has none refused before), so it gets in on its first retry. The flood still gets at most one bcrypt check at a
+    time, and a wrong password is never checked twice."""
+    async def main():
+        a = auth()
+        stop = asyncio.Event()
+        # 50 clients sending again 5 ms after each answer: the key's place is taken again within ~0.1 ms of each
+        # check's end (the issue's HTTP flood held it as tightly)
+        flood = [asyncio.ensure_future(_flooding(a, stop, "10.0.0.1", USER, i)) for i in range(50)]
+        await asyncio.sleep(0.3)
+        verdicts = await _retrying_login(a, "10.0.0.1", tries=10, pause=0.1)
+        again = await a.check(header(USER, PASSWORD), "10.0.0.1")  # remembered now
+        repeated = [await a.check(header(USER, "wrong-0-1"), "10.0.0.9") for _ in range(3)]  # checked once
+        stop.set()
+        await asyncio.gather(*flood)
+        a.close()
+        return verdicts, again, repeated
+
+    verdicts, again, repeated = asyncio.run(main())
+    assert verdicts[-1] is Verdict.ALLOWED and len(verdicts) <= 3, verdicts
+    assert again is Verdict.ALLOWED and repeated == [Verdict.DENIED] * 3
+    assert counted_checks.count(PASSWORD) == 1 and counted_checks.count("wrong-0-1") == 1, counted_checks[:20]
+
+
+async def _flood_until(url: str, stop: asyncio.Event, clients: int) -> collections.Counter:
+    """``clients`` connections from 127.0.0.1 sending USER with a new wrong password as soon as answered."""
+    answers: collections.Counter = collections.Counter()
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=clients),
+                                     timeout=aiohttp.ClientTimeout(total=30)) as s:
+        async def one(i: int) -> None:
+            n = 0
+            while not stop.is_set():
+                n += 1
+                async with s.get(url, headers={"Authorization": header(USER, f"wrong-{i}-{n}")}) as r:
+                    await r.read()
+                    answers[r.status] += 1
+        await asyncio.gather(*(one(i) for i in range(clients)))
+    return answers
+
+
+async def _scrape_under_own_flood(url: str, tries: int = 12,
+                                 pause: float = 0.5) -> tuple[list[int], collections.Counter]:
+    stop = asyncio.Event()
+    flood = asyncio.ensure_future(_flood_until(url, stop, clients=100))
+    await asyncio.sleep(1.0)  # the flood under way
+    statuses = []
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
+        for _ in range(tries):
+            async with s.get(url, headers={"Authorization": header(USER, PASSWORD)}) as r:
+                await r.read()
+                statuses.append(r.status)
+            if r.status != 429:
+                break
+            await asyncio.sleep(pause)
+    stop.set()
+    return statuses, await flood
+
+
+def test_a_scrape_gets_in_over_http_during_a_flood_from_its_own_address_and_user(tmp_path):
+    """The issue's setting over real HTTP: wrong passwords for Prometheus' user from Prometheus' address
+    (127.0.0.1), Prometheus' first login retried every 0.5 s: 200 by the third try, the refusal counts and the
+    remembered wrong passwords working end to end. (The issue's run saw 429 on 57 of 57 tries over 18 s; on this
+    2-core machine the flood's 429s starve the loop so that the key's place is often free when the login comes,
+    so the old code let it in here too: the deterministic before/after is the BasicAuth test above.)"""
+    hashed = bcrypt.hashpw(PASSWORD.encode(), bcrypt.gensalt(10)).decode()
+    path = tmp_path / "web.yml"
+    path.write_text(yaml.safe_dump({"basic_auth_users": {USER: hashed}}))
+    with KvwattDaemon(args=("--web.config.file", str(path)), request_kwargs={"auth": (USER, PASSWORD)}) as d:
+        statuses, flood = asyncio.run(_scrape_under_own_flood(d.url + "/metrics"))
+        print(f"scrape under a flood from its own address and user: {statuses}; flood {dict(flood)}")
+        assert statuses[-1] == 200 and len(statuses) <= 3, (statuses, dict(flood))
+        assert set(flood) <= {401, 429} and flood[401] >= 1, dict(flood)
+        assert "Traceback" not in d.log()
+
+
+def test_refusal_counts_grow_per_password_and_halve_each_half_life():
+    now = [0.0]
+    counts = webconfig._RefusalCounts(lambda: now[0])
+    a, b = os.urandom(32), os.urandom(32)
+    for _ in range(6):
+        counts.add(a)
+    counts.add(b)
+    assert (counts.count(a), counts.count(b)) == (6, 1)
+    now[0] = webconfig.REFUSAL_HALF_LIFE_SECONDS  # one half-life later
+    assert (counts.count(a), counts.count(b)) == (3, 0)
+    for _ in range(300):
+        counts.add(a)
+    assert counts.count(a) == 255  # saturates, never wraps to 0
+    now[0] += 100 * webconfig.REFUSAL_HALF_LIFE_SECONDS  # idle for long: empty, at most 8 halvings of work
+    assert counts.count(a) == 0

@@ -3,6 +3,11 @@
 when a server learned a window, read back at start, so a restarted daemon has its reference (and its tax)
 at once.
 
+Only what kvwatt writes is accepted, as in the evidence file (model/evidence_book.py): a sample's ``at`` not after
+now + ``CLOCK_SLACK_SECONDS`` (kvwatt dates a sample before it writes the file). A day's allowance kept a crafted
+share 0.0 dated 23.9 h ahead as the "known" reference: every live window then looked taxed, so none could replace
+it, and each save wrote it back. Such entries are dropped, with one warning and a reason.
+
 Never fatal: an unreadable file, dropped entries, a failed write or a read-only state directory (locked by
 another daemon, not writable) are reasons on the ``state_dir`` source (``problems``), logged once each; the
 references keep working in memory.
@@ -15,6 +20,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 from exporter import atomic
 from exporter.energy.baseline import _number, entry_at
+from exporter.model.evidence_book import CLOCK_SLACK_SECONDS
 from exporter.model.pressure import ReferenceSample
 
 log = logging.getLogger("kvwatt.reference")
@@ -71,6 +77,6 @@ def parse_file(data: Any, now_wall: float) -> tuple[dict[str, list[ReferenceSamp
 
 
 def parse_entry(entry: Any, now_wall: float) -> ReferenceSample:
-    at = entry_at(entry, ("share", "p95", "at"), now_wall)
+    at = entry_at(entry, ("share", "p95", "at"), now_wall, CLOCK_SLACK_SECONDS)
     return ReferenceSample(_number(entry["share"], "share", 0.0, 1.0), _number(entry["p95"], "p95", 0.0, 1.0),
                            -1.0, at, entry.get("residency_low") is True)

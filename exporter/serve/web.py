@@ -8,6 +8,11 @@ exporter/serve/exposition.py) is serialised at most once per tick, the text form
 form already serialised costs the loop a dict lookup and a memory copy; a form not yet serialised, or a
 ``name[]`` subset, is serialised in a thread of its own (never the tick's), so a scrape flood never slows
 sampling.
+/api/status and the landing page follow the same pattern (``Views``): each is serialised at most once per
+snapshot, in that render thread, on the first request that asks for it after a tick; every other request of the
+tick is served the same bytes. Built on the loop for every request, 50 clients asking for them took the loop from
+kvwatt's own engine reads (half the reads of 8 servers lost here, 4-6 of 8 servers marked down in the issue's
+run; tests/test_web_page_flood.py, bench/bench_page_flood.py).
 
 Connections are bounded (exporter/serve/connections.py: a cap, eviction of the least recently active, TLS per
 connection); a connection that sends no complete request within ``read_timeout_seconds`` -- idle after a
@@ -22,6 +27,7 @@ import asyncio
 import json
 import logging
 import math
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -394,6 +400,31 @@ def auth_middleware(auth: BasicAuth):
 NOTHING_YET = Exposition([])  # before the first tick: no family, in whatever format is asked for
 
 
+class Views:
+    """One snapshot's /api/status JSON and landing page, each serialised at most once (``render``: in the render
+    thread, never on the loop), then served as the same bytes until the snapshot is replaced: the pattern of
+    exporter/serve/exposition.py's Exposition, for the two pages."""
+
+    def __init__(self, snapshot: Snapshot | None, telemetry_path: str):
+        self.snapshot, self.telemetry_path = snapshot, telemetry_path
+        self._lock = threading.Lock()
+        self._status: dict | None = None
+        self.body: dict[str, bytes] = {}  # "status" / "page" -> bytes, once serialised
+
+    def render(self, which: str) -> bytes:
+        """The bytes of ``which`` ("status" or "page"), serialising them if no request has yet (call it off the
+        loop). Two first requests at once: the second waits for the first's bytes."""
+        with self._lock:
+            body = self.body.get(which)
+            if body is None:
+                if self._status is None:
+                    self._status = status_json(self.snapshot)
+                text = (json.dumps(self._status, indent=2, allow_nan=False) if which == "status"
+                        else page.render(self._status, self.telemetry_path))
+                body = self.body[which] = text.encode("utf-8")
+            return body
+
+
 def build_app(daemon, auth: BasicAuth | None = None, telemetry_path: str = "/metrics") -> web.Application:
     # serialises what a tick has not yet (exporter/serve/exposition.py); one thread, apart from the tick's
     render_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvwatt-render")
@@ -413,12 +444,26 @@ def build_app(daemon, auth: BasicAuth | None = None, telemetry_path: str = "/met
         ok = daemon.healthy()
         return web.Response(text="ok\n" if ok else "sampling loop stalled\n", status=200 if ok else 503)
 
+    views = Views(None, telemetry_path)
+
+    async def serialised(which: str) -> bytes:
+        """The current snapshot's page ``which``: a lookup on the loop once a request of this tick serialised it,
+        else serialised in the render thread (once per snapshot: exporter/serve/web.py, Views)."""
+        nonlocal views
+        snap = daemon.snapshot
+        if views.snapshot is not snap:  # a new tick: the previous snapshot's bytes are dropped with it
+            views = Views(snap, telemetry_path)
+        current = views
+        body = current.body.get(which)
+        if body is None:
+            body = await asyncio.get_running_loop().run_in_executor(render_pool, current.render, which)
+        return body
+
     async def status(_request):
-        return web.Response(text=json.dumps(status_json(daemon.snapshot), indent=2, allow_nan=False),
-                            content_type="application/json")
+        return web.Response(body=await serialised("status"), content_type="application/json", charset="utf-8")
 
     async def index(_request):
-        return web.Response(text=page.render(status_json(daemon.snapshot), telemetry_path), content_type="text/html")
+        return web.Response(body=await serialised("page"), content_type="text/html", charset="utf-8")
 
     async def runbook_page(_request):
         text = runbook.page()

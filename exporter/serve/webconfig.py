@@ -23,6 +23,16 @@ has gone is skipped: a flood of wrong passwords (2,400 pipelined once delayed a 
 address once kept every other first login out with 429) costs at most a few seconds of one thread, lets
 another (address, user)'s first login in after about one check per flooding key, and never delays a
 remembered login.
+
+A flood from the scraper's own address and user name holds that key's one place at every moment, so its place
+alone would answer every first good login 429 (57 of 57 over 18 s once). What tells the scraper from such a flood
+is that it sends the same password again, where a flood of guesses sends a new one each time: a password answered
+429 is counted (``_RefusalCounts``, keyed by the same HMAC; fixed memory), and a check whose password was refused
+more often than every check its key holds takes the key's waiting place (that check is answered 429), or waits
+beside the key's running one. A first login thus gets in on its first retry after one check of the key. A
+password checked and found wrong is remembered too (``AUTH_DENIED_REMEMBERED``) and answered 401 without a
+check, so a wrong password cannot pile up refusals to outrank the scraper: each is checked once. The flood's
+bcrypt cost is unchanged: one thread, at most ``AUTH_QUEUE_MAX`` admitted, at most one more per key.
 Nothing is hashed at start.
 """
 
@@ -77,6 +87,13 @@ AUTH_QUEUE_MAX = 8
 AUTH_QUEUE_PER_CLIENT = 1
 AUTH_RETRY_AFTER_SECONDS = 1
 AUTH_LOG_INTERVAL_SECONDS = 60.0  # the "at their limit" warning at most this often (a flood comes in waves)
+# wrong passwords remembered (an HMAC each, LRU): answered 401 at once, never checked twice
+AUTH_DENIED_REMEMBERED = 4096
+# the refusal counts: 2 rows of 2**20 byte counters (2 MiB, whatever the flood), each halved every minute. A
+# scraper retrying every 15 s counts ~4 a minute; a flood of 5,000 new guesses a second adds ~0.4 per counter,
+# and a collision only over-counts (the scraper's count is never lowered by a flood)
+REFUSAL_COUNTERS, REFUSAL_ROWS, REFUSAL_HALF_LIFE_SECONDS = 1 << 20, 2, 60.0
+_HALVED = bytes(b >> 1 for b in range(256))
 
 
 @dataclass(frozen=True)
@@ -256,6 +273,40 @@ def _cost(hashed: bytes) -> int:
 AUTH_SERVED_REMEMBERED = 4096  # (address, user) keys whose last turn is remembered (LRU): the fairness order
 
 
+class _RefusalCounts:
+    """How often each password (its HMAC) was answered 429 lately: a count-min sketch with conservative update
+    (REFUSAL_ROWS rows of saturating byte counters), every counter halved each REFUSAL_HALF_LIFE_SECONDS."""
+
+    def __init__(self, clock: Callable[[], float]):
+        self._clock = clock
+        self._rows = [bytearray(REFUSAL_COUNTERS) for _ in range(REFUSAL_ROWS)]
+        self._halved_at = clock()
+
+    def _cells(self, digest: bytes) -> list[int]:
+        return [int.from_bytes(digest[4 * i:4 * i + 4], "little") % REFUSAL_COUNTERS for i in range(REFUSAL_ROWS)]
+
+    def _decay(self) -> None:
+        now = self._clock()
+        halvings = int((now - self._halved_at) // REFUSAL_HALF_LIFE_SECONDS)
+        if halvings <= 0:
+            return
+        self._halved_at += halvings * REFUSAL_HALF_LIFE_SECONDS
+        for _ in range(min(halvings, 8)):  # 8 halvings empty a byte counter
+            self._rows = [row.translate(_HALVED) for row in self._rows]
+
+    def count(self, digest: bytes) -> int:
+        self._decay()
+        return min(row[i] for row, i in zip(self._rows, self._cells(digest)))
+
+    def add(self, digest: bytes) -> None:
+        cells = self._cells(digest)
+        least = min(row[i] for row, i in zip(self._rows, cells))
+        if least < 255:
+            for row, i in zip(self._rows, cells):
+                if row[i] == least:  # conservative update: only the counters at the estimate grow
+                    row[i] += 1
+
+
 @dataclass(eq=False)
 class _Waiting:
     """One admitted check waiting for (or holding) the bcrypt thread. ``rank``: lower runs sooner."""
@@ -263,6 +314,7 @@ class _Waiting:
     key: tuple[str, str]
     rank: tuple[bool, int, int]  # (unknown user, when its key last ran (-1: never), arrival)
     turn: asyncio.Future  # True: its turn; False: displaced by a newcomer that runs sooner (429)
+    refused: int = 0  # how often its password had been answered 429 when it came (_RefusalCounts)
 
 
 class BasicAuth:
@@ -276,6 +328,8 @@ class BasicAuth:
         self._unknown_user_hash = max(users.values(), key=_cost, default=None)
         self._key = os.urandom(32)
         self._good: OrderedDict[bytes, None] = OrderedDict()
+        self._denied: OrderedDict[bytes, None] = OrderedDict()  # wrong passwords checked (LRU)
+        self._refusals = _RefusalCounts(clock)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvwatt-bcrypt")
         self._waiting: list[_Waiting] = []  # admitted, not yet running (at most AUTH_QUEUE_MAX - 1)
         self._running: _Waiting | None = None  # the check holding the bcrypt thread
@@ -306,13 +360,26 @@ class BasicAuth:
                         "429 until they drain", AUTH_QUEUE_MAX, AUTH_QUEUE_PER_CLIENT)
             self._warned, self._warned_at = True, now
 
-    def _admit(self, key: tuple[str, str]) -> _Waiting | None:
+    def _outranks(self, key: tuple[str, str], refused: int) -> bool:
+        """Whether a check of ``key`` past its share goes in: its password refused more often than every check the
+        key holds. The key's waiting checks then give it their place (each answered 429)."""
+        held = [w for w in self._waiting if w.key == key]
+        running = [self._running] if self._running is not None and self._running.key == key else []
+        if refused <= max((w.refused for w in held + running), default=-1):
+            return False
+        for w in held:
+            self._waiting.remove(w)
+            w.turn.set_result(False)
+            self._refuse()
+        return True
+
+    def _admit(self, key: tuple[str, str], refused: int = 0) -> _Waiting | None:
         """A place for the check of ``key`` (its turn resolved at once when the thread is free), or None (429)."""
-        if self._admitted.get(key, 0) >= AUTH_QUEUE_PER_CLIENT:
+        if self._admitted.get(key, 0) >= AUTH_QUEUE_PER_CLIENT and not self._outranks(key, refused):
             self._refuse()
             return None
         w = _Waiting(key, (key[1] not in self.users, self._served.get(key, -1), self._next_seq()),
-                     asyncio.get_running_loop().create_future())
+                     asyncio.get_running_loop().create_future(), refused)
         if self._running is not None and len(self._waiting) + 1 >= AUTH_QUEUE_MAX:
             last = max(self._waiting, key=lambda x: x.rank, default=None)
             if last is None or last.rank < w.rank:
@@ -366,13 +433,15 @@ class BasicAuth:
         if key in self._good:
             self._good.move_to_end(key)
             return Verdict.ALLOWED
-        if self._unknown_user_hash is None:
-            return Verdict.DENIED
-        w = self._admit((client, user))
+        if self._unknown_user_hash is None or key in self._denied:
+            return Verdict.DENIED  # a wrong password is checked once
+        w = self._admit((client, user), self._refusals.count(key))
         if w is None:
+            self._refusals.add(key)
             return Verdict.BUSY
         try:
             if not await w.turn:
+                self._refusals.add(key)
                 return Verdict.BUSY
             if gone():
                 self.abandoned += 1
@@ -387,6 +456,9 @@ class BasicAuth:
             while len(self._good) > AUTH_CACHE_SIZE:
                 self._good.popitem(last=False)
             return Verdict.ALLOWED
+        self._denied[key] = None
+        while len(self._denied) > AUTH_DENIED_REMEMBERED:
+            self._denied.popitem(last=False)
         return Verdict.DENIED
 
     def close(self) -> None:
