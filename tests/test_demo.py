@@ -106,6 +106,39 @@ def test_the_simulated_gpu_costs_what_its_server_does():
     assert play.token_counts(offloading=True)[2] > 0
 
 
+@pytest.mark.parametrize("speed", [1.0, 3.0])
+@pytest.mark.parametrize("name", [story.STORY_FILE, story.OFFLOAD_STORY_FILE])
+def test_the_simulated_gpus_stay_within_their_power_limit_over_the_whole_story(name, speed):
+    """Read as the NVML source reads it (every 0.5 s) over the whole capture: the energy counter never rises
+    faster than the enforced power limit in any step, so no window averages above it; the power reading is the
+    counter's own; the work beyond the limit is paid afterwards (the counter ends where the tokens' costs put it).
+    The first demo's GPUs averaged up to 2,274 W over a window beside a power reading of 70 W."""
+    frames, t = story.load(name), [0.0]
+
+    def counts():
+        f = story.frame_at(frames, t[0] * speed)
+        return f.counter("generation_tokens"), f.counter("local_compute"), f.counter("external_kv_transfer")
+    nv = gpus.SimulatedNvml([("GPU-x", counts)], clock=lambda: t[0], cost_scale=1.0 / speed)
+    limit_w = nv.nvmlDeviceGetEnforcedPowerLimit(0) / 1000
+    assert limit_w == nv.nvmlDeviceGetPowerManagementLimit(0) / 1000 == gpus.POWER_LIMIT_WATTS <= 1000
+    reads = []
+    while t[0] <= frames[-1].t / speed + 120:
+        reads.append((t[0], nv.nvmlDeviceGetTotalEnergyConsumption(0) / 1000, nv.nvmlDeviceGetPowerUsage(0) / 1000))
+        t[0] += 0.5
+    steps = [(b[1] - a[1]) / (b[0] - a[0]) for a, b in zip(reads, reads[1:])]
+    assert max(steps) <= limit_w + 0.01 and min(steps) >= gpus.IDLE_WATTS - 0.01
+    ten_s = [(b[1] - a[1]) / (b[0] - a[0]) for a, b in zip(reads, reads[20:])]
+    assert max(ten_s) > 2 * gpus.IDLE_WATTS  # the load still shows
+    # the reading is the counter's 1 s trailing average (within a read's millijoule rounding)
+    for (_, j0, _), (_, _, _), (_, j2, p2) in zip(reads, reads[1:], reads[2:]):
+        assert p2 == pytest.approx((j2 - j0) / 1.0, abs=0.01)
+    # every token's cost is paid by the end (2 minutes of idle after the story)
+    g, c, r = counts()
+    owed = gpus.IDLE_WATTS * reads[-1][0] + (g * gpus.JOULES_PER_GENERATED_TOKEN + c * gpus.JOULES_PER_COMPUTED_PROMPT_TOKEN
+                                             + r * gpus.JOULES_PER_RELOADED_TOKEN) / speed
+    assert reads[-1][1] == pytest.approx(owed, abs=0.01)
+
+
 def test_the_notice_says_the_gpu_energy_is_simulated_and_the_offloading_is_not():
     from exporter.commands.demo import notice
 

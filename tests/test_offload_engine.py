@@ -52,8 +52,13 @@ def test_off_server_kappa_and_potential_saving_from_real_counters(tmp_path, engi
         # load ended in to complete (and be read) so every loaded window counts
         time.sleep(REPEAT_SECONDS + 1.5)
         kappa_obs = d.value("kvwatt_cached_to_prefill_ratio", server="off", window="1m")
-        saving = d.value("kvwatt_energy_saving_ratio", server="off", window="1m", baseline="potential")
-        windows = d.value("kvwatt_comparison_windows", server="off", window="1m", baseline="potential")
+        m = d.metrics()  # one scrape: the potential dE and the tax share it prices, of the same tick
+
+        def at(name: str, **labels: str) -> float | None:
+            return next((v for (n, lb), v in m.items() if n == name and set(labels.items()) <= lb), None)
+        saving = at("kvwatt_energy_saving_ratio", server="off", window="1m", baseline="potential")
+        windows = at("kvwatt_comparison_windows", server="off", window="1m", baseline="potential")
+        share = at("kvwatt_recompute_energy_share_ratio", server="off", window="1m", scope="gpu")
         crit = d.value("kvwatt_critical_cached_to_prefill_ratio", server="off")
         breakeven = d.value("kvwatt_recompute_breakeven_tokens", server="off")
         offload = d.value("kvwatt_offload_enabled", server="off")
@@ -72,16 +77,12 @@ def test_off_server_kappa_and_potential_saving_from_real_counters(tmp_path, engi
     tax_tokens = local - REFERENCE * prompt
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
     n_act = model_config.estimate_parameters(cfg)
-    j_c = 2 * n_act / HARDWARE["flops_per_second"] * (GPU_WATTS - IDLE_WATTS)  # roofline price per token
-    # dE is the mean over loaded 4 s windows of tax_w * J_c * 0.9 / E_w, with E_w >= (200 - 50) W * 0.9 * 4 s
-    # (windows count when >= 90 % covered). tax_w = max(local_w - ref * prompt_w, 0) <= local_w, and the
-    # windows' local_w add up to at most the run's local: a bound that holds however the load is cut into
-    # windows (a window of cache hits has a negative tax that is clipped, so the run's tax is NOT a bound),
-    # and that a wrong price or a wrong share of tokens breaks by orders of magnitude
-    upper = local * j_c * 0.9 / ((GPU_WATTS - IDLE_WATTS) * 0.9 * REPEAT_SECONDS * windows)
+    # dE is the recomputation tax's own energy share priced as reloads: over the same tokens, seconds, energy and
+    # per-phase costs (the prior, until measured), (1 - load_to_compute_cost_ratio 0.1) x
+    # kvwatt_recompute_energy_share_ratio of the same window, exactly (docs/offload.md "potential"; issue 37)
     assert tax_tokens > 0  # the run did compute more than the reference share: there is a tax to price
-    assert 0 < saving <= upper * 1.001
-    assert saving >= upper * 1e-3  # and not a vanishing price (a unit slip of 1e3 or more)
+    assert share is not None and 0 < share <= 1, share
+    assert saving == pytest.approx(0.9 * share, rel=1e-9), (saving, share)
     # kappa_crit from the tiny model's config.json (2 layers, 2 KV heads, head_dim 32, bf16), by hand
     head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
     b_kv = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * 2

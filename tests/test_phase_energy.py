@@ -171,10 +171,10 @@ def test_estimated_uses_the_measured_prices():
     from exporter.derive import economics
     on = _stats()
     est = economics.estimated(on, None, 0.1, _costs(0.0, 0.0))
-    want = [w.loaded_prompt_tokens * (0.03 - 0.004) / (w.joules + w.loaded_prompt_tokens * (0.03 - 0.004))
-            for w in on]
-    assert est.value == pytest.approx(sum(want) / len(want))
-    assert est.stderr == pytest.approx(economics.mean_and_stderr(want)[1])  # cost SE 0: the windows' SE alone
+    rows = [(w.loaded_prompt_tokens * (0.03 - 0.004), w.joules + w.loaded_prompt_tokens * (0.03 - 0.004)) for w in on]
+    assert est.value == pytest.approx(sum(s for s, _ in rows) / sum(e for _, e in rows))  # a ratio of sums
+    # cost SE 0: the windows' jackknife alone
+    assert est.stderr == pytest.approx(economics.jackknife_stderr(rows, lambda t: t[0] / t[1]))
 
 
 def test_the_cost_uncertainty_widens_the_se_of_de():
@@ -183,17 +183,21 @@ def test_the_cost_uncertainty_widens_the_se_of_de():
     plain = economics.estimated(on, None, 0.1, _costs(0.0, 0.0)).stderr
     wide = economics.estimated(on, None, 0.1, _costs(0.006, 0.001)).stderr
     assert wide > plain
-    # by hand: dE_w = s/(E+s), s = L (c - r): d dE_w/dc = L E/(E+s)^2 = -d dE_w/dr
-    g = sum(w.loaded_prompt_tokens * w.joules / (w.joules + w.loaded_prompt_tokens * 0.026) ** 2 for w in on) / 8
+    # by hand: dE = S/(E+S) over the sums, S = L (c - r): d dE/dc = L E/(E+S)^2 = -d dE/dr
+    big_l, big_e = sum(w.loaded_prompt_tokens for w in on), sum(w.joules for w in on)
+    g = big_l * big_e / (big_e + big_l * 0.026) ** 2
     assert wide ** 2 == pytest.approx(plain ** 2 + g * g * (0.006 ** 2 + 0.001 ** 2), rel=1e-3)
 
 
 def test_potential_prices_the_tax_with_the_measured_cost_and_the_prior_reload():
     from exporter.derive import economics
     off = _stats()
-    est = economics.potential(off, 0.1, None, 0.1, _costs(0.0, None))
-    want = [(w.computed_prompt_tokens - 0.1 * w.prompt_tokens) * 0.03 * 0.9 / w.joules for w in off]
-    assert est.windows == 8 and est.value == pytest.approx(sum(want) / 8)
+    # an OFF server's measured costs: no reloaded tokens, so no reload cost fitted (J_r = ratio x J_c, as the
+    # saving kvwatt_offload_saved_watts prices it)
+    off_costs = pe.PhaseCosts("gpu", 0.03, 0.0, 0.4, 0.01, None, None, 60, "known", "", "measured")
+    est = economics.potential(off, 0.1, None, 0.1, off_costs)
+    saved = sum((w.computed_prompt_tokens - 0.1 * w.prompt_tokens) * 0.03 * 0.9 for w in off)
+    assert est.windows == 8 and est.value == pytest.approx(saved / sum(w.joules for w in off))
 
 
 # --- the learner in the model layer --------------------------------------------------------------------------

@@ -256,7 +256,8 @@ TRAFFIC: tuple[MetricDef, ...] = (
     ),
     MetricDef(
         name="kvwatt_energy_saving_ratio", type="gauge", labels=("server", "baseline", "window"),
-        help="dE as a ratio (0.26 = 26 % less energy per token with offloading, methods.md s2). baseline=estimated "
+        help="dE as a ratio (0.26 = 26 % less energy per token with offloading, methods.md s2): 1 - J/token ON over "
+             "J/token OFF, each total energy over total tokens in the window. baseline=estimated "
              "is a model estimate, baseline=potential the saving a server without offloading would see with it (a "
              "model estimate too), see docs/offload.md.",
         computes=("derive.economics.paired", "derive.economics.recorded", "derive.economics.estimated",
@@ -267,7 +268,7 @@ TRAFFIC: tuple[MetricDef, ...] = (
     ),
     MetricDef(
         name="kvwatt_energy_saving_stderr_ratio", type="gauge", labels=("server", "baseline", "window"),
-        help="Standard error of dE (delta method, methods.md s2), where there are repeats.",
+        help="Standard error of dE (jackknife over the repeat windows, methods.md s2), where there are repeats.",
         computes=("derive.economics.paired", "derive.economics.recorded", "derive.economics.estimated",
                   "derive.economics.potential"),  # one formula per kind, the label baseline= (methods.md s2)
         section=SECTION,
@@ -284,7 +285,7 @@ TRAFFIC: tuple[MetricDef, ...] = (
     ),
     MetricDef(
         name="kvwatt_throughput_gain_stderr_ratio", type="gauge", labels=("server", "baseline", "window"),
-        help="Standard error of dTPS, where there are repeats.",
+        help="Standard error of dTPS (jackknife over the repeat windows), where there are repeats.",
         computes=("derive.economics.paired", "derive.economics.recorded"),  # the kinds that measure a throughput
         section=SECTION,
         fill=_savings(lambda sv: sv.throughput_gain_stderr, throughput_only=True),

@@ -35,7 +35,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def notice(length_seconds: float) -> str:
     return (f"DEMO: the servers here replay {length_seconds:.0f}-second captures of a real vLLM engine (quiet, "
             "then KV pressure, then a stalled engine), demo-offload with KV offloading to a host tier on; all GPU "
-            "energy is simulated. To watch a real server: kvwatt run --server NAME=http://HOST:PORT.")
+            f"energy is simulated (one GPU per server, held to an H100's {gpus.POWER_LIMIT_WATTS:.0f} W power limit). "
+            "To watch a real server: kvwatt run --server NAME=http://HOST:PORT.")
 
 
 def config(listen: str, off_url: str, on_url: str, length_seconds: float, state_dir: str) -> Config:
@@ -63,7 +64,8 @@ async def _run(listen: str, speed: float) -> None:
     off, off_url = await start_engine(lambda: playback.frame().text)
     on, on_url = await start_engine(lambda: playback.frame(offloading=True).text)
     nvml = gpus.SimulatedNvml([(GPU_OFF, lambda: playback.token_counts(False)),
-                               (GPU_ON, lambda: playback.token_counts(True))])
+                               (GPU_ON, lambda: playback.token_counts(True))],
+                              cost_scale=1.0 / speed)  # faster play, the same power: held to its limit
     try:
         with tempfile.TemporaryDirectory(prefix="kvwatt-demo-") as state_dir:
             cfg = config(listen, off_url, on_url, playback.length_seconds / speed, state_dir)

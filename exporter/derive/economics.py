@@ -1,34 +1,36 @@
 """Energy saving and throughput gain of offloading (methods.md s2), three ways. docs/offload.md "Energy saving and
 throughput gain" (the dE kinds).
 
-    dE   = (J/tok_OFF - J/tok_ON) / J/tok_OFF         (ratio; positive = offloading saves energy)
-    dTPS = (TPS_ON - TPS_OFF) / TPS_OFF
-    SE   = (x_ON/x_OFF) * sqrt((SE_ON/x_ON)^2 + (SE_OFF/x_OFF)^2)   delta method, ratio of independent means
+    dE   = 1 - J/tok_ON / J/tok_OFF, J/tok = total energy / total tokens   (positive = offloading saves energy)
+    dTPS = TPS_ON / TPS_OFF - 1,        TPS   = total tokens / total seconds
+    SE   = jackknife over the repeat windows (leave one window out), sqrt((n-1)/n sum (theta_-i - theta_.)^2)
 
-The repeat unit is a non-overlapping window (``window_stats``): a bucket of the store's fixed grid on the
-shared monotonic clock (exporter/store/buckets.py), so two servers read by the same daemon tick have the
-same windows. J/token is the marginal GPU figure
-of methods.md s1 by default. Every result carries the number of windows it rests on; SE is None without
-repeats (fewer than two windows on a side).
+Over a window each side's J/token is a ratio of sums over its repeat windows, as the study's per run (a window
+in which load starts or stops weighs by its tokens, not as much as a full one); the per-window ratios are the
+spread the jackknife reads. The repeat unit is a non-overlapping window (``window_stats``): a bucket of the
+store's fixed grid on the shared monotonic clock (exporter/store/buckets.py), so two servers read by the same
+daemon tick have the same windows. J/token is the marginal GPU figure of methods.md s1 by default. Every
+result carries the number of windows it rests on; SE is None without repeats (fewer than two windows).
 
 - paired:    ON and OFF servers on one node serving the same traffic, compared over the same windows, only
              windows where both carry load.
-- recorded:  the live ON server against an OFF profile (`kvwatt baseline record`), band by band of KV p95;
-             bands are combined weighted by the ON windows in each.
+- recorded:  the live ON server against an OFF profile (`kvwatt baseline record`), band by band of KV p95:
+             the ON energy over what the profile's J/token of each window's band gives for the same tokens.
 - estimated: no OFF reference. A MODEL, not a measurement: tokens reloaded from the offload tier would
-             have been recomputed without it, each priced at the measured J per computed prompt token, minus
-             the cost of loading them. No dTPS.
+             have been recomputed without it, each priced at J per computed prompt token, minus the cost of
+             loading them: the saving of derive/energy.tax_in_energy over the same tokens, seconds and energy.
+             ``potential`` likewise prices the tax of a server without offloading. No dTPS.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, Sequence
 
-from exporter.derive.phase_energy import PhaseCosts
+from exporter.derive.phase_energy import PhaseCosts, offload_saved_watts, within_energy
 from exporter.derive.pressure import kv_usage_quantile
-from exporter.derive.recompute import token_counts
+from exporter.derive.recompute import recompute_tax, token_counts
 from exporter.store import Bucket, WindowAggregate
 
 DEFAULT_BANDS: tuple[tuple[float, float], ...] = ((0.0, 0.8), (0.8, 0.9), (0.9, 0.95), (0.95, 1.0))
@@ -132,13 +134,47 @@ def gain(x_on: float, se_on: float | None, x_off: float, se_off: float | None) -
     return x_on / x_off - 1.0, ratio_stderr(x_on, se_on, x_off, se_off)
 
 
-def _compare(on: Sequence[float], off: Sequence[float], fn, kind: str, note: str = "") -> Estimate:
-    m_on, se_on = mean_and_stderr(on)
-    m_off, se_off = mean_and_stderr(off)
-    if m_on is None or m_off is None or m_off == 0:
-        return Estimate(None, None, len(on), len(off), kind, note or "no comparable windows")
-    value, se = fn(m_on, se_on, m_off, se_off)
-    return Estimate(value, se, len(on), len(off), kind, note)
+def jackknife_stderr(rows: Sequence[Sequence[float]],
+                     estimate: Callable[[Sequence[float]], "float | None"]) -> float | None:
+    """Leave-one-window-out (jackknife) SE of ``estimate`` over the column sums of ``rows`` (one row per repeat
+    window): SE^2 = (n-1)/n x sum_i (theta_-i - mean theta_-i)^2, theta_-i the estimate from every window but
+    the i-th. Deterministic; None below 2 windows or where a leave-one-out estimate is undefined."""
+    n = len(rows)
+    if n < 2:
+        return None
+    totals = [math.fsum(col) for col in zip(*rows)]
+    return _jackknife([estimate([t - x for t, x in zip(totals, row)]) for row in rows])
+
+
+def _jackknife(thetas: Sequence["float | None"]) -> float | None:
+    """sqrt((n-1)/n x sum (theta_i - mean)^2) of the leave-one-out estimates; None below 2 or with one undefined."""
+    n = len(thetas)
+    if n < 2 or any(t is None for t in thetas):
+        return None
+    m = math.fsum(thetas) / n
+    return math.sqrt((n - 1) / n * math.fsum((t - m) ** 2 for t in thetas))
+
+
+def _sum_ratio(rows: Sequence[Sequence[float]], estimate: Callable[[Sequence[float]], "float | None"], kind: str
+               ) -> Estimate:
+    """``estimate`` of the rows' column sums (a ratio of sums over the repeat windows) and its jackknife SE."""
+    value = estimate([math.fsum(col) for col in zip(*rows)]) if rows else None
+    if value is None:
+        return Estimate(None, None, len(rows), len(rows), kind, "no comparable windows")
+    return Estimate(value, jackknife_stderr(rows, estimate), len(rows), len(rows), kind)
+
+
+def _energy_saving(sums: Sequence[float]) -> float | None:
+    """dE = 1 - (E_ON / N_ON) / (E_OFF / N_OFF) from (E_ON, N_ON, E_OFF, N_OFF): total energy over total tokens
+    on each side."""
+    e_on, n_on, e_off, n_off = sums
+    return 1.0 - (e_on * n_off) / (n_on * e_off) if n_on > 0 and e_off > 0 and n_off > 0 else None
+
+
+def _throughput_gain(sums: Sequence[float]) -> float | None:
+    """dTPS = (N_ON / s_ON) / (N_OFF / s_OFF) - 1 from (N_ON, s_ON, N_OFF, s_OFF)."""
+    n_on, s_on, n_off, s_off = sums
+    return (n_on * s_off) / (s_on * n_off) - 1.0 if s_on > 0 and n_off > 0 and s_off > 0 else None
 
 
 def _spent(w: WindowStat) -> bool:
@@ -152,14 +188,16 @@ def _spent(w: WindowStat) -> bool:
 # paired
 # --------------------------------------------------------------------------------------------------------
 def paired(on: Sequence[WindowStat], off: Sequence[WindowStat]) -> tuple[Estimate, Estimate]:
-    """(dE, dTPS) over the windows both servers have and in which both carry load."""
+    """(dE, dTPS) over the windows both servers have and in which both carry load: total energy over total
+    tokens (tokens over seconds) on each side, a ratio of sums over the pairs, its SE the jackknife over the
+    pairs (leave one pair out: the pairing's correlation is kept)."""
     off_by_t0 = {round(w.t0, 6): w for w in off}
     pairs = [(w, off_by_t0[round(w.t0, 6)]) for w in on if round(w.t0, 6) in off_by_t0]
     pairs = [(a, b) for a, b in pairs if a.loaded and b.loaded]
-    e_pairs = [(a.joules_per_token, b.joules_per_token) for a, b in pairs if _spent(a) and _spent(b)]
-    energy = _compare([a for a, _ in e_pairs], [b for _, b in e_pairs], saving, "paired")
-    tput = _compare([a.tokens_per_second for a, _ in pairs], [b.tokens_per_second for _, b in pairs], gain,
-                    "paired")
+    energy = _sum_ratio([(a.joules, a.generated_tokens, b.joules, b.generated_tokens)
+                         for a, b in pairs if _spent(a) and _spent(b)], _energy_saving, "paired")
+    tput = _sum_ratio([(a.generated_tokens, a.covered_seconds, b.generated_tokens, b.covered_seconds)
+                       for a, b in pairs], _throughput_gain, "paired")
     return energy, tput
 
 
@@ -168,7 +206,9 @@ def paired(on: Sequence[WindowStat], off: Sequence[WindowStat]) -> tuple[Estimat
 # --------------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class BandProfile:
-    """One KV-pressure band of an OFF profile: means and SEs of per-window J/token and tokens/s."""
+    """One KV-pressure band of an OFF profile: J/token (total energy over total tokens of the band's windows) and
+    tokens/s (total tokens over total seconds), each with its jackknife SE over the band's windows. A profile
+    recorded before kvwatt 0.x stored per-window means here; the fields are read the same way."""
 
     lo: float
     hi: float
@@ -193,163 +233,209 @@ def band_of(bands: Sequence[BandProfile | tuple[float, float]], kv: float | None
     return None
 
 
+def _per(sums: Sequence[float]) -> float | None:
+    """sums[0] / sums[1] (J per token, tokens per second), None over nothing."""
+    return sums[0] / sums[1] if sums[1] > 0 else None
+
+
 def build_bands(windows: Sequence[WindowStat], bands: Sequence[tuple[float, float]] = DEFAULT_BANDS
                 ) -> list[BandProfile]:
-    """Aggregate loaded windows into per-band means (what `kvwatt baseline record` stores)."""
+    """Aggregate loaded windows into per-band ratios of sums (what `kvwatt baseline record` stores)."""
     out = []
     for i, (lo, hi) in enumerate(bands):
         ws = [w for w in windows if w.loaded and band_of(bands, w.kv_p95) == i]
-        j, j_se = mean_and_stderr([w.joules_per_token for w in ws if _spent(w)])  # a band never goes <= 0
-        t, t_se = mean_and_stderr([w.tokens_per_second for w in ws])
-        out.append(BandProfile(lo, hi, len(ws), j, j_se, t, t_se))
+        j = _sum_ratio([(w.joules, w.generated_tokens) for w in ws if _spent(w)], _per, "")  # never <= 0
+        t = _sum_ratio([(w.generated_tokens, w.covered_seconds) for w in ws], _per, "")
+        out.append(BandProfile(lo, hi, len(ws), j.value, j.stderr, t.value, t.stderr))
     return out
 
 
-def _combine(per_band: list[tuple[int, float, float | None]]) -> tuple[float | None, float | None]:
-    """Weighted by ON windows per band: value = sum w_b v_b; SE = sqrt(sum w_b^2 SE_b^2) (bands independent)."""
-    n = sum(k for k, _, _ in per_band)
-    if n == 0:
+def _against_profile(rows: Sequence[tuple[float, float, int]], reference: dict[int, tuple[float, float | None]]
+                     ) -> tuple[float | None, float | None]:
+    """r = sum(num) / sum_b(den_b x x_b) over the ON windows ``rows`` (num, den, band): what the ON server did
+    against what the OFF profile's band x_b (J/token, tokens/s) gives for the same tokens (seconds). SE^2 = the
+    jackknife's over the ON windows + sum_b (dr/dx_b SE_b)^2 (the profile independent of the live run)."""
+    bands = sorted(reference)
+
+    def ratio(sums: Sequence[float]) -> float | None:
+        base = math.fsum(sums[1 + k] * reference[b][0] for k, b in enumerate(bands))
+        return sums[0] / base if base > 0 else None
+
+    table = [(num, *(den if band == b else 0.0 for b in bands)) for num, den, band in rows]
+    sums = [math.fsum(col) for col in zip(*table)]
+    r = ratio(sums) if table else None
+    if r is None:
         return None, None
-    value = sum(k * v for k, v, _ in per_band) / n
-    if any(se is None for _, _, se in per_band):
-        return value, None
-    return value, math.sqrt(sum((k / n) ** 2 * se ** 2 for k, _, se in per_band))
+    se = jackknife_stderr(table, ratio)
+    if se is None or any(reference[b][1] is None for b in bands):
+        return r, None
+    base = math.fsum(sums[1 + k] * reference[b][0] for k, b in enumerate(bands))
+    var = se * se + math.fsum((r * sums[1 + k] / base * reference[b][1]) ** 2 for k, b in enumerate(bands))
+    return r, math.sqrt(var)
 
 
 def recorded(on: Sequence[WindowStat], profile: Sequence[BandProfile]) -> tuple[Estimate, Estimate]:
-    """(dE, dTPS) of the live ON windows against the OFF profile, band by band of the ON window's KV p95.
+    """(dE, dTPS) of the live ON windows against the OFF profile, band by band of the ON window's KV p95: the ON
+    server's total energy over the energy the profile's J/token of each window's band gives for the same tokens
+    (tokens/s likewise over seconds), so a band weighs by its tokens (seconds); ``bands`` gives each band's own.
     A band without profile data is skipped (and named in ``note``)."""
     results = {}
-    for what, get_on, get_off, fn in (
-            ("energy", lambda w: w.joules_per_token if _spent(w) else None,
-             lambda b: (b.joules_per_token, b.joules_per_token_stderr), saving),
-            ("throughput", lambda w: w.tokens_per_second,
-             lambda b: (b.tokens_per_second, b.tokens_per_second_stderr), gain)):
-        per_band, bands, skipped, ref = [], {}, [], 0
+    for what, num_den, get_off, sign in (
+            ("energy", lambda w: (w.joules, w.generated_tokens) if _spent(w) else None,
+             lambda b: (b.joules_per_token, b.joules_per_token_stderr), 1.0),
+            ("throughput", lambda w: (w.generated_tokens, w.covered_seconds),
+             lambda b: (b.tokens_per_second, b.tokens_per_second_stderr), -1.0)):
+        rows, reference, bands, skipped, ref = [], {}, {}, [], 0
         for i, b in enumerate(profile):
-            vals = [get_on(w) for w in on if w.loaded and band_of(profile, w.kv_p95) == i]
-            vals = [v for v in vals if v is not None]
-            if not vals:
+            mine = [num_den(w) for w in on if w.loaded and band_of(profile, w.kv_p95) == i]
+            mine = [(num, den, i) for num, den in (x for x in mine if x is not None)]
+            if not mine:
                 continue
             x_off, se_off = get_off(b)
             if x_off is None or x_off <= 0:  # an OFF band with no energy above idle (or a rate of 0) compares nothing
                 skipped.append(b.label)
                 continue
-            m_on, se_on = mean_and_stderr(vals)
-            v, se = fn(m_on, se_on, x_off, se_off)
-            per_band.append((len(vals), v, se))
+            v, se = _against_profile(mine, {i: (x_off, se_off)})
+            rows += mine
+            reference[i] = (x_off, se_off)
             ref += b.windows
-            bands[b.label] = {"value": v, "stderr": se, "windows": len(vals), "reference_windows": b.windows}
-        value, se = _combine(per_band)
+            bands[b.label] = {"value": None if v is None else sign * (1.0 - v), "stderr": se, "windows": len(mine),
+                              "reference_windows": b.windows}
+        r, se = _against_profile(rows, reference) if rows else (None, None)
         note = f"no OFF profile data for band(s) {', '.join(skipped)}" if skipped else ""
-        if value is None and not note:
+        if r is None and not note:
             note = "no comparable windows"
-        results[what] = Estimate(value, se, sum(k for k, _, _ in per_band), ref, "recorded", note, bands)
+        results[what] = Estimate(None if r is None else sign * (1.0 - r), se, len(rows), ref, "recorded", note, bands)
     return results["energy"], results["throughput"]
 
 
 # --------------------------------------------------------------------------------------------------------
-# estimated (token-source model)
+# estimated and potential (token-source model), priced as the tax and the saving are (derive/energy.tax_in_energy)
 # --------------------------------------------------------------------------------------------------------
-def estimated(on: Sequence[WindowStat], price: float | Callable[[WindowStat], float | None] | None,
-              load_to_compute_cost_ratio: float, costs: PhaseCosts | None = None) -> Estimate:
-    """ESTIMATE. Per loaded window: saved = loaded tokens x (J_c - J_r); J/tok_OFF(est) = (E_ON + saved) /
-    generated; dE_w = saved / (E_ON + saved). J_c, the J per computed prompt token, and J_r, per reloaded
-    token: the measured per-phase costs (``costs``, methods.md s12) when given, their SE propagated into dE's;
-    else ``price`` (a number or per window, price_from_roofline) and J_r = ratio x J_c. Value and SE are the
-    mean and standard error of dE_w over the windows (ON and estimated OFF share their windows, so the
-    independent-means delta method does not apply). Assumptions in docs/offload.md."""
-    def values(j_c: PriceOf, kept: float) -> list[float]:
-        vals = []
-        for w in on:
-            if not w.loaded or w.joules is None or w.loaded_prompt_tokens is None or w.joules <= 0:
-                continue
-            c = _within(j_c(w), w)
-            if c is None:
-                continue
-            saved = w.loaded_prompt_tokens * c * kept
-            if w.joules + saved <= 0:  # reloads dearer than the window's energy: no OFF energy left to compare
-                continue
-            vals.append(saved / (w.joules + saved))
-        return vals
-    return _priced(values, price, load_to_compute_cost_ratio, costs, "model estimate: reloaded tokens priced as "
-                   "recomputation")
+def scope_stat(agg: WindowAggregate, scope: str = "gpu") -> WindowStat | None:
+    """The whole window as the recomputation tax and the saving price it (derive/energy.tax_in_energy, rule 10):
+    tokens, seconds and marginal energy of the intervals carrying the scope's energy and P_idle. None when the
+    scope has no such intervals or no prompt tokens by source."""
+    used = agg.scope(scope)
+    if used is None or used.idle_joules is None or used.covered_seconds <= 0:
+        return None
+    counts = token_counts(used)
+    if not counts:
+        return None
+    return WindowStat(0.0, used.covered_seconds, used.covered_seconds,
+                      used.delta("generation_tokens") or 0.0, used.energy_joules - used.idle_joules, None,
+                      counts["local_compute"], counts["external_kv_transfer"], True, sum(counts.values()))
 
 
-def potential(off: Sequence[WindowStat], reference_share: float | None,
-              price: float | Callable[[WindowStat], float | None] | None,
-              load_to_compute_cost_ratio: float, costs: PhaseCosts | None = None) -> Estimate:
-    """ESTIMATE for a server running WITHOUT offloading: what enabling it would save. The prompt tokens it
-    computed above its low-pressure local_compute share (the recomputation tax, methods.md s4) are the ones an
-    offload tier would have reloaded instead (the study saw offloading move exactly that share into
-    external_kv_transfer). Per loaded window: saved = tax tokens x (J_c - J_r) and, since the measured server
-    is the OFF one, dE_w = saved / E_OFF. Needs a reference share (learned from low-pressure windows, or
-    configured) and a J_c price: the measured per-phase cost when ``costs`` is given (an OFF server reloads
-    nothing, so J_r stays ratio x J_c), else ``price``."""
-    if reference_share is None:
-        return Estimate(None, None, 0, 0, "estimated", "no low-pressure reference share yet (learned or configured)")
+_SUMMED = ("covered_seconds", "generated_tokens", "joules", "computed_prompt_tokens", "loaded_prompt_tokens",
+           "prompt_tokens")
 
-    def values(j_c: PriceOf, kept: float) -> list[float]:
-        vals = []
-        for w in off:
-            if not w.loaded or w.joules is None or w.joules <= 0 or w.computed_prompt_tokens is None \
-                    or not w.prompt_tokens:
-                continue
-            c = _within(j_c(w), w)
-            if c is None:
-                continue
-            tax_tokens = max(w.computed_prompt_tokens - reference_share * w.prompt_tokens, 0.0)
-            vals.append(tax_tokens * c * kept / w.joules)
-        return vals
-    return _priced(values, price, load_to_compute_cost_ratio, costs,
-                   "model estimate: the recomputation tax priced as what offloading would reload")
+
+def _combined(whole: WindowStat, w: WindowStat, sign: float) -> WindowStat:
+    """``whole`` plus (sign 1) or minus (sign -1) the repeat window ``w``, field by field."""
+    return replace(whole, **{f: (getattr(whole, f) or 0.0) + sign * (getattr(w, f) or 0.0) for f in _SUMMED})
 
 
 PriceOf = Callable[[WindowStat], "float | None"]
+Saving = Callable[[WindowStat, PhaseCosts], "tuple[float, float] | None"]  # (joules saved, OFF joules)
 
 
-def _within(price: float | None, w: WindowStat) -> float | None:
-    """J per computed prompt token as the window may price it: at most its marginal joules over its computed +
-    reloaded prompt tokens (phase_energy.within_energy), so a potential dE stays <= 1 - J_r/J_c."""
-    if price is None or w.joules is None:
-        return price
-    tokens = (w.computed_prompt_tokens or 0.0) + (w.loaded_prompt_tokens or 0.0)
-    return min(price, w.joules / tokens) if tokens > 0 else price
+def estimated(on: Sequence[WindowStat], price: float | PriceOf | None, load_to_compute_cost_ratio: float,
+              costs: PhaseCosts | None = None, whole: WindowStat | None = None) -> Estimate:
+    """ESTIMATE. saved = reloaded tokens x (J_c - J_r), the saving of derive/energy.tax_in_energy
+    (kvwatt_offload_saved_watts x seconds); E_OFF(est) = E_ON + saved; dE = saved / (E_ON + saved), each a sum
+    over the window (``whole``: scope_stat of the window, the saving's own tokens and energy; else the sum of
+    the repeat windows ``on``). J_c and J_r: ``costs`` (measured or prior, the tax's), capped at the window's
+    energy (phase_energy.within_energy); without usable costs ``price`` (a number or per window,
+    price_from_roofline) and J_r = ratio x J_c. SE: the jackknife over the repeat windows, with a measured
+    cost's SE carried in (the delta method). Assumptions in docs/offload.md."""
+    def saving(s: WindowStat, c: PhaseCosts) -> tuple[float, float] | None:
+        if s.joules is None or s.loaded_prompt_tokens is None:
+            return None
+        priced = within_energy(c, s.joules, s.computed_prompt_tokens or 0.0, s.loaded_prompt_tokens)
+        saved = offload_saved_watts(s.loaded_prompt_tokens, priced, load_to_compute_cost_ratio)
+        return None if saved is None else (saved, s.joules + saved)
+
+    usable = [w for w in on if w.loaded and w.joules is not None and w.joules > 0
+              and w.loaded_prompt_tokens is not None]
+    return _priced(usable, whole, saving, price, costs, "model estimate: reloaded tokens priced as recomputation")
 
 
-def _priced(values: Callable[[PriceOf, float], list[float]], price, ratio: float, costs: PhaseCosts | None,
+def potential(off: Sequence[WindowStat], reference_share: float | None, price: float | PriceOf | None,
+              load_to_compute_cost_ratio: float, costs: PhaseCosts | None = None,
+              whole: WindowStat | None = None) -> Estimate:
+    """ESTIMATE for a server running WITHOUT offloading: what enabling it would save. The prompt tokens it
+    computed above its low-pressure local_compute share (the recomputation tax, methods.md s4) are the ones an
+    offload tier would have reloaded instead (the study saw offloading move exactly that share into
+    external_kv_transfer). saved = tax tokens x (J_c - J_r), the tax of derive/energy.tax_in_energy at the same
+    capped price (so saved = (1 - J_r/J_c) x the tax's joules) and, since the measured server is the OFF one,
+    dE = saved / E_OFF = (1 - J_r/J_c) x kvwatt_recompute_energy_share_ratio of the same window and scope. Sums
+    over ``whole`` (else the repeat windows); SE as ``estimated``. Needs a reference share (learned from
+    low-pressure windows, or configured) and a J_c price."""
+    if reference_share is None:
+        return Estimate(None, None, 0, 0, "estimated", "no low-pressure reference share yet (learned or configured)")
+
+    def saving(s: WindowStat, c: PhaseCosts) -> tuple[float, float] | None:
+        if s.joules is None or s.computed_prompt_tokens is None or not s.prompt_tokens or s.prompt_tokens <= 0:
+            return None
+        priced = within_energy(c, s.joules, s.computed_prompt_tokens, s.loaded_prompt_tokens or 0.0)
+        tax_share = recompute_tax(s.computed_prompt_tokens / s.prompt_tokens, reference_share)
+        saved = offload_saved_watts(max(tax_share, 0.0) * s.prompt_tokens, priced, load_to_compute_cost_ratio)
+        return None if saved is None else (saved, s.joules)
+
+    usable = [w for w in off if w.loaded and w.joules is not None and w.joules > 0
+              and w.computed_prompt_tokens is not None and w.prompt_tokens]
+    return _priced(usable, whole, saving, price, costs,
+                   "model estimate: the recomputation tax priced as what offloading would reload")
+
+
+def _priced(windows: Sequence[WindowStat], whole: WindowStat | None, saving: Saving, price, costs: PhaseCosts | None,
             note: str) -> Estimate:
-    """Mean and SE of the per-window dE at the prices; ``values(J_c, kept)`` prices a token J_c x kept, kept =
-    1 - J_r/J_c the share of the computed cost a reload saves. With measured costs, SE^2 = SE_windows^2 + g' V g: g the
-    gradient of the mean dE in (J_c, J_r) (finite differences), V their covariance from the regression (the
-    delta method; J_r = ratio x J_c where the reload cost is not fitted)."""
-    if costs is None and price is None:
+    """dE = saved / E_OFF over ``whole`` (None: the sum of ``windows``) at the costs; SE^2 = the jackknife's over
+    ``windows`` (leave one repeat window out of the whole) + g' V g with measured costs: g the gradient of dE in
+    (J_c, J_r) by finite differences, V their covariance from the regression (the delta method; J_r = ratio x
+    J_c where the reload cost is not fitted)."""
+    if (costs is None or not costs.usable) and price is None:
         return Estimate(None, None, 0, 0, "estimated", "no J per computed prompt token (needs GPU energy and P_idle)")
-    if costs is None:
-        def j_c(w, p=price):
-            return p(w) if callable(p) else p
-        vals = values(j_c, 1.0 - ratio)
-        m, se = mean_and_stderr(vals)
-        return Estimate(m, se, len(vals), 0, "estimated", note if vals else "no comparable windows")
-    fitted_r = costs.reloaded_j is not None and costs.reloaded_se is not None
-
-    def mean_at(c: float, r: float | None) -> tuple[float | None, float | None, int]:
-        kept = (1.0 - r / c if c > 0 else 0.0) if fitted_r else 1.0 - ratio
-        vals = values(lambda _w: c, kept)
-        m, se = mean_and_stderr(vals)
-        return m, se, len(vals)
-    c0, r0 = costs.prompt_computed_j, costs.reloaded_j
-    m, se, n = mean_at(c0, r0)
-    if m is None:
+    if not windows:
         return Estimate(None, None, 0, 0, "estimated", "no comparable windows")
-    var = 0.0 if se is None else se * se
-    se_c = costs.prompt_computed_se or 0.0
-    se_r = costs.reloaded_se or 0.0 if fitted_r else 0.0
+    if whole is None:
+        whole = windows[0]
+        for w in windows[1:]:
+            whole = _combined(whole, w, 1.0)
+
+    def at(s: WindowStat, c_j: float | None = None, r_j: float | None = None) -> float | None:
+        """dE over ``s``; ``c_j``, ``r_j``: the costs moved (finite differences)."""
+        if costs is not None and costs.usable:
+            c = costs if c_j is None and r_j is None else replace(
+                costs, prompt_computed_j=c_j if c_j is not None else costs.prompt_computed_j,
+                reloaded_j=r_j if r_j is not None else costs.reloaded_j)
+        else:
+            p = price(s) if callable(price) else price
+            if p is None:
+                return None
+            c = PhaseCosts("gpu", prompt_computed_j=p)
+        x = saving(s, c)
+        return x[0] / x[1] if x is not None and x[1] > 0 else None
+
+    value = at(whole)
+    if value is None:
+        return Estimate(None, None, len(windows), 0, "estimated", "no comparable windows")
+    se = _jackknife([at(_combined(whole, w, -1.0)) for w in windows])
+    if se is not None and costs is not None and costs.source == "measured":
+        se = math.sqrt(se * se + _price_variance(costs, value, at, whole))
+    return Estimate(value, se, len(windows), 0, "estimated", note)
+
+
+def _price_variance(costs: PhaseCosts, value: float, at, whole: WindowStat) -> float:
+    """g' V g: dE's variance from the measured costs' (finite differences in J_c and, where fitted, J_r)."""
+    fitted_r = costs.reloaded_j is not None and costs.reloaded_se is not None
+    c0, r0 = costs.prompt_computed_j, costs.reloaded_j
     h = max(abs(c0), 1e-12) * 1e-3
-    g_c = (mean_at(c0 + h, r0)[0] - m) / h
-    g_r = (mean_at(c0, r0 + h)[0] - m) / h if fitted_r else 0.0
-    var += g_c * g_c * se_c * se_c + g_r * g_r * se_r * se_r + 2 * g_c * g_r * costs.cov_prompt_reloaded
-    return Estimate(m, math.sqrt(max(var, 0.0)) if se is not None else None, n, 0, "estimated", note)
+    g_c = ((at(whole, c_j=c0 + h) or value) - value) / h
+    g_r = ((at(whole, r_j=r0 + h) or value) - value) / h if fitted_r else 0.0
+    se_c, se_r = costs.prompt_computed_se or 0.0, (costs.reloaded_se or 0.0) if fitted_r else 0.0
+    return max(g_c * g_c * se_c * se_c + g_r * g_r * se_r * se_r + 2 * g_c * g_r * costs.cov_prompt_reloaded, 0.0)
 
 
 def price_from_roofline(active_parameters: float, flops_per_second: float) -> Callable[[WindowStat], float | None]:

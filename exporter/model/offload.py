@@ -66,13 +66,16 @@ def savings(agg, on: Sequence[economics.WindowStat], on_total: Sequence[economic
     ``on``: this server's repeat windows (marginal GPU J/token); ``on_total`` the same with total J/token (for
     a profile recorded without P_idle); ``off``: the paired OFF twin's windows, when configured and watched.
     An OFF server gets ``potential``: the recomputation tax priced as what offloading would reload. ``costs``:
-    the server's GPU per-phase costs (methods.md s12); once measured they price both model estimates, their SE
+    the server's GPU per-phase costs (methods.md s12), measured or prior: the costs the tax and the saving are
+    priced with (derive/energy.tax_in_energy), over the same tokens, seconds and energy (``agg``'s GPU scope), so
+    a potential dE is (1 - J_r/J_c) x the window's recompute energy share, exactly; a measured cost's SE is
     carried into dE's. ``collapse_holds``: the (offloading) server's collapse signature holds; each figure's
     ``answer`` then says so whatever its dE."""
-    measured = costs if costs is not None and costs.source == "measured" else None
-    j_c, how = price(agg, cfg, so) if measured is None else (None, " (measured per-phase price)")
+    priced = costs if costs is not None and costs.usable else None  # the tax's and the saving's own costs
+    j_c, how = price(agg, cfg, so) if priced is None else (None, f" ({priced.source} per-phase price)")
+    whole = economics.scope_stat(agg, "gpu")  # the tokens, seconds and energy the tax and the saving are priced on
     if not enabled:
-        est = economics.potential(on, reference_share, j_c, cfg.load_to_compute_cost_ratio, measured)
+        est = economics.potential(on, reference_share, j_c, cfg.load_to_compute_cost_ratio, priced, whole)
         return (_figure("potential", _noted(est, how), None),)
     out = []
     if off is not None:
@@ -80,7 +83,7 @@ def savings(agg, on: Sequence[economics.WindowStat], on_total: Sequence[economic
     if so.profile is not None:  # compare like with like: the profile says marginal or total J/token
         out.append(_figure("recorded", *economics.recorded(on if so.profile.energy == "marginal" else on_total,
                                                             so.profile.bands), collapse_holds))
-    est = economics.estimated(on, j_c, cfg.load_to_compute_cost_ratio, measured)
+    est = economics.estimated(on, j_c, cfg.load_to_compute_cost_ratio, priced, whole)
     out.append(_figure("estimated", _noted(est, how), None, collapse_holds))
     return tuple(out)
 

@@ -855,7 +855,9 @@ def collapsed_condition(name: str, kv_p95: float, collapsed_of_3: int, healthy: 
       TPS_h = 1.323, J_h = 0.681 (marginal J/token); P_h - P_idle = 505 - 150 = 355 W
       collapsed window: tokens x 27/137.5 of healthy, marginal power 180 - 150 = 30 W
       TPS_c = 0.196 TPS_h = 0.259;  J_c = (30 / 355) / 0.196 x J_h = 0.294
-      ON mean over windows (1/3 healthy, 2/3 collapsed): J = 0.423 -> dE = +57.7 %; TPS = 0.614 -> dTPS = -38.6 %
+      ON over the windows (1/3 healthy, 2/3 collapsed), total energy over total tokens: J = (0.681 x 1.323 +
+      2 x 0.294 x 0.259) / (1.323 + 2 x 0.259) = 0.572 -> dE = +42.8 % (the mean of the windows' ratios, the
+      study's per-run mean, gave +57.7 %: a collapsed window weighs by its few tokens); TPS = 0.614 -> -38.6 %
       SE from the two-point spread over n windows (sample sd, n - 1) plus the healthy condition's OFF noise.
 
     The positive dE is real arithmetic, not a saving: a stalled GPU sits near idle, so idle-subtracted J/token
@@ -868,10 +870,13 @@ def collapsed_condition(name: str, kv_p95: float, collapsed_of_3: int, healthy: 
     t_c = COLLAPSE_TOKEN_RATIO * t_h
     j_c = ((COLLAPSE_STALLED_WATTS - COLLAPSE_IDLE_WATTS) / (COLLAPSE_HEALTHY_WATTS - COLLAPSE_IDLE_WATTS)
            / COLLAPSE_TOKEN_RATIO * j_h)
-    j_on, t_on = (1 - p) * j_h + p * j_c, (1 - p) * t_h + p * t_c
+    t_on = (1 - p) * t_h + p * t_c
+    j_on = ((1 - p) * j_h * t_h + p * j_c * t_c) / t_on  # total energy over total tokens (methods.md s2)
     spread = math.sqrt(p * (1 - p) * n_windows / (n_windows - 1))  # sample sd of a 0/1 mix, exact counts
     cv_off_e, cv_off_t = table1_noise_ratio(healthy, n_windows)
-    se_on_e, se_on_t = spread * abs(j_h - j_c) / math.sqrt(n_windows), spread * abs(t_h - t_c) / math.sqrt(n_windows)
+    # a ratio of sums' SE (delta method): the spread of E_w - J N_w over the mean N; tokens/s over equal seconds
+    residual = abs((j_h - j_on) * t_h - (j_c - j_on) * t_c)
+    se_on_e, se_on_t = spread * residual / t_on / math.sqrt(n_windows), spread * abs(t_h - t_c) / math.sqrt(n_windows)
     se_off = 1.0 / math.sqrt(n_windows)
     se_e = j_on * math.hypot(se_on_e / j_on, cv_off_e * se_off)
     se_t = t_on * math.hypot(se_on_t / t_on, cv_off_t * se_off)

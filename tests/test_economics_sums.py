@@ -1,0 +1,137 @@
+"""dE as the study computes it (methods.md s2, issue 37): over a window, total energy over total tokens on each side
+(a ratio of sums over the repeat windows), its SE the jackknife over the repeat windows; the estimated and
+potential kinds priced from the same tokens, seconds and energy as the recomputation tax and the saving
+(derive/energy.tax_in_energy), so that potential dE = (1 - J_r/J_c) x kvwatt_recompute_energy_share_ratio and
+estimated dE = S / (P + S) (S = kvwatt_offload_saved_watts, P the marginal power), exactly.
+
+Before: dE was the unweighted mean of the per-window ratios, so a window in which the load starts (few tokens, a
+high J/token) weighed as much as a full one; on the demo the potential dE read under half of the tax it prices
+(70 of 70 reads)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from exporter.derive import economics as E
+from exporter.derive import energy as derive_energy
+from exporter.derive import phase_energy as pe
+from exporter.samples import Interval
+from exporter.store import buckets_of
+from tests.support.aggregates import aggregate_of
+
+RATIO = 0.1  # load_to_compute_cost_ratio
+WIDTH = 10.0  # the repeat windows' grid
+
+
+def _iv(t: float, computed: float, generated: float, reloaded: float = 0.0, cached: float = 0.0,
+        joules: float = 400.0, idle: float = 100.0) -> Interval:
+    return Interval(t, t + 1.0, {"generation_tokens": generated, "prompt_local_compute": computed,
+                                 "prompt_local_cache_hit": cached, "prompt_external_kv_transfer": reloaded},
+                    {"kv_usage": 0.95}, {"gpu": joules}, {"gpu": idle})
+
+
+def _load_starts(reloaded: float = 0.0) -> list[Interval]:
+    """40 s: the first 10 s window starts idle and takes load at its 8th second (few tokens, its J/token well
+    above the full windows'); the next three carry a steady, prompt-heavy load."""
+    out = [_iv(t, 0.0, 0.0, joules=100.0) for t in range(7)]
+    out += [_iv(t, 900.0, 30.0, reloaded, cached=200.0, joules=380.0) for t in range(7, 10)]
+    out += [_iv(t, 1500.0 + 20 * (t % 3), 100.0, reloaded, cached=400.0, joules=700.0 + 5 * (t % 4))
+            for t in range(10, 40)]
+    return out
+
+
+def _windows(ivs: list[Interval]) -> list[E.WindowStat]:
+    return E.window_stats(buckets_of(ivs, WIDTH), WIDTH)
+
+
+def test_paired_de_is_total_energy_over_total_tokens_not_the_mean_of_the_windows_ratios():
+    """The OFF twin takes load in the same partial window; its J/token there is 3x its steady one, the ON's 1.5x."""
+    on = [E.WindowStat(0, 10, 10, 100, 30.0, 0.9, 0, 0, True)] + \
+        [E.WindowStat(k * 10, k * 10 + 10, 10, 1000, 200.0, 0.9, 0, 0, True) for k in range(1, 4)]
+    off = [E.WindowStat(0, 10, 10, 100, 75.0, 0.9, 0, 0, True)] + \
+        [E.WindowStat(k * 10, k * 10 + 10, 10, 1000, 250.0 + 10 * k, 0.9, 0, 0, True) for k in range(1, 4)]
+    de, dt = E.paired(on, off)
+    e_on, n_on = sum(w.joules for w in on), sum(w.generated_tokens for w in on)
+    e_off, n_off = sum(w.joules for w in off), sum(w.generated_tokens for w in off)
+    assert de.value == pytest.approx(1 - (e_on / n_on) / (e_off / n_off))
+    mean_of_ratios = 1 - (sum(w.joules_per_token for w in on) / 4) / (sum(w.joules_per_token for w in off) / 4)
+    assert abs(de.value - mean_of_ratios) > 0.02  # the partial window no longer weighs as a full one
+    # the jackknife, by hand: leave one pair out of the four sums
+    thetas = [1 - ((e_on - a.joules) / (n_on - a.generated_tokens)) / ((e_off - b.joules) / (n_off - b.generated_tokens))
+              for a, b in zip(on, off)]
+    m = sum(thetas) / 4
+    assert de.stderr == pytest.approx(math.sqrt(3 / 4 * sum((t - m) ** 2 for t in thetas)))
+    assert dt.value == pytest.approx(0.0) and de.windows == 4
+
+
+def test_the_jackknife_of_a_mean_is_the_standard_error_of_the_mean():
+    """Leave-one-out of a plain mean (a ratio over unit denominators) gives the textbook SE exactly."""
+    values = [1.0, 2.0, 4.0, 7.0]
+    se = E.jackknife_stderr([(v, 1.0) for v in values], lambda s: s[0] / s[1])
+    assert se == pytest.approx(E.mean_and_stderr(values)[1])
+    assert E.jackknife_stderr([(1.0, 1.0)], lambda s: s[0] / s[1]) is None  # one window: no spread
+
+
+@pytest.mark.parametrize("costs", [
+    pe.PhaseCosts("gpu", 0.05, 0.002, 0.3, 0.01, None, None, 60, "known", "", "measured"),
+    pe.PhaseCosts("gpu", 0.05, None, 0.25, None, 0.005, None, 30, "unknown", "", "prior"),
+    pe.PhaseCosts("gpu", 5.0, 0.1, 0.3, 0.01, None, None, 60, "known", "", "measured"),  # beyond the energy: capped
+], ids=["measured", "prior", "capped"])
+def test_the_potential_de_is_the_tax_share_it_prices(costs):
+    """potential dE = (1 - J_r/J_c) x the window's recompute energy share (the tax_in_energy figure), exactly,
+    with a window in which the load starts."""
+    ivs = _load_starts()
+    agg, windows = aggregate_of(ivs), _windows(ivs)
+    ref = 0.3
+    share = derive_energy.tax_in_energy(agg, ref, [costs], False, RATIO)["recompute_energy_share"]["gpu"]
+    est = E.potential(windows, ref, None, RATIO, costs, E.scope_stat(agg, "gpu"))
+    kept = 1 - (costs.reloaded_j / costs.prompt_computed_j if costs.reloaded_j is not None else RATIO)
+    assert est.value == pytest.approx(kept * share, rel=1e-9)
+    assert est.windows == 4 and est.stderr is not None and est.stderr >= 0
+    # the jackknife by hand: the whole window without each repeat window in turn
+    def dE(ws):  # noqa: N802
+        e = sum(w.joules for w in ws)
+        computed, reloaded = sum(w.computed_prompt_tokens for w in ws), sum(w.loaded_prompt_tokens for w in ws)
+        prompt = sum(w.prompt_tokens for w in ws)
+        c = min(costs.prompt_computed_j, e / (computed + reloaded))
+        return max(computed / prompt - ref, 0) * prompt * c * kept / e
+    thetas = [dE([v for v in windows if v is not w]) for w in windows]
+    m = sum(thetas) / 4
+    jack = math.sqrt(3 / 4 * sum((t - m) ** 2 for t in thetas))
+    if costs.source == "prior":
+        assert est.stderr == pytest.approx(jack, rel=1e-9)
+    else:
+        assert est.stderr >= jack * (1 - 1e-9)  # the measured cost's SE on top
+
+
+def test_the_estimated_de_is_the_saving_over_the_energy_it_would_have_taken():
+    costs = pe.PhaseCosts("gpu", 0.05, 0.002, 0.3, 0.01, 0.01, 0.001, 60, "known", "", "measured")
+    ivs = _load_starts(reloaded=600.0)
+    agg = aggregate_of(ivs)
+    fig = derive_energy.tax_in_energy(agg, 0.3, [costs], True, RATIO)
+    used = agg.scope("gpu")
+    saved_w = fig["offload_saved_watts"]["gpu"]
+    marginal_w = (used.energy_joules - used.idle_joules) / used.covered_seconds
+    est = E.estimated(_windows(ivs), None, RATIO, costs, E.scope_stat(agg, "gpu"))
+    assert est.value == pytest.approx(saved_w / (marginal_w + saved_w), rel=1e-9)
+    assert est.windows == 4 and est.stderr is not None
+
+
+def test_the_server_s_potential_figure_is_the_tax_share_it_prices():
+    """Through the model (model/offload.savings, the daemon's call): the OFF server's potential dE over the window
+    against its recompute energy share, with the prior costs a server has before they are measured. Before, it
+    priced the windows at the attribution price and averaged their ratios: 7.5 times the share here."""
+    from exporter.config import Config
+    from exporter.figures import KappaFigures
+    from exporter.model import offload as offload_figures
+
+    costs = pe.PhaseCosts("gpu", 0.05, None, 0.25, None, 0.005, None, 30, "unknown", "", "prior")
+    ivs = _load_starts()
+    agg = aggregate_of(ivs)
+    share = derive_energy.tax_in_energy(agg, 0.3, [costs], False, RATIO)["recompute_energy_share"]["gpu"]
+    so = offload_figures.OffloadSetup(None, None, KappaFigures(None, None, None, None, None, None), None)
+    (fig,) = offload_figures.savings(agg, _windows(ivs), _windows(ivs), None, False, 0.3, Config(), so, costs)
+    assert fig.baseline == "potential"
+    assert fig.energy_saving == pytest.approx((1 - RATIO) * share, rel=1e-9), (fig, share)
