@@ -181,7 +181,7 @@ REGIME: tuple[MetricDef, ...] = (
              "capacity, preemptions, a recompute tax above noise, KV-block residency), whatever the threshold in "
              "use; 0 only on positive signs of low pressure; else the threshold's prediction (1 when the p95's lower "
              "bound clears it) or absent (unknown). Its state is kvwatt_kv_pressure_regime_state (methods.md s10).",
-        computes=judged("model.pressure.verdict",
+        computes=judged("model.pressure.regime",
                         why="weighs the engine's signs of pressure against the threshold's prediction (methods.md "
                             "s10)"),
         section=SECTION,
@@ -194,7 +194,7 @@ REGIME: tuple[MetricDef, ...] = (
              "current state (known, provisional, unknown), 0 for the others; the why is in /api/status "
              "(windows.<window>.regime). Read the regime with its state: a provisional one may still change, an "
              "unknown one has no value (methods.md s10).",
-        computes=judged("model.pressure.verdict",
+        computes=judged("model.pressure.regime",
                         why="weighs the engine's signs of pressure against the threshold's prediction (methods.md "
                             "s10)"),
         section=SECTION,
