@@ -131,6 +131,24 @@ def _pressure(v: ServerFigures) -> Advice | None:
         seen.append(f"a recompute tax of {taxed.recompute_tax * 100:+.1f} points over the last {taxed.window}")
     if w.kv_usage_p95 is not None:
         seen.append(f"KV-cache usage p95 {w.kv_usage_p95 * 100:.0f} %")
+    numbers = {"window": w.window,
+               "preemptions_per_minute": onset.preemptions_per_minute if onset else w.preemptions_per_minute,
+               "recompute_tax": taxed.recompute_tax if taxed else None, "kv_usage_p95": w.kv_usage_p95,
+               "requests_waiting_for_kv_capacity_share":
+                   waited.requests_waiting_for_kv_capacity_share if waited else None,
+               "recommended_buffer_gib": v.buffer.recommended_gib if v.buffer else None,
+               "regime": v.regime, "regime_window": v.regime_window}
+    if v.regime == "below":
+        # the regime's window (the shortest with one) shows low pressure: the longer window's pressure has ended
+        # (its signs would have made the regime's window above, methods.md s10), and growing the cache is no
+        # longer what the server needs now
+        return Advice("kv_pressure_ended", "info",
+                      f"KV pressure over the last {w.window} ({', '.join(seen)}) has ended: the last "
+                      f"{v.regime_window} is below ({v.regime_state}). If it comes back, grow the KV cache "
+                      "(--gpu-memory-utilization, a shorter --max-model-len, more GPUs) or lower concurrency "
+                      "(--max-num-seqs).", numbers | {"window": v.regime_window, "pressure_window": w.window})
+    if v.regime == "above":
+        numbers["window"] = v.regime_window  # the advice's window is the regime's (each sign names its own)
     if v.info is not None and v.info.offload_enabled:
         gib = v.buffer.recommended_gib if v.buffer else None
         offload = ("; offloading is already on" + (f" (--kv-offloading-size {gib} is the size in GiB kvwatt "
@@ -138,15 +156,11 @@ def _pressure(v: ServerFigures) -> Advice | None:
     else:
         offload = (", or enable KV offloading (--kv-offloading-size; kvwatt recommends a size from the write rate "
                    "once it is on)")
+    over = f" over the last {v.regime_window}" if v.regime == "above" else ""
     return Advice("kv_pressure", "bad",
-                  f"KV pressure: {', '.join(seen)}. Grow the KV cache (--gpu-memory-utilization, a shorter "
+                  f"KV pressure{over}: {', '.join(seen)}. Grow the KV cache (--gpu-memory-utilization, a shorter "
                   f"--max-model-len, more GPUs) or lower concurrency (--max-num-seqs){offload}.",
-                  {"window": w.window,
-                   "preemptions_per_minute": onset.preemptions_per_minute if onset else w.preemptions_per_minute,
-                   "recompute_tax": taxed.recompute_tax if taxed else None, "kv_usage_p95": w.kv_usage_p95,
-                   "requests_waiting_for_kv_capacity_share":
-                       waited.requests_waiting_for_kv_capacity_share if waited else None,
-                   "recommended_buffer_gib": v.buffer.recommended_gib if v.buffer else None})
+                  numbers | {"pressure_window": w.window})
 
 
 def _buffer(b: BufferFigures | None, cfg: Config) -> Advice | None:

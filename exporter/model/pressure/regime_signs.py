@@ -147,10 +147,10 @@ class ThresholdInUse:
 
     @property
     def note(self) -> str:
-        """"" for a known threshold; else "located, provisional: interval [low, high]"."""
+        """"" for a known threshold; else "located, provisional, in [low, high]"."""
         if self.source != "located" or self.state == "known":
             return ""
-        interval = f": interval [{self.low:.3f}, {self.high:.3f}]" if self.low is not None else ""
+        interval = f", in [{self.low:.3f}, {self.high:.3f}]" if self.low is not None else ""
         return f"located, {self.state}{interval}"
 
 
