@@ -79,9 +79,10 @@ def p95_of(agg: WindowAggregate) -> P95:
 
 def predicted_regime(p: P95, threshold: float, previous: bool | None, covered_ratio: float = 1.0) -> bool | None:
     """The threshold's prediction of the regime (``regime`` decides it on the engine's evidence). Above (True)
-    only when the p95's lower bound clears the threshold, below (False) only when its upper bound is under it; in between the previous regime holds (hysteresis: no flip on sampling noise). With no
-    previous regime the point estimate decides (pressure.above_threshold). "Below" also needs the window at
-    least MIN_BELOW_COVERAGE covered: the few samples right after kvwatt starts (or restarts beside a busy
+    only when the p95's lower bound clears the threshold, below (False) only when its upper bound is under it;
+    in between the previous regime holds (hysteresis: no flip on sampling noise). With no previous regime the
+    point estimate decides (pressure.above_threshold). "Below" also needs the window at least
+    MIN_BELOW_COVERAGE covered: the few samples right after kvwatt starts (or restarts beside a busy
     engine) cannot rule pressure out, so the previous regime holds, or none (unknown) after a start."""
     if p.value is None:
         return None
