@@ -111,6 +111,12 @@ def _waiting_window(v: ServerFigures) -> WindowFigures | None:
                  if (w.requests_waiting_for_kv_capacity_share or 0.0) >= CAPACITY_SUSTAINED), None)
 
 
+def _ended(v: ServerFigures, seen: tuple[WindowFigures | None, ...]) -> bool:
+    """The regime's window reads below while every sign of pressure is a longer window's."""
+    at = next((w.seconds for w in v.windows if w.window == v.regime_window), None)
+    return v.regime == "below" and at is not None and all(w.seconds > at for w in seen if w is not None)
+
+
 def _pressure(v: ServerFigures) -> Advice | None:
     """Preemption onset, requests waiting for KV capacity through a window, or a known tax above noise: the KV
     cache is too small for the load (methods.md s3, s10)."""
@@ -138,10 +144,10 @@ def _pressure(v: ServerFigures) -> Advice | None:
                    waited.requests_waiting_for_kv_capacity_share if waited else None,
                "recommended_buffer_gib": v.buffer.recommended_gib if v.buffer else None,
                "regime": v.regime, "regime_window": v.regime_window}
-    if v.regime == "below":
-        # the regime's window (the shortest with one) shows low pressure: the longer window's pressure has ended
-        # (its signs would have made the regime's window above, methods.md s10), and growing the cache is no
-        # longer what the server needs now
+    if _ended(v, (onset, waited, taxed)):
+        # the regime's window (the shortest with one) shows low pressure and every sign is a longer window's: the
+        # pressure has ended (its signs in the regime's window would have made it above, methods.md s10), and
+        # growing the cache is no longer what the server needs now
         return Advice("kv_pressure_ended", "info",
                       f"KV pressure over the last {w.window} ({', '.join(seen)}) has ended: the last "
                       f"{v.regime_window} is below ({v.regime_state}). If it comes back, grow the KV cache "
