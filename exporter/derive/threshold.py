@@ -100,11 +100,13 @@ def preempting(p: PressurePoint, onset_per_minute: float = ONSET_PER_MINUTE) -> 
 def taxed(p: PressurePoint, z: float = TAX_Z, min_tax: float = MIN_TAX,
           min_tax_unknown_se: float = MIN_TAX_UNKNOWN_SE) -> bool:
     """The tax is above noise: > z * SE and > min_tax (without an SE: > min_tax_unknown_se)."""
-    if p.tax is None:
-        return False
-    if p.tax_se is None:
-        return p.tax > min_tax_unknown_se
-    return p.tax > max(z * p.tax_se, min_tax)
+    return p.tax is not None and p.tax > noise_bar(p.tax_se, z, min_tax, min_tax_unknown_se)
+
+
+def noise_bar(tax_se: float | None, z: float = TAX_Z, min_tax: float = MIN_TAX,
+              min_tax_unknown_se: float = MIN_TAX_UNKNOWN_SE) -> float:
+    """The tax a window must exceed to be above noise (``taxed``), the bar its words print beside it."""
+    return min_tax_unknown_se if tax_se is None else max(z * tax_se, min_tax)
 
 
 def waited(p: PressurePoint) -> bool:

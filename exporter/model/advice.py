@@ -11,7 +11,7 @@ undersized where offloading is on (methods.md s3, s5, s6, s10).
 from __future__ import annotations
 
 from exporter.config import DEFAULT_SERVER_URL, Config
-from exporter.derive.threshold import MIN_TAX, MIN_TAX_UNKNOWN_SE, TAX_Z
+from exporter.derive.threshold import noise_bar
 from exporter.figures import Advice, BufferFigures, ServerFigures, WindowFigures
 from exporter.model import offload as offload_figures
 from exporter.derive.threshold import plural
@@ -90,9 +90,7 @@ def _collapse(v: ServerFigures) -> Advice | None:
 
 def tax_above_noise(tax: float | None, spread: float | None) -> bool:
     """The tax exceeds TAX_Z times the reference's spread and MIN_TAX (methods.md s10, as derive.threshold.taxed)."""
-    if tax is None:
-        return False
-    return tax > (MIN_TAX_UNKNOWN_SE if spread is None else max(TAX_Z * spread, MIN_TAX))
+    return tax is not None and tax > noise_bar(spread)
 
 
 def _onset_window(v: ServerFigures) -> WindowFigures | None:

@@ -35,7 +35,7 @@ from exporter.model.pressure.regime_signs import (  # noqa: F401 (the package's 
     REFERENCE_MARGIN, LOW_PRESSURE_P95, REFERENCE_KNOWN_WINDOWS, SUSTAINED_PREEMPTIONS, MAX_EVIDENCE_WEIGHT,
     MIN_PROMPT_TOKENS, MIN_COVERED, MIN_BELOW_COVERAGE, CAPACITY_SUSTAINED, QUIET_KNOWN_WINDOWS,
     MAX_EVIDENCE_WINDOWS, ResidencySign, residency_sign, disagreement, P95, p95_of, predicted_regime, quiet,
-    Signs, Verdict, ThresholdInUse, threshold_in_use, p95_words, noise_bar, tax_words, pressure_signs,
+    Signs, Verdict, ThresholdInUse, threshold_in_use, p95_words, tax_words, pressure_signs,
     low_pressure_signs, regime)
 from exporter.model.pressure.reference import (  # noqa: F401 (the package's face)
     ReferenceSample, LowPressureReference, no_reference_reason)

@@ -7,8 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from exporter.derive import compare, pressure, residency
-from exporter.derive.threshold import (LOW_PRESSURE_MAX, MIN_TAX, MIN_TAX_UNKNOWN_SE, TAX_Z, LocatedThreshold,
-                                       PressurePoint, plural, quantile_bounds, taxed)
+from exporter.derive.threshold import (LOW_PRESSURE_MAX, LocatedThreshold, PressurePoint, noise_bar, plural,
+                                       quantile_bounds, taxed)
 from exporter.store import WindowAggregate
 
 
@@ -167,12 +167,6 @@ def p95_words(p: P95, th: ThresholdInUse) -> str:
     "p95 0.932 is above the threshold in use 0.900 but its interval [0.880, 0.950] reaches below it, so not yet
     clear"."""
     return compare.against("p95", p.value, (p.low, p.high), "the threshold in use", th.ratio, note=th.note)
-
-
-def noise_bar(spread: float | None) -> float:
-    """The tax a window must exceed to be above noise (derive.threshold.taxed): TAX_Z times the reference's
-    spread and MIN_TAX; MIN_TAX_UNKNOWN_SE without a spread."""
-    return MIN_TAX_UNKNOWN_SE if spread is None else max(TAX_Z * spread, MIN_TAX)
 
 
 def tax_words(tax: float, spread: float | None) -> str:
