@@ -398,7 +398,7 @@ def pressure_expr() -> str:
     """kvwatt's regime flag (its threshold in use: located, or configured; with hysteresis, methods.md s10) where
     it watches the server, valued by its p95; else the vLLM p95 over the configured threshold. Labels detector
     and offload."""
-    verdict = 'kvwatt_kv_pressure_above_threshold{window="@kvwatt_window"}'
+    verdict = 'kvwatt_kv_pressure_regime_above{window="@kvwatt_window"}'
     kvwatt = ('max by (server) (kvwatt_kv_cache_usage_p95_ratio{window="@kvwatt_window"})\n'
               f"and on (server)\n(max by (server) ({verdict}) == 1)")
     fallback = (f"server:vllm_kv_cache_usage_perc:max_p95_over_time@window > @kv_pressure_threshold\n"

@@ -90,7 +90,7 @@ class Run:
                "evidence": s["evidence"], "epoch_cause": s["epoch"]["cause"],
                "threshold_located": s["threshold_located"], "reference": s["reference_local_compute_share"],
                "advice": [a["kind"] for a in s["advice"]],
-               "metrics_above_1m": mv("kvwatt_kv_pressure_above_threshold", server=SERVER, window="1m"),
+               "metrics_above_1m": mv("kvwatt_kv_pressure_regime_above", server=SERVER, window="1m"),
                "metrics_regime_state": next((lab for (n, lab), v in m.items() if n == "kvwatt_verdict_state"
                                              and ("verdict", "regime") in lab and v == 1), None),
                "metrics_tax": mv("kvwatt_recompute_tax_ratio", server=SERVER, window="1m"),

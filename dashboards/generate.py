@@ -525,13 +525,13 @@ PAYING = Row("Is offloading paying right now?", (
     # the verdicts the alerts, /api/status and the page read (one verdict everywhere): kvwatt's own series,
     # never the p95 compared here against a copy of a threshold
     Panel("KV pressure regime now", "Per server: kvwatt's regime verdict over the window, "
-          "kvwatt_kv_pressure_above_threshold: above on any sign of pressure the engine shows (requests waiting "
+          "kvwatt_kv_pressure_regime_above: above on any sign of pressure the engine shows (requests waiting "
           "for KV capacity, preemptions, a recompute tax above noise, KV-block residency), below only on positive "
           "signs of low pressure; the threshold in use (next panel) only predicts (methods.md s10). Its state "
           "(known, provisional, unknown) is in the Verdict states panel. The same verdict as /api/status "
           "`regime`, the landing page and the KVPressureAboveThreshold alert. unknown: neither shown yet, or the "
           "server is down.",
-          "none", (Target(or_unknown(_by("server", kv("kvwatt_kv_pressure_above_threshold"))), "{{server}}",
+          "none", (Target(or_unknown(_by("server", kv("kvwatt_kv_pressure_regime_above"))), "{{server}}",
                           instant=True),),
           kind="stat", w=8, h=6, mappings=(Mapping("0", "below", "ok"), Mapping("1", "above", "warn"), UNKNOWN),
           no_value="unknown"),
@@ -558,7 +558,7 @@ PAYING = Row("Is offloading paying right now?", (
 REGIME = Row("Regime", (
     Panel("Regime now", "Per server: is the window's p95 KV usage above the regime threshold? Above it, "
           "offloading pays (14-32 % less energy per token in the study); below it, savings are within noise.",
-          "none", (Target(_by("server", kv("kvwatt_kv_pressure_above_threshold")), "{{server}}"),), kind="stat",
+          "none", (Target(_by("server", kv("kvwatt_kv_pressure_regime_above")), "{{server}}"),), kind="stat",
           w=6, mappings=(Mapping("0", "below threshold", "ok"), Mapping("1", "above threshold", "warn"))),
     Panel("Failure signatures", "1 while a signature holds: collapse (condition set classic: offloading on, zero "
           "preemptions, throughput collapsed, power near idle, requests pending; or stalled_engine: engine steps "

@@ -72,6 +72,7 @@ def metric_table() -> str:
                 labels = ", ".join(f"`{label}`" for label in m.labels)
                 where = ", ".join(f"`{p}`" for p in web.status_paths(m)) or "-"
                 opt = " *opt-in* (`metrics_opt_in`)" if m.name in optin.OPT_IN_FAMILIES else ""
+                opt += f" *deprecated* (use `{m.deprecated}`)" if m.deprecated else ""
                 computed = ", ".join(f"`{w}`" for w in m.wheres)  # each kind's formula, or what produces it
                 out.append(f"| `{m.name}`{opt} | {m.type} | {labels} | {m.help.replace('|', '/')} | {computed} "
                            f"| {where} |")

@@ -385,7 +385,7 @@ def test_fallbacks_use_the_daemons_thresholds():
 
 
 @pytest.mark.parametrize("alert, verdict", [
-    ("KVPressureAboveThreshold", "kvwatt_kv_pressure_above_threshold{window=\"5m\"}) == 1"),
+    ("KVPressureAboveThreshold", "kvwatt_kv_pressure_regime_above{window=\"5m\"}) == 1"),
     ("KVPreemptionOnset", "kvwatt_preemption_onset{window=\"5m\"}) == 1"),
     ("KVRecomputeTaxHigh", "kvwatt_recompute_tax_ratio{window=\"5m\"}"),
     ("KVOffloadCollapse", "kvwatt_collapse_signature) == 1"),

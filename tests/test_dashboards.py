@@ -681,7 +681,7 @@ MUTATIONS: list[tuple[str, str, Callable[[Dashboard], None]]] = [
     ("series-exist-rule", "llm-d's vllm:num_preemptions",
      lambda d: _replace_expr(d, "Preemptions per minute", "kvwatt_preemptions_per_minute", "vllm:num_preemptions")),
     ("series-exist-rule", "unknown kvwatt series",
-     lambda d: _replace_expr(d, "Regime now", "kvwatt_kv_pressure_above_threshold", "kvwatt_regime")),
+     lambda d: _replace_expr(d, "Regime now", "kvwatt_kv_pressure_regime_above", "kvwatt_regime")),
     ("uneditable-dashboard-rule", "editable", lambda d: _set(d, "editable", True)),
     ("no-inputs-rule", "__inputs", lambda d: _set(d, "__inputs", [{"name": "DS_PROMETHEUS"}])),
     ("unique-ids-rule", "duplicate id",

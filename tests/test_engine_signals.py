@@ -80,7 +80,7 @@ def run_condition(engines, blocks, reference=None):
         value = functools.partial(pick, scrape)
         m = {k: value(k, server="local", window=WINDOW) for k in (
             "kvwatt_kv_cache_usage_p95_ratio", "kvwatt_kv_cache_usage_p95_lower_ratio",
-            "kvwatt_kv_cache_usage_p95_upper_ratio", "kvwatt_kv_pressure_above_threshold",
+            "kvwatt_kv_cache_usage_p95_upper_ratio", "kvwatt_kv_pressure_regime_above",
             "kvwatt_preemptions_per_minute", "kvwatt_window_covered_seconds",
             "kvwatt_recompute_tax_ratio", "kvwatt_estimated_flops_per_generated_token")}
         m["shares"] = {s: value("kvwatt_prompt_token_share_ratio", server="local", window=WINDOW, source=s)
@@ -140,7 +140,7 @@ def test_p95_above_the_threshold_only_with_the_small_cache(large, small):
 
     def below(m):  # "below" needs the window at least half covered; a barely covered one says nothing (unknown)
         return 0 if m["kvwatt_window_covered_seconds"] >= MIN_BELOW_COVERAGE * WINDOW_SECONDS else None
-    assert ml["kvwatt_kv_cache_usage_p95_ratio"] < 0.9 and ml["kvwatt_kv_pressure_above_threshold"] == below(ml), \
+    assert ml["kvwatt_kv_cache_usage_p95_ratio"] < 0.9 and ml["kvwatt_kv_pressure_regime_above"] == below(ml), \
         (ml["kvwatt_kv_cache_usage_p95_ratio"], ml["kvwatt_window_covered_seconds"], ml["regime"])
     p95, low, high = (ms[f"kvwatt_kv_cache_usage_p95{k}_ratio"] for k in ("", "_lower", "_upper"))
     engine = ms["engine_kv_usage"]
@@ -152,7 +152,7 @@ def test_p95_above_the_threshold_only_with_the_small_cache(large, small):
     assert low <= engine_high and engine_low <= high, ((low, p95, high), (engine_low, engine_high))
     # the small cache preempted and recomputed (almost) every prompt token: above, whatever its p95 against the
     # threshold in use (the engine's signs decide; the threshold only predicts: methods.md s10)
-    assert ms["kvwatt_kv_pressure_above_threshold"] == 1, (ms["regime"], ms["kvwatt_preemptions_per_minute"])
+    assert ms["kvwatt_kv_pressure_regime_above"] == 1, (ms["regime"], ms["kvwatt_preemptions_per_minute"])
 
 
 def test_recompute_tax_and_the_mfu_view(large, small):

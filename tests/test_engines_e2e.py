@@ -50,7 +50,7 @@ CAPS = {
 }
 NEVER = {"lmcache": {"offload_occupancy", "offload_hit_rate"}, "dynamo": {"offload_occupancy", "offload_used_bytes"}}
 CORE_PANELS = {"kvwatt_kv_cache_usage_p95_ratio", "kvwatt_generation_tokens_per_second",
-               "kvwatt_kv_pressure_above_threshold", "kvwatt_source_up"}
+               "kvwatt_kv_pressure_regime_above", "kvwatt_source_up"}
 
 
 def server_name(engine: str, kind: str) -> str:
@@ -140,7 +140,7 @@ def test_pressure_figures(stack, engine):
     for kind in KINDS:
         server = server_name(engine, kind)
         p95 = value(metrics, "kvwatt_kv_cache_usage_p95_ratio", server=server, window=WINDOW)
-        above = value(metrics, "kvwatt_kv_pressure_above_threshold", server=server, window=WINDOW)
+        above = value(metrics, "kvwatt_kv_pressure_regime_above", server=server, window=WINDOW)
         if kind == "normal" and engine == "trtllm":
             # no preemption counter: "below" needs positive evidence (preemptions counted and zero), so unknown,
             # and the state says so beside it (methods.md s10)

@@ -57,7 +57,7 @@ def test_started_under_load_has_no_reference_an_unknown_tax_and_never_reads_belo
                 each=each)
     assert preempting and "below" not in preempting
     f = run.fig()
-    assert f.regime == "above" and f.regime_state == "known" and f.regime_reason.startswith("above: 2.0 preemptions/min at p95 0.8")
+    assert f.regime == "above" and f.regime_state == "known" and f.regime_reason.startswith("above: 2.0 preemptions/min; p95 0.8")
     assert f.tax_state == "unknown" and f.reference_state == "unknown"
     # the reference's reason, and (this engine exports no residency histograms) how to know the pressure now
     assert f.tax_reason == ("no low-pressure window seen yet: 8 windows, all with p95 >= 0.87; start vLLM with "
@@ -293,12 +293,12 @@ def test_the_status_threshold_block_carries_the_judgements_and_the_evidence(tmp_
 def test_a_barely_covered_window_cannot_say_below():
     """Right after a start or a restart beside a busy engine, a few low samples do not make the regime "below"
     (evidence before judgement): unknown until the window is half covered, or the previous regime holds."""
-    from exporter.model.pressure import P95, regime
+    from exporter.model.pressure import P95, predicted_regime
     low = P95(0.30, 0.20, 0.40)
-    assert regime(low, 0.54, None, covered_ratio=0.1) is None
-    assert regime(low, 0.54, True, covered_ratio=0.1) is True
-    assert regime(low, 0.54, None, covered_ratio=0.6) is False
-    assert regime(P95(0.70, 0.60, 0.80), 0.54, None, covered_ratio=0.1) is True  # "above" may be said at once
+    assert predicted_regime(low, 0.54, None, covered_ratio=0.1) is None
+    assert predicted_regime(low, 0.54, True, covered_ratio=0.1) is True
+    assert predicted_regime(low, 0.54, None, covered_ratio=0.6) is False
+    assert predicted_regime(P95(0.70, 0.60, 0.80), 0.54, None, covered_ratio=0.1) is True  # "above" may be said at once
 
 
 def test_windows_persisted_by_the_old_rule_are_set_aside_not_trusted(tmp_path, caplog):

@@ -46,7 +46,8 @@ UNIT = {"kvwatt_kv_cache_usage_p95_ratio", "kvwatt_kv_cache_usage_max_ratio", "k
         "kvwatt_kv_pressure_threshold_located_high_ratio", "kvwatt_kv_pressure_threshold_in_use_ratio",
         "kvwatt_kv_block_evicted_before_reuse_ratio", "kvwatt_requests_waiting_for_kv_capacity_samples_ratio",
         "kvwatt_preemption_recompute_share_ratio"}
-BOOLEAN = {"kvwatt_source_up", "kvwatt_kv_pressure_above_threshold", "kvwatt_preemption_onset",
+BOOLEAN = {"kvwatt_source_up", "kvwatt_kv_pressure_regime_above", "kvwatt_kv_pressure_above_threshold",
+           "kvwatt_preemption_onset",
            "kvwatt_offload_enabled", "kvwatt_offload_buffer_undersized", "kvwatt_collapse_signature",
            "kvwatt_collapse_condition", "kvwatt_collapse_condition_set", "kvwatt_offload_tier_undersized",
            "kvwatt_kv_block_residency_pressure_evidence", "kvwatt_kv_pressure_regime_state", "kvwatt_verdict_state"}

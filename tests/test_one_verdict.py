@@ -65,7 +65,7 @@ def first_row_panels(dashboard: dict) -> list[dict]:
 def test_first_row_reads_kvwatts_verdict_series():
     row = {p["title"]: p for p in first_row_panels(load_dashboards()["kvwatt-overview.json"])}
     regime, threshold, tax = row[REGIME_PANEL], row[THRESHOLD_PANEL], row[TAX_PANEL]
-    assert "kvwatt_kv_pressure_above_threshold{" in regime["targets"][0]["expr"]
+    assert "kvwatt_kv_pressure_regime_above{" in regime["targets"][0]["expr"]
     assert "kvwatt_kv_pressure_threshold_in_use_ratio{" in threshold["targets"][0]["expr"]
     assert "{{source}}" in threshold["targets"][0]["legendFormat"]  # located or configured, said
     assert "kvwatt_recompute_tax_ratio{" in tax["targets"][0]["expr"]
@@ -132,7 +132,7 @@ def metrics_verdict(d: KvwattDaemon) -> dict:
         return hits[0] if len(hits) == 1 else (None, None)
 
     th_labels, th = one("kvwatt_kv_pressure_threshold_in_use_ratio", server=SERVER)
-    return {"above": one("kvwatt_kv_pressure_above_threshold", server=SERVER, window=WINDOW)[1],
+    return {"above": one("kvwatt_kv_pressure_regime_above", server=SERVER, window=WINDOW)[1],
             "threshold": th, "threshold_source": (th_labels or {}).get("source"),
             "tax": one("kvwatt_recompute_tax_ratio", server=SERVER, window=WINDOW)[1],
             "collapse": one("kvwatt_collapse_signature", server=SERVER)[1]}

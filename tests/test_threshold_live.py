@@ -16,7 +16,7 @@ import pytest
 from exporter.config import from_mapping
 from exporter.figures import ServerFigures
 from exporter.model import Model
-from exporter.model.pressure import P95, regime
+from exporter.model.pressure import P95, predicted_regime
 from exporter.model.reference_book import STATE_FILE, ReferenceBook
 from exporter.samples import EngineReading, ServerRead, SourceStatus, Tick, EngineInfo
 
@@ -74,12 +74,12 @@ class Run:
 
 
 def test_regime_flips_only_outside_the_p95_interval():
-    assert regime(P95(0.92, 0.91, 0.95), 0.90, False) is True
-    assert regime(P95(0.89, 0.85, 0.90), 0.90, True) is False  # upper bound at the threshold: below
-    assert regime(P95(0.91, 0.88, 0.93), 0.90, False) is False  # straddles: previous holds
-    assert regime(P95(0.89, 0.88, 0.93), 0.90, True) is True
-    assert regime(P95(0.91, 0.88, 0.93), 0.90, None) is True  # no previous: the point estimate
-    assert regime(P95(None, None, None), 0.90, True) is None
+    assert predicted_regime(P95(0.92, 0.91, 0.95), 0.90, False) is True
+    assert predicted_regime(P95(0.89, 0.85, 0.90), 0.90, True) is False  # upper bound at the threshold: below
+    assert predicted_regime(P95(0.91, 0.88, 0.93), 0.90, False) is False  # straddles: previous holds
+    assert predicted_regime(P95(0.89, 0.88, 0.93), 0.90, True) is True
+    assert predicted_regime(P95(0.91, 0.88, 0.93), 0.90, None) is True  # no previous: the point estimate
+    assert predicted_regime(P95(None, None, None), 0.90, True) is None
 
 
 def test_a_noisy_series_near_the_threshold_does_not_flip(tmp_path):
@@ -166,7 +166,7 @@ def test_configured_source_keeps_the_threshold_but_the_engine_decides(tmp_path):
     assert f.threshold_source == "configured" and f.threshold_in_use == 0.90
     # ... the configured 0.90 predicts, but sustained preemptions are pressure whatever the threshold in use
     assert f.windows[0].above_threshold is True and f.regime_state == "known"
-    assert f.regime_reason == "above: 3.0 preemptions/min at p95 0.800, under the threshold in use 0.900"
+    assert f.regime_reason == "above: 3.0 preemptions/min; p95 0.800 is under the threshold in use 0.900"
 
 
 def test_reference_learns_only_true_low_pressure_and_within_minutes(tmp_path):

@@ -84,7 +84,7 @@ def test_busy_at_start_never_says_below_and_keeps_no_clean_window(tmp_path):
     words = visible_text(status_json(run.m.snapshot()))
     assert "Requests waiting for KV capacity: 4 on average, in 100.0 % of samples" in words
     assert "under the threshold in use 0.900" in words  # why "above" while the p95 is under 90 %
-    assert "KV pressure: requests waiting for KV capacity" in words  # the advice says what it rests on
+    assert "KV pressure over the last 1m: requests waiting for KV capacity" in words  # what it rests on, where
 
 
 def test_an_engine_restarted_with_another_cache_leaves_no_mixed_window(tmp_path):
@@ -125,7 +125,7 @@ def test_a_down_server_has_unknown_verdicts_on_every_screen(tmp_path):
     assert st["regime"] == "unknown" and st["regime_state"] == "unknown" and st["tax_state"] == "unknown"
     assert st["windows"]["1m"]["recompute_tax"] is None and st["windows"]["1m"]["above_threshold"] is None
     text = render(snap).decode()
-    assert not metric(text, "kvwatt_kv_pressure_above_threshold", server="s")
+    assert not metric(text, "kvwatt_kv_pressure_regime_above", server="s")
     assert not metric(text, "kvwatt_recompute_tax_ratio", server="s")
     assert metric(text, "kvwatt_verdict_state", verdict="regime", state="unknown") == [1.0]
     assert metric(text, "kvwatt_verdict_state", verdict="tax", state="unknown") == [1.0]

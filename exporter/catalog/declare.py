@@ -128,8 +128,13 @@ class MetricDef:
     words: tuple[Words, ...] = ()  # rows of the page's table of figures per window
     # what physics and arithmetic allow its values (exporter/bounds.py); checked once per tick before serving
     bounds: "bounds.Bound | None" = None
+    # the family that replaces this one (kube-state-metrics marks deprecated families in the declaration): still
+    # served for one release, its HELP says so first (deprecation_help)
+    deprecated: str | None = None
 
     def __post_init__(self):
+        if self.deprecated is not None and not self.help.startswith(deprecation_help(self.deprecated)):
+            raise ValueError(f"{self.name}: a deprecated family's HELP begins {deprecation_help(self.deprecated)!r}")
         if self.fill is None:
             if not isinstance(self.status, StatusKey):
                 raise ValueError(f"{self.name}: no fill and no status key to derive it from")
@@ -145,6 +150,11 @@ class MetricDef:
     def where(self) -> str:
         """``wheres`` as one string (the README's "computed in" column)."""
         return ", ".join(self.wheres)
+
+
+def deprecation_help(replacement: str) -> str:
+    """The first words of a deprecated family's HELP."""
+    return f"Deprecated: use {replacement}; removed in the next release."
 
 
 # --- fills shared by every section: walk the snapshot ------------------------------------------------------

@@ -6,14 +6,15 @@ from __future__ import annotations
 from typing import Iterator
 
 from exporter import bounds, rules
-from exporter.catalog.declare import (MetricDef, Sample, Words, judged, learned, per_server, per_window,
-                                      reading, server_key, setting, window_key)
+from exporter.catalog.declare import (Elsewhere, MetricDef, Sample, Words, deprecation_help, judged, learned,
+                                      per_server, per_window, reading, server_key, setting, window_key)
 from exporter.figures import Snapshot, WindowFigures
 
 SECTION = "KV pressure and recomputation"
 
 STATES = ("known", "provisional", "unknown")  # a verdict's state (methods.md s10): one series each, 1 for the current
 VERDICTS = ("regime", "tax", "reference", "threshold")
+REGIME_ABOVE = "kvwatt_kv_pressure_regime_above"  # the regime, 1 above (was kvwatt_kv_pressure_above_threshold)
 
 
 def _again(w: WindowFigures, attr: str) -> float | None:
@@ -176,12 +177,12 @@ REGIME: tuple[MetricDef, ...] = (
         bounds=bounds.SHARE,
     ),
     MetricDef(
-        name="kvwatt_kv_pressure_above_threshold", type="gauge", labels=("server", "window"),
+        name=REGIME_ABOVE, type="gauge", labels=("server", "window"),
         help="The window's KV-pressure regime: 1 on any sign of pressure the engine shows (requests waiting for KV "
              "capacity, preemptions, a recompute tax above noise, KV-block residency), whatever the threshold in "
              "use; 0 only on positive signs of low pressure; else the threshold's prediction (1 when the p95's lower "
              "bound clears it) or absent (unknown). Its state is kvwatt_kv_pressure_regime_state (methods.md s10).",
-        computes=judged("model.pressure.verdict",
+        computes=judged("model.pressure.regime",
                         why="weighs the engine's signs of pressure against the threshold's prediction (methods.md "
                             "s10)"),
         section=SECTION,
@@ -189,12 +190,25 @@ REGIME: tuple[MetricDef, ...] = (
         bounds=bounds.BOOLEAN,
     ),
     MetricDef(
+        name="kvwatt_kv_pressure_above_threshold", type="gauge", labels=("server", "window"),
+        help=deprecation_help(REGIME_ABOVE) + " The same values: the regime, which can be 1 with the p95 under the "
+             "threshold (a sign of pressure the engine shows decides it, not the threshold).",
+        computes=judged("model.pressure.regime",
+                        why="weighs the engine's signs of pressure against the threshold's prediction (methods.md "
+                            "s10)"),
+        section=SECTION,
+        fill=per_window(lambda w: w.above_threshold),
+        status=Elsewhere(f"deprecated: {REGIME_ABOVE}'s values (windows.<window>.above_threshold), /metrics only"),
+        bounds=bounds.BOOLEAN,
+        deprecated=REGIME_ABOVE,
+    ),
+    MetricDef(
         name="kvwatt_kv_pressure_regime_state", type="gauge", labels=("server", "state", "window"),
-        help="State of the window's regime verdict (kvwatt_kv_pressure_above_threshold), a stateset: 1 for its "
+        help="State of the window's regime verdict (kvwatt_kv_pressure_regime_above), a stateset: 1 for its "
              "current state (known, provisional, unknown), 0 for the others; the why is in /api/status "
              "(windows.<window>.regime). Read the regime with its state: a provisional one may still change, an "
              "unknown one has no value (methods.md s10).",
-        computes=judged("model.pressure.verdict",
+        computes=judged("model.pressure.regime",
                         why="weighs the engine's signs of pressure against the threshold's prediction (methods.md "
                             "s10)"),
         section=SECTION,

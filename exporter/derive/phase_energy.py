@@ -29,6 +29,7 @@ from dataclasses import dataclass, replace
 from operator import add, mul, sub
 from typing import ClassVar, Iterable, NamedTuple, Sequence
 
+from exporter.derive import compare
 from exporter.derive.recompute import token_counts
 from exporter.store import Bucket
 
@@ -353,9 +354,8 @@ def _collinear_reason(g: list[list[float]], names, cond: float, max_condition: f
         c = 1.0 if ni == 0 or nj == 0 else g[i][j] / (ni * nj)
         if c > best:
             best, pair = c, (names[i], names[j])
-    shown = "inf" if math.isinf(cond) else f"{cond:.0f}"
     return (f"the token mix does not vary enough: {pair[0]} and {pair[1]} tokens move together "
-            f"(cosine {best:.3f}, condition {shown} > {max_condition:g})")
+            f"(cosine {best:.3f}, condition {compare.op(cond, max_condition, '.0f')})")
 
 
 def prior_costs(windows: Sequence[PhaseWindow], scope: str, load_to_compute_cost_ratio: float) -> PhaseCosts:

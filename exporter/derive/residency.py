@@ -35,6 +35,7 @@ from typing import NamedTuple
 
 from exporter import rules
 
+from exporter.derive import compare
 from exporter.derive.pressure import rate_per_second
 from exporter.keys import labelled
 from exporter.store import WindowAggregate
@@ -173,7 +174,8 @@ def residency_evidence(window: Residency | None) -> Evidence:
     expected = PRESSURE_EVICTIONS_PER_PROMPT_BLOCK * blocks * window.sample_share
     if expected < MIN_EXPECTED_SAMPLES:
         return Evidence(None, f"too few prompt blocks ({blocks:.0f}) for the sample share {window.sample_share:g}:"
-                              f" pressure would show {expected:.1f} < {MIN_EXPECTED_SAMPLES:g} sampled evictions")
+                              f" pressure would show {compare.op(expected, MIN_EXPECTED_SAMPLES, '.1f')} sampled "
+                              "evictions")
     shown = f"{ratio:.3g} evictions per prompt block"
     if ratio <= LOW_PRESSURE_EVICTIONS_PER_PROMPT_BLOCK:
         return Evidence("low_pressure", f"{shown} <= {LOW_PRESSURE_EVICTIONS_PER_PROMPT_BLOCK:g}")

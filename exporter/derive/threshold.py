@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 from typing import Sequence
 
 from exporter import rules
+from exporter.derive import compare
 
 ONSET_PER_MINUTE = rules.PREEMPTION_ONSET_PER_MINUTE.default  # methods.md s3: sustained preemptions mark onset
 TAX_Z = 2.0              # a tax is evidence when it exceeds TAX_Z times its noise ...
@@ -99,11 +100,13 @@ def preempting(p: PressurePoint, onset_per_minute: float = ONSET_PER_MINUTE) -> 
 def taxed(p: PressurePoint, z: float = TAX_Z, min_tax: float = MIN_TAX,
           min_tax_unknown_se: float = MIN_TAX_UNKNOWN_SE) -> bool:
     """The tax is above noise: > z * SE and > min_tax (without an SE: > min_tax_unknown_se)."""
-    if p.tax is None:
-        return False
-    if p.tax_se is None:
-        return p.tax > min_tax_unknown_se
-    return p.tax > max(z * p.tax_se, min_tax)
+    return p.tax is not None and p.tax > noise_bar(p.tax_se, z, min_tax, min_tax_unknown_se)
+
+
+def noise_bar(tax_se: float | None, z: float = TAX_Z, min_tax: float = MIN_TAX,
+              min_tax_unknown_se: float = MIN_TAX_UNKNOWN_SE) -> float:
+    """The tax a window must exceed to be above noise (``taxed``), the bar its words print beside it."""
+    return min_tax_unknown_se if tax_se is None else max(z * tax_se, min_tax)
 
 
 def waited(p: PressurePoint) -> bool:
@@ -206,16 +209,26 @@ def _best_supported(cuts: list[tuple[int, float, float]], total_pressured: float
     return next(c for c in cuts if support(c) >= top - 1e-12)
 
 
+def _interval_wider(low: float, high: float, width: float) -> str:
+    """"[0.340, 0.770]": printed with the digits that show it wider than ``width`` (its printed ends, read back,
+    are as far apart as the words say; derive.compare)."""
+    for digits in range(3, 3 + compare.EXTRA_DIGITS + 1):
+        lo, hi = f"{low:.{digits}f}", f"{high:.{digits}f}"
+        if round(float(hi) - float(lo), digits) > width:
+            break
+    return f"[{lo}, {hi}]"
+
+
 def judge(loc: LocatedThreshold) -> tuple[str, str]:
     """``known`` when sustained evidence stands on both sides (KNOWN_SIDE_WEIGHT each), the interval is at most
     KNOWN_WIDTH wide and at most KNOWN_MISPLACED of the weight is misplaced; else ``provisional`` with why."""
     why = []
     if loc.clean_below < KNOWN_SIDE_WEIGHT:
-        why.append(f"clean weight below {loc.clean_below:.3g} < {KNOWN_SIDE_WEIGHT:g}")
+        why.append(f"clean weight below {compare.op(loc.clean_below, KNOWN_SIDE_WEIGHT, '.3g')}")
     if loc.pressured_above < KNOWN_SIDE_WEIGHT:
-        why.append(f"pressured weight above {loc.pressured_above:.3g} < {KNOWN_SIDE_WEIGHT:g}")
+        why.append(f"pressured weight above {compare.op(loc.pressured_above, KNOWN_SIDE_WEIGHT, '.3g')}")
     if loc.high - loc.low > KNOWN_WIDTH:
-        why.append(f"interval [{loc.low:.3f}, {loc.high:.3f}] wider than {KNOWN_WIDTH:.2f}")
+        why.append(f"interval {_interval_wider(loc.low, loc.high, KNOWN_WIDTH)} wider than {KNOWN_WIDTH:.2f}")
     total = loc.clean_below + loc.pressured_above + loc.misplaced
     if total and loc.misplaced > KNOWN_MISPLACED * total:
         why.append(f"{loc.misplaced:.3g} of {total:.3g} evidence weight on the wrong side")

@@ -11,7 +11,7 @@ undersized where offloading is on (methods.md s3, s5, s6, s10).
 from __future__ import annotations
 
 from exporter.config import DEFAULT_SERVER_URL, Config
-from exporter.derive.threshold import MIN_TAX, MIN_TAX_UNKNOWN_SE, TAX_Z
+from exporter.derive.threshold import noise_bar
 from exporter.figures import Advice, BufferFigures, ServerFigures, WindowFigures
 from exporter.model import offload as offload_figures
 from exporter.derive.threshold import plural
@@ -90,9 +90,7 @@ def _collapse(v: ServerFigures) -> Advice | None:
 
 def tax_above_noise(tax: float | None, spread: float | None) -> bool:
     """The tax exceeds TAX_Z times the reference's spread and MIN_TAX (methods.md s10, as derive.threshold.taxed)."""
-    if tax is None:
-        return False
-    return tax > (MIN_TAX_UNKNOWN_SE if spread is None else max(TAX_Z * spread, MIN_TAX))
+    return tax is not None and tax > noise_bar(spread)
 
 
 def _onset_window(v: ServerFigures) -> WindowFigures | None:
@@ -109,6 +107,12 @@ def _waiting_window(v: ServerFigures) -> WindowFigures | None:
     """The shortest window where requests waited for KV capacity through most of it (methods.md s10)."""
     return next((w for w in sorted(v.windows, key=lambda w: w.seconds)
                  if (w.requests_waiting_for_kv_capacity_share or 0.0) >= CAPACITY_SUSTAINED), None)
+
+
+def _ended(v: ServerFigures, seen: tuple[WindowFigures | None, ...]) -> bool:
+    """The regime's window reads below while every sign of pressure is a longer window's."""
+    at = next((w.seconds for w in v.windows if w.window == v.regime_window), None)
+    return v.regime == "below" and at is not None and all(w.seconds > at for w in seen if w is not None)
 
 
 def _pressure(v: ServerFigures) -> Advice | None:
@@ -131,6 +135,24 @@ def _pressure(v: ServerFigures) -> Advice | None:
         seen.append(f"a recompute tax of {taxed.recompute_tax * 100:+.1f} points over the last {taxed.window}")
     if w.kv_usage_p95 is not None:
         seen.append(f"KV-cache usage p95 {w.kv_usage_p95 * 100:.0f} %")
+    numbers = {"window": w.window,
+               "preemptions_per_minute": onset.preemptions_per_minute if onset else w.preemptions_per_minute,
+               "recompute_tax": taxed.recompute_tax if taxed else None, "kv_usage_p95": w.kv_usage_p95,
+               "requests_waiting_for_kv_capacity_share":
+                   waited.requests_waiting_for_kv_capacity_share if waited else None,
+               "recommended_buffer_gib": v.buffer.recommended_gib if v.buffer else None,
+               "regime": v.regime, "regime_window": v.regime_window}
+    if _ended(v, (onset, waited, taxed)):
+        # the regime's window (the shortest with one) shows low pressure and every sign is a longer window's: the
+        # pressure has ended (its signs in the regime's window would have made it above, methods.md s10), and
+        # growing the cache is no longer what the server needs now
+        return Advice("kv_pressure_ended", "info",
+                      f"KV pressure over the last {w.window} ({', '.join(seen)}) has ended: the last "
+                      f"{v.regime_window} is below ({v.regime_state}). If it comes back, grow the KV cache "
+                      "(--gpu-memory-utilization, a shorter --max-model-len, more GPUs) or lower concurrency "
+                      "(--max-num-seqs).", numbers | {"window": v.regime_window, "pressure_window": w.window})
+    if v.regime == "above":
+        numbers["window"] = v.regime_window  # the advice's window is the regime's (each sign names its own)
     if v.info is not None and v.info.offload_enabled:
         gib = v.buffer.recommended_gib if v.buffer else None
         offload = ("; offloading is already on" + (f" (--kv-offloading-size {gib} is the size in GiB kvwatt "
@@ -138,15 +160,11 @@ def _pressure(v: ServerFigures) -> Advice | None:
     else:
         offload = (", or enable KV offloading (--kv-offloading-size; kvwatt recommends a size from the write rate "
                    "once it is on)")
+    over = f" over the last {v.regime_window}" if v.regime == "above" else ""
     return Advice("kv_pressure", "bad",
-                  f"KV pressure: {', '.join(seen)}. Grow the KV cache (--gpu-memory-utilization, a shorter "
+                  f"KV pressure{over}: {', '.join(seen)}. Grow the KV cache (--gpu-memory-utilization, a shorter "
                   f"--max-model-len, more GPUs) or lower concurrency (--max-num-seqs){offload}.",
-                  {"window": w.window,
-                   "preemptions_per_minute": onset.preemptions_per_minute if onset else w.preemptions_per_minute,
-                   "recompute_tax": taxed.recompute_tax if taxed else None, "kv_usage_p95": w.kv_usage_p95,
-                   "requests_waiting_for_kv_capacity_share":
-                       waited.requests_waiting_for_kv_capacity_share if waited else None,
-                   "recommended_buffer_gib": v.buffer.recommended_gib if v.buffer else None})
+                  numbers | {"pressure_window": w.window})
 
 
 def _buffer(b: BufferFigures | None, cfg: Config) -> Advice | None:

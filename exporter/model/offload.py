@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from exporter.config import Config, ServerConfig
-from exporter.derive import economics, kappa, offload
+from exporter.derive import compare, economics, kappa, offload
 from exporter.derive.energy import prompt_attribution
 from exporter.derive.phase_energy import PhaseCosts
 from exporter.figures import BufferFigures, KappaFigures, SavingFigure, WindowFigures
@@ -135,11 +135,17 @@ def recommendations(collapse_signature: bool | None, buf: BufferFigures | None, 
     return tuple(out)
 
 
+def _below(seconds: float, target: float, what: str) -> str:
+    """"12 s < p99 tool-call latency 30 s", with the digits that tell 29.6 from 30 (derive.compare)."""
+    a, b = compare.printed(seconds, target, ".0f")
+    return f"{a} s {compare.OPERATORS[compare.relation(a, b)]} {what} {b} s"
+
+
 def undersized_words(buf: BufferFigures, cfg: Config) -> str:
     """Why the buffer is undersized and the --kv-offloading-size to use (methods.md s6)."""
     p99 = buf.residency_target_seconds or cfg.p99_tool_latency_seconds
     what = "KV-block reuse-gap p99" if buf.residency_target_source == "reuse_gap_p99" else "p99 tool-call latency"
-    why = (f"residency {buf.residency_seconds:.0f} s < {what} {p99:.0f} s"
+    why = (f"residency {_below(buf.residency_seconds, p99, what)}"
            if buf.residency_seconds is not None and buf.residency_seconds < p99
            else "stores failing (allocation failures / skipped stores)")
     return (f"Offload buffer undersized ({why}): use --kv-offloading-size {buf.recommended_gib or '?'} "

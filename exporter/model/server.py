@@ -153,8 +153,10 @@ class ServerModel:
             agg.quantile("waiting", 0.5), agg.gauge_max("kv_usage"),
             recompute.window_tax(shares, self.reference.value),
             self.reference.spread, tax_state, pl.residency_of(agg))  # residency: the engine's own eviction record
-        over = self._predicted[seconds] = pressure_model.regime(p, pl.threshold, self._predicted.get(seconds))
-        v = pressure_model.verdict(signs, pl.threshold, bool(over), pl.quiet_streak)
+        over = self._predicted[seconds] = pressure_model.predicted_regime(p, pl.threshold,
+                                                                          self._predicted.get(seconds))
+        th = pressure_model.threshold_in_use(pl.threshold, pl.source, pl.located)
+        v = pressure_model.regime(signs, th, bool(over), pl.quiet_streak)
         self._regime[seconds] = v.above
         self._regime_why[seconds] = (v.state, v.reason)
 

@@ -478,6 +478,15 @@ def _threshold_words(s: dict) -> tuple[float | None, str]:
                 "its history holds windows below and above the onset.")
 
 
+def _provisional_threshold(s: dict) -> str:
+    """" (located, provisional: 0.0 %–78.0 %)" beside a threshold in use that is a located one not known yet: a
+    located 34.5 % whose interval runs from 0 to 78 % is not to be read as a threshold like the configured one."""
+    loc, state = s.get("threshold_located"), s.get("threshold_state", "known")
+    if s.get("threshold_source") != "located" or not loc or state == "known":
+        return ""
+    return f" (located, {_e(state)}: {_pct(loc['low'])}–{_pct(loc['high'])})"
+
+
 def _pressure(s: dict) -> str:
     """The regime as the engine's signs decided it (methods.md s10), then the p95 and the threshold as facts beside
     it: the words never claim a side of the threshold the regime does not rest on; its reason says why."""
@@ -499,7 +508,7 @@ def _pressure(s: dict) -> str:
         lo, hi = w.get("kv_usage_p95_interval") or (None, None)
         interval = f" ({_pct(lo)}–{_pct(hi)})" if lo is not None else ""
         text += (f" KV-cache usage p95 <b>{_pct(w['kv_usage_p95'])}</b>{interval} over the last {_e(label)}; "
-                 f"threshold in use {_pct(th)}.")
+                 f"threshold in use {_pct(th)}{_provisional_threshold(s)}.")
     text += where
     loc_state = s.get("threshold_state", "known")
     if s.get("threshold_located") and loc_state != "known":

@@ -221,7 +221,7 @@ SERVER_BLOCKS: tuple[Block, ...] = (
           _named("kvwatt_server_info", "kvwatt_server_capability"), _identity_json),
     Block(("up", "state", "reason_code", "reason"), _named("kvwatt_source_up", "kvwatt_source_info"),
           _source_status_json),
-    Block(("regime", "regime_window"), _named("kvwatt_kv_pressure_above_threshold"),  # the shortest window's, in words
+    Block(("regime", "regime_window"), _named("kvwatt_kv_pressure_regime_above"),  # the shortest window's, in words
           lambda v: {"regime": v.regime, "regime_window": v.regime_window}),
     Block(("reference_kind",), _named("kvwatt_recompute_reference_share_ratio"),
           lambda v: {"reference_kind": v.reference_kind}),
@@ -230,7 +230,7 @@ SERVER_BLOCKS: tuple[Block, ...] = (
           _named("kvwatt_offload_buffer_undersized", "kvwatt_offload_recommended_buffer_bytes",
                  "kvwatt_collapse_signature"), lambda v: {"recommendations": list(v.recommendations)}),
     Block(("advice",),  # "what do I do?": each check's answer with the numbers it rests on
-          _named("kvwatt_source_up", "kvwatt_kv_pressure_above_threshold", "kvwatt_collapse_signature",
+          _named("kvwatt_source_up", "kvwatt_kv_pressure_regime_above", "kvwatt_collapse_signature",
                  "kvwatt_offload_buffer_undersized", "kvwatt_offload_recommended_buffer_bytes"), _advice_json),
     Block(THRESHOLD_KEYS,
           _named("kvwatt_kv_pressure_threshold_in_use_ratio", "kvwatt_kv_pressure_threshold_located_ratio",

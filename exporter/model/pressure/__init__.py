@@ -34,8 +34,9 @@ from exporter.derive.pressure import MAX_STEPS_PER_SECOND, plausible_preemptions
 from exporter.model.pressure.regime_signs import (  # noqa: F401 (the package's face)
     REFERENCE_MARGIN, LOW_PRESSURE_P95, REFERENCE_KNOWN_WINDOWS, SUSTAINED_PREEMPTIONS, MAX_EVIDENCE_WEIGHT,
     MIN_PROMPT_TOKENS, MIN_COVERED, MIN_BELOW_COVERAGE, CAPACITY_SUSTAINED, QUIET_KNOWN_WINDOWS,
-    MAX_EVIDENCE_WINDOWS, ResidencySign, residency_sign, disagreement, P95, p95_of, regime, quiet, Signs,
-    Verdict, pressure_signs, low_pressure_signs, verdict)
+    MAX_EVIDENCE_WINDOWS, ResidencySign, residency_sign, disagreement, P95, p95_of, predicted_regime, quiet,
+    Signs, Verdict, ThresholdInUse, threshold_in_use, p95_words, tax_words, pressure_signs,
+    low_pressure_signs, regime)
 from exporter.model.pressure.reference import (  # noqa: F401 (the package's face)
     ReferenceSample, LowPressureReference, no_reference_reason)
 from exporter.model.pressure.learner import (  # noqa: F401 (the package's face)

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from exporter.derive import pressure, residency
-from exporter.derive.threshold import (LOW_PRESSURE_MAX, PressurePoint, plural, quantile_bounds, taxed)
+from exporter.derive import compare, pressure, residency
+from exporter.derive.threshold import (LOW_PRESSURE_MAX, LocatedThreshold, PressurePoint, noise_bar, plural,
+                                       quantile_bounds, taxed)
 from exporter.store import WindowAggregate
 
 
@@ -76,11 +77,12 @@ def p95_of(agg: WindowAggregate) -> P95:
     return P95(pressure.kv_usage_quantile(agg, 0.95), bounds[0], bounds[1])
 
 
-def regime(p: P95, threshold: float, previous: bool | None, covered_ratio: float = 1.0) -> bool | None:
-    """Above (True) only when the p95's lower bound clears the threshold, below (False) only when its upper
-    bound is under it; in between the previous regime holds (hysteresis: no flip on sampling noise). With no
-    previous regime the point estimate decides (pressure.above_threshold). "Below" also needs the window at
-    least MIN_BELOW_COVERAGE covered: the few samples right after kvwatt starts (or restarts beside a busy
+def predicted_regime(p: P95, threshold: float, previous: bool | None, covered_ratio: float = 1.0) -> bool | None:
+    """The threshold's prediction of the regime (``regime`` decides it on the engine's evidence). Above (True)
+    only when the p95's lower bound clears the threshold, below (False) only when its upper bound is under it;
+    in between the previous regime holds (hysteresis: no flip on sampling noise). With no previous regime the
+    point estimate decides (pressure.above_threshold). "Below" also needs the window at least
+    MIN_BELOW_COVERAGE covered: the few samples right after kvwatt starts (or restarts beside a busy
     engine) cannot rule pressure out, so the previous regime holds, or none (unknown) after a start."""
     if p.value is None:
         return None
@@ -132,6 +134,47 @@ class Verdict:
     reason: str
 
 
+@dataclass(frozen=True, kw_only=True)
+class ThresholdInUse:
+    """The threshold the regime's prediction uses and what it rests on: a located one that is not known yet is
+    worded as provisional with its interval (a located 0.345 in [0.000, 0.780] is no threshold to read a p95
+    against as if it were the configured one)."""
+
+    ratio: float
+    source: str = "configured"  # located | configured
+    state: str = "known"        # the located threshold's state (a configured one is known: it is a setting)
+    low: float | None = None    # the located threshold's interval
+    high: float | None = None
+
+    @property
+    def note(self) -> str:
+        """"" for a known threshold; else "located, provisional, in [low, high]"."""
+        if self.source != "located" or self.state == "known":
+            return ""
+        interval = f", in [{self.low:.3f}, {self.high:.3f}]" if self.low is not None else ""
+        return f"located, {self.state}{interval}"
+
+
+def threshold_in_use(ratio: float, source: str, located: LocatedThreshold | None) -> ThresholdInUse:
+    """The threshold in force (ThresholdLearner.threshold, .source) with the located one's state and interval."""
+    if source == "located" and located is not None:
+        return ThresholdInUse(ratio=ratio, source=source, state=located.state, low=located.low, high=located.high)
+    return ThresholdInUse(ratio=ratio, source=source)
+
+
+def p95_words(p: P95, th: ThresholdInUse) -> str:
+    """The window's p95 against the threshold in use, the word computed from the numbers printed (derive.compare):
+    "p95 0.932 is above the threshold in use 0.900 but its interval [0.880, 0.950] reaches below it, so not yet
+    clear"."""
+    return compare.against("p95", p.value, (p.low, p.high), "the threshold in use", th.ratio, note=th.note)
+
+
+def tax_words(tax: float, spread: float | None) -> str:
+    """"a recompute tax of +5.0 points, above the noise bar +3.0 points": the word from the printed numbers."""
+    t, word, bar = compare.side(tax * 100, noise_bar(spread) * 100, "+.1f")
+    return f"a recompute tax of {t} points, {word} the noise bar {bar} points"
+
+
 def _tax_point(g: Signs) -> PressurePoint:
     return PressurePoint(g.p.value or 0.0, None, g.tax, g.tax_spread)
 
@@ -146,7 +189,7 @@ def pressure_signs(g: Signs) -> list[tuple[str, bool]]:
         out.append((f"{g.preemptions_per_minute:.1f} preemptions/min", bool(g.onset)))
     if taxed(_tax_point(g)):
         # known on a known reference over a window covered enough to call it sustained (as the onset, s3)
-        out.append((f"a recompute tax of {g.tax * 100:+.1f} points",
+        out.append((tax_words(g.tax, g.tax_spread),
                     g.tax_state == "known" and g.covered_ratio >= MIN_COVERED))
     if g.residency is not None and g.residency.kind == "pressure":
         out.append((f"the engine's KV-block residency shows pressure ({g.residency.reason})", True))
@@ -169,7 +212,7 @@ def low_pressure_signs(g: Signs, threshold: float) -> tuple[list[str], list[str]
         missing.append("requests waiting (the engine does not say for what)")
     levels = g.kv_max is not None and g.kv_max < min(LOW_PRESSURE_MAX, threshold - REFERENCE_MARGIN)
     if g.tax is not None:
-        seen.append(f"a recompute tax of {g.tax * 100:+.1f} points, within noise")
+        seen.append(tax_words(g.tax, g.tax_spread) + ": within noise")
     if g.residency is not None and g.residency.kind == "low_pressure":
         seen.append(f"the engine's KV-block residency shows low pressure ({g.residency.reason})")
     if levels:
@@ -185,32 +228,32 @@ def low_pressure_signs(g: Signs, threshold: float) -> tuple[list[str], list[str]
     return seen, missing, engine_said
 
 
-def verdict(g: Signs, threshold: float, over: bool, quiet_streak: int) -> Verdict:
+def regime(g: Signs, threshold: ThresholdInUse, over: bool, quiet_streak: int) -> Verdict:
     """One window's regime on positive evidence both ways (methods.md s10): *above* on any sign of pressure
     (known when sustained: requests waiting for KV capacity in most samples, preemption onset, a tax above noise
     on a known reference, residency pressure), whatever the threshold in use; *below* only on positive signs of
     low pressure (known once the server showed them for QUIET_KNOWN_WINDOWS evidence windows and the KV p95 is
     not above the threshold in use); otherwise the threshold predicts (*above*, provisional, when the p95's lower
-    bound clears it) or the regime is unknown, with what is missing. ``over``: the threshold's prediction (``regime``,
-    with hysteresis on the p95's interval)."""
+    bound clears it) or the regime is unknown, with what is missing. ``over``: the threshold's prediction
+    (``predicted_regime``, with hysteresis on the p95's interval). The p95 and the threshold are worded by
+    ``p95_words``: its comparison word is computed from the numbers it prints, never from ``over``."""
     if g.p.value is None:
         return Verdict(None, "unknown", "no KV usage sampled in the window")
-    p95 = f"p95 {g.p.value:.3f}"
     seen = pressure_signs(g)
     if seen:
         known = any(k for _, k in seen)
-        where = "" if over else f" at {p95}, under the threshold in use {threshold:.3f}"
+        where = "" if over else f"; {p95_words(g.p, threshold)}"
         v = Verdict(True, "known" if known else "provisional", "above: " + "; ".join(w for w, _ in seen) + where)
         if g.residency is not None and g.residency.kind == "low_pressure":
             v = Verdict(True, "provisional" if v.state == "known" else v.state, v.reason +
                         f"; contradicted by the engine's KV-block residency: low pressure ({g.residency.reason})")
         return v
-    low, missing, engine_said = low_pressure_signs(g, threshold)
+    low, missing, engine_said = low_pressure_signs(g, threshold.ratio)
     if not missing:
         why = "below: " + ", ".join(low)
         if over:
-            return Verdict(False, "provisional", f"{why}; although {p95} is above the threshold in use "
-                           f"{threshold:.3f}: the threshold predicts pressure the engine does not show")
+            return Verdict(False, "provisional", f"{why}; although {p95_words(g.p, threshold)}: the threshold "
+                           "predicts pressure the engine does not show")
         if quiet_streak >= QUIET_KNOWN_WINDOWS and engine_said:
             return Verdict(False, "known", f"{why}; low pressure for the last {plural(quiet_streak, 'evidence window')}")
         need = [] if engine_said else ["a known recompute tax, the engine's KV-block residency or its count of "
@@ -220,7 +263,6 @@ def verdict(g: Signs, threshold: float, over: bool, quiet_streak: int) -> Verdic
                         f"({quiet_streak} so far)")
         return Verdict(False, "provisional", f"{why}; known with {' and '.join(need)}")
     if over:
-        return Verdict(True, "provisional", f"above (predicted): {p95} is above the threshold in use "
-                       f"{threshold:.3f}, the engine shows no sign of pressure yet; missing for a below: "
-                       + "; ".join(missing))
+        return Verdict(True, "provisional", f"above (predicted): {p95_words(g.p, threshold)}; the engine shows no "
+                       "sign of pressure yet; missing for a below: " + "; ".join(missing))
     return Verdict(None, "unknown", "neither pressure nor low pressure shown: missing " + "; ".join(missing))
