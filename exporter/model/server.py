@@ -81,9 +81,10 @@ class ServerModel:
             self._back(t)
             self.info, self.engine, self.capabilities = reading.info, engine_name(reading.engine), reading.capabilities
             self.history.add_reading(t, reading)
-            flapping = self.history.identity.problem  # two processes behind one URL (store/identity.py)
-            if flapping and status.up:
-                joined = f"{flapping}; {status.reason}" if status.reason else flapping
+            h = self.history  # two processes behind one URL, a switching spelling, a counter going back alone
+            problem = "; ".join(p for p in (h.identity.problem, h.spelling.problem, h.regression.problem) if p)
+            if problem and status.up:  # (store/identity.py), the first named in the reason code
+                joined = f"{problem}; {status.reason}" if status.reason else problem
                 self.status = replace(status, reason=joined, state="degraded")
 
     def _back(self, t: float) -> None:
