@@ -26,6 +26,11 @@ step's increase (242,000,000 tokens/s against 300). So:
 - ``FLAP_EVENTS`` such switches or returns within the last ``RECENT_READINGS`` readings are the ``flapping``
   condition: the server is degraded (reason ``identity_flapping``, which says to point kvwatt at each replica)
   until ``RECENT_READINGS`` readings pass without one. It is logged when it starts and when it ends, once each.
+
+What moves one counter alone is not another process (SpellingWatch, RegressionWatch below, run by
+ServerHistory before the identity): a counter read from its other spelling (vLLM's offload counters), and one
+counter going backwards while the engine's other counters climb. Each is its own condition when it recurs
+(``spelling_switching``, ``counter_regression``: Recurring).
 """
 
 from __future__ import annotations
