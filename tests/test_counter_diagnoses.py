@@ -144,3 +144,35 @@ def test_daemon_reports_a_switching_spelling_not_identity_flapping():
     assert status["state"] == "degraded" and status["reason_code"] == "spelling_switching", status
     assert "replica" not in status["reason"] and "two spellings" in status["reason"], status["reason"]
     assert log.count("spelling_switching") == 1 and "identity_flapping" not in log, log[-3000:]
+
+
+WRITES = re.compile(r"^(vllm:estimated_write_bytes_per_gpu_total\{[^}]*\}) (\S+)$", re.M)
+
+
+class WriteGlitch:
+    """A steady vLLM 0.33 without offloading or a FLOP counter (the write counter dominates its counters) whose
+    write counter reads 30 % low at every fourth read."""
+
+    def __init__(self):
+        self.eng, self.i = sim.SimEngine(sim.low_pressure_off()), 0
+
+    def __call__(self) -> str:
+        self.i += 1
+        self.eng.advance(0.5)
+        text = NO_FLOPS.sub("", self.eng.render("0.33"))
+        if self.i % 4 == 0:
+            text = WRITES.sub(lambda m: f"{m.group(1)} {float(m.group(2)) * 0.7}", text)
+        return text
+
+
+@pytest.mark.slow  # real time: ~5 s of reads
+def test_daemon_reports_a_write_counter_going_backwards_as_its_regression():
+    src = WriteGlitch()
+    with MetricsServer(src) as srv, KvwattDaemon(servers={"svc": srv.url}, interval="100ms",
+                                                 config={"windows": ["1m"]}) as d:
+        d.wait_for(lambda d: src.i > 30, what="30 reads")
+        status = next(s for s in d.status()["servers"] if s["server"] == "svc")
+        log = d.log()
+    assert status["state"] == "degraded" and status["reason_code"] == "counter_regression", status
+    assert "engine_write_bytes" in status["reason"] and "replica" not in status["reason"], status["reason"]
+    assert log.count("counter_regression") == 1 and "identity_flapping" not in log, log[-3000:]
