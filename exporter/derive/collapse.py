@@ -247,7 +247,8 @@ def _stale_words(recent: WindowAggregate, moved: Sequence[str]) -> str:
                       if recent.seconds_with(k) > 0)
     return ("the engine step counter did not rise over the recent window while the engine made progress "
             f"({rates}): tokens are not produced without engine steps, so the step counter is stale (a detached "
-            "stats logger, a data-parallel coordinator's copy of the series), not the engine stalled")
+            "stats logger, a data-parallel coordinator's copy of the series, a counter of one kind of step only), "
+            "not the engine stalled")
 
 
 def _reason(cond: dict[str, bool | None], sets: dict[str, bool | None], details: dict[str, str],
