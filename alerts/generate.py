@@ -374,9 +374,12 @@ def collapse_fallback() -> str:
 
 def stalled_engine_fallback() -> str:
     """Engine steps stopped while requests wait (vLLM #45387, #45414): no KV usage, no offload condition;
-    the value is the fewest requests pending over the window."""
+    the value is the fewest requests pending over the window. Every progress witness must be flat
+    (derive/collapse.py PROGRESS_WITNESSES): a step counter flat while tokens move is stale, not a stall."""
     return ("min_over_time(server:vllm_num_requests_pending:sum[@window]) > 0\n"
-            "and on (server) (server:vllm_engine_steps:rate@window == 0)")
+            "and on (server) (server:vllm_engine_steps:rate@window == 0)\n"
+            "unless on (server) (server:vllm_generation_tokens:rate@window > 0)\n"
+            "unless on (server) (sum by (server) (rate(vllm:prompt_tokens_total[@window])) > 0)")
 
 
 def collapse_expr() -> str:
@@ -476,10 +479,11 @@ ALERTS: tuple[Alert, ...] = (
           "no preemptions.",
           '{{ if eq $labels.condition_set "stalled_engine" }}'
           '{{ if eq $labels.detector "kvwatt" }}kvwatt reports a stalled engine on server {{ $labels.server }} '
-          "(kvwatt_collapse_condition_set = {{ $value }}): the engine ran no step over its recent window while "
-          "requests were running or waiting."
+          "(kvwatt_collapse_condition_set = {{ $value }}): the engine ran no step and produced no token over its "
+          "recent window while requests were running or waiting."
           "{{ else }}Server {{ $labels.server }} ran no engine step over @window (vllm:iteration_tokens_total_count "
-          "did not rise) while at least {{ $value }} requests were running or waiting (PromQL fallback).{{ end }}"
+          "did not rise, nor did its generation or prompt tokens) while at least {{ $value }} requests were running "
+          "or waiting (PromQL fallback).{{ end }}"
           " The API server answers but its engine core is frozen: take a stack dump of the EngineCore process "
           "(py-spy dump), then restart the server."
           '{{ else }}{{ if eq $labels.detector "kvwatt" }}kvwatt reports the collapse signature on server '

@@ -19,8 +19,9 @@ REASON_CODES = frozenset({
     "timeout", "unreachable", "redirect", "http_error", "body_too_large", "parse_error", "out_of_range",
     "sidecar",  # a server's sidecar exposition (LMCache's, KVBM's port) failed; the server's own was read
     "label_values_capped",  # more distinct tier/reason/stage values than rules.MAX_LABEL_VALUES (sources/labelcap.py)
-    # the store (exporter/store/identity.py): readings of more than one process behind one URL
-    "identity_flapping",
+    # the store (exporter/store/identity.py): readings of more than one process behind one URL; the engine
+    # alternating between two spellings of a counter; a counter going backwards alone while the others climb
+    "identity_flapping", "spelling_switching", "counter_regression",
     # the sampler (exporter/sampler.py)
     "deadline", "error",
     # nvml, rapl
@@ -101,6 +102,9 @@ class EngineReading:
     engine_counters: dict[str, dict[str, float]] = field(default_factory=dict)
     rejected: dict[str, str] = field(default_factory=dict)
     read_wall: float | None = None  # wall-clock time of the read (time.time()); None when not read over HTTP
+    # counter key -> the series it was read from, for keys an engine spells two ways (vLLM's offload counters:
+    # the flat 0.24+ series or the deprecated one): a change of spelling is not a counter delta (store/identity.py)
+    spellings: dict[str, str] = field(default_factory=dict)
 
 
 

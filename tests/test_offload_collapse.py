@@ -178,6 +178,41 @@ def test_both_sets_name_the_stalled_engine_first():
     assert r.condition_set == "stalled_engine" and r.reason.count(":") == 2  # both named in the reason
 
 
+# --- a stale step counter (issue 38.2): tokens cannot move without engine steps -----------------------------
+def busy_with_flat_steps(tokens_per_second=500.0, prompt_per_second=0.0, seconds=660):
+    """Busy the whole time (4 running): the step counter is on the wire but flat from t=600 (a detached stats
+    logger, a data-parallel coordinator's copy), the token counters keep moving."""
+    return [Interval(float(t), t + 1.0, {"generation_tokens": tokens_per_second, "prompt_tokens": prompt_per_second,
+                                         "preemptions": 0.0, "engine_steps": 20.0 if t < 600 else 0.0},
+                     {"running": 4, "waiting": 0, "kv_usage": 0.5}, {}, {}) for t in range(seconds)]
+
+
+@pytest.mark.parametrize("gen, prompt", [(500.0, 0.0), (0.0, 800.0)])  # decoding; prefilling only
+def test_a_flat_step_counter_beside_moving_tokens_is_stale_not_a_stall(gen, prompt):
+    r = collapse_at(busy_with_flat_steps(gen, prompt), 660.0, False, TH)
+    assert r.conditions["engine_steps_stopped"] is False and r.conditions["requests_pending"] is True
+    assert r.condition_sets["stalled_engine"] is False and r.signature is False and r.condition_set is None
+    moved = "generation tokens 500/s" if gen else "prompt tokens 800/s"
+    assert "stale" in r.stale_witnesses["engine_steps"] and moved in r.stale_witnesses["engine_steps"]
+    assert "stale witness engine_steps" in r.reason
+    assert r.as_status()["stale_witnesses"] == r.stale_witnesses
+
+
+def test_no_progress_needs_every_witness_flat():
+    """Steps and tokens all flat with requests pending: the stall holds, no witness called stale; a token
+    counter flat but sampled over too little of the window leaves it unknown, never asserted."""
+    stalled = busy_with_flat_steps(0.0, 0.0)
+    stalled = [iv if iv.t0 < 600 else Interval(iv.t0, iv.t1, {**iv.deltas, "generation_tokens": 0.0}, iv.gauges,
+                                                {}, {}) for iv in stalled]
+    r = collapse_at(stalled, 660.0, False, TH)
+    assert r.conditions["engine_steps_stopped"] is True and r.signature is True and not r.stale_witnesses
+    sparse = [iv if iv.t0 < 600 or iv.t0 >= 650 else
+              Interval(iv.t0, iv.t1, {k: v for k, v in iv.deltas.items() if k != "generation_tokens"}, iv.gauges,
+                       {}, {}) for iv in stalled]
+    r = collapse_at(sparse, 660.0, False, TH)
+    assert r.conditions["engine_steps_stopped"] is None and r.signature is None
+
+
 # --- scenarios: the detector flags exactly the collapsed runs -----------------------------------------------
 CLEAR_LAG = 20.0    # recovery shows within 20 s (1-minute mean above 20 % of the reference after ~12 s)
 DETECT_LAG = 70.0   # onset needs the 1-minute mean power near idle: a full window plus an evaluation step

@@ -236,9 +236,9 @@ TRAFFIC: tuple[MetricDef, ...] = (
     ),
     MetricDef(
         name="kvwatt_collapse_condition_set", type="gauge", labels=("server", "condition_set"),
-        help="Each condition set of the collapse signature: stalled_engine (engine steps stopped while requests are "
-             "pending; only where the engine exports a step counter) and classic (all five throughput conditions). 1 "
-             "holds, 0 not; absent while unknown.",
+        help="Each condition set of the collapse signature: stalled_engine (engine steps, and the token counters with "
+             "them, stopped while requests are pending; only where the engine exports a step counter) and classic "
+             "(all five throughput conditions). 1 holds, 0 not; absent while unknown.",
         computes="derive.collapse.evaluate_aggregates",
         section=SECTION,
         fill=_condition_sets,

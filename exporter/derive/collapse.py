@@ -28,10 +28,16 @@ A second condition set, ``stalled_engine``, keys on engine liveness instead (rea
 #45388, #42371, #45414; the terminal KV usage was nearly full in one and 0 % in another, so neither set reads
 KV usage):
 
-  engine_steps_stopped  the engine ran no step (engine_steps did not rise) over the recent window
+  engine_steps_stopped  the engine made no progress over the recent window: no progress witness rose
   requests_pending      running + waiting > 0 at every sample of the recent window (shared with the classic set)
 
-An idle engine (no steps, nothing pending) is not stalled. The set applies only to servers whose engine
+"No progress" needs every witness flat (PROGRESS_WITNESSES: engine steps, generation tokens, prompt tokens),
+not the step counter alone: tokens cannot be generated or prefilled without engine steps, so a step counter
+that stays flat while tokens move is a stale witness (a detached stats logger, a data-parallel coordinator's
+copy of the series), not a stalled engine. Then the condition is False (the tokens prove progress), and
+``stale_witnesses`` says which counter is stale and what moved instead: a diagnosis, never a page. A witness
+covering too little of the window leaves the condition unknown. An idle engine (no steps,
+nothing pending) is not stalled. The set applies only to servers whose engine
 exports a step counter (vLLM 0.23+: vllm:iteration_tokens_total_count); elsewhere it is left out, so an older
 server's signature is decided by the classic set alone. The signature holds when either set holds (Kleene
 OR over the applicable sets); ``condition_set`` says which one fired (stalled_engine first when both do).
@@ -51,6 +57,8 @@ STALLED_ENGINE = ("engine_steps_stopped", "requests_pending")
 CONDITIONS = CLASSIC + ("engine_steps_stopped",)  # every condition, each exported on its own
 # condition set -> its conditions; the first that holds names the signature's condition_set
 CONDITION_SETS: dict[str, tuple[str, ...]] = {"stalled_engine": STALLED_ENGINE, "classic": CLASSIC}
+# the counters that rise only when the engine steps: any one rising is progress (the step counter first)
+PROGRESS_WITNESSES = ("engine_steps", "generation_tokens", "prompt_tokens")
 MIN_COVERAGE_RATIO = 0.5  # a window (or reference bucket) needs samples over half its span to count
 REFERENCE_QUANTILE = 0.9
 
@@ -79,6 +87,7 @@ class CollapseResult:
     gpu_idle_power_watts: float | None = None
     details: dict[str, str] = field(default_factory=dict)  # condition -> why it is None
     condition_sets: dict[str, bool | None] = field(default_factory=dict)  # the applicable sets, each's value
+    stale_witnesses: dict[str, str] = field(default_factory=dict)  # a flat progress counter -> why it is stale
 
     @property
     def condition_set(self) -> str | None:
@@ -93,7 +102,7 @@ class CollapseResult:
                 "recent_tokens_per_second": self.recent_tokens_per_second,
                 "reference_tokens_per_second": self.reference_tokens_per_second,
                 "gpu_power_watts": self.gpu_power_watts, "gpu_idle_power_watts": self.gpu_idle_power_watts,
-                "details": dict(self.details)}
+                "details": dict(self.details), "stale_witnesses": dict(self.stale_witnesses)}
 
 
 def kleene_and(values: Sequence[bool | None]) -> bool | None:
@@ -202,34 +211,55 @@ def evaluate_aggregates(recent: WindowAggregate, reference_rates: Sequence[float
     else:
         cond["requests_pending"] = lowest > 0
 
-    cond["engine_steps_stopped"] = steps_stopped(recent, enough, th, details)
+    stale: dict[str, str] = {}
+    cond["engine_steps_stopped"] = steps_stopped(recent, enough, th, details, stale)
     has_steps = recent.count_with("engine_steps") > 0  # else the stalled_engine set does not apply
     sets = {name: kleene_and([cond[c] for c in members]) for name, members in CONDITION_SETS.items()
             if name == "classic" or has_steps}
     sig = kleene_or(list(sets.values()))
-    return CollapseResult(cond, sig, _reason(cond, sets, details), rate, ref, power, idle, details, sets)
+    return CollapseResult(cond, sig, _reason(cond, sets, details, stale), rate, ref, power, idle, details, sets,
+                          stale)
 
 
-def steps_stopped(recent: WindowAggregate, enough: bool, th: CollapseThresholds,
-                  details: dict[str, str]) -> bool | None:
-    """No engine step over the recent window (engine_steps did not rise), from intervals covering at least
-    MIN_COVERAGE_RATIO of it. None (with the reason in ``details``) without a step counter or enough samples."""
+def steps_stopped(recent: WindowAggregate, enough: bool, th: CollapseThresholds, details: dict[str, str],
+                  stale: dict[str, str] | None = None) -> bool | None:
+    """No progress over the recent window: no PROGRESS_WITNESSES counter rose. With the step counter covering at
+    least MIN_COVERAGE_RATIO of the window: False as soon as one witness rose (a flat step counter beside moving
+    tokens is noted in ``stale``), True when every witness the engine exports is flat over such coverage; else
+    None (the reason in ``details``). Applies only to engines with a step counter (the stalled_engine set's)."""
     if recent.count_with("engine_steps") == 0:
         details["engine_steps_stopped"] = "the engine exports no step counter (vLLM < 0.23 or another engine)"
         return None
-    if not enough or recent.seconds_with("engine_steps") < MIN_COVERAGE_RATIO * th.recent_seconds:
+    short = [k for k in PROGRESS_WITNESSES
+             if recent.count_with(k) > 0 and recent.seconds_with(k) < MIN_COVERAGE_RATIO * th.recent_seconds]
+    moved = [k for k in PROGRESS_WITNESSES if (recent.delta(k) or 0.0) > 0]
+    if not enough or "engine_steps" in short or (short and not moved):
         details["engine_steps_stopped"] = "not enough samples in the recent window"
         return None
-    return (recent.delta("engine_steps") or 0.0) == 0
+    if moved and "engine_steps" not in moved and stale is not None:
+        stale["engine_steps"] = _stale_words(recent, moved)
+    return not moved
 
 
-def _reason(cond: dict[str, bool | None], sets: dict[str, bool | None], details: dict[str, str]) -> str:
+def _stale_words(recent: WindowAggregate, moved: Sequence[str]) -> str:
+    """Why a flat step counter beside moving token counters is a stale witness, with the rates that moved."""
+    rates = ", ".join(f"{k.replace('_', ' ')} {recent.delta(k) / recent.seconds_with(k):.4g}/s" for k in moved
+                      if recent.seconds_with(k) > 0)
+    return ("the engine step counter did not rise over the recent window while the engine made progress "
+            f"({rates}): tokens are not produced without engine steps, so the step counter is stale (a detached "
+            "stats logger, a data-parallel coordinator's copy of the series, a counter of one kind of step only), "
+            "not the engine stalled")
+
+
+def _reason(cond: dict[str, bool | None], sets: dict[str, bool | None], details: dict[str, str],
+            stale: dict[str, str] | None = None) -> str:
     held = [name for name, v in sets.items() if v]
     if held:
-        why = {"stalled_engine": "engine steps stopped while requests are pending",
+        why = {"stalled_engine": "engine steps stopped, the token counters with them, while requests are pending",
                "classic": "all five classic conditions hold"}
         return "; ".join(f"{name}: {why[name]}" for name in held)
+    note = "".join(f"; stale witness {k}: {why}" for k, why in (stale or {}).items())
     unknown = [c for name, v in sets.items() if v is None for c in CONDITION_SETS[name] if cond[c] is None]
     if unknown:
-        return "unknown: " + "; ".join(f"{c} ({details.get(c, 'unknown')})" for c in dict.fromkeys(unknown))
-    return "not holding: " + ", ".join(c for c in CONDITIONS if cond[c] is False)
+        return "unknown: " + "; ".join(f"{c} ({details.get(c, 'unknown')})" for c in dict.fromkeys(unknown)) + note
+    return "not holding: " + ", ".join(c for c in CONDITIONS if cond[c] is False) + note

@@ -134,6 +134,13 @@ def preemption_recompute(x: WindowAggregate, write_bytes_per_token: float | None
                                           "(vLLM 0.17+ vllm:estimated_write_bytes_per_gpu_total)")
     if computed is None or generated is None:
         return PreemptionRecompute(reason="the engine does not count prompt tokens by source (vLLM 0.16+)")
+    if seconds < max(x.seconds_with("generation_tokens"), x.seconds_with("prompt_local_compute")) - 1e-6:
+        # a step with tokens but no write increase: the write counter went backwards there (store/identity.py
+        # RegressionWatch), so the window's writes do not cover its tokens; the write model is not to blame
+        return PreemptionRecompute(reason="the write-traffic counter has no increase over part of the window its "
+                                          "tokens cover (it went backwards there: a reset or regression of that "
+                                          "counter, or it was not read): the window's writes do not cover its "
+                                          "tokens")
     if writes <= 0 and generated + computed > 0:
         return PreemptionRecompute(reason="the write-traffic estimate does not move: start vLLM with "
                                           "--enable-mfu-metrics")

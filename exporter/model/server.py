@@ -3,6 +3,7 @@ reference share: model/pressure/; collapse latch), and the typed figures derived
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 from typing import Mapping
 
@@ -20,6 +21,8 @@ from exporter.model.repeat import RepeatWindows
 from exporter.samples import EngineReading, SourceStatus, EngineInfo
 from exporter.keys import labelled
 from exporter.store import ServerHistory, WindowAggregate
+
+log = logging.getLogger("kvwatt.model")
 
 SCOPES = ("gpu", "host")
 # a server unread for this long (intervals, and at least seconds) was out: the windows restart when it is back
@@ -59,6 +62,7 @@ class ServerModel:
         self.engine, self.capabilities = engine_name(None), frozenset()
         self.gauges: dict[str, float] | None = None  # the last reading's, None while the server is not read
         self.collapse: collapse.CollapseResult | None = None
+        self._stale_witnesses: frozenset[str] = frozenset()  # progress counters last seen stale (logged on change)
         self._repeat: dict[bool, RepeatWindows] = {}  # marginal or total J/token: the repeat windows' stats
         self.phase = PhaseLearner(server.name, self.repeat_seconds, cfg.phase_history_seconds,
                                   cfg.phase_min_windows, cfg.phase_max_condition, cfg.load_to_compute_cost_ratio)
@@ -77,9 +81,10 @@ class ServerModel:
             self._back(t)
             self.info, self.engine, self.capabilities = reading.info, engine_name(reading.engine), reading.capabilities
             self.history.add_reading(t, reading)
-            flapping = self.history.identity.problem  # two processes behind one URL (store/identity.py)
-            if flapping and status.up:
-                joined = f"{flapping}; {status.reason}" if status.reason else flapping
+            h = self.history  # two processes behind one URL, a switching spelling, a counter going back alone
+            problem = "; ".join(p for p in (h.identity.problem, h.spelling.problem, h.regression.problem) if p)
+            if problem and status.up:  # (store/identity.py), the first named in the reason code
+                joined = f"{problem}; {status.reason}" if status.reason else problem
                 self.status = replace(status, reason=joined, state="degraded")
 
     def _back(self, t: float) -> None:
@@ -122,7 +127,18 @@ class ServerModel:
         for seconds in self.cfg.windows_seconds:
             self._learn_regime(seconds, tax_state)
         self.collapse = self._collapse(now)
+        self._note_stale_witnesses(self.collapse)
         self._check_write_model(min(self.cfg.windows_seconds), pl.epochs_set_aside)
+
+    def _note_stale_witnesses(self, c: collapse.CollapseResult) -> None:
+        """One line when a progress counter turns stale (flat while the tokens move: derive/collapse.py), one
+        when it moves again; never a line per tick."""
+        now = frozenset(c.stale_witnesses)
+        for key in sorted(now - self._stale_witnesses):
+            log.warning("%s: %s; not a stall", self.name, c.stale_witnesses[key])
+        for key in sorted(self._stale_witnesses - now):
+            log.info("%s: the %s counter is no longer stale beside the token counters", self.name, key)
+        self._stale_witnesses = now
 
     def _check_write_model(self, seconds: float, epoch: int) -> None:
         """The post-preemption recomputation's check (methods.md s4): the shortest window, when it saw no

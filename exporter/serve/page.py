@@ -420,6 +420,8 @@ def _condition_row(name: str, v, c: dict) -> str:
                 f"{_num(c['reference_tokens_per_second'])} tokens/s")
     elif name == "power_near_idle" and not seen:
         seen = f"GPU {_num(c['gpu_power_watts'])} W, idle {_num(c['gpu_idle_power_watts'])} W"
+    elif name == "engine_steps_stopped" and not seen:
+        seen = _e(c.get("stale_witnesses", {}).get("engine_steps", ""))  # a flat step counter beside moving tokens
     return (f'<tr data-condition="{_e(name)}"><td>{_e(CONDITION_WORDS.get(name, name))}</td>'
             f'<td class="state">{_state(v, condition_meaning(name, v, c))}</td><td class="small">{seen}</td></tr>')
 

@@ -198,24 +198,31 @@ def extract(exp: Exposition, process_start: float | None = None) -> EngineReadin
     ranges"): the family is left out of the reading (unknown, not zero) and named in ``rejected``."""
     series = _canonical(exp)
     rejected: dict[str, str] = {}
-    counters, by_engine = _counters(series, rejected)
+    spellings: dict[str, str] = {}
+    counters, by_engine = _counters(series, rejected, spellings)
     gauges = _gauges(series, rejected)
     info = _info(series, counters, process_start, rejected)
     return EngineReading(counters=counters, gauges=gauges, info=info,
                          capabilities=_capabilities(counters, gauges, info, rejected), engine="vllm",
-                         engine_counters=by_engine, rejected=rejected)
+                         engine_counters=by_engine, rejected=rejected, spellings=spellings)
 
 
-def _counters(series: dict, rejected: dict[str, str]) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
-    """(server-wide counters, the same per engine)."""
+def _counters(series: dict, rejected: dict[str, str],
+              spellings: dict[str, str] | None = None) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
+    """(server-wide counters, the same per engine); ``spellings`` gets, per key with a deprecated spelling, the
+    series it was read from."""
     counters: dict[str, float] = {}
     by_engine: dict[str, dict[str, float]] = {}
     for key, (base, match) in COUNTERS.items():
         sums = _checked_sums(series, base, match, key, rejected)
+        spelled = (base, match)
         if sums is None and key in DEPRECATED_OFFLOAD and key not in rejected:
             sums = _checked_sums(series, *DEPRECATED_OFFLOAD[key], key, rejected)
+            spelled = DEPRECATED_OFFLOAD[key]
         if sums is None:
             continue
+        if key in DEPRECATED_OFFLOAD and spellings is not None:
+            spellings[key] = _series_words(*spelled)
         counters[key] = sum(sums.values())
         for engine, v in sums.items():
             by_engine.setdefault(engine, {})[key] = v
@@ -224,6 +231,12 @@ def _counters(series: dict, rejected: dict[str, str]) -> tuple[dict[str, float],
     for prefix, (bases, label) in LABELLED_SUMS.items():
         _labelled_sums(series, bases, label, prefix, rejected, counters, by_engine)
     return counters, by_engine
+
+
+def _series_words(base: str, match: dict[str, str]) -> str:
+    """vllm:kv_offload_total_bytes{transfer_type="GPU_to_CPU"}: a counter's series, as the log names it."""
+    labels = ",".join(f'{k}="{v}"' for k, v in match.items())
+    return f"vllm:{base}" + (f"{{{labels}}}" if labels else "")
 
 
 def _labelled_sums(series: dict, bases: tuple[str, ...], label: str, prefix: str, rejected: dict[str, str],

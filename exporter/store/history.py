@@ -33,7 +33,8 @@ from exporter.store.aggregate import WindowAggregate, aggregate_of
 from exporter.store.buckets import Bucket, Grid, buckets_of
 from exporter.store.columns import IntervalColumns, Rows
 from exporter.store.deltas import EnergyAccumulator, engine_deltas, reset_engines
-from exporter.store.identity import RECENT_READINGS, EngineSetWatch, IdentityWatch
+from exporter.store.identity import (RECENT_READINGS, EngineSetWatch, IdentityWatch, RegressionWatch,
+                                     SpellingWatch, identity_of)
 
 log = logging.getLogger("kvwatt.store")
 
@@ -56,6 +57,8 @@ class ServerHistory:
         self.restarts = 0
         self.identity = IdentityWatch(name)  # two processes behind one URL: no delta across (store/identity.py)
         self.engine_set = EngineSetWatch(name)  # an engine label changing every read: logged once, not per tick
+        self.spelling = SpellingWatch(name)  # a counter read from its other spelling: no delta across the switch
+        self.regression = RegressionWatch(name)  # one counter going backwards alone: that counter's, not a process
         self.now: float | None = None  # time of the last advance()
         self._row_of_reading: deque = deque(maxlen=RECENT_READINGS)  # per reading: the row it appended, or None
         self._windows: dict[float, WindowAggregate] = {float(w): WindowAggregate(store=self._rows) for w in windows}
@@ -78,14 +81,27 @@ class ServerHistory:
         counters = reading.engine_counters  # engine -> its counters
         if not counters and reading.counters:
             counters = {"": reading.counters}  # an adapter without a per-engine split: one engine
-        step = self.identity.observe(reading, counters, self.last_counters)
+        switched = self.spelling.observe(reading.spellings)
+        prev = {e: {k: v for k, v in c.items() if k not in switched} for e, c in self.last_counters.items()}
+        if self.identity.last is not None and not identity_of(reading).same_process(self.identity.last):
+            self.regression.clear()  # a new process identity: the identity watch decides (restart or switch)
+            self.regression.recurring.note([])
+            held = counters
+        else:
+            held, prev = self.regression.observe(prev, counters)
+        # the identity's levels leave out the counters read from either of two spellings (their level moves
+        # with the spelling) and see a counter that went backwards alone at its level before the drop
+        step = self.identity.observe(reading, {e: {k: v for k, v in c.items() if k not in reading.spellings}
+                                               for e, c in held.items()}, prev)
         restarted = step.restarted
+        if restarted or step.events:
+            self.regression.clear()  # another process: no counter's level before carries over
         if 0 < step.void_back <= len(self._row_of_reading):
             self._void(self._row_of_reading[-step.void_back])
         interval = None
         if self.last_t is not None and t > self.last_t:
             deltas = engine_deltas(step.prev, counters, restarted)
-            reset = [] if restarted else reset_engines(step.prev, counters)
+            reset = [] if restarted else reset_engines(step.prev, held)
             if restarted or reset:
                 self.restarts += 1
             churning = self.engine_set.observe(counters)

@@ -26,6 +26,11 @@ step's increase (242,000,000 tokens/s against 300). So:
 - ``FLAP_EVENTS`` such switches or returns within the last ``RECENT_READINGS`` readings are the ``flapping``
   condition: the server is degraded (reason ``identity_flapping``, which says to point kvwatt at each replica)
   until ``RECENT_READINGS`` readings pass without one. It is logged when it starts and when it ends, once each.
+
+What moves one counter alone is not another process (SpellingWatch, RegressionWatch below, run by
+ServerHistory before the identity): a counter read from its other spelling (vLLM's offload counters), and one
+counter going backwards while the engine's other counters climb. Each is its own condition when it recurs
+(``spelling_switching``, ``counter_regression``: Recurring).
 """
 
 from __future__ import annotations
@@ -265,3 +270,114 @@ class EngineSetWatch:
             self.churning = False
             log.info("%s: the engine label is stable again", self.name)
         return self.churning
+
+
+@dataclass
+class Recurring:
+    """A per-reading event that is a condition of the server once it recurs: a lone event is one log line;
+    events at FLAP_EVENTS readings within RECENT_READINGS set ``problem`` (the source's reason, ``code`` first;
+    one warning), which clears, with one line, after RECENT_READINGS readings without one."""
+
+    name: str  # the server's, for the log
+    code: str  # a samples.REASON_CODES word
+    words: str  # what the recurring condition is and what it costs
+    events: deque = field(default_factory=lambda: deque(maxlen=RECENT_READINGS))  # per reading: its events
+    problem: str = ""
+
+    def note(self, events: list[str]) -> None:
+        self.events.append(tuple(events))
+        recent = [step for step in self.events if step]  # the readings with an event
+        if events and not self.problem and len(recent) < FLAP_EVENTS:
+            log.info("%s: %s", self.name, "; ".join(events))
+        if len(recent) >= FLAP_EVENTS and not self.problem:
+            self.problem = f"{self.code}: {self.words} ({'; '.join(recent[-1])})"
+            log.warning("%s: %s", self.name, self.problem)
+        elif not recent and self.problem:
+            self.problem = ""
+            log.info("%s: no %s for %d readings", self.name, self.code.replace("_", " "), RECENT_READINGS)
+
+
+class SpellingWatch:
+    """The series each counter with two spellings was read from (EngineReading.spellings: vLLM's offload
+    counters, flat 0.24+ or the deprecated kv_offload_total_bytes{transfer_type}). The two are separate series
+    whose values need not agree, so a counter whose spelling changed since it was last read gets no delta on
+    that step (first sight again), whichever way it moved: the engine switched spelling, not process."""
+
+    def __init__(self, name: str = "") -> None:
+        self.last: dict[str, str] = {}  # key -> the series it was last read from
+        self.recurring = Recurring(name, "spelling_switching",
+                                   "the engine alternates between vLLM's two spellings of the offload counters "
+                                   "(the flat vllm:kv_offload_*_bytes series and the deprecated "
+                                   "vllm:kv_offload_total_bytes{transfer_type}); no delta is taken across a "
+                                   "switch, so the offload traffic figures miss those steps; the same process "
+                                   "throughout")
+
+    @property
+    def problem(self) -> str:
+        return self.recurring.problem
+
+    def observe(self, spellings: dict[str, str]) -> set[str]:
+        """The keys whose spelling changed since they were last read."""
+        switched = {k for k, s in spellings.items() if self.last.get(k, s) != s}
+        which = ", ".join(f"{k} ({self.last[k]} -> {spellings[k]})" for k in sorted(switched))
+        events = [f"the engine switched the spelling of {which}: separate series, no delta across the switch"
+                  ] if switched else []
+        self.last.update(spellings)
+        self.recurring.note(events)
+        return switched
+
+
+class RegressionWatch:
+    """A counter that goes backwards alone, while its engine's other counters climb (one key down, at least
+    one other up): a reset or regression of that counter (an estimate recomputed, a glitch of one series),
+    not another process; another process moves every counter. The counter gets no delta on the step it went
+    down; its level before the drop (the high-water mark) is held for RECENT_READINGS readings: while held,
+    the identity's levels and restart tests see the held value (no dip, so no "went down and came back"), and
+    a counter back at or above it counts only its rise past it (never the refill of the drop)."""
+
+    def __init__(self, name: str = "") -> None:
+        self.held: dict[tuple[str, str], list] = {}  # (engine, key) -> [high-water value, readings left]
+        self.recurring = Recurring(name, "counter_regression",
+                                   "a counter keeps going backwards while the engine's other counters climb (a "
+                                   "reset or regression of that counter alone, not another process); no delta "
+                                   "for it across a drop")
+
+    @property
+    def problem(self) -> str:
+        return self.recurring.problem
+
+    def clear(self) -> None:
+        self.held.clear()
+
+    def observe(self, prev: dict[str, dict[str, float]], counters: dict[str, dict[str, float]]
+                ) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, float]]]:
+        """(the counters with held values, for the identity; ``prev`` with high-water marks where a held counter
+        came back, for the deltas)."""
+        events = []
+        for engine, c in counters.items():
+            before = prev.get(engine, {})
+            shared = [k for k in c if k in before]
+            down = [k for k in shared if c[k] < before[k]]
+            if len(down) == 1 and any(c[k] > before[k] for k in shared):
+                key = down[0]
+                mark = max(before[key], self.held.get((engine, key), [0.0])[0])
+                self.held[(engine, key)] = [mark, RECENT_READINGS]
+                events.append(f"counter {key} of engine {engine!r} went backwards ({before[key]:.6g} -> "
+                              f"{c[key]:.6g}) while the engine's other counters climbed: a reset or regression of "
+                              "that counter, not another process; no delta for it on this step")
+        held = {e: dict(c) for e, c in counters.items()}
+        prev_used = {e: dict(c) for e, c in prev.items()}
+        for (engine, key), state in list(self.held.items()):
+            mark, value = state[0], counters.get(engine, {}).get(key)
+            state[1] -= 1
+            if value is None or state[1] <= 0:
+                del self.held[(engine, key)]
+                continue
+            if value >= mark:  # back at its level: its rise past the mark is the increase
+                if key in prev_used.get(engine, {}):
+                    prev_used[engine][key] = max(prev_used[engine][key], mark)
+                del self.held[(engine, key)]
+            else:
+                held[engine][key] = mark
+        self.recurring.note(events)
+        return held, prev_used
