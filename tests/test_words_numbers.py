@@ -136,6 +136,10 @@ TEMPLATES = {
     ("exporter/derive/threshold.py", "clean weight below {}"): RENDERED + " (derive.compare.op prints the rest)",
     ("exporter/derive/threshold.py", "pressured weight above {}"): RENDERED + " (derive.compare.op prints the rest)",
     ("exporter/derive/threshold.py", "interval {} wider than {}"): RENDERED,
+    ("exporter/derive/collapse.py", "the engine step counter did not rise over the recent window while the engine "
+     "made progress ({}): tokens are not produced without engine steps, so the step counter is stale (a detached "
+     "stats logger, a data-parallel coordinator's copy of the series, a counter of one kind of step only), not the "
+     "engine stalled"): "'over' a window's span; the printed rates are the witnesses that moved, no comparison",
 }
 
 
