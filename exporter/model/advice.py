@@ -132,8 +132,8 @@ def _pressure(v: ServerFigures) -> Advice | None:
     if w.kv_usage_p95 is not None:
         seen.append(f"KV-cache usage p95 {w.kv_usage_p95 * 100:.0f} %")
     if v.info is not None and v.info.offload_enabled:
-        gib = v.buffer.recommended_gib if v.buffer else None
-        offload = ("; offloading is already on" + (f" (--kv-offloading-size {gib} is the size in GiB kvwatt "
+        gib = offload_figures.recommended_words(v.buffer)  # "0.018 (18 MiB)": the flag's GiB, its bytes
+        offload = ("; offloading is already on" + (f" (--kv-offloading-size {gib} is the size kvwatt "
                                                       "recommends)" if gib is not None else ""))
     else:
         offload = (", or enable KV offloading (--kv-offloading-size; kvwatt recommends a size from the write rate "
