@@ -21,6 +21,8 @@ REASON_CODES = frozenset({
     "label_values_capped",  # more distinct tier/reason/stage values than rules.MAX_LABEL_VALUES (sources/labelcap.py)
     # the store (exporter/store/identity.py): readings of more than one process behind one URL
     "identity_flapping",
+    # the model (exporter/model/model.py): learning or deriving this server's figures raised; they are unknown
+    "derivation_failed",
     # the sampler (exporter/sampler.py)
     "deadline", "error",
     # nvml, rapl
