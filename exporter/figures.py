@@ -183,7 +183,7 @@ class BufferFigures:
 
     undersized: bool | None
     recommended_bytes: float | None
-    recommended_gib: int | None
+    recommended_gib: float | None  # the --kv-offloading-size value: GiB, 2 significant digits rounded up
     store_failures: float | None
     residency_seconds: float | None
     write_bytes_per_second: float | None
@@ -193,6 +193,10 @@ class BufferFigures:
     # (--kv-cache-metrics), else the configured p99 tool-call latency
     residency_target_seconds: float | None = None
     residency_target_source: str = "p99_tool_latency"  # reuse_gap_p99 | p99_tool_latency
+    recommended_words: str | None = None  # the flag's value with the bytes beside it: "0.018 (18 MiB)"
+    # why the recommendation exceeds a pool the verdict calls not undersized (the busiest window, the headroom);
+    # '' when it does not
+    recommended_note: str = ""
 
 
 @dataclass(frozen=True)

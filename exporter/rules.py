@@ -55,11 +55,14 @@ IDLE_MIN_DURATION = Rule("idle_min_duration", 30.0, "seconds", "idle stretch nee
                          "idle_min_seconds")
 MIN_LOAD_DURATION = Rule("min_load_duration", 30.0, "seconds",
                          "load needed in a window before a J/token figure is given", "s1", "min_load_seconds")
+# the buffer recommendation is write rate x p99 tool-call latency x headroom (methods.md s6): 1e300 s or a
+# headroom of 1e308 made it infinite and every tick failed (issue 38). A day of tool call and a hundredfold
+# headroom are far beyond any workload; with the largest write rate taken (MAX_VALUE) the product stays finite.
 P99_TOOL_LATENCY = Rule("p99_tool_latency", 20.0, "seconds",
-                        "the workload's p99 tool-call latency, for buffer sizing (methods.md s6)", "s6",
-                        "p99_tool_latency_seconds")
-BUFFER_HEADROOM = Rule("buffer_headroom", 1.5, "factor", "factor on the recommended buffer size (methods.md s6)",
-                       "s6")
+                        "the workload's p99 tool-call latency, for buffer sizing (methods.md s6); at most 24h",
+                        "s6", "p99_tool_latency_seconds", most=86400.0)
+BUFFER_HEADROOM = Rule("buffer_headroom", 1.5, "factor",
+                       "factor on the recommended buffer size (methods.md s6); 1 to 100", "s6", most=100.0)
 # 0.35 and 2.0 cover the study's collapse with margin (methods.md s5: 17-23 % of the healthy output, GPU power
 # ~1.4-1.8x a model-loaded idle), where 0.2 / 1.5 sat inside that range and would miss part of it; healthy load
 # draws >= 3.4x idle, and every other condition (offloading on, zero preemptions, requests pending) must hold too.
@@ -125,3 +128,17 @@ VLLM_KV_CACHE_METRICS_SAMPLE = 0.01
 MAX_LABEL_VALUES = Rule("max_label_values", 64, "count",
                         "distinct values of one labelled family (tier, reason, stage) kept per server: the first "
                         "seen; further values are dropped with reason label_values_capped", "")
+# The host offload buffer's size as the engine states it (vllm:cache_config_info kv_offloading_size,
+# vllm:kv_offload_config_info cpu_kv_cache_size_bytes): at least one KV block of the smallest model (16 tokens x
+# K and V x 64 dimensions x 2 bytes = 4 KiB), at most 1 PiB (2**50 B, hundreds of times the host memory of the
+# largest servers). Outside (1e30 B, 9e20 GiB, 1e-291 B were accepted: a residency of 5e20 s, "not undersized")
+# the size is refused: unknown, reason out_of_range, never a residency.
+OFFLOAD_BUFFER_MIN_BYTES = Rule("offload_buffer_min_bytes", 4096.0, "bytes",
+                                "smallest host offload buffer size taken from an engine (one KV block)", "s6")
+OFFLOAD_BUFFER_MAX_BYTES = Rule("offload_buffer_max_bytes", 2.0 ** 50, "bytes",
+                                "largest host offload buffer size taken from an engine (1 PiB)", "s6")
+
+
+def offload_buffer_size_ok(n_bytes: float) -> bool:
+    """A host offload buffer size within [OFFLOAD_BUFFER_MIN_BYTES, OFFLOAD_BUFFER_MAX_BYTES] (NaN is not)."""
+    return OFFLOAD_BUFFER_MIN_BYTES.default <= n_bytes <= OFFLOAD_BUFFER_MAX_BYTES.default

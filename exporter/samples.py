@@ -22,6 +22,8 @@ REASON_CODES = frozenset({
     # the store (exporter/store/identity.py): readings of more than one process behind one URL; the engine
     # alternating between two spellings of a counter; a counter going backwards alone while the others climb
     "identity_flapping", "spelling_switching", "counter_regression",
+    # the model (exporter/model/model.py): learning or deriving this server's figures raised; they are unknown
+    "derivation_failed",
     # the sampler (exporter/sampler.py)
     "deadline", "error",
     # nvml, rapl

@@ -18,9 +18,11 @@ merged with the daemon's, exporter.energy.baseline.BaselineBook.record).
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
 import os
+import stat
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -85,9 +87,14 @@ def open_state_dir(configured: str, env: Mapping[str, str] | None = None,
         return _read_only(path, f"cannot write {path} ({why})")
     lock = os.path.join(path, LOCK_FILE)
     try:
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        # never through a symbolic link: its target (any file kvwatt's user can write) was truncated to the PID
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
     except OSError as e:
-        return _read_only(path, f"cannot write {lock} ({e.strerror})")
+        why = "a symbolic link, not followed: remove it" if e.errno == errno.ELOOP else e.strerror
+        return _read_only(path, f"cannot write {lock} ({why})")
+    if not stat.S_ISREG(os.fstat(fd).st_mode):  # a FIFO or a device is no lock file either
+        os.close(fd)
+        return _read_only(path, f"cannot write {lock} (not a regular file: remove it)")
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

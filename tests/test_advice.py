@@ -161,11 +161,15 @@ def test_collapse_and_stalled_engine():
 
 
 def test_undersized_buffer_names_the_size_to_use():
-    buf = replace(BUF_OK, undersized=True, recommended_gib=27, residency_seconds=8.9)
+    buf = replace(BUF_OK, undersized=True, recommended_bytes=27 * 2 ** 30, recommended_gib=27, residency_seconds=8.9)
     st = _status(_fig(buffer=buf))
     (a,) = [a for a in st["advice"] if a["kind"] == "undersized_buffer"]
-    assert "--kv-offloading-size 27" in a["text"] and a["evidence"]["recommended_gib"] == 27
+    assert "--kv-offloading-size 27 (27 GiB)" in a["text"] and a["evidence"]["recommended_gib"] == 27
     assert a["text"] in st["recommendations"]
+    # 18 MiB recommended: the flag in fractional GiB with the bytes beside it (whole GiB said 1, 57x the bytes)
+    small = replace(buf, recommended_bytes=18 * 2 ** 20, recommended_gib=0.018)
+    (a,) = [a for a in _status(_fig(buffer=small))["advice"] if a["kind"] == "undersized_buffer"]
+    assert "--kv-offloading-size 0.018 (18 MiB) or more" in a["text"]
 
 
 # --- the page's words for the evidence states ---------------------------------------------------------------------

@@ -165,7 +165,7 @@ CASES: list[tuple[str, Callable[[Path], list[str]], str | tuple[str, ...]]] = [
      "--server b.url: the port must be 1-65535"),
     ("run with a model config.json of hidden_size 1e400", lambda t: run_config(t, "", server_file(
         t, "model_config", "config.json", {"hidden_size": 1e400, "num_attention_heads": 8, "num_hidden_layers": 2})),
-     "config.json: not a usable decoder config.json (OverflowError"),
+     "config.json: hidden_size: expected a positive integer"),
     ("run with a profile of a 400-digit window", lambda t: run_config(t, "", server_file(t, "recorded_baseline", "p.json", {
         "format": "kvwatt-offload-profile", "version": 1, "scope": "gpu", "energy": "total", "duration_seconds": 1,
         "window_seconds": int("9" * 400), "bands": [{"lo": 0, "hi": 1, "windows": 1, "tokens_per_second": 1}]})),

@@ -354,7 +354,7 @@ async def _live(d: KvwattDaemon):
                          what="the undersized buffer on the page")
         assert await b.eval("window.notReloaded === true")  # followed by the page's own refresh
         shown, seen = await _shown_and_served(b, d, "#server-on [data-field=recommended-buffer]",
-                                              lambda st: f"{_server(st, 'on')['offload_buffer']['recommended_gib']} GiB")
+                                              lambda st: f"{_server(st, 'on')['offload_buffer']['recommended_gib']:.12g} GiB")
         assert shown in seen, (shown, seen)  # the page shows what /api/status served for the same tick
         assert (await b.text("[data-source=nvml]")) == "GPU energy (NVML): ok"
         assert "of 30 s covered" in await b.text("#server-on [data-field=joules-per-token]")

@@ -94,6 +94,25 @@ def test_the_lock_admits_one_daemon_at_a_time(tmp_path):
     third.close()
 
 
+def test_a_lock_file_that_is_a_symlink_is_not_followed(tmp_path, caplog):
+    """issue 38: kvwatt.lock linked to another file had that file truncated to kvwatt's PID. Now the link is
+    refused with one line (the baselines kept in memory) and its target is untouched."""
+    state, victim = tmp_path / "state", tmp_path / "precious.txt"
+    state.mkdir()
+    victim.write_text("keep me\n")
+    (state / LOCK_FILE).symlink_to(victim)
+    with caplog.at_level(logging.WARNING, logger="kvwatt"):
+        opened = open_state_dir(str(state))
+    assert victim.read_text() == "keep me\n"
+    assert opened.lock_fd is None and reason_code(opened.reason) == "not_persisted"
+    assert opened.reason == (f"not persisted: cannot write {state / LOCK_FILE} (a symbolic link, not followed: "
+                             "remove it)")
+    assert [r.getMessage() for r in caplog.records if "symbolic link" in r.getMessage()] != []
+    (state / LOCK_FILE).unlink()
+    os.mkfifo(state / LOCK_FILE)  # nor a FIFO (opened read-write it does not block, but it locks nothing)
+    assert "not a regular file" in open_state_dir(str(state)).reason
+
+
 def test_only_orphaned_temporary_files_of_kvwatt_are_removed(tmp_path):
     def plant(name: str, age_seconds: float) -> None:
         (tmp_path / name).write_text("{")

@@ -202,6 +202,13 @@ def _dp_gen(a: str, b: str) -> str:
      "offload_buffer_bytes"),
     (REAL + '\nvllm:kv_offload_config_info{engine="0",cpu_kv_cache_size_bytes="-8589934592"} 1.0\n',
      "offload_buffer_bytes"),
+    # absurd sizes (issue 38) were taken: a residency of 5e20 s, "not undersized"; now outside [4 KiB, 1 PiB]
+    (REAL + '\nvllm:kv_offload_config_info{engine="0",cpu_kv_cache_size_bytes="1e30"} 1.0\n',
+     "offload_buffer_bytes"),
+    (REAL + '\nvllm:kv_offload_config_info{engine="0",cpu_kv_cache_size_bytes="1e-291"} 1.0\n',
+     "offload_buffer_bytes"),
+    (REAL.replace(CACHE_CONFIG, CACHE_CONFIG.replace('kv_offloading_size="None"', 'kv_offloading_size="9e20"')),
+     "offload_buffer_bytes"),
 ], ids=lambda x: x if len(x) < 40 else None)
 def test_an_out_of_range_value_makes_its_family_unknown_with_a_fixed_reason(text, family, caplog):
     src = EngineSource("s", "http://x", 1.0, 1 << 24)

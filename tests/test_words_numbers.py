@@ -140,6 +140,9 @@ TEMPLATES = {
      "made progress ({}): tokens are not produced without engine steps, so the step counter is stale (a detached "
      "stats logger, a data-parallel coordinator's copy of the series, a counter of one kind of step only), not the "
      "engine stalled"): "'over' a window's span; the printed rates are the witnesses that moved, no comparison",
+    ("exporter/model/offload.py", "against {}/s over the {} the verdict reads"): "a window's span, not a comparison",
+    ("exporter/model/offload.py", ") times the {} {} s times {} headroom; the verdict needs only residency >= {} s"):
+        "the verdict's rule stated (residency at least the target), no measured residency beside it",
 }
 
 

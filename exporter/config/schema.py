@@ -134,6 +134,22 @@ MODEL_KEYS = ("layers", "kv_heads", "head_dim", "dtype_bytes", "active_parameter
 HARDWARE_KEYS = ("flops_per_second", "host_device_bytes_per_second", "gpu_model")
 
 
+# A model's shape: counts, so positive integers (0.5 layers gave a ZeroDivisionError traceback at start-up),
+# each at most far beyond any model (the largest have ~130 layers, 128 KV heads, head_dim 576, hidden 20,480),
+# so that KV bytes per token and the parameter estimate stay finite. config.json's are held to the same
+# (sources/model_config.py).
+MODEL_SHAPE_MAXIMA = {"layers": 100_000, "kv_heads": 100_000, "head_dim": 1_000_000, "hidden_size": 10_000_000}
+
+
+def positive_int(value: Any, key: str, most: int) -> int:
+    """A count: an integer (32, or 32.0 as YAML or JSON may write it) in 1..``most``."""
+    whole = isinstance(value, (int, float)) and not isinstance(value, bool) and \
+        (isinstance(value, int) or value.is_integer())
+    if not whole or not 1 <= value <= most:
+        raise ConfigError(f"{key}: expected a positive integer (at most {most:,}), got {shown(value)}")
+    return int(value)
+
+
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.:-]+$")
 
 
@@ -199,6 +215,8 @@ def _numbers(value: Any, key: str, allowed: tuple[str, ...]) -> dict[str, Any]:
             raise unknown_key(f"{key}.{k}", k, allowed)
         if k == "gpu_model":
             out[k] = _str(v, f"{key}.{k}")
+        elif k in MODEL_SHAPE_MAXIMA:
+            out[k] = positive_int(v, f"{key}.{k}", MODEL_SHAPE_MAXIMA[k])
         else:
             out[k] = _float_range(0.0, lo_open=True)(v, f"{key}.{k}")
     return out

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import ipaddress
 import math
 import re
 import reprlib
@@ -75,10 +76,24 @@ def finite_number(value: Any, key: str, expected: str = "a number") -> float:
     """A YAML/JSON/flag number as a finite float. Every number kvwatt reads from input passes here (or through
     is_finite), so .inf, .nan and integers too large for a float are refused the same way by every command."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(f"{key}: expected {expected}, got {shown(value)}")
+        raise ConfigError(f"{key}: expected {expected}, got {shown(value)}{exponent_hint(value)}")
     if not is_finite(value):
         raise ConfigError(f"{key}: expected a finite number, got {shown(value)}")
     return float(value)
+
+
+def exponent_hint(value: Any) -> str:
+    """Why a number written like 8.0e9 arrived as text: YAML 1.1 (PyYAML) takes an exponent as a number only
+    with a dot and a sign (8.0e+9); '' for anything else. The text is refused, never guessed at: a quoted "8.0e9"
+    and an unquoted one read the same."""
+    if not (isinstance(value, str) and "e" in value.lower() and _NUMBER_RE.match(value.strip())):
+        return ""
+    mantissa, exponent = value.strip().lower().split("e")
+    mantissa = mantissa if "." in mantissa else mantissa + ".0"
+    exponent = exponent if exponent[0] in "+-" else "+" + exponent
+    if f"{mantissa}e{exponent}" == value.strip().lower():
+        return " (a quoted number is text: remove the quotes)"
+    return f" (YAML reads {value.strip()} as text: write {mantissa}e{exponent}, with a dot and a signed exponent)"
 
 
 def parse_duration(value: Any, key: str, zero_ok: bool = False) -> float:
@@ -91,7 +106,7 @@ def parse_duration(value: Any, key: str, zero_ok: bool = False) -> float:
     else:
         m = _DURATION_RE.match(value.strip()) if isinstance(value, str) else None
         if not m:
-            raise ConfigError(f"{key}: expected {expected}, got {shown(value)}")
+            raise ConfigError(f"{key}: expected {expected}, got {shown(value)}{exponent_hint(value)}")
         seconds = float(m.group(1)) * _UNITS[m.group(2)]
         if not math.isfinite(seconds):  # 400 digits overflow a float: refused like .inf
             raise ConfigError(f"{key}: expected a finite number, got {shown(value)}")
@@ -255,11 +270,31 @@ def url_problem(text: str, expected: str = "expected an http(s) URL of the vLLM 
         return expected
     if u.scheme not in ("http", "https") or not u.hostname:
         return expected
+    if host_problem(u.hostname):
+        return host_problem(u.hostname)
     try:
         port = u.port  # None when absent; ValueError when not a number or beyond 65535
     except ValueError:
         port = 0
     return "the port must be 1-65535" if port == 0 else None
+
+
+def host_problem(host: str) -> str | None:
+    """Why ``host`` (a URL's, brackets and port removed) cannot be resolved, or None: an IP address, or a DNS
+    name the resolver can encode (IDNA: labels of 1 to 63 characters, 253 in all). `a..b` and a 64-character
+    label passed the URL parser and made `kvwatt run` die at its first read (a UnicodeError from getaddrinfo)."""
+    try:
+        ipaddress.ip_address(host)
+        return None
+    except ValueError:
+        pass
+    try:
+        encoded = host.encode("idna")
+    except UnicodeError:
+        encoded = b""
+    if not encoded or len(encoded.rstrip(b".")) > 253:
+        return "the host must be an IP address or a DNS name of labels 1 to 63 characters long"
+    return None
 
 
 def parse_url(value: Any, key: str) -> str:

@@ -113,15 +113,45 @@ def undersized(residency: float | None, write_bytes_per_second: float | None, fa
 def recommended_buffer(write_bytes_per_second: float | None, p99_tool_latency_seconds: float,
                        headroom: float) -> float | None:
     """Bytes: the buffer that keeps residency >= headroom x p99 tool-call latency at this write rate. Feed
-    it the highest write rate over the configured windows (size for the busy minute, not the average)."""
+    it the highest write rate over the configured windows (size for the busy minute, not the average). None
+    (unknown) when nothing is written, or when the product is not a finite number."""
     if write_bytes_per_second is None or write_bytes_per_second <= 0:
         return None
-    return write_bytes_per_second * p99_tool_latency_seconds * headroom
+    n_bytes = write_bytes_per_second * p99_tool_latency_seconds * headroom
+    return n_bytes if math.isfinite(n_bytes) else None
 
 
-def gib_ceil(n_bytes: float | None) -> int | None:
-    """Round up to the whole GiB that --kv-offloading-size takes."""
-    return None if n_bytes is None else int(math.ceil(n_bytes / 2 ** 30))
+FLAG_SIGNIFICANT_DIGITS = 2  # the flag's value rounds up to this many digits: at most 1.1x the bytes
+
+
+def flag_gib(n_bytes: float | None) -> float | None:
+    """The --kv-offloading-size value (GiB, which takes fractions: 0.0625 runs) for ``n_bytes``: the GiB
+    rounded up to FLAG_SIGNIFICANT_DIGITS significant digits, so never below the bytes and at most 10 % above
+    (18 MiB -> 0.018; 27.3 GiB -> 28; whole GiB had made 18 MiB a 1 GiB flag, 57x). None when unknown."""
+    if n_bytes is None or not math.isfinite(n_bytes) or n_bytes <= 0:
+        return None
+    gib = n_bytes / 2 ** 30
+    exponent = math.floor(math.log10(gib)) - (FLAG_SIGNIFICANT_DIGITS - 1)
+    steps = math.ceil(gib / 10.0 ** exponent * (1 - 1e-12))  # a value already on the grid stays
+    digits = FLAG_SIGNIFICANT_DIGITS + 1  # the float of 0.018 without 0.018000000000000002's tail
+    value = float(f"{steps * 10.0 ** exponent:.{digits}g}")
+    if value * 2 ** 30 < n_bytes * (1 - 1e-9):  # a float rounded under the bytes: the next step up
+        value = float(f"{(steps + 1) * 10.0 ** exponent:.{digits}g}")
+    return value
+
+
+def size_words(n_bytes: float) -> str:
+    """Bytes in the largest binary unit they fill, 3 significant digits: 18874368 -> '18 MiB'."""
+    for unit, power in (("PiB", 50), ("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n_bytes >= 2 ** power:
+            return f"{n_bytes / 2 ** power:.3g} {unit}"
+    return f"{n_bytes:.3g} B"
+
+
+def flag_words(n_bytes: float | None) -> str | None:
+    """'0.018 (18 MiB)': the flag's value with the bytes it stands for, None when unknown."""
+    gib = flag_gib(n_bytes)
+    return None if gib is None else f"{gib:.12g} ({size_words(n_bytes)})"
 
 
 @dataclass(frozen=True)

@@ -51,6 +51,10 @@ MIN_EXPECTED_SAMPLES = 10.0  # sampled evictions the pressure level would give: 
 MIN_REUSE_SAMPLES = 10  # reuse gaps in the window for their p50 to be the yardstick
 MIN_QUANTILE_SAMPLES = 5  # observations for a p50/p99 figure
 
+# the longest a KV block can have waited when the engine's process age is unknown (no
+# process_start_time_seconds): an engine process that served a year without a restart. A bound, not a measure
+MAX_PROCESS_AGE_SECONDS = 365 * 86400.0
+
 IDLE, REUSE = "kv_idle_before_evict_hist", "kv_reuse_gap_hist"
 YARDSTICK_REUSE_GAP = "reuse_gap_p50"
 YARDSTICK_TOOL_LATENCY = "p99_tool_latency"
@@ -78,13 +82,20 @@ class Evidence(NamedTuple):
     reason: str
 
 
-def histogram(agg: WindowAggregate, prefix: str) -> tuple[float, list[tuple[float, float]]] | None:
+def histogram(agg: WindowAggregate, prefix: str, max_seconds: float = MAX_PROCESS_AGE_SECONDS
+              ) -> tuple[float, list[tuple[float, float]]] | None:
     """(N, [(bound, F(bound)) for the finite bounds, ascending]) of one residency histogram over the window;
-    None without it, or when its deltas do not form a histogram (families differenced one by one can lag)."""
+    None without it, or when its deltas do not form a histogram (families differenced one by one can lag).
+
+    A bucket's upper edge is the engine's choice, no measurement: no KV block idled, lived or waited between
+    two accesses longer than the process has run, so a bound beyond ``max_seconds`` (the engine's process age)
+    reads as ``max_seconds``. An edge of le="1e300" made the reuse-gap p99 1e300 s and the recommended buffer
+    infinite (issue 38)."""
     n = agg.delta(prefix + "_count")
     if n is None or n < 0:
         return None
-    buckets = sorted((b, c) for le, c in labelled({k: agg.delta(k) for k in agg.keys()}, prefix + "_le").items()
+    buckets = sorted((min(b, max(max_seconds, 0.0)), c)
+                     for le, c in labelled({k: agg.delta(k) for k in agg.keys()}, prefix + "_le").items()
                      for b in (_bound(le),) if b is not None and math.isfinite(b) and c is not None)
     cums = [c for _, c in buckets]
     if any(c < 0 or c > n + 1e-9 for c in cums) or any(b < a for a, b in zip(cums, cums[1:])):
@@ -125,14 +136,17 @@ def share_at_most(h: tuple[float, list[tuple[float, float]]], seconds: float) ->
 
 def window_residency(agg: WindowAggregate, block_size: float | None,
                      sample_share: float = DEFAULT_SAMPLE_SHARE,
-                     p99_tool_latency_seconds: float = rules.P99_TOOL_LATENCY.default) -> Residency:
-    """The window's residency figures (module docstring, methods.md s11)."""
-    idle = histogram(agg, IDLE)
+                     p99_tool_latency_seconds: float = rules.P99_TOOL_LATENCY.default,
+                     process_age_seconds: float | None = None) -> Residency:
+    """The window's residency figures (module docstring, methods.md s11); ``process_age_seconds``: how long the
+    engine's process has run (the longest any bucket edge can mean), None when unknown."""
+    age = MAX_PROCESS_AGE_SECONDS if process_age_seconds is None else process_age_seconds
+    idle = histogram(agg, IDLE, age)
     if idle is None:
         return Residency(sample_share=sample_share, reason="no KV-block residency histograms (start vLLM with "
                                                            "--kv-cache-metrics)")
     n = idle[0]
-    reuse = histogram(agg, REUSE)
+    reuse = histogram(agg, REUSE, age)
     sampled_rate = rate_per_second(agg, IDLE + "_count")
     prompt = agg.delta("prompt_tokens")
     blocks = prompt / block_size if prompt is not None and block_size else None

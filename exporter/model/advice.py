@@ -154,8 +154,8 @@ def _pressure(v: ServerFigures) -> Advice | None:
     if v.regime == "above":
         numbers["window"] = v.regime_window  # the advice's window is the regime's (each sign names its own)
     if v.info is not None and v.info.offload_enabled:
-        gib = v.buffer.recommended_gib if v.buffer else None
-        offload = ("; offloading is already on" + (f" (--kv-offloading-size {gib} is the size in GiB kvwatt "
+        gib = offload_figures.recommended_words(v.buffer)  # "0.018 (18 MiB)": the flag's GiB, its bytes
+        offload = ("; offloading is already on" + (f" (--kv-offloading-size {gib} is the size kvwatt "
                                                       "recommends)" if gib is not None else ""))
     else:
         offload = (", or enable KV offloading (--kv-offloading-size; kvwatt recommends a size from the write rate "

@@ -11,6 +11,7 @@ Used by `kvwatt run` (exporter.daemon), `kvwatt baseline record` and the experim
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import replace
 from typing import Callable
@@ -24,6 +25,8 @@ from exporter.model.evidence_book import EvidenceBook
 from exporter.model.reference_book import ReferenceBook
 from exporter.model.server import ServerModel
 from exporter.samples import Tick
+
+log = logging.getLogger("kvwatt")
 
 
 class Model:
@@ -47,21 +50,50 @@ class Model:
                     self.servers[name].reference.restore(samples)
             self._restore_evidence()
         self.last_t: float | None = None
+        # server -> stage (learning, deriving) -> why it failed at the last tick; logged when it changes
+        self.failures: dict[str, dict[str, str]] = {}
 
     def ingest(self, tick: Tick) -> None:
         t = tick.t
         self.energy.ingest(tick)
         self.prices.ingest(tick)
         for name, sm in self.servers.items():
-            self.energy.attribute(name, sm.history)  # before the read: the interval ending at t gets it
-            read = tick.servers.get(name)
-            if read is not None:
-                sm.read(t, read.status, read.reading)
-            sm.learn(t, self.wall_clock())
+            self._isolated(name, "learning", self._ingest_server, t, name, sm, tick)
         self.energy.learn(t, {name: is_idle(sm.status, _last(sm), t) for name, sm in self.servers.items()})
         self._persist_references()
         self._persist_evidence()
         self.last_t = t
+
+    def _ingest_server(self, t: float, name: str, sm: ServerModel, tick: Tick) -> None:
+        self.energy.attribute(name, sm.history)  # before the read: the interval ending at t gets it
+        read = tick.servers.get(name)
+        if read is not None:
+            sm.read(t, read.status, read.reading)
+        sm.learn(t, self.wall_clock())
+
+    def _isolated(self, name: str, stage: str, fn, *args):
+        """``fn(*args)`` for one server: an exception in it is that server's failure (its figures unknown, with
+        the reason), never the tick's: the other servers, the host-wide sources and ``as_of`` go on. Logged
+        once when the failure starts or changes, and once when the stage succeeds again."""
+        failed = self.failures.setdefault(name, {})
+        try:
+            out = fn(*args)
+        except Exception as e:  # a bug or an unforeseen value in one server's learning or derivation
+            why = f"{type(e).__name__} while {stage} its figures: {e}"[:300]
+            if failed.get(stage) != why:
+                log.warning("server %s: %s; its figures are unknown until it succeeds", name, why,
+                            exc_info=True)  # once per change: where the bug is
+            failed[stage] = why
+            return None
+        if failed.pop(stage, None):
+            log.info("server %s: %s its figures succeeds again", name, stage)
+        return out
+
+    def _figures(self, t: float, sm: ServerModel):
+        """The server's figures, or its figures unknown with the reason when learning or deriving failed."""
+        figs = self._isolated(sm.name, "deriving", sm.figures, t, self.servers, self.prices)
+        failed = self.failures.get(sm.name)
+        return figs if not failed else sm.unknown_figures("; ".join(failed.values()))
 
     def _restore_evidence(self) -> None:
         """Each server's stored epoch and windows, less those older than its history (they had aged out)."""
@@ -96,7 +128,7 @@ class Model:
 
     def snapshot(self) -> Snapshot:
         t = self.last_t if self.last_t is not None else time.monotonic()
-        servers = tuple(sm.figures(t, self.servers, self.prices) for sm in self.servers.values())
+        servers = tuple(self._figures(t, sm) for sm in self.servers.values())
         now_wall = self.wall_clock()
         state = self.energy.book.status()  # the state directory's health sits with the host-wide sources
         more = self.references.problems() if self.references is not None else []

@@ -4,7 +4,7 @@ aggregates and repeat windows; the only state (the collapse latch) lives in expo
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 from exporter.config import Config, ServerConfig
@@ -93,19 +93,43 @@ def _noted(est: economics.Estimate, how: str) -> economics.Estimate:
     return economics.Estimate(est.value, est.stderr, est.windows, 0, est.kind, note)
 
 
-def buffer(windows: Sequence[WindowFigures], failures: float | None, cfg: Config) -> BufferFigures:
+def buffer(windows: Sequence[WindowFigures], failures: float | None, cfg: Config,
+           buffer_bytes: float | None = None) -> BufferFigures:
     """Undersized from the shortest window (most responsive); the recommendation from the busiest one (size
-    for the busy minute, not the average), methods.md s6."""
+    for the busy minute, not the average), methods.md s6. ``buffer_bytes``: the pool the engine has."""
     short = min(windows, key=lambda w: w.seconds)
-    writes = [w.offload_write_bytes_per_second for w in windows if w.offload_write_bytes_per_second is not None]
+    busiest = max((w for w in windows if w.offload_write_bytes_per_second is not None),
+                  key=lambda w: w.offload_write_bytes_per_second, default=None)
     write = short.offload_write_bytes_per_second  # only whether anything is written matters to undersized
     write = write if write is not None else short.offload_write_tokens_per_second
     target, source = residency_target(windows, cfg.p99_tool_latency_seconds)
     under = offload.undersized(short.offload_buffer_residency_seconds, write, failures, target)
-    rec = offload.recommended_buffer(max(writes) if writes else None, target, cfg.buffer_headroom)
-    return BufferFigures(under, rec, offload.gib_ceil(rec), failures, short.offload_buffer_residency_seconds,
-                         short.offload_write_bytes_per_second, cfg.p99_tool_latency_seconds, cfg.buffer_headroom,
-                         target, source)
+    rec = offload.recommended_buffer(busiest.offload_write_bytes_per_second if busiest else None, target,
+                                     cfg.buffer_headroom)
+    fig = BufferFigures(under, rec, offload.flag_gib(rec), failures, short.offload_buffer_residency_seconds,
+                        short.offload_write_bytes_per_second, cfg.p99_tool_latency_seconds, cfg.buffer_headroom,
+                        target, source, offload.flag_words(rec))
+    return replace(fig, recommended_note=larger_note(fig, short, busiest, buffer_bytes))
+
+
+def larger_note(b: BufferFigures, short: WindowFigures, busiest: WindowFigures | None,
+                buffer_bytes: float | None) -> str:
+    """Why the recommendation exceeds a pool the verdict does not call undersized: the verdict reads the
+    shortest window's residency against the target, the recommendation the busiest window's write rate times
+    the target times the headroom (methods.md s6). '' when it does not exceed it."""
+    if b.undersized is not False or b.recommended_bytes is None or busiest is None or not buffer_bytes \
+            or b.recommended_bytes <= buffer_bytes:
+        return ""
+    what = "KV-block reuse-gap p99" if b.residency_target_source == "reuse_gap_p99" else "p99 tool-call latency"
+    rate, target = busiest.offload_write_bytes_per_second, b.residency_target_seconds
+    parts = [f"the recommendation is larger than the {offload.size_words(buffer_bytes)} pool, which is not "
+             f"undersized: it is sized for the busiest window ({busiest.window}, writes at "
+             f"{offload.size_words(rate)}/s"]
+    if busiest is not short and short.offload_write_bytes_per_second is not None:
+        parts.append(f"against {offload.size_words(short.offload_write_bytes_per_second)}/s over the "
+                     f"{short.window} the verdict reads")
+    return ", ".join(parts) + (f") times the {what} {target:.3g} s times {b.headroom:g} headroom; the verdict "
+                               f"needs only residency >= {target:.3g} s")
 
 
 def residency_target(windows: Sequence[WindowFigures], p99_tool_latency_seconds: float) -> tuple[float, str]:
@@ -141,6 +165,11 @@ def _below(seconds: float, target: float, what: str) -> str:
     return f"{a} s {compare.OPERATORS[compare.relation(a, b)]} {what} {b} s"
 
 
+def recommended_words(buf: BufferFigures | None) -> str | None:
+    """The --kv-offloading-size value with its bytes ("0.018 (18 MiB)"), from the recommended bytes it states."""
+    return None if buf is None else offload.flag_words(buf.recommended_bytes)
+
+
 def undersized_words(buf: BufferFigures, cfg: Config) -> str:
     """Why the buffer is undersized and the --kv-offloading-size to use (methods.md s6)."""
     p99 = buf.residency_target_seconds or cfg.p99_tool_latency_seconds
@@ -148,5 +177,5 @@ def undersized_words(buf: BufferFigures, cfg: Config) -> str:
     why = (f"residency {_below(buf.residency_seconds, p99, what)}"
            if buf.residency_seconds is not None and buf.residency_seconds < p99
            else "stores failing (allocation failures / skipped stores)")
-    return (f"Offload buffer undersized ({why}): use --kv-offloading-size {buf.recommended_gib or '?'} "
-            "(GiB) or more.")
+    return (f"Offload buffer undersized ({why}): use --kv-offloading-size {recommended_words(buf) or '?'} "
+            "or more (the flag takes GiB).")

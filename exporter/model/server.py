@@ -21,6 +21,7 @@ from exporter.model.repeat import RepeatWindows
 from exporter.samples import EngineReading, SourceStatus, EngineInfo
 from exporter.keys import labelled
 from exporter.store import ServerHistory, WindowAggregate
+from exporter.store import identity
 
 log = logging.getLogger("kvwatt.model")
 
@@ -32,6 +33,7 @@ OUTAGE_INTERVALS, OUTAGE_MIN_SECONDS = 5, 10.0
 class ServerModel:
     def __init__(self, server: ServerConfig, cfg: Config, keep_seconds: float | None = None) -> None:
         self.cfg, self.server = cfg, server
+        self._wall: float | None = None  # the wall clock at the last learn (the engine's process age)
         self.collapse_th = collapse.CollapseThresholds.from_config(cfg)
         self.repeat_seconds = max(cfg.min_load_seconds, 1.0)  # dE/dTPS repeat windows (methods.md s2)
         keep = keep_seconds if keep_seconds is not None else \
@@ -105,6 +107,7 @@ class ServerModel:
     def learn(self, now: float, wall: float | None = None) -> None:
         """Once per tick, after every read: slide the windows, then feed the learners (all O(1) in window
         length: they read running aggregates and the buckets completed since the last tick)."""
+        self._wall = wall
         self.history.advance(now)
         pl = self.pressure
         if self.info is not None:
@@ -273,7 +276,8 @@ class ServerModel:
         """KV-block residency from vLLM's --kv-cache-metrics histograms and the evidence it gives (methods.md
         s11); all absent where the engine does not export them."""
         r = residency.window_residency(agg, self.info.block_size if self.info else None,
-                                       self.server.kv_cache_metrics_sample, self.cfg.p99_tool_latency_seconds)
+                                       self.server.kv_cache_metrics_sample, self.cfg.p99_tool_latency_seconds,
+                                       self._process_age_seconds())
         ev = residency.residency_evidence(r)
         return {"kv_evicted_blocks_per_second": r.evicted_blocks_per_second,
                 "kv_evictions_per_prompt_block": r.evictions_per_prompt_block,
@@ -282,6 +286,15 @@ class ServerModel:
                 "kv_evicted_before_reuse_ratio": r.evicted_before_reuse_ratio,
                 "kv_before_reuse_yardstick": r.yardstick, "kv_before_reuse_yardstick_seconds": r.yardstick_seconds,
                 "residency_evidence": ev.kind, "residency_evidence_reason": ev.reason}
+
+    def _process_age_seconds(self) -> float | None:
+        """Wall seconds since the engine's process started (process_start_time_seconds), plus the clock slack
+        between the engine's host and kvwatt's; None when unknown or when the start lies ahead of kvwatt's clock
+        (two clocks that disagree: no age to bound anything by)."""
+        start, wall = self.history.identity.process_start, self._wall
+        if start is None or wall is None or wall <= start:
+            return None
+        return wall - start + identity.CLOCK_SLACK_SECONDS
 
     def _energy(self, agg: WindowAggregate) -> tuple[EnergyFigure, ...]:
         out = []
@@ -314,7 +327,8 @@ class ServerModel:
         buf = None
         if enabled and windows:
             short = min(self.cfg.windows_seconds)
-            buf = offload_figures.buffer(windows, offload.store_failures(self.history.aggregate(short)), self.cfg)
+            buf = offload_figures.buffer(windows, offload.store_failures(self.history.aggregate(short)), self.cfg,
+                                         self.info.offload_buffer_bytes)
         fig = ServerFigures(
             name=self.name, url=redacted_url(self.server.url), status=self.status, info=self.info,
             engine=self.engine, capabilities=self.capabilities,
@@ -327,6 +341,17 @@ class ServerModel:
             reference_windows=self.reference.windows, reference_spread=self.reference.spread,
             phase_costs=self.phase.figures(), **self._judgements(windows))
         return advice_model.attach(fig, self.cfg)  # "what do I do?", from the figures just derived
+
+    def unknown_figures(self, why: str) -> ServerFigures:
+        """The server's figures when learning or deriving them failed (exporter.model.Model): every figure
+        unknown, the source degraded with reason ``derivation_failed: <why>``; what was read stays shown."""
+        status = replace(self.status, state="degraded" if self.status.up else self.status.state,
+                         reason="; ".join(r for r in (f"derivation_failed: {why}", self.status.reason) if r))
+        return ServerFigures(
+            name=self.name, url=redacted_url(self.server.url), status=status, info=self.info, engine=self.engine,
+            capabilities=self.capabilities, threshold=self.cfg.kv_pressure_threshold_ratio, reference_share=None,
+            reference_kind=self.reference.kind, windows=(), regime_reason=f"figures not derived ({why})",
+            threshold_reason=why, reference_reason=why, tax_reason=why)
 
     def _unknown_regime(self) -> tuple[str, str]:
         if not self.status.up:

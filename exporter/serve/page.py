@@ -456,10 +456,13 @@ def _buffer(s: dict) -> str:
     if b["store_failures"]:
         text += f" {_num(b['store_failures'])} stores failed or were skipped in the shortest window."
     rec = ("unknown (no write rate yet)" if b["recommended_gib"] is None else
-           f'<b data-field="recommended-buffer">{b["recommended_gib"]} GiB</b> (busiest write rate × {basis} × '
+           f'<b data-field="recommended-buffer">{b["recommended_gib"]:.12g} GiB</b> '
+           f'(--kv-offloading-size {escape(b.get("recommended_words") or "")}: busiest write rate × {basis} × '
            f'{_num(b["headroom"])} headroom)')
+    note = f' <span data-field="recommended-note">({escape(b["recommended_note"])})</span>' \
+        if b.get("recommended_note") else ""
     return (f'<p class="banner {cls}" data-field="buffer-verdict">Offload buffer: {verdict}</p>'
-            f'<p data-field="buffer">{text} Recommended size: {rec}.</p>')
+            f'<p data-field="buffer">{text} Recommended size: {rec}{note}.</p>')
 
 
 def _threshold_words(s: dict) -> tuple[float | None, str]:

@@ -199,7 +199,8 @@ def _buffer_json(v: ServerFigures) -> dict:
         "store_failures": b.store_failures, "residency_seconds": b.residency_seconds,
         "write_bytes_per_second": b.write_bytes_per_second, "p99_tool_latency_seconds": b.p99_tool_latency_seconds,
         "headroom": b.headroom, "residency_target_seconds": b.residency_target_seconds,
-        "residency_target_source": b.residency_target_source}}
+        "residency_target_source": b.residency_target_source, "recommended_words": b.recommended_words,
+        "recommended_note": b.recommended_note}}
 
 
 def _phase_costs_json(v: ServerFigures) -> dict:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from exporter.config import ConfigError, read_json
+from exporter.config.schema import MODEL_SHAPE_MAXIMA, positive_int
 from exporter.samples import ModelParams, kv_bytes_per_token  # noqa: F401 (re-exported)
 
 DTYPE_BYTES = {"float32": 4.0, "float": 4.0, "bfloat16": 2.0, "float16": 2.0, "half": 2.0,
@@ -77,6 +78,7 @@ def from_hf_config(cfg: Mapping[str, Any], source: str = "config.json") -> Model
         raise ConfigError(f"{source}: not a usable decoder config.json (text_config is not an object)")
     if "kv_lora_rank" in cfg:
         raise ConfigError(f"{source}: MLA models (kv_lora_rank) are not supported; configure model.* instead")
+    _check_shape(cfg, source)
     try:
         h = int(cfg["hidden_size"])
         heads = int(cfg["num_attention_heads"])
@@ -92,6 +94,19 @@ def from_hf_config(cfg: Mapping[str, Any], source: str = "config.json") -> Model
                            engine_write_bytes_per_token=writes[0], engine_write_bytes_per_logits_token=writes[1])
     except (KeyError, TypeError, ValueError, ArithmeticError) as e:  # ArithmeticError: a size of 0 or 1e400
         raise ConfigError(f"{source}: not a usable decoder config.json ({type(e).__name__}: {e})") from None
+
+
+# config.json's shape keys, held to the configured model.* keys' bounds (0 layers gave a ZeroDivisionError
+# traceback at start-up, in check-config and run alike)
+SHAPE_KEYS = {"num_hidden_layers": "layers", "num_attention_heads": "kv_heads", "num_key_value_heads": "kv_heads",
+              "head_dim": "head_dim", "hidden_size": "hidden_size"}
+
+
+def _check_shape(cfg: Mapping[str, Any], source: str) -> None:
+    """Each shape count config.json gives is a positive integer within MODEL_SHAPE_MAXIMA (ConfigError)."""
+    for key, bound in SHAPE_KEYS.items():
+        if cfg.get(key) is not None:
+            positive_int(cfg[key], f"{source}: {key}", MODEL_SHAPE_MAXIMA[bound])
 
 
 def load_hf_config(path: str) -> ModelParams:

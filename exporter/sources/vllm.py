@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 
+from exporter import rules
 from exporter.sources.expfmt import Exposition, Labels, parse_families, process_start_time
 from exporter.samples import EngineReading, EngineInfo
 from exporter.sources.engine import (KV_POOL_USAGE, OFFLOAD_BUFFER, VLLM_ORDER, SourceError,
@@ -345,14 +346,16 @@ def _kv_capacity_tokens(samples: dict | None, rejected: dict[str, str]) -> float
 
 
 def _buffer_sizes(samples: dict, rejected: dict[str, str]) -> list[float]:
-    """cpu_kv_cache_size_bytes of each vllm:kv_offload_config_info sample (bytes, 0..MAX_VALUE)."""
+    """cpu_kv_cache_size_bytes of each vllm:kv_offload_config_info sample (bytes: 0, or each and their sum within
+    rules.OFFLOAD_BUFFER_MIN_BYTES..OFFLOAD_BUFFER_MAX_BYTES)."""
     sizes = []
     for labels in samples:
         text = dict(labels).get("cpu_kv_cache_size_bytes")
         v = _float(text)
         if v is None:
             continue
-        if not 0.0 <= v <= MAX_VALUE or sum(sizes) + v > MAX_VALUE:
+        if not (v == 0.0 or rules.offload_buffer_size_ok(v)) or (sum(sizes) + v > 0.0 and
+                                                                 not rules.offload_buffer_size_ok(sum(sizes) + v)):
             rejected["offload_buffer_bytes"] = f'vllm:kv_offload_config_info cpu_kv_cache_size_bytes="{text}"'
             return []
         sizes.append(v)
@@ -372,7 +375,8 @@ def _offload_from_cache_config(samples: dict | None, rejected: dict[str, str]):
     """vllm:cache_config_info: offloading is on when kv_offloading_size != "None" (GiB).
 
     kv_offloading_backend reads "native" even when off, so it is only meaningful with a size. A size, block
-    count or block size out of range (negative, infinite, NaN) is refused: that field is unknown."""
+    count or block size out of range (negative, infinite, NaN; a size outside rules.OFFLOAD_BUFFER_MIN_BYTES..
+    OFFLOAD_BUFFER_MAX_BYTES, alone or summed over engines) is refused: that field is unknown."""
     if not samples:
         return None, None, "", None, None
     enabled, buffer_bytes, backend, blocks, block_size = False, None, "", 0.0, None
@@ -381,7 +385,8 @@ def _offload_from_cache_config(samples: dict | None, rejected: dict[str, str]):
         size = _float(lab.get("kv_offloading_size"))
         if size is not None and size != 0:
             size_bytes = size * GIB
-            if not 0.0 < size_bytes <= MAX_VALUE:
+            if not rules.offload_buffer_size_ok(size_bytes) or \
+                    not rules.offload_buffer_size_ok((buffer_bytes or 0.0) + size_bytes):
                 shown = lab["kv_offloading_size"]
                 rejected["offload_buffer_bytes"] = f'vllm:cache_config_info kv_offloading_size="{shown}"'
             else:
