@@ -431,7 +431,6 @@ SIGNATURE = (Mapping("1", "active", "bad"), Mapping("0", "clear", "ok"), Mapping
 # by SI prefixes. Checked against @grafana/data 13.2: 1.23K tokens/s, 16 GFLOP/token, 12K tokens.
 TOKENS_PER_SECOND = "count:tokens/s"
 TOKENS = "count:tokens"
-FLOP_PER_TOKEN = "si:FLOP/token"
 REQUESTS = "count:requests"
 
 
@@ -634,15 +633,32 @@ CO2_PER_THOUSAND_TOKENS, CO2_PER_DAY, CO2_PER_KWH = "si:g/1k tokens", "si:g/day"
 NOT_CONFIGURED = ("Absent unless kvwatt is given an electricity price (electricity_price_per_kwh with "
                   "electricity_currency) or a carbon intensity (carbon_intensity_g_per_kwh): docs/energy.md.")
 
+# kvwatt exports the marginal energy and the price and intensity in force; the money and carbon figures per
+# server are their products (exporter/derive/cost.py; opt-in on /metrics, exporter/optin.py), taken here
+JOULES_PER_KWH = 3.6e6
+SECONDS_PER_DAY = 86400
+MARGINAL_WATTS = (f"{kv('kvwatt_marginal_energy_per_token_joules')}\n* on (job, instance, server, window) group_left\n"
+                  f"{kv('kvwatt_generation_tokens_per_second')}")
+PRICE = f"max by (job, instance, currency) ({kv('kvwatt_electricity_price_per_kwh')})"
+INTENSITY = f"max by (job, instance) ({kv('kvwatt_carbon_intensity_grams_per_kwh')})"
+
+
+def priced(quantity: str, per_kwh: str, by: str, currency: bool) -> str:
+    """``quantity`` (joules) / 3.6e6 J/kWh x the price or intensity per kWh of the same kvwatt."""
+    join = "group_left (currency)" if currency else "group_left"
+    return f"max by ({by}) (\n({quantity}) / {JOULES_PER_KWH:g}\n* on (job, instance) {join}\n{per_kwh}\n)"
+
+
 MONEY = Row("Money and carbon", (
     Panel("Energy cost per day at this load", "Per server and scope: the window's power above idle, "
           "(E - P_idle*dt)/dt, held for a day, at the electricity price in force (currency in the legend). "
           + NOT_CONFIGURED, PER_DAY,
-          (Target(_by("server, scope, currency", kv("kvwatt_marginal_energy_cost_per_day")),
+          (Target(priced(f"({MARGINAL_WATTS}) * {SECONDS_PER_DAY}", PRICE, "server, scope, currency", True),
                   "{{server}} {{scope}} ({{currency}})"),), w=8, min=0),
     Panel("CO2e per day at this load", "Per server and scope: the same power above idle held for a day, in "
           "grams CO2e at the grid's carbon intensity. " + NOT_CONFIGURED, CO2_PER_DAY,
-          (Target(_by("server, scope", kv("kvwatt_marginal_co2e_grams_per_day")), "{{server}} {{scope}}"),),
+          (Target(priced(f"({MARGINAL_WATTS}) * {SECONDS_PER_DAY}", INTENSITY, "server, scope", False),
+                  "{{server}} {{scope}}"),),
           w=8, min=0),
     Panel("Price and carbon intensity in force", "The electricity price per kWh (configured, or read from a "
           "series URL; absent once older than price_max_age) and its currency. " + NOT_CONFIGURED, PER_KWH,
@@ -651,11 +667,13 @@ MONEY = Row("Money and carbon", (
     Panel("Energy cost per million generated tokens", "Per server and scope: marginal J/token "
           "(kvwatt_marginal_energy_per_token_joules) x 1e6 tokens at the electricity price (currency in the "
           "legend). " + NOT_CONFIGURED, PER_MILLION_TOKENS,
-          (Target(_by("server, scope, currency", kv("kvwatt_energy_cost_per_million_tokens")),
+          (Target(priced(f"{kv('kvwatt_marginal_energy_per_token_joules')} * 1e6", PRICE, "server, scope, currency",
+                         True),
                   "{{server}} {{scope}} ({{currency}})"),), w=8, min=0),
     Panel("CO2e per 1,000 generated tokens", "Per server and scope: marginal J/token x 1,000 tokens in grams "
           "CO2e at the grid's carbon intensity. " + NOT_CONFIGURED, CO2_PER_THOUSAND_TOKENS,
-          (Target(_by("server, scope", kv("kvwatt_co2e_grams_per_thousand_tokens")), "{{server}} {{scope}}"),),
+          (Target(priced(f"{kv('kvwatt_marginal_energy_per_token_joules')} * 1e3", INTENSITY, "server, scope",
+                         False), "{{server}} {{scope}}"),),
           w=8, min=0),
     Panel("Grid carbon intensity in force", "g CO2e per kWh (configured, or read from a series URL). "
           + NOT_CONFIGURED, CO2_PER_KWH,
@@ -687,11 +705,6 @@ RECOMPUTE = Row("Recomputation", (
            Target(f"sum by (server) ({rate(vl('vllm:num_preemptions_total'))}) * 60",
                   "{{server}} (vLLM counter)")),
           w=6, min=0, threshold_line=ONSET_PER_MINUTE),
-    Panel("Estimated FLOPs per generated token", "vLLM's MFU estimate of FLOPs per generated token "
-          "(--enable-mfu-metrics): rises with every kind of recomputation, re-prefill after preemption included, "
-          "which the token counters miss.", FLOP_PER_TOKEN,
-          (Target(_by("server", kv("kvwatt_estimated_flops_per_generated_token")), "{{server}}"),),
-          w=6, min=0),
 ))
 
 RECOMPUTE_ENERGY = Row("Energy of recomputation", (
@@ -721,16 +734,15 @@ RECOMPUTE_ENERGY = Row("Energy of recomputation", (
 ))
 
 PRESSURE = Row("KV pressure", (
-    Panel("KV cache usage vs threshold", "p95 and max of KV usage over the window from kvwatt's 1 s samples, the "
+    Panel("KV cache usage vs threshold", "p95 of KV usage over the window from kvwatt's 1 s samples, the "
           "regime threshold in use (dashed: located from the server's own history once there is evidence, else "
           "the configured one; docs/pressure.md), and the scraped vLLM gauge, which misses the peaks.",
           "percentunit",
           (Target(_by("server", kv("kvwatt_kv_cache_usage_p95_ratio")), "{{server}} p95"),
-           Target(_by("server", kv("kvwatt_kv_cache_usage_max_ratio")), "{{server}} max"),
            Target(_by("server, source", kv("kvwatt_kv_pressure_threshold_in_use_ratio")),
                   "{{server}} threshold ({{source}})"),
            Target(f"max by (server) ({vl('vllm:kv_cache_usage_perc')})", "{{server}} scraped (vLLM gauge)")),
-          w=8, min=0, max=1, dashed_refids=("C",)),
+          w=8, min=0, max=1, dashed_refids=("B",)),
     Panel("Requests running and waiting (vLLM only)", "vLLM's scheduler gauges summed over its engine cores: "
           "running, and waiting by reason (capacity = no KV room, deferred). vLLM servers only: kvwatt exports no "
           "engine-neutral request counts.", REQUESTS,
@@ -783,10 +795,6 @@ ANALYSIS = Row("Analysis", (
     Panel("Recompute break-even length", "Sequence length above which reloading KV beats recomputing it "
           "(Tetris form with GQA width, methods.md s7).", TOKENS,
           (Target(_by("server", kv("kvwatt_recompute_breakeven_tokens")), "{{server}}"),), kind="stat", w=4),
-    Panel("Prompt energy per token by source", "Attribution model, not a measurement: marginal GPU joules per "
-          "prompt token by source, reloaded tokens priced at load_to_compute_cost_ratio.", "joule",
-          (Target(_by("server, source", kv("kvwatt_prompt_energy_per_token_joules")), "{{server}} {{source}}"),),
-          w=10, min=0),
 ))
 
 OVERVIEW = Dashboard(
@@ -834,10 +842,6 @@ COMPARISON = Row("Live comparison", (
           "kind.", "percentunit",
           (Target(_by("baseline", kv("kvwatt_throughput_gain_ratio", server="server_on")), "dTPS {{baseline}}"),),
           kind="stat", w=6),
-    Panel("Comparison windows ($server_on)", "How many windows the dE/dTPS comparison rests on.",
-          "count:windows",
-          (Target(_by("baseline", kv("kvwatt_comparison_windows", server="server_on")), "{{baseline}}"),),
-          kind="stat", w=4),
     Panel("dE and dTPS over time", "Energy saving and throughput gain of every selected server that has a "
           "comparison, by baseline kind; dashed: one standard error of dE.", "percentunit",
           (Target(_by("server, baseline", kv("kvwatt_energy_saving_ratio")), "{{server}} dE ({{baseline}})"),
