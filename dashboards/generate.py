@@ -36,7 +36,8 @@ DS: dict[str, str] = {"type": "prometheus", "uid": "${datasource}"}
 PROVISIONED_DS_UID = "kvwatt-prometheus"  # dashboards/provisioning/datasource.yaml
 PROVISIONED_DS_NAME = "kvwatt Prometheus"
 TAGS = ["kvwatt", "vllm", "kv-offload"]
-SERIES_RE = re.compile(r"\b(?:kvwatt_[a-z0-9_]+|vllm:[a-z0-9_:]+)")
+# kvwatt's and vLLM's series, and the fleet rules' recorded ones (level:kvwatt_...:operation)
+SERIES_RE = re.compile(r"(?<![\w:])(?:[a-z_]+:kvwatt_[a-z0-9_]+:[a-z0-9_]+|kvwatt_[a-z0-9_]+|vllm:[a-z0-9_:]+)")
 SERVER_VARS = ("server", "server_on", "server_off")
 
 # the dashed reference lines: the daemon's defaults (exporter/rules.py), never a copy
@@ -903,6 +904,96 @@ EXPERIMENT = Dashboard(
 DASHBOARDS: dict[str, Dashboard] = {"kvwatt-overview.json": OVERVIEW, "kvwatt-experiment.json": EXPERIMENT}
 
 
+# --- the fleet: the global layer's recorded series (deploy/fleet/kvwatt-fleet-rules.yaml) --------------------
+
+FLEET_DIR = HERE.parent / "deploy" / "fleet"
+FLEET_RULES = FLEET_DIR / "kvwatt-fleet-rules.yaml"
+
+
+def _fleet_records() -> frozenset[str]:
+    import yaml  # the node dashboards need no YAML; the fleet one reads what the fleet rules record
+
+    groups = yaml.safe_load(FLEET_RULES.read_text(encoding="utf-8"))["groups"]
+    return frozenset(r["record"] for g in groups for r in g["rules"])
+
+
+FLEET_RECORDS = _fleet_records()
+
+
+def rec(name: str, **eq: str) -> str:
+    """Selector of a series the fleet rules record (KeyError: a name they do not record); a cluster-level
+    series follows the ``cluster`` variable."""
+    if name not in FLEET_RECORDS:
+        raise KeyError(f"{name} is not recorded by {FLEET_RULES.name}")
+    pairs = [("cluster", "=~", "$cluster")] if name.startswith("cluster") else []
+    return name + (_matchers(pairs + [(k, "=", v) for k, v in eq.items()]) if pairs or eq else "")
+
+
+CLUSTER = Variable("cluster", "Cluster", "label_values(cluster:kvwatt_servers:count, cluster)",
+                   description="Clusters reporting kvwatt's servers (their Prometheus' external label).")
+FLEET_DATASOURCE = Variable("datasource", "Data source", kind="datasource", multi=False,
+                            description="The global layer: a federating Prometheus, Thanos Querier or Mimir "
+                                        "that evaluates deploy/fleet/kvwatt-fleet-rules.yaml.")
+PARTIAL = ("Absent while a cluster that reported in the last hour reports nothing (Clusters missing): the "
+           "fleet's sums are never shown for part of it (docs/fleet.md).")
+
+FLEET_NOW = Row("The fleet now", (
+    Panel("GPU J/token, fleet", "The fleet's GPU energy over its generated tokens, both summed over every server "
+          "of every cluster (kvwatt's longest window), not a mean of the servers' ratios. " + PARTIAL, "joule",
+          (Target(rec("fleet_scope:kvwatt_energy_per_token_joules:ratio_window5m", scope="gpu"), "fleet"),),
+          kind="stat", w=4),
+    Panel("dE, fleet", "1 - the marginal energy the fleet's compared servers used / what they would have used "
+          "without offloading, by baseline kind (docs/fleet.md). " + PARTIAL, "percentunit",
+          (Target(rec("fleet_baseline:kvwatt_energy_saving:ratio_window5m"), "{{baseline}}"),),
+          kind="stat", w=6),
+    Panel("Recomputation tax, fleet", "The recomputation tax's power summed over every server (GPU). "
+          + PARTIAL, "watt",
+          (Target(rec("fleet_scope:kvwatt_recompute_tax_watts:sum_window5m", scope="gpu"), "fleet"),),
+          kind="stat", w=4),
+    Panel("Recomputation share of GPU energy, fleet", "The tax's power over the fleet's marginal GPU power. "
+          + PARTIAL, "percentunit",
+          (Target(rec("fleet_scope:kvwatt_recompute_energy_share:ratio_window5m", scope="gpu"), "fleet"),),
+          kind="stat", w=4),
+    Panel("Servers watched", "Engine servers kvwatt watches, every cluster. " + PARTIAL, "none",
+          (Target(rec("fleet:kvwatt_servers:count"), "servers"),), kind="stat", w=3),
+    Panel("Clusters missing", "Clusters that reported kvwatt's servers in the last hour and report none now: "
+          "while above 0 the fleet figures are absent.", "none",
+          (Target(rec("fleet:kvwatt_clusters_missing:count"), "missing"),), kind="stat", w=3),
+))
+
+FLEET_CLUSTERS = Row("Per cluster", (
+    Panel("GPU J/token by cluster", "Each cluster's GPU energy over its tokens (kvwatt's longest window).",
+          "joule",
+          (Target(rec("cluster_scope:kvwatt_energy_per_token_joules:ratio_window5m", scope="gpu"),
+                  "{{cluster}}"),), w=8, min=0),
+    Panel("GPU power by cluster", "Each cluster's GPU power drawn by the servers kvwatt watches.", "watt",
+          (Target(rec("cluster_scope:kvwatt_energy_joules:rate_window5m", scope="gpu"), "{{cluster}}"),),
+          w=8, min=0),
+    Panel("Recomputation tax by cluster", "Each cluster's recomputation tax in watts (GPU).", "watt",
+          (Target(rec("cluster_scope:kvwatt_recompute_tax_watts:sum_window5m", scope="gpu"), "{{cluster}}"),),
+          w=8, min=0),
+    Panel("dE by cluster", "1 - each cluster's marginal energy / what it would have used without offloading, "
+          "by baseline kind; dashed: zero.", "percentunit",
+          (Target(f"1 - {rec('cluster_baseline:kvwatt_saving_marginal_energy_joules:rate_window5m')}\n"
+                  f"/ ({rec('cluster_baseline:kvwatt_saving_counterfactual_energy_joules:rate_window5m')} > 0)",
+                  "{{cluster}} {{baseline}}"),), w=8, threshold_line=0, colors=("bad", "ok")),
+    Panel("Servers by cluster", "Engine servers kvwatt watches in each cluster.", "none",
+          (Target(rec("cluster:kvwatt_servers:count"), "{{cluster}}"),), w=8, min=0),
+))
+
+FLEET = Dashboard(
+    uid="kvwatt-fleet",
+    title="kvwatt / Fleet",
+    description="The fleet's J/token, dE and recomputation tax summed across clusters, for the global layer "
+                "(docs/fleet.md). Generated by dashboards/generate.py into deploy/fleet/.",
+    variables=(FLEET_DATASOURCE, CLUSTER),
+    rows=(FLEET_NOW, FLEET_CLUSTERS),
+    links=(Link("Overview", "kvwatt-overview", "One cluster's servers (against that cluster's Prometheus)"),),
+)
+# written beside the fleet rules: it runs against the global layer, not a cluster's Prometheus
+FLEET_DASHBOARDS: dict[str, Dashboard] = {"kvwatt-fleet.json": FLEET}
+
+
 # --- command line ------------------------------------------------------------------------------------------
 
 def dumps(d: Dashboard) -> str:
@@ -916,8 +1007,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dir", type=Path, default=HERE, help="where the JSON files live (default: %(default)s)")
     args = parser.parse_args(argv)
     stale: list[str] = []
-    for filename, dashboard in DASHBOARDS.items():
-        path = args.dir / filename
+    files = [(args.dir / f, d) for f, d in DASHBOARDS.items()] + [(FLEET_DIR / f, d) for f, d in FLEET_DASHBOARDS.items()]
+    for path, dashboard in files:
+        filename = path.name
         text = dumps(dashboard)
         if args.check:
             current = path.read_text(encoding="utf-8") if path.exists() else ""

@@ -23,6 +23,7 @@ figures must say a cluster is missing and drop, never halve.
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from contextlib import ExitStack
@@ -239,6 +240,42 @@ def test_ha_pair_counted_once(fleet: Fleet) -> None:
     assert g.value('cluster:kvwatt_servers:count{cluster="gpu-a"}') == 4
     assert g.value('cluster:kvwatt_servers:count{cluster="gpu-b"}') == 4
     assert g.value("fleet:kvwatt_clusters_missing:count") == 0
+
+
+def test_fleet_dashboard_queries_return_data_on_the_global_server(fleet: Fleet) -> None:
+    """deploy/fleet/kvwatt-fleet.json (dashboards/generate.py) as Grafana runs it against the global server:
+    the cluster variable resolves, every target returns series, and every {{label}} of a legend is one of
+    theirs (tests/test_dashboards_queries.py does the same for the node dashboards on a cluster Prometheus)."""
+    from tests.support.grafana import targets
+    from tests.test_dashboards_queries import LEGEND_LABEL, resolve_variables, run_target
+
+    dashboard = json.loads((FLEET / "kvwatt-fleet.json").read_text(encoding="utf-8"))
+    assert dashboard["uid"] == "kvwatt-fleet"
+    agree(fleet, fleet.global_.query, GLOBAL, "the global Prometheus")  # every fleet: figure recorded
+
+    def problems() -> list[str]:
+        found: list[str] = []
+        values = resolve_variables(fleet.global_, dashboard, {}, True, found)
+        for panel, target in targets(dashboard):
+            result = run_target(fleet.global_, target, values)
+            if not result:
+                found.append(f"panel {panel['title']!r} {target['refId']}: no series for {target['expr']}")
+                continue
+            labels = set().union(*(r["metric"] for r in result))
+            missing = set(LEGEND_LABEL.findall(target.get("legendFormat", ""))) - labels
+            if missing:
+                found.append(f"panel {panel['title']!r}: legend uses {sorted(missing)}, result has {sorted(labels)}")
+        return found
+
+    last: list[str] = []
+
+    def ok() -> bool:
+        nonlocal last
+        last = problems()
+        return not last
+
+    prom.wait_until(ok, 20, "every fleet dashboard query to return data", detail=lambda: "\n".join(last))
+    assert sum(1 for _ in targets(dashboard)) >= 10
 
 
 def test_long_term_store_answers_the_same(fleet: Fleet) -> None:
