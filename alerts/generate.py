@@ -275,8 +275,37 @@ def server_only_rules(s: dict) -> list[dict]:
     return [_r(rec, expr, s) for rec, expr in rules]
 
 
+# a server's marginal GPU power over kvwatt's window, (E - P_idle*dt)/dt: what dE and the recompute tax's share
+# are fractions of (methods.md s2, s12)
+MARGINAL_GPU_RATE = ('kvwatt_marginal_energy_per_token_joules{scope="gpu", window="@kvwatt_window"}\n'
+                     '* on (job, instance, server, window) group_left\n'
+                     'kvwatt_generation_tokens_per_second{window="@kvwatt_window"}')
+
+
+def _indent(expr: str, by: int = 2) -> str:
+    return "\n".join(" " * by + line for line in expr.splitlines())
+
+
 def fleet_only_rules(s: dict) -> list[dict]:
+    """The cluster's totals the global layer sums (deploy/fleet/kvwatt-fleet-rules.yaml): components only,
+    never a ratio it would have to average. dE is carried as the servers' marginal GPU power and the power they
+    would have drawn without offloading, P/(1 - dE), per baseline: the fleet's dE is 1 - sum/sum."""
+    marginal = _indent(MARGINAL_GPU_RATE, 4)
     rules = [
+        # servers kvwatt watches: the global layer tells a cluster that stopped reporting from an idle one
+        ("job:kvwatt_servers:count", "count by (job) (kvwatt_server_info)"),
+        ("job_scope:kvwatt_marginal_energy_joules:rate_window@kvwatt_window",
+         'sum by (job, scope) (\n  kvwatt_marginal_energy_per_token_joules{window="@kvwatt_window"}\n'
+         '  * on (job, instance, server, window) group_left\n'
+         '  kvwatt_generation_tokens_per_second{window="@kvwatt_window"}\n)'),
+        ("job_scope:kvwatt_recompute_tax_watts:sum_window@kvwatt_window",
+         'sum by (job, scope) (kvwatt_recompute_tax_watts{window="@kvwatt_window"})'),
+        ("job_baseline:kvwatt_saving_marginal_energy_joules:rate_window@kvwatt_window",
+         f"sum by (job, baseline) (\n  (\n{marginal}\n  )\n  * on (job, instance, server, window) group_right ()\n"
+         '  (0 * kvwatt_energy_saving_ratio{window="@kvwatt_window"} + 1)\n)'),
+        ("job_baseline:kvwatt_saving_counterfactual_energy_joules:rate_window@kvwatt_window",
+         f"sum by (job, baseline) (\n  (\n{marginal}\n  )\n  * on (job, instance, server, window) group_right ()\n"
+         '  (1 / (1 - kvwatt_energy_saving_ratio{window="@kvwatt_window"}))\n)'),
         ("job_window:kvwatt_kv_cache_usage_p95_ratio:max", "max by (job, window) (kvwatt_kv_cache_usage_p95_ratio)"),
         ("job:kvwatt_gpu_energy_joules:rate@window", "sum by (job) (rate(kvwatt_gpu_energy_joules_total[@window]))"),
         ("job:kvwatt_host_energy_joules:rate@window", "sum by (job) (rate(kvwatt_host_energy_joules_total[@window]))"),

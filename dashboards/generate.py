@@ -36,7 +36,8 @@ DS: dict[str, str] = {"type": "prometheus", "uid": "${datasource}"}
 PROVISIONED_DS_UID = "kvwatt-prometheus"  # dashboards/provisioning/datasource.yaml
 PROVISIONED_DS_NAME = "kvwatt Prometheus"
 TAGS = ["kvwatt", "vllm", "kv-offload"]
-SERIES_RE = re.compile(r"\b(?:kvwatt_[a-z0-9_]+|vllm:[a-z0-9_:]+)")
+# kvwatt's and vLLM's series, and the fleet rules' recorded ones (level:kvwatt_...:operation)
+SERIES_RE = re.compile(r"(?<![\w:])(?:[a-z_]+:kvwatt_[a-z0-9_]+:[a-z0-9_]+|kvwatt_[a-z0-9_]+|vllm:[a-z0-9_:]+)")
 SERVER_VARS = ("server", "server_on", "server_off")
 
 # the dashed reference lines: the daemon's defaults (exporter/rules.py), never a copy
@@ -431,7 +432,6 @@ SIGNATURE = (Mapping("1", "active", "bad"), Mapping("0", "clear", "ok"), Mapping
 # by SI prefixes. Checked against @grafana/data 13.2: 1.23K tokens/s, 16 GFLOP/token, 12K tokens.
 TOKENS_PER_SECOND = "count:tokens/s"
 TOKENS = "count:tokens"
-FLOP_PER_TOKEN = "si:FLOP/token"
 REQUESTS = "count:requests"
 
 
@@ -634,15 +634,32 @@ CO2_PER_THOUSAND_TOKENS, CO2_PER_DAY, CO2_PER_KWH = "si:g/1k tokens", "si:g/day"
 NOT_CONFIGURED = ("Absent unless kvwatt is given an electricity price (electricity_price_per_kwh with "
                   "electricity_currency) or a carbon intensity (carbon_intensity_g_per_kwh): docs/energy.md.")
 
+# kvwatt exports the marginal energy and the price and intensity in force; the money and carbon figures per
+# server are their products (exporter/derive/cost.py; opt-in on /metrics, exporter/optin.py), taken here
+JOULES_PER_KWH = 3.6e6
+SECONDS_PER_DAY = 86400
+MARGINAL_WATTS = (f"{kv('kvwatt_marginal_energy_per_token_joules')}\n* on (job, instance, server, window) group_left\n"
+                  f"{kv('kvwatt_generation_tokens_per_second')}")
+PRICE = f"max by (job, instance, currency) ({kv('kvwatt_electricity_price_per_kwh')})"
+INTENSITY = f"max by (job, instance) ({kv('kvwatt_carbon_intensity_grams_per_kwh')})"
+
+
+def priced(quantity: str, per_kwh: str, by: str, currency: bool) -> str:
+    """``quantity`` (joules) / 3.6e6 J/kWh x the price or intensity per kWh of the same kvwatt."""
+    join = "group_left (currency)" if currency else "group_left"
+    return f"max by ({by}) (\n({quantity}) / {JOULES_PER_KWH:g}\n* on (job, instance) {join}\n{per_kwh}\n)"
+
+
 MONEY = Row("Money and carbon", (
     Panel("Energy cost per day at this load", "Per server and scope: the window's power above idle, "
           "(E - P_idle*dt)/dt, held for a day, at the electricity price in force (currency in the legend). "
           + NOT_CONFIGURED, PER_DAY,
-          (Target(_by("server, scope, currency", kv("kvwatt_marginal_energy_cost_per_day")),
+          (Target(priced(f"({MARGINAL_WATTS}) * {SECONDS_PER_DAY}", PRICE, "server, scope, currency", True),
                   "{{server}} {{scope}} ({{currency}})"),), w=8, min=0),
     Panel("CO2e per day at this load", "Per server and scope: the same power above idle held for a day, in "
           "grams CO2e at the grid's carbon intensity. " + NOT_CONFIGURED, CO2_PER_DAY,
-          (Target(_by("server, scope", kv("kvwatt_marginal_co2e_grams_per_day")), "{{server}} {{scope}}"),),
+          (Target(priced(f"({MARGINAL_WATTS}) * {SECONDS_PER_DAY}", INTENSITY, "server, scope", False),
+                  "{{server}} {{scope}}"),),
           w=8, min=0),
     Panel("Price and carbon intensity in force", "The electricity price per kWh (configured, or read from a "
           "series URL; absent once older than price_max_age) and its currency. " + NOT_CONFIGURED, PER_KWH,
@@ -651,11 +668,13 @@ MONEY = Row("Money and carbon", (
     Panel("Energy cost per million generated tokens", "Per server and scope: marginal J/token "
           "(kvwatt_marginal_energy_per_token_joules) x 1e6 tokens at the electricity price (currency in the "
           "legend). " + NOT_CONFIGURED, PER_MILLION_TOKENS,
-          (Target(_by("server, scope, currency", kv("kvwatt_energy_cost_per_million_tokens")),
+          (Target(priced(f"{kv('kvwatt_marginal_energy_per_token_joules')} * 1e6", PRICE, "server, scope, currency",
+                         True),
                   "{{server}} {{scope}} ({{currency}})"),), w=8, min=0),
     Panel("CO2e per 1,000 generated tokens", "Per server and scope: marginal J/token x 1,000 tokens in grams "
           "CO2e at the grid's carbon intensity. " + NOT_CONFIGURED, CO2_PER_THOUSAND_TOKENS,
-          (Target(_by("server, scope", kv("kvwatt_co2e_grams_per_thousand_tokens")), "{{server}} {{scope}}"),),
+          (Target(priced(f"{kv('kvwatt_marginal_energy_per_token_joules')} * 1e3", INTENSITY, "server, scope",
+                         False), "{{server}} {{scope}}"),),
           w=8, min=0),
     Panel("Grid carbon intensity in force", "g CO2e per kWh (configured, or read from a series URL). "
           + NOT_CONFIGURED, CO2_PER_KWH,
@@ -687,11 +706,6 @@ RECOMPUTE = Row("Recomputation", (
            Target(f"sum by (server) ({rate(vl('vllm:num_preemptions_total'))}) * 60",
                   "{{server}} (vLLM counter)")),
           w=6, min=0, threshold_line=ONSET_PER_MINUTE),
-    Panel("Estimated FLOPs per generated token", "vLLM's MFU estimate of FLOPs per generated token "
-          "(--enable-mfu-metrics): rises with every kind of recomputation, re-prefill after preemption included, "
-          "which the token counters miss.", FLOP_PER_TOKEN,
-          (Target(_by("server", kv("kvwatt_estimated_flops_per_generated_token")), "{{server}}"),),
-          w=6, min=0),
 ))
 
 RECOMPUTE_ENERGY = Row("Energy of recomputation", (
@@ -721,16 +735,15 @@ RECOMPUTE_ENERGY = Row("Energy of recomputation", (
 ))
 
 PRESSURE = Row("KV pressure", (
-    Panel("KV cache usage vs threshold", "p95 and max of KV usage over the window from kvwatt's 1 s samples, the "
+    Panel("KV cache usage vs threshold", "p95 of KV usage over the window from kvwatt's 1 s samples, the "
           "regime threshold in use (dashed: located from the server's own history once there is evidence, else "
           "the configured one; docs/pressure.md), and the scraped vLLM gauge, which misses the peaks.",
           "percentunit",
           (Target(_by("server", kv("kvwatt_kv_cache_usage_p95_ratio")), "{{server}} p95"),
-           Target(_by("server", kv("kvwatt_kv_cache_usage_max_ratio")), "{{server}} max"),
            Target(_by("server, source", kv("kvwatt_kv_pressure_threshold_in_use_ratio")),
                   "{{server}} threshold ({{source}})"),
            Target(f"max by (server) ({vl('vllm:kv_cache_usage_perc')})", "{{server}} scraped (vLLM gauge)")),
-          w=8, min=0, max=1, dashed_refids=("C",)),
+          w=8, min=0, max=1, dashed_refids=("B",)),
     Panel("Requests running and waiting (vLLM only)", "vLLM's scheduler gauges summed over its engine cores: "
           "running, and waiting by reason (capacity = no KV room, deferred). vLLM servers only: kvwatt exports no "
           "engine-neutral request counts.", REQUESTS,
@@ -783,10 +796,6 @@ ANALYSIS = Row("Analysis", (
     Panel("Recompute break-even length", "Sequence length above which reloading KV beats recomputing it "
           "(Tetris form with GQA width, methods.md s7).", TOKENS,
           (Target(_by("server", kv("kvwatt_recompute_breakeven_tokens")), "{{server}}"),), kind="stat", w=4),
-    Panel("Prompt energy per token by source", "Attribution model, not a measurement: marginal GPU joules per "
-          "prompt token by source, reloaded tokens priced at load_to_compute_cost_ratio.", "joule",
-          (Target(_by("server, source", kv("kvwatt_prompt_energy_per_token_joules")), "{{server}} {{source}}"),),
-          w=10, min=0),
 ))
 
 OVERVIEW = Dashboard(
@@ -834,10 +843,6 @@ COMPARISON = Row("Live comparison", (
           "kind.", "percentunit",
           (Target(_by("baseline", kv("kvwatt_throughput_gain_ratio", server="server_on")), "dTPS {{baseline}}"),),
           kind="stat", w=6),
-    Panel("Comparison windows ($server_on)", "How many windows the dE/dTPS comparison rests on.",
-          "count:windows",
-          (Target(_by("baseline", kv("kvwatt_comparison_windows", server="server_on")), "{{baseline}}"),),
-          kind="stat", w=4),
     Panel("dE and dTPS over time", "Energy saving and throughput gain of every selected server that has a "
           "comparison, by baseline kind; dashed: one standard error of dE.", "percentunit",
           (Target(_by("server, baseline", kv("kvwatt_energy_saving_ratio")), "{{server}} dE ({{baseline}})"),
@@ -899,6 +904,96 @@ EXPERIMENT = Dashboard(
 DASHBOARDS: dict[str, Dashboard] = {"kvwatt-overview.json": OVERVIEW, "kvwatt-experiment.json": EXPERIMENT}
 
 
+# --- the fleet: the global layer's recorded series (deploy/fleet/kvwatt-fleet-rules.yaml) --------------------
+
+FLEET_DIR = HERE.parent / "deploy" / "fleet"
+FLEET_RULES = FLEET_DIR / "kvwatt-fleet-rules.yaml"
+
+
+def _fleet_records() -> frozenset[str]:
+    import yaml  # the node dashboards need no YAML; the fleet one reads what the fleet rules record
+
+    groups = yaml.safe_load(FLEET_RULES.read_text(encoding="utf-8"))["groups"]
+    return frozenset(r["record"] for g in groups for r in g["rules"])
+
+
+FLEET_RECORDS = _fleet_records()
+
+
+def rec(name: str, **eq: str) -> str:
+    """Selector of a series the fleet rules record (KeyError: a name they do not record); a cluster-level
+    series follows the ``cluster`` variable."""
+    if name not in FLEET_RECORDS:
+        raise KeyError(f"{name} is not recorded by {FLEET_RULES.name}")
+    pairs = [("cluster", "=~", "$cluster")] if name.startswith("cluster") else []
+    return name + (_matchers(pairs + [(k, "=", v) for k, v in eq.items()]) if pairs or eq else "")
+
+
+CLUSTER = Variable("cluster", "Cluster", "label_values(cluster:kvwatt_servers:count, cluster)",
+                   description="Clusters reporting kvwatt's servers (their Prometheus' external label).")
+FLEET_DATASOURCE = Variable("datasource", "Data source", kind="datasource", multi=False,
+                            description="The global layer: a federating Prometheus, Thanos Querier or Mimir "
+                                        "that evaluates deploy/fleet/kvwatt-fleet-rules.yaml.")
+PARTIAL = ("Absent while a cluster that reported in the last hour reports nothing (Clusters missing): the "
+           "fleet's sums are never shown for part of it (docs/fleet.md).")
+
+FLEET_NOW = Row("The fleet now", (
+    Panel("GPU J/token, fleet", "The fleet's GPU energy over its generated tokens, both summed over every server "
+          "of every cluster (kvwatt's longest window), not a mean of the servers' ratios. " + PARTIAL, "joule",
+          (Target(rec("fleet_scope:kvwatt_energy_per_token_joules:ratio_window5m", scope="gpu"), "fleet"),),
+          kind="stat", w=4),
+    Panel("dE, fleet", "1 - the marginal energy the fleet's compared servers used / what they would have used "
+          "without offloading, by baseline kind (docs/fleet.md). " + PARTIAL, "percentunit",
+          (Target(rec("fleet_baseline:kvwatt_energy_saving:ratio_window5m"), "{{baseline}}"),),
+          kind="stat", w=6),
+    Panel("Recomputation tax, fleet", "The recomputation tax's power summed over every server (GPU). "
+          + PARTIAL, "watt",
+          (Target(rec("fleet_scope:kvwatt_recompute_tax_watts:sum_window5m", scope="gpu"), "fleet"),),
+          kind="stat", w=4),
+    Panel("Recomputation share of GPU energy, fleet", "The tax's power over the fleet's marginal GPU power. "
+          + PARTIAL, "percentunit",
+          (Target(rec("fleet_scope:kvwatt_recompute_energy_share:ratio_window5m", scope="gpu"), "fleet"),),
+          kind="stat", w=4),
+    Panel("Servers watched", "Engine servers kvwatt watches, every cluster. " + PARTIAL, "none",
+          (Target(rec("fleet:kvwatt_servers:count"), "servers"),), kind="stat", w=3),
+    Panel("Clusters missing", "Clusters that reported kvwatt's servers in the last hour and report none now: "
+          "while above 0 the fleet figures are absent.", "none",
+          (Target(rec("fleet:kvwatt_clusters_missing:count"), "missing"),), kind="stat", w=3),
+))
+
+FLEET_CLUSTERS = Row("Per cluster", (
+    Panel("GPU J/token by cluster", "Each cluster's GPU energy over its tokens (kvwatt's longest window).",
+          "joule",
+          (Target(rec("cluster_scope:kvwatt_energy_per_token_joules:ratio_window5m", scope="gpu"),
+                  "{{cluster}}"),), w=8, min=0),
+    Panel("GPU power by cluster", "Each cluster's GPU power drawn by the servers kvwatt watches.", "watt",
+          (Target(rec("cluster_scope:kvwatt_energy_joules:rate_window5m", scope="gpu"), "{{cluster}}"),),
+          w=8, min=0),
+    Panel("Recomputation tax by cluster", "Each cluster's recomputation tax in watts (GPU).", "watt",
+          (Target(rec("cluster_scope:kvwatt_recompute_tax_watts:sum_window5m", scope="gpu"), "{{cluster}}"),),
+          w=8, min=0),
+    Panel("dE by cluster", "1 - each cluster's marginal energy / what it would have used without offloading, "
+          "by baseline kind; dashed: zero.", "percentunit",
+          (Target(f"1 - {rec('cluster_baseline:kvwatt_saving_marginal_energy_joules:rate_window5m')}\n"
+                  f"/ ({rec('cluster_baseline:kvwatt_saving_counterfactual_energy_joules:rate_window5m')} > 0)",
+                  "{{cluster}} {{baseline}}"),), w=8, threshold_line=0, colors=("bad", "ok")),
+    Panel("Servers by cluster", "Engine servers kvwatt watches in each cluster.", "none",
+          (Target(rec("cluster:kvwatt_servers:count"), "{{cluster}}"),), w=8, min=0),
+))
+
+FLEET = Dashboard(
+    uid="kvwatt-fleet",
+    title="kvwatt / Fleet",
+    description="The fleet's J/token, dE and recomputation tax summed across clusters, for the global layer "
+                "(docs/fleet.md). Generated by dashboards/generate.py into deploy/fleet/.",
+    variables=(FLEET_DATASOURCE, CLUSTER),
+    rows=(FLEET_NOW, FLEET_CLUSTERS),
+    links=(Link("Overview", "kvwatt-overview", "One cluster's servers (against that cluster's Prometheus)"),),
+)
+# written beside the fleet rules: it runs against the global layer, not a cluster's Prometheus
+FLEET_DASHBOARDS: dict[str, Dashboard] = {"kvwatt-fleet.json": FLEET}
+
+
 # --- command line ------------------------------------------------------------------------------------------
 
 def dumps(d: Dashboard) -> str:
@@ -912,8 +1007,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dir", type=Path, default=HERE, help="where the JSON files live (default: %(default)s)")
     args = parser.parse_args(argv)
     stale: list[str] = []
-    for filename, dashboard in DASHBOARDS.items():
-        path = args.dir / filename
+    files = [(args.dir / f, d) for f, d in DASHBOARDS.items()] + [(FLEET_DIR / f, d) for f, d in FLEET_DASHBOARDS.items()]
+    for path, dashboard in files:
+        filename = path.name
         text = dumps(dashboard)
         if args.check:
             current = path.read_text(encoding="utf-8") if path.exists() else ""

@@ -43,6 +43,36 @@ OPT_IN_FAMILIES: dict[str, str] = {
     "kvwatt_preemption_recompute_tokens_per_second": "per window: kvwatt_preemption_recompute_share_ratio is the "
                                                      "share of the engine's work it is",
     "kvwatt_preemption_recompute_watts": "per scope and window: its power at the per-phase cost (/api/status)",
+    # issue 39: the budget down to 100 series per fully configured server
+    "kvwatt_energy_cost_per_million_tokens": "money per scope and window: kvwatt_marginal_energy_per_token_joules "
+                                             "times the price (the dashboard multiplies them)",
+    "kvwatt_co2e_grams_per_thousand_tokens": "per scope and window: kvwatt_marginal_energy_per_token_joules times "
+                                             "the carbon intensity (the dashboard multiplies them)",
+    "kvwatt_marginal_energy_cost_per_day": "money per scope and window: the marginal power times the price (the "
+                                           "dashboard multiplies them)",
+    "kvwatt_marginal_co2e_grams_per_day": "per scope and window: the marginal power times the carbon intensity (the "
+                                          "dashboard multiplies them)",
+    "kvwatt_estimated_flops_per_generated_token": "per window: an estimate from vLLM's MFU metrics, on the page",
+    "kvwatt_kv_cache_usage_max_ratio": "per window: the p95 is the figure the regime, alerts and panels read",
+    "kvwatt_prompt_energy_per_token_joules": "per source and window: an attribution model, not a measurement "
+                                             "(/api/status)",
+    "kvwatt_comparison_windows": "per baseline and window: the evidence count behind dE, whose standard error the "
+                                 "panels show (/api/status)",
+    "kvwatt_kv_block_idle_before_evict_seconds": "per percentile and window: KV-block residency detail (/api/status)",
+    "kvwatt_kv_block_reuse_gap_seconds": "per percentile and window: KV-block residency detail (/api/status)",
+    "kvwatt_kv_block_evictions_per_second": "per window: KV-block residency detail (/api/status)",
+    "kvwatt_kv_block_evictions_per_prompt_block_ratio": "per window: KV-block residency detail (/api/status)",
+    "kvwatt_kv_block_evicted_before_reuse_ratio": "per window: KV-block residency detail (/api/status)",
+    "kvwatt_kv_block_residency_pressure_evidence": "per window: evidence behind the regime (/api/status)",
+    "kvwatt_requests_waiting_for_kv_capacity": "per window: evidence behind the regime, which the alerts read",
+    "kvwatt_requests_waiting_for_kv_capacity_samples_ratio": "per window: evidence behind the regime, which the "
+                                                             "alerts read",
+    "kvwatt_kv_pools_above_threshold": "per window: the p95 is already the fullest pool's (/api/status)",
+    "kvwatt_kv_pressure_threshold_ratio": "the configured threshold: kvwatt_kv_pressure_threshold_in_use_ratio is "
+                                          "the one in force",
+    "kvwatt_kv_pressure_threshold_located_low_ratio": "the located threshold's interval (/api/status)",
+    "kvwatt_kv_pressure_threshold_located_high_ratio": "the located threshold's interval (/api/status)",
+    "kvwatt_kv_pressure_threshold_located_windows": "evidence behind the located threshold (/api/status)",
 }
 
 

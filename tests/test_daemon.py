@@ -31,6 +31,7 @@ class Sequence:
 def test_one_dead_server_does_not_stop_the_others_and_promtool_is_clean(tmp_path):
     with MetricsServer(Sequence(LOW)) as live, \
             KvwattDaemon(servers={"live": live.url, "dead": f"http://127.0.0.1:{free_port()}"},
+                         config={"metrics_opt_in": ["kvwatt_kv_pressure_threshold_ratio"]},  # opt-in: issue 39
                          interval="200ms") as d:
         d.wait_for(lambda d: d.value("kvwatt_generation_tokens_per_second", server="live", window="1m") is not None,
                    what="a first window")

@@ -250,6 +250,8 @@ UNIT_BY_SUFFIX = (
     ("_tokens", "count:tokens"), ("_seconds", "s"), ("_bytes", "bytes"), ("_watts", "watt"),
     ("_joules_total", "watt"),  # drawn as rate(): watts
 )
+PER_KWH_SUFFIXES = ("_price_per_kwh", "_grams_per_kwh")
+PRICED_UNITS = {"suffix:/1M tokens", "suffix:/day", "si:g/1k tokens", "si:g/day"}
 # _ratio series are shares or relative changes (percentunit) except kappa, tokens loaded per token computed.
 NOT_PERCENT_RATIOS = {"kvwatt_cached_to_prefill_ratio", "kvwatt_critical_cached_to_prefill_ratio"}
 
@@ -266,6 +268,12 @@ def unit_follows_series_rule(d: Dashboard) -> list[str]:
     errors = []
     for p in query_panels(d):
         names = [n for t in p.get("targets", [])[:1] for n in series_names_of(t["expr"]) if n.startswith("kvwatt_")]
+        if len(set(names)) > 1 and any(n.endswith(PER_KWH_SUFFIXES) for n in names):
+            # energy priced in the query (x price or intensity per kWh): a money or carbon unit
+            if unit_of(p) not in PRICED_UNITS:
+                errors.append(f"{where(p)} prices energy ({names}) but its unit is {unit_of(p)!r}, not one of "
+                              f"{sorted(PRICED_UNITS)}")
+            continue
         want = expected_unit(names[0]) if names else None
         if want is not None and unit_of(p) != want:
             errors.append(f"{where(p)} reads {names[0]} but its unit is {unit_of(p)!r}, not {want!r}")
@@ -633,8 +641,8 @@ MUTATIONS: list[tuple[str, str, Callable[[Dashboard], None]]] = [
                                                  "unit", "short")),
     ("unit-follows-series-rule", "tokens/s as a bare number",
      lambda d: _set(_panel(d, "Generation throughput")["fieldConfig"]["defaults"], "unit", "none")),
-    ("unit-follows-series-rule", "FLOP per token as FLOP/s",
-     lambda d: _set(_panel(d, "Estimated FLOPs per generated token")["fieldConfig"]["defaults"], "unit", "flops")),
+    ("unit-follows-series-rule", "energy priced per day shown in joules",
+     lambda d: _set(_panel(d, "Energy cost per day at this load")["fieldConfig"]["defaults"], "unit", "joule")),
     ("unit-follows-series-rule", "token count as a bare number",
      lambda d: _set(_panel(d, "Recompute break-even length")["fieldConfig"]["defaults"], "unit", "none")),
     ("unit-follows-series-rule", "dE not in percent",

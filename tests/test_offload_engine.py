@@ -31,7 +31,8 @@ def test_off_server_kappa_and_potential_saving_from_real_counters(tmp_path, engi
     # the paper's low-pressure OFF share (methods.md s4, office c=2: 3.9 %) as this workload's reference
     server = {"gpus": [GPU], "model_config": str(Path(model_dir) / "config.json"), "hardware": HARDWARE,
               "reference_local_compute_share": REFERENCE}
-    config = {"windows": ["1m"], "min_load_duration": f"{REPEAT_SECONDS}s", "idle_power_watts": {f"gpu:{GPU}": IDLE_WATTS}}
+    config = {"windows": ["1m"], "min_load_duration": f"{REPEAT_SECONDS}s", "idle_power_watts": {f"gpu:{GPU}": IDLE_WATTS},
+              "metrics_opt_in": ["kvwatt_comparison_windows"]}  # opt-in since issue 39 (exporter/optin.py)
     engine = engines.get(**LARGE_CACHE)
     server["url"] = engine.url
     with KvwattDaemon(servers={"off": server}, config=config, env=gpus.env(), interval="500ms") as d:

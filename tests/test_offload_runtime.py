@@ -39,7 +39,8 @@ class Harness:
         mapping = {"servers": [{"name": n, "url": self.fakes[n].url, "gpus": [f"GPU-{n}"], **extra}
                                for n, (_, extra) in servers.items()],
                    "idle_power_watts": {f"GPU-{n}": sim.IDLE_WATTS for n in servers}, "interval": "4s",
-                   "state_dir": str(tmp_path / "state"), "powercap_root": str(tmp_path / "none"), **config}
+                   "state_dir": str(tmp_path / "state"), "powercap_root": str(tmp_path / "none"),
+                   "metrics_opt_in": ["kvwatt_comparison_windows"], **config}  # opt-in since issue 39
         self.cfg = from_mapping(mapping)
         self.t = 0.0
         # the NVML double on the simulated clock too: a device's read_at is the tick time it was read at

@@ -161,15 +161,20 @@ class Prometheus(_Process):
 
     def __init__(self, workdir: Path, jobs: Mapping[str, Sequence[str] | Mapping[str, Any] | Sequence[Mapping]],
                  rule_files: Iterable[Path | str] = (), alertmanagers: Sequence[str] = (),
-                 interval: str = "1s", job_options: Mapping[str, Mapping[str, Any]] | None = None):
+                 interval: str = "1s", job_options: Mapping[str, Mapping[str, Any]] | None = None,
+                 external_labels: Mapping[str, str] | None = None,
+                 remote_write: Sequence[Mapping[str, Any]] = ()):
         super().__init__(workdir)
         self.interval = interval
         config: dict[str, Any] = {
-            "global": {"scrape_interval": interval, "evaluation_interval": interval},
+            "global": {"scrape_interval": interval, "evaluation_interval": interval,
+                       **({"external_labels": dict(external_labels)} if external_labels else {})},
             "rule_files": [str(p) for p in rule_files],
             "scrape_configs": [{"job_name": job, "static_configs": _static_configs(t),
                                 **dict((job_options or {}).get(job, {}))} for job, t in jobs.items()],
         }
+        if remote_write:
+            config["remote_write"] = [dict(r) for r in remote_write]
         if alertmanagers:
             config["alerting"] = {"alertmanagers": [{"static_configs": [{"targets": list(alertmanagers)}]}]}
         self.config_path = self.dir / "prometheus.yml"
@@ -209,6 +214,39 @@ class Prometheus(_Process):
         """'group/rule: error' for every rule whose last evaluation failed."""
         return [f"{g['name']}/{r['name']}: {r.get('lastError')}" for g in self.api("rules")["groups"]
                 for r in g["rules"] if r.get("health") == "err"]
+
+    def wait_for(self, predicate: Callable[[], Any], timeout: float = 60.0, what: str = "condition") -> Any:
+        return wait_until(predicate, timeout, what, detail=self.log)
+
+
+class VictoriaMetrics(_Process):
+    """VictoriaMetrics' single-node server (Debian's ``victoria-metrics``): a long-term store that takes
+    Prometheus ``remote_write`` at ``write_url`` and answers the Prometheus query API. Its default
+    ``-search.latencyOffset`` (30 s) hides the newest samples from queries; here it is 1 s."""
+
+    name = "victoria-metrics"
+    BINARY = "victoria-metrics"
+
+    @property
+    def write_url(self) -> str:
+        return self.url + "/api/v1/write"
+
+    def command(self) -> list[str]:
+        return [shutil.which(self.BINARY) or self.BINARY, f"-httpListenAddr={self.address}",
+                f"-storageDataPath={self.dir / 'data'}", "-retentionPeriod=1d", "-search.latencyOffset=1s",
+                "-loggerLevel=WARN"]
+
+    def _ready(self) -> bool:
+        if self.proc is not None and self.proc.poll() is not None:
+            raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.log()}")
+        return requests.get(self.url + "/health", timeout=1).status_code == 200
+
+    def query(self, expr: str) -> list[dict[str, Any]]:
+        # step: the resolution of a range over an expression (an implicit subquery), 5m by default
+        body = self._get("/api/v1/query", query=expr, step="1s")
+        if body.get("status") != "success":
+            raise AssertionError(f"{expr}: {body.get('errorType')}: {body.get('error')}")
+        return body["data"]["result"]
 
     def wait_for(self, predicate: Callable[[], Any], timeout: float = 60.0, what: str = "condition") -> Any:
         return wait_until(predicate, timeout, what, detail=self.log)

@@ -4,7 +4,7 @@ browser and not slow"` (make test-fast) stays the fast tier and a new slow test 
 
 The markers are declared in pyproject.toml ([tool.pytest.ini_options], with --strict-markers):
     engine   the real vLLM engine: any process run by the vLLM venv's python (KVWATT_VLLM_PYTHON)
-    prom     prometheus, alertmanager, promtool, amtool
+    prom     prometheus, alertmanager, promtool, amtool, victoria-metrics (the fleet test's long-term store)
     browser  chromium
     slow     a real-time scenario: an unmarked test whose call took longer than SLOW_SECONDS (scaled by the
              machine's load per core when above 1, so other work on the cores does not fail a fast test) is
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-PROM_BINARIES = {"prometheus", "promtool", "amtool", "alertmanager", "prometheus-alertmanager"}
+PROM_BINARIES = {"prometheus", "promtool", "amtool", "alertmanager", "prometheus-alertmanager", "victoria-metrics"}
 BROWSER_BINARIES = {"chromium", "chromium-browser"}
 REPO = Path(__file__).resolve().parents[2]
 
