@@ -88,15 +88,17 @@ def test_the_real_low_pressure_capture_satisfies_the_identity():
     assert r.share == 0 and r.residual_share == pytest.approx(-0.0019, abs=0.0002)
 
 
-def test_the_write_model_is_checked_on_a_window_without_preemption():
-    from exporter.derive.recompute import identity_residual, judged
-    quiet = preemption_recompute(window(6000, 3000, 0, writes=A * 8990 + B * 3000), A, B, 60.0)
-    assert identity_residual(quiet, 0.0) == pytest.approx(-10 / 8990)
-    assert identity_residual(quiet, 2.0) is None  # preempted: nothing to check against
-    assert identity_residual(preemption_recompute(window(60, 30, 0), A, B, 60.0), 0.0) is None  # too few tokens
+def test_the_figure_takes_its_write_models_state():
+    """The write model's check on windows without preemption (derive/write_model.py, tests/test_write_model_fit.py)
+    decides the figure's state: provisional while not checked, unknown when its check failed, with the reason."""
+    from exporter.derive.recompute import WriteModel, judged
     busy = preemption_recompute(window(6000, 3000, 1000), A, B, 60.0)
-    assert judged(busy, None).state == "provisional" and "not yet checked" in judged(busy, None).reason
-    assert judged(busy, -0.0019) == busy
-    # tensor parallel 2: the per-GPU estimate halves the heads, the same tokens read as ~twice as many
-    wrong = judged(busy, 0.95)
-    assert wrong.state == "unknown" and wrong.share is None and "+95.0%" in wrong.reason
+    unchecked = WriteModel(bytes_per_token=A, bytes_per_logits_token=B, source="config.json", state="provisional",
+                           reason="the write model is not yet checked on windows without preemption")
+    assert judged(busy, unchecked).state == "provisional" and "not yet checked" in judged(busy, unchecked).reason
+    assert judged(busy, unchecked).share == busy.share and judged(busy, unchecked).write_model is unchecked
+    known = WriteModel(bytes_per_token=A, bytes_per_logits_token=B, source="fitted", state="known")
+    assert judged(busy, known) == busy.__class__(**{**busy.__dict__, "write_model": known})
+    # tensor parallel 2: the per-GPU estimate halves the heads; config.json's model fails, no fit yet
+    wrong = judged(busy, WriteModel(state="unknown", reason="config.json's write model ... leaves 95.0%"))
+    assert wrong.state == "unknown" and wrong.share is None and "95.0%" in wrong.reason
