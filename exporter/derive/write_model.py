@@ -123,7 +123,7 @@ def fit(windows: Sequence[WriteWindow]) -> WriteFit:
     MAX_OUTLIER_SHARE of them are set aside; then checked on held-out windows."""
     n = len(windows)
     if n < FIT_MIN_WINDOWS:
-        return WriteFit(windows=n, reason=f"{n} windows without preemption so far, a fit needs {FIT_MIN_WINDOWS}")
+        return WriteFit(windows=n, reason=f"{_windows(n)} without preemption so far, a fit needs {FIT_MIN_WINDOWS}")
     kept = list(windows)
     first = _least_squares(kept)
     # the window missed most, set aside while it is missed by more than OUTLIER and few are (a glitch drags the
@@ -146,7 +146,7 @@ def fit(windows: Sequence[WriteWindow]) -> WriteFit:
 def _held_out(f: WriteFit, windows: Sequence[WriteWindow]) -> WriteFit:
     """The fit's check: each half of the windows (alternate ones) against the other half's fit."""
     if len(windows) < FIT_CHECK_MIN_WINDOWS:
-        return replace(f, reason=f"fitted on {len(windows)} windows without preemption, checked on held-out "
+        return replace(f, reason=f"fitted on {_windows(len(windows))} without preemption, checked on held-out "
                                  f"ones from {FIT_CHECK_MIN_WINDOWS}")
     halves = (windows[0::2], windows[1::2])
     residuals = []
@@ -159,13 +159,17 @@ def _held_out(f: WriteFit, windows: Sequence[WriteWindow]) -> WriteFit:
 
 
 # --- the model the figure uses ----------------------------------------------------------------------------
-def _verdict(residual: float | None, enough: bool, before: str) -> str:
-    """"passed", "failed" or "" (not checked yet); a check that failed passes again only within RECOVER x the
-    tolerance, one that passed fails beyond the tolerance (hysteresis on the evidence, never a latch)."""
-    if residual is None or not enough:
+def _verdict(residual: float | None, windows: int, tokens: float, before: str) -> str:
+    """"passed", "failed" or "" (not checked yet). Passing needs IDENTITY_MIN_TOKENS scheduled tokens (one full
+    window can show the identity holds, as on the real engine); failing needs CHECK_MIN_WINDOWS windows too (one
+    window holding a resumed request's re-prefill is no evidence against a model). A check that failed passes
+    again only within RECOVER x the tolerance, one that passed fails beyond it: hysteresis, never a latch."""
+    if residual is None or tokens < IDENTITY_MIN_TOKENS:
         return ""
     limit = IDENTITY_TOLERANCE * (RECOVER if before == "failed" else 1.0)
-    return "passed" if residual <= limit else "failed"
+    if residual <= limit:
+        return "passed"
+    return "failed" if windows >= CHECK_MIN_WINDOWS else ""
 
 
 def _coef_words(coef: tuple[float, float]) -> str:
@@ -183,13 +187,12 @@ def choose(configured: tuple[float, float] | None, windows: Sequence[WriteWindow
     and reason, from the windows without preemption and their fit. config.json is used while its check holds
     (exact when it does); the fit replaces it when config.json's check fails, and stands alone without one."""
     before = previous or WriteModel()
-    tokens = sum(w.scheduled for w in windows)
-    enough = len(windows) >= CHECK_MIN_WINDOWS and tokens >= IDENTITY_MIN_TOKENS
+    n, tokens = len(windows), sum(w.scheduled for w in windows)
     cfg_res = check_residual(configured, windows)
-    cfg = _verdict(cfg_res, enough, before.configured_check) if configured else ""
-    fit_ready = (fitted.coefficients is not None and fitted.held_out is not None and enough
+    cfg = _verdict(cfg_res, n, tokens, before.configured_check) if configured else ""
+    fit_ready = (fitted.coefficients is not None and fitted.held_out is not None
                  and fitted.relative_se is not None and fitted.relative_se <= MAX_RELATIVE_SE)
-    fit = _verdict(fitted.held_out, fit_ready, before.fitted_check)
+    fit = _verdict(fitted.held_out, n, tokens, before.fitted_check) if fit_ready else ""
     agrees = None
     if cfg == "passed" and fit == "passed":
         agrees = all(abs(f - c) <= AGREEMENT * c for f, c in zip(fitted.coefficients, configured))
@@ -208,13 +211,14 @@ def choose(configured: tuple[float, float] | None, windows: Sequence[WriteWindow
             return _model(fitted.coefficients, source="fitted", state="known",
                           reason=f"{disagree}; {words} instead" if disagree else "", **common)
         if cfg == "" and configured:  # config.json not checked yet: it stands, provisional, as before the fit
-            return _model(configured, source="config.json", state="provisional", reason=_unchecked(windows),
-                          **common)
-        why = f"the write model is {words}, not yet checked: {_not_checked(fitted, enough)}"
+            return _model(configured, source="config.json", state="provisional",
+                          reason=_unchecked(windows, cfg_res), **common)
+        why = f"the write model is {words}, not yet checked: {_not_checked(fitted, tokens)}"
         return _model(fitted.coefficients, source="fitted", state="provisional",
                       reason=f"{disagree}; {why}" if disagree else why, **common)
     if configured and cfg == "":
-        return _model(configured, source="config.json", state="provisional", reason=_unchecked(windows), **common)
+        return _model(configured, source="config.json", state="provisional", reason=_unchecked(windows, cfg_res),
+                      **common)
     why = fitted.reason or ""
     if fit == "failed":
         why = (f"the write model fitted on windows without preemption ({_coef_words(fitted.coefficients)}) misses "
@@ -224,16 +228,26 @@ def choose(configured: tuple[float, float] | None, windows: Sequence[WriteWindow
     return WriteModel(source="", state="unknown", reason="; ".join(x for x in (disagree, why) if x), **common)
 
 
-def _unchecked(windows: Sequence[WriteWindow]) -> str:
-    return (f"the write model is not yet checked on windows without preemption ({len(windows)} of "
-            f"{CHECK_MIN_WINDOWS}, {sum(w.scheduled for w in windows):,.0f} of {IDENTITY_MIN_TOKENS:,.0f} tokens)")
+def _unchecked(windows: Sequence[WriteWindow], residual: float | None) -> str:
+    tokens = sum(w.scheduled for w in windows)
+    if residual is not None and tokens >= IDENTITY_MIN_TOKENS:  # missed, on too few windows to say it is wrong
+        return (f"config.json's write model misses the windows without preemption by {residual:.1%} of their tokens "
+                f"so far ({_windows(len(windows))}; judged from {CHECK_MIN_WINDOWS})")
+    return (f"the write model is not yet checked on windows without preemption ({_windows(len(windows))}, "
+            f"{tokens:,.0f} of {IDENTITY_MIN_TOKENS:,.0f} tokens)")
 
 
-def _not_checked(f: WriteFit, enough: bool) -> str:
+def _windows(n: int) -> str:
+    return f"{n} window{'' if n == 1 else 's'}"
+
+
+def _not_checked(f: WriteFit, tokens: float) -> str:
     if f.held_out is None:
         return f.reason
-    if not enough:
+    if tokens < IDENTITY_MIN_TOKENS:
         return f"too few tokens on the windows without preemption (under {IDENTITY_MIN_TOKENS:,.0f})"
+    if f.relative_se is not None and f.relative_se <= MAX_RELATIVE_SE:  # held out, missed, on too few windows
+        return f"it misses held-out windows by {f.held_out:.1%} of their tokens so far"
     se = "unknown" if f.relative_se is None else f"{f.relative_se:.1%}"
     return f"its bytes per computed token are known to {se}, not yet {MAX_RELATIVE_SE:.0%}"
 
