@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 import re
+from dataclasses import replace
 
 import pytest
 
@@ -188,3 +189,28 @@ def test_one_failed_check_does_not_keep_the_figure_unknown_through_a_preemption_
             states.append((r.state, r.reason, r.share))
     assert states and all(s == "known" and share is not None for s, _, share in states), states[:3]
     assert m.writes.model.configured_check == "passed" and m.writes.model.source.endswith("config.json")
+
+
+@pytest.mark.slow  # real time: ~45 s (30 s of quiet windows to fit, then the preemption phase's window)
+def test_kvwatt_run_without_model_config_measures_the_recomputation_after_preemption():
+    """A real `kvwatt run` on a simulated vLLM (loopback, 5x simulated time) and no model_config: the quiet
+    half-minute of 2 s windows fits the engine's write model (its true bytes per token recovered), and the
+    preemption phase's post-preemption share is served, the page saying the model is fitted."""
+    from tests.support.daemon import KvwattDaemon
+    from tests.support.loopback import FakeVllm
+
+    scale = 5.0
+    scn = scenario(replace(QUIET, duration_seconds=30 * scale), PRESSURED)
+    with FakeVllm(scn, time_scale=scale) as fv:
+        with KvwattDaemon(servers={"a": fv.url}, config={"windows": ["10s"], "min_load_duration": "2s"},
+                          interval="250ms") as d:
+            # the 10 s window wholly in the preemption phase
+            d.wait_for(lambda d: fv.sim_seconds > (30 + 12) * scale, timeout=90, what="the preemption phase")
+            r = d.status()["servers"][0]["windows"]["10s"]["preemption_recompute"]
+            page = d.get("/").text
+    assert r["state"] in ("known", "provisional") and 0.08 < r["share"] < 0.2, r  # ~150 of ~1,170 tokens/s
+    model = r["write_model"]
+    assert model["source"] == "fitted" and model["config_json"] is None, model
+    assert model["fitted"]["bytes_per_computed_token"] == pytest.approx(A, rel=0.02), model
+    assert model["fitted"]["bytes_per_generated_token"] == pytest.approx(A + B, rel=0.05), model
+    assert 'data-field="write-model">fitted<' in page
