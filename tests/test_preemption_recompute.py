@@ -102,3 +102,11 @@ def test_the_figure_takes_its_write_models_state():
     # tensor parallel 2: the per-GPU estimate halves the heads; config.json's model fails, no fit yet
     wrong = judged(busy, WriteModel(state="unknown", reason="config.json's write model ... leaves 95.0%"))
     assert wrong.state == "unknown" and wrong.share is None and "95.0%" in wrong.reason
+
+
+def test_a_handful_of_scheduled_tokens_gives_no_share():
+    """The demo's engine, stopped with requests in flight, wrote 7 tokens' worth (38,912 B) its counters never saw
+    (the requests were aborted): before, "100 % recomputed after preemption", known, for a window of nothing."""
+    r = preemption_recompute(window(0, 0, 0, seconds=30.0, writes=38912.0), 5629.0, 3869.0, 30.0)
+    assert r.share is None and r.state == "provisional" and "only 7 tokens scheduled" in r.reason
+    assert r.tokens_per_second == pytest.approx(38912.0 / 5629.0 / 30.0)

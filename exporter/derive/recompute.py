@@ -98,6 +98,9 @@ MIN_COVERED_SHARE = 0.8  # a window less covered is provisional (as the onset's,
 # (tensor parallel 2 halves the per-GPU heads): 2 % tells the two apart (derive/write_model.py applies it)
 IDENTITY_MIN_TOKENS = 1000.0
 IDENTITY_TOLERANCE = 0.02
+# fewer scheduled tokens in a window give no share: the demo's engine, stopped with requests in flight, wrote 7
+# tokens' worth its counters never saw (aborted), a "100 % recomputed" window of nothing
+MIN_SCHEDULED_TOKENS = 100.0
 NO_WRITE_MODEL = ("the model's write traffic per token is unknown (a dense decoder's config.json as "
                   "servers[].model_config; MoE models are not modelled)")
 
@@ -178,6 +181,10 @@ def preemption_recompute(x: WindowAggregate, write_bytes_per_token: float | None
         return PreemptionRecompute(0.0, None, 0.0, None, "known", "no tokens scheduled in the window", 0.0)
     recomputed = scheduled - computed - generated
     clipped = max(recomputed, 0.0)
+    if scheduled < MIN_SCHEDULED_TOKENS:
+        return PreemptionRecompute(clipped / seconds, None, scheduled / seconds, None, "provisional",
+                                   f"only {scheduled:.0f} tokens scheduled in the window: too few for a share",
+                                   scheduled)
     fig = PreemptionRecompute(clipped / seconds, clipped / scheduled, scheduled / seconds, recomputed / scheduled,
                               "known", "", scheduled)
     if x.covered_seconds < MIN_COVERED_SHARE * window_seconds:

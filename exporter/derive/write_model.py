@@ -24,10 +24,10 @@ from dataclasses import dataclass, replace
 from typing import Sequence
 
 from exporter.derive.phase_energy import condition_number, nnls
-from exporter.derive.recompute import IDENTITY_MIN_TOKENS, IDENTITY_TOLERANCE, WriteModel
+from exporter.derive.recompute import IDENTITY_MIN_TOKENS, IDENTITY_TOLERANCE, MIN_SCHEDULED_TOKENS, WriteModel
 
 MIN_COVERAGE_RATIO = 0.9  # as phase_energy: a window counts when samples cover 90 % of it
-MIN_WINDOW_TOKENS = 100.0  # fewer scheduled tokens: the whole-token counters' rounding is > 1 % of the ratio
+MIN_WINDOW_TOKENS = MIN_SCHEDULED_TOKENS  # fewer: the whole-token counters' rounding is > 1 % of the ratio
 MAX_BYTES_PER_TOKEN = 1e9  # a 405B dense decoder's estimate bills ~54 MB per token: 1 GB/token is a broken counter
 # a window ending less than this after one that preempted may hold the resumed requests' re-prefill (a preempted
 # request waits for blocks, then computes its context again): not a window without recomputation
