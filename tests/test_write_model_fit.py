@@ -17,7 +17,7 @@ import pytest
 
 from exporter.config import from_mapping
 from exporter.derive import write_model as wm
-from exporter.derive.recompute import preemption_recompute
+from exporter.derive.recompute import IDENTITY_TOLERANCE, preemption_recompute
 from exporter.model.server import ServerModel
 from exporter.samples import Interval, SourceStatus
 from exporter.sources.vllm import VllmAdapter
@@ -214,3 +214,36 @@ def test_kvwatt_run_without_model_config_measures_the_recomputation_after_preemp
     assert model["fitted"]["bytes_per_computed_token"] == pytest.approx(A, rel=0.02), model
     assert model["fitted"]["bytes_per_generated_token"] == pytest.approx(A + B, rel=0.05), model
     assert 'data-field="write-model">fitted<' in page
+
+
+def replay(name: str, model_config: str | None = None) -> ServerModel:
+    """The demo's story (exporter/demo/story.py: /metrics captured once a second from a REAL vLLM 0.32 CPU engine
+    serving the tiny Llama, quiet then KV pressure then a stall) through ServerModel with the demo's settings."""
+    from exporter.commands.demo import config
+    from exporter.demo import story
+    cfg = config("127.0.0.1:1", "http://127.0.0.1:9", "http://127.0.0.1:10", 150.0, "/nonexistent-kvwatt-state")
+    server = replace(cfg.servers[0], model_config_path=model_config)
+    m, adapter = ServerModel(server, replace(cfg, servers=(server,))), VllmAdapter()
+    ok = SourceStatus("vllm", server.name, True, "", 0.01, "ok")
+    for f in story.load(name):
+        m.read(f.t + 1.0, ok, adapter.read(f.text))
+        m.learn(f.t + 1.0)
+    return m
+
+
+@pytest.mark.parametrize("name", ["story.jsonl.xz", "story-offload.jsonl.xz"])
+def test_the_real_engines_windows_fit_config_jsons_write_model(name):
+    """On the real engine's captures the fit recovers the bytes per token config.json gives (5,632 per computed
+    prompt token to 1 %, 9,728 per generated one to 5 %: fewer generated tokens, and the chunked-prefill logits
+    rows), checked on held-out windows within 0.5 %; with config.json given, the two agree."""
+    fitted = replay(name).writes.model
+    assert (fitted.state, fitted.source) == ("known", "fitted") and fitted.windows >= 8, fitted
+    assert fitted.fitted[0] == pytest.approx(A, rel=0.01) and fitted.fitted[1] == pytest.approx(A + B, rel=0.05)
+    assert fitted.fitted_residual < 0.005
+    both = replay(name, CONFIG).writes.model
+    print(f"\n{name}: fitted {fitted.fitted} (held out {fitted.fitted_residual:.4f}), config.json {both.configured} "
+          f"(its check {both.configured_residual:.4f})")
+    assert (both.state, both.source, both.agrees) == ("known", "fitted and config.json agree", True), both
+    # config.json misses the offloading engine's windows by 1.3 % (median), the fit by 0.3 %: within the tolerance
+    # (not explained here; the fitted bytes per generated token are 2-4 % under config.json's a + b on both)
+    assert both.configured_residual <= IDENTITY_TOLERANCE and both.bytes_per_token == A
