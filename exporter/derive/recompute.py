@@ -113,6 +113,8 @@ class PreemptionRecompute:
     resumes (recomputed OFF, reloaded ON) moves no token counter. vLLM's write-traffic estimate
     (vllm:estimated_write_bytes_per_gpu_total, --enable-mfu-metrics) is built from every scheduled token:
         scheduled = (write bytes - bytes per logits token x generated) / bytes per token
+    (the bytes per token: the write model, fitted from the engine's windows without preemption or config.json's,
+    derive/write_model.py)
         recomputed = scheduled - prompt tokens computed (first prefills) - generated tokens
     ``residual_share`` is recomputed / scheduled before clipping at 0: with no preemption it is the identity's
     error (a logits row per chunked-prefill step the estimate also bills), measured below 0.5 % on the real
