@@ -54,9 +54,8 @@ class ServerModel:
         self.offload = offload_figures.setup(server)
         # the post-preemption recomputation's write model: fitted from windows without preemption, config.json's
         # coefficients (c_p, c_g) = (a, a + b) a cross-check where given (methods.md s4)
-        model = self.offload.model
-        a, b = (model.engine_write_bytes_per_token, model.engine_write_bytes_per_logits_token) if model else (None,
-                                                                                                            None)
+        m = self.offload.model
+        a, b = (m.engine_write_bytes_per_token, m.engine_write_bytes_per_logits_token) if m else (None, None)
         self.writes = WriteModelLearner(server.name, self.repeat_seconds, cfg.phase_history_seconds,
                                         (a, a + b) if a and b is not None else None)
         self.status = SourceStatus("vllm", server.name, False, "not_read_yet", 0.0, "down")

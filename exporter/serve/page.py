@@ -584,7 +584,6 @@ def _write_model_words(m: dict | None) -> str:
     return f'<span data-field="write-model">{_e(m["source"])}</span>{state}'
 
 
-
 def _at(w: dict, path: tuple[str, ...]):
     """The value at ``path`` in a window's dict; None where a level is missing or null (unknown)."""
     x = w
