@@ -107,6 +107,10 @@ def test_a_counter_that_jumped_in_one_window_is_set_aside():
     m = chosen(ws)
     assert (m.state, m.source) == ("known", "fitted") and m.bytes_per_token == pytest.approx(A, rel=0.01)
     assert wm.fit(ws).set_aside == 1
+    # a window with re-prefill no counted preemption preceded (8 % of its tokens) is set aside too
+    ws[7] = wm.WriteWindow(writes_bytes=ws[8].writes_bytes + 0.08 * ws[8].scheduled * A, computed=ws[8].computed,
+                           generated=ws[8].generated)
+    assert wm.fit(ws).set_aside == 1 and chosen(ws).bytes_per_token == pytest.approx(A, rel=0.005)
     # a jump no model could make is no observation at all
     broken = aggregate_of([Interval(0.0, 30.0, {"prompt_local_compute": 500.0, "generation_tokens": 500.0,
                                                 "engine_write_bytes": 1.5e20, "preemptions": 0.0}, {})])
@@ -191,7 +195,7 @@ def test_one_failed_check_does_not_keep_the_figure_unknown_through_a_preemption_
     assert m.writes.model.configured_check == "passed" and m.writes.model.source.endswith("config.json")
 
 
-@pytest.mark.slow  # real time: ~45 s (30 s of quiet windows to fit, then the preemption phase's window)
+@pytest.mark.slow  # real time: ~47 s (30 s of quiet windows to fit, then the preemption phase's window)
 def test_kvwatt_run_without_model_config_measures_the_recomputation_after_preemption():
     """A real `kvwatt run` on a simulated vLLM (loopback, 5x simulated time) and no model_config: the quiet
     half-minute of 2 s windows fits the engine's write model (its true bytes per token recovered), and the
@@ -200,12 +204,16 @@ def test_kvwatt_run_without_model_config_measures_the_recomputation_after_preemp
     from tests.support.loopback import FakeVllm
 
     scale = 5.0
-    scn = scenario(replace(QUIET, duration_seconds=30 * scale), PRESSURED)
+    # preemptions come first, their re-prefill after (a phase that recomputed before any preemption was counted
+    # would hand the fit a window of re-prefill without one, which no engine does)
+    onset = replace(PRESSURED, name="onset", duration_seconds=2 * scale, preemptions_per_minute=120.0,
+                    recomputed_tokens_per_second=0.0)
+    scn = scenario(replace(QUIET, duration_seconds=30 * scale), onset, PRESSURED)
     with FakeVllm(scn, time_scale=scale) as fv:
         with KvwattDaemon(servers={"a": fv.url}, config={"windows": ["10s"], "min_load_duration": "2s"},
                           interval="250ms") as d:
             # the 10 s window wholly in the preemption phase
-            d.wait_for(lambda d: fv.sim_seconds > (30 + 12) * scale, timeout=90, what="the preemption phase")
+            d.wait_for(lambda d: fv.sim_seconds > (30 + 2 + 12) * scale, timeout=90, what="the preemption phase")
             r = d.status()["servers"][0]["windows"]["10s"]["preemption_recompute"]
             page = d.get("/").text
     assert r["state"] in ("known", "provisional") and 0.08 < r["share"] < 0.2, r  # ~150 of ~1,170 tokens/s

@@ -41,7 +41,9 @@ CHECK_MIN_WINDOWS = 3  # any check (passed or failed) rests on this many windows
 MAX_CONDITION = 1e4
 MAX_RELATIVE_SE = 0.02  # bytes per computed token known to 2 %: the recomputed tokens scale with its inverse
 AGREEMENT = 0.05  # a fit and config.json agree when each coefficient is within 5 % (and both checks pass)
-OUTLIER = 0.25  # a window the fit misses by a quarter of its tokens is a counter glitch, not the engine ...
+# a window the fit misses by 5 % of its tokens (the real engine's windows: under 0.5 %) holds something else: a
+# counter glitch, or re-prefill the preemption counter did not show (a resumption the guard missed) ...
+OUTLIER = 0.05
 MAX_OUTLIER_SHARE = 0.1  # ... set aside while such windows are at most a tenth of them (more: the fit is wrong)
 RECOVER = 0.5  # a failed check passes again only within half the tolerance (hysteresis)
 
