@@ -117,6 +117,21 @@ def test_a_counter_that_jumped_in_one_window_is_set_aside():
     assert wm.observation(broken, 30.0) is None
 
 
+def test_too_many_windows_of_unseen_re_prefill_keep_the_fit_provisional():
+    """Re-prefill no counted preemption preceded in 3 of 14 windows (too many to set aside; a prompt-heavier mix,
+    so they pull the bytes per computed token up by 17 %): the fit is not called known, and says why."""
+    rng = random.Random(3)
+    ws = [wm.WriteWindow(writes_bytes=A * 5400 + (A + B) * g, computed=5400.0, generated=g)
+          for g in (round(4000 * (1 + rng.gauss(0, 0.25))) for _ in range(14))]
+    for k in (3, 8, 11):
+        ws[k] = wm.WriteWindow(writes_bytes=A * (6300 + 750) + (A + B) * 3500, computed=6300.0, generated=3500.0)
+    f = wm.fit(ws)
+    assert f.set_aside == 0 and f.coefficients[0] > 1.1 * A
+    m = chosen(ws)
+    assert (m.state, m.source, m.fitted_check) == ("provisional", "fitted", ""), m
+    assert "not yet checked" in m.reason and ("known to" in m.reason or "halves" in m.reason)
+
+
 def test_a_failed_check_is_re_judged_with_hysteresis_not_latched():
     off = (A * 1.1, A * 1.1 + B)
     # two windows that miss config.json's model are no evidence against it yet: provisional, saying by how much

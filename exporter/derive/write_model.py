@@ -40,6 +40,7 @@ CHECK_MIN_WINDOWS = 3  # any check (passed or failed) rests on this many windows
 # regression's (rules.PHASE_MAX_CONDITION) still fits; the held-out check and the SE say whether it did
 MAX_CONDITION = 1e4
 MAX_RELATIVE_SE = 0.02  # bytes per computed token known to 2 %: the recomputed tokens scale with its inverse
+HALVES_AGREEMENT = 0.02  # and the two halves' fits give it within 2 % of each other (the real engine's: 0.5-0.7 %)
 AGREEMENT = 0.05  # a fit and config.json agree when each coefficient is within 5 % (and both checks pass)
 # a window the fit misses by 5 % of its tokens (the real engine's windows: under 0.5 %) holds something else: a
 # counter glitch, or re-prefill the preemption counter did not show (a resumption the guard missed) ...
@@ -101,6 +102,7 @@ class WriteFit:
     condition: float | None = None
     relative_se: float | None = None
     held_out: float | None = None
+    halves_spread: float | None = None  # |c_p of one half - of the other| / the smaller
     reason: str = ""
 
 
@@ -151,13 +153,15 @@ def _held_out(f: WriteFit, windows: Sequence[WriteWindow]) -> WriteFit:
         return replace(f, reason=f"fitted on {_windows(len(windows))} without preemption, checked on held-out "
                                  f"ones from {FIT_CHECK_MIN_WINDOWS}")
     halves = (windows[0::2], windows[1::2])
-    residuals = []
+    residuals, per_token = [], []
     for fitted_on, held in (halves, halves[::-1]):
         half = _least_squares(fitted_on)
         if isinstance(half, str):
             return replace(f, reason=f"not checked on held-out windows: on half of them {half}")
         residuals += [abs(residual_share(half[0], w)) for w in held]
-    return replace(f, held_out=statistics.median(residuals))
+        per_token.append(half[0][0])
+    return replace(f, held_out=statistics.median(residuals),
+                   halves_spread=abs(per_token[0] - per_token[1]) / min(per_token))
 
 
 # --- the model the figure uses ----------------------------------------------------------------------------
@@ -193,7 +197,8 @@ def choose(configured: tuple[float, float] | None, windows: Sequence[WriteWindow
     cfg_res = check_residual(configured, windows)
     cfg = _verdict(cfg_res, n, tokens, before.configured_check) if configured else ""
     fit_ready = (fitted.coefficients is not None and fitted.held_out is not None
-                 and fitted.relative_se is not None and fitted.relative_se <= MAX_RELATIVE_SE)
+                 and fitted.relative_se is not None and fitted.relative_se <= MAX_RELATIVE_SE
+                 and fitted.halves_spread is not None and fitted.halves_spread <= HALVES_AGREEMENT)
     fit = _verdict(fitted.held_out, n, tokens, before.fitted_check) if fit_ready else ""
     agrees = None
     if cfg == "passed" and fit == "passed":
@@ -248,10 +253,13 @@ def _not_checked(f: WriteFit, tokens: float) -> str:
         return f.reason
     if tokens < IDENTITY_MIN_TOKENS:
         return f"too few tokens on the windows without preemption (under {IDENTITY_MIN_TOKENS:,.0f})"
-    if f.relative_se is not None and f.relative_se <= MAX_RELATIVE_SE:  # held out, missed, on too few windows
-        return f"it misses held-out windows by {f.held_out:.1%} of their tokens so far"
-    se = "unknown" if f.relative_se is None else f"{f.relative_se:.1%}"
-    return f"its bytes per computed token are known to {se}, not yet {MAX_RELATIVE_SE:.0%}"
+    if f.relative_se is None or f.relative_se > MAX_RELATIVE_SE:
+        se = "unknown" if f.relative_se is None else f"{f.relative_se:.1%}"
+        return f"its bytes per computed token are known to {se}, not yet {MAX_RELATIVE_SE:.0%}"
+    if f.halves_spread is not None and f.halves_spread > HALVES_AGREEMENT:
+        return (f"the two halves of its windows give bytes per computed token {f.halves_spread:.1%} apart (more "
+                f"than {HALVES_AGREEMENT:.0%})")
+    return f"it misses held-out windows by {f.held_out:.1%} of their tokens so far"
 
 
 def _differ(f: WriteFit, configured: tuple[float, float]) -> str:
