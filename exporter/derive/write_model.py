@@ -32,7 +32,9 @@ MAX_BYTES_PER_TOKEN = 1e9  # a 405B dense decoder's estimate bills ~54 MB per to
 # a window ending less than this after one that preempted may hold the resumed requests' re-prefill (a preempted
 # request waits for blocks, then computes its context again): not a window without recomputation
 GUARD_SECONDS = 30.0
-FIT_MIN_WINDOWS = 4  # a fit (provisional) needs this many windows without preemption
+# a fit (provisional) needs this many windows without preemption: two coefficients and one degree of freedom
+# (the demo's quiet act gives 3 by the time its engine comes under pressure)
+FIT_MIN_WINDOWS = 3
 FIT_CHECK_MIN_WINDOWS = 8  # and its held-out check two halves of at least 4
 CHECK_MIN_WINDOWS = 3  # any check (passed or failed) rests on this many windows, and IDENTITY_MIN_TOKENS in all
 # the mix of computed and generated tokens must vary for the two coefficients to be told apart; the estimate has
