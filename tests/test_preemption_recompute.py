@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from exporter.derive.phase_energy import PhaseCosts
-from exporter.derive.recompute import preemption_recompute, preemption_recompute_watts
+from exporter.derive.recompute import PreemptionRecompute, preemption_recompute, preemption_recompute_watts
 from exporter.samples import Interval
 from exporter.sources import model_config
 from exporter.sources.expfmt import parse
@@ -104,9 +104,26 @@ def test_the_figure_takes_its_write_models_state():
     assert wrong.state == "unknown" and wrong.share is None and "95.0%" in wrong.reason
 
 
-def test_a_handful_of_scheduled_tokens_gives_no_share():
+def test_a_handful_of_scheduled_tokens_gives_no_figure():
     """The demo's engine, stopped with requests in flight, wrote 7 tokens' worth (38,912 B) its counters never saw
-    (the requests were aborted): before, "100 % recomputed after preemption", known, for a window of nothing."""
+    (the requests were aborted): before, "100 % recomputed after preemption", known, for a window of nothing (and
+    its power, on the idle GPU, above the window's marginal power: rejected by the bounds)."""
     r = preemption_recompute(window(0, 0, 0, seconds=30.0, writes=38912.0), 5629.0, 3869.0, 30.0)
-    assert r.share is None and r.state == "provisional" and "only 7 tokens scheduled" in r.reason
-    assert r.tokens_per_second == pytest.approx(38912.0 / 5629.0 / 30.0)
+    assert r.state == "unknown" and "only 7 tokens scheduled" in r.reason
+    assert r.share is None and r.tokens_per_second is None
+
+
+def test_its_power_is_priced_within_the_windows_own_energy():
+    """As the tax (methods.md s12): the recomputed tokens are computed prompt tokens beside the counted ones, so
+    their price is capped at what the window's marginal energy allows for all of them (a GPU double that charges
+    no re-prefill, as the demo's, or costs learned where no recomputation showed, would price it above)."""
+    from exporter.derive.energy import priced_with_recomputation
+    costs = PhaseCosts("gpu", 0.05, None, 0.3, None, None, None, 30, "known", "", "measured")
+    deltas = {"prompt_local_compute": 600.0, "generation_tokens": 100.0, "engine_write_bytes": 1.0}
+    iv = Interval(0.0, 10.0, deltas, {}, energy_joules={"gpu": 700.0 + 40.0}, idle_joules={"gpu": 700.0})
+    agg = aggregate_of([iv])  # marginal 40 J over 10 s: 4 W; 600 counted + 900 recomputed prompt tokens
+    again = PreemptionRecompute(tokens_per_second=90.0, state="known")
+    assert preemption_recompute_watts(again, costs) == pytest.approx(4.5)  # 90 x 0.05: above the 4 W
+    watts = preemption_recompute_watts(again, priced_with_recomputation(agg, costs, 90.0))
+    assert watts == pytest.approx(90.0 * 40.0 / 1500.0) and watts <= 4.0
+    assert priced_with_recomputation(agg, costs, 0.0) == costs  # 0.05 x 600 = 30 J <= 40 J: the price as learned

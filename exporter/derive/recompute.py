@@ -98,7 +98,7 @@ MIN_COVERED_SHARE = 0.8  # a window less covered is provisional (as the onset's,
 # (tensor parallel 2 halves the per-GPU heads): 2 % tells the two apart (derive/write_model.py applies it)
 IDENTITY_MIN_TOKENS = 1000.0
 IDENTITY_TOLERANCE = 0.02
-# fewer scheduled tokens in a window give no share: the demo's engine, stopped with requests in flight, wrote 7
+# fewer scheduled tokens in a window give no figure: the demo's engine, stopped with requests in flight, wrote 7
 # tokens' worth its counters never saw (aborted), a "100 % recomputed" window of nothing
 MIN_SCHEDULED_TOKENS = 100.0
 NO_WRITE_MODEL = ("the model's write traffic per token is unknown (a dense decoder's config.json as "
@@ -184,9 +184,8 @@ def preemption_recompute(x: WindowAggregate, write_bytes_per_token: float | None
     recomputed = scheduled - computed - generated
     clipped = max(recomputed, 0.0)
     if scheduled < MIN_SCHEDULED_TOKENS:
-        return PreemptionRecompute(clipped / seconds, None, scheduled / seconds, None, "provisional",
-                                   f"only {scheduled:.0f} tokens scheduled in the window: too few for a share",
-                                   scheduled)
+        return PreemptionRecompute(reason=f"only {scheduled:.0f} tokens scheduled in the window: too few to tell",
+                                   scheduled_tokens=scheduled)
     fig = PreemptionRecompute(clipped / seconds, clipped / scheduled, scheduled / seconds, recomputed / scheduled,
                               "known", "", scheduled)
     if x.covered_seconds < MIN_COVERED_SHARE * window_seconds:
@@ -212,7 +211,8 @@ def judged(r: PreemptionRecompute, model: WriteModel) -> PreemptionRecompute:
 
 def preemption_recompute_watts(recompute: PreemptionRecompute, costs) -> float | None:
     """W spent on the window's post-preemption recomputation: recomputed tokens/s x J per computed prompt token
-    (methods.md s12; a re-prefill is a prefill). None without the figure or a usable price."""
+    (methods.md s12; a re-prefill is a prefill). None without the figure or a usable price. ``costs`` as the
+    window may price them (derive/energy.py ``priced_with_recomputation``: within its own energy, as the tax)."""
     if recompute.tokens_per_second is None or costs is None or not costs.usable:
         return None
     return recompute.tokens_per_second * costs.prompt_computed_j

@@ -195,8 +195,8 @@ class ServerModel:
         capacity = pressure.waiting_for_capacity(agg)
         regime_state, regime_reason = self._regime_why.get(seconds, self._unknown_regime())
         again = self._again(agg, seconds)
-        again_watts = {c.scope: w for c in self.phase.figures()
-                       if (w := recompute.preemption_recompute_watts(again, c)) is not None}
+        again_watts = {c.scope: w for c in self.phase.figures() if (w := recompute.preemption_recompute_watts(
+            again, derive_energy.priced_with_recomputation(agg, c, again.tokens_per_second))) is not None}
         energy = self._energy(agg)
         priced = derive_energy.tax_in_energy(agg, self.reference.value, self.phase.figures(),
                                              self.info.offload_enabled if self.info else None,
