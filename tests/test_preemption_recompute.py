@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from exporter.derive.phase_energy import PhaseCosts
-from exporter.derive.recompute import preemption_recompute, preemption_recompute_watts
+from exporter.derive.recompute import PreemptionRecompute, preemption_recompute, preemption_recompute_watts
 from exporter.samples import Interval
 from exporter.sources import model_config
 from exporter.sources.expfmt import parse
@@ -88,15 +88,42 @@ def test_the_real_low_pressure_capture_satisfies_the_identity():
     assert r.share == 0 and r.residual_share == pytest.approx(-0.0019, abs=0.0002)
 
 
-def test_the_write_model_is_checked_on_a_window_without_preemption():
-    from exporter.derive.recompute import identity_residual, judged
-    quiet = preemption_recompute(window(6000, 3000, 0, writes=A * 8990 + B * 3000), A, B, 60.0)
-    assert identity_residual(quiet, 0.0) == pytest.approx(-10 / 8990)
-    assert identity_residual(quiet, 2.0) is None  # preempted: nothing to check against
-    assert identity_residual(preemption_recompute(window(60, 30, 0), A, B, 60.0), 0.0) is None  # too few tokens
+def test_the_figure_takes_its_write_models_state():
+    """The write model's check on windows without preemption (derive/write_model.py, tests/test_write_model_fit.py)
+    decides the figure's state: provisional while not checked, unknown when its check failed, with the reason."""
+    from exporter.derive.recompute import WriteModel, judged
     busy = preemption_recompute(window(6000, 3000, 1000), A, B, 60.0)
-    assert judged(busy, None).state == "provisional" and "not yet checked" in judged(busy, None).reason
-    assert judged(busy, -0.0019) == busy
-    # tensor parallel 2: the per-GPU estimate halves the heads, the same tokens read as ~twice as many
-    wrong = judged(busy, 0.95)
-    assert wrong.state == "unknown" and wrong.share is None and "+95.0%" in wrong.reason
+    unchecked = WriteModel(bytes_per_token=A, bytes_per_logits_token=B, source="config.json", state="provisional",
+                           reason="the write model is not yet checked on windows without preemption")
+    assert judged(busy, unchecked).state == "provisional" and "not yet checked" in judged(busy, unchecked).reason
+    assert judged(busy, unchecked).share == busy.share and judged(busy, unchecked).write_model is unchecked
+    known = WriteModel(bytes_per_token=A, bytes_per_logits_token=B, source="fitted", state="known")
+    assert judged(busy, known) == busy.__class__(**{**busy.__dict__, "write_model": known})
+    # tensor parallel 2: the per-GPU estimate halves the heads; config.json's model fails, no fit yet
+    wrong = judged(busy, WriteModel(state="unknown", reason="config.json's write model ... leaves 95.0%"))
+    assert wrong.state == "unknown" and wrong.share is None and "95.0%" in wrong.reason
+
+
+def test_a_handful_of_scheduled_tokens_gives_no_figure():
+    """The demo's engine, stopped with requests in flight, wrote 7 tokens' worth (38,912 B) its counters never saw
+    (the requests were aborted): before, "100 % recomputed after preemption", known, for a window of nothing (and
+    its power, on the idle GPU, above the window's marginal power: rejected by the bounds)."""
+    r = preemption_recompute(window(0, 0, 0, seconds=30.0, writes=38912.0), 5629.0, 3869.0, 30.0)
+    assert r.state == "unknown" and "only 7 tokens scheduled" in r.reason
+    assert r.share is None and r.tokens_per_second is None
+
+
+def test_its_power_is_priced_within_the_windows_own_energy():
+    """As the tax (methods.md s12): the recomputed tokens are computed prompt tokens beside the counted ones, so
+    their price is capped at what the window's marginal energy allows for all of them (a GPU double that charges
+    no re-prefill, as the demo's, or costs learned where no recomputation showed, would price it above)."""
+    from exporter.derive.energy import priced_with_recomputation
+    costs = PhaseCosts("gpu", 0.05, None, 0.3, None, None, None, 30, "known", "", "measured")
+    deltas = {"prompt_local_compute": 600.0, "generation_tokens": 100.0, "engine_write_bytes": 1.0}
+    iv = Interval(0.0, 10.0, deltas, {}, energy_joules={"gpu": 700.0 + 40.0}, idle_joules={"gpu": 700.0})
+    agg = aggregate_of([iv])  # marginal 40 J over 10 s: 4 W; 600 counted + 900 recomputed prompt tokens
+    again = PreemptionRecompute(tokens_per_second=90.0, state="known")
+    assert preemption_recompute_watts(again, costs) == pytest.approx(4.5)  # 90 x 0.05: above the 4 W
+    watts = preemption_recompute_watts(again, priced_with_recomputation(agg, costs, 90.0))
+    assert watts == pytest.approx(90.0 * 40.0 / 1500.0) and watts <= 4.0
+    assert priced_with_recomputation(agg, costs, 0.0) == costs  # 0.05 x 600 = 30 J <= 40 J: the price as learned

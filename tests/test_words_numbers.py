@@ -143,6 +143,14 @@ TEMPLATES = {
     ("exporter/model/offload.py", "against {}/s over the {} the verdict reads"): "a window's span, not a comparison",
     ("exporter/model/offload.py", ") times the {} {} s times {} headroom; the verdict needs only residency >= {} s"):
         "the verdict's rule stated (residency at least the target), no measured residency beside it",
+    ("exporter/derive/write_model.py", "config.json's write model is used; the fit ({}) differs from it ({}) by "
+     "more than {} though both explain the windows"): "the agreement rule stated; the two models' coefficients "
+     "are printed whole, their difference is not",
+    ("exporter/derive/write_model.py", "the mix of computed and generated tokens does not vary enough over the "
+     "windows without preemption to tell their bytes apart (condition {})"): "'over' a set of windows; the "
+     "condition's comparison is derive.compare.op's",
+    ("exporter/derive/write_model.py", "too few tokens on the windows without preemption (under {})"):
+        "a rule's bound, no value beside it",
 }
 
 

@@ -27,7 +27,21 @@ def _again_json(r) -> dict | None:
         return None
     return {"tokens_per_second": r.tokens_per_second, "share": r.share,
             "scheduled_tokens_per_second": r.scheduled_tokens_per_second, "residual_share": r.residual_share,
-            "state": r.state, "reason": r.reason}
+            "state": r.state, "reason": r.reason, "write_model": _write_model_json(r.write_model)}
+
+
+def _write_model_json(m) -> dict | None:
+    """The write model the figure used (methods.md s4): where it came from (fitted, config.json, or both
+    agreeing), its state and each candidate's coefficients (bytes per computed prompt token, per generated
+    token) and check."""
+    if m is None:
+        return None
+    def side(coef, residual, check):
+        return None if coef is None else {"bytes_per_computed_token": coef[0], "bytes_per_generated_token": coef[1],
+                                          "residual_share": residual, "check": check or "not_yet"}
+    return {"source": m.source or None, "state": m.state, "reason": m.reason, "windows": m.windows,
+            "fitted": side(m.fitted, m.fitted_residual, m.fitted_check),
+            "config_json": side(m.configured, m.configured_residual, m.configured_check), "agrees": m.agrees}
 
 
 def _located(attr: str):
@@ -420,10 +434,11 @@ REGIME: tuple[MetricDef, ...] = (
     MetricDef(
         name="kvwatt_preemption_recompute_tokens_per_second", type="gauge", labels=("server", "window"),
         help="Tokens computed again after a preemption (a resumed request's prompt and generated context), per "
-             "second: every token vLLM scheduled (its write-traffic estimate, --enable-mfu-metrics, over the model's "
-             "bytes per token from config.json) less the first prefills and generated tokens its counters see "
-             "(methods.md s4). vLLM 0.16+ counts prompt tokens by source on first prefills only, so the "
-             "recomputation tax misses this work. State and reason in /api/status.",
+             "second: every token vLLM scheduled (its write-traffic estimate, --enable-mfu-metrics, over the bytes "
+             "per token fitted from the engine's windows without preemption, or config.json's) less the first "
+             "prefills and generated tokens its counters see (methods.md s4). vLLM 0.16+ counts prompt tokens by "
+             "source on first prefills only, so the recomputation tax misses this work. State, reason and the write "
+             "model's source (fitted, config.json, both agree) in /api/status.",
         computes="derive.recompute.preemption_recompute",
         section=SECTION,
         status=window_key("preemption_recompute", lambda w: _again(w, "tokens_per_second"),
@@ -437,7 +452,8 @@ REGIME: tuple[MetricDef, ...] = (
         computes="derive.recompute.preemption_recompute",
         section=SECTION,
         status=window_key("preemption_recompute_share", lambda w: _again(w, "share")),
-        words=(Words("recomputed after preemption (of scheduled tokens)", "percent"),),
+        words=(Words("recomputed after preemption (of scheduled tokens)", "percent"),
+               Words("its write model", "write_model", path=("preemption_recompute", "write_model"))),
         bounds=bounds.SHARE,
     ),
 )

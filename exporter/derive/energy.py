@@ -100,6 +100,23 @@ def prompt_attribution(agg: WindowAggregate, min_load_seconds: float,
     return {"local_compute": unit, "external_kv_transfer": load_to_compute_cost_ratio * unit}
 
 
+def priced_with_recomputation(agg: WindowAggregate, costs: PhaseCosts,
+                              recomputed_tokens_per_second: float | None) -> PhaseCosts | None:
+    """The scope's costs as the window may price its post-preemption recomputation (methods.md s4, s12): the
+    recomputed tokens are computed prompt tokens beside the counted ones, so the price is capped at what the
+    window's own energy allows for all of them (phase_energy.within_energy, as the tax): its power is then a
+    part of the scope's marginal power. None without the scope's energy and P_idle or a positive marginal energy."""
+    used = agg.scope(costs.scope)
+    if used is None or used.idle_joules is None or used.covered_seconds <= 0:
+        return None
+    counts = token_counts(used)
+    if not counts:
+        return None
+    again = (recomputed_tokens_per_second or 0.0) * used.covered_seconds
+    return phase_energy.within_energy(costs, used.energy_joules - used.idle_joules, counts["local_compute"] + again,
+                                      counts["external_kv_transfer"])
+
+
 def tax_in_energy(agg: WindowAggregate, reference_share: float | None, costs: Sequence[PhaseCosts],
                   offload_enabled: bool | None, load_to_compute_cost_ratio: float) -> dict[str, dict | None]:
     """The recomputation tax and the offloading saving of the window in W per scope (methods.md s12), priced

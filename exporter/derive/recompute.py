@@ -93,11 +93,16 @@ def mfu_view(x: WindowAggregate,
 
 # --- the recomputation no token counter shows (methods.md s4, "after preemption") --------------------------
 MIN_COVERED_SHARE = 0.8  # a window less covered is provisional (as the onset's, derive/pressure.py)
-# the token identity's check: a window without preemption and with at least this many scheduled tokens must
+# the token identity's check: windows without preemption with at least this many scheduled tokens in all must
 # give recomputed ~ 0; measured -0.19 % and under 0.5 % on the real engine, +100 % when the shape is wrong
-# (tensor parallel 2 halves the per-GPU heads): 2 % tells the two apart
+# (tensor parallel 2 halves the per-GPU heads): 2 % tells the two apart (derive/write_model.py applies it)
 IDENTITY_MIN_TOKENS = 1000.0
 IDENTITY_TOLERANCE = 0.02
+# fewer scheduled tokens in a window give no figure: the demo's engine, stopped with requests in flight, wrote 7
+# tokens' worth its counters never saw (aborted), a "100 % recomputed" window of nothing
+MIN_SCHEDULED_TOKENS = 100.0
+NO_WRITE_MODEL = ("the model's write traffic per token is unknown (a dense decoder's config.json as "
+                  "servers[].model_config; MoE models are not modelled)")
 
 
 @dataclass(frozen=True)
@@ -108,6 +113,8 @@ class PreemptionRecompute:
     resumes (recomputed OFF, reloaded ON) moves no token counter. vLLM's write-traffic estimate
     (vllm:estimated_write_bytes_per_gpu_total, --enable-mfu-metrics) is built from every scheduled token:
         scheduled = (write bytes - bytes per logits token x generated) / bytes per token
+    (the bytes per token: the write model, fitted from the engine's windows without preemption or config.json's,
+    derive/write_model.py)
         recomputed = scheduled - prompt tokens computed (first prefills) - generated tokens
     ``residual_share`` is recomputed / scheduled before clipping at 0: with no preemption it is the identity's
     error (a logits row per chunked-prefill step the estimate also bills), measured below 0.5 % on the real
@@ -120,12 +127,44 @@ class PreemptionRecompute:
     state: str = "unknown"  # known | provisional | unknown
     reason: str = ""
     scheduled_tokens: float | None = None
+    write_model: "WriteModel | None" = None  # the coefficients it used and where they came from (judged)
+
+
+@dataclass(frozen=True, kw_only=True)
+class WriteModel:
+    """The write model the post-preemption figure uses (methods.md s4): bytes of the engine's write-traffic
+    estimate per scheduled token (``bytes_per_token``, a) and per token that gets logits (b), the state of its
+    check on windows without preemption, and where it came from (derive/write_model.py ``choose``).
+
+    ``source``: "fitted" (least squares over the engine's own windows without preemption), "config.json" (the
+    model's shapes, sources/model_config.engine_write_bytes), "fitted and config.json agree", or "" (none yet).
+    ``fitted`` and ``configured``: each candidate's (bytes per computed prompt token, per generated token) =
+    (a, a + b), None where it does not exist; ``*_residual``: each one's check, the median over the windows
+    without preemption of |writes - its prediction| in tokens per scheduled token (the fit's on held-out
+    windows), and ``*_check`` its verdict; ``agrees``: both checks passed and the coefficients are within
+    write_model.AGREEMENT of each other."""
+
+    bytes_per_token: float | None = None
+    bytes_per_logits_token: float | None = None
+    source: str = ""
+    state: str = "unknown"  # known | provisional | unknown
+    reason: str = ""
+    windows: int = 0  # windows without preemption learned from
+    fitted: tuple[float, float] | None = None
+    fitted_residual: float | None = None
+    fitted_check: str = ""  # passed | failed | "" (not checked yet)
+    configured: tuple[float, float] | None = None
+    configured_residual: float | None = None
+    configured_check: str = ""
+    agrees: bool | None = None
 
 
 def preemption_recompute(x: WindowAggregate, write_bytes_per_token: float | None,
-                         write_bytes_per_logits_token: float | None, window_seconds: float) -> PreemptionRecompute:
+                         write_bytes_per_logits_token: float | None, window_seconds: float,
+                         no_model_reason: str = NO_WRITE_MODEL) -> PreemptionRecompute:
     """The window's post-preemption recomputation from the write-traffic estimate and the token counters;
-    ``write_bytes_per_*``: the model's coefficients (sources/model_config.engine_write_bytes)."""
+    ``write_bytes_per_*``: the write model's coefficients (WriteModel: fitted, or config.json's,
+    sources/model_config.engine_write_bytes); ``no_model_reason`` says why there is none."""
     writes, generated = x.delta("engine_write_bytes"), x.delta("generation_tokens")
     computed = x.delta("prompt_local_compute")
     seconds = x.seconds_with("engine_write_bytes")
@@ -145,13 +184,15 @@ def preemption_recompute(x: WindowAggregate, write_bytes_per_token: float | None
         return PreemptionRecompute(reason="the write-traffic estimate does not move: start vLLM with "
                                           "--enable-mfu-metrics")
     if not write_bytes_per_token or write_bytes_per_logits_token is None:
-        return PreemptionRecompute(reason="the model's write traffic per token is unknown (a dense decoder's "
-                                          "config.json as servers[].model_config; MoE models are not modelled)")
+        return PreemptionRecompute(reason=no_model_reason)
     scheduled = (writes - write_bytes_per_logits_token * generated) / write_bytes_per_token
     if scheduled <= 0:
         return PreemptionRecompute(0.0, None, 0.0, None, "known", "no tokens scheduled in the window", 0.0)
     recomputed = scheduled - computed - generated
     clipped = max(recomputed, 0.0)
+    if scheduled < MIN_SCHEDULED_TOKENS:
+        return PreemptionRecompute(reason=f"only {scheduled:.0f} tokens scheduled in the window: too few to tell",
+                                   scheduled_tokens=scheduled)
     fig = PreemptionRecompute(clipped / seconds, clipped / scheduled, scheduled / seconds, recomputed / scheduled,
                               "known", "", scheduled)
     if x.covered_seconds < MIN_COVERED_SHARE * window_seconds:
@@ -160,33 +201,25 @@ def preemption_recompute(x: WindowAggregate, write_bytes_per_token: float | None
     return fig
 
 
-def identity_residual(r: PreemptionRecompute, preemptions: float | None) -> float | None:
-    """The window's check of the write model: its residual share when the window saw no preemption and enough
-    tokens to tell (IDENTITY_MIN_TOKENS), else None (nothing checked)."""
-    if preemptions != 0 or r.residual_share is None or (r.scheduled_tokens or 0.0) < IDENTITY_MIN_TOKENS:
-        return None
-    return r.residual_share
-
-
-def judged(r: PreemptionRecompute, checked_residual: float | None) -> PreemptionRecompute:
-    """The figure's state given the latest check of the write model on this engine (identity_residual):
-    ``provisional`` until a window without preemption has checked it, ``unknown`` when that check failed (the
-    estimate does not follow config.json's shape: tensor or pipeline parallelism, another KV dtype)."""
+def judged(r: PreemptionRecompute, model: WriteModel) -> PreemptionRecompute:
+    """The figure's state given its write model's (derive/write_model.py ``choose``): ``provisional`` while the
+    model is (not yet checked on enough windows without preemption, or a fit not yet checked on held-out ones),
+    ``unknown`` when the model is (its check failed on the evidence: not this engine's shape, e.g. tensor
+    parallel or another KV dtype; or none yet). The model is re-judged as windows come, never latched."""
     if r.state == "unknown":
-        return r
-    if checked_residual is None:
-        why = "the write model is not yet checked on a window without preemption"
-        return replace(r, state="provisional", reason=f"{r.reason}; {why}" if r.reason else why)
-    if abs(checked_residual) > IDENTITY_TOLERANCE:
-        return PreemptionRecompute(reason=f"without preemption the write estimate gave {checked_residual:+.1%} "
-                                          "tokens against the counted ones: not this model's shape on one GPU "
-                                          "(tensor or pipeline parallel? another KV-cache dtype?)")
-    return r
+        return replace(r, write_model=model)
+    if model.state == "unknown":
+        return PreemptionRecompute(reason=model.reason, write_model=model)
+    if model.state == "provisional":
+        return replace(r, state="provisional", reason=f"{r.reason}; {model.reason}" if r.reason else model.reason,
+                       write_model=model)
+    return replace(r, write_model=model)
 
 
 def preemption_recompute_watts(recompute: PreemptionRecompute, costs) -> float | None:
     """W spent on the window's post-preemption recomputation: recomputed tokens/s x J per computed prompt token
-    (methods.md s12; a re-prefill is a prefill). None without the figure or a usable price."""
+    (methods.md s12; a re-prefill is a prefill). None without the figure or a usable price. ``costs`` as the
+    window may price them (derive/energy.py ``priced_with_recomputation``: within its own energy, as the tax)."""
     if recompute.tokens_per_second is None or costs is None or not costs.usable:
         return None
     return recompute.tokens_per_second * costs.prompt_computed_j

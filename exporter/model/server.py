@@ -18,6 +18,7 @@ from exporter.model.energy import PhaseLearner
 from exporter.model import offload as offload_figures
 from exporter.model import pressure as pressure_model
 from exporter.model.repeat import RepeatWindows
+from exporter.model.write_model import WriteModelLearner
 from exporter.samples import EngineReading, SourceStatus, EngineInfo
 from exporter.keys import labelled
 from exporter.store import ServerHistory, WindowAggregate
@@ -56,9 +57,12 @@ class ServerModel:
         self._down_since: float | None = None
         self.outage_seconds = max(OUTAGE_INTERVALS * cfg.interval_seconds, OUTAGE_MIN_SECONDS)
         self.offload = offload_figures.setup(server)
-        # the latest check of the write model on a window without preemption, and the epoch it belongs to
-        self._write_check: float | None = None
-        self._write_check_epoch = 0
+        # the post-preemption recomputation's write model: fitted from windows without preemption, config.json's
+        # coefficients (c_p, c_g) = (a, a + b) a cross-check where given (methods.md s4)
+        m = self.offload.model
+        a, b = (m.engine_write_bytes_per_token, m.engine_write_bytes_per_logits_token) if m else (None, None)
+        self.writes = WriteModelLearner(server.name, self.repeat_seconds, cfg.phase_history_seconds,
+                                        (a, a + b) if a and b is not None else None)
         self.status = SourceStatus("vllm", server.name, False, "not_read_yet", 0.0, "down")
         self.info: EngineInfo | None = None
         self.engine, self.capabilities = engine_name(None), frozenset()
@@ -118,10 +122,12 @@ class ServerModel:
             pl.engine_facts(info, wall)  # a changed engine sets the evidence aside (model/epoch.py)
             if pl.epochs_set_aside != set_aside:
                 self.phase.set_aside()  # and the per-phase costs measured on the old engine
+                self.writes.set_aside()  # and its write model
                 self.history.restart_windows()  # and no rolling window mixes the two engines
                 self._restart_regime()
         pl.observe(self.history.buckets(pl.width, pl.last_t1, now), wall)
         self.phase.observe(self.history.buckets(self.repeat_seconds, self.phase.last_t1, now))
+        self.writes.observe(self.history.buckets(self.repeat_seconds, self.writes.last_t1, now))
         if not self.status.up:  # down: no verdict is known, not the last one (every screen reads these)
             self._restart_regime()
             self.collapse = None
@@ -131,7 +137,6 @@ class ServerModel:
             self._learn_regime(seconds, tax_state)
         self.collapse = self._collapse(now)
         self._note_stale_witnesses(self.collapse)
-        self._check_write_model(min(self.cfg.windows_seconds), pl.epochs_set_aside)
 
     def _note_stale_witnesses(self, c: collapse.CollapseResult) -> None:
         """One line when a progress counter turns stale (flat while the tokens move: derive/collapse.py), one
@@ -143,20 +148,12 @@ class ServerModel:
             log.info("%s: the %s counter is no longer stale beside the token counters", self.name, key)
         self._stale_witnesses = now
 
-    def _check_write_model(self, seconds: float, epoch: int) -> None:
-        """The post-preemption recomputation's check (methods.md s4): the shortest window, when it saw no
-        preemption, must satisfy the token identity; the latest check stands for this engine (epoch)."""
-        if epoch != self._write_check_epoch:
-            self._write_check, self._write_check_epoch = None, epoch
-        agg = self.history.aggregate(seconds)
-        residual = recompute.identity_residual(self._again(agg, seconds), agg.delta("preemptions"))
-        if residual is not None:
-            self._write_check = residual
-
     def _again(self, agg: WindowAggregate, seconds: float) -> recompute.PreemptionRecompute:
-        model = self.offload.model
-        return recompute.preemption_recompute(agg, model.engine_write_bytes_per_token if model else None,
-                                              model.engine_write_bytes_per_logits_token if model else None, seconds)
+        """The window's post-preemption recomputation over the write model in use, judged by its state."""
+        m = self.writes.model
+        r = recompute.preemption_recompute(agg, m.bytes_per_token, m.bytes_per_logits_token, seconds,
+                                           m.reason or recompute.NO_WRITE_MODEL)
+        return recompute.judged(r, m)
 
     def _learn_regime(self, seconds: float, tax_state: str) -> None:
         """The window's regime on positive evidence both ways, its state and reason (methods.md s10); the
@@ -218,9 +215,9 @@ class ServerModel:
         buffer_bytes = self.info.offload_buffer_bytes if self.info else None
         capacity = pressure.waiting_for_capacity(agg)
         regime_state, regime_reason = self._regime_why.get(seconds, self._unknown_regime())
-        again = recompute.judged(self._again(agg, seconds), self._write_check)
-        again_watts = {c.scope: w for c in self.phase.figures()
-                       if (w := recompute.preemption_recompute_watts(again, c)) is not None}
+        again = self._again(agg, seconds)
+        again_watts = {c.scope: w for c in self.phase.figures() if (w := recompute.preemption_recompute_watts(
+            again, derive_energy.priced_with_recomputation(agg, c, again.tokens_per_second))) is not None}
         energy = self._energy(agg)
         priced = derive_energy.tax_in_energy(agg, self.reference.value, self.phase.figures(),
                                              self.info.offload_enabled if self.info else None,

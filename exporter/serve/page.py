@@ -585,7 +585,17 @@ FORMATS: dict[str, Callable[[object, dict], str]] = {
     "seconds": lambda x, _w: _secs(x),
     "gigaflops": lambda x, _w: UNKNOWN if x is None else f"{x / 1e9:,.3g} GFLOP",
     "kwh_per_day": lambda x, _w: UNKNOWN if x is None else f"{x * 24 / 1000:,.3g} kWh/day ({x:,.3g} W)",
+    "write_model": lambda x, _w: _write_model_words(x),
 }
+
+
+def _write_model_words(m: dict | None) -> str:
+    """Where the post-preemption figure's write model came from (fitted, config.json, both agree), and its state
+    when not known (methods.md s4)."""
+    if not m or not m.get("source"):
+        return UNKNOWN
+    state = "" if m.get("state") == "known" else f' <span class="state-word {_e(m["state"])}">{_e(m["state"])}</span>'
+    return f'<span data-field="write-model">{_e(m["source"])}</span>{state}'
 
 
 def _at(w: dict, path: tuple[str, ...]):

@@ -119,6 +119,9 @@ class Phase:
     kv_idle_before_evict_seconds: float = 1.0
     kv_reuse_gap_seconds: float = 5.0
     kv_reuse_gaps_per_eviction: float = 0.5  # gaps recorded per evicted block (blocks reused before eviction)
+    # tokens scheduled again after a preemption (a resumed request's context): they move the write-traffic
+    # estimate only, no token counter (vLLM 0.16+ counts first prefills; methods.md s4)
+    recomputed_tokens_per_second: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -142,6 +145,10 @@ class Scenario:
     tiers: tuple[str, ...] = ()             # vLLM tiering secondary tiers ("1:fs", ...): offload ON, 0.28+
     preemption_reasons: bool = False        # a build with vLLM PR #58037: num_preemptions_by_reason{reason}
     kv_cache_metrics_sample: float | None = None  # vLLM --kv-cache-metrics with this --kv-cache-metrics-sample
+    # vLLM's write-traffic estimate (--enable-mfu-metrics): bytes per scheduled token (None: kv_bytes_per_token)
+    # and per token that gets logits (a generated one); the tiny Llama's config.json gives 5,632 and 4,096
+    write_bytes_per_token: float | None = None
+    write_bytes_per_logits_token: float = 0.0
 
     def phase(self, name: str) -> Phase:
         for p in self.timeline + self.extra_phases:
@@ -347,7 +354,9 @@ class SimEngine:
         c["preemptions"] += p.preemptions_per_minute / 60.0 * dt
         c["flops"] += 2.0 * s.active_parameters * (compute + gen)
         c["read_bytes"] += 2.0 * s.active_parameters * gen / max(1.0, p.running or 1.0)
-        c["write_bytes"] += s.kv_bytes_per_token * (compute + gen)
+        recomputed = p.recomputed_tokens_per_second * dt * jitter
+        per_token = s.kv_bytes_per_token if s.write_bytes_per_token is None else s.write_bytes_per_token
+        c["write_bytes"] += per_token * (compute + gen + recomputed) + s.write_bytes_per_logits_token * gen
         if s.offload_enabled:
             store = (p.offload_store_bytes_per_second * dt if p.offload_store_bytes_per_second is not None
                      else (compute + gen) * s.kv_bytes_per_token)
