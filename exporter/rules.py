@@ -22,6 +22,7 @@ class Rule:
     section: str  # docs/methods.md section ("s3"), "" where the rule is operational
     field: str = ""  # Config attribute, when it is not the key
     most: float | None = None  # the largest value the configuration accepts, where one is needed
+    words: tuple[str, ...] = ()  # a method constant's (METHODS): words of the names a literal copy would take
 
     @property
     def attribute(self) -> str:
@@ -142,3 +143,37 @@ OFFLOAD_BUFFER_MAX_BYTES = Rule("offload_buffer_max_bytes", 2.0 ** 50, "bytes",
 def offload_buffer_size_ok(n_bytes: float) -> bool:
     """A host offload buffer size within [OFFLOAD_BUFFER_MIN_BYTES, OFFLOAD_BUFFER_MAX_BYTES] (NaN is not)."""
     return OFFLOAD_BUFFER_MIN_BYTES.default <= n_bytes <= OFFLOAD_BUFFER_MAX_BYTES.default
+
+
+# Method constants (docs/methods.md): not configuration keys (not in RULES), each named here once because more
+# than one module, or a metric's HELP, states it; every use reads the entry (``rules.X.default``) and the HELP
+# texts format it. ``words``: what a name holding a literal copy of it would contain (exporter/rulecopies.py).
+SUSTAINED_MIN_COVERED = Rule("sustained_min_covered", 0.8, "ratio",
+                             "share of a window its samples must cover for what it shows to count as sustained: "
+                             "the preemption onset (methods.md s3), a known recomputation tax (s4), an evidence "
+                             "window of the threshold and the regime (s10)", "s10",
+                             words=("covered", "coverage"))
+REPEAT_MIN_COVERED = Rule("repeat_min_covered", 0.9, "ratio",
+                          "share of a repeat window (the fixed grid of min_load_duration) its samples must cover for "
+                          "it to count: dE's pairs (methods.md s2), the per-phase energy (s12), the write model (s4)",
+                          "s2", words=("covered", "coverage"))
+CAPACITY_SUSTAINED = Rule("capacity_sustained", 0.5, "ratio",
+                          "share of a window's samples with a request waiting for KV capacity that is known pressure "
+                          "(methods.md s10)", "s10", words=("capacity",))
+# levels in evictions per prompt block (derive/residency.py): the captures gave 0.84 (pressure) and 0.037 (none);
+# each level sits a factor ~3 inside its side, and the band between says nothing
+PRESSURE_EVICTIONS_PER_PROMPT_BLOCK = Rule(
+    "pressure_evictions_per_prompt_block", 0.25, "ratio",
+    "KV blocks evicted per prompt block at or above which the engine's residency record is pressure evidence "
+    "(with most evictions before reuse; methods.md s11)", "s11", words=("evictions_per_prompt_block",))
+LOW_PRESSURE_EVICTIONS_PER_PROMPT_BLOCK = Rule(
+    "low_pressure_evictions_per_prompt_block", 0.1, "ratio",
+    "KV blocks evicted per prompt block at or below which the residency record is low-pressure evidence "
+    "(methods.md s11)", "s11", words=("evictions_per_prompt_block",))
+MIN_REUSE_GAPS = Rule("min_reuse_gaps", 10, "count",
+                      "reuse gaps a window needs for their p50 to be the residency yardstick (methods.md s11)", "s11",
+                      words=("reuse_gaps", "reuse_samples"))
+
+METHODS: dict[str, Rule] = {r.key: r for r in (
+    SUSTAINED_MIN_COVERED, REPEAT_MIN_COVERED, CAPACITY_SUSTAINED, PRESSURE_EVICTIONS_PER_PROMPT_BLOCK,
+    LOW_PRESSURE_EVICTIONS_PER_PROMPT_BLOCK, MIN_REUSE_GAPS)}

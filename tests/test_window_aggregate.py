@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import pytest
 
+from exporter import rules
 from exporter.derive import collapse as C
 from exporter.derive import economics as E
 from exporter.derive import energy as EN
@@ -95,7 +96,7 @@ def ref_window_stats(ivs, width, scope="gpu", marginal=True, start=None, end=Non
                 joules = (joules - sum(iv.idle_joules[scope] for iv in b)
                           if all(scope in iv.idle_joules for iv in b) else None)
         kv = ref_quantile([iv.gauges["kv_usage"] for iv in b if "kv_usage" in iv.gauges], 0.95)
-        out.append((t0, t1, covered, gen, joules, kv, covered >= E.MIN_COVERAGE_RATIO * width and gen > 0))
+        out.append((t0, t1, covered, gen, joules, kv, covered >= rules.REPEAT_MIN_COVERED.default * width and gen > 0))
     return out
 
 

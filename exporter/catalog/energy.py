@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Iterator
 
-from exporter import bounds
+from exporter import bounds, rules
 from exporter.catalog.declare import (Elsewhere, Fill, MetricDef, Sample, Words, bookkeeping, info, learned,
                                       reading, window_key)
 from exporter.figures import PHASES, Snapshot
@@ -139,7 +139,8 @@ MEASURED: tuple[MetricDef, ...] = (
     ),
     MetricDef(
         name="kvwatt_marginal_energy_per_token_joules", type="gauge", labels=("server", "scope", "window"),
-        help="(E - P_idle*dt) / generated tokens over the window (methods.md s1). Absent without >= 30 s of load or "
+        help="(E - P_idle*dt) / generated tokens over the window (methods.md s1). Absent without >= "
+             f"{rules.MIN_LOAD_DURATION.default:g} s of load or "
              "without tokens.",
         computes="derive.energy.window_energy",
         section=SECTION,

@@ -257,7 +257,8 @@ REGIME: tuple[MetricDef, ...] = (
     MetricDef(
         name="kvwatt_requests_waiting_for_kv_capacity_samples_ratio", type="gauge", labels=("server", "window"),
         help="Share of the window's samples with at least one request waiting for KV capacity (vLLM 0.20+): in most "
-             "samples (>= 0.5) it is known pressure, in any it rules out low pressure (methods.md s10).",
+             f"samples (>= {rules.CAPACITY_SUSTAINED.default:g}) it is known pressure, in any it rules out low "
+             "pressure (methods.md s10).",
         computes="derive.pressure.waiting_for_capacity",
         section=SECTION,
         status=window_key("requests_waiting_for_kv_capacity_share",
@@ -474,7 +475,8 @@ RESIDENCY: tuple[MetricDef, ...] = (
     MetricDef(
         name="kvwatt_kv_block_evictions_per_prompt_block_ratio", type="gauge", labels=("server", "window"),
         help="KV blocks evicted per prompt block processed (prompt tokens / block size) over the window (methods.md "
-             "s11): >= 0.25 with the evictions before reuse is pressure evidence, <= 0.1 low-pressure evidence.",
+             f"s11): >= {rules.PRESSURE_EVICTIONS_PER_PROMPT_BLOCK.default:g} with the evictions before reuse is "
+             f"pressure evidence, <= {rules.LOW_PRESSURE_EVICTIONS_PER_PROMPT_BLOCK.default:g} low-pressure evidence.",
         computes="derive.residency.window_residency",
         section=SECTION,
         status=window_key("kv_evictions_per_prompt_block", lambda w: w.kv_evictions_per_prompt_block),
@@ -504,7 +506,8 @@ RESIDENCY: tuple[MetricDef, ...] = (
         name="kvwatt_kv_block_evicted_before_reuse_ratio", type="gauge", labels=("server", "yardstick", "window"),
         help="Share of the window's KV-block evictions that came before the block's reuse was due: idle at most the "
              "configured p99 tool-call latency (yardstick=p99_tool_latency) or the window's reuse-gap p50 where it "
-             "saw >= 10 gaps and it is longer (yardstick=reuse_gap_p50); methods.md s11.",
+             f"saw >= {rules.MIN_REUSE_GAPS.default:g} gaps and it is longer (yardstick=reuse_gap_p50); methods.md "
+             "s11.",
         computes="derive.residency.window_residency",
         section=SECTION,
         fill=_evicted_before_reuse,
@@ -513,7 +516,8 @@ RESIDENCY: tuple[MetricDef, ...] = (
     MetricDef(
         name="kvwatt_kv_block_residency_pressure_evidence", type="gauge", labels=("server", "window"),
         help="The engine's own eviction record as KV-pressure evidence over the window (methods.md s11): 1 = "
-             "pressure (evictions per prompt block >= 0.25, mostly before reuse), 0 = low pressure (<= 0.1); absent "
+             f"pressure (evictions per prompt block >= {rules.PRESSURE_EVICTIONS_PER_PROMPT_BLOCK.default:g}, mostly "
+             f"before reuse), 0 = low pressure (<= {rules.LOW_PRESSURE_EVICTIONS_PER_PROMPT_BLOCK.default:g}); absent "
              "when unknown (no --kv-cache-metrics, too few prompt blocks for the sample share, between).",
         computes="derive.residency.residency_evidence",
         section=SECTION,

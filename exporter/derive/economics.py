@@ -28,13 +28,13 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, Sequence
 
+from exporter import rules
 from exporter.derive.phase_energy import PhaseCosts, offload_saved_watts, within_energy
 from exporter.derive.pressure import kv_usage_quantile
 from exporter.derive.recompute import recompute_tax, token_counts
 from exporter.store import Bucket, WindowAggregate
 
 DEFAULT_BANDS: tuple[tuple[float, float], ...] = ((0.0, 0.8), (0.8, 0.9), (0.9, 0.95), (0.95, 1.0))
-MIN_COVERAGE_RATIO = 0.9  # a window counts when samples cover 90 % of it
 
 
 @dataclass(frozen=True)
@@ -96,7 +96,7 @@ def window_stat(agg: WindowAggregate, t0: float, t1: float, width: float, scope:
         computed, loaded_tokens = counts["local_compute"], counts["external_kv_transfer"]
         prompt = sum(counts.values())
     return WindowStat(t0, t1, covered, gen, joules, kv_usage_quantile(agg, 0.95), computed, loaded_tokens,
-                      covered >= MIN_COVERAGE_RATIO * width and gen > 0, prompt)
+                      covered >= rules.REPEAT_MIN_COVERED.default * width and gen > 0, prompt)
 
 
 def window_stats(buckets: Iterable[Bucket], width: float, scope: str = "gpu",

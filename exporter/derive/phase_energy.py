@@ -29,6 +29,7 @@ from dataclasses import dataclass, replace
 from operator import add, mul, sub
 from typing import ClassVar, Iterable, NamedTuple, Sequence
 
+from exporter import rules
 from exporter.derive import compare
 from exporter.derive.recompute import token_counts
 from exporter.store import Bucket
@@ -41,7 +42,6 @@ PHASES = ("prompt_computed", "generated", "reloaded")
 # the power double of tests/phase_double.py (H100-like measured orders, 0.03 vs 0.4 J) 0.075. 0.2 sits between,
 # leaning high (never cheaper than the roofline at a typical batch): the prior stays a guess until measured.
 PRIOR_PROMPT_TO_GENERATED_COST_RATIO = 0.2
-MIN_COVERAGE_RATIO = 0.9  # as economics.window_stat: a window counts when samples cover 90 % of it
 
 
 @dataclass(frozen=True)
@@ -90,7 +90,7 @@ def observation(bucket: Bucket, width: float, scope: str) -> PhaseWindow | None:
     """The bucket's observation for ``scope``: None unless samples cover the window, every interval has the
     scope's energy and idle energy, prompt tokens by source are known, and some token was processed."""
     agg = bucket.agg
-    if agg.covered_seconds < MIN_COVERAGE_RATIO * width:
+    if agg.covered_seconds < rules.REPEAT_MIN_COVERED.default * width:
         return None
     used = agg.scope(scope)
     if used is None or used.n != agg.n or used.idle_joules is None:

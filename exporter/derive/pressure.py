@@ -5,6 +5,7 @@ from __future__ import annotations
 from bisect import bisect_right
 from dataclasses import dataclass
 
+from exporter import rules
 from exporter.quantile import interpolate_sorted, quantile
 from exporter.store import WindowAggregate
 
@@ -75,9 +76,9 @@ def preemptions_per_minute(agg: WindowAggregate) -> float | None:
 
 def preemption_onset(per_minute: float | None, covered: float, window_seconds: float,
                      onset_per_minute: float) -> bool | None:
-    """Sustained preemptions (methods.md s3: >= 0.5/min marks onset). "Sustained" = over a window that is
-    at least 80 % covered, so one burst right after start-up does not count."""
-    if per_minute is None or covered < 0.8 * window_seconds:
+    """Sustained preemptions (methods.md s3: >= ``preemption_onset_per_minute`` marks onset). "Sustained" = over a
+    window at least ``rules.SUSTAINED_MIN_COVERED`` covered, so one burst right after start-up does not count."""
+    if per_minute is None or covered < rules.SUSTAINED_MIN_COVERED.default * window_seconds:
         return None
     return per_minute >= onset_per_minute
 

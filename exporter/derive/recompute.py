@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from exporter import rules
 from exporter.store import ScopeSums, WindowAggregate
 
 SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
@@ -92,7 +93,6 @@ def mfu_view(x: WindowAggregate,
 
 
 # --- the recomputation no token counter shows (methods.md s4, "after preemption") --------------------------
-MIN_COVERED_SHARE = 0.8  # a window less covered is provisional (as the onset's, derive/pressure.py)
 # the token identity's check: windows without preemption with at least this many scheduled tokens in all must
 # give recomputed ~ 0; measured -0.19 % and under 0.5 % on the real engine, +100 % when the shape is wrong
 # (tensor parallel 2 halves the per-GPU heads): 2 % tells the two apart (derive/write_model.py applies it)
@@ -195,7 +195,7 @@ def preemption_recompute(x: WindowAggregate, write_bytes_per_token: float | None
                                    scheduled_tokens=scheduled)
     fig = PreemptionRecompute(clipped / seconds, clipped / scheduled, scheduled / seconds, recomputed / scheduled,
                               "known", "", scheduled)
-    if x.covered_seconds < MIN_COVERED_SHARE * window_seconds:
+    if x.covered_seconds < rules.SUSTAINED_MIN_COVERED.default * window_seconds:  # as the onset's
         return replace(fig, state="provisional",
                        reason=f"window {x.covered_seconds / window_seconds:.0%} covered")
     return fig

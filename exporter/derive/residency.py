@@ -10,7 +10,7 @@ histograms: idle time before eviction, lifetime, and the gaps between its (up to
     idle, reuse-gap quantiles     = the upper edge of the bucket holding the quantile (as derive/preemption.py)
     evicted before reuse          = F_idle(b) / N_idle, b the largest idle bucket bound <= the yardstick:
                                     the longer of the configured p99 tool-call latency and the reuse-gap
-                                    p50 with >= MIN_REUSE_SAMPLES gaps in the window (the figure names which)
+                                    p50 with >= rules.MIN_REUSE_GAPS gaps in the window (the figure names which)
 
 Reuse gaps are only seen for blocks reused before their eviction, so they are the gaps the cache survived: a
 lower bound on the workload's, which can lengthen the yardstick but never shorten it. Under heavy eviction
@@ -21,8 +21,9 @@ Evidence rule (methods.md s11), from the lead's captures on the vLLM 0.32 CPU en
 recomputed), 2000 blocks 0.037 (51 %, the workload's own floor); idle-before-evict was under 2 s in both, so the
 volume, not the idle distribution, separates them.
 
-    pressure      evictions per prompt block >= 0.25 and >= half the evictions came before reuse
-    low_pressure  evictions per prompt block <= 0.1
+    pressure      evictions per prompt block >= rules.PRESSURE_EVICTIONS_PER_PROMPT_BLOCK and >= half the
+                  evictions came before reuse
+    low_pressure  evictions per prompt block <= rules.LOW_PRESSURE_EVICTIONS_PER_PROMPT_BLOCK
     unknown       histograms absent, no block size, too few prompt blocks for the sample share to show
                   pressure (fewer than MIN_EXPECTED_SAMPLES sampled evictions at the pressure level), or between
 """
@@ -42,13 +43,8 @@ from exporter.store import WindowAggregate
 
 DEFAULT_SAMPLE_SHARE = rules.VLLM_KV_CACHE_METRICS_SAMPLE  # vLLM's --kv-cache-metrics-sample default
 QUANTILES = (0.5, 0.99)
-# levels in evictions per prompt block: the captures gave 0.84 (pressure) and 0.037 (none); each level sits
-# a factor ~3 inside its side, and the band between says nothing
-PRESSURE_EVICTIONS_PER_PROMPT_BLOCK = 0.25
-LOW_PRESSURE_EVICTIONS_PER_PROMPT_BLOCK = 0.1
 BEFORE_REUSE_SHARE = 0.5  # pressure evidence: most evictions came before the block's reuse was due
 MIN_EXPECTED_SAMPLES = 10.0  # sampled evictions the pressure level would give: below, the window can't tell
-MIN_REUSE_SAMPLES = 10  # reuse gaps in the window for their p50 to be the yardstick
 MIN_QUANTILE_SAMPLES = 5  # observations for a p50/p99 figure
 
 # the longest a KV block can have waited when the engine's process age is unknown (no
@@ -169,7 +165,7 @@ def _yardstick(reuse, p99_tool_latency_seconds: float) -> tuple[str, float]:
     """The residency an evicted block had to outlast: the configured p99 tool-call latency, or the window's
     reuse-gap p50 where enough gaps were seen and it is longer (survived gaps only bound the workload's from
     below: module docstring)."""
-    if reuse is not None and reuse[0] >= MIN_REUSE_SAMPLES:
+    if reuse is not None and reuse[0] >= rules.MIN_REUSE_GAPS.default:
         q = quantiles(reuse)
         if q and q.get("p50", 0.0) > p99_tool_latency_seconds:
             return YARDSTICK_REUSE_GAP, q["p50"]
@@ -185,21 +181,23 @@ def residency_evidence(window: Residency | None) -> Evidence:
     ratio, blocks = window.evictions_per_prompt_block, window.prompt_blocks
     if ratio is None or not blocks:
         return Evidence(None, window.reason or "no prompt block in the window")
-    expected = PRESSURE_EVICTIONS_PER_PROMPT_BLOCK * blocks * window.sample_share
+    expected = rules.PRESSURE_EVICTIONS_PER_PROMPT_BLOCK.default * blocks * window.sample_share
     if expected < MIN_EXPECTED_SAMPLES:
         return Evidence(None, f"too few prompt blocks ({blocks:.0f}) for the sample share {window.sample_share:g}:"
                               f" pressure would show {compare.op(expected, MIN_EXPECTED_SAMPLES, '.1f')} sampled "
                               "evictions")
     shown = f"{ratio:.3g} evictions per prompt block"
-    if ratio <= LOW_PRESSURE_EVICTIONS_PER_PROMPT_BLOCK:
-        return Evidence("low_pressure", f"{shown} <= {LOW_PRESSURE_EVICTIONS_PER_PROMPT_BLOCK:g}")
-    if ratio < PRESSURE_EVICTIONS_PER_PROMPT_BLOCK:
+    low, high = (rules.LOW_PRESSURE_EVICTIONS_PER_PROMPT_BLOCK.default,
+                 rules.PRESSURE_EVICTIONS_PER_PROMPT_BLOCK.default)
+    if ratio <= low:
+        return Evidence("low_pressure", f"{shown} <= {low:g}")
+    if ratio < high:
         return Evidence(None, f"{shown}: between the low-pressure and pressure levels")
     before = window.evicted_before_reuse_ratio
     if before is None or before < BEFORE_REUSE_SHARE:
         return Evidence(None, f"{shown}, but {_pct(before)} evicted before reuse ({_yard_words(window)}): "
                               "blocks nobody came back for")
-    return Evidence("pressure", f"{shown} >= {PRESSURE_EVICTIONS_PER_PROMPT_BLOCK:g}, {_pct(before)} evicted "
+    return Evidence("pressure", f"{shown} >= {high:g}, {_pct(before)} evicted "
                                 f"idle <= {window.yardstick_seconds:g} s ({_yard_words(window)})")
 
 

@@ -23,11 +23,11 @@ import statistics
 from dataclasses import dataclass, replace
 from typing import Sequence
 
+from exporter import rules
 from exporter.derive import compare
 from exporter.derive.phase_energy import condition_number, nnls
 from exporter.derive.recompute import IDENTITY_MIN_TOKENS, IDENTITY_TOLERANCE, MIN_SCHEDULED_TOKENS, WriteModel
 
-MIN_COVERAGE_RATIO = 0.9  # as phase_energy: a window counts when samples cover 90 % of it
 MIN_WINDOW_TOKENS = MIN_SCHEDULED_TOKENS  # fewer: the whole-token counters' rounding is > 1 % of the ratio
 MAX_BYTES_PER_TOKEN = 1e9  # a 405B dense decoder's estimate bills ~54 MB per token: 1 GB/token is a broken counter
 # a window ending less than this after one that preempted may hold the resumed requests' re-prefill (a preempted
@@ -69,7 +69,7 @@ def observation(agg, width: float) -> WriteWindow | None:
     """The window's observation: None unless samples cover it, the preemption counter was read and did not move,
     the write estimate and both token counters moved, and its bytes per token could be a model's (a counter that
     jumped is no observation). The caller keeps the guard after a preempted window (GUARD_SECONDS)."""
-    if agg.covered_seconds < MIN_COVERAGE_RATIO * width or agg.delta("preemptions") != 0:
+    if agg.covered_seconds < rules.REPEAT_MIN_COVERED.default * width or agg.delta("preemptions") != 0:
         return None
     writes, computed = agg.delta("engine_write_bytes"), agg.delta("prompt_local_compute")
     generated = agg.delta("generation_tokens")

@@ -10,12 +10,13 @@ undersized where offloading is on (methods.md s3, s5, s6, s10).
 
 from __future__ import annotations
 
+from exporter import rules
 from exporter.config import DEFAULT_SERVER_URL, Config
 from exporter.derive.threshold import noise_bar
 from exporter.figures import Advice, BufferFigures, ServerFigures, WindowFigures
 from exporter.model import offload as offload_figures
 from exporter.derive.threshold import plural
-from exporter.model.pressure import CAPACITY_SUSTAINED, QUIET_KNOWN_WINDOWS, REFERENCE_KNOWN_WINDOWS
+from exporter.model.pressure import QUIET_KNOWN_WINDOWS, REFERENCE_KNOWN_WINDOWS
 
 NO_SERVER_CONFIGURED = ("No server is configured, and nothing answers at the default URL: start vLLM there "
                         "(vllm serve MODEL --port 8000), point kvwatt at your engine with --server NAME=URL (or the "
@@ -106,7 +107,7 @@ def _tax_window(v: ServerFigures) -> WindowFigures | None:
 def _waiting_window(v: ServerFigures) -> WindowFigures | None:
     """The shortest window where requests waited for KV capacity through most of it (methods.md s10)."""
     return next((w for w in sorted(v.windows, key=lambda w: w.seconds)
-                 if (w.requests_waiting_for_kv_capacity_share or 0.0) >= CAPACITY_SUSTAINED), None)
+                 if (w.requests_waiting_for_kv_capacity_share or 0.0) >= rules.CAPACITY_SUSTAINED.default), None)
 
 
 def _ended(v: ServerFigures, seen: tuple[WindowFigures | None, ...]) -> bool:

@@ -3,8 +3,8 @@ low-pressure reference share, and the regime flag with hysteresis on the p95's i
 it rests on and a state ``known`` / ``provisional`` / ``unknown`` with a reason.
 
 Every completed bucket of a fixed grid (``threshold_window``, 1 minute by default: the shared monotonic clock's
-``k * W``, as the repeat windows), at least 80 % covered and serving >= 100 prompt tokens (or preempting),
-becomes one ``PressurePoint`` (its KV p95 with the order-statistic interval, its KV max, preemptions per minute,
+``k * W``, as the repeat windows), at least ``rules.SUSTAINED_MIN_COVERED`` covered and serving >= 100 prompt
+tokens (or preempting), becomes one ``PressurePoint`` (its KV p95 with the order-statistic interval, its KV max, preemptions per minute,
 the tax against the reference in force and the reference's spread as its noise), unless its preemption count
 is implausible for the window (``plausible_preemptions``: a counter glitch is no evidence). A window pressured
 by preemptions alone weighs ``preemptions / SUSTAINED_PREEMPTIONS`` (at most 1): one preemption is a third of
@@ -33,7 +33,7 @@ from __future__ import annotations
 from exporter.derive.pressure import MAX_STEPS_PER_SECOND, plausible_preemptions  # noqa: F401 (their home)
 from exporter.model.pressure.regime_signs import (  # noqa: F401 (the package's face)
     REFERENCE_MARGIN, LOW_PRESSURE_P95, REFERENCE_KNOWN_WINDOWS, SUSTAINED_PREEMPTIONS, MAX_EVIDENCE_WEIGHT,
-    MIN_PROMPT_TOKENS, MIN_COVERED, MIN_BELOW_COVERAGE, CAPACITY_SUSTAINED, QUIET_KNOWN_WINDOWS,
+    MIN_PROMPT_TOKENS, MIN_BELOW_COVERAGE, QUIET_KNOWN_WINDOWS,
     MAX_EVIDENCE_WINDOWS, ResidencySign, residency_sign, disagreement, P95, p95_of, predicted_regime, quiet,
     Signs, Verdict, ThresholdInUse, threshold_in_use, p95_words, tax_words, pressure_signs,
     low_pressure_signs, regime)

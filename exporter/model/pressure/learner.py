@@ -17,7 +17,7 @@ from exporter.derive.threshold import (LOW_PRESSURE_MAX, Evidence, LocatedThresh
 from exporter.store import WindowAggregate
 from exporter.model import epoch as epochs
 from exporter.model.pressure.regime_signs import (SUSTAINED_PREEMPTIONS, MAX_EVIDENCE_WEIGHT, MIN_PROMPT_TOKENS,
-    MIN_COVERED, MAX_EVIDENCE_WINDOWS, ResidencySign, residency_sign, disagreement, p95_of, quiet)
+    MAX_EVIDENCE_WINDOWS, ResidencySign, residency_sign, disagreement, p95_of, quiet)
 from exporter.model.pressure.reference import (LowPressureReference)
 
 
@@ -149,7 +149,7 @@ class ThresholdLearner:
                      self.threshold, self.source)
 
     def _bucket(self, agg: WindowAggregate, t1: float, wall: float | None) -> bool:
-        if agg.covered_seconds < MIN_COVERED * self.width:
+        if agg.covered_seconds < rules.SUSTAINED_MIN_COVERED.default * self.width:  # not evidence
             return False
         sign = self.residency = self.residency_of(agg)
         p = p95_of(agg)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from exporter import rules
 from exporter.derive import compare, pressure, residency
 from exporter.derive.threshold import (LOW_PRESSURE_MAX, LocatedThreshold, PressurePoint, noise_bar, plural,
                                        quantile_bounds, taxed)
@@ -20,9 +21,7 @@ REFERENCE_KNOWN_WINDOWS = 3  # low-pressure windows before the reference is know
 SUSTAINED_PREEMPTIONS = 3.0  # preemptions in a window that make it a full window of pressure evidence
 MAX_EVIDENCE_WEIGHT = 1.0   # a full window's weight: no window, live or stored, weighs more
 MIN_PROMPT_TOKENS = 100.0   # fewer prompt tokens in a window: its share is not worth a point or a sample
-MIN_COVERED = 0.8           # a bucket less covered than this is not a window of evidence
 MIN_BELOW_COVERAGE = 0.5    # a regime window less covered than this cannot say "below" (start, restart)
-CAPACITY_SUSTAINED = 0.5    # requests waited for KV capacity in this share of a window's samples: known pressure
 QUIET_KNOWN_WINDOWS = 3     # consecutive clean evidence windows before a "below" is known (methods.md s10)
 MAX_EVIDENCE_WINDOWS = 10_000  # bounds memory and the sort in locate whatever history / window asks
 
@@ -184,13 +183,13 @@ def pressure_signs(g: Signs) -> list[tuple[str, bool]]:
     out = []
     if g.capacity is not None and g.capacity.share > 0:
         out.append((f"requests waiting for KV capacity in {g.capacity.share * 100:.0f} % of samples (mean "
-                    f"{g.capacity.mean:.1f})", g.capacity.share >= CAPACITY_SUSTAINED))
+                    f"{g.capacity.mean:.1f})", g.capacity.share >= rules.CAPACITY_SUSTAINED.default))
     if g.preemptions_per_minute:
         out.append((f"{g.preemptions_per_minute:.1f} preemptions/min", bool(g.onset)))
     if taxed(_tax_point(g)):
         # known on a known reference over a window covered enough to call it sustained (as the onset, s3)
         out.append((tax_words(g.tax, g.tax_spread),
-                    g.tax_state == "known" and g.covered_ratio >= MIN_COVERED))
+                    g.tax_state == "known" and g.covered_ratio >= rules.SUSTAINED_MIN_COVERED.default))
     if g.residency is not None and g.residency.kind == "pressure":
         out.append((f"the engine's KV-block residency shows pressure ({g.residency.reason})", True))
     return out
