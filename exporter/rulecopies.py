@@ -6,6 +6,13 @@ suffix or prefix of either of three words or more: ``onset_per_minute`` names ``
 or a ``threshold`` name given a rule's default (``threshold_line=0.5``). The value
 does not matter: a copy that agrees today (0.9) drifts tomorrow, one that disagrees (0.35) already has. Run by
 ``alerts/generate.py --check``, ``dashboards/generate.py --check`` and tests/test_rules.py.
+
+A method constant (rules.METHODS: a coverage cut-off, CAPACITY_SUSTAINED, the residency levels) is copied by its
+value: a number equal to it given to a name holding one of its ``words`` (``MIN_COVERAGE_RATIO = 0.9``,
+``covered < 0.8 * width``; another coverage cut-off, collapse's 0.5, is its own idea). In the catalog's texts
+(HELP, words) a ratio typed as a number or a percent equal to a ratio rule or method constant (``>= 0.25``,
+``80 % covered``) is a copy: the text formats the entry instead (``f"{rules.X.default:g}"``), so it prints the
+same and follows the rule.
 """
 
 from __future__ import annotations
@@ -19,10 +26,14 @@ from exporter import rules
 
 REPO = Path(__file__).resolve().parents[1]
 SCANNED = ("alerts/generate.py", "dashboards/generate.py", "deploy/kubernetes/generate.py", "exporter/config/*.py",
-           "exporter/readme_tables.py", "exporter/derive/*.py", "exporter/model/*.py",
+           "exporter/readme_tables.py", "exporter/derive/*.py", "exporter/model/*.py", "exporter/model/pressure/*.py",
            "lab/kvwatt_lab/experiment/plan.py", "lab/kvwatt_lab/experiment/measure.py",
            "lab/kvwatt_lab/experiment/analysis.py")
+TEXTS_SCANNED = ("exporter/catalog/*.py",)  # where a ratio typed in prose is a copy (HELP, words)
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# a ratio in prose: "0.25" (not a version: "0.20+", "0.9.2") or a percent "80 %"
+_DECIMAL = re.compile(r"(?<![\w.])(\d+\.\d+)(?![\w+]|\.\d)")
+_PERCENT = re.compile(r"(?<![\w.])(\d+(?:\.\d+)?) ?%")
 
 
 @dataclass(frozen=True)
@@ -34,8 +45,17 @@ class Copy:
     rule: str
 
     def __str__(self) -> str:
+        if self.name.startswith("the text "):
+            return (f"{self.path}:{self.line}: {self.name} is a literal copy of rule {self.rule!r} "
+                    f"({self.value:g}): format rules.{_python_name(self.rule)}.default instead")
         return (f"{self.path}:{self.line}: {self.name} = {self.value!r} is a literal copy of rule {self.rule!r}: "
                 f"read exporter/rules.py instead")
+
+
+def _python_name(key: str) -> str:
+    """The name exporter/rules.py gives the rule (or method constant) ``key``."""
+    rule = rules.RULES.get(key) or rules.METHODS[key]
+    return next(n for n, v in vars(rules).items() if v is rule)
 
 
 def rule_named(name: str) -> str | None:
@@ -56,9 +76,18 @@ def _threshold_copy(name: str, value: float) -> str | None:
     return next((r.key for r in rules.RULES.values() if r.default == value), None)
 
 
+def _method_copy(name: str, value: float) -> str | None:
+    """A method constant (rules.METHODS) ``name`` copies: its value, given to a name holding one of its words."""
+    padded = "_" + name.lower().strip("_") + "_"
+    return next((m.key for m in rules.METHODS.values()
+                 if m.default == value and any(f"_{w}_" in padded for w in m.words)), None)
+
+
 def _could_copy(key: str, value: float) -> bool:
     """A number can copy a scalar rule whatever its value; a rule whose default is a list of numbers (``windows``)
     only through one of them, so a count named like it (``windows: int = 0``) is not a copy."""
+    if key not in rules.RULES:
+        return True  # a method constant: matched by its value already
     default = rules.RULES[key].default
     return not isinstance(default, (list, tuple)) or value in default
 
@@ -71,6 +100,8 @@ def _names(node: ast.AST) -> list[str]:
         return [node.attr]
     if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant) and isinstance(node.slice.value, str):
         return [node.slice.value]
+    if isinstance(node, ast.BoolOp):  # (share or 0.0) >= 0.5: the number is compared with share
+        return [n for value in node.values for n in _names(value)]
     return []
 
 
@@ -93,7 +124,7 @@ class _Finder(ast.NodeVisitor):
         if not _is_number(node):
             return
         for name in reversed(self.names):
-            key = rule_named(name) or _threshold_copy(name, node.value)
+            key = rule_named(name) or _threshold_copy(name, node.value) or _method_copy(name, node.value)
             if key and _could_copy(key, node.value):
                 self.found.append(Copy(self.path, node.lineno, name, node.value, key))
                 return
@@ -141,8 +172,30 @@ def copies_in(source: str, path: str = "<source>") -> list[Copy]:
     return finder.found
 
 
-def scanned_files(root: Path) -> list[Path]:
-    return sorted({p for pattern in SCANNED for p in root.glob(pattern)})
+def _ratios() -> dict[float, str]:
+    """Each ratio a text may not type: the method constants' and the ratio rules' values, and whose they are."""
+    out: dict[float, str] = {}
+    for r in (*rules.METHODS.values(), *rules.RULES.values()):
+        if r.unit == "ratio":
+            out.setdefault(round(float(r.default), 9), r.key)
+    return out
+
+
+def text_copies_in(source: str, path: str = "<source>") -> list[Copy]:
+    """Ratios typed in the source's string literals (an f-string's literal parts; what it formats is read)."""
+    ratios, out = _ratios(), []
+    for node in ast.walk(ast.parse(source, path)):
+        if not (isinstance(node, ast.Constant) and isinstance(node.value, str)):
+            continue
+        found = [(m.group(0), float(m.group(1))) for m in _DECIMAL.finditer(node.value)]
+        found += [(m.group(0), float(m.group(1)) / 100.0) for m in _PERCENT.finditer(node.value)]
+        out += [Copy(path, node.lineno, f"the text {typed!r}", value, ratios[round(value, 9)])
+                for typed, value in found if round(value, 9) in ratios]
+    return out
+
+
+def scanned_files(root: Path, patterns: tuple[str, ...] = SCANNED) -> list[Path]:
+    return sorted({p for pattern in patterns for p in root.glob(pattern)})
 
 
 def find_copies(root: Path | None = None) -> list[Copy]:
@@ -151,6 +204,8 @@ def find_copies(root: Path | None = None) -> list[Copy]:
     out: list[Copy] = []
     for path in scanned_files(root):
         out += copies_in(path.read_text(encoding="utf-8"), str(path.relative_to(root)))
+    for path in scanned_files(root, TEXTS_SCANNED):
+        out += text_copies_in(path.read_text(encoding="utf-8"), str(path.relative_to(root)))
     return out
 
 

@@ -141,3 +141,88 @@ def test_generator_check_fails_on_a_reintroduced_copy(tmp_path, generator, path,
     after = subprocess.run(check, capture_output=True, text=True, timeout=120, cwd=root)
     assert after.returncode == 1
     assert f"{path}:" in after.stderr and "literal copy of rule" in after.stderr
+
+
+# --- method constants (rules.METHODS, issue 40 item 8) -------------------------------------------------------
+
+def test_method_constants_are_read_not_retyped():
+    """Each method constant is defined once (rules.METHODS, outside the configuration's RULES) and the modules
+    that state it read it: the one coverage rule for the onset, the tax and the evidence windows."""
+    from exporter.derive import residency
+    assert not set(rules.METHODS) & set(rules.RULES)
+    for key, m in rules.METHODS.items():
+        assert m.key == key and m.unit and m.meaning and m.words and m.section.startswith("s"), key
+    assert rules.SUSTAINED_MIN_COVERED.default == 0.8 and rules.REPEAT_MIN_COVERED.default == 0.9
+    for gone in ("PRESSURE_EVICTIONS_PER_PROMPT_BLOCK", "LOW_PRESSURE_EVICTIONS_PER_PROMPT_BLOCK", "MIN_REUSE_SAMPLES"):
+        assert not hasattr(residency, gone), gone
+
+
+@pytest.mark.parametrize("source, rule", [
+    ("MIN_COVERAGE_RATIO = 0.9  # a window counts when samples cover 90 % of it", "repeat_min_covered"),
+    ("MIN_COVERED = 0.8", "sustained_min_covered"),
+    ("MIN_COVERED_SHARE = 0.8", "sustained_min_covered"),
+    ("if per_minute is None or covered < 0.8 * window_seconds: pass", "sustained_min_covered"),
+    ("CAPACITY_SUSTAINED = 0.5", "capacity_sustained"),
+    ("ok = (w.requests_waiting_for_kv_capacity_share or 0.0) >= 0.5", "capacity_sustained"),
+    ("PRESSURE_EVICTIONS_PER_PROMPT_BLOCK = 0.25", "pressure_evictions_per_prompt_block"),
+    ("if ratio <= 0.1 and low_evictions_per_prompt_block: pass", None),  # the name is compared, not the number
+    ("MIN_REUSE_SAMPLES = 10", "min_reuse_gaps"),
+])
+def test_a_literal_copy_of_a_method_constant_is_found(source, rule):
+    found = rulecopies.copies_in(source)
+    assert [c.rule for c in found] == ([rule] if rule else [])
+
+
+@pytest.mark.parametrize("source", [
+    "MIN_COVERAGE_RATIO = 0.5", "MIN_BELOW_COVERAGE = 0.5", "recovered = 0.8", "covered_seconds = 0.0",
+    "DEFAULT_BANDS = ((0.0, 0.8), (0.8, 0.9), (0.9, 0.95))", "BEFORE_REUSE_SHARE = 0.5",
+    "MIN_COVERAGE_RATIO = rules.REPEAT_MIN_COVERED.default",
+])
+def test_not_a_copy_of_a_method_constant(source):
+    assert rulecopies.copies_in(source) == []
+
+
+@pytest.mark.parametrize("text, rule", [
+    ('help="an evidence window at least 80 % covered"', "sustained_min_covered"),
+    ('help="windows whose samples cover 90% of them"', "repeat_min_covered"),
+    ('help="in most samples (>= 0.5) it is known pressure"', "capacity_sustained"),
+    ('help="1 = pressure (evictions per prompt block >= 0.25)"', "pressure_evictions_per_prompt_block"),
+    ('help=f"default {rules.BUFFER_HEADROOM.default:g}, above 0.35 of it"', "collapse_throughput_drop_ratio"),
+])
+def test_a_ratio_typed_in_a_catalog_text_is_found(text, rule):
+    found = rulecopies.text_copies_in(text)
+    assert [c.rule for c in found] == [rule]
+    assert f"rules.{rulecopies._python_name(rule)}.default" in str(found[0])
+
+
+@pytest.mark.parametrize("text", [
+    'help="vLLM 0.20+; sglang 0.9.2 renamed it"', 'help="0.26 = 26 % less energy per token"',
+    'help="the ~95 % order-statistic interval"', 'help=f"(>= {rules.CAPACITY_SUSTAINED.default:g})"',
+    'help=f"{x:.1f} s"', 'help="vLLM < 0.16: estimated"',
+])
+def test_not_a_ratio_copy_in_a_text(text):
+    assert rulecopies.text_copies_in(text) == []
+
+
+def test_the_scan_covers_the_pressure_learners_and_the_catalog_texts():
+    scanned = {str(p.relative_to(REPO)) for p in rulecopies.scanned_files(REPO)}
+    texts = {str(p.relative_to(REPO)) for p in rulecopies.scanned_files(REPO, rulecopies.TEXTS_SCANNED)}
+    assert "exporter/model/pressure/regime_signs.py" in scanned and "exporter/catalog/pressure.py" in texts
+
+
+@pytest.mark.parametrize("path, old, new", [
+    # the evidence window's coverage typed again in the learner
+    ("exporter/model/pressure/learner.py", "agg.covered_seconds < rules.SUSTAINED_MIN_COVERED.default * self.width",
+     "agg.covered_seconds < 0.8 * self.width"),
+    # the residency level typed again in its metric's HELP
+    ("exporter/catalog/pressure.py", 'f"s11): >= {rules.PRESSURE_EVICTIONS_PER_PROMPT_BLOCK.default:g} with',
+     '"s11): >= 0.25 with'),
+    # the capacity cut-off typed again in the advice
+    ("exporter/model/advice.py", ">= rules.CAPACITY_SUSTAINED.default), None)", ">= 0.5), None)"),
+])
+def test_a_planted_copy_of_a_method_constant_is_found_in_the_tree(tmp_path, path, old, new):
+    shutil.copytree(REPO / "exporter", tmp_path / "exporter", ignore=shutil.ignore_patterns("__pycache__"))
+    assert rulecopies.find_copies(tmp_path) == []
+    _reintroduce(tmp_path / path, old, new)
+    found = rulecopies.find_copies(tmp_path)
+    assert [c.path for c in found] == [path], [str(c) for c in found]
