@@ -109,7 +109,7 @@ def _checkout_copy(tmp_path: Path) -> Path:
     """The generators, their outputs and the scanned modules in a scratch tree (the generators import exporter
     from the directory above them)."""
     ignore = shutil.ignore_patterns("__pycache__")
-    for d in ("alerts", "dashboards", "exporter", "lab/kvwatt_lab/experiment"):
+    for d in ("alerts", "dashboards", "deploy/fleet", "exporter", "lab/kvwatt_lab/experiment"):
         shutil.copytree(REPO / d, tmp_path / d, ignore=ignore)
     return tmp_path
 
