@@ -107,16 +107,18 @@ def test_a_write_counter_going_backwards_is_its_regression_not_flapping(caplog):
 def test_a_window_whose_write_counter_went_back_does_not_blame_the_model():
     """A lasting drop of the write counter alone: the step it fell has tokens but no write increase, so the
     window's writes fall short of its tokens. Today the check of the write model fails ("not this model's
-    shape"); it must name the counter instead and check nothing."""
+    shape"); it must name the counter instead and check nothing: judged by a known write model, the figure stays
+    unknown with the counter's reason, never the model's shape."""
     h = ServerHistory(600, name="svc", windows=(60.0,))
     for t in range(0, 31):
         r = write_reading(t, glitch=t >= 20)  # from t=20 on the write counter stays 30 % low
         h.add_reading(float(t), r)
     per_token = WRITE_PER_SECOND / 2500.0  # the model's bytes per scheduled token, logits term 0
     fig = recompute.preemption_recompute(h.aggregate(60.0), per_token, 0.0, 60.0)
-    residual = recompute.identity_residual(fig, 0.0)
-    judged = recompute.judged(fig, residual)
-    assert residual is None and fig.state == "unknown", fig
+    model = recompute.WriteModel(bytes_per_token=per_token, bytes_per_logits_token=0.0, source="config.json",
+                                 state="known")
+    judged = recompute.judged(fig, model)
+    assert fig.state == "unknown" and judged.state == "unknown", fig
     assert "went backwards" in fig.reason and "shape" not in judged.reason, judged.reason
 
 
