@@ -99,11 +99,14 @@ class SavingFigure:
     def verdict(self) -> str:
         """In words, for the landing page and /api/status: ``unknown`` (no dE), ``within_noise`` (|dE| under
         NOISE_STDERRS standard errors: the study's "offloading inert"), else ``saves`` or ``costs`` by the sign
-        (also when the SE is unknown, with fewer than two windows: the page then says so)."""
+        (also when the SE is unknown, with fewer than two windows: the page then says so). A dE of exactly 0 is
+        ``within_noise`` whatever its SE: an estimate that priced no saving (an offloading server that reloaded
+        nothing, SE 0) read "costs" and the page said "offloading costs energy: dE +0.0 % ± 0.0 % (more GPU
+        energy per generated token)"."""
         if self.energy_saving is None:
             return "unknown"
         se = self.energy_saving_stderr
-        if se is not None and abs(self.energy_saving) < NOISE_STDERRS * se:
+        if self.energy_saving == 0.0 or (se is not None and abs(self.energy_saving) < NOISE_STDERRS * se):
             return "within_noise"
         return "saves" if self.energy_saving > 0 else "costs"
 

@@ -118,6 +118,25 @@ def test_a_known_tax_above_noise_gives_the_pressure_advice():
     assert _kinds(_fig(windows=(replace(QUIET, recompute_tax=0.02),))) == ["nothing_to_do"]  # within noise
 
 
+def test_the_pressure_advice_names_the_window_of_its_p95_where_the_header_names_another():
+    """The advice's header is the regime's window (30s); a sign from a longer window (2m) names its window, and so
+    does the p95 printed beside it (before: "KV pressure over the last 30s: requests waiting for KV capacity in 77 %
+    of samples over the last 2m (mean 2.7), KV-cache usage p95 93 %", the 2m's p95 under the 30s's header)."""
+    w30 = WindowFigures("30s", 30.0, 30.0, kv_usage_p95=0.61, above_threshold=True, preemptions_per_minute=0.0,
+                        preemption_onset=False, requests_waiting_for_kv_capacity_share=0.2,
+                        requests_waiting_for_kv_capacity=0.3)
+    w2m = WindowFigures("2m", 120.0, 120.0, kv_usage_p95=0.93, above_threshold=True, preemptions_per_minute=0.0,
+                        preemption_onset=False, requests_waiting_for_kv_capacity_share=0.77,
+                        requests_waiting_for_kv_capacity=2.7)
+    (a,) = [a for a in _status(_fig(windows=(w30, w2m)))["advice"] if a["kind"] == "kv_pressure"]
+    assert a["text"].startswith("KV pressure over the last 30s: ")
+    assert "77 % of samples over the last 2m" in a["text"] and "KV-cache usage p95 93 % over the last 2m." in a["text"]
+    # the header's own window: no label (the golden texts keep their words)
+    (b,) = [a for a in _status(_fig(windows=(replace(w30, requests_waiting_for_kv_capacity_share=0.8), w2m)))["advice"]
+            if a["kind"] == "kv_pressure"]
+    assert "KV-cache usage p95 61 %." in b["text"]
+
+
 def test_a_provisional_tax_gives_the_evidence_advice_not_a_verdict():
     w = replace(QUIET, recompute_tax=0.14)
     st = _status(_fig(windows=(w,), tax_state="provisional", tax_reason="1 low-pressure window (3 needed)",

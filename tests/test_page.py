@@ -439,3 +439,7 @@ def test_dE_verdict_words():
     assert verdict(0.02, 0.011) == "within_noise" and verdict(-0.02, 0.011) == "within_noise"
     assert verdict(0.02, 0.0099) == "saves" and verdict(-0.02, 0.0099) == "costs"
     assert verdict(0.3, None) == "saves"  # no SE (one window): the sign, and the page says the SE is unknown
+    # a dE of exactly 0 (the demo's offloading twin before it reloaded anything: estimated dE 0.0 ± 0.0) saves
+    # nothing and costs nothing: never "offloading costs energy ... (more GPU energy per generated token)"
+    assert verdict(0.0, 0.0) == "within_noise" and verdict(0.0, None) == "within_noise"
+    assert verdict(-1e-9, 0.0) == "costs" and verdict(1e-9, 0.0) == "saves"
