@@ -72,3 +72,15 @@ def test_why_a_collapse_is_ruled_out_is_said_in_words():
     assert page.collapse_words(c) == "ruled out: offloading is off; the engine ran steps"
     c.update(signature=True, condition_sets={"stalled_engine": True})
     assert page.collapse_words(c).startswith("a stalled engine")
+
+
+def test_the_saving_and_the_recompute_share_say_they_are_of_the_energy_above_idle():
+    """dE and the recompute energy share are shares of the GPU energy above idle (marginal, methods.md s1): a
+    real ON engine's page said "saves +46.1 % of GPU energy" from 5.2 W saved beside 76 W drawn, and "86.9 %
+    recomputation share of GPU energy" beside a 160 W tax in a 254 W window. Every golden server whose dE the
+    page words says which energy it is a share of."""
+    text = visible_text(statuses()[0])
+    leads = re.findall(r"(?:offloading saves|would save about) .{0,80}? per generated token", text)
+    assert leads and all("above idle" in lead for lead in leads), leads
+    assert "recomputation share of GPU energy above idle" in text
+    assert not re.search(r"recomputation share of GPU energy(?! above idle)", text)

@@ -112,6 +112,7 @@ TEMPLATES = {
     ("exporter/model/epoch.py", "{} {} -> {}"): "a change of engine fact (old -> new), not a comparison",
     ("exporter/model/pressure/reference.py", "no low-pressure window seen yet: {}; those with p95 <= {} preempted, "
      "had requests waiting for KV, touched KV usage >= {} or paid a tax"): "a rule's bounds, no value beside them",
+    ("exporter/model/pressure/reference.py", " over {} s"): "a span",
     ("exporter/model/pressure/reference.py", " over {} min"): "a span",
     ("exporter/model/pressure/reference.py", "no low-pressure window seen yet: {}, all with p95 >= {}"):
         "a rule's bound over windows not printed",

@@ -230,7 +230,7 @@ PER_PHASE: tuple[MetricDef, ...] = (
         computes="derive.energy.tax_in_energy",
         section=SECTION,
         status=window_key("recompute_energy_share", lambda w: w.recompute_energy_share),
-        words=(Words("recomputation share of GPU energy", "percent", ("recompute_energy_share", "gpu")),),
+        words=(Words("recomputation share of GPU energy above idle", "percent", ("recompute_energy_share", "gpu")),),
         bounds=bounds.SHARE,
     ),
     MetricDef(

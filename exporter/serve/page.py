@@ -303,13 +303,13 @@ def _lead(kind: str, sv: dict) -> str:
         return (f"No, whatever dE says: dE {figure} {se} reads as a saving, but the collapse signature holds, and "
                 "a stalled GPU near idle makes marginal J/token look cheap.")
     if kind == "potential":
-        return {"saves": f"Offloading is off here; turning it on would save about {figure} {se} of GPU energy "
-                         "per generated token.",
+        return {"saves": f"Offloading is off here; turning it on would save about {figure} {se} of the GPU "
+                         "energy above idle per generated token.",
                 "costs": f"Offloading is off here, and turning it on would not save energy: dE {figure} {se}.",
                 "within_noise": f"Offloading is off here; turning it on would save nothing measurable: dE {figure} "
                                 f"{se} is within two standard errors of zero."}[sv["answer"]]
-    return {"saves": f"Yes: offloading saves {figure} {se} of GPU energy per generated token.",
-            "costs": f"No: offloading costs energy: dE {figure} {se} (more GPU energy per generated token).",
+    return {"saves": f"Yes: offloading saves {figure} {se} of the GPU energy above idle per generated token.",
+            "costs": f"No: offloading costs energy: dE {figure} {se} (more GPU energy above idle per generated token).",
             "within_noise": f"Not measurably: dE {figure} {se} is within two standard errors of zero."}[sv["answer"]]
 
 
