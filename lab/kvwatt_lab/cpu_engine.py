@@ -8,13 +8,21 @@ An engine with CPU offloading (vLLM's own OffloadingConnector, with the lab's wo
 takes ``offload_args(host_pool_gib, link)`` on its command line and ``offload_env()`` in its environment:
 
     python -m kvwatt_lab.cpu_engine --offload-args 0.5 pcie4x16     # prints those arguments as JSON
+
+The tiered engine (vLLM's TieringOffloadingSpec: a CPU tier and an ``fs`` disk tier, kvwatt_lab/cpu_tiering.py)
+takes ``tiered_args(cpu_mib, disk_dir, disk, engine_id=...)``; the launcher removes its shared-memory file on exit:
+
+    python -m kvwatt_lab.cpu_engine --tiered-args 4 /dev/shm/kvwatt-disk sata3     # arguments, env, engine id
+    python -m kvwatt_lab.cpu_engine --serve-tiered 4 /dev/shm/kvwatt-disk 0.02 -- --model /tmp/kvwatt-tiny-llama
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -243,12 +251,92 @@ def _print_offload_args(args: list[str]) -> int:
     return 0
 
 
+TIERED_USAGE = ("usage: python -m kvwatt_lab.cpu_engine --tiered-args CPU_MIB DISK_DIR [DISK [LINK]] "
+                "(or --serve-tiered CPU_MIB DISK_DIR [DISK [LINK]] -- VLLM_ARGS...)")
+
+
+def _number_or_name(value: str | None) -> str | float | None:
+    if value is None:
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        return value
+
+
+def _tiered(args: list[str], engine_id: str) -> list[str]:
+    """tiered_args from the command line's CPU_MIB DISK_DIR [DISK [LINK]]."""
+    if not 2 <= len(args) <= 4:
+        raise OffloadConfigError(TIERED_USAGE)
+    disk, link = (_number_or_name(a) for a in (args[2:3] or [None]) + (args[3:4] or [None]))
+    return tiered_args(args[0], args[1], disk, engine_id=engine_id, link=link)
+
+
+def _print_tiered_args(args: list[str]) -> int:
+    engine_id = new_engine_id()
+    try:
+        out = {"args": _tiered(args, engine_id), "env": offload_env({}), "engine_id": engine_id,
+               "shm_path": shared_region_path(engine_id)}
+    except OffloadConfigError as e:
+        print(f"kvwatt lab: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(out))
+    return 0
+
+
+def serve_tiered(args: list[str]) -> int:
+    """Run vLLM's API server with the tiered engine's arguments added, and remove the CPU tier's shared-memory
+    file however it ends: when the server exits, at this process's exit (atexit), and on SIGTERM, SIGINT or
+    SIGHUP, which are passed on to the server's process group first. (The worker removes the name itself at its
+    first transfer, kvwatt_lab/cpu_tiering.py; this covers an engine stopped before that. A SIGKILL of this
+    launcher leaves the file only if the engine made no transfer: the test harness removes it then.)"""
+    own, _, vllm_args = _split(args)
+    engine_id = new_engine_id()
+    try:
+        extra = _tiered(own, engine_id)
+    except OffloadConfigError as e:
+        print(f"kvwatt lab: {e}", file=sys.stderr)
+        return 2
+    if not engine_available():
+        print(f"kvwatt lab: no vLLM interpreter at {vllm_python()}: run `make lab`", file=sys.stderr)
+        return 2
+    atexit.register(remove_shared_region, engine_id)
+    cmd = [vllm_python(), "-m", "vllm.entrypoints.openai.api_server", *vllm_args, *extra]
+    env = {**os.environ, **COMPILE_CACHE_ENV, **offload_env()}
+    print(f"kvwatt lab: tiered engine {engine_id} (CPU tier {shared_region_path(engine_id)})", file=sys.stderr)
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+
+    def forward(signum, _frame):
+        try:
+            os.killpg(proc.pid, signum)
+        except ProcessLookupError:
+            pass
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(signum, forward)
+    status = proc.wait()
+    remove_shared_region(engine_id)
+    return status
+
+
+def _split(args: list[str]) -> tuple[list[str], str, list[str]]:
+    if "--" not in args:
+        return args, "", []
+    i = args.index("--")
+    return args[:i], "--", args[i + 1:]
+
+
 def main(argv: list[str] | None = None) -> int:
     """Build the tiny model (into DIR, default default_model_dir()) and print where it is; with
-    ``--offload-args GIB [LINK]``, print the arguments and environment of an offloading engine instead."""
+    ``--offload-args GIB [LINK]``, print the arguments and environment of an offloading engine instead;
+    ``--tiered-args CPU_MIB DISK_DIR [DISK [LINK]]`` those of a tiered engine (its engine id and shared-memory
+    file too); ``--serve-tiered CPU_MIB DISK_DIR [DISK] -- VLLM_ARGS...`` runs one (serve_tiered)."""
     args = sys.argv[1:] if argv is None else argv
     if args[:1] == ["--offload-args"]:
         return _print_offload_args(args[1:])
+    if args[:1] == ["--tiered-args"]:
+        return _print_tiered_args(args[1:])
+    if args[:1] == ["--serve-tiered"]:
+        return serve_tiered(args[1:])
     if not engine_available():
         print(f"kvwatt lab: no vLLM interpreter at {vllm_python()}: run `make lab` (or set KVWATT_VLLM_PYTHON)",
               file=sys.stderr)
