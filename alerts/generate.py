@@ -87,6 +87,7 @@ SETTINGS: dict[str, Setting] = {
     "allocation_failures_per_minute": Setting(0.0, "nonnegative",
                                               "KVOffloadBufferUndersized: allocation failures per minute above this"),
     "buffer_for": Setting("15m", "duration", "KVOffloadBufferUndersized for:"),
+    "tier_backpressure_for": Setting("10m", "duration", "KVOffloadTierDroppingStores for:"),
     "recompute_tax_threshold": shared(rules.RECOMPUTE_TAX_THRESHOLD, "ratio"),
     "recompute_reference_lookback": Setting("1d", "duration", "fallback: reference share looks back this far"),
     "recompute_reference_quantile": Setting(0.1, "ratio", "fallback: reference = this quantile of the share"),
@@ -457,6 +458,13 @@ def buffer_expr() -> str:
             '  "cause", "allocation_failures", "", ""\n)')
 
 
+def tier_backpressure_expr() -> str:
+    """vLLM's own back-pressure counter (tiering, 0.32): blocks per second a secondary tier's detector dropped;
+    kvwatt's figure (kvwatt_offload_tier_dropped_blocks_per_second) is opt-in, per tier and window."""
+    return ("sum by (server, tier) (\n  rate(vllm:kv_offload_tiering_backpressure_blocks_dropped_total[@window])\n"
+            ") > 0")
+
+
 def recompute_expr() -> str:
     kw = 'kvwatt_recompute_tax_ratio{window="@kvwatt_window"}'
     share = 'server_source:vllm_prompt_tokens_by_source:ratio_rate@window{source="local_compute"}'
@@ -550,6 +558,14 @@ ALERTS: tuple[Alert, ...] = (
           "{{ else }}Server {{ $labels.server }} fails {{ $value | printf \"%.2f\" }} offload allocations per "
           "minute over @window: the host buffer is full and KV blocks are dropped instead of stored.{{ end }}"
           " Grow --kv-offloading-size towards kvwatt_offload_recommended_buffer_bytes."),
+    Alert("KVOffloadTierDroppingStores", "warning", "tier_backpressure_for", tier_backpressure_expr(),
+          "A secondary KV offload tier is dropping stores: too slow for the write rate.",
+          "vLLM's back-pressure on server {{ $labels.server }} drops {{ $value | printf \"%.1f\" }} KV blocks per "
+          "second bound for its {{ $labels.tier }} tier over @window "
+          "(vllm:kv_offload_tiering_backpressure_blocks_dropped_total): the tier takes longer per MiB than its "
+          "high-water mark, and the dropped blocks will never be served from it (their prompts are recomputed). "
+          "Give the tier a faster device or more write threads (n_write_threads), or store less to it "
+          "(offload_prompt_only)."),
     Alert("KVRecomputeTaxHigh", "warning", "recompute_for", recompute_expr(),
           "Prompt tokens are being recomputed that a larger KV cache would have reused.",
           "The local_compute share of prompt tokens on server {{ $labels.server }} exceeds its low-pressure "

@@ -209,7 +209,7 @@ class Advice:
     the numbers the words rest on (JSON-ready)."""
 
     kind: str  # server_down | source_degraded | collapse | stalled_engine | kv_pressure | undersized_buffer |
-    #            evidence | checks_unknown | nothing_to_do
+    #            tier_dropping_stores | evidence | checks_unknown | nothing_to_do
     severity: str  # bad | unknown | info
     text: str
     evidence: dict = field(default_factory=dict)

@@ -20,6 +20,10 @@ OPT_IN_FAMILIES: dict[str, str] = {
     "kvwatt_offload_tier_residency_seconds": "per offload tier and window: kvwatt_offload_buffer_residency_seconds "
                                              "is the server's",
     "kvwatt_offload_tier_undersized": "per offload tier and window: kvwatt_offload_buffer_undersized is the server's",
+    "kvwatt_offload_tier_dropped_stores_per_second": "per offload tier and window: the advice tier_dropping_stores "
+                                                     "says it (/api/status)",
+    "kvwatt_offload_tier_dropped_blocks_per_second": "per offload tier and window: the advice tier_dropping_stores "
+                                                     "says it; the alert reads vLLM's own counter",
     "kvwatt_offload_saved_cost_per_day": "money per baseline and window: kvwatt_offload_saved_watts times the price",
     "kvwatt_offload_saved_co2e_grams_per_day": "per baseline and window: kvwatt_offload_saved_watts times the "
                                                "carbon intensity",

@@ -67,6 +67,7 @@ NON_NEGATIVE = {"kvwatt_sample_duration_seconds", "kvwatt_window_covered_seconds
                 "kvwatt_preemptions_per_request", "kvwatt_admission_rejections_per_minute",
                 "kvwatt_offload_tier_write_bytes_per_second", "kvwatt_offload_tier_read_bytes_per_second",
                 "kvwatt_offload_tier_job_failures", "kvwatt_requests_in_kv_fetch",
+                "kvwatt_offload_tier_dropped_stores_per_second", "kvwatt_offload_tier_dropped_blocks_per_second",
                 "kvwatt_requests_waiting_for_kv_capacity",
                 "kvwatt_preemptions_by_reason_per_minute", "kvwatt_offload_tier_residency_seconds",
                 "kvwatt_offload_write_tokens_per_second", "kvwatt_offload_read_tokens_per_second",

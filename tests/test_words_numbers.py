@@ -109,6 +109,11 @@ TEMPLATES = {
     ("exporter/model/advice.py", "under a minute {}"): "a duration against one minute, said in words ({} is 'at best')",
     ("exporter/model/advice.py", " It needs {} of {} s (KV p95 under the threshold, no preemption): none so far "
      "in {}"): "a rule stated, no value beside it",
+    ("exporter/model/advice.py", "The {} tier is dropping stores: too slow for the write rate. vLLM's back-pressure "
+     "dropped {} blocks/s bound for it over {}{}: those blocks will never be served from it, so their prompts are "
+     "recomputed. Give the tier a faster device or more write threads (n_write_threads), or store less to it "
+     "(offload_prompt_only)."): "'too slow' is vLLM's own verdict (it dropped the blocks printed), 'faster', "
+                               "'more' and 'less' are instructions; 'over' a window's span",
     ("exporter/model/epoch.py", "{} {} -> {}"): "a change of engine fact (old -> new), not a comparison",
     ("exporter/model/pressure/reference.py", "no low-pressure window seen yet: {}; those with p95 <= {} preempted, "
      "had requests waiting for KV, touched KV usage >= {} or paid a tax"): "a rule's bounds, no value beside them",

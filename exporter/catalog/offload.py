@@ -210,6 +210,26 @@ TRAFFIC: tuple[MetricDef, ...] = (
         bounds=bounds.BOOLEAN,
     ),
     MetricDef(
+        name="kvwatt_offload_tier_dropped_stores_per_second", type="gauge", labels=("server", "tier", "window"),
+        help="vLLM tiering: stores (cascade jobs) bound for the tier that its back-pressure detector dropped, per "
+             "second over the window (vllm:kv_offload_tiering_backpressure_stores_dropped_total; 0 where the "
+             "engine counts drops and this tier had none).",
+        computes="derive.offload.tier_flows",
+        section=SECTION,
+        fill=_tiers("dropped_stores_per_second"),
+        bounds=bounds.NON_NEGATIVE,
+    ),
+    MetricDef(
+        name="kvwatt_offload_tier_dropped_blocks_per_second", type="gauge", labels=("server", "tier", "window"),
+        help="vLLM tiering: KV blocks bound for the tier that its back-pressure detector dropped (the tier too slow "
+             "for the write rate: those blocks will never be served from it), per second over the window "
+             "(vllm:kv_offload_tiering_backpressure_blocks_dropped_total).",
+        computes="derive.offload.tier_flows",
+        section=SECTION,
+        fill=_tiers("dropped_blocks_per_second"),
+        bounds=bounds.NON_NEGATIVE,
+    ),
+    MetricDef(
         name="kvwatt_offload_buffer_undersized", type="gauge", labels=("server",),
         help="1 when residency is below the configured p99 tool-call latency, or stores fail.",
         computes="derive.offload.undersized",

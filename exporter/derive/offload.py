@@ -168,6 +168,10 @@ class TierFlows:
     job_failures: float | None  # failed promotion + cascade jobs in the window
     undersized: bool | None  # residency < p99 tool-call latency, or a job failed (None: neither known)
     residency_seconds: float | None = None  # configured capacity / write rate
+    # stores (cascade jobs) bound for this tier and their blocks that vLLM's back-pressure detector dropped, per
+    # second over the window: blocks the tier will never serve (the tier too slow for the write rate)
+    dropped_stores_per_second: float | None = None
+    dropped_blocks_per_second: float | None = None
 
 
 def _hit_ratio(hits: float | None, queries: float | None) -> float | None:
@@ -178,25 +182,50 @@ def _hit_ratio(hits: float | None, queries: float | None) -> float | None:
     return hits / queries
 
 
+def _per_covered_second(agg: WindowAggregate, key: str) -> float | None:
+    """A tiering counter's increase / the window's covered seconds: vLLM creates each tier's series at its first
+    observation (the store counts that first value, store/history.py), so before it the tier moved nothing; a
+    rate over the seconds that carry the series alone would spread a single promotion over one interval."""
+    total = agg.delta(key)
+    if total is None or agg.covered_seconds <= 0:
+        return None
+    return total / agg.covered_seconds
+
+
+def _dropped(agg: WindowAggregate, keys, prefix: str, tier: str) -> float | None:
+    """Drops per second over the window. vLLM's back-pressure counters have a HELP line and no sample until
+    their first drop (the tiered engine, tests/test_tiered_engine.py): a tier without a sample is 0 where
+    another tier's drops show the engine counts them, else unknown (never a zero kvwatt cannot see)."""
+    rate = _per_covered_second(agg, labelled_key(prefix, tier))
+    if rate is None and any(k.startswith(prefix + "@") for k in keys):
+        return 0.0
+    return rate
+
+
 def tier_flows(agg: WindowAggregate, capacities: dict[str, float] | None = None,
                p99_tool_latency_seconds: float = rules.P99_TOOL_LATENCY.default) -> tuple[TierFlows, ...]:
     """Every tier that carries a tiering counter in the window, sorted by tier label; ``capacities``: the
     configured bytes of each tier."""
     keys = agg.keys()
     tiers = sorted({k.split("@", 1)[1] for k in keys if k.startswith(("tier_write_bytes@", "tier_read_bytes@",
-                                                                       "tier_chunk_queries@", "tier_job_failures@"))})
+                                                                       "tier_chunk_queries@", "tier_job_failures@",
+                                                                       "tier_dropped_blocks@"))})
     out = []
     for tier in tiers:
         queries = agg.delta(labelled_key("tier_chunk_queries", tier))
         hits = agg.delta(labelled_key("tier_chunk_hits", tier))
+        if queries and hits is None and any(k.startswith("tier_chunk_hits@") for k in keys):
+            hits = 0.0  # vLLM creates a tier's hits series at its first hit: queried, never hit
         failures = agg.delta(labelled_key("tier_job_failures", tier))
-        write = rate_per_second(agg, labelled_key("tier_write_bytes", tier))
+        write = _per_covered_second(agg, labelled_key("tier_write_bytes", tier))
         held = residency((capacities or {}).get(tier), write)
-        flows = TierFlows(tier, write, rate_per_second(agg, labelled_key("tier_read_bytes", tier)),
+        flows = TierFlows(tier, write, _per_covered_second(agg, labelled_key("tier_read_bytes", tier)),
                           _hit_ratio(hits, queries), failures,
-                          undersized(held, write, failures, p99_tool_latency_seconds), held)
+                          undersized(held, write, failures, p99_tool_latency_seconds), held,
+                          _dropped(agg, keys, "tier_dropped_stores", tier),
+                          _dropped(agg, keys, "tier_dropped_blocks", tier))
         if any(v is not None for v in (flows.write_bytes_per_second, flows.read_bytes_per_second,
-                                       flows.chunk_hit_ratio, flows.job_failures)):
+                                       flows.chunk_hit_ratio, flows.job_failures, flows.dropped_blocks_per_second)):
             out.append(flows)  # a tier whose samples all left the window is gone from it
     return tuple(out)
 

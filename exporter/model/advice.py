@@ -31,7 +31,8 @@ def advise(v: ServerFigures, cfg: Config) -> tuple[Advice, ...]:
     """The server's advice, most urgent first; never empty."""
     if not v.status.up:
         return (_down(v),)  # nothing else is known about a server kvwatt cannot read
-    out = [a for a in (_degraded(v), _collapse(v), _pressure(v), _buffer(v.buffer, cfg)) if a is not None]
+    out = [a for a in (_degraded(v), _collapse(v), _pressure(v), _buffer(v.buffer, cfg), _tier_backpressure(v))
+           if a is not None]
     out += _evidence(v, cfg)
     unknown = _unknown_checks(v)
     if unknown:
@@ -181,6 +182,27 @@ def _buffer(b: BufferFigures | None, cfg: Config) -> Advice | None:
                   {"recommended_gib": b.recommended_gib, "residency_seconds": b.residency_seconds,
                    "residency_target_seconds": b.residency_target_seconds,
                    "residency_target_source": b.residency_target_source, "store_failures": b.store_failures})
+
+
+def _tier_backpressure(v: ServerFigures) -> Advice | None:
+    """A secondary offload tier whose back-pressure detector dropped stores in the shortest window that shows
+    any (vLLM tiering: the tier took longer per MiB than its high-water mark, so vLLM skips cascades to it)."""
+    for w in v.windows:
+        dropping = [t for t in w.offload_tiers if (t.dropped_blocks_per_second or 0) > 0]
+        if not dropping:
+            continue
+        t = max(dropping, key=lambda t: t.dropped_blocks_per_second)
+        written = "" if t.write_bytes_per_second is None else f" while {t.write_bytes_per_second:,.0f} B/s reached it"
+        return Advice("tier_dropping_stores", "bad",
+                      f"The {t.tier} tier is dropping stores: too slow for the write rate. vLLM's back-pressure "
+                      f"dropped {t.dropped_blocks_per_second:,.1f} blocks/s bound for it over {w.window}{written}: "
+                      "those blocks will never be served from it, so their prompts are recomputed. Give the tier a "
+                      "faster device or more write threads (n_write_threads), or store less to it "
+                      "(offload_prompt_only).",
+                      {"tier": t.tier, "window": w.window, "dropped_blocks_per_second": t.dropped_blocks_per_second,
+                       "dropped_stores_per_second": t.dropped_stores_per_second,
+                       "write_bytes_per_second": t.write_bytes_per_second})
+    return None
 
 
 # --- evidence not yet known -------------------------------------------------------------------------------------

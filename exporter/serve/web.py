@@ -84,7 +84,9 @@ def _tiers_json(w: WindowFigures) -> dict:
     return {"offload_tiers": {t.tier: {"write_bytes_per_second": t.write_bytes_per_second,
                                        "read_bytes_per_second": t.read_bytes_per_second,
                                        "chunk_hit_ratio": t.chunk_hit_ratio, "job_failures": t.job_failures,
-                                       "residency_seconds": t.residency_seconds, "undersized": t.undersized}
+                                       "residency_seconds": t.residency_seconds, "undersized": t.undersized,
+                                       "dropped_stores_per_second": t.dropped_stores_per_second,
+                                       "dropped_blocks_per_second": t.dropped_blocks_per_second}
                               for t in w.offload_tiers}}
 
 

@@ -81,6 +81,9 @@ LABELLED: dict[str, tuple[str, str]] = {
     "tier_read_bytes": ("kv_offload_tiering_read_bytes", "tier"),
     "tier_chunk_queries": ("kv_offload_tiering_chunk_queries", "tier"),
     "tier_chunk_hits": ("kv_offload_tiering_chunk_hits", "tier"),
+    # stores (cascade jobs) and their blocks a secondary tier's back-pressure detector dropped (0.32: EMA policy)
+    "tier_dropped_stores": ("kv_offload_tiering_backpressure_stores_dropped", "tier"),
+    "tier_dropped_blocks": ("kv_offload_tiering_backpressure_blocks_dropped", "tier"),
     # KV-block residency histograms' buckets (--kv-cache-metrics, 0.11+): sampled evicted blocks, cumulative
     "kv_idle_before_evict_hist_le": ("kv_block_idle_before_evict_seconds_bucket", "le"),
     "kv_reuse_gap_hist_le": ("kv_block_reuse_gap_seconds_bucket", "le"),

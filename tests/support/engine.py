@@ -52,7 +52,8 @@ import urllib.request
 from pathlib import Path
 
 from kvwatt_lab.cpu_engine import (COMPILE_CACHE_ENV, VOCAB_SIZE, build_tiny_model,  # noqa: F401 (re-exported)
-                                   default_model_dir, engine_available, offload_args, offload_env, vllm_python)
+                                   default_model_dir, engine_available, new_engine_id, offload_args, offload_env,
+                                   remove_shared_region, tiered_args, vllm_python)
 from kvwatt_lab.experiment.server import free_port, group_members  # noqa: F401 (re-exported for the tests)
 from tests.support.niced import yield_cpu
 from tests.support.shared_engines import shape_key
@@ -116,7 +117,7 @@ class VllmEngine:
                  max_model_len: int = 4096, extra_args: tuple[str, ...] | list[str] = (),
                  log_path: str | os.PathLike | None = None, env: dict[str, str] | None = None,
                  offload_gib: float | None = None, offload_link: str | float | None = None,
-                 cpu: int | None = None, niceness: int | None = None):
+                 cpu: int | None = None, niceness: int | None = None, tiered: dict | None = None):
         """``cpu``: the core the engine runs on: its worker's OMP threads (VLLM_CPU_OMP_THREADS_BIND; vLLM CPU binds
         core 0 unless told, so two engines side by side need one each) and its API server and engine core too
         (their affinity): the engine core busy-polls its worker (~80 % of a core in top), and unbound it took the
@@ -124,7 +125,10 @@ class VllmEngine:
         0 for seconds at a time). ``niceness``: the engine's processes yield the
         CPU to the watcher and the test (on a GPU node the engine computes on the GPU and kvwatt has the host's
         cores; on 2 cores with both engines computing, kvwatt's 0.25 s NVML deadline was missed); by default
-        $KVWATT_ENGINE_NICENESS (scripts/run_tiers.py sets it for the shards that run side by side), else 0."""
+        $KVWATT_ENGINE_NICENESS (scripts/run_tiers.py sets it for the shards that run side by side), else 0.
+        ``tiered``: vLLM's tiered offloading (a CPU tier and a disk tier, kvwatt_lab/cpu_tiering.py), the keyword
+        arguments of kvwatt_lab.cpu_engine.tiered_args but the engine id, which is new for each engine (it names
+        the CPU tier's shared-memory file, which stop() removes if the engine left it)."""
         self.model_dir = str(model_dir)
         self.port = port or free_port()
         self.num_gpu_blocks = num_gpu_blocks
@@ -132,6 +136,9 @@ class VllmEngine:
         self.extra_args = tuple(extra_args)
         self.offload_gib = offload_gib  # a host pool of this many GiB: vLLM's OffloadingConnector (cpu_offload.py)
         self.offload_args = tuple(offload_args(offload_gib, offload_link)) if offload_gib is not None else ()
+        self.engine_id = new_engine_id() if tiered is not None else None
+        if tiered is not None:
+            self.offload_args += tuple(tiered_args(**tiered, engine_id=self.engine_id))
         self.log_path = Path(log_path) if log_path else _temp_log_path()
         self.url = f"http://127.0.0.1:{self.port}"
         self.startup_seconds: float | None = None
@@ -225,6 +232,8 @@ class VllmEngine:
             time.sleep(0.1)
         if group_members(proc.pid):
             print(f"vLLM process group {proc.pid} survived SIGKILL: {group_members(proc.pid)}", file=sys.stderr)
+        if self.engine_id is not None:
+            remove_shared_region(self.engine_id)  # a hard kill before the first transfer leaves it
 
     @property
     def running(self) -> bool:

@@ -599,7 +599,8 @@ def _render_offload(out: _Out, eng: SimEngine, version: str, split, with_label, 
 
 
 # One MiB chunks; of what enters the CPU (primary) tier, each secondary tier i (1-based) gets 1/(2i) cascaded
-# and gives back 1/(4i) of the loads; cascade jobs fail like the primary tier's allocations.
+# and gives back 1/(4i) of the loads; cascade jobs fail like the primary tier's allocations, and its
+# back-pressure drops 1/i stores of 8 blocks as often.
 TIER_CHUNK_BYTES = 2 ** 20
 
 
@@ -618,12 +619,18 @@ def _render_tiers(out: _Out, eng: SimEngine, with_label) -> None:
                                                       "by tier.", []),
         "kv_offload_tiering_cascade_job_failures": ("Number of failed secondary-tier cascade jobs, labeled by "
                                                     "tier.", []),
+        "kv_offload_tiering_backpressure_stores_dropped": ("Number of store operations dropped due to "
+                                                           "back-pressure on a secondary tier.", []),
+        "kv_offload_tiering_backpressure_blocks_dropped": ("Number of blocks dropped due to back-pressure on a "
+                                                           "secondary tier.", []),
     }
     for i, tier in enumerate(eng.scenario.tiers, start=1):
         written = c["offload_store_bytes"] / (2 * i)
         read = c["offload_load_bytes"] / (4 * i)
         queries = c["offload_load_bytes"] / TIER_CHUNK_BYTES
-        values = (written, read, queries, queries / (2 * i), 0.0, c["offload_allocation_failures"])
+        dropped = c["offload_allocation_failures"] / i  # back-pressure drops a store (of 8 blocks) as often
+        values = (written, read, queries, queries / (2 * i), 0.0, c["offload_allocation_failures"], dropped,
+                  8 * dropped)
         for (name, (_, samples)), v in zip(series.items(), values):
             samples += with_label({"tier": tier}, v)
     for name, (help_, samples) in series.items():
