@@ -286,7 +286,7 @@ def lab(tmp_path_factory):
                     "http_timeout": "10s",
                     "idle_power_watts": {"gpu:GPU-on": IDLE_WATTS, "gpu:GPU-off": IDLE_WATTS},
                     # opt-in families (docs/fleet.md "Series budget") these checks read on /metrics
-                    "metrics_opt_in": ["kvwatt_cached_prompt_token_share_ratio",
+                    "metrics_opt_in": ["kvwatt_cached_prompt_token_share_ratio", "kvwatt_comparison_windows",
                                        "kvwatt_preemption_recompute_tokens_per_second",
                                        "kvwatt_preemption_recompute_watts"]}
         with KvwattDaemon(servers=servers, config=settings, env=gpus.env(), interval=INTERVAL) as d:
