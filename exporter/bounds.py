@@ -19,14 +19,19 @@ import dataclasses
 import logging
 import math
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Mapping
 
 log = logging.getLogger("kvwatt.bounds")
 
-# A ceiling on one server's generated tokens/s, far above any engine: the fastest decode published for a
-# whole 8-GPU node is of the order of 1e5 tokens/s (vLLM/SGLang H100 and B200 benchmarks); a rate 10x that
-# can only come from a counter counted whole (a false restart, store/identity.py) or a counter that jumped.
+# A ceiling on the generated tokens/s of one engine (a data-parallel rank) or one GPU, far above any: the fastest
+# decode published for a whole 8-GPU node is of the order of 1e5 tokens/s (vLLM/SGLang H100 and B200 benchmarks); a
+# rate 10x that per engine can only come from a counter counted whole (a false restart, store/identity.py) or a
+# counter that jumped. A server's ceiling is this times what it can be (token_rate_ceiling): its data-parallel
+# engines or the GPUs attributed to it, whichever are more, at least one.
 MAX_GENERATION_TOKENS_PER_SECOND = 1.0e6
+# A value computed at a bound may land a few ulps outside it (a share of exactly 1 computed as 1.0000000000000002):
+# within this many units in the last place of the bound it is rounding, served clamped onto the bound
+ROUNDING_ULPS = 4
 _KWH_JOULES = 3.6e6
 _DAY_HOURS = 24.0
 _REL_TOL = 1e-6  # priced figures: equal to watts x price up to rounding
@@ -57,12 +62,14 @@ class Where:
             self._labels = dict(zip(self._names, map(str, self._values)))
         return self._labels
 
+    def server(self):
+        """The ServerFigures of the sample's server, or None."""
+        return next((s for s in self.snap.servers if s.name == self.labels.get("server")), None)
+
     def window(self):
         """The WindowFigures of the sample's server and window, or None."""
-        for s in self.snap.servers:
-            if s.name == self.labels.get("server"):
-                return next((w for w in s.windows if w.window == self.labels.get("window")), None)
-        return None
+        s = self.server()
+        return None if s is None else next((w for w in s.windows if w.window == self.labels.get("window")), None)
 
     def marginal_watts(self) -> tuple[float | None, str]:
         """The scope's marginal power (E - P_idle*dt)/dt over the window, and its inputs in words."""
@@ -93,6 +100,9 @@ class Bound:
     test: Test
     infinite: bool = False  # +Inf is a documented value (kappa observed with no computed prompt token)
 
+    # a range's ends: a value within ROUNDING_ULPS of one is served clamped onto it (``clamped``)
+    limits: tuple[float, float] | None = None
+
     def violation(self, value: float, where: Where) -> str | None:
         if isinstance(value, bool):
             value = float(value)
@@ -100,10 +110,25 @@ class Bound:
             return f"{value} is not a number kvwatt can serve"
         return self.test(value, where)
 
+    def clamped(self, value: float) -> float | None:
+        """The bound's end where ``value`` lies outside the range by rounding only (None: nothing to clamp)."""
+        if self.limits is None or isinstance(value, bool) or not math.isfinite(value):
+            return None
+        lo, hi = self.limits
+        return lo if value < lo else hi if value > hi else None
+
+
+def rounding_slack(bound: float) -> float:
+    """How far outside ``bound`` a computed value may land by rounding alone: a few ulps of the bound (of 1 at 0:
+    a share computed as 1 - (a + b + c) lands at -1e-16, not at -1e-300)."""
+    return ROUNDING_ULPS * math.ulp(max(abs(bound), 1.0))
+
 
 def _range(lo: float, hi: float) -> Test:
     def test(v: float, _w: Where) -> str | None:
-        return None if lo <= v <= hi else f"{v:.6g} outside [{lo:g}, {hi:g}]"
+        if lo - rounding_slack(lo) <= v <= hi + rounding_slack(hi):
+            return None
+        return f"{v!r} outside [{lo:g}, {hi:g}]"
     return test
 
 
@@ -148,12 +173,30 @@ def _saved_power(v: float, where: Where) -> str | None:
     return None
 
 
-def _token_rate(v: float, _w: Where) -> str | None:
+def token_rate_ceiling(engines: int, gpus: int) -> float:
+    """The most tokens/s a server with ``engines`` data-parallel engines and ``gpus`` GPUs attributed can be:
+    MAX_GENERATION_TOKENS_PER_SECOND per engine or GPU, whichever are more (at least one)."""
+    return MAX_GENERATION_TOKENS_PER_SECOND * max(1, engines, gpus)
+
+
+def server_units(server, snap) -> tuple[int, int]:
+    """(engines, GPUs) of a ServerFigures: the GPUs configured for it, or every GPU read when it is the only
+    server and names none (the configuration's rule, config/schema.py)."""
+    gpus = server.gpus
+    if not gpus and len(snap.servers) == 1:
+        gpus = sum(1 for d in snap.devices if d.reading.kind == "gpu")
+    return server.engines, gpus
+
+
+def _token_rate(v: float, where: Where) -> str | None:
     if v < 0:
         return f"{v:.6g} tokens/s < 0"
-    if v > MAX_GENERATION_TOKENS_PER_SECOND:
-        return (f"{v:.4g} tokens/s > {MAX_GENERATION_TOKENS_PER_SECOND:g}, more than any engine generates "
-                "(a counter counted whole or a jump)")
+    server = where.server()
+    engines, gpus = server_units(server, where.snap) if server is not None else (1, 0)
+    ceiling = token_rate_ceiling(engines, gpus)
+    if v > ceiling:
+        return (f"{v:.4g} tokens/s > {ceiling:g} ({MAX_GENERATION_TOKENS_PER_SECOND:g} x max({engines} engines, "
+                f"{gpus} GPUs, 1)), more than the server generates (a counter counted whole or a jump)")
     return None
 
 
@@ -205,10 +248,52 @@ def _per_token(quantity: str, factor: float) -> Test:
     return test
 
 
+def implausible_counts(deltas: Mapping[str, float], seconds: float, engines: int, gpus: int) -> dict[str, str]:
+    """The counts of one interval (its counter deltas over ``seconds``) no server of ``engines`` data-parallel
+    engines and ``gpus`` GPUs can produce, by DEPENDENCIES' name, with why (empty: all plausible)."""
+    generated = deltas.get("generation_tokens")
+    ceiling = token_rate_ceiling(engines, gpus)
+    if generated is None or seconds <= 0 or generated / seconds <= ceiling:
+        return {}
+    return {"generation_tokens": f"{generated:.4g} generated tokens in {seconds:.3g} s = {generated / seconds:.4g}/s "
+                                 f"> {ceiling:g}, more than the server generates (a counter that jumped)"}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Dependency:
+    """Figures computed from the same counts over the same window: when ``witness`` (the family that states those
+    counts as a rate) is rejected, or the model found the window's counts implausible
+    (WindowFigures.implausible_counts[``counts``]), every ``dependents`` family of that server and window is served
+    as unknown with the witness' reason (methods.md s13)."""
+
+    counts: str  # the counts' name (implausible_counts)
+    words: str  # the counts in words, for the reason
+    witness: str
+    dependents: tuple[str, ...]
+
+
+DEPENDENCIES = (
+    Dependency(counts="generation_tokens", words="the generation token counter's delta",
+               witness="kvwatt_generation_tokens_per_second",
+               dependents=("kvwatt_energy_per_token_joules", "kvwatt_marginal_energy_per_token_joules",
+                           "kvwatt_prompt_energy_per_token_joules", "kvwatt_energy_cost_per_million_tokens",
+                           "kvwatt_co2e_grams_per_thousand_tokens", "kvwatt_estimated_flops_per_generated_token",
+                           "kvwatt_preemption_recompute_tokens_per_second", "kvwatt_preemption_recompute_share_ratio",
+                           "kvwatt_preemption_recompute_watts", "kvwatt_energy_saving_ratio",
+                           "kvwatt_energy_saving_stderr_ratio", "kvwatt_throughput_gain_ratio",
+                           "kvwatt_throughput_gain_stderr_ratio")),
+    Dependency(counts="engine_write_bytes", words="the write-traffic counter's delta",
+               witness="kvwatt_preemption_recompute_tokens_per_second",
+               dependents=("kvwatt_preemption_recompute_share_ratio", "kvwatt_preemption_recompute_watts")),
+)
+
+
 DAY_KWH_PER_WATT = _DAY_HOURS / 1000.0  # W held for a day in kWh
 
-SHARE = Bound("share", "a share in [0, 1]", _range(0.0, 1.0))
-SHARE_DIFFERENCE = Bound("share_difference", "a difference of two shares, in [-1, 1]", _range(-1.0, 1.0))
+SHARE = Bound("share", "a share in [0, 1] (a few ulps outside by rounding: served clamped)", _range(0.0, 1.0),
+              limits=(0.0, 1.0))
+SHARE_DIFFERENCE = Bound("share_difference", "a difference of two shares, in [-1, 1]", _range(-1.0, 1.0),
+                         limits=(-1.0, 1.0))
 BOOLEAN = Bound("boolean", "0 or 1", _one_of(0.0, 1.0))
 INFO = Bound("info", "1 (an info series)", _one_of(1.0))
 NON_NEGATIVE = Bound("non_negative", "finite, >= 0", _non_negative)
@@ -222,8 +307,8 @@ POWER_PART = Bound("power_part", "a part of the scope's marginal power: 0 <= W <
                    _power_part)
 SAVED_POWER = Bound("saved_power", "|W| <= the scope's marginal power (costs capped at the window's energy, "
                     "methods.md s12)", _saved_power)
-TOKEN_RATE = Bound("token_rate", f"0 <= tokens/s <= {MAX_GENERATION_TOKENS_PER_SECOND:g} (more than any "
-                   "engine generates)", _token_rate)
+TOKEN_RATE = Bound("token_rate", f"0 <= tokens/s <= {MAX_GENERATION_TOKENS_PER_SECOND:g} x max(data-parallel "
+                   "engines, GPUs attributed, 1) (more than the server generates)", _token_rate)
 
 
 def money_per_day(watts: str) -> Bound:
@@ -245,6 +330,7 @@ CO2E_PER_THOUSAND_TOKENS = Bound("priced", ">= 0, = marginal J/token x 1e3 / 3.6
 
 KINDS = ("share", "share_difference", "boolean", "info", "non_negative", "joules_per_token", "saving",
          "gain", "power_part", "saved_power", "token_rate", "priced")
+DEPENDENT = "dependent"  # kvwatt_figures_rejected_total{reason}: computed from counts another figure showed implausible
 
 
 # --- the one check ------------------------------------------------------------------------------------------
@@ -265,8 +351,9 @@ class Rejection:
         return {"figure": self.figure, "labels": dict(self.labels), "bound": self.kind, "reason": self.reason}
 
 
-def violations(defs: Iterable, snap) -> list[Rejection]:
-    """Every sample of every declaration (exporter.catalog.MetricDef) outside its family's bound."""
+def violations(defs: Iterable, snap, clamps: list | None = None) -> list[Rejection]:
+    """Every sample of every declaration (exporter.catalog.MetricDef) outside its family's bound; ``clamps``
+    (when given) collects (value, the bound's end) for each value outside its range by rounding only."""
     out = []
     for d in defs:
         if d.bounds is None:
@@ -279,31 +366,51 @@ def violations(defs: Iterable, snap) -> list[Rejection]:
             if why is not None:
                 out.append(Rejection(d.name, tuple(where.labels.items()), d.bounds.kind,
                                      f"implausible: {d.name} {why}"))
+            elif clamps is not None and isinstance(value, float):
+                end = d.bounds.clamped(value)
+                if end is not None:
+                    clamps.append((value, end))
     return out
 
 
-def _cleared(x, target: float):
-    """``x`` with every reference to the float object ``target`` replaced by None (dataclasses, dicts, tuples
-    rebuilt; identity, not equality: a figure is the object its fill read)."""
+def _cleared(x, target: float, new_value: float | None = None, reason: str = ""):
+    """``x`` with every reference to the float object ``target`` replaced by ``new_value`` (None: unknown;
+    dataclasses, dicts, tuples rebuilt; identity, not equality: a figure is the object its fill read). A figure
+    with a state of its own (STATED) whose value becomes unknown says so: state "unknown", ``reason``."""
     if x is target:
-        return None
+        return new_value
     if dataclasses.is_dataclass(x) and not isinstance(x, type):
         changes = {}
         for f in dataclasses.fields(x):
             if not f.init:
                 continue
             old = getattr(x, f.name)
-            new = _cleared(old, target)
+            new = _cleared(old, target, new_value, reason)
             if new is not old:
                 changes[f.name] = new
+        if changes and new_value is None and type(x).__name__ in STATED:
+            changes |= {"state": "unknown", "reason": reason}
         return dataclasses.replace(x, **changes) if changes else x
     if isinstance(x, dict):
-        new = {k: _cleared(v, target) for k, v in x.items()}
+        new = {k: _cleared(v, target, new_value, reason) for k, v in x.items()}
         return new if any(new[k] is not v for k, v in x.items()) else x
     if isinstance(x, tuple) and not hasattr(x, "_fields"):
-        new = tuple(_cleared(v, target) for v in x)
+        new = tuple(_cleared(v, target, new_value, reason) for v in x)
         return new if any(a is not b for a, b in zip(new, x)) else x
     return x
+
+
+# figures that carry their own state and reason (known | provisional | unknown): one of their values served as
+# unknown makes the figure unknown, with the rejection's reason (the post-preemption share is not "known" beside
+# its rejected tokens/s)
+STATED = frozenset({"PreemptionRecompute"})
+
+
+def clamped(snap, clamps: list):
+    """The snapshot with each value outside its range by rounding only served on the range's end."""
+    for value, end in clamps:
+        snap = _cleared(snap, value, end)
+    return snap
 
 
 def _value_of(d, labels: tuple, snap):
@@ -324,11 +431,50 @@ def cleared(snap, defs_by_name: dict, rejections: list[Rejection]):
             continue  # computed by the fill (a bool, a count): the collector leaves the sample out (rejected keys)
         server = dict(r.labels).get("server")
         if server is not None:
-            servers = tuple(_cleared(s, value) if s.name == server else s for s in snap.servers)
+            servers = tuple(_cleared(s, value, None, r.reason) if s.name == server else s for s in snap.servers)
             snap = dataclasses.replace(snap, servers=servers)
         else:
-            snap = _cleared(snap, value)
+            snap = _cleared(snap, value, None, r.reason)
     return snap
+
+
+def dependents(snap, defs_by_name: dict, found: list[Rejection]) -> list[Rejection]:
+    """The figures computed from counts shown implausible (DEPENDENCIES): by a rejected witness, or by the model
+    (WindowFigures.implausible_counts), in the same server and window; not already in ``found``."""
+    broken: dict[tuple[str, str], dict[str, str]] = {}  # (server, window) -> counts -> reason
+    for r in found:
+        lab = dict(r.labels)
+        for dep in DEPENDENCIES:
+            if r.figure == dep.witness and "window" in lab:
+                broken.setdefault((lab["server"], lab["window"]), {}).setdefault(dep.counts, r.reason)
+    for s in snap.servers:
+        for w in s.windows:
+            for counts, why in (w.implausible_counts or {}).items():
+                broken.setdefault((s.name, w.window), {}).setdefault(counts, f"implausible: {why}")
+    if not broken:
+        return []
+    seen, out = {r.key for r in found}, []
+    for dep in DEPENDENCIES:  # in order: a dependent that is itself a witness breaks the counts it states
+        for (server, window), counts in list(broken.items()):
+            why = counts.get(dep.counts)
+            if why is None:
+                continue
+            for name in (dep.witness, *dep.dependents):
+                d = defs_by_name[name]
+                kind = d.bounds.kind if name == dep.witness else DEPENDENT
+                for labels, value in d.fill(snap):
+                    lab = dict(zip(d.labels, map(str, labels)))
+                    if value is None or lab.get("server") != server or lab.get("window") != window:
+                        continue
+                    r = Rejection(name, tuple(lab.items()), kind,
+                                  f"implausible: {name} computed from {dep.words}: {why.removeprefix('implausible: ')}")
+                    if r.key not in seen:
+                        seen.add(r.key)
+                        out.append(r)
+                    for other in DEPENDENCIES:
+                        if other.witness == name:
+                            counts.setdefault(other.counts, r.reason)
+    return out
 
 
 class BoundsCheck:
@@ -346,8 +492,10 @@ class BoundsCheck:
     def apply(self, snap):
         found: list[Rejection] = []
         for _ in range(3):  # a rejected figure makes the figures priced from it implausible in turn
-            seen = {r.key for r in found}
-            new = [r for r in violations(self.defs, snap) if r.key not in seen]
+            seen, clamps = {r.key for r in found}, []
+            new = [r for r in violations(self.defs, snap, clamps) if r.key not in seen]
+            snap = clamped(snap, clamps)
+            new += dependents(snap, self.by_name, found + new)  # and what was computed from the same counts
             if not new:
                 break
             found += new

@@ -16,6 +16,7 @@ from exporter.model.cost import Prices
 from exporter.model.energy import PhaseLearner
 from exporter.model import offload as offload_figures
 from exporter.model import pressure as pressure_model
+from exporter.model.plausible import ImplausibleCounts
 from exporter.model.repeat import RepeatWindows
 from exporter.samples import EngineReading, SourceStatus, EngineInfo
 from exporter.keys import labelled
@@ -57,6 +58,8 @@ class ServerModel:
         self.status = SourceStatus("vllm", server.name, False, "not_read_yet", 0.0, "down")
         self.info: EngineInfo | None = None
         self.engine, self.capabilities = engine_name(None), frozenset()
+        self.engines = 1  # data-parallel engines of the last read
+        self.implausible = ImplausibleCounts(keep)  # intervals with counts no server produces (a counter jump)
         self.gauges: dict[str, float] | None = None  # the last reading's, None while the server is not read
         self.collapse: collapse.CollapseResult | None = None
         self._repeat: dict[bool, RepeatWindows] = {}  # marginal or total J/token: the repeat windows' stats
@@ -76,7 +79,8 @@ class ServerModel:
         if reading is not None:
             self._back(t)
             self.info, self.engine, self.capabilities = reading.info, engine_name(reading.engine), reading.capabilities
-            self.history.add_reading(t, reading)
+            self.engines = max(1, sum(1 for e in reading.engine_counters if e))  # data-parallel ranks (bounds)
+            self.implausible.observe(self.history.add_reading(t, reading), self.engines, len(self.server.gpus))
             flapping = self.history.identity.problem  # two processes behind one URL (store/identity.py)
             if flapping and status.up:
                 joined = f"{flapping}; {status.reason}" if status.reason else flapping
@@ -112,8 +116,9 @@ class ServerModel:
                 self.phase.set_aside()  # and the per-phase costs measured on the old engine
                 self.history.restart_windows()  # and no rolling window mixes the two engines
                 self._restart_regime()
-        pl.observe(self.history.buckets(pl.width, pl.last_t1, now), wall)
-        self.phase.observe(self.history.buckets(self.repeat_seconds, self.phase.last_t1, now))
+        # nothing learned from a bucket with implausible counts (model/plausible.py)
+        pl.observe(self.implausible.clean(self.history.buckets(pl.width, pl.last_t1, now)), wall)
+        self.phase.observe(self.implausible.clean(self.history.buckets(self.repeat_seconds, self.phase.last_t1, now)))
         if not self.status.up:  # down: no verdict is known, not the last one (every screen reads these)
             self._restart_regime()
             self.collapse = None
@@ -130,6 +135,8 @@ class ServerModel:
         if epoch != self._write_check_epoch:
             self._write_check, self._write_check_epoch = None, epoch
         agg = self.history.aggregate(seconds)
+        if self.implausible.within(self.history.now, seconds):
+            return  # a window with implausible counts checks nothing
         residual = recompute.identity_residual(self._again(agg, seconds), agg.delta("preemptions"))
         if residual is not None:
             self._write_check = residual
@@ -230,6 +237,7 @@ class ServerModel:
             cached_to_prefill_ratio=kappa.observed(agg),
             savings=self._savings(agg, now, seconds, peers), **self._newest_series(agg),
             preemption_recompute=again, preemption_recompute_watts=again_watts or None,
+            implausible_counts=self.implausible.within(now, seconds),
             **self._residency_figures(agg), **priced)
 
     def _residency(self, buffer_bytes: float | None, rates: offload.TransferRates,
@@ -307,7 +315,8 @@ class ServerModel:
             located=self.pressure.located, threshold_in_use=self.pressure.threshold,
             threshold_source=self.pressure.source, evidence_windows=len(self.pressure.points),
             reference_windows=self.reference.windows, reference_spread=self.reference.spread,
-            phase_costs=self.phase.figures(), **self._judgements(windows))
+            phase_costs=self.phase.figures(), engines=self.engines, gpus=len(self.server.gpus),
+            **self._judgements(windows))
         return advice_model.attach(fig, self.cfg)  # "what do I do?", from the figures just derived
 
     def _unknown_regime(self) -> tuple[str, str]:
