@@ -182,7 +182,7 @@ def token_rate_ceiling(engines: int, gpus: int) -> float:
 def server_units(server, snap) -> tuple[int, int]:
     """(engines, GPUs) of a ServerFigures: the GPUs configured for it, or every GPU read when it is the only
     server and names none (the configuration's rule, config/schema.py)."""
-    gpus = server.gpus
+    gpus = len(server.gpu_ids)
     if not gpus and len(snap.servers) == 1:
         gpus = sum(1 for d in snap.devices if d.reading.kind == "gpu")
     return server.engines, gpus
@@ -286,6 +286,242 @@ DEPENDENCIES = (
                witness="kvwatt_preemption_recompute_tokens_per_second",
                dependents=("kvwatt_preemption_recompute_share_ratio", "kvwatt_preemption_recompute_watts")),
 )
+
+
+# --- relations between figures (methods.md s13 "Relations between figures") ------------------------------------
+RELATION = "relation"  # kvwatt_figures_rejected_total{reason}: breaks a declared relation with another figure
+SHARE_SUM_TOLERANCE = 1e-6  # shares of one whole sum to 1 up to rounding
+POWER_LIMIT_TOLERANCE = 0.10  # NVML's 1 s power average may overshoot the enforced limit briefly (boost, sensor lag)
+DE_TOLERANCE_STDERRS = 2.0  # figures.NOISE_STDERRS: dE within this many of its SE of the tax it prices agrees
+DE_TOLERANCE_ABSOLUTE = 0.02  # and within this much (the pricing's own rounding, a window's edges)
+RECOMMENDATION_MAX_ROUNDING = 1.5  # --kv-offloading-size at most this times the recommended bytes (issue 37)
+GIB = 1024.0 ** 3
+Broken = tuple[str, dict]  # why, the labels the figures served as unknown carry (server, window added)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Relation:
+    """A relation between figures (declared as data, beside the bounds): ``relates`` names the figures it
+    relates, ``check`` yields each breach (why, and labels narrowing the figures it takes: scope, baseline,
+    uuid), ``unknown`` the families served as unknown when it breaks (the derived figure, never the measured
+    one: methods.md s13) and ``says`` the relation in words (README, docs). ``per``: what one check covers
+    (window: a server's window; server: a server; snapshot: the host's devices)."""
+
+    name: str
+    relates: tuple[str, ...]
+    unknown: tuple[str, ...]
+    per: str
+    check: Callable[..., Iterable[Broken]]
+    says: str
+    # a figure with no family of its own (a server's words, a rounded size): how the server serves it unknown
+    clear: Callable[[object, str], object] | None = None
+
+
+def _shares_sum(_s, w, _snap) -> Iterable[Broken]:
+    shares = w.token_shares
+    if shares and all(v is not None for v in shares.values()):
+        total = sum(shares.values())
+        if abs(total - 1.0) > SHARE_SUM_TOLERANCE:
+            yield f"the prompt token shares sum to {total!r}, not 1", {}
+
+
+def _tax_within_recomputed(_s, w, _snap) -> Iterable[Broken]:
+    computed = (w.token_shares or {}).get("local_compute")
+    if w.recompute_tax is not None and computed is not None and w.recompute_tax > computed + rounding_slack(1.0):
+        yield (f"the recomputation tax {w.recompute_tax:.4g} is more than the recomputed share {computed:.4g} "
+               "(the tax is the recomputed share less the reference)"), {}
+
+
+def _gpu_power_within_limit(snap) -> Iterable[Broken]:
+    for d in snap.devices:
+        r = d.reading
+        limit = r.power_limit_watts
+        if r.kind == "gpu" and limit and r.power_watts is not None and \
+                r.power_watts > limit * (1 + POWER_LIMIT_TOLERANCE):
+            yield (f"GPU {r.labels.get('gpu')} draws {r.power_watts:.4g} W above its enforced power limit "
+                   f"{limit:.4g} W (+{POWER_LIMIT_TOLERANCE:.0%})"), {"uuid": r.labels.get("uuid", "")}
+
+
+def server_power_limit_watts(server, snap) -> float | None:
+    """The sum of the enforced power limits of the GPUs attributed to a server (its configured ``gpus`` by index or
+    UUID; every GPU when it is the only server and names none); None when any lacks one or none is known."""
+    ids = set(server.gpu_ids)
+    gpus = [d.reading for d in snap.devices if d.reading.kind == "gpu"
+            and (d.reading.labels.get("gpu") in ids or d.reading.labels.get("uuid") in ids
+                 or (not ids and len(snap.servers) == 1))]
+    if not gpus or any(not g.power_limit_watts for g in gpus):
+        return None
+    return sum(g.power_limit_watts for g in gpus)
+
+
+def _window_power_within_limit(s, w, snap) -> Iterable[Broken]:
+    limit = server_power_limit_watts(s, snap)
+    gpu = next((e for e in w.energy if e.scope == "gpu"), None)
+    if limit is None or gpu is None or not gpu.basis.seconds or gpu.basis.seconds <= 0:
+        return
+    watts = gpu.basis.energy_joules / gpu.basis.seconds
+    if watts > limit * (1 + POWER_LIMIT_TOLERANCE):
+        yield (f"the GPU energy over the window averages {watts:.4g} W, above the enforced power limit "
+               f"{limit:.4g} W of the server's GPUs (+{POWER_LIMIT_TOLERANCE:.0%})"), {"scope": "gpu"}
+
+
+def _reload_ratio(s) -> float | None:
+    c = next((c for c in s.phase_costs if c.scope == "gpu"), None)
+    if c is None or not c.prompt_computed_j or c.reloaded_j is None:
+        return None
+    return max(c.reloaded_j / c.prompt_computed_j, 0.0)
+
+
+def _de_prices_the_tax(s, w, _snap) -> Iterable[Broken]:
+    """Potential dE (offloading off) = the tax's share of the marginal energy x (1 - reload price); estimated dE
+    (on) = saved W / (marginal W + saved W): each within DE_TOLERANCE_STDERRS of its SE (half the expected value
+    where the SE is unknown), less the reload price (potential), plus DE_TOLERANCE_ABSOLUTE."""
+    ratio = _reload_ratio(s)
+    if ratio is None:
+        return
+    share = (w.recompute_energy_share or {}).get("gpu")
+    saved = (w.offload_saved_watts or {}).get("gpu")
+    cost = next((c for c in w.costs if c.scope == "gpu"), None)
+    gpu = next((e for e in w.energy if e.scope == "gpu"), None)
+    marginal = None
+    if gpu is not None and gpu.basis.idle_joules is not None and gpu.basis.seconds > 0:
+        marginal = (gpu.basis.energy_joules - gpu.basis.idle_joules) / gpu.basis.seconds
+    elif cost is not None:
+        marginal = cost.marginal_watts
+    for f in w.savings:
+        if f.energy_saving is None:
+            continue
+        if f.baseline == "potential" and share is not None:
+            low, high, words = share * (1 - min(ratio, 1.0)), share, f"the tax's share of the energy {share:.3g}"
+        elif f.baseline == "estimated" and saved is not None and marginal and marginal + saved > 0:
+            expected = saved / (marginal + saved)
+            low, high, words = expected, expected, f"saved {saved:.4g} W / (marginal {marginal:.4g} W + saved)"
+        else:
+            continue
+        se = f.energy_saving_stderr
+        slack = (DE_TOLERANCE_STDERRS * se if se is not None else 0.5 * abs(high)) + DE_TOLERANCE_ABSOLUTE
+        if not low - slack <= f.energy_saving <= high + slack:
+            yield (f"{f.baseline} dE {f.energy_saving:+.3g} (SE {se if se is None else f'{se:.2g}'}) disagrees with "
+                   f"{words}: expected [{low:.3g}, {high:.3g}] +/- {slack:.2g}"), {"baseline": f.baseline}
+
+
+def _buffer_matches_verdict(s, _w, _snap) -> Iterable[Broken]:
+    """An undersized buffer is never recommended at its own size or less."""
+    b, size = s.buffer, (s.info.offload_buffer_bytes if s.info else None)
+    if b is not None and b.recommended_bytes is not None and b.undersized and size and b.recommended_bytes <= size:
+        yield (f"the buffer of {size:.4g} B is called undersized but {b.recommended_bytes:.4g} B is recommended"), {}
+
+
+def _size_rounds_the_bytes(s, _w, _snap) -> Iterable[Broken]:
+    """The size in the flag's unit (GiB) is at most RECOMMENDATION_MAX_ROUNDING x the recommended bytes (a
+    rounding, not a different answer: 1 GiB for 18 MiB recommended is not)."""
+    b = s.buffer
+    if b is None or b.recommended_bytes is None:
+        return
+    gib = b.recommended_gib
+    if gib is not None and b.recommended_bytes > 0 and gib * GIB > RECOMMENDATION_MAX_ROUNDING * b.recommended_bytes:
+        yield (f"the recommended size {gib:g} GiB is {gib * GIB / b.recommended_bytes:.3g}x the recommended "
+               f"{b.recommended_bytes:.4g} B (rounded beyond {RECOMMENDATION_MAX_ROUNDING:g}x)"), {}
+
+
+def _no_gib(s, _why: str):
+    return dataclasses.replace(s, buffer=dataclasses.replace(s.buffer, recommended_gib=None))
+
+
+def _advice_window(s, _w, _snap) -> Iterable[Broken]:
+    """The KV-pressure advice rests on the regime's window (the shortest with a verdict); a longer window's
+    pressure after the regime's window reads below is advice about a pressure that has ended."""
+    regime_window = s.regime_window
+    for a in s.advice:
+        window = a.evidence.get("window") if a.kind == "kv_pressure" else None
+        if window is not None and regime_window is not None and window != regime_window and s.regime == "below":
+            yield (f"the KV-pressure advice rests on the {window} window while the regime's {regime_window} "
+                   "window reads below: the pressure has ended"), {}
+
+
+RELATIONS = (
+    Relation(name="token_shares_sum_to_one", relates=("kvwatt_prompt_token_share_ratio",),
+             unknown=("kvwatt_prompt_token_share_ratio", "kvwatt_recompute_tax_ratio"), per="window",
+             check=_shares_sum, says="the prompt token shares by source sum to 1"),
+    Relation(name="tax_within_recomputed_share",
+             relates=("kvwatt_recompute_tax_ratio", "kvwatt_prompt_token_share_ratio"),
+             unknown=("kvwatt_recompute_tax_ratio",), per="window", check=_tax_within_recomputed,
+             says="the recomputation tax is at most the recomputed (local_compute) share"),
+    Relation(name="gpu_power_within_limit", relates=("kvwatt_gpu_power_watts",),
+             unknown=("kvwatt_gpu_power_watts",), per="snapshot", check=_gpu_power_within_limit,
+             says=f"a GPU's power is at most its enforced power limit (NVML, +{POWER_LIMIT_TOLERANCE:.0%})"),
+    Relation(name="window_power_within_limit",
+             relates=("kvwatt_energy_per_token_joules", "kvwatt_gpu_power_watts"),
+             unknown=("kvwatt_energy_per_token_joules", "kvwatt_marginal_energy_per_token_joules",
+                      "kvwatt_recompute_tax_watts", "kvwatt_offload_saved_watts",
+                      "kvwatt_recompute_energy_share_ratio", "kvwatt_preemption_recompute_watts"),
+             per="window", check=_window_power_within_limit,
+             says="a server's GPU energy over a window averages at most its GPUs' enforced power limits"),
+    Relation(name="de_prices_the_tax",
+             relates=("kvwatt_energy_saving_ratio", "kvwatt_recompute_energy_share_ratio",
+                      "kvwatt_offload_saved_watts"),
+             unknown=("kvwatt_energy_saving_ratio", "kvwatt_energy_saving_stderr_ratio"), per="window",
+             check=_de_prices_the_tax,
+             says="potential and estimated dE agree with the tax and the saving they price (within 2 SE and the "
+                  "reload price)"),
+    Relation(name="buffer_matches_verdict",
+             relates=("kvwatt_offload_recommended_buffer_bytes", "kvwatt_offload_buffer_undersized"),
+             unknown=("kvwatt_offload_recommended_buffer_bytes",), per="server", check=_buffer_matches_verdict,
+             says="an undersized buffer is recommended larger than it is"),
+    Relation(name="recommended_size_rounds_the_bytes",
+             relates=("kvwatt_offload_recommended_buffer_bytes",), unknown=(), per="server",
+             check=_size_rounds_the_bytes, clear=_no_gib,
+             says=f"the recommended size in GiB (--kv-offloading-size) is at most {RECOMMENDATION_MAX_ROUNDING:g}x "
+                  "the recommended bytes (the GiB figure served unknown)"),
+    Relation(name="advice_on_regime_window", relates=("kvwatt_kv_pressure_above_threshold",),
+             unknown=(), per="server", check=_advice_window,
+             says="the KV-pressure advice rests on the regime's window, or the pressure has ended"),
+)
+
+
+def relation_breaks(snap, defs_by_name: dict, found: list[Rejection]) -> tuple[list[Rejection], list]:
+    """The figures that break a declared relation (RELATIONS), each the relation's ``unknown`` families of the
+    server (and window) where it broke, narrowed by the breach's labels; none already in ``found``."""
+    seen, out = {r.key for r in found}, []
+
+    clears: list[tuple[str, Callable, str]] = []
+
+    def take(rel: Relation, why: str, where: dict) -> None:
+        for name in rel.unknown:
+            d = defs_by_name[name]
+            for labels, value in d.fill(snap):
+                lab = dict(zip(d.labels, map(str, labels)))
+                if value is None or any(lab.get(k, v) != v for k, v in where.items()):
+                    continue
+                r = Rejection(name, tuple(lab.items()), RELATION, f"inconsistent: {rel.name}: {why}")
+                if r.key not in seen:
+                    seen.add(r.key)
+                    out.append(r)
+        r = Rejection(rel.name, tuple(where.items()), RELATION, f"inconsistent: {rel.name}: {why}")
+        if not rel.unknown and r.key not in seen:  # a figure with no family: listed under the relation's name
+            seen.add(r.key)
+            out.append(r)
+        if rel.clear is not None:
+            clears.append((where.get("server", ""), rel.clear, r.reason))
+
+    for rel in RELATIONS:
+        if rel.per == "snapshot":
+            for why, where in rel.check(snap):
+                take(rel, why, where)
+            continue
+        for s in snap.servers:
+            for w in (s.windows if rel.per == "window" else (None,)):
+                for why, where in rel.check(s, w, snap):
+                    take(rel, why, {"server": s.name, **({"window": w.window} if w else {}), **where})
+    return out, clears
+
+
+def relation_cleared(snap, clears: list):
+    """The snapshot with each relation's figure that has no family served unknown (Relation.clear)."""
+    for server, clear, why in clears:
+        snap = dataclasses.replace(snap, servers=tuple(clear(s, why) if s.name == server else s
+                                                       for s in snap.servers))
+    return snap
 
 
 DAY_KWH_PER_WATT = _DAY_HOURS / 1000.0  # W held for a day in kWh
@@ -424,7 +660,9 @@ def cleared(snap, defs_by_name: dict, rejections: list[Rejection]):
     """The snapshot with each rejected figure None in its typed figures (only inside its own server where the
     family has a server label, so a float shared by two servers stays for the other)."""
     for r in rejections:
-        d = defs_by_name[r.figure]
+        d = defs_by_name.get(r.figure)
+        if d is None:
+            continue  # a relation's figure with no family (Relation.clear serves it unknown)
         labels = tuple(v for _, v in r.labels)
         value = _value_of(d, labels, snap)
         if not isinstance(value, float):
@@ -496,6 +734,9 @@ class BoundsCheck:
             new = [r for r in violations(self.defs, snap, clamps) if r.key not in seen]
             snap = clamped(snap, clamps)
             new += dependents(snap, self.by_name, found + new)  # and what was computed from the same counts
+            broken, clears = relation_breaks(snap, self.by_name, found + new)  # and what contradicts another
+            new += broken
+            snap = relation_cleared(snap, clears)
             if not new:
                 break
             found += new

@@ -268,7 +268,7 @@ class ServerFigures:
     # what the server can be, for the bound on its token rates (exporter/bounds.py): the data-parallel engines
     # of its last read (the ``engine`` label) and the GPUs configured for it (0: not configured)
     engines: int = 1
-    gpus: int = 0
+    gpu_ids: tuple[str, ...] = ()
 
     @property
     def regime(self) -> str:

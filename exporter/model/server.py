@@ -315,7 +315,7 @@ class ServerModel:
             located=self.pressure.located, threshold_in_use=self.pressure.threshold,
             threshold_source=self.pressure.source, evidence_windows=len(self.pressure.points),
             reference_windows=self.reference.windows, reference_spread=self.reference.spread,
-            phase_costs=self.phase.figures(), engines=self.engines, gpus=len(self.server.gpus),
+            phase_costs=self.phase.figures(), engines=self.engines, gpu_ids=self.server.gpus,
             **self._judgements(windows))
         return advice_model.attach(fig, self.cfg)  # "what do I do?", from the figures just derived
 
