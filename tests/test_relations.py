@@ -172,3 +172,21 @@ def test_the_nvml_source_reads_the_enforced_power_limit(gpus):
     got = {r.labels["uuid"]: r for r in readings}
     assert got["GPU-a"].power_limit_watts == 700.0 and got["GPU-b"].power_limit_watts is None
     src.close()
+
+
+def test_a_binding_without_the_power_limit_call_still_reads_the_gpu(gpus):
+    """An nvidia-ml-py without nvmlDeviceGetEnforcedPowerLimit (or the demo's simulated NVML): no limit, not a GPU
+    down (the call was first read as an attribute and failed every GPU)."""
+    fake = load_fake_nvml()
+    gpus.add("GPU-a", energy_mj=0, power_mw=350_000, power_limit_mw=700_000)
+
+    class Old:
+        def __getattr__(self, name):
+            if name == "nvmlDeviceGetEnforcedPowerLimit":
+                raise AttributeError(name)
+            return getattr(fake, name)
+
+    src = NvmlSource(module=Old())
+    status, readings = src.read(0.0)
+    assert status.up and readings[0].power_watts == 350.0 and readings[0].power_limit_watts is None
+    src.close()

@@ -315,8 +315,10 @@ class NvmlSource:
                 out.read_at = self.clock()
             out.milliwatts = self._optional(nv.nvmlDeviceGetPowerUsage, handle)
             out.temperature = self._optional(nv.nvmlDeviceGetTemperature, handle, _temp_sensor(nv))
-            # the limit the driver holds the board to (mW): what its power cannot exceed (bounds.RELATIONS)
-            out.limit_milliwatts = self._optional(nv.nvmlDeviceGetEnforcedPowerLimit, handle)
+            # the limit the driver holds the board to (mW): what its power cannot exceed (bounds.RELATIONS); a
+            # binding without the call (an old nvidia-ml-py, the demo's simulated GPUs) gives none
+            limit = getattr(nv, "nvmlDeviceGetEnforcedPowerLimit", None)
+            out.limit_milliwatts = None if limit is None else self._optional(limit, handle)
         except Exception as e:
             out.error = e
         return out
