@@ -29,6 +29,8 @@ from tests.conftest import FIXTURES
 TEMPLATE = (FIXTURES / "idle" / "000.prom").read_text()
 WALL = 1.75e9
 IDLE_WATTS = 60.0
+POWER_LIMIT_WATTS = 700.0  # the GPU's enforced limit (NVML): a step drawing more is an impossible input
+LIMIT_RELATIONS = frozenset({"gpu_power_within_limit", "window_power_within_limit"})
 EVENTS = ("normal", "normal", "normal", "normal", "reset", "jump", "gen_jump", "back", "stall", "flap",
           "start_forward", "start_future", "start_back", "offload_toggle")
 JUMPS = frozenset({"jump", "gen_jump"})  # a counter up by more than any engine counts in one read
@@ -121,6 +123,9 @@ EXPLAINS = {
     # and the figures computed from the same counts (bounds.DEPENDENCIES)
     "jump": frozenset({"token_rate", bounds.DEPENDENT}),
     "stale_idle": frozenset({"joules_per_token", "priced"}),  # P_idle above the power: marginal J/token < 0
+    # the GPU above its enforced limit: the relations LIMIT_RELATIONS (attributed where they are counted) and the
+    # money and CO2 priced from the J/token they take
+    "over_limit": frozenset({"priced"}),
 }
 
 
@@ -180,6 +185,8 @@ def run(seq: list[Step], tmp_path) -> Outcome:
             causes.add("jump")
         if step.energy and step.watts < IDLE_WATTS:
             causes.add("stale_idle")
+        if step.watts > POWER_LIMIT_WATTS * (1 + bounds.POWER_LIMIT_TOLERANCE):
+            causes.add("over_limit")
         if ev == "reset":
             p.counters = dict.fromkeys(p.counters, 0.0)
             p.start = WALL + t - 0.5
@@ -211,7 +218,8 @@ def run(seq: list[Step], tmp_path) -> Outcome:
         except SourceError as e:
             reading, status = None, src.down(e, 0.01)
         gpu = DeviceReading("gpu:GPU-0", "gpu", {"gpu": "0", "uuid": "GPU-0"}, joules if step.energy else None,
-                            step.energy, step.watts, "counter", 40.0, read_at=t if step.energy else None)
+                            step.energy, step.watts, "counter", 40.0, read_at=t if step.energy else None,
+                            power_limit_watts=POWER_LIMIT_WATTS)
         model.ingest(Tick(t, {"s": ServerRead("s", status, reading)},
                           (SourceStatus("nvml", "", True, "", 0.003, "ok"),), (gpu,)))
         raw = model.snapshot()
@@ -220,7 +228,10 @@ def run(seq: list[Step], tmp_path) -> Outcome:
             key = (r.figure, r.kind, "+".join(sorted(c for c in causes if r.kind in EXPLAINS[c])))
             if r.kind == bounds.RELATION:
                 name = r.reason.removeprefix("inconsistent: ").split(":", 1)[0]
-                key = (r.figure, r.kind, f"pending:{name}" if name in PENDING_RELATIONS else "")
+                cause = f"pending:{name}" if name in PENDING_RELATIONS else ""
+                if name in LIMIT_RELATIONS and "over_limit" in causes:
+                    cause = "over_limit"  # the GPU drew more than its enforced limit: an impossible input
+                key = (r.figure, r.kind, cause)
             out.rejected[key] = out.rejected.get(key, 0) + 1
         out.served += [f"tick {i}: {r.reason} {dict(r.labels)}" for r in bounds.violations(catalog.METRICS, snap)]
         out.served += [f"tick {i}: {v}" for v in relations_served(snap)]
