@@ -266,7 +266,7 @@ class ServerFigures:
     # measured per-phase energy costs by scope (methods.md s12), or the attribution prior until identifiable
     phase_costs: tuple[PhaseCosts, ...] = ()
     # what the server can be, for the bound on its token rates (exporter/bounds.py): the data-parallel engines
-    # of its last read (the ``engine`` label) and the GPUs configured for it (0: not configured)
+    # of its last read (the ``engine`` label) and the GPUs configured for it (empty: none named)
     engines: int = 1
     gpu_ids: tuple[str, ...] = ()
 
