@@ -203,3 +203,16 @@ def test_a_share_one_rounding_off_one_is_served_as_one(caplog):
     # beyond rounding it is still rejected
     snap = check.apply(snapshot(t=2.0, token_shares=shares | {"local_compute": 1.000001}))
     assert [r for r in snap.implausible if r.figure == "kvwatt_prompt_token_share_ratio"]
+
+
+def test_no_evidence_window_is_learned_from_the_jump(tmp_path):
+    """The threshold learner's evidence windows (and through them the reference share and the located threshold)
+    skip the 4 s bucket that holds the jump: one window fewer than the same run without it, the rest alike."""
+    runs = {}
+    for jump in (0.0, 3e8):
+        e = Engine(tmp_path / str(jump))
+        e.steady(20)
+        e.tick(300.0, 1000.0, jump=jump)
+        e.steady(11)
+        runs[jump] = e.daemon.model.servers["s"].pressure.points
+    assert len(runs[3e8]) == len(runs[0.0]) - 1 >= 4
