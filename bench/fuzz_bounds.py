@@ -6,9 +6,14 @@ real vLLM adapter and the real Model, every family of every tick held to its dec
 Prints the count of violations (a served figure outside its bound: target 0) and the raw figures the one check
 rejected, by family, bound kind and cause: the implausible inputs seen so far that explain a rejection of that kind
 (tests/support/fuzz_engine.EXPLAINS): "identity" (a start time that moved forward or into the future, a second
-process behind the URL: counted whole by store/identity.py today; tokens/s), "jump" (a counter up by 1e7 in one
-read; tokens/s), "stale_idle" (the GPU drew less than its configured P_idle: J/token < 0 and what it prices), or
-"-" (nothing explains it: a figure kvwatt derived wrongly, a defect to fix; target 0).
+process behind the URL: counted whole by store/identity.py today; tokens/s and its dependents), "jump" (a counter
+up by 1e7, or the generation counter by 3e8, in one read; tokens/s and the figures computed from the same counts,
+bound "dependent"), "stale_idle" (the GPU drew less than its configured P_idle: J/token < 0 and what it prices),
+"over_limit" (the GPU drew more than its enforced power limit: the limit relations), "pending:<relation>" (a
+declared relation today's derivations break, fixed on another branch: fuzz_engine.PENDING_RELATIONS), or "-"
+(nothing explains it: a figure kvwatt derived wrongly, a defect to fix; target 0). A violation is a served figure
+outside its bound, a served figure that breaks a declared relation, a served figure computed from counts shown
+implausible, or an implausible window in the per-phase history.
 Hypothesis generates the sequences from the seed (generation only, no shrinking: tests/test_fuzz_bounds.py
 shrinks); with --workers K, worker k uses seed + k and its share of the sequences. Exit status 1 on a violation
 or an own rejection.

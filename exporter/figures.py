@@ -178,6 +178,9 @@ class WindowFigures:
     # tokens computed again after a preemption, which no token counter shows (methods.md s4), and their power
     preemption_recompute: PreemptionRecompute | None = None
     preemption_recompute_watts: dict[str, float] | None = None  # scope -> W (per-phase costs, methods.md s12)
+    # counts the window holds that no server can produce (model/plausible.py): counts name -> why; every figure
+    # computed from them is served as unknown (exporter/bounds.py DEPENDENCIES)
+    implausible_counts: dict[str, str] | None = None
 
 
 @dataclass(frozen=True)
@@ -269,6 +272,10 @@ class ServerFigures:
     advice: tuple[Advice, ...] = ()
     # measured per-phase energy costs by scope (methods.md s12), or the attribution prior until identifiable
     phase_costs: tuple[PhaseCosts, ...] = ()
+    # what the server can be, for the bound on its token rates (exporter/bounds.py): the data-parallel engines
+    # of its last read (the ``engine`` label) and the GPUs configured for it (empty: none named)
+    engines: int = 1
+    gpu_ids: tuple[str, ...] = ()
 
     @property
     def regime(self) -> str:

@@ -168,6 +168,8 @@ class DeviceReading:
     # joules by seconds uses this, not the time its loop began: a slow first read (NVML init, a stalled
     # process) would otherwise count seconds with no energy in them (energy-measurement.md rule 10)
     read_at: float | None = None
+    # the enforced power limit (NVML nvmlDeviceGetEnforcedPowerLimit), W; None: not a GPU or not given
+    power_limit_watts: float | None = None
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,10 @@ and off, NaN/Inf/negative KV usage) through the real vLLM adapter and the real M
 family of the served snapshot is within its declared bound (exporter/bounds.py), and the check rejects nothing
 that an implausible input does not explain (fuzz_engine.EXPLAINS: tokens/s after a start time moved forward, a
 second process or a counter jump; J/token < 0 after a stale P_idle): every other rejection is a figure the model
-derived wrongly. bench/fuzz_bounds.py runs >= 10,000 such sequences."""
+derived wrongly. Every declared relation between figures (bounds.RELATIONS) holds on what is served, no figure
+computed from counts shown implausible (bounds.DEPENDENCIES) is served, and no implausible window enters the
+per-phase history (a one-off 3e8 jump of the generation counter is one of the events). bench/fuzz_bounds.py runs
+>= 10,000 such sequences."""
 
 from __future__ import annotations
 

@@ -93,8 +93,10 @@ SOURCES: tuple[MetricDef, ...] = (
     MetricDef(
         name="kvwatt_figures_rejected_total", type="counter", labels=("figure", "reason"),
         help="Figures served as unknown because they broke their family's declared bound (reason: the bound's kind: "
-             "share, power_part, saving, token_rate, priced, ...; exporter/bounds.py), counted once per tick each; "
-             "the figure and its inputs are in /api/status's implausible list and the log.",
+             "share, power_part, saving, token_rate, priced, ...; exporter/bounds.py), were computed from counts "
+             "another figure showed implausible (reason=dependent) or broke a declared relation with another figure "
+             "(reason=relation; figure: the relation's name where the figure has no family), counted once per tick "
+             "each; the figure and its inputs are in /api/status's implausible list and the log.",
         computes=bookkeeping("bounds.BoundsCheck.apply",
                              why="a count of the figures the bounds check rejected, not a figure of a server"),
         section=SOURCES_SECTION,

@@ -17,6 +17,7 @@ from exporter.model.cost import Prices
 from exporter.model.energy import PhaseLearner
 from exporter.model import offload as offload_figures
 from exporter.model import pressure as pressure_model
+from exporter.model.plausible import ImplausibleCounts
 from exporter.model.repeat import RepeatWindows
 from exporter.model.write_model import WriteModelLearner
 from exporter.samples import EngineReading, SourceStatus, EngineInfo
@@ -66,6 +67,8 @@ class ServerModel:
         self.status = SourceStatus("vllm", server.name, False, "not_read_yet", 0.0, "down")
         self.info: EngineInfo | None = None
         self.engine, self.capabilities = engine_name(None), frozenset()
+        self.engines = 1  # data-parallel engines of the last read
+        self.implausible = ImplausibleCounts(keep)  # intervals with counts no server produces (a counter jump)
         self.gauges: dict[str, float] | None = None  # the last reading's, None while the server is not read
         self.collapse: collapse.CollapseResult | None = None
         self._stale_witnesses: frozenset[str] = frozenset()  # progress counters last seen stale (logged on change)
@@ -86,7 +89,8 @@ class ServerModel:
         if reading is not None:
             self._back(t)
             self.info, self.engine, self.capabilities = reading.info, engine_name(reading.engine), reading.capabilities
-            self.history.add_reading(t, reading)
+            self.engines = max(1, sum(1 for e in reading.engine_counters if e))  # data-parallel ranks (bounds)
+            self.implausible.observe(self.history.add_reading(t, reading), self.engines, len(self.server.gpus))
             h = self.history  # two processes behind one URL, a switching spelling, a counter going back alone
             problem = "; ".join(p for p in (h.identity.problem, h.spelling.problem, h.regression.problem) if p)
             if problem and status.up:  # (store/identity.py), the first named in the reason code
@@ -125,9 +129,11 @@ class ServerModel:
                 self.writes.set_aside()  # and its write model
                 self.history.restart_windows()  # and no rolling window mixes the two engines
                 self._restart_regime()
-        pl.observe(self.history.buckets(pl.width, pl.last_t1, now), wall)
-        self.phase.observe(self.history.buckets(self.repeat_seconds, self.phase.last_t1, now))
-        self.writes.observe(self.history.buckets(self.repeat_seconds, self.writes.last_t1, now))
+        # nothing learned from a bucket with implausible counts (model/plausible.py)
+        pl.observe(self.implausible.clean(self.history.buckets(pl.width, pl.last_t1, now)), wall)
+        self.phase.observe(self.implausible.clean(self.history.buckets(self.repeat_seconds, self.phase.last_t1, now)))
+        self.writes.observe(self.implausible.clean(self.history.buckets(self.repeat_seconds, self.writes.last_t1,
+                                                                        now)))
         if not self.status.up:  # down: no verdict is known, not the last one (every screen reads these)
             self._restart_regime()
             self.collapse = None
@@ -248,6 +254,7 @@ class ServerModel:
             cached_to_prefill_ratio=kappa.observed(agg),
             savings=self._savings(agg, now, seconds, peers), **self._newest_series(agg),
             preemption_recompute=again, preemption_recompute_watts=again_watts or None,
+            implausible_counts=self.implausible.within(now, seconds),
             **self._residency_figures(agg), **priced)
 
     def _residency(self, buffer_bytes: float | None, rates: offload.TransferRates,
@@ -336,7 +343,8 @@ class ServerModel:
             located=self.pressure.located, threshold_in_use=self.pressure.threshold,
             threshold_source=self.pressure.source, evidence_windows=len(self.pressure.points),
             reference_windows=self.reference.windows, reference_spread=self.reference.spread,
-            phase_costs=self.phase.figures(), **self._judgements(windows))
+            phase_costs=self.phase.figures(), engines=self.engines, gpu_ids=self.server.gpus,
+            **self._judgements(windows))
         return advice_model.attach(fig, self.cfg)  # "what do I do?", from the figures just derived
 
     def unknown_figures(self, why: str) -> ServerFigures:

@@ -315,6 +315,10 @@ class NvmlSource:
                 out.read_at = self.clock()
             out.milliwatts = self._optional(nv.nvmlDeviceGetPowerUsage, handle)
             out.temperature = self._optional(nv.nvmlDeviceGetTemperature, handle, _temp_sensor(nv))
+            # the limit the driver holds the board to (mW): what its power cannot exceed (bounds.RELATIONS); a
+            # binding without the call (an old nvidia-ml-py, the demo's simulated GPUs) gives none
+            limit = getattr(nv, "nvmlDeviceGetEnforcedPowerLimit", None)
+            out.limit_milliwatts = None if limit is None else self._optional(limit, handle)
         except Exception as e:
             out.error = e
         return out
@@ -342,7 +346,8 @@ class NvmlSource:
             return self._no_sample(gpu), f"error: {gpu.describe()}: {failure}"
         return DeviceReading(gpu.device, "gpu", dict(gpu.labels), gpu.total_joules, continuous,
                              None if got.milliwatts is None else got.milliwatts / 1000.0, gpu.method,
-                             None if got.temperature is None else float(got.temperature), read_at), ""
+                             None if got.temperature is None else float(got.temperature), read_at,
+                             power_limit_watts=None if not got.limit_milliwatts else got.limit_milliwatts / 1000.0), ""
 
     def _missed(self, gpu: _Gpu, future: Future, t: float, deadline: float | None) -> tuple[DeviceReading, str]:
         """The GPU's task is still running at the deadline: no sample (rule 3); its result will be dropped."""
@@ -415,6 +420,7 @@ class _Fetched:
     read_at: float | None = None
     milliwatts: float | None = None
     temperature: float | None = None
+    limit_milliwatts: float | None = None  # nvmlDeviceGetEnforcedPowerLimit
     error: Exception | None = None
 
 

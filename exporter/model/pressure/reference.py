@@ -111,8 +111,10 @@ class LowPressureReference:
 
 def _span(samples: list[ReferenceSample]) -> str:
     walls = [s.wall for s in samples if s.wall is not None]
+    if len(walls) < 2:
+        return ""
     span = max(walls) - min(walls)  # seconds under two minutes said in seconds: "over 0 min" said nothing
-    return (f" over {span:.0f} s" if span < 120 else f" over {span / 60.0:.0f} min") if len(walls) > 1 else ""
+    return f" over {span:.0f} s" if span < 120 else f" over {span / 60.0:.0f} min"
 
 
 def no_reference_reason(points: list[PressurePoint], limit: float) -> str:

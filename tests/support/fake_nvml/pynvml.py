@@ -31,6 +31,7 @@ State file (``$KVWATT_FAKE_NVML_STATE``; unset or missing file = "NVML library n
         "counter_follows_power": false,   # true: counter = energy_mj + integral of power since "t0"
         "t0": 123.4,                 # monotonic start for counter_follows_power with a constant power
         "temperature_c": 40,
+        "power_limit_mw": 700000,    # nvmlDeviceGetEnforcedPowerLimit; absent: NotSupported (as on some boards)
         "has_energy_counter": true,  # false: nvmlDeviceGetTotalEnergyConsumption -> NotSupported
         "lost": false,               # true: every call on this GPU raises NVMLError_GpuIsLost
         "error": null,               # or an NVML_ERROR_ suffix ("RESET_REQUIRED", "UNKNOWN") raised by every call
@@ -432,6 +433,14 @@ def nvmlDeviceGetPowerUsage(handle):
         _raise(NVML_ERROR_NOT_SUPPORTED)
     _fast_read_delay(state)
     return int(power_mw_at(gpu, time.monotonic()))
+
+
+def nvmlDeviceGetEnforcedPowerLimit(handle):
+    gpu, state = _gpu_and_state(handle)
+    if gpu.get("power_limit_mw") is None:
+        _raise(NVML_ERROR_NOT_SUPPORTED)
+    _fast_read_delay(state)
+    return int(gpu["power_limit_mw"])
 
 
 def nvmlDeviceGetTemperature(handle, sensor):
