@@ -55,3 +55,25 @@ def test_shrunk_a_prompt_token_after_idle_ticks_is_not_taxed_beyond_the_power():
     seq = [idle, idle, idle, Step("normal", 0.0, 1.0, 1.0, 0.0, 121.0, True, 0.0, 0.0)]
     out = _run(seq)
     assert not out.served and not fuzz_engine.own_rejections(out), out.rejected
+
+
+def test_a_failing_bystander_degrades_itself_only():
+    """Issue 38 item 1 in the fuzzer: the bystander q's derivation, then its learning, raise; s keeps its figures
+    and the snapshot its time (fuzz_engine.isolation_broken), q says derivation_failed. Without the per-server
+    isolation (Model._isolated) the snapshot raises: the sequence fails, it does not pass quietly."""
+    base = Step("normal", 100.0, 1000.0, 0.5, 0.0, 300.0, True, 0.5, 0.0)
+    seq = [base, base, Step("derive_fail", 100.0, 1000.0, 0.5, 0.0, 300.0, True, 0.5, 0.0), base,
+           Step("learn_fail", 100.0, 1000.0, 0.5, 0.0, 300.0, True, 0.5, 0.0), base]
+    out = _run(seq)
+    assert out.ticks == len(seq) and not out.served, out.served
+    assert fuzz_engine.isolation_broken(_FakeSnap(0.0, "", ""), 1.0, "figures") == [
+        "snapshot of t=0.0, not this tick's 1.0", "q's failing figures not said: ''"]
+
+
+class _FakeSnap:
+    """The three fields isolation_broken reads, to show it reports what it should."""
+
+    def __init__(self, t, s_reason, q_reason):
+        from types import SimpleNamespace as NS
+        self.t = t
+        self.servers = (NS(name="s", status=NS(reason=s_reason)), NS(name="q", status=NS(reason=q_reason)))

@@ -6,7 +6,10 @@ checked snapshot is held to its declared bound (exporter/bounds.py).
 What a sequence may do, tick by tick: counters that reset, jump, go back or stall; a second process behind the same
 URL (its own counters and start time); a start time that moves (forward, into the future, back); GPU energy
 missing for some ticks, or power below the configured idle (a stale P_idle); the token mix shifting from
-decode-heavy to prompt-heavy; offloading switched on and off; KV usage NaN, +-Inf, negative or above 1.
+decode-heavy to prompt-heavy; offloading switched on and off; KV usage NaN, +-Inf, negative or above 1. Beside
+the fuzzed server ``s`` a second, unread server ``q`` whose learning or derivation raises at a "derive_fail" or
+"learn_fail" event (issue 38 item 1: one server's failure is that server's, never the tick's): ``q`` is then
+served unknown with ``derivation_failed``, and ``s``'s figures and the snapshot's time go on.
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ IDLE_WATTS = 60.0
 POWER_LIMIT_WATTS = 700.0  # the GPU's enforced limit (NVML): a step drawing more is an impossible input
 LIMIT_RELATIONS = frozenset({"gpu_power_within_limit", "window_power_within_limit"})
 EVENTS = ("normal", "normal", "normal", "normal", "reset", "jump", "gen_jump", "back", "stall", "flap",
-          "start_forward", "start_future", "start_back", "offload_toggle")
+          "start_forward", "start_future", "start_back", "offload_toggle", "derive_fail", "learn_fail")
+FAILURES = {"derive_fail": "figures", "learn_fail": "learn"}  # the bystander q's method that raises that tick
 JUMPS = frozenset({"jump", "gen_jump"})  # a counter up by more than any engine counts in one read
 # the defects item 3 leaves to the identity store (store/identity.py, another change): a start time that moves
 # forward or into the future, and a second process, are counted whole today; the bounds check rejects the
@@ -107,7 +111,8 @@ def exposition(p: Process, kv: float, offload: bool) -> str:
 def config(tmp_path):
     return from_mapping({
         "servers": [{"name": "s", "url": "http://s.invalid:8000", "gpus": ["GPU-0"],
-                     "reference_local_compute_share": 0.05}],
+                     "reference_local_compute_share": 0.05},
+                    {"name": "q", "url": "http://q.invalid:8000"}],  # the bystander that fails (FAILURES)
         "windows": ["5s", "20s"], "min_load_duration": "2s", "collapse_reference_window": "6s",
         "threshold_window": "4s", "phase_min_windows": 4,
         "idle_power_watts": {"GPU-0": IDLE_WATTS}, "electricity_price_per_kwh": 0.25, "electricity_currency": "EUR", "carbon_intensity_g_per_kwh": 380,
@@ -204,6 +209,7 @@ def run(seq: list[Step], tmp_path) -> Outcome:
             offload = not offload
         if ev != "stall":
             advance(step, p, offload)
+        _inject_failure(model.servers["q"], FAILURES.get(ev))
         joules += step.watts
         text = exposition(p, step.kv, offload)
         problems: list[str] = []
@@ -218,6 +224,7 @@ def run(seq: list[Step], tmp_path) -> Outcome:
         model.ingest(Tick(t, {"s": ServerRead("s", status, reading)},
                           (SourceStatus("nvml", "", True, "", 0.003, "ok"),), (gpu,)))
         raw = model.snapshot()
+        out.served += [f"tick {i}: {v}" for v in isolation_broken(raw, t, FAILURES.get(ev))]
         snap = check.apply(raw)
         for r in snap.implausible:
             key = (r.figure, r.kind, "+".join(sorted(c for c in causes if r.kind in EXPLAINS[c])))
@@ -235,6 +242,30 @@ def run(seq: list[Step], tmp_path) -> Outcome:
         out.ticks += 1
     render(snap)  # the renderers take what is served without error (once: they only serialise)
     status_json(snap)
+    return out
+
+
+def _fail(*_args, **_kwargs):
+    raise ArithmeticError("injected by the fuzzer")
+
+
+def _inject_failure(sm, method: str | None) -> None:
+    """The bystander's ``method`` raises this tick (an instance attribute shadows it); the others are its own."""
+    for name in FAILURES.values():
+        sm.__dict__.pop(name, None)
+    if method is not None:
+        setattr(sm, method, _fail)
+
+
+def isolation_broken(raw, t: float, failing: str | None) -> list[str]:
+    """What a failure of the bystander q did beyond q: the snapshot not of this tick, s degraded by it, or q's
+    failure not said."""
+    by_name = {f.name: f for f in raw.servers}
+    out = [] if raw.t == t else [f"snapshot of t={raw.t}, not this tick's {t}"]
+    if "derivation_failed" in (by_name["s"].status.reason or ""):
+        out.append(f"s degraded by q's failure: {by_name['s'].status.reason}")
+    if failing and "derivation_failed" not in (by_name["q"].status.reason or ""):
+        out.append(f"q's failing {failing} not said: {by_name['q'].status.reason!r}")
     return out
 
 
