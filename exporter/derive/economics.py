@@ -357,14 +357,6 @@ def _summed(w: WindowStat | Summed) -> Summed:
     return w if type(w) is Summed else w.summed
 
 
-def _combined(whole: WindowStat | Summed, w: WindowStat | Summed, sign: float) -> Summed:
-    """``whole`` plus (sign 1) or minus (sign -1) the repeat window ``w``, field by field."""
-    a, b = _summed(whole), _summed(w)
-    if sign < 0:  # x + (-1.0) * y is x - y exactly
-        return Summed(a[0] - b[0], a[1] - b[1], a[2] - b[2], a[3] - b[3], a[4] - b[4], a[5] - b[5])
-    return Summed(a[0] + b[0], a[1] + b[1], a[2] + b[2], a[3] + b[3], a[4] + b[4], a[5] + b[5])
-
-
 PriceOf = Callable[[WindowStat], "float | None"]
 Saving = Callable[[WindowStat, PhaseCosts], "tuple[float, float] | None"]  # (joules saved, OFF joules)
 
@@ -428,10 +420,13 @@ def _priced(windows: Sequence[WindowStat], whole: WindowStat | None, saving: Sav
         return Estimate(None, None, 0, 0, "estimated", "no J per computed prompt token (needs GPU energy and P_idle)")
     if not windows:
         return Estimate(None, None, 0, 0, "estimated", "no comparable windows")
-    if whole is None:
+    if whole is None and len(windows) == 1:
         whole = windows[0]
-        for w in windows[1:]:
-            whole = _combined(whole, w, 1.0)
+    elif whole is None:  # the windows' sum, field by field in their order
+        c, g, j, p, r, t = windows[0].summed
+        for w in [w.summed for w in windows[1:]]:
+            c, g, j, p, r, t = c + w[0], g + w[1], j + w[2], p + w[3], r + w[4], t + w[5]
+        whole = Summed(c, g, j, p, r, t)
 
     usable = costs is not None and costs.usable
     # the costs every window is priced at, built once (a window per tick of the hour is priced; see Summed)
@@ -458,7 +453,7 @@ def _priced(windows: Sequence[WindowStat], whole: WindowStat | None, saving: Sav
         return Estimate(None, None, len(windows), 0, "estimated", "no comparable windows")
     c, g, j, p, r, t = _summed(whole)
     se = _jackknife([at(Summed(c - w[0], g - w[1], j - w[2], p - w[3], r - w[4], t - w[5]))
-                     for w in [w.summed for w in windows]])  # leave each window out of the whole: _combined(whole, w, -1)
+                     for w in [w.summed for w in windows]])  # the whole less each window
     if se is not None and costs is not None and costs.source == "measured":
         se = math.sqrt(se * se + _price_variance(costs, value, at, whole))
     return Estimate(value, se, len(windows), 0, "estimated", note)
