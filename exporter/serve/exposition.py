@@ -142,7 +142,7 @@ _INNER_MAX = 65536  # entries per label-name tuple before that cache starts agai
 # value -> floatToGoString(value): many values repeat from tick to tick and across servers (flags, thresholds,
 # configured sizes); equal numbers (1, 1.0, True) write alike, except 0.0 and -0.0, which are never kept
 _go: dict[float, str] = {}
-_GO_MAX = 65536
+_GO_MAX = 8192  # ~1.5 MB at most: the values that change every tick only pass through
 
 
 def sample_lines(name: str, mtype: str, doc: str, label_names: tuple[str, ...],
