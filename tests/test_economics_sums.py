@@ -135,3 +135,51 @@ def test_the_server_s_potential_figure_is_the_tax_share_it_prices():
     (fig,) = offload_figures.savings(agg, _windows(ivs), _windows(ivs), None, False, 0.3, Config(), so, costs)
     assert fig.baseline == "potential"
     assert fig.energy_saving == pytest.approx((1 - RATIO) * share, rel=1e-9), (fig, share)
+
+
+def _by_definition(windows: list[E.WindowStat], whole: E.WindowStat | None, kind: str, price, costs,
+                   reference: float) -> tuple[float | None, float | None]:
+    """dE and its jackknife SE as methods.md s2 defines them, with whole WindowStat copies (the code before the
+    leave-one-out sums became tuples): the value over ``whole`` (else the windows' sum), each theta over ``whole``
+    less one window, field by field."""
+    from dataclasses import replace
+
+    def plus(a: E.WindowStat, b: E.WindowStat, sign: float) -> E.WindowStat:
+        return replace(a, **{f: (getattr(a, f) or 0.0) + sign * (getattr(b, f) or 0.0) for f in E._SUMMED})
+
+    def de(s: E.WindowStat) -> float | None:
+        return (E.potential if kind == "potential" else E.estimated)(
+            *(([s], reference) if kind == "potential" else ([s],)), price, RATIO, costs, s).value
+
+    usable = [w for w in windows if w.loaded and w.joules]
+    if whole is None:
+        whole = usable[0]
+        for w in usable[1:]:
+            whole = plus(whole, w, 1.0)
+    thetas = [de(plus(whole, w, -1.0)) for w in usable]
+    n = len(thetas)
+    m = math.fsum(thetas) / n
+    return de(whole), math.sqrt((n - 1) / n * math.fsum((t - m) ** 2 for t in thetas))
+
+
+@pytest.mark.parametrize("pricing", ["costs", "number", "roofline"])
+@pytest.mark.parametrize("kind", ["potential", "estimated"])
+@pytest.mark.parametrize("given_whole", [True, False])
+def test_the_leave_one_out_sums_price_exactly_what_window_copies_did(pricing, kind, given_whole):
+    """The jackknife prices the whole less each repeat window (at 64 servers and a 1 h window ~7,700 of them a
+    tick, hence tuples of the summed fields instead of WindowStat copies): the same dE and SE, to the last bit,
+    whichever way the windows are priced (prior costs, a fixed J_c, the roofline per window)."""
+    ivs = [Interval(iv.t0 + k * 40, iv.t1 + k * 40, iv.deltas, iv.gauges, iv.energy_joules, iv.idle_joules)
+           for k in range(6) for iv in _load_starts(reloaded=300.0 * (k % 2))]
+    windows = _windows(ivs)
+    assert len([w for w in windows if w.loaded]) >= 20
+    costs = pe.PhaseCosts("gpu", 0.05, None, 0.25, None, 0.005, None, 30, "unknown", "", "prior") \
+        if pricing == "costs" else None
+    price = {"costs": None, "number": 0.04, "roofline": E.price_from_roofline(8e9, 4e14)}[pricing]
+    whole = E.scope_stat(aggregate_of(ivs), "gpu") if given_whole else None
+    fn = E.potential if kind == "potential" else E.estimated
+    est = fn(windows, 0.5, price, RATIO, costs, whole) if kind == "potential" else fn(windows, price, RATIO, costs,
+                                                                                        whole)
+    value, se = _by_definition(windows, whole, kind, price, costs, 0.5)
+    assert est.value is not None and est.stderr is not None and est.stderr > 0
+    assert (est.value, est.stderr) == (value, se)

@@ -89,3 +89,34 @@ def test_label_values_rendered_once_are_reused_and_still_escaped():
     c = CounterMetricFamily("kvwatt_u", "c", labels=["zone", "domain"])
     c.add_metric(["z", "d"], 3.0)
     assert "".join(swapped) == reference([c]).decode()
+
+
+def test_values_written_once_are_reused_yet_signed_zero_and_equal_numbers_stay_exact():
+    """The Go strings of the values are kept from tick to tick (exposition._go): 0.0 and -0.0 are equal keys
+    whose strings differ, 1, 1.0 and True one key written alike; whichever order they come in, every tick's
+    bytes are generate_latest's."""
+    from exporter.serve import exposition as x
+    values = [0.0, -0.0, 1.0, 1, True, 2.5e-7, 1234567.0, math.inf, -math.inf, -0.0, 0.0, 7e22]
+    for order in (values, values[::-1], values):
+        rows = [((f"s{i}",), v) for i, v in enumerate(order)]
+        g = GaugeMetricFamily("kvwatt_v_ratio", "h", labels=["server"])
+        for labels, v in rows:
+            g.add_metric(list(labels), v)
+        assert "".join(x.sample_lines("kvwatt_v_ratio", "gauge", "h", ("server",), rows)) == reference([g]).decode()
+    assert 0.0 not in x._go and x._go[1.0] == "1.0"
+
+
+def test_label_tuples_bounded_once_are_reused_and_numbers_are_never_confused_with_strings():
+    """The collector keeps each all-str label tuple's bounded form (collector._bounded): a long value is cut
+    (with its hash) the same at every tick, and a number label (1 vs 1.0, written "1" and "1.0") never takes
+    a kept tuple."""
+    from exporter.serve import collector as col
+    long = "m" * 300
+    d = type("D", (), {"name": "kvwatt_fake", "labels": ("server", "key"),
+                       "fill": staticmethod(lambda snap: [(("s", long), 1.0), (("s", 1), 2.0), (("s", 1.0), 3.0)])})()
+    snap = type("S", (), {"implausible": ()})()
+    for _ in range(2):
+        got = col.samples(d, snap)
+        assert got[0][0] == ("s", col.bounded_label(long)) and len(got[0][0][1]) == col.MAX_LABEL_CHARS
+        assert got[1][0] == ("s", "1") and got[2][0] == ("s", "1.0")
+    assert ("s", long) in col._bounded and ("s", 1.0) not in col._bounded

@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Callable, Iterable, Sequence
+from functools import cached_property
+from typing import Callable, Iterable, NamedTuple, Sequence
 
 from exporter import rules
 from exporter.derive.phase_energy import PhaseCosts, offload_saved_watts, within_energy
@@ -61,6 +62,13 @@ class WindowStat:
     @property
     def tokens_per_second(self) -> float | None:
         return self.generated_tokens / self.covered_seconds if self.covered_seconds > 0 else None
+
+    @cached_property
+    def summed(self) -> "Summed":
+        """The summed fields as a pricing reads them (None as 0.0); kept: a repeat window is priced every tick
+        for the hour it stays in the window (model/repeat.py keeps the one WindowStat)."""
+        return Summed(self.covered_seconds or 0.0, self.generated_tokens or 0.0, self.joules or 0.0,
+                      self.computed_prompt_tokens or 0.0, self.loaded_prompt_tokens or 0.0, self.prompt_tokens or 0.0)
 
 
 @dataclass(frozen=True)
@@ -331,9 +339,22 @@ _SUMMED = ("covered_seconds", "generated_tokens", "joules", "computed_prompt_tok
            "prompt_tokens")
 
 
-def _combined(whole: WindowStat, w: WindowStat, sign: float) -> WindowStat:
-    """``whole`` plus (sign 1) or minus (sign -1) the repeat window ``w``, field by field."""
-    return replace(whole, **{f: (getattr(whole, f) or 0.0) + sign * (getattr(w, f) or 0.0) for f in _SUMMED})
+class Summed(NamedTuple):
+    """A window's summed fields (_SUMMED, None read as 0.0): what a pricing (``saving``, ``price``) reads of a
+    WindowStat. The jackknife prices ``whole`` less each repeat window: at 64 servers and a 1 h window that is
+    ~7,700 leave-one-out sums a tick, so they are plain tuples, not WindowStat copies (dataclasses.replace cost
+    a third of the tick at 64 servers, bench/tick_phases.py)."""
+
+    covered_seconds: float
+    generated_tokens: float
+    joules: float
+    computed_prompt_tokens: float
+    loaded_prompt_tokens: float
+    prompt_tokens: float
+
+
+def _summed(w: WindowStat | Summed) -> Summed:
+    return w if type(w) is Summed else w.summed
 
 
 PriceOf = Callable[[WindowStat], "float | None"]
@@ -399,14 +420,23 @@ def _priced(windows: Sequence[WindowStat], whole: WindowStat | None, saving: Sav
         return Estimate(None, None, 0, 0, "estimated", "no J per computed prompt token (needs GPU energy and P_idle)")
     if not windows:
         return Estimate(None, None, 0, 0, "estimated", "no comparable windows")
-    if whole is None:
+    if whole is None and len(windows) == 1:
         whole = windows[0]
-        for w in windows[1:]:
-            whole = _combined(whole, w, 1.0)
+    elif whole is None:  # the windows' sum, field by field in their order
+        c, g, j, p, r, t = windows[0].summed
+        for w in [w.summed for w in windows[1:]]:
+            c, g, j, p, r, t = c + w[0], g + w[1], j + w[2], p + w[3], r + w[4], t + w[5]
+        whole = Summed(c, g, j, p, r, t)
 
-    def at(s: WindowStat, c_j: float | None = None, r_j: float | None = None) -> float | None:
+    usable = costs is not None and costs.usable
+    # the costs every window is priced at, built once (a window per tick of the hour is priced; see Summed)
+    fixed = costs if usable else None if price is None or callable(price) else PhaseCosts("gpu", prompt_computed_j=price)
+
+    def at(s: WindowStat | Summed, c_j: float | None = None, r_j: float | None = None) -> float | None:
         """dE over ``s``; ``c_j``, ``r_j``: the costs moved (finite differences)."""
-        if costs is not None and costs.usable:
+        if fixed is not None and c_j is None and r_j is None:
+            c = fixed
+        elif usable:
             c = costs if c_j is None and r_j is None else replace(
                 costs, prompt_computed_j=c_j if c_j is not None else costs.prompt_computed_j,
                 reloaded_j=r_j if r_j is not None else costs.reloaded_j)
@@ -421,7 +451,9 @@ def _priced(windows: Sequence[WindowStat], whole: WindowStat | None, saving: Sav
     value = at(whole)
     if value is None:
         return Estimate(None, None, len(windows), 0, "estimated", "no comparable windows")
-    se = _jackknife([at(_combined(whole, w, -1.0)) for w in windows])
+    c, g, j, p, r, t = _summed(whole)
+    se = _jackknife([at(Summed(c - w[0], g - w[1], j - w[2], p - w[3], r - w[4], t - w[5]))
+                     for w in [w.summed for w in windows]])  # the whole less each window
     if se is not None and costs is not None and costs.source == "measured":
         se = math.sqrt(se * se + _price_variance(costs, value, at, whole))
     return Estimate(value, se, len(windows), 0, "estimated", note)

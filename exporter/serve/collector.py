@@ -42,6 +42,21 @@ def bounded_label(value: str) -> str:
 
 Samples = list[tuple[tuple[str, ...], float]]  # one family's (label values, value), as exported
 
+# raw label values -> bounded ones: the same servers, windows and keys come back every tick (~9,000 samples a
+# tick at 64 servers). Only all-str tuples are kept: a number never equals a str, so (1,) and (1.0,), which
+# str() writes differently, can never hit a kept entry.
+_bounded: dict[tuple, tuple[str, ...]] = {}
+_BOUNDED_MAX = 65536
+
+
+def _bounded_labels(raw_labels) -> tuple[str, ...]:
+    labels = tuple([bounded_label(str(x)) for x in raw_labels])
+    if type(raw_labels) is tuple and all(type(x) is str for x in raw_labels):
+        if len(_bounded) > _BOUNDED_MAX:
+            _bounded.clear()
+        _bounded[raw_labels] = labels
+    return labels
+
 
 def samples(d: catalog.MetricDef, snap: Snapshot) -> Samples:
     """One definition's samples for this snapshot: unknown (None, NaN) and rejected values (exporter/bounds.py)
@@ -53,7 +68,9 @@ def samples(d: catalog.MetricDef, snap: Snapshot) -> Samples:
         value = _value(value)
         if value is None or (rejected and tuple(zip(d.labels, map(str, raw_labels))) in rejected):
             continue
-        labels = tuple([bounded_label(str(x)) for x in raw_labels])
+        labels = _bounded.get(raw_labels)
+        if labels is None:
+            labels = _bounded_labels(raw_labels)
         if labels in seen:  # one definition, one sample per label set: a duplicate is a bug upstream
             raise ValueError(f"{d.name}{dict(zip(d.labels, labels))}: duplicate sample")
         seen.add(labels)

@@ -139,6 +139,12 @@ _INNER: dict[tuple[str, ...], dict[tuple[str, ...], str]] = {}
 _INNER_MAX = 65536  # entries per label-name tuple before that cache starts again (servers that came and went)
 
 
+# value -> floatToGoString(value): many values repeat from tick to tick and across servers (flags, thresholds,
+# configured sizes); equal numbers (1, 1.0, True) write alike, except 0.0 and -0.0, which are never kept
+_go: dict[float, str] = {}
+_GO_MAX = 8192  # ~1.5 MB at most: the values that change every tick only pass through
+
+
 def sample_lines(name: str, mtype: str, doc: str, label_names: tuple[str, ...],
                  samples: Iterable[tuple[tuple[str, ...], float]]) -> list[str] | None:
     """generate_latest's lines for a gauge or counter family ``name`` (a counter's without or with its _total)
@@ -159,7 +165,13 @@ def sample_lines(name: str, mtype: str, doc: str, label_names: tuple[str, ...],
         inner = cache.get(values)
         if inner is None:
             inner = cache[values] = ",".join([f'{k}="{_escape_value(values[i])}"' for k, i in zip(keys, order)])
-        v = floatToGoString(value)
+        v = _go.get(value) if value else None  # (0.0 == -0.0 hash alike, their strings differ: not kept)
+        if v is None:
+            v = floatToGoString(value)
+            if value:
+                if len(_go) > _GO_MAX:
+                    _go.clear()
+                _go[value] = v
         lines.append(f"{wire}{{{inner}}} {v}\n" if keys else f"{wire} {v}\n")
     return lines
 
