@@ -77,3 +77,17 @@ class _FakeSnap:
         from types import SimpleNamespace as NS
         self.t = t
         self.servers = (NS(name="s", status=NS(reason=s_reason)), NS(name="q", status=NS(reason=q_reason)))
+
+
+def test_a_gpu_at_exactly_its_idle_power_gives_no_negative_marginal_j_per_token():
+    """The 10,000-sequence run's 24 unexplained rejections (seed 20261129): a GPU drawing exactly its P_idle (60 W)
+    for ticks on end sums E and P_idle x dt that differ in their last bits, and marginal J/token read -1.1e-20,
+    rejected as if P_idle were stale. The difference is rounding: 0 (derive/marginal.py above_idle)."""
+    seq = [Step("normal", 1.1125369292536007e-308, 4681.3710440320665, 0.38179525711193907, 1e-300,
+                951.0716624486096, True, 1.7, 0.0),
+           Step("normal", 2371.3004184005563, 1679.3711539351366, 0.18724349751923589, 0.3031417726715407, 60.0,
+                True, float("nan"), 0.0),
+           Step("jump", 1.1754943508222875e-38, 28527.320812169346, 0.5717355599580353, 1.1754943508222875e-38,
+                60.0, True, 0.92, 0.0)]
+    out = _run(seq)
+    assert not fuzz_engine.own_rejections(out), out.rejected

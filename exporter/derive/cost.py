@@ -11,6 +11,8 @@ None in, None out: an unknown energy figure or an unconfigured (or stale) price 
 
 from __future__ import annotations
 
+from exporter.derive.marginal import above_idle
+
 JOULES_PER_KWH = 3.6e6
 SECONDS_PER_DAY = 86_400.0
 TOKENS_PER_MILLION = 1e6
@@ -57,4 +59,4 @@ def marginal_watts(energy_joules: float, idle_joules: float | None, seconds: flo
     when P_idle is stale, like the marginal J/token: reported, not clamped."""
     if idle_joules is None or not seconds > 0:
         return None
-    return (energy_joules - idle_joules) / seconds
+    return above_idle(energy_joules, idle_joules) / seconds

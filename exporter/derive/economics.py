@@ -30,6 +30,7 @@ from functools import cached_property
 from typing import Callable, Iterable, NamedTuple, Sequence
 
 from exporter import rules
+from exporter.derive.marginal import above_idle
 from exporter.derive.phase_energy import PhaseCosts, offload_saved_watts, within_energy
 from exporter.derive.pressure import kv_usage_quantile
 from exporter.derive.recompute import recompute_tax, token_counts
@@ -96,7 +97,7 @@ def window_stat(agg: WindowAggregate, t0: float, t1: float, width: float, scope:
         joules = used.energy_joules
         if marginal:
             idle = used.idle_joules
-            joules = None if idle is None else joules - idle
+            joules = None if idle is None else above_idle(joules, idle)
     counts = token_counts(agg)
     if counts is None:
         computed = loaded_tokens = prompt = None
@@ -331,7 +332,7 @@ def scope_stat(agg: WindowAggregate, scope: str = "gpu") -> WindowStat | None:
     if not counts:
         return None
     return WindowStat(0.0, used.covered_seconds, used.covered_seconds,
-                      used.delta("generation_tokens") or 0.0, used.energy_joules - used.idle_joules, None,
+                      used.delta("generation_tokens") or 0.0, above_idle(used.energy_joules, used.idle_joules), None,
                       counts["local_compute"], counts["external_kv_transfer"], True, sum(counts.values()))
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from exporter.derive import phase_energy
+from exporter.derive.marginal import above_idle
 from exporter.derive.phase_energy import PhaseCosts
 from exporter.derive.recompute import recompute_tax, token_counts, token_shares
 from exporter.store import WindowAggregate
@@ -39,7 +40,7 @@ class EnergyPerToken:
         """May be negative when P_idle is stale (above today's idle power): reported, not clamped."""
         if self.idle_joules is None:
             return None
-        return (self.energy_joules - self.idle_joules) / self.tokens
+        return above_idle(self.energy_joules, self.idle_joules) / self.tokens
 
 
 def window_energy(x: WindowAggregate, scope: str) -> EnergyPerToken | None:
@@ -96,7 +97,7 @@ def prompt_attribution(agg: WindowAggregate, min_load_seconds: float,
     units = w.tokens + counts["local_compute"] + load_to_compute_cost_ratio * counts["external_kv_transfer"]
     if units <= 0:
         return None
-    unit = (w.energy_joules - w.idle_joules) / units
+    unit = above_idle(w.energy_joules, w.idle_joules) / units
     return {"local_compute": unit, "external_kv_transfer": load_to_compute_cost_ratio * unit}
 
 
@@ -113,7 +114,8 @@ def priced_with_recomputation(agg: WindowAggregate, costs: PhaseCosts,
     if not counts:
         return None
     again = (recomputed_tokens_per_second or 0.0) * used.covered_seconds
-    return phase_energy.within_energy(costs, used.energy_joules - used.idle_joules, counts["local_compute"] + again,
+    return phase_energy.within_energy(costs, above_idle(used.energy_joules, used.idle_joules),
+                                      counts["local_compute"] + again,
                                       counts["external_kv_transfer"])
 
 
@@ -136,7 +138,7 @@ def tax_in_energy(agg: WindowAggregate, reference_share: float | None, costs: Se
         counts = token_counts(used)
         if not counts:
             continue
-        seconds, marginal = used.covered_seconds, used.energy_joules - used.idle_joules
+        seconds, marginal = used.covered_seconds, above_idle(used.energy_joules, used.idle_joules)
         priced = phase_energy.within_energy(c, marginal, counts["local_compute"], counts["external_kv_transfer"])
         if priced is None:
             continue

@@ -31,6 +31,7 @@ from typing import ClassVar, Iterable, NamedTuple, Sequence
 
 from exporter import rules
 from exporter.derive import compare
+from exporter.derive.marginal import above_idle
 from exporter.derive.recompute import token_counts
 from exporter.store import Bucket
 
@@ -99,7 +100,7 @@ def observation(bucket: Bucket, width: float, scope: str) -> PhaseWindow | None:
     if counts is None:
         return None
     gen = agg.delta("generation_tokens") or 0.0
-    w = PhaseWindow(used.energy_joules - used.idle_joules, counts["local_compute"], gen,
+    w = PhaseWindow(above_idle(used.energy_joules, used.idle_joules), counts["local_compute"], gen,
                     counts["external_kv_transfer"])
     return w if w.computed + w.generated + w.reloaded > 0 else None
 
