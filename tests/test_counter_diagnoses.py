@@ -74,6 +74,27 @@ def test_one_switch_of_spelling_is_one_line_and_no_condition(caplog):
     assert len(lines) == 1 and "switched the spelling of" in lines[0] and "offload_store_bytes (" in lines[0], lines
 
 
+def test_a_flat_series_born_after_the_deprecated_one_at_zero_counts_from_zero(caplog):
+    """vLLM 0.32 at start-up: the deprecated kv_offload_total_bytes at 0 (no transfer yet), then the flat series
+    from its first transfer on, already holding that transfer's bytes. A switch away from a series that never
+    counted is a birth, not a switch: the flat series counts from zero (the real ON engine's store bytes read
+    15 % under its counter when the first transfer was dropped)."""
+    eng = sim.SimEngine(sim.stable_high_pressure_on())
+    h, flat_before = ServerHistory(600, name="svc"), None
+    with caplog.at_level("INFO", logger="kvwatt.store"):
+        for t in range(1, 10):
+            eng.advance(1.0)
+            text = spelled(eng.render("0.33"), deprecated=t <= 3)
+            if t <= 3:  # no transfer yet: the deprecated series at 0
+                text = DEPRECATED.sub(lambda m: f"{m.group(1)} 0.0", text)
+            iv = h.add_reading(float(t), extract(parse(text)))
+            flat = extract(parse(text)).counters.get("offload_store_bytes")
+            if t == 4:  # the switch: the flat series' whole first value counts
+                assert iv is not None and iv.deltas["offload_store_bytes"] == pytest.approx(flat), iv.deltas
+            flat_before = flat
+    assert flat_before and not h.spelling.problem and not h.identity.problem
+
+
 # --- (b) a write counter going backwards ------------------------------------------------------------------
 WRITE_PER_SECOND = 4e8  # bytes/s; the write counter dominates the engine's counter sum (no FLOP, no offload)
 
