@@ -135,8 +135,8 @@ async def _offload_on(tmp_path):
         on, s_on = "#server-on ", _server(st, "on")
         paired = s_on["windows"]["1m"]["energy_saving"]["paired"]
         assert await b.text(on + "[data-field=dE]") == (f"Yes: offloading saves {_pct(paired['dE'], True)} ± "
-                                                        f"{_pct(paired['dE_stderr'])} (standard error) of GPU "
-                                                        "energy per generated token.")
+                                                        f"{_pct(paired['dE_stderr'])} (standard error) of the "
+                                                        "GPU energy above idle per generated token.")
         basis = await b.text(on + "[data-field=dE-basis]")
         assert basis.startswith("paired: measured against the paired OFF server")
         assert f"{paired['windows']} repeat windows over the last 1m (60 of 60 s covered)" in basis

@@ -128,7 +128,9 @@ WINDOW_BLOCKS: tuple[Block, ...] = (
     Block(("offload_tiers",),
           _named("kvwatt_offload_tier_write_bytes_per_second", "kvwatt_offload_tier_read_bytes_per_second",
                  "kvwatt_offload_tier_chunk_hit_ratio", "kvwatt_offload_tier_job_failures",
-                 "kvwatt_offload_tier_residency_seconds", "kvwatt_offload_tier_undersized"), _tiers_json),
+                 "kvwatt_offload_tier_residency_seconds", "kvwatt_offload_tier_undersized",
+                 "kvwatt_offload_tier_dropped_stores_per_second", "kvwatt_offload_tier_dropped_blocks_per_second"),
+          _tiers_json),
     Block(("kv_evicted_before_reuse_ratio", "kv_before_reuse_yardstick", "kv_before_reuse_yardstick_seconds"),
           _named("kvwatt_kv_block_evicted_before_reuse_ratio"),  # methods.md s11
           lambda w: {"kv_evicted_before_reuse_ratio": w.kv_evicted_before_reuse_ratio,
