@@ -24,7 +24,7 @@ WINDOW, WINDOW_SECONDS = "10m", 600.0  # the whole run inside one window
 RESULTS = {}  # size -> measured figures, printed at the end for the issue note
 
 P95_BOUNDS = ["kvwatt_kv_cache_usage_p95_lower_ratio", "kvwatt_kv_cache_usage_p95_upper_ratio",
-              "kvwatt_estimated_flops_per_generated_token"]  # opt-in families (exporter/optin.py)
+              "kvwatt_estimated_flops_per_generated_token", "kvwatt_requests_waiting_for_kv_capacity_samples_ratio"]  # opt-in families (exporter/optin.py)
 
 
 def counters(engine):
@@ -83,7 +83,8 @@ def run_condition(engines, blocks, reference=None):
             "kvwatt_kv_cache_usage_p95_ratio", "kvwatt_kv_cache_usage_p95_lower_ratio",
             "kvwatt_kv_cache_usage_p95_upper_ratio", "kvwatt_kv_pressure_regime_above",
             "kvwatt_preemptions_per_minute", "kvwatt_window_covered_seconds",
-            "kvwatt_recompute_tax_ratio", "kvwatt_estimated_flops_per_generated_token")}
+            "kvwatt_recompute_tax_ratio", "kvwatt_estimated_flops_per_generated_token",
+            "kvwatt_requests_waiting_for_kv_capacity_samples_ratio")}
         m["shares"] = {s: value("kvwatt_prompt_token_share_ratio", server="local", window=WINDOW, source=s)
                        for s in ("local_compute", "local_cache_hit", "external_kv_transfer")}
         m["offload_enabled"] = value("kvwatt_offload_enabled", server="local")
@@ -140,6 +141,11 @@ def test_p95_above_the_threshold_only_with_the_small_cache(large, small):
     (ml, _), (ms, _) = large, small
 
     def below(m):  # "below" needs the window at least half covered; a barely covered one says nothing (unknown)
+        # a request the engine itself reports waiting for KV capacity in any sample rules low pressure out: a sign
+        # of pressure, provisional under most samples (methods.md s10). The large cache's burst start showed it in
+        # 2-6 % of samples in two CI-like runs of this stop (p95 0.23-0.29): the engine's sign decides, not the p95
+        if m["kvwatt_requests_waiting_for_kv_capacity_samples_ratio"]:
+            return 1
         return 0 if m["kvwatt_window_covered_seconds"] >= MIN_BELOW_COVERAGE * WINDOW_SECONDS else None
     assert ml["kvwatt_kv_cache_usage_p95_ratio"] < 0.9 and ml["kvwatt_kv_pressure_regime_above"] == below(ml), \
         (ml["kvwatt_kv_cache_usage_p95_ratio"], ml["kvwatt_window_covered_seconds"], ml["regime"])
