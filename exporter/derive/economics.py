@@ -30,6 +30,7 @@ from functools import cached_property
 from typing import Callable, Iterable, NamedTuple, Sequence
 
 from exporter import rules
+from exporter.derive.energy import priced_scope
 from exporter.derive.marginal import above_idle
 from exporter.derive.phase_energy import PhaseCosts, offload_saved_watts, within_energy
 from exporter.derive.pressure import kv_usage_quantile
@@ -325,12 +326,10 @@ def scope_stat(agg: WindowAggregate, scope: str = "gpu") -> WindowStat | None:
     """The whole window as the recomputation tax and the saving price it (derive/energy.tax_in_energy, rule 10):
     tokens, seconds and marginal energy of the intervals carrying the scope's energy and P_idle. None when the
     scope has no such intervals or no prompt tokens by source."""
-    used = agg.scope(scope)
-    if used is None or used.idle_joules is None or used.covered_seconds <= 0:
+    scoped = priced_scope(agg, scope)
+    if scoped is None:
         return None
-    counts = token_counts(used)
-    if not counts:
-        return None
+    used, counts = scoped
     return WindowStat(0.0, used.covered_seconds, used.covered_seconds,
                       used.delta("generation_tokens") or 0.0, above_idle(used.energy_joules, used.idle_joules), None,
                       counts["local_compute"], counts["external_kv_transfer"], True, sum(counts.values()))

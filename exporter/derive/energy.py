@@ -101,18 +101,27 @@ def prompt_attribution(agg: WindowAggregate, min_load_seconds: float,
     return {"local_compute": unit, "external_kv_transfer": load_to_compute_cost_ratio * unit}
 
 
+def priced_scope(agg: WindowAggregate, scope: str):
+    """(the scope's sums, their prompt tokens by source) over the intervals carrying ``scope``'s energy and P_idle
+    (rule 10): what the tax, the saving, the post-preemption price and dE's estimated and potential kinds all
+    price. None without such intervals or without prompt tokens by source."""
+    used = agg.scope(scope)
+    if used is None or used.idle_joules is None or used.covered_seconds <= 0:
+        return None
+    counts = token_counts(used)
+    return (used, counts) if counts else None
+
+
 def priced_with_recomputation(agg: WindowAggregate, costs: PhaseCosts,
                               recomputed_tokens_per_second: float | None) -> PhaseCosts | None:
     """The scope's costs as the window may price its post-preemption recomputation (methods.md s4, s12): the
     recomputed tokens are computed prompt tokens beside the counted ones, so the price is capped at what the
     window's own energy allows for all of them (phase_energy.within_energy, as the tax): its power is then a
     part of the scope's marginal power. None without the scope's energy and P_idle or a positive marginal energy."""
-    used = agg.scope(costs.scope)
-    if used is None or used.idle_joules is None or used.covered_seconds <= 0:
+    scoped = priced_scope(agg, costs.scope)
+    if scoped is None:
         return None
-    counts = token_counts(used)
-    if not counts:
-        return None
+    used, counts = scoped
     again = (recomputed_tokens_per_second or 0.0) * used.covered_seconds
     return phase_energy.within_energy(costs, above_idle(used.energy_joules, used.idle_joules),
                                       counts["local_compute"] + again,
@@ -132,12 +141,10 @@ def tax_in_energy(agg: WindowAggregate, reference_share: float | None, costs: Se
     scope's marginal power and the saving no larger than it."""
     tax, saved, share = {}, {}, {}
     for c in costs:
-        used = agg.scope(c.scope)
-        if used is None or used.idle_joules is None or used.covered_seconds <= 0:
+        scoped = priced_scope(agg, c.scope)
+        if scoped is None:
             continue
-        counts = token_counts(used)
-        if not counts:
-            continue
+        used, counts = scoped
         seconds, marginal = used.covered_seconds, above_idle(used.energy_joules, used.idle_joules)
         priced = phase_energy.within_energy(c, marginal, counts["local_compute"], counts["external_kv_transfer"])
         if priced is None:

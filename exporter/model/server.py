@@ -129,11 +129,9 @@ class ServerModel:
                 self.writes.set_aside()  # and its write model
                 self.history.restart_windows()  # and no rolling window mixes the two engines
                 self._restart_regime()
-        # nothing learned from a bucket with implausible counts (model/plausible.py)
-        pl.observe(self.implausible.clean(self.history.buckets(pl.width, pl.last_t1, now)), wall)
-        self.phase.observe(self.implausible.clean(self.history.buckets(self.repeat_seconds, self.phase.last_t1, now)))
-        self.writes.observe(self.implausible.clean(self.history.buckets(self.repeat_seconds, self.writes.last_t1,
-                                                                        now)))
+        pl.observe(self._learnable(pl.width, pl.last_t1, now), wall)
+        self.phase.observe(self._learnable(self.repeat_seconds, self.phase.last_t1, now))
+        self.writes.observe(self._learnable(self.repeat_seconds, self.writes.last_t1, now))
         if not self.status.up:  # down: no verdict is known, not the last one (every screen reads these)
             self._restart_regime()
             self.collapse = None
@@ -143,6 +141,11 @@ class ServerModel:
             self._learn_regime(seconds, tax_state)
         self.collapse = self._collapse(now)
         self._note_stale_witnesses(self.collapse)
+
+    def _learnable(self, width: float, last_t1: float, now: float) -> list:
+        """The grid buckets completed since a learner's last, less those with implausible counts: nothing is
+        learned from a counter jump (model/plausible.py)."""
+        return self.implausible.clean(self.history.buckets(width, last_t1, now))
 
     def _note_stale_witnesses(self, c: collapse.CollapseResult) -> None:
         """One line when a progress counter turns stale (flat while the tokens move: derive/collapse.py), one
