@@ -21,6 +21,8 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping
 
+from exporter import rules
+
 log = logging.getLogger("kvwatt.bounds")
 
 # A ceiling on the generated tokens/s of one engine (a data-parallel rank) or one GPU, far above any: the fastest
@@ -292,7 +294,7 @@ DEPENDENCIES = (
 RELATION = "relation"  # kvwatt_figures_rejected_total{reason}: breaks a declared relation with another figure
 SHARE_SUM_TOLERANCE = 1e-6  # shares of one whole sum to 1 up to rounding
 POWER_LIMIT_TOLERANCE = 0.10  # NVML's 1 s power average may overshoot the enforced limit briefly (boost, sensor lag)
-DE_TOLERANCE_STDERRS = 2.0  # figures.NOISE_STDERRS: dE within this many of its SE of the tax it prices agrees
+DE_TOLERANCE_STDERRS = rules.NOISE_STDERRS.default  # dE within this many of its SE of the tax it prices agrees
 DE_TOLERANCE_ABSOLUTE = 0.02  # and within this much (the pricing's own rounding, a window's edges)
 RECOMMENDATION_MAX_ROUNDING = 1.5  # --kv-offloading-size at most this times the recommended bytes (issue 37)
 GIB = 1024.0 ** 3

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from exporter import rules
 from exporter.derive.collapse import CollapseResult
 from exporter.derive.energy import EnergyPerToken
 from exporter.derive.offload import TierFlows, TierState
@@ -75,7 +76,7 @@ class PriceFigure:
         return self.source != "not_configured"
 
 
-NOISE_STDERRS = 2.0  # a dE within two standard errors of zero is "within noise"
+NOISE_STDERRS = rules.NOISE_STDERRS.default  # a dE within two standard errors of zero is "within noise"
 
 
 @dataclass(frozen=True)

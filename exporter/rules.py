@@ -174,6 +174,11 @@ MIN_REUSE_GAPS = Rule("min_reuse_gaps", 10, "count",
                       "reuse gaps a window needs for their p50 to be the residency yardstick (methods.md s11)", "s11",
                       words=("reuse_gaps", "reuse_samples"))
 
+# a difference under this many standard errors is noise: dE against zero ("within noise", figures.SavingFigure)
+# and a priced dE against the tax it prices (the relation de_prices_the_tax, bounds.py)
+NOISE_STDERRS = Rule("noise_stderrs", 2.0, "count", "standard errors within which a difference is noise: dE "
+                     "against zero, and against the tax it prices (methods.md s2, s13)", "s2",
+                     words=("stderrs",))
 METHODS: dict[str, Rule] = {r.key: r for r in (
-    SUSTAINED_MIN_COVERED, REPEAT_MIN_COVERED, CAPACITY_SUSTAINED, PRESSURE_EVICTIONS_PER_PROMPT_BLOCK,
+    NOISE_STDERRS, SUSTAINED_MIN_COVERED, REPEAT_MIN_COVERED, CAPACITY_SUSTAINED, PRESSURE_EVICTIONS_PER_PROMPT_BLOCK,
     LOW_PRESSURE_EVICTIONS_PER_PROMPT_BLOCK, MIN_REUSE_GAPS)}
