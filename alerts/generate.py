@@ -36,7 +36,8 @@ sys.path.insert(0, str(HERE.parent))
 
 from exporter import rulecopies, rules  # noqa: E402
 from exporter.config import format_window  # noqa: E402
-from exporter.serve.runbook import RUNBOOK_PATH as PACKAGE_RUNBOOK, anchor  # noqa: E402
+from exporter.serve.runbook import RUNBOOK_PATH as PACKAGE_RUNBOOK  # noqa: E402
+from exporter.serve.runbook import anchor  # noqa: E402
 
 RULES_FILE = "kvwatt-rules.yaml"
 PROMETHEUSRULE_FILE = "kvwatt-prometheusrule.yaml"

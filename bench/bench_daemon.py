@@ -20,9 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import requests  # noqa: E402
-
-from _support import (FixtureServers, cpu_seconds, daemon_servers, fake_gpus, fake_nvml_latency_in_effect,  # noqa: E402
-                      rss_mib, table)
+from _support import FixtureServers, cpu_seconds, daemon_servers, fake_gpus, fake_nvml_latency_in_effect, rss_mib, table  # noqa: E402
 
 from tests.support.daemon import KvwattDaemon  # noqa: E402
 

@@ -26,10 +26,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _support import FIXTURE, percentile, table  # noqa: E402
 
-from exporter.serve.collector import render  # noqa: E402
 from exporter.config import Config, ServerConfig  # noqa: E402
 from exporter.model import Model  # noqa: E402
 from exporter.samples import DeviceReading, EngineReading, ServerRead, SourceStatus, Tick  # noqa: E402
+from exporter.serve.collector import render  # noqa: E402
 from exporter.sources.endpoint import EngineSource  # noqa: E402
 
 T0 = 10_000.0  # monotonic start of the synthetic run

@@ -24,7 +24,6 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from _support import FIXTURE, REPO
-
 from kvwatt_lab.experiment.server import free_port
 
 TEXT = FIXTURE.read_text()

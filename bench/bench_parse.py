@@ -27,8 +27,8 @@ sys.path.insert(0, str(REPO))
 
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from exporter.sources.expfmt import parse, process_start_time  # noqa: E402
 from exporter.sources import combine  # noqa: E402
+from exporter.sources.expfmt import parse, process_start_time  # noqa: E402
 from exporter.sources.vllm import VllmAdapter, extract  # noqa: E402
 
 FIXTURE_DIRS = [REPO / "tests" / "data" / "vllm-0.32-cpu", REPO.parent / "shared" / "fixtures"]

@@ -26,8 +26,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _support import (FixtureServers, daemon_servers, fake_gpus, fake_nvml_latency_in_effect,  # noqa: E402
-                      start_canary, summary, table, HERE)
+from _support import (  # noqa: E402
+    HERE,
+    FixtureServers,
+    daemon_servers,
+    fake_gpus,
+    fake_nvml_latency_in_effect,
+    start_canary,
+    summary,
+    table,
+)
 
 from tests.support.daemon import KvwattDaemon  # noqa: E402
 from tests.support.engine import free_port  # noqa: E402
@@ -71,8 +79,8 @@ async def _in_process(servers: FixtureServers, gpus_path: str, seconds: float, t
     from exporter.config import Config, ServerConfig
     from exporter.daemon import Daemon
     from exporter.sampler import Sampler
-    from exporter.sources.nvml import NvmlSource
     from exporter.serve.web import start_web
+    from exporter.sources.nvml import NvmlSource
     from tests.support.fake_gpus import load_fake_nvml
 
     # the idle loop's floor first

@@ -45,7 +45,6 @@ from exporter.derive import phase_energy  # noqa: E402
 from exporter.samples import Interval  # noqa: E402
 from exporter.store import buckets_of  # noqa: E402
 
-
 DRY_COSTS = {"prefill": 0.03, "decode": 0.4}  # --dry-run: the double's J per computed / generated token
 
 

@@ -39,6 +39,7 @@ if str(REPO) not in sys.path:
 from tests.support.engine import build_tiny_model  # noqa: E402
 from tests.support.verdict import TOLERANCE, phase  # noqa: E402
 
+
 def run(out: Path, large_blocks: int = 2000, small_blocks: int = 128, concurrency: int = 8,
         load_seconds: int = 120, threshold_window: str = "15s", small: bool = True) -> dict:
     out.mkdir(parents=True, exist_ok=True)

@@ -16,8 +16,8 @@ from exporter.config import Config
 from exporter.figures import Snapshot
 from exporter.gcpolicy import FreezePolicy
 from exporter.model import Model
-from exporter.samples import Tick
 from exporter.sampler import Sampler
+from exporter.samples import Tick
 from exporter.serve.collector import exposition
 from exporter.serve.exposition import Exposition
 

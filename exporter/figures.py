@@ -17,8 +17,7 @@ from exporter.derive.phase_energy import PHASES, PhaseCosts  # noqa: F401 (PHASE
 from exporter.derive.recompute import PreemptionRecompute
 from exporter.derive.threshold import Evidence, LocatedThreshold
 from exporter.energy.baseline import Baseline
-from exporter.samples import DeviceReading, SourceStatus, EngineInfo
-
+from exporter.samples import DeviceReading, EngineInfo, SourceStatus
 
 UNKNOWN_ENGINE = "unknown"  # a server never read yet: no exposition has said which engine it runs
 

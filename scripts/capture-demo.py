@@ -38,6 +38,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "lab")]
 
 from kvwatt_lab.cpu_engine import build_tiny_model  # noqa: E402
+
 from tests.support.engine import VllmEngine, free_port  # noqa: E402
 from tests.test_engine_stall import engine_core_pid  # noqa: E402
 

@@ -11,8 +11,12 @@ import pytest  # noqa: E402
 # the tiers' guard: a test that starts the engine, Prometheus's binaries or chromium, or runs for tens of
 # seconds, needs its marker; each tier's timeout; engine tests without the engine fail with the install step
 from tests.support import shared_engines, tiers  # noqa: E402
-from tests.support.tiers import (pytest_configure, pytest_runtest_makereport,  # noqa: E402,F401
-                                 pytest_runtest_protocol, pytest_runtest_setup)
+from tests.support.tiers import (  # noqa: E402,F401
+    pytest_configure,
+    pytest_runtest_makereport,
+    pytest_runtest_protocol,
+    pytest_runtest_setup,
+)
 
 _POOL = []  # the session's EnginePool, once the `engines` fixture made it
 

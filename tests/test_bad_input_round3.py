@@ -18,10 +18,10 @@ from typing import Callable
 
 import pytest
 import yaml
+from kvwatt_lab.experiment import sweep
 
 from exporter import atomic
 from exporter.config import ConfigError, format_window, from_mapping
-from kvwatt_lab.experiment import sweep
 from tests.conftest import REPO
 
 SAMPLE = REPO / "tests" / "data" / "office_work_8k.sample.jsonl"

@@ -13,8 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from exporter import bounds, catalog
 from exporter.bounds import BoundsCheck
 from exporter.derive.energy import EnergyPerToken
-from exporter.figures import CostFigure, EnergyFigure, PriceFigure, SavingFigure, ServerFigures, Snapshot, \
-    WindowFigures
+from exporter.figures import CostFigure, EnergyFigure, PriceFigure, SavingFigure, ServerFigures, Snapshot, WindowFigures
 from exporter.samples import SourceStatus
 from exporter.serve import page
 from exporter.serve.collector import render

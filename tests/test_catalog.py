@@ -21,12 +21,12 @@ import threading
 import pytest
 import yaml
 
-from exporter import catalog
-from exporter.serve.collector import families
 import exporter.config as config_module
+from exporter import catalog
 from exporter.daemon import Daemon
 from exporter.model import Model
 from exporter.sampler import Sampler
+from exporter.serve.collector import families
 from exporter.sources.nvml import NvmlSource
 from exporter.sources.rapl import RaplSource
 from tests import test_golden as golden

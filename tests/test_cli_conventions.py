@@ -20,8 +20,8 @@ import pytest
 from exporter import __version__, logsetup
 from exporter.build import build_info
 from exporter.cli import build_parser
-from exporter.config import ConfigError, from_mapping, parse_duration, resolve
 from exporter.commands.run import config_from_args
+from exporter.config import ConfigError, from_mapping, parse_duration, resolve
 from tests.conftest import REPO
 
 VERSION_LINE = re.compile(r"^kvwatt, version (\S+) \(revision (\S+), python (\S+)\)$")

@@ -13,8 +13,16 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from exporter.config import (Config, ConfigError, PriceSetting, apply_environment, from_mapping, parse_currency,
-                             parse_price, resolve)
+from exporter.config import (
+    Config,
+    ConfigError,
+    PriceSetting,
+    apply_environment,
+    from_mapping,
+    parse_currency,
+    parse_price,
+    resolve,
+)
 from exporter.derive import cost
 from exporter.sampler import Sampler
 from exporter.serve.collector import families
@@ -176,6 +184,7 @@ def test_a_price_answer_is_decoded_off_the_event_loop(monkeypatch):
     """A 5.6 MB answer decoded on the event loop held every scrape for seconds (/metrics 4.15 s against 9.7 ms;
     bench/bench_price_fetch.py measures it): the value is taken from the answer in a worker thread."""
     import threading
+
     from exporter.sources import tariff
 
     threads = []

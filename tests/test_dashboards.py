@@ -23,8 +23,20 @@ import yaml
 
 from exporter.catalog import BY_NAME
 from exporter.sources.vllm_names import WIRE_SERIES
-from tests.support.grafana import (DASHBOARD_DIR, QUERY_PANEL_TYPES, ROOT, Selector, expand, load_dashboards,
-                                   panels, ranges, referenced_variables, selectors, targets, variables)
+from tests.support.grafana import (
+    DASHBOARD_DIR,
+    QUERY_PANEL_TYPES,
+    ROOT,
+    Selector,
+    expand,
+    load_dashboards,
+    panels,
+    ranges,
+    referenced_variables,
+    selectors,
+    targets,
+    variables,
+)
 
 Dashboard = dict[str, Any]
 Rule = Callable[[Dashboard], list[str]]

@@ -39,9 +39,8 @@ import yaml
 from tests.support import powercap, prom, vllm_sim
 from tests.support.daemon import KvwattDaemon, free_port
 from tests.support.fake_gpus import FakeGpus
+from tests.support.grafana import ROOT, displayed, expand, format_value, load_dashboards, panels, targets, variables
 from tests.support.loopback import FakeVllm
-from tests.support.grafana import (ROOT, displayed, expand, format_value, load_dashboards, panels, targets,
-                                   variables)
 
 pytestmark = pytest.mark.prom
 

@@ -15,11 +15,11 @@ import aiohttp
 import pytest
 
 from exporter.config import from_mapping
-from exporter.sources.expfmt import parse
 from exporter.model import Model
 from exporter.samples import ServerRead, Tick
-from exporter.sources.vllm import extract
 from exporter.sources.endpoint import EngineSource
+from exporter.sources.expfmt import parse
+from exporter.sources.vllm import extract
 from tests.conftest import FIXTURES
 from tests.support.expositions import data_parallel, offset_counters
 from tests.support.loopback import MetricsServer

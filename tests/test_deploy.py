@@ -34,7 +34,6 @@ from pathlib import Path
 import jsonschema
 import pytest
 import yaml
-
 from kvwatt_lab.experiment.server import free_port
 
 REPO = Path(__file__).resolve().parents[1]

@@ -5,8 +5,7 @@ from dataclasses import replace
 
 import pytest
 
-from exporter.derive.threshold import (LocatedThreshold, PressurePoint, classify, locate, quantile_bounds,
-                                       taxed)
+from exporter.derive.threshold import LocatedThreshold, PressurePoint, classify, locate, quantile_bounds, taxed
 
 
 def pt(p95, pre=0.0, tax=0.0, se=None, weight=1.0, low=None, high=None, **kw):

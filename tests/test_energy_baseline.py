@@ -10,7 +10,6 @@ import sys
 import time
 from pathlib import Path
 
-
 from exporter.energy.baseline import STATE_FILE, UNKNOWN_HOLD_SECONDS, BaselineBook, IdleEstimate, IdleLearner
 
 REPO = Path(__file__).resolve().parents[1]

@@ -5,17 +5,16 @@ rendered by the collector (exporter.serve.collector.families)."""
 
 from __future__ import annotations
 
-
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from exporter import catalog
-from exporter.serve.collector import KvwattCollector, families
 from exporter.config import Config, ServerConfig
 from exporter.energy.attribution import assign_gpus, host_shares
 from exporter.energy.baseline import BaselineBook
 from exporter.model import Model
-from exporter.samples import DeviceReading, EngineReading, ServerRead, SourceStatus, Tick, EngineInfo
+from exporter.samples import DeviceReading, EngineInfo, EngineReading, ServerRead, SourceStatus, Tick
+from exporter.serve.collector import KvwattCollector, families
 from exporter.sources.nvml import NvmlSource
 from exporter.sources.rapl import RaplSource
 from tests.support.fake_gpus import FakeGpus, load_fake_nvml

@@ -19,13 +19,20 @@ from pathlib import Path
 
 import pytest
 
-from exporter.sources.expfmt import parse, parse_families, process_start_time
-from exporter.samples import EngineReading, EngineInfo
+from exporter.samples import EngineInfo, EngineReading
 from exporter.sources import combine, engine
-from exporter.sources.engine import (CAPABILITIES, CAPABILITY_KEYS, COUNTER_KEYS, GAUGE_KEYS, EngineAdapter,
-                                     SourceError, adapters)
-from exporter.sources.vllm import COUNTERS, GAUGES_SUM, NEEDED_FAMILIES, VllmAdapter, extract
 from exporter.sources.endpoint import EngineSource
+from exporter.sources.engine import (
+    CAPABILITIES,
+    CAPABILITY_KEYS,
+    COUNTER_KEYS,
+    GAUGE_KEYS,
+    EngineAdapter,
+    SourceError,
+    adapters,
+)
+from exporter.sources.expfmt import parse, parse_families, process_start_time
+from exporter.sources.vllm import COUNTERS, GAUGES_SUM, NEEDED_FAMILIES, VllmAdapter, extract
 from exporter.sources.vllm_names import RENAMES
 from tests.conftest import FIXTURES
 

@@ -12,11 +12,11 @@ import pytest
 
 from exporter.derive.pressure import quantile
 from exporter.derive.threshold import quantile_bounds
+from exporter.model.pressure import MIN_BELOW_COVERAGE
 from exporter.sources.expfmt import parse
 from exporter.sources.vllm import extract
 from tests.support.daemon import KvwattDaemon, pick
 from tests.support.engine import LARGE_CACHE
-from exporter.model.pressure import MIN_BELOW_COVERAGE
 from tests.support.workload import drive
 
 pytestmark = [pytest.mark.engine, pytest.mark.shares_engine(**LARGE_CACHE), pytest.mark.shares_engine(blocks=128)]

@@ -22,12 +22,19 @@ import pytest
 
 from exporter.config import ConfigError, from_mapping
 from exporter.sources import combine
-from exporter.sources.engine import (CAPABILITIES, CAPABILITY_KEYS, COUNTER_KEYS, GAUGE_KEYS, SourceError,
-                                     adapters)
 from exporter.sources.endpoint import EngineSource
+from exporter.sources.engine import CAPABILITIES, CAPABILITY_KEYS, COUNTER_KEYS, GAUGE_KEYS, SourceError, adapters
 from tests.support.daemon import REPO, parse_exposition
-from tests.support.engine_expositions import (BLOCK_TOKENS, ENGINES, HOST_TOKENS, KINDS, KV_BYTES_PER_TOKEN, LOADS,
-                                              STALL_AT, Sequence)
+from tests.support.engine_expositions import (
+    BLOCK_TOKENS,
+    ENGINES,
+    HOST_TOKENS,
+    KINDS,
+    KV_BYTES_PER_TOKEN,
+    LOADS,
+    STALL_AT,
+    Sequence,
+)
 from tests.support.loopback import MetricsServer
 
 DATA = REPO / "tests" / "data"

@@ -10,7 +10,8 @@ import os
 import pytest
 
 from exporter.derive.threshold import PressurePoint, locate, locate_why
-from exporter.model.evidence_book import FORMAT_VERSION, MAX_FILE_BYTES, STATE_FILE as EVIDENCE_FILE
+from exporter.model.evidence_book import FORMAT_VERSION, MAX_FILE_BYTES
+from exporter.model.evidence_book import STATE_FILE as EVIDENCE_FILE
 from exporter.model.reference_book import ReferenceBook
 from exporter.samples import EngineInfo
 from exporter.serve.web import _server_json

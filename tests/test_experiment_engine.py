@@ -23,11 +23,19 @@ import time
 from pathlib import Path
 
 import pytest
-
 from kvwatt_lab.experiment.plan import load_plan, run_order
+
 from tests.support.engine import ENGINE_ENV, build_tiny_model, free_port
-from tests.support.experiment import (ENGINE_MAX_MODEL_LEN, is_png, load_state, pids_serving, report_json,
-                                      run_experiment, server_command, write_plan)
+from tests.support.experiment import (
+    ENGINE_MAX_MODEL_LEN,
+    is_png,
+    load_state,
+    pids_serving,
+    report_json,
+    run_experiment,
+    server_command,
+    write_plan,
+)
 from tests.support.power_driver import PowerDriver
 from tests.support.powercap import PowercapTree
 

@@ -9,11 +9,18 @@ import time
 from pathlib import Path
 
 import pytest
-
 from kvwatt_lab.experiment.plan import load_plan, run_order
+
 from tests.support.engine import ENGINE_ENV, build_tiny_model, free_port
-from tests.support.experiment import (SAMPLE_TRACES, kill_server_group, load_state, pids_serving, run_experiment,
-                                      server_command, write_plan)
+from tests.support.experiment import (
+    SAMPLE_TRACES,
+    kill_server_group,
+    load_state,
+    pids_serving,
+    run_experiment,
+    server_command,
+    write_plan,
+)
 
 pytestmark = pytest.mark.engine
 ENV = ENGINE_ENV

@@ -14,9 +14,9 @@ import os
 from pathlib import Path
 
 import pytest
-
 from kvwatt_lab.experiment import plots, report
-from tests.test_experiment_report import (model_data, plan_file, state_for, sweep_state, synthetic_run)
+
+from tests.test_experiment_report import model_data, plan_file, state_for, sweep_state, synthetic_run
 
 REPO = Path(__file__).resolve().parents[1]
 MEANS = {"means", "means-off", "means-on", "off", "on"}

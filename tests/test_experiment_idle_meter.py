@@ -6,7 +6,6 @@ test run: a 3 s idle phase whose every tick came late gave no idle baseline at a
 from __future__ import annotations
 
 import pytest
-
 from kvwatt_lab.experiment.measure import IdleMeter
 
 DEV = "rapl:package-0:package"

@@ -1,10 +1,11 @@
 """The lab's window figures derive preemptions per minute as the daemon does (exporter/derive/pressure.py
 rate_per_second: over the seconds of the intervals that carry the counter), not over the covered seconds."""
 
+from kvwatt_lab.experiment.measure import window_figures
+
 from exporter.derive.pressure import rate_per_second
 from exporter.samples import Interval
 from exporter.store import aggregate_of
-from kvwatt_lab.experiment.measure import window_figures
 
 
 def test_preemptions_per_minute_is_the_daemons_rate():

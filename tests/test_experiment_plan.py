@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 import yaml
-
-from exporter.cli import main
-from exporter.config import ConfigError
 from kvwatt_lab.experiment.plan import load_plan, run_order, template_values
 from kvwatt_lab.experiment.runner import launch_for
 from kvwatt_lab.experiment.server import ServerProcess
 from kvwatt_lab.experiment.template import render_argv, substitute
+
+from exporter.cli import main
+from exporter.config import ConfigError
 
 SAMPLE = Path(__file__).parent / "data" / "office_work_8k.sample.jsonl"
 REPO = Path(__file__).resolve().parents[1]

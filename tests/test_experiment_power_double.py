@@ -12,14 +12,13 @@ from pathlib import Path
 
 import pytest
 import yaml
-
-from exporter.config import ConfigError
-from exporter.sources.rapl import RaplSource
 from kvwatt_lab.experiment import plots, report, tables
 from kvwatt_lab.experiment.plan import load_plan
-from exporter.sources.rapl import MAX_PLAUSIBLE_WATTS
 from kvwatt_lab.experiment.power_double import GIB, POLL_SECONDS, PowerDouble, PowerModel, Spread
 from kvwatt_lab.experiment.state import ExperimentState
+
+from exporter.config import ConfigError
+from exporter.sources.rapl import MAX_PLAUSIBLE_WATTS, RaplSource
 from tests.support.loopback import MetricsServer
 from tests.test_experiment_report import PAIRED, paired_runs, plan_file, state_for
 

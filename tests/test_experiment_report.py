@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 import yaml
-
-from exporter.cli import main
 from kvwatt_lab.experiment import report
 from kvwatt_lab.experiment.plan import load_plan, run_order
 from kvwatt_lab.experiment.state import ExperimentState
+
+from exporter.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
 SAMPLE = REPO / "tests" / "data" / "office_work_8k.sample.jsonl"

@@ -13,8 +13,8 @@ import time
 
 import pytest
 import yaml
-
 from kvwatt_lab.experiment.plan import load_plan, run_order
+
 from tests.support.engine import free_port
 from tests.support.experiment import FAKE_SERVER, kill_server_group, load_state, pids_serving, run_experiment
 from tests.test_experiment_runner import OFF, ON, SHORT, plan_for

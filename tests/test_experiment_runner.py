@@ -12,11 +12,19 @@ import sys
 
 import pytest
 import yaml
-
 from kvwatt_lab.experiment.plan import load_plan, run_order
-from tests.support.experiment import (FAKE_SERVER, SAMPLE_TRACES, is_png, load_state,
-                                      pids_serving, report_json, run_experiment, write_plan)
+
 from tests.support.engine import free_port
+from tests.support.experiment import (
+    FAKE_SERVER,
+    SAMPLE_TRACES,
+    is_png,
+    load_state,
+    pids_serving,
+    report_json,
+    run_experiment,
+    write_plan,
+)
 from tests.support.power_driver import PowerDriver
 from tests.support.powercap import PowercapTree
 

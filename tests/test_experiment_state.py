@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 import yaml
-
-from exporter.config import ConfigError
 from kvwatt_lab.experiment.plan import load_plan, run_order
 from kvwatt_lab.experiment.server import group_alive, process_start_ticks
 from kvwatt_lab.experiment.state import DirectoryLock, ExperimentState, open_state, reap_leftover_server
+
+from exporter.config import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
 SAMPLE = REPO / "tests" / "data" / "office_work_8k.sample.jsonl"

@@ -19,14 +19,14 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from exporter import catalog
-from exporter.serve.collector import render
 from exporter.config import from_mapping
 from exporter.model import Model
 from exporter.samples import DeviceReading, ServerRead, SourceStatus, Tick
+from exporter.serve.collector import render
+from exporter.serve.web import status_json
+from exporter.sources.endpoint import EngineSource
 from exporter.sources.engine import SourceError
 from exporter.sources.vllm import NEEDED_FAMILIES
-from exporter.sources.endpoint import EngineSource
-from exporter.serve.web import status_json
 from tests.conftest import FIXTURES
 from tests.support.expositions import data_parallel, offset_counters
 

@@ -49,10 +49,10 @@ from exporter.config import from_mapping
 from exporter.daemon import Daemon
 from exporter.energy.baseline import BaselineBook, IdleEstimate
 from exporter.model import Model
-from exporter.samples import DeviceReading, PriceReading, ServerRead, SourceStatus, Tick
 from exporter.sampler import Sampler
-from exporter.sources.endpoint import EngineSource
+from exporter.samples import DeviceReading, PriceReading, ServerRead, SourceStatus, Tick
 from exporter.serve.web import _finite, status_json
+from exporter.sources.endpoint import EngineSource
 from tests.conftest import FIXTURES
 from tests.support import vllm_sim as sim
 from tests.support.engine_expositions import Sequence

@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from kvwatt_lab import cpu_engine
 
 REPO = Path(__file__).resolve().parents[1]

@@ -12,8 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from kvwatt_lab import cpu_engine
+
 from tests.support.engine import engine_available, offload_env, vllm_python
 
 REPO = Path(__file__).resolve().parents[1]

@@ -13,8 +13,8 @@ from exporter.derive import offload, preemption, pressure, recompute
 from exporter.samples import Interval
 from exporter.sources.vllm import VllmAdapter
 from exporter.store import ServerHistory
-from tests.support.aggregates import aggregate_of
 from tests.conftest import FIXTURES
+from tests.support.aggregates import aggregate_of
 from tests.support.daemon import KvwattDaemon
 from tests.support.loopback import MetricsServer
 

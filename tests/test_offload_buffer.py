@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from exporter.derive import offload as O
-from exporter.sources.expfmt import parse
 from exporter.samples import Interval
+from exporter.sources.expfmt import parse
 from exporter.sources.vllm import extract
 from exporter.store import ServerHistory
 from tests.support import vllm_sim as sim

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-
 import pytest
 
 from exporter.derive import collapse as C
-from exporter.sources.expfmt import parse
 from exporter.samples import Interval
+from exporter.sources.expfmt import parse
 from exporter.sources.vllm import extract
 from exporter.store import ServerHistory
 from tests.support import vllm_sim as sim

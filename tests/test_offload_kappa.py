@@ -14,8 +14,8 @@ import pytest
 
 from exporter.config import ConfigError
 from exporter.derive import kappa as K
-from exporter.sources import model_config as MC
 from exporter.samples import Interval
+from exporter.sources import model_config as MC
 from tests.support.aggregates import aggregate_of
 
 LLAMA_8B = {"hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32, "num_hidden_layers": 32,

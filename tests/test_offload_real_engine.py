@@ -31,14 +31,13 @@ import shutil
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 import requests
-
-from pathlib import Path
+from kvwatt_lab.replay.client import SseSplitter
 
 from exporter.derive.phase_energy import PRIOR_PROMPT_TO_GENERATED_COST_RATIO
-from kvwatt_lab.replay.client import SseSplitter
 from tests.support.daemon import KvwattDaemon, parse_exposition
 from tests.support.engine import VllmEngine, build_tiny_model
 from tests.support.fake_gpus import FakeGpus

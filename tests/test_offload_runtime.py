@@ -15,8 +15,8 @@ from exporter.model import Model
 from exporter.offload import profile as P
 from exporter.offload.profile import build_profile
 from exporter.sampler import Sampler
-from exporter.sources.nvml import NvmlSource
 from exporter.serve.web import status_json
+from exporter.sources.nvml import NvmlSource
 from tests.support import vllm_sim as sim
 from tests.support.daemon import parse_exposition
 from tests.support.fake_gpus import FakeGpus, load_fake_nvml

@@ -11,10 +11,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from exporter.sources.expfmt import parse
 from exporter.sources.vllm import extract
 from exporter.sources.vllm_names import WIRE_SERIES
+from tests.conftest import FIXTURES
 from tests.support import vllm_sim as sim
 from tests.support.fake_gpus import FakeGpus
 from tests.support.loopback import FakeVllm
-from tests.conftest import FIXTURES
 
 VERSIONS = ("0.33", "0.32", "0.26", "0.24", "0.17", "0.16", "0.15")
 

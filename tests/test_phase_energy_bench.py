@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from kvwatt_lab.cpu_engine import vllm_python
 
 REPO = Path(__file__).resolve().parents[1]

@@ -20,13 +20,12 @@ import threading
 import time
 
 import pytest
-
-from tests.support.engine import LARGE_CACHE
 import requests
 
 from exporter.sources.expfmt import parse
 from exporter.sources.vllm import extract
 from tests.support.daemon import KvwattDaemon
+from tests.support.engine import LARGE_CACHE
 from tests.support.niced import come_first
 from tests.support.powercap import PowercapTree
 from tests.support.workload import drive

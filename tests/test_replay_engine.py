@@ -21,10 +21,10 @@ from pathlib import Path
 import aiohttp
 import pytest
 from aiohttp import web
-
-from exporter.cli import main
 from kvwatt_lab.replay.runner import poisson_arrival_offsets
 from kvwatt_lab.replay.traces import scale_tokens
+
+from exporter.cli import main
 from tests.support.engine import free_port
 
 pytestmark = [pytest.mark.engine, pytest.mark.shares_engine(blocks=1024, max_model_len=4096)]

@@ -20,8 +20,9 @@ from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from exporter.cli import main
 from kvwatt_lab.replay.runner import OUTAGE_BACKOFF_MAX_SECONDS
+
+from exporter.cli import main
 from tests.support.experiment import FAKE_SERVER, SAMPLE_TRACES
 
 

@@ -6,7 +6,6 @@ import itertools
 import statistics
 
 import pytest
-
 from kvwatt_lab.replay.client import SseSplitter
 from kvwatt_lab.replay.records import Stats, TurnRecord, _percentile
 from kvwatt_lab.replay.runner import SessionQueue, poisson_arrival_offsets

@@ -6,9 +6,9 @@ import json
 from pathlib import Path
 
 import pytest
+from kvwatt_lab.replay.traces import Session, Turn, load_sessions, scale_session, scale_tokens
 
 from exporter.config import ConfigError
-from kvwatt_lab.replay.traces import Session, Turn, load_sessions, scale_session, scale_tokens
 
 SAMPLE = Path(__file__).parent / "data" / "office_work_8k.sample.jsonl"
 

@@ -7,11 +7,10 @@ from __future__ import annotations
 import pytest
 
 from exporter.config import Config, ConfigError, from_mapping
-from exporter.figures import ServerFigures, Snapshot
-from exporter.samples import SourceStatus
-from exporter.figures import WindowFigures
+from exporter.figures import ServerFigures, Snapshot, WindowFigures
 from exporter.model import offload as offload_figures
 from exporter.model.server import ServerModel
+from exporter.samples import SourceStatus
 from exporter.serve.collector import families
 from exporter.serve.web import _window_json
 from exporter.sources.vllm import VllmAdapter

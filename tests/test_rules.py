@@ -57,8 +57,9 @@ def test_alert_settings_default_to_the_rules():
 
 
 def test_lab_plan_and_derive_read_the_rules():
-    from exporter.derive import collapse, threshold
     from kvwatt_lab.experiment import plan
+
+    from exporter.derive import collapse, threshold
     assert threshold.ONSET_PER_MINUTE == rules.PREEMPTION_ONSET_PER_MINUTE.default
     assert collapse.CollapseThresholds().throughput_drop_ratio == rules.COLLAPSE_THROUGHPUT_DROP_RATIO.default
     assert plan.EnergySpec().min_load_seconds == rules.MIN_LOAD_DURATION.default

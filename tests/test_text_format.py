@@ -7,8 +7,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily,
-                                    InfoMetricFamily)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, InfoMetricFamily
 from prometheus_client.exposition import generate_latest
 
 from exporter.serve.collector import exposition, families, runtime_families

@@ -18,7 +18,7 @@ from exporter.figures import ServerFigures
 from exporter.model import Model
 from exporter.model.pressure import P95, predicted_regime
 from exporter.model.reference_book import STATE_FILE, ReferenceBook
-from exporter.samples import EngineReading, ServerRead, SourceStatus, Tick, EngineInfo
+from exporter.samples import EngineInfo, EngineReading, ServerRead, SourceStatus, Tick
 
 WALL = 1_750_000_000.0
 

@@ -16,18 +16,17 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from exporter.serve.collector import MAX_LABEL_CHARS, TRUNCATION_MARKER, bounded_label
 from exporter.config import from_mapping
-from exporter.samples import REASON_CODES, reason_code
 from exporter.sampler import Sampler
-from exporter.sources.nvml import NvmlSource
+from exporter.samples import REASON_CODES, reason_code
+from exporter.serve.collector import MAX_LABEL_CHARS, TRUNCATION_MARKER, bounded_label
 from exporter.sources.endpoint import EngineSource
+from exporter.sources.nvml import NvmlSource
 from tests.conftest import FIXTURES
 from tests.support import vllm_sim as sim
-from tests.support.fake_gpus import STATE_ENV, FakeGpus, load_fake_nvml
 from tests.support.daemon import KvwattDaemon
-from tests.support.loopback import FakeVllm
-from tests.support.loopback import MetricsServer
+from tests.support.fake_gpus import STATE_ENV, FakeGpus, load_fake_nvml
+from tests.support.loopback import FakeVllm, MetricsServer
 from tests.support.powercap import amd
 
 LOW = [p.read_text() for p in sorted((FIXTURES / "low-pressure").glob("*.prom"))]

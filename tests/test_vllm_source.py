@@ -8,9 +8,9 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from exporter.sources.endpoint import EngineSource
 from exporter.sources.expfmt import parse
 from exporter.sources.vllm import GIB, extract
-from exporter.sources.endpoint import EngineSource
 from tests.conftest import FIXTURES
 
 

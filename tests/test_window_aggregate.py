@@ -18,7 +18,7 @@ from exporter.derive import kappa as K
 from exporter.derive import offload as O
 from exporter.derive import pressure as P
 from exporter.derive import recompute as R
-from exporter.samples import Interval, EngineInfo, EngineReading
+from exporter.samples import EngineInfo, EngineReading, Interval
 from exporter.store import Bucket, ServerHistory, buckets_of
 from exporter.store import aggregate as W
 from tests.support.aggregates import aggregate_of, collapse_at

@@ -29,9 +29,25 @@ from __future__ import annotations
 
 from exporter.build import build_info
 from exporter.catalog import energy, health, money, offload, pressure
-from exporter.catalog.declare import (NOT_DERIVED, SERVER, WINDOW, Elsewhere, Fill, MetricDef, NotDerived, Sample,
-                                      StatusKey, Words, formula, per_server, per_server_key, per_window,
-                                      per_window_key, server_key, window_key)
+from exporter.catalog.declare import (
+    NOT_DERIVED,
+    SERVER,
+    WINDOW,
+    Elsewhere,
+    Fill,
+    MetricDef,
+    NotDerived,
+    Sample,
+    StatusKey,
+    Words,
+    formula,
+    per_server,
+    per_server_key,
+    per_window,
+    per_window_key,
+    server_key,
+    window_key,
+)
 from exporter.catalog.energy import DEVICES
 from exporter.catalog.money import PRICES
 from exporter.catalog.pressure import STATES, VERDICTS

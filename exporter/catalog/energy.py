@@ -6,8 +6,18 @@ from __future__ import annotations
 from typing import Iterator
 
 from exporter import bounds, rules
-from exporter.catalog.declare import (Elsewhere, Fill, MetricDef, Sample, Words, bookkeeping, info, learned,
-                                      reading, window_key)
+from exporter.catalog.declare import (
+    Elsewhere,
+    Fill,
+    MetricDef,
+    Sample,
+    Words,
+    bookkeeping,
+    info,
+    learned,
+    reading,
+    window_key,
+)
 from exporter.figures import PHASES, Snapshot
 
 SECTION = "Energy"

@@ -6,8 +6,7 @@ from typing import Iterator
 
 from exporter import bounds
 from exporter.build import build_info
-from exporter.catalog.declare import (Elsewhere, MetricDef, Sample, Words, bookkeeping, flag, info, reading,
-                                      window_key)
+from exporter.catalog.declare import Elsewhere, MetricDef, Sample, Words, bookkeeping, flag, info, reading, window_key
 from exporter.figures import Snapshot
 
 EXPORTER_SECTION = "Exporter"

@@ -6,8 +6,19 @@ from __future__ import annotations
 from typing import Iterator
 
 from exporter import bounds
-from exporter.catalog.declare import (Fill, MetricDef, Sample, Words, flag, judged, per_server, reading,
-                                      series_value, server_key, window_key)
+from exporter.catalog.declare import (
+    Fill,
+    MetricDef,
+    Sample,
+    Words,
+    flag,
+    judged,
+    per_server,
+    reading,
+    series_value,
+    server_key,
+    window_key,
+)
 from exporter.figures import Snapshot
 
 SECTION = "Offloading"

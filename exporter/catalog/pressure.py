@@ -6,8 +6,21 @@ from __future__ import annotations
 from typing import Iterator
 
 from exporter import bounds, rules
-from exporter.catalog.declare import (Elsewhere, MetricDef, Sample, Words, deprecation_help, judged, learned,
-                                      per_server, per_window, reading, server_key, setting, window_key)
+from exporter.catalog.declare import (
+    Elsewhere,
+    MetricDef,
+    Sample,
+    Words,
+    deprecation_help,
+    judged,
+    learned,
+    per_server,
+    per_window,
+    reading,
+    server_key,
+    setting,
+    window_key,
+)
 from exporter.figures import Snapshot, WindowFigures
 
 SECTION = "KV pressure and recomputation"

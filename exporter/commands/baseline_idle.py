@@ -15,8 +15,15 @@ import asyncio
 import sys
 from dataclasses import replace
 
-from exporter.config import (ConfigError, Config, ServerConfig, check_writable, parse_duration, parse_server_flag,
-                             resolve)
+from exporter.config import (
+    Config,
+    ConfigError,
+    ServerConfig,
+    check_writable,
+    parse_duration,
+    parse_server_flag,
+    resolve,
+)
 from exporter.config.settings import add_shared_flags
 from exporter.energy.baseline import BaselineBook
 from exporter.energy.idle import Busy, measure

@@ -18,12 +18,20 @@ import asyncio
 import sys
 from dataclasses import replace
 
-from exporter.config import Config, ConfigError, ServerConfig, check_writable, format_window, parse_duration, \
-    parse_server_flag, resolve
+from exporter.config import (
+    Config,
+    ConfigError,
+    ServerConfig,
+    check_writable,
+    format_window,
+    parse_duration,
+    parse_server_flag,
+    resolve,
+)
 from exporter.config.settings import add_shared_flags
 from exporter.model.recording import record_intervals
-from exporter.progress import Progress
 from exporter.offload import profile as profile_mod
+from exporter.progress import Progress
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -9,8 +9,15 @@ import logging
 
 from exporter import logsetup
 from exporter.build import VersionAction
-from exporter.config import (Config, ConfigError, add_flags, flag_overrides, parse_duration, parse_telemetry_path,
-                             resolve)
+from exporter.config import (
+    Config,
+    ConfigError,
+    add_flags,
+    flag_overrides,
+    parse_duration,
+    parse_telemetry_path,
+    resolve,
+)
 from exporter.serve import connections, webconfig
 from exporter.serve.web import WebLimits
 from exporter.service import CannotListen, serve

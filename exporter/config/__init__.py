@@ -9,18 +9,60 @@ environment < flags). Every public name stays importable from ``exporter.config`
 
 from __future__ import annotations
 
-from exporter.config.values import (  # noqa: F401 (the package's face)
-    DEFAULT_SERVER_URL, DEFAULT_LISTEN, DEFAULT_STATE_DIR, ConfigError, MIN_WINDOW_SECONDS, shown, is_finite,
-    finite_number, parse_duration, parse_interval, duration_arg, unknown_key, format_window, PriceSetting,
-    THRESHOLD_SOURCES, valid_port, parse_listen, listen_url, url_problem, parse_url, redacted_url, LOG_LEVELS,
-    LOG_FORMATS, parse_log_level, parse_log_format, RESERVED_PATHS, parse_telemetry_path,
-    PROMETHEUS_QUERY_PATH, PRICE_MAXIMA, parse_price, parse_currency)
+from exporter.config.files import check_writable, load_file, read_json, read_text, read_yaml  # noqa: F401 (the package's face)
+from exporter.config.layers import apply_environment, keep_settings, parse_server_flag, resolve  # noqa: F401 (the package's face)
 from exporter.config.schema import (  # noqa: F401 (the package's face)
-    ServerConfig, Config, is_unconfigured_default, shown_server, check_prices, SERVER_KEYS, MODEL_KEYS,
-    HARDWARE_KEYS, MAX_SIDECARS)
+    HARDWARE_KEYS,
+    MAX_SIDECARS,
+    MODEL_KEYS,
+    SERVER_KEYS,
+    Config,
+    ServerConfig,
+    check_prices,
+    is_unconfigured_default,
+    shown_server,
+)
 from exporter.config.settings import (  # noqa: F401 (the package's face)
-    Setting, SETTINGS, KEYS, ENVIRONMENT, FLAGS, PRICE_ENVIRONMENT, add_flags, flag_overrides, from_mapping)
-from exporter.config.files import (  # noqa: F401 (the package's face)
-    read_text, read_yaml, read_json, check_writable, load_file)
-from exporter.config.layers import (  # noqa: F401 (the package's face)
-    parse_server_flag, keep_settings, apply_environment, resolve)
+    ENVIRONMENT,
+    FLAGS,
+    KEYS,
+    PRICE_ENVIRONMENT,
+    SETTINGS,
+    Setting,
+    add_flags,
+    flag_overrides,
+    from_mapping,
+)
+from exporter.config.values import (  # noqa: F401 (the package's face)
+    DEFAULT_LISTEN,
+    DEFAULT_SERVER_URL,
+    DEFAULT_STATE_DIR,
+    LOG_FORMATS,
+    LOG_LEVELS,
+    MIN_WINDOW_SECONDS,
+    PRICE_MAXIMA,
+    PROMETHEUS_QUERY_PATH,
+    RESERVED_PATHS,
+    THRESHOLD_SOURCES,
+    ConfigError,
+    PriceSetting,
+    duration_arg,
+    finite_number,
+    format_window,
+    is_finite,
+    listen_url,
+    parse_currency,
+    parse_duration,
+    parse_interval,
+    parse_listen,
+    parse_log_format,
+    parse_log_level,
+    parse_price,
+    parse_telemetry_path,
+    parse_url,
+    redacted_url,
+    shown,
+    unknown_key,
+    url_problem,
+    valid_port,
+)

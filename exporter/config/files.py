@@ -8,9 +8,9 @@ from typing import Any
 
 import yaml
 
-from exporter.config.values import ConfigError, _str
 from exporter.config.schema import Config
 from exporter.config.settings import from_mapping
+from exporter.config.values import ConfigError, _str
 from exporter.limits import MAX_FILE_BYTES
 
 

@@ -6,10 +6,10 @@ import os
 from dataclasses import replace
 from typing import Any
 
-from exporter.config.values import DEFAULT_SERVER_URL, ConfigError, shown, parse_interval, parse_listen
-from exporter.config.schema import ServerConfig, Config, check_prices, _server, _servers
-from exporter.config.settings import CONFIG_ENV, ENVIRONMENT
 from exporter.config.files import load_file
+from exporter.config.schema import Config, ServerConfig, _server, _servers, check_prices
+from exporter.config.settings import CONFIG_ENV, ENVIRONMENT
+from exporter.config.values import DEFAULT_SERVER_URL, ConfigError, parse_interval, parse_listen, shown
 
 
 def parse_server_flag(text: str, key: str = "--server") -> ServerConfig:

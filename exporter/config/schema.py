@@ -8,8 +8,18 @@ from typing import Any
 
 from exporter import rules
 from exporter.config.values import (
-    DEFAULT_SERVER_URL, DEFAULT_LISTEN, DEFAULT_STATE_DIR, ConfigError, shown, unknown_key, PriceSetting,
-    _float_range, _str, parse_url, redacted_url)
+    DEFAULT_LISTEN,
+    DEFAULT_SERVER_URL,
+    DEFAULT_STATE_DIR,
+    ConfigError,
+    PriceSetting,
+    _float_range,
+    _str,
+    parse_url,
+    redacted_url,
+    shown,
+    unknown_key,
+)
 
 
 @dataclass(frozen=True)

@@ -10,11 +10,29 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from exporter import rules
-from exporter.config.values import (
-    ConfigError, parse_duration, _duration_at_most, parse_interval, unknown_key, _float_range, _int_pos,
-    _bool, THRESHOLD_SOURCES, _choice, _str, parse_listen, parse_log_level, parse_log_format, _opt_in,
-    _windows, _watts_map, parse_price, parse_currency, parse_telemetry_path)
 from exporter.config.schema import Config, _servers
+from exporter.config.values import (
+    THRESHOLD_SOURCES,
+    ConfigError,
+    _bool,
+    _choice,
+    _duration_at_most,
+    _float_range,
+    _int_pos,
+    _opt_in,
+    _str,
+    _watts_map,
+    _windows,
+    parse_currency,
+    parse_duration,
+    parse_interval,
+    parse_listen,
+    parse_log_format,
+    parse_log_level,
+    parse_price,
+    parse_telemetry_path,
+    unknown_key,
+)
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,6 @@ from urllib.parse import urlparse, urlsplit
 
 from exporter import optin
 
-
 DEFAULT_SERVER_URL = "http://127.0.0.1:8000"
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+
 from exporter import rules
 from exporter.derive.pressure import rate_per_second
 from exporter.keys import labelled_key

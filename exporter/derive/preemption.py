@@ -20,6 +20,7 @@ among them, and F(b) requests preempted at most b times for each bucket bound b.
 from __future__ import annotations
 
 import math
+
 from exporter.keys import labelled
 from exporter.store import WindowAggregate
 

@@ -35,7 +35,6 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from exporter import rules
-
 from exporter.derive import compare
 from exporter.derive.pressure import rate_per_second
 from exporter.keys import labelled

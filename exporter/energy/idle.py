@@ -13,9 +13,9 @@ from exporter.config import Config, ServerConfig, redacted_url
 from exporter.energy.attribution import assign_gpus
 from exporter.energy.baseline import IdleAccumulator, IdleEstimate
 from exporter.progress import Progress
+from exporter.sampler import Sampler, missed_deadline
 from exporter.samples import DeviceReading, SourceStatus, Tick
 from exporter.sources.endpoint import metrics_url
-from exporter.sampler import Sampler, missed_deadline
 from exporter.store import DeviceTracker
 
 

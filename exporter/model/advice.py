@@ -12,10 +12,9 @@ from __future__ import annotations
 
 from exporter import rules
 from exporter.config import DEFAULT_SERVER_URL, Config
-from exporter.derive.threshold import noise_bar
+from exporter.derive.threshold import noise_bar, plural
 from exporter.figures import Advice, BufferFigures, ServerFigures, WindowFigures
 from exporter.model import offload as offload_figures
-from exporter.derive.threshold import plural
 from exporter.model.pressure import QUIET_KNOWN_WINDOWS, REFERENCE_KNOWN_WINDOWS
 
 NO_SERVER_CONFIGURED = ("No server is configured, and nothing answers at the default URL: start vLLM there "

@@ -8,22 +8,20 @@ from dataclasses import replace
 from typing import Mapping
 
 from exporter.config import Config, ServerConfig, format_window, redacted_url
-from exporter.derive import collapse, economics, kappa, offload, preemption, pressure, recompute
-from exporter.derive import residency
+from exporter.derive import collapse, economics, kappa, offload, preemption, pressure, recompute, residency
 from exporter.derive import energy as derive_energy
 from exporter.figures import EnergyFigure, ServerFigures, WindowFigures, engine_name
+from exporter.keys import labelled
 from exporter.model import advice as advice_model
-from exporter.model.cost import Prices
-from exporter.model.energy import PhaseLearner
 from exporter.model import offload as offload_figures
 from exporter.model import pressure as pressure_model
+from exporter.model.cost import Prices
+from exporter.model.energy import PhaseLearner
 from exporter.model.plausible import ImplausibleCounts
 from exporter.model.repeat import RepeatWindows
 from exporter.model.write_model import WriteModelLearner
-from exporter.samples import EngineReading, SourceStatus, EngineInfo
-from exporter.keys import labelled
-from exporter.store import ServerHistory, WindowAggregate
-from exporter.store import identity
+from exporter.samples import EngineInfo, EngineReading, SourceStatus
+from exporter.store import ServerHistory, WindowAggregate, identity
 
 log = logging.getLogger("kvwatt.model")
 

@@ -15,15 +15,14 @@ from __future__ import annotations
 import gzip
 import re
 import threading
+from functools import partial
 from typing import Callable, Iterable, NamedTuple
 
-from functools import partial
-
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, CONTENT_TYPE_PLAIN_0_0_4, generate_latest
-from prometheus_client.openmetrics.exposition import CONTENT_TYPE_LATEST as OM_CONTENT_TYPE
-from prometheus_client.openmetrics.exposition import ALLOWUTF8, DOTS, UNDERSCORES, VALUES
-from prometheus_client.openmetrics.exposition import generate_latest as om_generate_latest
 from prometheus_client.metrics_core import Metric
+from prometheus_client.openmetrics.exposition import ALLOWUTF8, DOTS, UNDERSCORES, VALUES
+from prometheus_client.openmetrics.exposition import CONTENT_TYPE_LATEST as OM_CONTENT_TYPE
+from prometheus_client.openmetrics.exposition import generate_latest as om_generate_latest
 from prometheus_client.registry import Collector, CollectorRegistry
 from prometheus_client.utils import floatToGoString
 

@@ -38,11 +38,11 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from exporter import __version__, catalog
+from exporter.figures import ServerFigures, Snapshot, WindowFigures
+from exporter.samples import SourceStatus
 from exporter.serve import page, runbook
 from exporter.serve.connections import ConnectionGuard, GuardedSite
 from exporter.serve.exposition import Exposition, wanted_names
-from exporter.figures import ServerFigures, Snapshot, WindowFigures
-from exporter.samples import SourceStatus
 from exporter.serve.webconfig import AUTH_RETRY_AFTER_SECONDS, BasicAuth, Verdict, WebConfig
 
 log = logging.getLogger("kvwatt.web")

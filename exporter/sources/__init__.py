@@ -8,4 +8,4 @@ one registers with (engine.py: vLLM, SGLang, TensorRT-LLM, then the add-ons LMCa
 of the lines below.
 """
 
-from exporter.sources import vllm, sglang, trtllm, lmcache, dynamo  # noqa: F401  (they register themselves)
+from exporter.sources import dynamo, lmcache, sglang, trtllm, vllm  # noqa: F401  (they register themselves)

@@ -17,7 +17,7 @@ import re
 from dataclasses import replace
 from functools import lru_cache
 
-from exporter.samples import EngineReading, EngineInfo
+from exporter.samples import EngineInfo, EngineReading
 from exporter.sources.engine import EngineAdapter, SourceError, adapters, capabilities_of
 from exporter.sources.shapes import known_shape, unknown_shape
 

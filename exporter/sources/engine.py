@@ -19,7 +19,7 @@ import threading
 from typing import Protocol, runtime_checkable
 
 from exporter.keys import labelled, labelled_key  # noqa: F401  (the seam's names for adapters)
-from exporter.samples import EngineReading, EngineInfo
+from exporter.samples import EngineInfo, EngineReading
 
 
 class SourceError(Exception):

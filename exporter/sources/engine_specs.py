@@ -26,9 +26,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from exporter.sources.expfmt import Exposition, Labels, parse_families, process_start_time
-from exporter.samples import EngineReading, EngineInfo
+from exporter.samples import EngineInfo, EngineReading
 from exporter.sources.engine import KV_POOL_USAGE, KV_USAGE, OFFLOAD_BUFFER, SourceError, capabilities_of, labelled_key
+from exporter.sources.expfmt import Exposition, Labels, parse_families, process_start_time
 from exporter.sources.ranges import MAX_VALUE
 
 Series = dict[Labels, float]

@@ -52,8 +52,8 @@ from __future__ import annotations
 
 from exporter.samples import EngineInfo
 from exporter.sources.engine import SGLANG_ORDER, register
-from exporter.sources.ranges import MAX_VALUE
 from exporter.sources.engine_specs import EngineSpec, Parts, Pick, SpecAdapter, model_name, rank_sums
+from exporter.sources.ranges import MAX_VALUE
 
 STORAGE = "storage_"
 KV_POOL = (("pool", "kv"),)  # the host pool group's KV pool (hicache_pool_stats.DEFAULT_HOST_POOL_LABELS)

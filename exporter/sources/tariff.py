@@ -28,6 +28,7 @@ from exporter.sources import expfmt
 from exporter.sources.endpoint import EngineSource
 from exporter.sources.engine import SourceError
 
+
 def value_from_query(text: str) -> float:
     """The one sample of a Prometheus HTTP API instant query answer; SourceError otherwise."""
     try:

@@ -29,8 +29,8 @@ from __future__ import annotations
 
 from exporter.samples import EngineInfo
 from exporter.sources.engine import TRTLLM_ORDER, register
-from exporter.sources.ranges import MAX_VALUE
 from exporter.sources.engine_specs import EngineSpec, Parts, Pick, SpecAdapter, first_value, model_name, rank_sums
+from exporter.sources.ranges import MAX_VALUE
 
 SPEC = EngineSpec(
     prefixes=("trtllm_", "trtllm:"),

@@ -17,10 +17,17 @@ from __future__ import annotations
 import logging
 
 from exporter import rules
+from exporter.samples import EngineInfo, EngineReading
+from exporter.sources.engine import (
+    KV_POOL_USAGE,
+    OFFLOAD_BUFFER,
+    VLLM_ORDER,
+    SourceError,
+    capabilities_of,
+    labelled_key,
+    register,
+)
 from exporter.sources.expfmt import Exposition, Labels, parse_families, process_start_time
-from exporter.samples import EngineReading, EngineInfo
-from exporter.sources.engine import (KV_POOL_USAGE, OFFLOAD_BUFFER, VLLM_ORDER, SourceError,
-                                     capabilities_of, labelled_key, register)
 from exporter.sources.ranges import GIB, MAX_VALUE, OUT_OF_RANGE
 from exporter.sources.vllm_names import RENAMES
 

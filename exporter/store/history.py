@@ -33,8 +33,14 @@ from exporter.store.aggregate import WindowAggregate, aggregate_of
 from exporter.store.buckets import Bucket, Grid, buckets_of
 from exporter.store.columns import IntervalColumns, Rows
 from exporter.store.deltas import EnergyAccumulator, engine_deltas, reset_engines
-from exporter.store.identity import (RECENT_READINGS, EngineSetWatch, IdentityWatch, RegressionWatch,
-                                     SpellingWatch, identity_of)
+from exporter.store.identity import (
+    RECENT_READINGS,
+    EngineSetWatch,
+    IdentityWatch,
+    RegressionWatch,
+    SpellingWatch,
+    identity_of,
+)
 
 log = logging.getLogger("kvwatt.store")
 

@@ -51,10 +51,21 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from kvwatt_lab.cpu_engine import (COMPILE_CACHE_ENV, VOCAB_SIZE, build_tiny_model,  # noqa: F401 (re-exported)
-                                   default_model_dir, engine_available, new_engine_id, offload_args, offload_env,
-                                   remove_shared_region, tiered_args, vllm_python)
+from kvwatt_lab.cpu_engine import (  # noqa: F401 (re-exported)
+    COMPILE_CACHE_ENV,
+    VOCAB_SIZE,
+    build_tiny_model,
+    default_model_dir,
+    engine_available,
+    new_engine_id,
+    offload_args,
+    offload_env,
+    remove_shared_region,
+    tiered_args,
+    vllm_python,
+)
 from kvwatt_lab.experiment.server import free_port, group_members  # noqa: F401 (re-exported for the tests)
+
 from tests.support.niced import yield_cpu
 from tests.support.shared_engines import shape_key
 

@@ -20,8 +20,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import tempfile
 import sys
+import tempfile
 import time
 from pathlib import Path
 

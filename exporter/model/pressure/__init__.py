@@ -31,13 +31,32 @@ reference share), ``learner`` (the threshold learner). Every name stays importab
 from __future__ import annotations
 
 from exporter.derive.pressure import MAX_STEPS_PER_SECOND, plausible_preemptions  # noqa: F401 (their home)
+from exporter.model.pressure.learner import ThresholdLearner, evidence_weight  # noqa: F401 (the package's face)
+from exporter.model.pressure.reference import LowPressureReference, ReferenceSample, no_reference_reason  # noqa: F401 (the package's face)
 from exporter.model.pressure.regime_signs import (  # noqa: F401 (the package's face)
-    REFERENCE_MARGIN, LOW_PRESSURE_P95, REFERENCE_KNOWN_WINDOWS, SUSTAINED_PREEMPTIONS, MAX_EVIDENCE_WEIGHT,
-    MIN_PROMPT_TOKENS, MIN_BELOW_COVERAGE, QUIET_KNOWN_WINDOWS,
-    MAX_EVIDENCE_WINDOWS, ResidencySign, residency_sign, disagreement, P95, p95_of, predicted_regime, quiet,
-    Signs, Verdict, ThresholdInUse, threshold_in_use, p95_words, tax_words, pressure_signs,
-    low_pressure_signs, regime)
-from exporter.model.pressure.reference import (  # noqa: F401 (the package's face)
-    ReferenceSample, LowPressureReference, no_reference_reason)
-from exporter.model.pressure.learner import (  # noqa: F401 (the package's face)
-    evidence_weight, ThresholdLearner)
+    LOW_PRESSURE_P95,
+    MAX_EVIDENCE_WEIGHT,
+    MAX_EVIDENCE_WINDOWS,
+    MIN_BELOW_COVERAGE,
+    MIN_PROMPT_TOKENS,
+    P95,
+    QUIET_KNOWN_WINDOWS,
+    REFERENCE_KNOWN_WINDOWS,
+    REFERENCE_MARGIN,
+    SUSTAINED_PREEMPTIONS,
+    ResidencySign,
+    Signs,
+    ThresholdInUse,
+    Verdict,
+    disagreement,
+    low_pressure_signs,
+    p95_of,
+    p95_words,
+    predicted_regime,
+    pressure_signs,
+    quiet,
+    regime,
+    residency_sign,
+    tax_words,
+    threshold_in_use,
+)

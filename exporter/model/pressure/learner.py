@@ -12,14 +12,29 @@ from typing import Iterable
 from exporter import rules
 from exporter.derive import pressure, recompute, residency
 from exporter.derive.pressure import plausible_preemptions
-from exporter.derive.threshold import (LOW_PRESSURE_MAX, Evidence, LocatedThreshold, PressurePoint, classify,
-    locate_why, taxed)
-from exporter.store import WindowAggregate
+from exporter.derive.threshold import (
+    LOW_PRESSURE_MAX,
+    Evidence,
+    LocatedThreshold,
+    PressurePoint,
+    classify,
+    locate_why,
+    taxed,
+)
 from exporter.model import epoch as epochs
-from exporter.model.pressure.regime_signs import (SUSTAINED_PREEMPTIONS, MAX_EVIDENCE_WEIGHT, MIN_PROMPT_TOKENS,
-    MAX_EVIDENCE_WINDOWS, ResidencySign, residency_sign, disagreement, p95_of, quiet)
-from exporter.model.pressure.reference import (LowPressureReference)
-
+from exporter.model.pressure.reference import LowPressureReference
+from exporter.model.pressure.regime_signs import (
+    MAX_EVIDENCE_WEIGHT,
+    MAX_EVIDENCE_WINDOWS,
+    MIN_PROMPT_TOKENS,
+    SUSTAINED_PREEMPTIONS,
+    ResidencySign,
+    disagreement,
+    p95_of,
+    quiet,
+    residency_sign,
+)
+from exporter.store import WindowAggregate
 
 log = logging.getLogger("kvwatt.pressure")
 

@@ -9,8 +9,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Iterable
 
-from exporter.derive.threshold import (LOW_PRESSURE_MAX, PressurePoint, plural, taxed)
-from exporter.model.pressure.regime_signs import (REFERENCE_MARGIN, LOW_PRESSURE_P95, REFERENCE_KNOWN_WINDOWS)
+from exporter.derive.threshold import LOW_PRESSURE_MAX, PressurePoint, plural, taxed
+from exporter.model.pressure.regime_signs import LOW_PRESSURE_P95, REFERENCE_KNOWN_WINDOWS, REFERENCE_MARGIN
 
 
 @dataclass(frozen=True)

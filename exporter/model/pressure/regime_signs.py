@@ -8,10 +8,16 @@ from dataclasses import dataclass
 
 from exporter import rules
 from exporter.derive import compare, pressure, residency
-from exporter.derive.threshold import (LOW_PRESSURE_MAX, LocatedThreshold, PressurePoint, noise_bar, plural,
-                                       quantile_bounds, taxed)
+from exporter.derive.threshold import (
+    LOW_PRESSURE_MAX,
+    LocatedThreshold,
+    PressurePoint,
+    noise_bar,
+    plural,
+    quantile_bounds,
+    taxed,
+)
 from exporter.store import WindowAggregate
-
 
 REFERENCE_MARGIN = 0.05     # a learning window's p95 stays this far under the threshold in force
 LOW_PRESSURE_P95 = 0.50     # ... and under this absolute KV p95 (methods.md s10: below every onset seen)

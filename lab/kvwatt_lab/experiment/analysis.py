@@ -17,12 +17,12 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from exporter.config import ConfigError
 from exporter import rules
-from exporter.rules import PREEMPTION_ONSET_PER_MINUTE as ONSET
+from exporter.config import ConfigError
 from exporter.derive import offload
 from exporter.derive.pressure import quantile
 from exporter.derive.threshold import PressurePoint, locate
+from exporter.rules import PREEMPTION_ONSET_PER_MINUTE as ONSET
 
 Z = 2.0                       # a saving is significant when dE% > Z * SE (one-sided ~97.7 %)
 P95_Z = 1.96                  # a condition's KV p95 interval: mean ± 1.96 SE over its runs

@@ -28,12 +28,12 @@ from exporter.derive.offload import store_failures, transfer_rates
 from exporter.derive.pressure import kv_usage_quantile, rate_per_second
 from exporter.derive.recompute import mfu_view, token_counts, token_shares
 from exporter.energy.baseline import IdleAccumulator
-from kvwatt_lab.experiment.plan import Plan
 from exporter.model import Model
 from exporter.model.energy import SCOPES, is_idle
+from exporter.sampler import MIN_DEADLINE_SECONDS, Sampler
 from exporter.samples import Interval, Tick
 from exporter.store import WindowAggregate, aggregate_of, gauge_values
-from exporter.sampler import MIN_DEADLINE_SECONDS, Sampler
+from kvwatt_lab.experiment.plan import Plan
 
 SERVER_NAME = "server"
 READ_DEADLINE_FRACTION = 0.9  # of the sampling interval (RunSampler: one server, nothing to serve)

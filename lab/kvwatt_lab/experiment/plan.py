@@ -15,13 +15,12 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
-
 from exporter import rules
 from exporter.config import ConfigError, finite_number, parse_url, read_yaml, shown
-from kvwatt_lab.experiment.power_double import PowerModel
-from kvwatt_lab.experiment import sweep, template, values
-from kvwatt_lab.experiment.values import BUILTINS
 from exporter.limits import MAX_CONCURRENCY, MAX_CONTEXT_TOKENS, MAX_RUNS
+from kvwatt_lab.experiment import sweep, template, values
+from kvwatt_lab.experiment.power_double import PowerModel
+from kvwatt_lab.experiment.values import BUILTINS
 from kvwatt_lab.replay.runner import NothingFits, ReplayOptions, playable_sessions
 from kvwatt_lab.replay.traces import FORMATS, MAX_LENGTH_SCALE, load_sessions, scale_session, scale_tokens
 

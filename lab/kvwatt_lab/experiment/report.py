@@ -25,6 +25,7 @@ from kvwatt_lab.experiment import analysis, plots, stats, tables
 from kvwatt_lab.experiment.power_double import PowerModel
 from kvwatt_lab.experiment.tables import NA, num, pct_unit
 
+
 # ------------------------------------------------------------------------------------------------------
 def markdown_table(header: list[str], rows: list[list[str]]) -> str:
     esc: Callable[[str], str] = lambda c: c.replace("|", "\\|")

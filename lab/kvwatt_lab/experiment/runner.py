@@ -21,10 +21,16 @@ from exporter import atomic
 from exporter.config import redacted_url
 from kvwatt_lab.experiment import report
 from kvwatt_lab.experiment.measure import RunSampler, interval_rows, window_figures
-from kvwatt_lab.experiment.power_double import PowerDouble
 from kvwatt_lab.experiment.plan import Condition, Plan, RunSpec, template_values
-from kvwatt_lab.experiment.server import (RunFailed, ServerProcess, describe_exit, ensure_nothing_listening,
-                                        first_model, free_port)
+from kvwatt_lab.experiment.power_double import PowerDouble
+from kvwatt_lab.experiment.server import (
+    RunFailed,
+    ServerProcess,
+    describe_exit,
+    ensure_nothing_listening,
+    first_model,
+    free_port,
+)
 from kvwatt_lab.experiment.state import ExperimentState
 from kvwatt_lab.experiment.template import render_argv, substitute
 from kvwatt_lab.replay.client import CompletionClient

@@ -13,8 +13,16 @@ import sys
 
 import aiohttp
 
-from exporter.config import (DEFAULT_SERVER_URL, ConfigError, check_writable, duration_arg, is_finite,
-                             parse_duration, redacted_url, url_problem)
+from exporter.config import (
+    DEFAULT_SERVER_URL,
+    ConfigError,
+    check_writable,
+    duration_arg,
+    is_finite,
+    parse_duration,
+    redacted_url,
+    url_problem,
+)
 from exporter.limits import MAX_CONCURRENCY, MAX_CONTEXT_TOKENS, MAX_TOKEN_ID
 from kvwatt_lab.replay.client import CompletionClient
 from kvwatt_lab.replay.progress import show_progress

@@ -15,10 +15,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Callable
 
-from kvwatt_lab.replay.client import CompletionClient, Outcome
-from kvwatt_lab.replay.records import RecordSink, TurnRecord
 from exporter.config import ConfigError, redacted_url
 from exporter.limits import MAX_CONTEXT_TOKENS
+from kvwatt_lab.replay.client import CompletionClient, Outcome
+from kvwatt_lab.replay.records import RecordSink, TurnRecord
 from kvwatt_lab.replay.session import Conversation, context_needed, fits
 from kvwatt_lab.replay.tokens import TokenSource
 from kvwatt_lab.replay.traces import Session

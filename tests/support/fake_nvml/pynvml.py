@@ -66,8 +66,19 @@ import sys
 import tempfile
 import threading
 import time
-from ctypes import Structure, Union, c_double, c_int, c_int64, c_longlong, c_uint, c_uint32, c_ulong, \
-    c_ulonglong, c_ushort
+from ctypes import (
+    Structure,
+    Union,
+    c_double,
+    c_int,
+    c_int64,
+    c_longlong,
+    c_uint,
+    c_uint32,
+    c_ulong,
+    c_ulonglong,
+    c_ushort,
+)
 
 STATE_ENV = "KVWATT_FAKE_NVML_STATE"
 __fake__ = True  # lets a test tell this module from the real one
