@@ -3,7 +3,7 @@ declaration (exporter.catalog), and the page and the README take their rows from
 
 The check walks a real /api/status: the golden scenario (tests/test_golden.py) through Daemon.step(), its
 snapshot serialised by web.status_json. A key of a server's or a window's dict is owned by a declaration's
-status key, by a block of exporter.serve.web (which names the declarations it serialises), or by the dict's
+status key, by a JSON block of a catalog section (which names the declarations it serialises), or by the dict's
 own structure (a window's length, a server's windows); it must have exactly one owner. A declaration must have
 a status key found in that status, be named by a block, or say why it is elsewhere (catalog.Elsewhere).
 The negative tests run the same check on a doctored catalog: a declaration without a JSON key, a JSON key
@@ -18,9 +18,9 @@ import pytest
 
 from exporter import catalog
 from exporter.catalog import SERVER, WINDOW, Elsewhere, MetricDef, StatusKey, Words
-from exporter.serve import page, web
+from exporter.serve import page
 from exporter.serve.collector import families
-from exporter.serve.web import Block, status_json
+from exporter.serve.web import status_json
 from tests import test_golden as golden
 
 STRUCTURE = {WINDOW: {"seconds"}, SERVER: {"windows"}}  # the dicts' own shape, not figures
@@ -35,12 +35,16 @@ def scenario(tmp_path_factory):
 def _owners(scope: str, key: str, metrics, blocks) -> list[str]:
     out = [d.name for d in metrics
            if isinstance(d.status, StatusKey) and (d.status.scope, d.status.key) == (scope, key)]
-    out += [f"block({', '.join(m.name for m in b.serialises)})" for b in blocks if key in b.keys]
+    out += [f"block({', '.join(b.serialises)})" for b in blocks if key in b.keys]
     return out + (["structure"] if key in STRUCTURE[scope] else [])
 
 
-def problems(snap, status: dict, metrics=catalog.METRICS, window_blocks=web.WINDOW_BLOCKS,
-             server_blocks=web.SERVER_BLOCKS) -> list[str]:
+WINDOW_BLOCKS = tuple(b for b in catalog.BLOCKS if b.scope == WINDOW)
+SERVER_BLOCKS = tuple(b for b in catalog.BLOCKS if b.scope == SERVER)
+
+
+def problems(snap, status: dict, metrics=catalog.METRICS, window_blocks=WINDOW_BLOCKS,
+             server_blocks=SERVER_BLOCKS) -> list[str]:
     out = []
     names = [d.name for d in metrics]
     out += [f"{n}: declared {names.count(n)} times" for n in sorted(set(names)) if names.count(n) > 1]
@@ -59,8 +63,8 @@ def problems(snap, status: dict, metrics=catalog.METRICS, window_blocks=web.WIND
             for b in blocks[scope]:
                 extra = set(b.write(fig)) - set(b.keys)
                 if extra:
-                    out.append(f"block of {b.serialises[0].name}: writes undeclared keys {sorted(extra)}")
-    in_blocks = {m.name for bs in blocks.values() for b in bs for m in b.serialises}
+                    out.append(f"block of {b.serialises[0]}: writes undeclared keys {sorted(extra)}")
+    in_blocks = {n for bs in blocks.values() for b in bs for n in b.serialises}
     for d in metrics:
         if isinstance(d.status, StatusKey):
             if d.status.key not in seen[d.status.scope]:
@@ -70,8 +74,8 @@ def problems(snap, status: dict, metrics=catalog.METRICS, window_blocks=web.WIND
                 out.append(f"{d.name}: Elsewhere without a reason")
         elif d.name not in in_blocks:
             out.append(f"{d.name}: no /api/status key, no block serialises it, and no Elsewhere reason")
-    out += [f"a block names {m.name}, which is not a catalog family"
-            for bs in blocks.values() for b in bs for m in b.serialises if m.name not in names]
+    out += [f"a block names {n}, which is not a catalog family"
+            for bs in blocks.values() for b in bs for n in b.serialises if n not in names]
     return out
 
 
@@ -123,15 +127,15 @@ def test_a_block_naming_a_family_outside_the_catalog_fails(scenario):
     ghost = MetricDef(name="kvwatt_ghost_ratio", type="gauge", labels=("server",), help="never exported",
                       computes=catalog.NotDerived("info", "build.build_info", "a test family"), section="Exporter",
                       fill=lambda _snap: (), status=Elsewhere("test"))
-    blocks = web.SERVER_BLOCKS + (Block(("ghost",), (ghost,), lambda v: {}),)
+    blocks = SERVER_BLOCKS + (catalog.server_block(("ghost",), (ghost.name,), lambda v: {}),)
     found = problems(snap, status, server_blocks=blocks)
     assert "a block names kvwatt_ghost_ratio, which is not a catalog family" in found
 
 
 def test_a_block_writing_a_key_it_does_not_declare_fails(scenario):
     snap, status = scenario
-    sloppy = Block(("kappa",), web.SERVER_BLOCKS[0].serialises, lambda v: {"kappa": 1, "kappa_extra": 2})
-    found = problems(snap, status, server_blocks=web.SERVER_BLOCKS + (sloppy,))
+    sloppy = catalog.server_block(("kappa",), SERVER_BLOCKS[0].serialises, lambda v: {"kappa": 1, "kappa_extra": 2})
+    found = problems(snap, status, server_blocks=SERVER_BLOCKS + (sloppy,))
     assert any("writes undeclared keys ['kappa_extra']" in p for p in found), found
 
 

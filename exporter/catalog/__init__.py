@@ -33,11 +33,13 @@ from exporter.catalog.declare import (
     NOT_DERIVED,
     SERVER,
     WINDOW,
+    Block,
     Elsewhere,
     Fill,
     MetricDef,
     NotDerived,
     Sample,
+    Section,
     StatusKey,
     Words,
     formula,
@@ -45,25 +47,37 @@ from exporter.catalog.declare import (
     per_server_key,
     per_window,
     per_window_key,
+    server_block,
     server_key,
+    window_block,
     window_key,
 )
 from exporter.catalog.energy import DEVICES
 from exporter.catalog.money import PRICES
 from exporter.catalog.pressure import STATES, VERDICTS
 
-__all__ = ["METRICS", "BY_NAME", "get", "build_info", "NOT_DERIVED", "SERVER", "WINDOW", "Elsewhere", "Fill",
+__all__ = ["METRICS", "BY_NAME", "get", "build_info", "SECTIONS", "BLOCKS", "Block", "Section", "NOT_DERIVED", "SERVER", "WINDOW", "Elsewhere", "Fill",
            "MetricDef", "NotDerived", "Sample", "StatusKey", "Words", "formula", "per_server", "per_server_key",
-           "per_window", "per_window_key", "server_key", "window_key", "DEVICES", "PRICES", "STATES", "VERDICTS"]
+           "per_window", "per_window_key", "server_block", "server_key", "window_block", "window_key", "DEVICES", "PRICES", "STATES", "VERDICTS"]
 
-# The exposition order (of /metrics, of the page's rows and of /api/status keys declared since its fixed order)
-# is the order kvwatt has always served; the golden files pin it, so the sections' groups interleave here.
-METRICS: tuple[MetricDef, ...] = (
-    *health.EXPORTER, *health.SOURCES, *energy.MEASURED, *money.METRICS, *energy.PER_PHASE, *pressure.REGIME,
-    *energy.PREEMPTION, *offload.TRAFFIC, *pressure.RESIDENCY, *offload.RESIDENCY_TARGET,
+# The sections in their declared order: the order of /metrics, of the README's reference, of the page's rows and
+# of /api/status's keys (each scope's dict: section by section, its figures' keys, then its blocks'). A new
+# figure goes into the section of its idea, at the place in that section where it reads best.
+SECTIONS: tuple[Section, ...] = (
+    health.EXPORTER_SEC, health.SOURCES_SEC,
+    energy.ENERGY_SEC, energy.PHASE_SEC,
+    pressure.REGIME_SEC, pressure.PREEMPTION_SEC, pressure.TOKENS_SEC, pressure.TAX_SEC, pressure.RESIDENCY_SEC,
+    offload.TRAFFIC_SEC, offload.BUFFER_SEC, offload.COLLAPSE_SEC, offload.ECONOMICS_SEC, offload.ADVICE_SEC,
+    money.MONEY_SEC,
 )
 
+METRICS: tuple[MetricDef, ...] = tuple(m for section in SECTIONS for m in section.metrics)
+BLOCKS: tuple[Block, ...] = tuple(b for section in SECTIONS for b in section.blocks)
+
 BY_NAME: dict[str, MetricDef] = {m.name: m for m in METRICS}
+_unknown = sorted({n for b in BLOCKS for n in b.serialises} - set(BY_NAME))
+if _unknown:  # a block naming a family the catalog lacks fails at import
+    raise ValueError(f"a JSON block serialises {_unknown}: not catalog families")
 
 
 def get(name: str) -> MetricDef:
