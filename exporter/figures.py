@@ -205,6 +205,13 @@ class BufferFigures:
     recommended_note: str = ""
 
 
+# The advice's words asking for vLLM's --kv-cache-metrics (methods.md s11): exporter.model.advice decides when they
+# would help (a vLLM server without KV-block residency figures, its regime not yet known) and appends them to the
+# regime's "evidence" advice; the page shows them where that advice carries them, and never decides it itself.
+KV_CACHE_METRICS_HINT = ("Enabling --kv-cache-metrics on the vLLM server would make the pressure verdict certain from "
+                         "the first minutes (KV-block evictions per prompt block, evicted-before-reuse share).")
+
+
 @dataclass(frozen=True)
 class Advice:
     """One answer to "what do I do?" (exporter.model.advice): ``kind`` names the check, ``severity`` says what
