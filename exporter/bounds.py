@@ -5,12 +5,16 @@ A share lies in [0, 1]; dE <= 1 (a saving of more than all the energy is impossi
 marginal power (the recomputation tax) is no larger than that power; J/token >= 0; generated tokens/s no larger
 than an engine can produce; money and CO2 per day finite and equal to the watts they price at the price in force.
 
-``BoundsCheck.apply(snapshot)`` runs once per tick in exporter.model.Model.snapshot, before /metrics,
-/api/status and the page read the snapshot: every sample of every family is checked against its family's bound;
-a figure outside it is replaced by None in the typed figures (unknown: absent from /metrics, null in the JSON,
-"unknown" on the page), its reason ("implausible: ...", naming the figure's inputs) goes into
-``Snapshot.implausible`` (/api/status, the page), it is counted in ``kvwatt_figures_rejected_total{figure,
-reason}`` (reason: the bound's kind) and logged once when it starts and once when it ends, never per tick.
+``BoundsCheck.apply(snapshot)`` runs once per tick in exporter.daemon.Daemon.step, on the model's snapshot and
+before it is published (so before /metrics, /api/status and the page read it): every sample of every family is
+checked against its family's bound; a figure outside it is replaced by None in the typed figures (unknown: absent
+from /metrics, null in the JSON, "unknown" on the page), and so are the figures computed from the same counts
+(``DEPENDENCIES``, reason "dependent"); a derived figure that breaks a declared relation with another
+(``RELATIONS``: shares that do not sum to 1, a GPU above its power limit, a dE that disagrees with the tax it
+prices, ...) becomes unknown with an "inconsistent: ..." reason, the measured one staying. Each reason
+("implausible: ...", naming the figure's inputs, or "inconsistent: ...") goes into ``Snapshot.implausible``
+(/api/status, the page), is counted in ``kvwatt_figures_rejected_total{figure, reason}`` (reason: the bound's
+kind, ``dependent`` or ``relation``) and logged once when it starts and once when it ends, never per tick.
 """
 
 from __future__ import annotations

@@ -158,17 +158,38 @@ def test_one_declaration_is_enough_for_json_series_page_and_reference(scenario, 
                     help="Twice the coverage.", computes="derive.pressure.rate_per_second", section="Sources",
                     status=catalog.window_key("test_covered_twice", lambda w: 2 * w.covered_seconds),
                     words=(Words("twice covered", "seconds"),))
-    monkeypatch.setattr(catalog, "METRICS", catalog.METRICS + (new,))
+    sources = next(s for s in catalog.SECTIONS if s.name == "Sources")  # the section of its idea
+    sections = tuple(replace(s, metrics=s.metrics + (new,)) if s is sources else s for s in catalog.SECTIONS)
+    monkeypatch.setattr(catalog, "SECTIONS", sections)
+    monkeypatch.setattr(catalog, "METRICS", tuple(m for s in sections for m in s.metrics))
     fams = {f.name: f for f in families(snap)}
     assert {s.labels["window"] for s in fams[new.name].samples} == {"30s", "1m"}
     js = status_json(snap)
     w = js["servers"][0]["windows"]["1m"]
     assert w["test_covered_twice"] == 2 * w["covered_seconds"]
-    assert list(w)[-1] == "test_covered_twice"  # appended after the keys /api/status always had
+    keys = list(w)
+    assert keys[keys.index("covered_seconds") + 1] == "test_covered_twice"  # in its section's place, catalog order
     assert "<th>twice covered</th>" in page.windows_table(js["servers"][0])
     from exporter import readme_tables
     assert "`kvwatt_test_covered_twice_seconds`" in readme_tables.metric_table()
     assert "`windows.<window>.test_covered_twice`" in readme_tables.metric_table()
+
+
+def test_status_keys_are_in_catalog_order(scenario):
+    """Each dict of /api/status writes its keys in catalog order (catalog.SECTIONS): section by section, its
+    figures' keys, then its blocks' (before: two hand-typed lists in serve/web.py kept a historical order)."""
+    _, status = scenario
+    for scope, dicts in ((SERVER, status["servers"]),
+                         (WINDOW, [w for s in status["servers"] for w in s["windows"].values()])):
+        want = []
+        for section in catalog.SECTIONS:
+            want += [d.status.key for d in section.metrics
+                     if isinstance(d.status, StatusKey) and d.status.scope == scope]
+            want += [k for b in section.blocks if b.scope == scope for k in b.keys]
+        for d in dicts:
+            got = [k for k in d if k not in STRUCTURE[scope]]
+            assert got == [k for k in want if k in d], (scope, got)
+    assert list(status["servers"][0])[-1] == "windows" and list(status["servers"][0]["windows"]["1m"])[0] == "seconds"
 
 
 def test_page_rows_are_the_declared_words(scenario):

@@ -1,23 +1,28 @@
 """Every figure kvwatt exports, declared once: its series (name, type, labels, HELP), the formula that computes
-it, where it appears in /api/status and how the landing page words it, side by side -- one file per section
-(health, energy, money, pressure, offload), each with the fill code of its declarations beside them;
-exporter.catalog.declare holds what a declaration is made of.
+it, where it appears in /api/status and how the landing page words it, side by side. The declarations are
+grouped by idea into sections (``declare.Section``: a name, its declarations, its JSON blocks), a file holding a
+few (health: Exporter, Sources; energy: Energy, Energy per phase; pressure: KV pressure regime, Preemptions,
+Tokens and FLOPs, Recomputation tax, KV-block residency; offload: Offload traffic, Offload buffer sizing,
+Collapse, Offload economics, Advice; money: Money and carbon), each with the fill code of its declarations and
+the serialisers of its JSON blocks beside them; exporter.catalog.declare holds what a declaration is made of.
+``SECTIONS`` below is their one declared order.
 
 Derived from these declarations, never copied by hand: the collector (exporter.serve.collector walks
-METRICS), /api/status's per-window and per-server figure keys (exporter.serve.web), the landing page's table
-of figures per window (exporter.serve.page), and the README's metric reference (exporter.readme_tables). The
-alert/dashboard generators refuse a query naming a ``kvwatt_`` series missing from it. To find a metric's
-formula: search its name under exporter/catalog/; ``computes`` is the dotted path of the formula under
-exporter. (each kind's, where there are several), or a NotDerived saying why there is none in exporter/derive/
-(tests/test_catalog.py proves each is really called for its series; tests/test_catalog_formulas.py that each
-resolves into exporter/derive/). It is a string so that importing the catalog imports no computation. Formulas
-cite docs/methods.md sections.
+METRICS), /api/status's per-window and per-server figure keys (exporter.serve.web, in catalog order), the landing
+page's table of figures per window (exporter.serve.page), and the README's metric reference, one table per
+section (exporter.readme_tables). The alert/dashboard generators refuse a query naming a ``kvwatt_`` series
+missing from it. To find a metric's formula: search its name under exporter/catalog/; ``computes`` is the dotted
+path of the formula under exporter. (each kind's, where there are several), or a NotDerived saying why there is
+none in exporter/derive/ (tests/test_catalog.py proves each is really called for its series;
+tests/test_catalog_formulas.py that each resolves into exporter/derive/). It is a string so that importing the
+catalog imports no computation. Formulas cite docs/methods.md sections.
 
 A fill yields ``(label values in the order of labels, value)``; a None value is left out (unknown, never 0).
-A declaration with a ``status`` key fills its series from the same getter as its JSON value; structured JSON
-blocks that are not one figure each (energy by scope, savings by baseline, ...) are serialised in
-exporter.serve.web, each naming the declarations it serialises; a figure in neither says so with ``Elsewhere``
-(tests/test_figures_declared.py walks a real /api/status and proves each key has exactly one owner).
+A figure's JSON has one home, its section: a declaration with a ``status`` key fills its series from the same
+getter as its JSON value; structured JSON that is not one figure each (energy by scope, savings by baseline,
+the threshold's evidence, ...) is a ``Block`` of the section, naming the declarations it serialises; a figure in
+neither says so with ``Elsewhere`` (tests/test_figures_declared.py walks a real /api/status and proves each key
+has exactly one owner).
 
 The one exception: /metrics also carries prometheus_client's standard ``process_*`` and ``python_*`` families
 (ProcessCollector, PlatformCollector, GCCollector; exporter.serve.collector.runtime_families), which describe the

@@ -1,5 +1,5 @@
-"""Energy: the devices' readings and idle baselines, joules per token, and the per-phase costs (methods.md s1,
-s12) with the power they put on recomputation and offloading."""
+"""Energy, two sections: the devices' readings and idle baselines with joules per token (methods.md s1), and the
+per-phase costs (s12) with the power they put on recomputation and offloading."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""Offloading: transfer rates, buffer and tiers (methods.md s6), the collapse signature (s5), dE and dTPS by
-baseline (s2) and kappa (s7)."""
+"""Offloading, four sections: its traffic (transfer rates, the buffer's use, tiers; methods.md s6), the buffer's
+sizing (s6), the collapse signature (s5), its economics (dE and dTPS by baseline, s2; kappa, s7); and the
+advice's JSON (exporter.model.advice), which rests on these and the regime."""
 
 from __future__ import annotations
 

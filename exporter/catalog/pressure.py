@@ -1,5 +1,6 @@
-"""KV pressure and recomputation: KV usage and the regime (methods.md s3, s10), preemptions, prompt-token
-sources and the recomputation tax (s4), and the engine's own KV-block residency record (s11)."""
+"""KV pressure and recomputation, five sections: the KV pressure regime (KV usage, the threshold, the regime;
+methods.md s3, s10), preemptions, tokens and FLOPs (prompt tokens by source), the recomputation tax (s4), and the
+engine's own KV-block residency record (s11)."""
 
 from __future__ import annotations
 

@@ -84,12 +84,20 @@ def _writers(scope: str) -> tuple:
     return tuple(out)
 
 
-WRITERS = {scope: _writers(scope) for scope in (catalog.WINDOW, catalog.SERVER)}
+WRITERS: dict[str, tuple] = {}  # scope -> (the catalog's SECTIONS they were built from, the writers)
+
+
+def writers(scope: str) -> tuple:
+    """The scope's writers, built once per catalog (a test may give the catalog another section)."""
+    built = WRITERS.get(scope)
+    if built is None or built[0] is not catalog.SECTIONS:
+        built = WRITERS[scope] = (catalog.SECTIONS, _writers(scope))
+    return built[1]
 
 
 def _figures_json(fig, scope: str) -> dict:
     out = {}
-    for x in WRITERS[scope]:
+    for x in writers(scope):
         if isinstance(x, catalog.StatusKey):
             out[x.key] = x.json_value(fig)
         else:
