@@ -61,6 +61,7 @@ __all__ = ["METRICS", "BY_NAME", "get", "build_info", "NOT_DERIVED", "SERVER", "
 METRICS: tuple[MetricDef, ...] = (
     *health.EXPORTER, *health.SOURCES, *energy.MEASURED, *money.METRICS, *energy.PER_PHASE, *pressure.REGIME,
     *energy.PREEMPTION, *offload.TRAFFIC, *pressure.RESIDENCY, *offload.RESIDENCY_TARGET,
+    *offload.TIERED,  # issue 41's second tier (one block in catalog/offload.py)
 )
 
 BY_NAME: dict[str, MetricDef] = {m.name: m for m in METRICS}

@@ -374,3 +374,105 @@ RESIDENCY_TARGET: tuple[MetricDef, ...] = (
         bounds=bounds.NON_NEGATIVE,
     ),
 )
+
+
+# --------------------------------------------------------------------------------------------------------------
+# issue 41 items 2-3: a second tier (GPU -> CPU -> disk). The tiering failures apart (failed promotions and
+# cascades per tier) and each tier's reloads priced against a recompute (methods.md s14): the price of a
+# reloaded token per tier, the break-even, kappa per tier, the reload energy and the net saving per tier, and
+# dE of adding the second tier. One block, so it can move as a whole; all opt-in (exporter/optin.py: per tier
+# and window; the alerts read vLLM's own failure counters, /api/status carries them all).
+# --------------------------------------------------------------------------------------------------------------
+def _tier_energy(attr: str) -> Fill:
+    def fill(snap: Snapshot) -> Iterator[Sample]:
+        for s in snap.servers:
+            for w in s.windows:
+                for t in w.offload_tier_energy:
+                    if t.scope == "gpu":
+                        yield (s.name, t.tier, w.window), getattr(t, attr)
+    return fill
+
+
+TIERED: tuple[MetricDef, ...] = (
+    MetricDef(
+        name="kvwatt_offload_tier_failed_promotions_per_second", type="gauge", labels=("server", "tier", "window"),
+        help="vLLM tiering: failed promotion jobs (the tier -> the CPU tier) per second over the window "
+             "(vllm:kv_offload_tiering_promotion_job_failures_total; 0 where the tier moved data and vLLM has no "
+             "sample yet: it has none until the first failure).",
+        computes="derive.offload.tier_flows",
+        section=SECTION,
+        fill=_tiers("failed_promotions_per_second"),
+        bounds=bounds.NON_NEGATIVE,
+    ),
+    MetricDef(
+        name="kvwatt_offload_tier_failed_cascades_per_second", type="gauge", labels=("server", "tier", "window"),
+        help="vLLM tiering: failed cascade jobs (the CPU tier -> the tier) per second over the window "
+             "(vllm:kv_offload_tiering_cascade_job_failures_total; 0 where the tier moved data and vLLM has no "
+             "sample yet).",
+        computes="derive.offload.tier_flows",
+        section=SECTION,
+        fill=_tiers("failed_cascades_per_second"),
+        bounds=bounds.NON_NEGATIVE,
+    ),
+    MetricDef(
+        name="kvwatt_offload_tier_reload_joules_per_token", type="gauge", labels=("server", "tier", "window"),
+        help="The price of a prompt token reloaded from an offload tier (tier = the cached-token source: host, "
+             "disk), methods.md s14: the GPU's J per reloaded token (kvwatt_phase_joules_per_token) plus the bytes "
+             "it moves x the configured J/byte of each hop (host DRAM, the host link, the disk; configured, not "
+             "measured: /api/status hop_source).",
+        computes="derive.tier_energy.tier_energy",
+        section=SECTION,
+        fill=_tier_energy("reload_joules_per_token"),
+        bounds=bounds.NON_NEGATIVE,
+    ),
+    MetricDef(
+        name="kvwatt_offload_tier_breakeven_ratio", type="gauge", labels=("server", "tier", "window"),
+        help="The break-even of a reload from the tier against a recompute, methods.md s14: its price "
+             "(kvwatt_offload_tier_reload_joules_per_token) / the GPU's J per computed prompt token. Below 1 a "
+             "reload from the tier saves energy; above 1 recomputing is cheaper.",
+        computes="derive.tier_energy.tier_energy",
+        section=SECTION,
+        fill=_tier_energy("breakeven_ratio"),
+        bounds=bounds.NON_NEGATIVE,
+    ),
+    MetricDef(
+        name="kvwatt_offload_tier_cached_to_prefill_ratio", type="gauge", labels=("server", "tier", "window"),
+        help="kappa per tier (methods.md s7, s14): prompt tokens served from the tier / computed (local_compute) "
+             "prompt tokens over the window (vllm:prompt_tokens_cached_by_source_total).",
+        computes="derive.tier_energy.tier_energy",
+        section=SECTION,
+        fill=_tier_energy("cached_to_prefill"),
+        bounds=bounds.NON_NEGATIVE,
+    ),
+    MetricDef(
+        name="kvwatt_offload_tier_reload_watts", type="gauge", labels=("server", "tier", "window"),
+        help="What the tier's reloads cost beyond the GPU (methods.md s14): its tokens/s x the bytes each moves x "
+             "the configured J/byte of its hops (host DRAM and the link; the disk's read and DRAM write too).",
+        computes="derive.tier_energy.tier_energy",
+        section=SECTION,
+        fill=_tier_energy("reload_watts"),
+        bounds=bounds.NON_NEGATIVE,
+    ),
+    MetricDef(
+        name="kvwatt_offload_tier_saved_watts", type="gauge", labels=("server", "tier", "window"),
+        help="The tier's net saving against recomputing its tokens (methods.md s14): tokens/s x (J per computed - "
+             "J per reloaded prompt token) on the GPU less kvwatt_offload_tier_reload_watts; over the tiers, saving "
+             "plus reload W sum to kvwatt_offload_saved_watts{scope=\"gpu\"}. Below 0: the tier is dearer than a "
+             "recompute.",
+        computes="derive.tier_energy.tier_energy",
+        section=SECTION,
+        fill=_tier_energy("saved_watts"),
+        bounds=bounds.TIER_SAVED_POWER,
+    ),
+    MetricDef(
+        name="kvwatt_offload_second_tier_energy_saving_ratio", type="gauge", labels=("server", "window"),
+        help="dE of adding the disk tier (methods.md s14): its net saving (kvwatt_offload_tier_saved_watts{tier="
+             "\"disk\"}) / the GPU energy without it (the marginal power plus the disk tokens' computation less "
+             "their reload). Positive: the disk tier pays for itself in energy.",
+        computes="derive.tier_energy.second_tier_saving",
+        section=SECTION,
+        status=window_key("second_tier_energy_saving", lambda w: w.second_tier_energy_saving),
+        words=(Words("dE of the disk tier", "percent", absent_when_none=True),),
+        bounds=bounds.SAVING,
+    ),
+)

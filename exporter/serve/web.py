@@ -86,8 +86,23 @@ def _tiers_json(w: WindowFigures) -> dict:
                                        "chunk_hit_ratio": t.chunk_hit_ratio, "job_failures": t.job_failures,
                                        "residency_seconds": t.residency_seconds, "undersized": t.undersized,
                                        "dropped_stores_per_second": t.dropped_stores_per_second,
-                                       "dropped_blocks_per_second": t.dropped_blocks_per_second}
+                                       "dropped_blocks_per_second": t.dropped_blocks_per_second,
+                                       "failed_promotions_per_second": t.failed_promotions_per_second,
+                                       "failed_cascades_per_second": t.failed_cascades_per_second,
+                                       "capacity_bytes": t.capacity_bytes, "capacity_reason": t.capacity_reason}
                               for t in w.offload_tiers}}
+
+
+def _tier_energy_json(w: WindowFigures) -> dict:
+    """Each offload tier's reloads priced against a recompute (methods.md s14), by cached-token source."""
+    if not w.offload_tier_energy:
+        return {}
+    return {"offload_tier_energy": {t.tier: {
+        "scope": t.scope, "tokens_per_second": t.tokens_per_second, "cached_to_prefill_ratio": t.cached_to_prefill,
+        "bytes_per_token": t.bytes_per_token, "hop_joules_per_token": t.hop_joules_per_token,
+        "reload_joules_per_token": t.reload_joules_per_token, "breakeven_ratio": t.breakeven_ratio,
+        "gpu_saved_watts": t.gpu_saved_watts, "reload_watts": t.reload_watts, "saved_watts": t.saved_watts,
+        "hop_source": t.hop_source} for t in w.offload_tier_energy}}
 
 
 def _cost_json(w: WindowFigures) -> dict:
@@ -129,8 +144,14 @@ WINDOW_BLOCKS: tuple[Block, ...] = (
           _named("kvwatt_offload_tier_write_bytes_per_second", "kvwatt_offload_tier_read_bytes_per_second",
                  "kvwatt_offload_tier_chunk_hit_ratio", "kvwatt_offload_tier_job_failures",
                  "kvwatt_offload_tier_residency_seconds", "kvwatt_offload_tier_undersized",
-                 "kvwatt_offload_tier_dropped_stores_per_second", "kvwatt_offload_tier_dropped_blocks_per_second"),
+                 "kvwatt_offload_tier_dropped_stores_per_second", "kvwatt_offload_tier_dropped_blocks_per_second",
+                 "kvwatt_offload_tier_failed_promotions_per_second", "kvwatt_offload_tier_failed_cascades_per_second"),
           _tiers_json),
+    Block(("offload_tier_energy",),
+          _named("kvwatt_offload_tier_reload_joules_per_token", "kvwatt_offload_tier_breakeven_ratio",
+                 "kvwatt_offload_tier_cached_to_prefill_ratio", "kvwatt_offload_tier_reload_watts",
+                 "kvwatt_offload_tier_saved_watts"),
+          _tier_energy_json),
     Block(("kv_evicted_before_reuse_ratio", "kv_before_reuse_yardstick", "kv_before_reuse_yardstick_seconds"),
           _named("kvwatt_kv_block_evicted_before_reuse_ratio"),  # methods.md s11
           lambda w: {"kv_evicted_before_reuse_ratio": w.kv_evicted_before_reuse_ratio,
@@ -204,7 +225,7 @@ def _buffer_json(v: ServerFigures) -> dict:
         "write_bytes_per_second": b.write_bytes_per_second, "p99_tool_latency_seconds": b.p99_tool_latency_seconds,
         "headroom": b.headroom, "residency_target_seconds": b.residency_target_seconds,
         "residency_target_source": b.residency_target_source, "recommended_words": b.recommended_words,
-        "recommended_note": b.recommended_note}}
+        "recommended_note": b.recommended_note, "size_setting": b.size_setting}}
 
 
 def _phase_costs_json(v: ServerFigures) -> dict:
