@@ -426,7 +426,8 @@ def _tier_savings_sum(_s, w, _snap) -> Iterable[Broken]:
     offloading saved on the GPU (methods.md s14: the same capped costs, the reloaded tokens split by tier)."""
     saved = (w.offload_saved_watts or {}).get("gpu")
     tiers = [t for t in w.offload_tier_energy if t.scope == "gpu"]
-    if saved is None or not tiers or any(t.saved_watts is None or t.reload_watts is None for t in tiers):
+    if saved is None or not tiers or len(tiers) != len(w.offload_tier_energy) \
+            or any(t.saved_watts is None or t.reload_watts is None for t in tiers):
         return
     total = sum(t.saved_watts + t.reload_watts for t in tiers)
     if abs(total - saved) > _REL_TOL * max(abs(saved), abs(total)) + 1e-9:

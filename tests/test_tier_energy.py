@@ -100,10 +100,18 @@ def test_a_tier_without_hop_prices_is_unknown_but_keeps_its_gpu_side_saving():
     assert p2p.gpu_saved_watts == pytest.approx(100 * 0.045)
 
 
-def test_no_energy_above_idle_prices_no_tier():
+def test_no_energy_above_idle_leaves_the_counts_and_hops_and_no_price():
     agg = aggregate_of([iv(float(t), joules=300.0) for t in range(10)])  # below P_idle: a stale baseline
-    assert te.tier_energy(agg, COSTS, HOPS, RATIO) == ()
-    assert te.second_tier_saving((), agg, "gpu") is None
+    for costs in (COSTS, None):  # no energy above idle; no per-phase costs at all (no GPU energy)
+        tiers = te.tier_energy(agg, costs, HOPS, RATIO)
+        disk = by_tier(tiers)["disk"]
+        # the counts and the configured hops stand: kappa 1, 100 disk tokens/s x 7.12704e-5 J
+        assert disk.cached_to_prefill == pytest.approx(1.0) and disk.scope == ""
+        assert disk.hop_joules_per_token == pytest.approx(7.12704e-5)
+        assert disk.reload_watts == pytest.approx(100 * 7.12704e-5)
+        assert disk.reload_joules_per_token is None and disk.saved_watts is None and disk.gpu_saved_watts is None
+        assert disk.price_reason
+        assert te.second_tier_saving(tiers, agg, "gpu") is None
 
 
 def flows_interval(t: float, failures: dict[str, float]) -> Interval:

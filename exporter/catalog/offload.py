@@ -387,8 +387,8 @@ def _tier_energy(attr: str) -> Fill:
     def fill(snap: Snapshot) -> Iterator[Sample]:
         for s in snap.servers:
             for w in s.windows:
-                for t in w.offload_tier_energy:
-                    if t.scope == "gpu":
+                for t in w.offload_tier_energy:  # priced on the gpu scope, or unpriced (scope "")
+                    if t.scope in ("gpu", ""):
                         yield (s.name, t.tier, w.window), getattr(t, attr)
     return fill
 

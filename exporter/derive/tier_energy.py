@@ -61,10 +61,11 @@ class TierEnergy:
     hop_joules_per_token: float | None  # hops_t
     reload_joules_per_token: float | None  # c_r + hops_t
     breakeven_ratio: float | None  # price_t / c_p
-    gpu_saved_watts: float  # tokens/s x (c_p - c_r)
+    gpu_saved_watts: float | None  # tokens/s x (c_p - c_r)
     reload_watts: float | None  # tokens/s x hops_t
     saved_watts: float | None  # gpu-side saving - reload W
     hop_source: str = HOP_SOURCE
+    price_reason: str = ""  # why the price (and the savings) are unknown, "" when known
 
 
 def bytes_per_reloaded_token(agg: WindowAggregate) -> float | None:
@@ -101,41 +102,65 @@ def hop_joules_per_token(tier: str, link_bytes: float | None, disk_bytes: float 
     return moved, joules
 
 
-def tier_energy(agg: WindowAggregate, costs: PhaseCosts, hops: HopEnergy,
+def tier_energy(agg: WindowAggregate, costs: PhaseCosts | None, hops: HopEnergy,
                 load_to_compute_cost_ratio: float) -> tuple[TierEnergy, ...]:
-    """Every tier that served cached prompt tokens over the window, priced for ``costs.scope`` (methods.md
-    s14). Empty without the scope's energy and P_idle, reloaded tokens, cached tokens by tier or a price."""
-    used = agg.scope(costs.scope)
-    if used is None or used.idle_joules is None or used.covered_seconds <= 0:
-        return ()
-    counts, window = token_counts(used), token_counts(agg)
-    if not counts or not window:
-        return ()
-    marginal = above_idle(used.energy_joules, used.idle_joules)
-    priced = within_energy(costs, marginal, counts["local_compute"], counts["external_kv_transfer"])
+    """Every tier that served cached prompt tokens over the window (methods.md s14). Its kappa, bytes per token,
+    hop J per token and reload W rest on the counters and the configured J/byte alone; the price against a
+    recompute (and the savings) on ``costs.scope``'s energy: without its energy and P_idle or a price (``costs``
+    None, no energy above idle) they are unknown, ``scope`` "" and ``price_reason`` says why. Empty without
+    cached tokens by tier (vLLM < 0.32) or reloaded ones."""
+    window = token_counts(agg)
     cached = {t: agg.delta(f"prompt_cached_{t}") or 0.0 for t in CACHE_TIERS if t != "device"}
     served = sum(cached.values())
-    if priced is None or served <= 0 or counts["external_kv_transfer"] <= 0:
+    if not window or served <= 0 or agg.covered_seconds <= 0:
         return ()
-    j_c = priced.prompt_computed_j
-    j_r = priced.reloaded_j if priced.reloaded_j is not None else load_to_compute_cost_ratio * j_c
+    priced, why = _priced(agg, costs)
     link, drive = bytes_per_reloaded_token(agg), bytes_per_disk_token(agg)
     out = []
     for tier, n in cached.items():
         if n <= 0:
             continue
-        rate = counts["external_kv_transfer"] * (n / served) / used.covered_seconds
         moved, hop = hop_joules_per_token(tier, link, drive, hops)
+        kappa = n / window["local_compute"] if window["local_compute"] > 0 else None
+        if priced is None:
+            rate = n / agg.covered_seconds
+            out.append(TierEnergy(tier=tier, scope="", tokens_per_second=rate, cached_to_prefill=kappa,
+                                  bytes_per_token=moved, hop_joules_per_token=hop, reload_joules_per_token=None,
+                                  breakeven_ratio=None, gpu_saved_watts=None,
+                                  reload_watts=None if hop is None else rate * hop, saved_watts=None,
+                                  price_reason=why))
+            continue
+        scope_costs, used, reloaded = priced
+        j_c = scope_costs.prompt_computed_j
+        j_r = scope_costs.reloaded_j if scope_costs.reloaded_j is not None else load_to_compute_cost_ratio * j_c
+        rate = reloaded * (n / served) / used.covered_seconds
         gpu_saved = rate * (j_c - j_r)
         price = None if hop is None else j_r + hop
         out.append(TierEnergy(
-            tier=tier, scope=costs.scope, tokens_per_second=rate,
-            cached_to_prefill=n / window["local_compute"] if window["local_compute"] > 0 else None,
+            tier=tier, scope=scope_costs.scope, tokens_per_second=rate, cached_to_prefill=kappa,
             bytes_per_token=moved, hop_joules_per_token=hop, reload_joules_per_token=price,
             breakeven_ratio=None if price is None or j_c <= 0 else price / j_c, gpu_saved_watts=gpu_saved,
             reload_watts=None if hop is None else rate * hop,
-            saved_watts=None if hop is None else gpu_saved - rate * hop))
+            saved_watts=None if hop is None else gpu_saved - rate * hop,
+            price_reason="" if hop is not None else f"no hop prices for the {tier} tier"))
     return tuple(out)
+
+
+def _priced(agg: WindowAggregate, costs: PhaseCosts | None):
+    """((the costs capped at the scope's energy, the scope's sums, its reloaded tokens), "") or (None, why)."""
+    if costs is None:
+        return None, "no per-phase costs for the gpu scope (no GPU energy with P_idle)"
+    used = agg.scope(costs.scope)
+    if used is None or used.idle_joules is None or used.covered_seconds <= 0:
+        return None, f"no {costs.scope} energy with P_idle in the window"
+    counts = token_counts(used)
+    if not counts or counts["external_kv_transfer"] <= 0:
+        return None, f"no reloaded prompt tokens in the intervals with {costs.scope} energy"
+    capped = within_energy(costs, above_idle(used.energy_joules, used.idle_joules), counts["local_compute"],
+                           counts["external_kv_transfer"])
+    if capped is None:
+        return None, f"no {costs.scope} energy above idle in the window, or no price for a computed prompt token"
+    return (capped, used, counts["external_kv_transfer"]), ""
 
 
 def second_tier_saving(tiers: tuple[TierEnergy, ...], agg: WindowAggregate, scope: str) -> float | None:
@@ -144,8 +169,8 @@ def second_tier_saving(tiers: tuple[TierEnergy, ...], agg: WindowAggregate, scop
     positive marginal power."""
     disk = next((t for t in tiers if t.tier == "disk" and t.scope == scope), None)
     used = agg.scope(scope)
-    if disk is None or disk.saved_watts is None or used is None or used.idle_joules is None \
-            or used.covered_seconds <= 0:
+    if disk is None or disk.saved_watts is None or disk.gpu_saved_watts is None or used is None \
+            or used.idle_joules is None or used.covered_seconds <= 0:
         return None
     power = above_idle(used.energy_joules, used.idle_joules) / used.covered_seconds
     without = power + disk.gpu_saved_watts

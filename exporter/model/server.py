@@ -273,10 +273,11 @@ class ServerModel:
             **self._residency_figures(agg), **priced)
 
     def _tier_energy(self, agg: WindowAggregate) -> tuple:
-        """Each offload tier's reloads priced against a recompute on the GPU scope (methods.md s14), with the
-        configured energy per byte of each hop; only on a server that offloads."""
+        """Each offload tier's reloads (methods.md s14): kappa, bytes and hop energy per token from the counters and
+        the configured energy per byte of each hop, priced against a recompute on the GPU scope where it has
+        per-phase costs; only on a server that offloads."""
         gpu = next((c for c in self.phase.figures() if c.scope == "gpu"), None)
-        if gpu is None or not (self.info and self.info.offload_enabled):
+        if not (self.info and self.info.offload_enabled):
             return ()
         cfg = self.cfg
         hops = tier_energy.HopEnergy(host_memory=cfg.host_memory_joules_per_byte,

@@ -98,11 +98,11 @@ def _tier_energy_json(w: WindowFigures) -> dict:
     if not w.offload_tier_energy:
         return {}
     return {"offload_tier_energy": {t.tier: {
-        "scope": t.scope, "tokens_per_second": t.tokens_per_second, "cached_to_prefill_ratio": t.cached_to_prefill,
+        "scope": t.scope or None, "tokens_per_second": t.tokens_per_second, "cached_to_prefill_ratio": t.cached_to_prefill,
         "bytes_per_token": t.bytes_per_token, "hop_joules_per_token": t.hop_joules_per_token,
         "reload_joules_per_token": t.reload_joules_per_token, "breakeven_ratio": t.breakeven_ratio,
         "gpu_saved_watts": t.gpu_saved_watts, "reload_watts": t.reload_watts, "saved_watts": t.saved_watts,
-        "hop_source": t.hop_source} for t in w.offload_tier_energy}}
+        "hop_source": t.hop_source, "price_reason": t.price_reason} for t in w.offload_tier_energy}}
 
 
 def _cost_json(w: WindowFigures) -> dict:
