@@ -159,7 +159,8 @@ def _priced(agg: WindowAggregate, costs: PhaseCosts | None):
     capped = within_energy(costs, above_idle(used.energy_joules, used.idle_joules), counts["local_compute"],
                            counts["external_kv_transfer"])
     if capped is None:
-        return None, f"no {costs.scope} energy above idle in the window, or no price for a computed prompt token"
+        return None, (f"the window's {costs.scope} marginal energy is not positive (a stale P_idle?), or no price for "
+                      "a computed prompt token")
     return (capped, used, counts["external_kv_transfer"]), ""
 
 
