@@ -395,6 +395,108 @@ ECONOMICS: tuple[MetricDef, ...] = (
 )
 
 
+# --------------------------------------------------------------------------------------------------------------
+# issue 41 items 2-3: a second tier (GPU -> CPU -> disk). The tiering failures apart (failed promotions and
+# cascades per tier) and each tier's reloads priced against a recompute (methods.md s14): the price of a
+# reloaded token per tier, the break-even, kappa per tier, the reload energy and the net saving per tier, and
+# dE of adding the second tier. One block, so it can move as a whole; all opt-in (exporter/optin.py: per tier
+# and window; the alerts read vLLM's own failure counters, /api/status carries them all).
+# --------------------------------------------------------------------------------------------------------------
+def _tier_energy(attr: str) -> Fill:
+    def fill(snap: Snapshot) -> Iterator[Sample]:
+        for s in snap.servers:
+            for w in s.windows:
+                for t in w.offload_tier_energy:  # priced on the gpu scope, or unpriced (scope "")
+                    if t.scope in ("gpu", ""):
+                        yield (s.name, t.tier, w.window), getattr(t, attr)
+    return fill
+
+
+TIERED: tuple[MetricDef, ...] = (
+    MetricDef(
+        name="kvwatt_offload_tier_failed_promotions_per_second", type="gauge", labels=("server", "tier", "window"),
+        help="vLLM tiering: failed promotion jobs (the tier -> the CPU tier) per second over the window "
+             "(vllm:kv_offload_tiering_promotion_job_failures_total; 0 where the tier moved data and vLLM has no "
+             "sample yet: it has none until the first failure).",
+        computes="derive.offload.tier_flows",
+        section=TRAFFIC_SECTION,
+        fill=_tiers("failed_promotions_per_second"),
+        bounds=bounds.NON_NEGATIVE,
+    ),
+    MetricDef(
+        name="kvwatt_offload_tier_failed_cascades_per_second", type="gauge", labels=("server", "tier", "window"),
+        help="vLLM tiering: failed cascade jobs (the CPU tier -> the tier) per second over the window "
+             "(vllm:kv_offload_tiering_cascade_job_failures_total; 0 where the tier moved data and vLLM has no "
+             "sample yet).",
+        computes="derive.offload.tier_flows",
+        section=TRAFFIC_SECTION,
+        fill=_tiers("failed_cascades_per_second"),
+        bounds=bounds.NON_NEGATIVE,
+    ),
+    MetricDef(
+        name="kvwatt_offload_tier_reload_joules_per_token", type="gauge", labels=("server", "tier", "window"),
+        help="The price of a prompt token reloaded from an offload tier (tier = the cached-token source: host, "
+             "disk), methods.md s14: the GPU's J per reloaded token (kvwatt_phase_joules_per_token) plus the bytes "
+             "it moves x the configured J/byte of each hop (host DRAM, the host link, the disk; configured, not "
+             "measured: /api/status hop_source).",
+        computes="derive.tier_energy.tier_energy",
+        section=TRAFFIC_SECTION,
+        fill=_tier_energy("reload_joules_per_token"),
+        bounds=bounds.NON_NEGATIVE,
+    ),
+    MetricDef(
+        name="kvwatt_offload_tier_breakeven_ratio", type="gauge", labels=("server", "tier", "window"),
+        help="The break-even of a reload from the tier against a recompute, methods.md s14: its price "
+             "(kvwatt_offload_tier_reload_joules_per_token) / the GPU's J per computed prompt token. Below 1 a "
+             "reload from the tier saves energy; above 1 recomputing is cheaper.",
+        computes="derive.tier_energy.tier_energy",
+        section=TRAFFIC_SECTION,
+        fill=_tier_energy("breakeven_ratio"),
+        bounds=bounds.NON_NEGATIVE,
+    ),
+    MetricDef(
+        name="kvwatt_offload_tier_cached_to_prefill_ratio", type="gauge", labels=("server", "tier", "window"),
+        help="kappa per tier (methods.md s7, s14): prompt tokens served from the tier / computed (local_compute) "
+             "prompt tokens over the window (vllm:prompt_tokens_cached_by_source_total).",
+        computes="derive.tier_energy.tier_energy",
+        section=TRAFFIC_SECTION,
+        fill=_tier_energy("cached_to_prefill"),
+        bounds=bounds.NON_NEGATIVE,
+    ),
+    MetricDef(
+        name="kvwatt_offload_tier_reload_watts", type="gauge", labels=("server", "tier", "window"),
+        help="What the tier's reloads cost beyond the GPU (methods.md s14): its tokens/s x the bytes each moves x "
+             "the configured J/byte of its hops (host DRAM and the link; the disk's read and DRAM write too).",
+        computes="derive.tier_energy.tier_energy",
+        section=TRAFFIC_SECTION,
+        fill=_tier_energy("reload_watts"),
+        bounds=bounds.NON_NEGATIVE,
+    ),
+    MetricDef(
+        name="kvwatt_offload_tier_saved_watts", type="gauge", labels=("server", "tier", "window"),
+        help="The tier's net saving against recomputing its tokens (methods.md s14): tokens/s x (J per computed - "
+             "J per reloaded prompt token) on the GPU less kvwatt_offload_tier_reload_watts; over the tiers, saving "
+             "plus reload W sum to kvwatt_offload_saved_watts{scope=\"gpu\"}. Below 0: the tier is dearer than a "
+             "recompute.",
+        computes="derive.tier_energy.tier_energy",
+        section=TRAFFIC_SECTION,
+        fill=_tier_energy("saved_watts"),
+        bounds=bounds.TIER_SAVED_POWER,
+    ),
+    MetricDef(
+        name="kvwatt_offload_second_tier_energy_saving_ratio", type="gauge", labels=("server", "window"),
+        help="dE of adding the disk tier (methods.md s14): its net saving (kvwatt_offload_tier_saved_watts{tier="
+             "\"disk\"}) / the GPU energy without it (the marginal power plus the disk tokens' computation less "
+             "their reload). Positive: the disk tier pays for itself in energy.",
+        computes="derive.tier_energy.second_tier_saving",
+        section=TRAFFIC_SECTION,
+        status=window_key("second_tier_energy_saving", lambda w: w.second_tier_energy_saving),
+        words=(Words("dE of the disk tier", "percent", absent_when_none=True),),
+        bounds=bounds.SAVING,
+    ),
+)
+
+
 # --- the sections' JSON and the sections ----------------------------------------------------------------------------
 def _tiers_json(w: WindowFigures) -> dict:
     return {"offload_tiers": {t.tier: {"write_bytes_per_second": t.write_bytes_per_second,
@@ -402,8 +504,24 @@ def _tiers_json(w: WindowFigures) -> dict:
                                        "chunk_hit_ratio": t.chunk_hit_ratio, "job_failures": t.job_failures,
                                        "residency_seconds": t.residency_seconds, "undersized": t.undersized,
                                        "dropped_stores_per_second": t.dropped_stores_per_second,
-                                       "dropped_blocks_per_second": t.dropped_blocks_per_second}
+                                       "dropped_blocks_per_second": t.dropped_blocks_per_second,
+                                       "failed_promotions_per_second": t.failed_promotions_per_second,
+                                       "failed_cascades_per_second": t.failed_cascades_per_second,
+                                       "capacity_bytes": t.capacity_bytes, "capacity_reason": t.capacity_reason}
                               for t in w.offload_tiers}}
+
+
+def _tier_energy_json(w: WindowFigures) -> dict:
+    """Each offload tier's reloads priced against a recompute (methods.md s14), by cached-token source."""
+    if not w.offload_tier_energy:
+        return {}
+    return {"offload_tier_energy": {t.tier: {
+        "scope": t.scope or None, "tokens_per_second": t.tokens_per_second,
+        "cached_to_prefill_ratio": t.cached_to_prefill,
+        "bytes_per_token": t.bytes_per_token, "hop_joules_per_token": t.hop_joules_per_token,
+        "reload_joules_per_token": t.reload_joules_per_token, "breakeven_ratio": t.breakeven_ratio,
+        "gpu_saved_watts": t.gpu_saved_watts, "reload_watts": t.reload_watts, "saved_watts": t.saved_watts,
+        "hop_source": t.hop_source, "price_reason": t.price_reason} for t in w.offload_tier_energy}}
 
 
 def _buffer_json(v: ServerFigures) -> dict:
@@ -414,7 +532,7 @@ def _buffer_json(v: ServerFigures) -> dict:
         "write_bytes_per_second": b.write_bytes_per_second, "p99_tool_latency_seconds": b.p99_tool_latency_seconds,
         "headroom": b.headroom, "residency_target_seconds": b.residency_target_seconds,
         "residency_target_source": b.residency_target_source, "recommended_words": b.recommended_words,
-        "recommended_note": b.recommended_note}}
+        "recommended_note": b.recommended_note, "size_setting": b.size_setting}}
 
 
 def _collapse_json(v: ServerFigures) -> dict:
@@ -442,13 +560,19 @@ def _advice_json(v: ServerFigures) -> dict:
                        for a in v.advice]}
 
 
-TRAFFIC_SEC = Section(name=TRAFFIC_SECTION, metrics=TRAFFIC, blocks=(
+TRAFFIC_SEC = Section(name=TRAFFIC_SECTION, metrics=(*TRAFFIC, *TIERED), blocks=(
     window_block(("offload_tiers",),
                  ("kvwatt_offload_tier_write_bytes_per_second", "kvwatt_offload_tier_read_bytes_per_second",
                   "kvwatt_offload_tier_chunk_hit_ratio", "kvwatt_offload_tier_job_failures",
                   "kvwatt_offload_tier_residency_seconds", "kvwatt_offload_tier_undersized",
-                  "kvwatt_offload_tier_dropped_stores_per_second", "kvwatt_offload_tier_dropped_blocks_per_second"),
+                  "kvwatt_offload_tier_dropped_stores_per_second", "kvwatt_offload_tier_dropped_blocks_per_second",
+                  "kvwatt_offload_tier_failed_promotions_per_second", "kvwatt_offload_tier_failed_cascades_per_second"),
                  _tiers_json),
+    window_block(("offload_tier_energy",),
+                 ("kvwatt_offload_tier_reload_joules_per_token", "kvwatt_offload_tier_breakeven_ratio",
+                  "kvwatt_offload_tier_cached_to_prefill_ratio", "kvwatt_offload_tier_reload_watts",
+                  "kvwatt_offload_tier_saved_watts"),
+                 _tier_energy_json),
 ))
 BUFFER_SEC = Section(name=BUFFER_SECTION, metrics=BUFFER, blocks=(
     server_block(("offload_buffer",), ("kvwatt_offload_buffer_undersized", "kvwatt_offload_recommended_buffer_bytes",
