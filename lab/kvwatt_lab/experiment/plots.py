@@ -535,16 +535,23 @@ def _tiers(fig, model: dict) -> bool:
     names = list(tier["conditions"])
     ax1, ax2 = fig.subplots(1, 2)
     hops = [("link (CPU tier -> GPU)", lambda t: t["link"].get("load_bytes"))]
-    labels = sorted({label for e in tier["conditions"].values() for label in e["totals"]["tiers"]})
-    hops += [(f"{label} read ({'disk -> CPU' if label.endswith(':fs') else 'tier'})",
+    # the tiers that read something out (the primary tier's reads are the link's loads)
+    labels = sorted({label for e in tier["conditions"].values() for label, t in e["totals"]["tiers"].items()
+                     if t.get("read_bytes") is not None})
+    hops += [(f"{label} read ({'disk -> CPU tier' if label.endswith(':fs') else 'into the CPU tier'})",
               lambda t, label=label: (t["tiers"].get(label) or {}).get("read_bytes")) for label in labels]
     width = 0.8 / len(hops)
+    shown = []
     for i, (label, get) in enumerate(hops):
         ys = [(get(tier["conditions"][n]["totals"]) or 0.0) / 2 ** 20 for n in names]
+        shown += [y for y in ys if y > 0]
         ax1.bar([x + i * width for x in range(len(names))], ys, width=width, label=label)
     ax1.set_xticks([x + 0.4 - width / 2 for x in range(len(names))])
     ax1.set_xticklabels(names)
-    ax1.set_ylabel("bytes reloaded in the windows (MiB)")
+    ax1.set_yscale("log")   # a disk tier may read a hundredth of what the link loads
+    if shown:
+        ax1.set_ylim(bottom=min(shown) / 10)
+    ax1.set_ylabel("bytes reloaded in the windows (MiB, log scale)")
     ax1.set_title("Reloads per tier")
     ax1.legend(fontsize=7)
     bottom = [0.0] * len(names)
@@ -653,7 +660,9 @@ def skipped(model: dict, drawn: list[str]) -> dict[str, str]:
                "mechanism.png": "no condition with a KV p95",
                "token_sources.png": "no ON/OFF pair with token-source shares",
                "tiers.png": "no tiered condition (conditions[].tiered)", "energy_throughput_bars.png": "no condition with J/token or tokens/s yet"}
-    return {n: reasons[n] for n in FIGURES if n not in drawn}
+    # the tier figure belongs to plans with tiered conditions: a plan without one misses nothing
+    applicable = [n for n in FIGURES if n != "tiers.png" or (model.get("analysis") or {}).get("tiers")]
+    return {n: reasons[n] for n in applicable if n not in drawn}
 
 
 def write_plots(plot_dir: str, model: dict) -> dict[str, str]:

@@ -116,7 +116,8 @@ def condition_tiers(runs: list[dict]) -> dict:
     out: dict[str, Any] = {"runs": len(tiered), "seconds": _sum(tiered, lambda t: t["covered_seconds"])}
     out[LINK] = {k: _sum(tiered, lambda t, k=k: t["link"].get(k)) for k in ("store_bytes", "load_bytes")}
     out["tiers"] = {}
-    reloaded = _sum(tiered, lambda x: (x.get("prompt_tokens") or {}).get("external_kv_transfer"))
+    reloaded = _sum(runs, lambda r: ((r.get("window") or {}).get("prompt_tokens_by_source") or {}).get(
+        "external_kv_transfer"))
     block_bytes = _block_bytes(runs, out[LINK], reloaded)
     for name in names:
         totals = {k.removeprefix("tier_"): _sum(tiered, lambda t, k=k: t["tiers"].get(name, {}).get(
@@ -129,11 +130,21 @@ def condition_tiers(runs: list[dict]) -> dict:
         bound = (written_blocks or 0.0) + (totals["dropped_blocks"] or 0.0)
         totals["dropped_block_share"] = _ratio(totals["dropped_blocks"], bound) if bound else None
         out["tiers"][name] = totals
-    out["cached_tokens"] = {t: _sum(tiered, lambda x, t=t: x["cached_tokens"].get(t)) for t in CACHE_TIERS}
-    out["cached_tokens"] = {t: v for t, v in out["cached_tokens"].items() if v is not None}
+    windows = [r.get("window") or {} for r in runs]
     for source in ("local_compute", "local_cache_hit", "external_kv_transfer"):
-        out[source] = _sum(tiered, lambda x, s=source: (x.get("prompt_tokens") or {}).get(s))
+        out[source] = _sum(windows, lambda w, s=source: (w.get("prompt_tokens_by_source") or {}).get(s))
+    out["cached_tokens"] = {t: _sum(windows, lambda w, t=t: _cached(w).get(t)) for t in CACHE_TIERS}
+    out["cached_tokens"] = {t: v for t, v in out["cached_tokens"].items() if v is not None}
     return out
+
+
+def _cached(window: dict) -> dict:
+    """The window's cached prompt tokens by source; an engine without offloading serves every cached token from
+    the device (its local_cache_hit)."""
+    if window.get("tiers"):
+        return window["tiers"]["cached_tokens"]
+    hits = (window.get("prompt_tokens_by_source") or {}).get("local_cache_hit")
+    return {} if hits is None else {"device": hits}
 
 
 def _block_bytes(runs: list[dict], link: dict, reloaded: float | None) -> float | None:
