@@ -198,3 +198,28 @@ def test_the_tables_follow_the_data_they_are_computed_from(tmp_path):
         if c["tiered"]:
             c["tiered"]["disk_dir"] = None
     assert all(r[9] == "n/a" for r in _tables(gone)[T2][1])
+
+
+def test_the_power_double_prices_the_disk_tiers_bytes_from_a_real_tiered_engines_metrics():
+    """The double's disk term reads every secondary tier's written and read bytes (the lab's tiered engine's own
+    vllm:kv_offload_tiering_*, here the last frame of the demo's real capture served over loopback) apart from the
+    GPU-CPU link's."""
+    import re
+
+    from kvwatt_lab.experiment.power_double import GIB, PowerModel, counters
+
+    from exporter.demo import story
+    from tests.support.loopback import MetricsServer
+
+    text = story.load(story.TIERED_STORY_FILE)[-1].text
+    total = lambda pattern: sum(float(v) for v in re.findall(pattern, text, re.M))   # noqa: E731
+    disk = total(r'^vllm:kv_offload_tiering_(?:write|read)_bytes_total\{[^}]*tier="1:fs"[^}]*\} (\S+)$')
+    link = total(r"^vllm:kv_offload_(?:store|load)_bytes_total\{[^}]*\} (\S+)$")
+    assert disk > 0 and link > 0
+    with MetricsServer(lambda: text) as engine:
+        generated, _, transferred, disk_bytes = counters(engine.url)
+    assert (transferred, disk_bytes) == (link, disk) and generated > 0
+    model = PowerModel(idle_watts=70, joules_per_gib_transferred=2000, joules_per_gib_disk=4000)
+    assert model.work_joules(0, 0, link, disk) == pytest.approx(2000 * link / GIB + 4000 * disk / GIB)
+    assert "4000 J per GiB written to or read from a secondary (disk) tier" in model.costs()
+    assert "disk" not in PowerModel(idle_watts=70).costs()
