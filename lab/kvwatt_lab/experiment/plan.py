@@ -177,6 +177,9 @@ class Plan:
             d["energy"].pop("power_double")   # the protocol of a plan without one hashes as before it existed
         elif not d["energy"]["power_double"]["joules_per_gib_disk"]:
             d["energy"]["power_double"].pop("joules_per_gib_disk")   # nor one of a double without a disk cost
+        for c in d["conditions"]:
+            if c["tiered"] is None:
+                c.pop("tiered")   # a condition that is not tiered hashes as before tiered conditions existed
         return d
 
     def fingerprints(self) -> dict:
