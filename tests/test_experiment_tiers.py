@@ -61,6 +61,9 @@ def test_the_plan_has_three_conditions_on_one_workload_and_starts_the_labs_tiere
         assert launch_for(plan, condition, run, 8000, str(tmp_path)).engine_id != launch.engine_id
     off = launch_for(plan, by["off"], run_order(plan)[0], 8000, str(tmp_path))
     assert "--kv-transfer-config" not in off.argv and off.engine_id is None
+    # a condition that is not tiered hashes as before tiered conditions existed (--resume of older experiments)
+    conditions = {c["name"]: c for c in plan.to_json()["conditions"]}
+    assert "tiered" not in conditions["off"] and conditions["cpu-disk"]["tiered"]["disk"] == "nvme-pcie4x4"
 
 
 def _plan_with(tmp_path: Path, tiered, baseline="off", args=()) -> Path:
