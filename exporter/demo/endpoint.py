@@ -16,28 +16,30 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 @dataclass
 class Playback:
-    """Where the story is: the same clock for both captures (the engine, its offloading twin) and their
-    simulated GPUs."""
+    """Where the story is: the same clock for every capture (the engine, its offloading twin, its tiered twin)
+    and their simulated GPUs."""
 
     frames: tuple[story.Frame, ...]
     offload_frames: tuple[story.Frame, ...]
     speed: float = 1.0
     started: float = field(default_factory=time.monotonic)
+    tiered_frames: tuple[story.Frame, ...] = ()
 
     def elapsed_seconds(self) -> float:
         return (time.monotonic() - self.started) * self.speed
 
-    def frame(self, offloading: bool = False) -> story.Frame:
-        return story.frame_at(self.offload_frames if offloading else self.frames, self.elapsed_seconds())
+    def frame(self, offloading: bool = False, tiered: bool = False) -> story.Frame:
+        frames = self.tiered_frames if tiered else self.offload_frames if offloading else self.frames
+        return story.frame_at(frames, self.elapsed_seconds())
 
     @property
     def length_seconds(self) -> float:
-        return max(self.frames[-1].t, self.offload_frames[-1].t)
+        return max(f[-1].t for f in (self.frames, self.offload_frames, self.tiered_frames) if f)
 
-    def token_counts(self, offloading: bool) -> tuple[float, float, float]:
+    def token_counts(self, offloading: bool, tiered: bool = False) -> tuple[float, float, float]:
         """(generated, computed prompt, reloaded prompt) tokens so far by the capture's own counters, for the
         simulated GPU's energy counter."""
-        f = self.frame(offloading)
+        f = self.frame(offloading, tiered)
         return f.counter("generation_tokens"), f.counter("local_compute"), f.counter("external_kv_transfer")
 
 

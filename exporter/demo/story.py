@@ -6,7 +6,10 @@
 ``story.jsonl.xz`` is the engine without offloading. ``story-offload.jsonl.xz`` is its offloading twin: the same
 engine, workload and acts with offloading on (vLLM's own OffloadingConnector and the lab's CPU offloading tier,
 a host pool under its real LRU manager), so its reloaded prompt tokens (``external_kv_transfer``), its host-tier
-hits and every ``vllm:kv_offload_*`` series are the engine's own. Only GPU energy is simulated (gpus.py).
+hits and every ``vllm:kv_offload_*`` series are the engine's own. ``story-tiered.jsonl.xz`` is its tiered twin: the
+same engine, workload and acts on the lab's tiered engine (vLLM's TieringOffloadingSpec: a 4 MiB CPU tier and an
+``fs`` disk tier, kvwatt_lab/cpu_tiering.py), so its ``vllm:kv_offload_tiering_*{tier="1:fs"}`` disk traffic and
+its disk-sourced prompt tokens are the engine's own. Only GPU energy is simulated (gpus.py).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from importlib import resources
 
 STORY_FILE = "story.jsonl.xz"                   # the engine without offloading
 OFFLOAD_STORY_FILE = "story-offload.jsonl.xz"   # its offloading twin
+TIERED_STORY_FILE = "story-tiered.jsonl.xz"     # its tiered twin (a CPU tier and a disk tier)
 _COUNTER = {name: re.compile(r'^vllm:prompt_tokens_by_source_total\{[^}]*source="' + name + r'"[^}]*\} (\S+)$', re.M)
             for name in ("local_compute", "external_kv_transfer")}
 _COUNTER["generation_tokens"] = re.compile(r"^vllm:generation_tokens_total(?:\{[^}]*\})? (\S+)$", re.M)

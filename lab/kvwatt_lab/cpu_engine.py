@@ -173,7 +173,7 @@ def remove_shared_region(engine_id: str) -> bool:
         return False
 
 
-def tiered_args(cpu_mib: float, disk_dir: str | os.PathLike, disk: str | float | None = None, *,
+def tiered_args(cpu_mib: float, disk_dir: str | os.PathLike | None, disk: str | float | None = None, *,
                 engine_id: str, link: str | float | None = None, io_threads: int = 2,
                 check_version: bool = True) -> list[str]:
     """The engine arguments of vLLM's tiered offloading (TieringOffloadingSpec, the lab's worker:
@@ -181,22 +181,26 @@ def tiered_args(cpu_mib: float, disk_dir: str | os.PathLike, disk: str | float |
     takes no ``--kv-offloading-size``) and an ``fs`` disk tier under ``disk_dir`` with ``io_threads`` read and
     as many write threads and vLLM's EMABackpressureDetector. ``disk``: the disk's bandwidth model (a preset of
     DISK_PRESETS or GiB/s; None: the directory's own speed); ``link``: the GPU-CPU link's, as offload_args'.
-    ``engine_id`` names the shared-memory file (new_engine_id())."""
+    ``engine_id`` names the shared-memory file (new_engine_id()). ``disk_dir`` None: the CPU tier alone (vLLM's
+    tiering spec with no secondary tier), the study's CPU condition beside its CPU + disk one."""
     try:
         mib = float(cpu_mib)
     except (TypeError, ValueError):
         mib = float("nan")
     if not 0 < mib < 1024 * 1024:
         raise OffloadConfigError(f"CPU tier: expected MiB in (0, 1048576), got {cpu_mib!r}")
-    if not str(disk_dir) or not os.path.isabs(str(disk_dir)):
+    if disk_dir is not None and (not str(disk_dir) or not os.path.isabs(str(disk_dir))):
         raise OffloadConfigError(f"disk tier: expected an absolute directory, got {str(disk_dir)!r}")
+    if disk_dir is None and disk is not None:
+        raise OffloadConfigError("disk: a disk bandwidth model needs a disk tier (a directory)")
     if not isinstance(io_threads, int) or not 1 <= io_threads <= 64:
         raise OffloadConfigError(f"disk tier: expected 1-64 I/O threads, got {io_threads!r}")
     extra: dict = {"spec_name": TIERING_SPEC[0], "spec_module_path": TIERING_SPEC[1],
                    "cpu_bytes_to_use": int(mib * 2 ** 20), "offload_prompt_only": False,
-                   "secondary_tiers": [{"type": "fs", "root_dir": str(disk_dir), "n_read_threads": io_threads,
-                                        "n_write_threads": io_threads,
-                                        "backpressure": {"backpressure_cls": "EMABackpressureDetector"}}]}
+                   "secondary_tiers": [] if disk_dir is None else [
+                       {"type": "fs", "root_dir": str(disk_dir), "n_read_threads": io_threads,
+                        "n_write_threads": io_threads,
+                        "backpressure": {"backpressure_cls": "EMABackpressureDetector"}}]}
     if disk is not None:
         if not (disk in DISK_PRESETS or (isinstance(disk, (int, float)) and 0 < float(disk) < float("inf"))):
             raise OffloadConfigError(f"disk: expected GiB/s > 0 or one of {', '.join(DISK_PRESETS)}, got {disk!r}")

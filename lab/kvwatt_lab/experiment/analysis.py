@@ -29,7 +29,7 @@ P95_Z = 1.96                  # a condition's KV p95 interval: mean ± 1.96 SE o
 PLATEAU_FRACTION = 0.9        # methods.md s6: a sufficient buffer captures > 90 % of the achievable saving
 # methods.md s6, the study's traces; used when the trace cannot be read
 DEFAULT_P99_TOOL_LATENCY = rules.P99_TOOL_LATENCY.default
-SKIP_KEYS = ("name", "baseline", "args", "env")   # shown in the plan; ON/OFF is the baseline column
+SKIP_KEYS = ("name", "baseline", "args", "env", "tiered")   # shown in the plan (a tiered one: its params); ON/OFF is the baseline column
 
 
 def _mean(summary: dict, key: str) -> float | None:

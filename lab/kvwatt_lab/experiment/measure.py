@@ -33,6 +33,7 @@ from exporter.model.energy import SCOPES, is_idle
 from exporter.sampler import MIN_DEADLINE_SECONDS, Sampler
 from exporter.samples import Interval, Tick
 from exporter.store import WindowAggregate, aggregate_of, gauge_values
+from kvwatt_lab.experiment import tiers
 from kvwatt_lab.experiment.plan import Plan
 
 SERVER_NAME = "server"
@@ -233,6 +234,10 @@ def window_figures(intervals: Sequence[Interval], min_load_seconds: float) -> di
         "offload_read_bytes_per_second": rates.read_bytes_per_second,
         "offload_store_failures": store_failures(agg),
         "energy": {s: f for s in SCOPES if (f := energy_figures(agg, s, min_load_seconds)) is not None},
+        # per tier (the link, the CPU tier, a disk tier): None without offloading (kvwatt_lab/experiment/tiers.py)
+        "tiers": tiers.run_tiers(intervals),
+        # the per-phase fit's observations (the report's J per computed prompt token, tiers.fitted_costs)
+        "phase_windows": {s: tiers.phase_windows(intervals, s) for s in SCOPES},
     }
 
 

@@ -18,6 +18,7 @@ from typing import Any, Callable
 from exporter import rules
 from exporter.config import ConfigError, finite_number, parse_url, read_yaml, shown
 from exporter.limits import MAX_CONCURRENCY, MAX_CONTEXT_TOKENS, MAX_RUNS
+from kvwatt_lab.cpu_engine import DISK_PRESETS, LINK_PRESETS
 from kvwatt_lab.experiment import sweep, template, values
 from kvwatt_lab.experiment.power_double import PowerModel
 from kvwatt_lab.experiment.values import BUILTINS
@@ -32,8 +33,11 @@ SERVER_KEYS = ("command", "url", "port", "env", "model", "startup_timeout", "sto
 WORKLOAD_KEYS = ("trace", "format", "concurrency", "length_scale", "latency_scale", "max_context", "seed",
                  "system_prompt_tokens", "retries", "request_timeout")
 ENERGY_KEYS = ("nvml", "powercap_root", "gpus", "min_load", "scope", "basis", "power_double")
-POWER_DOUBLE_KEYS = ("idle_watts", "joules_per_generated_token", "joules_per_gflop", "joules_per_gib_transferred")
-CONDITION_KEYS = ("name", "baseline", "args", "env", "vars", "workload", "params")
+POWER_DOUBLE_KEYS = ("idle_watts", "joules_per_generated_token", "joules_per_gflop", "joules_per_gib_transferred",
+                     "joules_per_gib_disk")
+CONDITION_KEYS = ("name", "baseline", "args", "env", "vars", "workload", "params", "tiered")
+TIERED_KEYS = ("cpu_mib", "disk_dir", "disk", "link", "io_threads")
+
 SCOPES = ("auto", "gpu", "host")
 BASES = ("marginal", "total")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
@@ -102,6 +106,26 @@ class EnergySpec:
     power_double: PowerModel | None = None
 
 
+@dataclass(frozen=True, kw_only=True)
+class Tiered:
+    """A condition served by the lab's tiered engine (vLLM's TieringOffloadingSpec on the CPU engine,
+    kvwatt_lab/cpu_tiering.py): a CPU tier of ``cpu_mib`` MiB (its ``cpu_bytes_to_use``) and, with ``disk_dir``,
+    an ``fs`` disk tier in a fresh directory ``<disk_dir>/<run id>`` per run (removed after it), whose bandwidth
+    model is ``disk`` (a preset or GiB/s; None: the directory's own speed). The runner writes the engine's
+    ``--kv-transfer-config`` (kvwatt_lab.cpu_engine.tiered_args) with an engine id of its own per run, and removes
+    the CPU tier's shared-memory file after the run whatever its end."""
+
+    cpu_mib: float
+    disk_dir: str | None = None
+    disk: str | float | None = None
+    link: str | float | None = None
+    io_threads: int = 2
+
+    @property
+    def tiers(self) -> str:
+        return "cpu" if self.disk_dir is None else "cpu+disk"
+
+
 @dataclass(frozen=True)
 class Condition:
     name: str
@@ -113,6 +137,7 @@ class Condition:
     # what the report plots against: concurrency, offload ("on"/"off") and the swept KV size / buffer, or the
     # condition's own `params`; recorded in state.json's plan and every run's result.json
     params: dict[str, Any] = field(default_factory=dict)
+    tiered: Tiered | None = None     # served by the lab's tiered engine (CPU tier, optionally a disk tier)
 
 
 @dataclass(frozen=True)
@@ -150,6 +175,11 @@ class Plan:
         d.pop("out_dir")
         if d["energy"]["power_double"] is None:
             d["energy"].pop("power_double")   # the protocol of a plan without one hashes as before it existed
+        elif not d["energy"]["power_double"]["joules_per_gib_disk"]:
+            d["energy"]["power_double"].pop("joules_per_gib_disk")   # nor one of a double without a disk cost
+        for c in d["conditions"]:
+            if c["tiered"] is None:
+                c.pop("tiered")   # a condition that is not tiered hashes as before tiered conditions existed
         return d
 
     def fingerprints(self) -> dict:
@@ -396,11 +426,50 @@ def _condition(item: Any, key: str, workload: Workload, plan_dir: Path) -> Condi
     baseline = values.string(data["baseline"], f"{key}.baseline") if data.get("baseline") is not None else None
     condition_workload = _workload(data.get("workload", {}), f"{key}.workload", plan_dir, workload)
     params = {"offload": "off" if baseline is None else "on", "concurrency": condition_workload.concurrency}
+    args = values.argv(data.get("args", []), f"{key}.args", True)
+    tiered = None
+    if "tiered" in data:
+        tiered = _tiered(data["tiered"], f"{key}.tiered", plan_dir)
+        if baseline is None:
+            raise ConfigError(f"{key}.tiered: a tiered condition offloads: give it the OFF condition it is compared "
+                              "with as its baseline")
+        if "--kv-transfer-config" in args:
+            raise ConfigError(f"{key}.args: --kv-transfer-config is written by {key}.tiered")
+        params.update({"tiers": tiered.tiers, "cpu_tier_mib": tiered.cpu_mib,
+                       "disk_model": "none" if tiered.disk_dir is None else str(tiered.disk or "directory")})
     params.update(_params(data.get("params", {}), f"{key}.params"))
-    return Condition(name=name, baseline=baseline, args=values.argv(data.get("args", []), f"{key}.args", True),
+    return Condition(name=name, baseline=baseline, args=args,
                      env=values.env_map(data.get("env", {}), f"{key}.env"),
                      vars=values.placeholder_vars(data.get("vars", {}), f"{key}.vars"),
-                     workload=condition_workload, params=params)
+                     workload=condition_workload, params=params, tiered=tiered)
+
+
+def _tiered(value: Any, key: str, plan_dir: Path) -> Tiered:
+    """conditions[i].tiered: {cpu_mib, disk_dir?, disk?, link?, io_threads?} (docs/experiment.md "Tiered
+    conditions"); the bandwidths as kvwatt_lab.cpu_engine.tiered_args takes them."""
+    data = values.mapping(value, key)
+    values.known_keys(data, TIERED_KEYS, key)
+    if "cpu_mib" not in data:
+        raise ConfigError(f"{key}.cpu_mib: missing (the CPU tier's size in MiB, its cpu_bytes_to_use)")
+    kw: dict[str, Any] = {"cpu_mib": values.number(data["cpu_mib"], f"{key}.cpu_mib", 0.0, True, 1024 * 1024)}
+    if data.get("disk_dir") is not None:
+        kw["disk_dir"] = str(plan_dir / values.string(data["disk_dir"], f"{key}.disk_dir"))
+    for name, presets in (("disk", DISK_PRESETS), ("link", LINK_PRESETS)):
+        if data.get(name) is not None:
+            kw[name] = _bandwidth(data[name], f"{key}.{name}", presets)
+    if "disk" in kw and "disk_dir" not in kw:
+        raise ConfigError(f"{key}.disk: a disk bandwidth model needs {key}.disk_dir (the disk tier's directory)")
+    if "io_threads" in data:
+        kw["io_threads"] = values.integer(data["io_threads"], f"{key}.io_threads", 1, 64)
+    return Tiered(**kw)
+
+
+def _bandwidth(value: Any, key: str, presets: tuple[str, ...]) -> str | float:
+    if isinstance(value, str) and value in presets:
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{key}: expected GiB/s (a number > 0) or one of {', '.join(presets)}, got {shown(value)}")
+    return values.number(value, key, 0.0, True)
 
 
 def _params(value: Any, key: str) -> dict[str, Any]:

@@ -525,6 +525,51 @@ def _buffer(fig, model: dict) -> bool:
     return True
 
 
+
+def _tiers(fig, model: dict) -> bool:
+    """Tiered conditions (tiers.py): the bytes reloaded out of each tier, and the prompt tokens by source, per
+    condition; the break-even per tier is Table T3."""
+    tier = (model.get("analysis") or {}).get("tiers")
+    if not tier:
+        return False
+    names = list(tier["conditions"])
+    ax1, ax2 = fig.subplots(1, 2)
+    hops = [("link (CPU tier -> GPU)", lambda t: t["link"].get("load_bytes"))]
+    # the tiers that read something out (the primary tier's reads are the link's loads)
+    labels = sorted({label for e in tier["conditions"].values() for label, t in e["totals"]["tiers"].items()
+                     if t.get("read_bytes") is not None})
+    hops += [(f"{label} read ({'disk -> CPU tier' if label.endswith(':fs') else 'into the CPU tier'})",
+              lambda t, label=label: (t["tiers"].get(label) or {}).get("read_bytes")) for label in labels]
+    width = 0.8 / len(hops)
+    shown = []
+    for i, (label, get) in enumerate(hops):
+        ys = [(get(tier["conditions"][n]["totals"]) or 0.0) / 2 ** 20 for n in names]
+        shown += [y for y in ys if y > 0]
+        ax1.bar([x + i * width for x in range(len(names))], ys, width=width, label=label)
+    ax1.set_xticks([x + 0.4 - width / 2 for x in range(len(names))])
+    ax1.set_xticklabels(names)
+    ax1.set_yscale("log")   # a disk tier may read a hundredth of what the link loads
+    if shown:
+        ax1.set_ylim(bottom=min(shown) / 10)
+    ax1.set_ylabel("bytes reloaded in the windows (MiB, log scale)")
+    ax1.set_title("Reloads per tier")
+    ax1.legend(fontsize=7)
+    bottom = [0.0] * len(names)
+    for source in ("local_compute", "device", "host", "disk"):
+        ys = []
+        for n in names:
+            t = tier["conditions"][n]["totals"]
+            ys.append((t.get("local_compute") if source == "local_compute" else
+                       (t.get("cached_tokens") or {}).get(source)) or 0.0)
+        ax2.bar(range(len(names)), ys, bottom=bottom, label="computed" if source == "local_compute" else source)
+        bottom = [b + y for b, y in zip(bottom, ys)]
+    ax2.set_xticks(range(len(names)))
+    ax2.set_xticklabels(names)
+    ax2.set_ylabel("prompt tokens in the windows")
+    ax2.set_title("Prompt tokens by source")
+    ax2.legend(fontsize=7)
+    return True
+
 FIGURES: dict[str, tuple[Callable, tuple[float, float], str]] = {
     "savings_vs_kv_p95.png": (_savings, (7.2, 5.0),
                               "Energy saving of offloading, dE % (positive = saves), of each ON condition "
@@ -534,6 +579,10 @@ FIGURES: dict[str, tuple[Callable, tuple[float, float], str]] = {
                               "Band: the threshold located from the sweep with its uncertainty interval, drawn when "
                               "narrower than half the data's KV p95 range (else a line at it, the interval in the "
                               "legend; dashed line: the configured threshold, when none is located)."),
+    "tiers.png": (_tiers, (10.0, 4.2),
+                  "Tiered conditions: the bytes reloaded out of each tier (the link from the CPU tier to the GPU; a "
+                  "disk tier's promotions into the CPU tier) and the prompt tokens by source (computed, or cached on "
+                  "the device, in the CPU tier, on disk) over the measurement windows; totals over the runs."),
     "energy_throughput_bars.png": (_bars, (10.0, 4.2),
                                    "J/token and tokens/s per condition, each ON bar (blue) right of its "
                                    "OFF bar (grey), pairs ordered by the OFF condition's KV p95; bars: mean over runs, "
@@ -609,8 +658,11 @@ def skipped(model: dict, drawn: list[str]) -> dict[str, str]:
                                   "the engine in vllm:cache_config_info, or the conditions' params.buffer_gib)",
                "frontier.png": "no condition with both tokens/s and J/token",
                "mechanism.png": "no condition with a KV p95",
-               "token_sources.png": "no ON/OFF pair with token-source shares", "energy_throughput_bars.png": "no condition with J/token or tokens/s yet"}
-    return {n: reasons[n] for n in FIGURES if n not in drawn}
+               "token_sources.png": "no ON/OFF pair with token-source shares",
+               "tiers.png": "no tiered condition (conditions[].tiered)", "energy_throughput_bars.png": "no condition with J/token or tokens/s yet"}
+    # the tier figure belongs to plans with tiered conditions: a plan without one misses nothing
+    applicable = [n for n in FIGURES if n != "tiers.png" or (model.get("analysis") or {}).get("tiers")]
+    return {n: reasons[n] for n in applicable if n not in drawn}
 
 
 def write_plots(plot_dir: str, model: dict) -> dict[str, str]:

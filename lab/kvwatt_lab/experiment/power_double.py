@@ -8,6 +8,11 @@ follows a stated cost model driven by the engine's own /metrics counters:
            + joules_per_generated_token * vllm:generation_tokens_total
            + joules_per_gflop * vllm:estimated_flops_per_gpu_total / 1e9
            + joules_per_gib_transferred * (vllm:kv_offload_store_bytes + vllm:kv_offload_load_bytes) / 2^30
+           + joules_per_gib_disk * (vllm:kv_offload_tiering_write_bytes + vllm:kv_offload_tiering_read_bytes) / 2^30
+
+The last term prices a tiered engine's secondary tiers (the lab's disk tier: cascades CPU -> disk and promotions
+disk -> CPU, every tier label summed); a block served from disk also pays the transfer term for its CPU -> GPU
+load, as on a real node.
 
 The FLOPs term is vLLM's own estimate (--enable-mfu-metrics), which counts every prefill the engine runs,
 including the re-prefill of a preempted request that vllm:prompt_tokens_by_source does not count (vLLM 0.32
@@ -53,16 +58,19 @@ class PowerModel:
     joules_per_generated_token: float = 0.0
     joules_per_gflop: float = 0.0
     joules_per_gib_transferred: float = 0.0
+    joules_per_gib_disk: float = 0.0
 
-    def work_joules(self, generated: float, flops: float, transferred_bytes: float) -> float:
+    def work_joules(self, generated: float, flops: float, transferred_bytes: float, disk_bytes: float = 0.0) -> float:
         return (self.joules_per_generated_token * generated + self.joules_per_gflop * flops / 1e9
-                + self.joules_per_gib_transferred * transferred_bytes / GIB)
+                + self.joules_per_gib_transferred * transferred_bytes / GIB + self.joules_per_gib_disk * disk_bytes / GIB)
 
     def costs(self) -> str:
+        disk = (f" + {self.joules_per_gib_disk:g} J per GiB written to or read from a secondary (disk) tier"
+                if self.joules_per_gib_disk else "")
         return (f"{self.idle_watts:g} W idle + {self.joules_per_generated_token:g} J "
                 f"per generated token + {self.joules_per_gflop:g} J per GFLOP of vLLM's FLOPs estimate (re-prefill "
                 f"after preemption included) + {self.joules_per_gib_transferred:g} J per GiB stored to or loaded "
-                "from the offload tier")
+                "from the offload tier" + disk)
 
 
 def write_zone(base: str) -> tuple[str, Path]:
@@ -200,9 +208,10 @@ class Spread:
         return self.done
 
 
-def counters(url: str) -> tuple[float, float, float] | None:
-    """(generated tokens, FLOPs, offload bytes stored + loaded) from the engine's /metrics, None while it does
-    not answer. The offload series appear only after the first transfer (0 until then)."""
+def counters(url: str) -> tuple[float, float, float, float] | None:
+    """(generated tokens, FLOPs, offload bytes stored + loaded, secondary-tier bytes written + read) from the
+    engine's /metrics, None while it does not answer. The offload and tiering series appear only after their first
+    transfer (0 until then)."""
     import urllib.error
     import urllib.request
 
@@ -217,5 +226,6 @@ def counters(url: str) -> tuple[float, float, float] | None:
     c = extract(parse(text)).counters
     if "generation_tokens" not in c:
         return None
+    disk = sum(v for k, v in c.items() if k.startswith(("tier_write_bytes@", "tier_read_bytes@")))
     return (c["generation_tokens"], c.get("flops", 0.0),
-            c.get("offload_store_bytes", 0.0) + c.get("offload_load_bytes", 0.0))
+            c.get("offload_store_bytes", 0.0) + c.get("offload_load_bytes", 0.0), disk)

@@ -21,7 +21,7 @@ from typing import Any, Callable
 from exporter import atomic
 from exporter.config import ConfigError
 from exporter.derive.recompute import SOURCES
-from kvwatt_lab.experiment import analysis, plots, stats, tables
+from kvwatt_lab.experiment import analysis, plots, stats, tables, tiers
 from kvwatt_lab.experiment.power_double import PowerModel
 from kvwatt_lab.experiment.tables import NA, num, pct_unit
 
@@ -103,6 +103,7 @@ def build(data: dict) -> dict:
     plan = data["plan"]
     summaries = stats.summarize(plan, data["finished"])
     found = analyse(plan, summaries)
+    found["tiers"] = tiers.tier_analysis(plan, data["finished"], summaries)
     scope, basis = plan["energy"]["scope"], plan["energy"]["basis"]
     model = {"experiment": plan["name"], "plan_path": plan["path"],
              "protocol_fingerprint": data["fingerprints"]["protocol"],
@@ -112,6 +113,7 @@ def build(data: dict) -> dict:
              "conditions": summaries, "analysis": found,
              "tables": [*tables.table1(summaries, plan, found), *tables.table2(summaries, found),
                         *tables.threshold_tables(found), *tables.buffer_tables(found),
+                        *tables.tier_tables(found["tiers"], summaries),
                         tables.runs_table(data, scope, basis)],
              "runs": [flatten_run(r) for r in tables.ordered_runs(data)],
              "failed": data.get("failed"), "in_progress": data.get("in_progress")}

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -19,9 +20,10 @@ import aiohttp
 
 from exporter import atomic
 from exporter.config import redacted_url
+from kvwatt_lab import cpu_engine
 from kvwatt_lab.experiment import report
 from kvwatt_lab.experiment.measure import RunSampler, interval_rows, window_figures
-from kvwatt_lab.experiment.plan import Condition, Plan, RunSpec, template_values
+from kvwatt_lab.experiment.plan import Condition, Plan, RunSpec, Tiered, template_values
 from kvwatt_lab.experiment.power_double import PowerDouble
 from kvwatt_lab.experiment.server import (
     RunFailed,
@@ -55,6 +57,8 @@ class Launch:
     argv: list[str]
     env: dict[str, str]
     url: str
+    engine_id: str | None = None     # a tiered condition's engine: names its CPU tier's shared-memory file
+    disk_dir: str | None = None      # a tiered condition's disk tier: the run's own directory
 
 
 def launch_for(plan: Plan, condition: Condition, run: RunSpec, port: int, run_dir: str) -> Launch:
@@ -64,8 +68,35 @@ def launch_for(plan: Plan, condition: Condition, run: RunSpec, port: int, run_di
             + render_argv(condition.args, values, f"conditions[{index}].args"))
     env = {k: substitute(v, values, f"server.env.{k}") for k, v in plan.server.env.items()}
     env.update({k: substitute(v, values, f"conditions[{index}].env.{k}") for k, v in condition.env.items()})
+    engine_id = disk_dir = None
+    if condition.tiered is not None:
+        argv, env, engine_id, disk_dir = _tiered_launch(condition.tiered, run, argv, env)
     return Launch(plan_relative_program(argv, plan.plan_dir), env,
-                  substitute(plan.server.url, values, "server.url").rstrip("/"))
+                  substitute(plan.server.url, values, "server.url").rstrip("/"), engine_id, disk_dir)
+
+
+def _tiered_launch(tiered: Tiered, run: RunSpec, argv: list[str], env: dict[str, str]):
+    """The tiered engine's --kv-transfer-config (kvwatt_lab.cpu_engine.tiered_args) with an engine id of the run's
+    own, and lab/ on the engine's PYTHONPATH (vLLM imports the spec in its three processes)."""
+    engine_id = cpu_engine.new_engine_id()
+    disk_dir = None if tiered.disk_dir is None else os.path.join(tiered.disk_dir, run.run_id)
+    extra = cpu_engine.tiered_args(tiered.cpu_mib, disk_dir, tiered.disk, engine_id=engine_id, link=tiered.link,
+                                   io_threads=tiered.io_threads, check_version=False)
+    return argv + extra, {**env, **cpu_engine.offload_env(env)}, engine_id, disk_dir
+
+
+def _clean_tiers(launch: Launch) -> dict:
+    """After a tiered run, whatever its end: the CPU tier's shared-memory file (a hard kill before the engine's
+    first transfer leaves it) and the run's disk-tier directory with its block files, and how much it held."""
+    out: dict = {}
+    if launch.engine_id is not None:
+        out["shm_left"] = cpu_engine.remove_shared_region(launch.engine_id)
+    if launch.disk_dir is not None and os.path.isdir(launch.disk_dir):
+        files = [os.path.join(d, f) for d, _, names in os.walk(launch.disk_dir) for f in names]
+        out["disk_files"] = len(files)
+        out["disk_bytes"] = sum(os.path.getsize(f) for f in files if os.path.exists(f))
+        shutil.rmtree(launch.disk_dir, ignore_errors=True)
+    return out
 
 
 def plan_relative_program(argv: list[str], plan_dir: str) -> list[str]:
@@ -110,6 +141,8 @@ async def execute_run(plan: Plan, run: RunSpec, run_dir: str, say: Say,
         raise RunFailed(f"{e} (server log: {server.log_path}){tail}") from None
     finally:
         server.stop(plan.server.stop_timeout_seconds)
+        if condition.tiered is not None:
+            result["tiered"] = {"engine_id": launch.engine_id, "disk_dir": launch.disk_dir, **_clean_tiers(launch)}
     result["finished_unix"] = time.time()
     return result
 

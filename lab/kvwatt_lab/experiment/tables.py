@@ -282,3 +282,86 @@ def ordered_runs(data: dict) -> list[dict]:
 
 # ------------------------------------------------------------------------------------------------------
 # rendering
+
+
+# ------------------------------------------------------------------------------------------------------
+# tiered conditions (kvwatt_lab/experiment/tiers.py): computed from the analysis' per-condition totals
+# ------------------------------------------------------------------------------------------------------
+def _kib(n_bytes: float | None) -> str:
+    return NA if n_bytes is None else f"{n_bytes / 1024:,.0f}"
+
+
+def _per_s(value: float | None, seconds: float | None) -> str:
+    return NA if value is None or not seconds else f"{value / seconds:.3g}"
+
+
+def tier_tables(tier: dict | None, summaries: list[dict]) -> list[tuple[str, list[str], list[list[str]]]]:
+    """Table T1 (traffic per tier), T2 (tokens by source, stalls and energy per condition, dE of each tier added)
+    and T3 (the break-even per tier); none without a tiered condition."""
+    if not tier:
+        return []
+    return [_tier_traffic(tier), _tier_energy(tier, summaries), _tier_break_even(tier)]
+
+
+def _tier_traffic(tier: dict) -> tuple[str, list[str], list[list[str]]]:
+    rows = []
+    for name, entry in tier["conditions"].items():
+        t = entry["totals"]
+        if not entry.get("tiered"):
+            continue
+        secs = t.get("seconds")
+        link = t["link"]
+        rows.append([name, "GPU <-> CPU tier (link)", _kib(link.get("store_bytes")), _kib(link.get("load_bytes")),
+                     _per_s(link.get("load_bytes"), secs), NA, NA, NA, NA])
+        for label, x in t["tiers"].items():
+            rows.append([name, label, _kib(x.get("write_bytes")), _kib(x.get("read_bytes")),
+                         _per_s(x.get("read_bytes"), secs), pct(x.get("hit_ratio")),
+                         num(x.get("dropped_stores"), 4), num(x.get("dropped_blocks"), 6),
+                         pct(x.get("dropped_block_share"))])
+    return ("Table T1. Traffic per tier over the measurement windows (writes: stores into the tier, GPU -> CPU or "
+            "CPU -> disk cascades; reads: reloads out of it, CPU -> GPU or disk -> CPU promotions; dropped: vLLM's "
+            "back-pressure detector's stores and blocks kept from the tier)",
+            ["condition", "tier", "written KiB", "read (reload) KiB", "read B/s", "chunk hit ratio %",
+             "dropped stores", "dropped blocks", "dropped % of blocks bound for it"], rows)
+
+
+def _tier_energy(tier: dict, summaries: list[dict]) -> tuple[str, list[str], list[list[str]]]:
+    by = {s["condition"]: s for s in summaries}
+    rows = []
+    for name, entry in tier["conditions"].items():
+        t, s = entry["totals"], by.get(name) or {}
+        cached = t.get("cached_tokens") or {}
+        c = s.get("comparison") or {}
+        v = entry.get("versus_comparison") or {}
+        rows.append([name, num(t.get("local_compute"), 6), num(cached.get("device"), 6), num(cached.get("host"), 6),
+                     num(cached.get("disk"), 6), _pm(*_stat(entry, "ttft_p50_seconds"), "{:.3f}", "{:.2g}"),
+                     _pm(*_stat(entry, "ttft_p95_seconds"), "{:.3f}", "{:.2g}"), _pm_g(s, "joules_per_token"),
+                     NA if not s.get("baseline") else f"{_pm(c.get('dE_percent'), c.get('dE_se_percent'))} "
+                                                       f"vs {s['baseline']}",
+                     NA if not entry.get("versus") else f"{_pm(v.get('dE_percent'), v.get('dE_se_percent'))} "
+                                                        f"vs {entry['versus']}"])
+    return ("Table T2. Prompt tokens by source (computed; cached on the device, in the CPU tier, on disk), the "
+            "time to first token (each new prompt waits on the tiers' lookups) and the energy per generated token "
+            "with dE of each tier added",
+            ["condition", "computed tokens", "device tokens", "host tokens", "disk tokens", "TTFT p50 s",
+             "TTFT p95 s", "J/token", "dE %", "dE % (tier added)"], rows)
+
+
+def _tier_break_even(tier: dict) -> tuple[str, list[str], list[list[str]]]:
+    costs = tier["costs"]
+    rows = []
+    for name, entry in tier["conditions"].items():
+        for r in entry["break_even"]:
+            b = r["bytes_per_token"]
+            rows.append([name, r["tier"], num(r["tokens"], 6), num(r["kappa"]),
+                         " + ".join(f"{hop} {num(v)}" for hop, v in b.items()),
+                         num(r["price_j"]), num(r["all_in_price_j"]), num(r["prompt_computed_j"]), num(r["ratio"]),
+                         num(r["all_in_ratio"]), NA if r["pays"] is None else ("reload" if r["pays"] else "recompute")])
+    fit = (f"c_p {costs['source']} ({costs['state']}, {costs['windows']} windows"
+           + (f"; {costs['reason']}" if costs.get("reason") else "") + ")")
+    return (f"Table T3. Break-even per tier: the price of a token reloaded from the tier (bytes per token on each "
+            f"hop x the hop's J per byte, the power double's configured costs) against the J per computed prompt "
+            f"token c_p ({fit}); a reload pays when price / c_p < 1 (methods.md s7)",
+            ["condition", "tier", "tokens served", "kappa (per computed token)", "bytes per token (per hop)",
+             "price J/token", "all-in J/token (with its stores)", "c_p J/token", "price / c_p", "all-in / c_p",
+             "cheaper"], rows)
