@@ -21,7 +21,7 @@ from exporter.serve import page
 from exporter.serve.web import status_json
 
 CFG = Config()
-UP = SourceStatus("vllm", "s", True, "", 0.01, "ok")
+UP = SourceStatus(source="vllm", server="s", up=True, reason="", duration_seconds=0.01, state="ok")
 CLEAR = CollapseResult(dict.fromkeys(CONDITIONS, False), False, "no: conditions false")
 QUIET = WindowFigures("1m", 60.0, 60.0, kv_usage_p95=0.4, above_threshold=False, preemptions_per_minute=0.0,
                       preemption_onset=False, recompute_tax=0.001, token_shares={"local_compute": 0.3})
@@ -77,7 +77,8 @@ def test_nothing_to_do_only_when_every_check_is_known_and_clear():
         "buffer unknown": dict(buffer=replace(BUF_OK, undersized=None)),
         "buffer not sized": dict(buffer=None),
         "offloading unknown": dict(info=EngineInfo("m", None)),
-        "server down": dict(status=SourceStatus("vllm", "s", False, "unreachable: refused", 0.0, "down")),
+        "server down": dict(status=SourceStatus(source="vllm", server="s", up=False, reason="unreachable: refused",
+                                                duration_seconds=0.0, state="down")),
     }
     for what, kw in not_clear.items():
         st = _status(_fig(**kw))
@@ -91,7 +92,8 @@ def test_an_off_server_needs_no_buffer_check():
 
 
 def test_a_down_server_gets_the_down_advice_and_nothing_else():
-    down = SourceStatus("vllm", "s", False, "unreachable: connection refused", 0.0, "down")
+    down = SourceStatus(source="vllm", server="s", up=False, reason="unreachable: connection refused",
+                        duration_seconds=0.0, state="down")
     st = _status(_fig(status=down))
     (a,) = st["advice"]
     assert a["kind"] == "server_down" and a["severity"] == "bad"
@@ -253,7 +255,8 @@ def test_chips_are_coloured_by_meaning():
 
 def test_nothing_configured_and_nothing_answering_says_what_to_do():
     """kvwatt run with no server anywhere watches the default URL; down there, the advice names three ways on."""
-    down = SourceStatus("vllm", "default", False, "unreachable: connection refused", 0.0, "down")
+    down = SourceStatus(source="vllm", server="default", up=False, reason="unreachable: connection refused",
+                        duration_seconds=0.0, state="down")
     (a,) = _status(_fig(name="default", url=DEFAULT_SERVER_URL, status=down))["advice"]
     assert "No server is configured" in a["text"] and "vllm serve" in a["text"]
     assert "--server NAME=URL" in a["text"] and "kvwatt demo" in a["text"]

@@ -51,7 +51,8 @@ def window(**kw) -> WindowFigures:
 
 
 def snapshot(t: float = 1.0, **kw) -> Snapshot:
-    server = ServerFigures("s", "http://s:8000", SourceStatus("vllm", "s", True), None, 0.9, 0.04, "configured",
+    server = ServerFigures("s", "http://s:8000", SourceStatus(source="vllm", server="s",
+                                                              up=True), None, 0.9, 0.04, "configured",
                            (window(**kw),))
     return Snapshot(t, 1.75e9, (server,), prices=(PriceFigure("electricity_price", PRICE, "configured", "EUR"),
                                                   PriceFigure("carbon_intensity", INTENSITY, "configured")))

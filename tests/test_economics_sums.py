@@ -27,9 +27,9 @@ WIDTH = 10.0  # the repeat windows' grid
 
 def _iv(t: float, computed: float, generated: float, reloaded: float = 0.0, cached: float = 0.0,
         joules: float = 400.0, idle: float = 100.0) -> Interval:
-    return Interval(t, t + 1.0, {"generation_tokens": generated, "prompt_local_compute": computed,
+    return Interval(t0=t, t1=t + 1.0, deltas={"generation_tokens": generated, "prompt_local_compute": computed,
                                  "prompt_local_cache_hit": cached, "prompt_external_kv_transfer": reloaded},
-                    {"kv_usage": 0.95}, {"gpu": joules}, {"gpu": idle})
+                    gauges={"kv_usage": 0.95}, energy_joules={"gpu": joules}, idle_joules={"gpu": idle})
 
 
 def _load_starts(reloaded: float = 0.0) -> list[Interval]:
@@ -169,7 +169,8 @@ def test_the_leave_one_out_sums_price_exactly_what_window_copies_did(pricing, ki
     """The jackknife prices the whole less each repeat window (at 64 servers and a 1 h window ~7,700 of them a
     tick, hence tuples of the summed fields instead of WindowStat copies): the same dE and SE, to the last bit,
     whichever way the windows are priced (prior costs, a fixed J_c, the roofline per window)."""
-    ivs = [Interval(iv.t0 + k * 40, iv.t1 + k * 40, iv.deltas, iv.gauges, iv.energy_joules, iv.idle_joules)
+    ivs = [Interval(t0=iv.t0 + k * 40, t1=iv.t1 + k * 40, deltas=iv.deltas, gauges=iv.gauges,
+                    energy_joules=iv.energy_joules, idle_joules=iv.idle_joules)
            for k in range(6) for iv in _load_starts(reloaded=300.0 * (k % 2))]
     windows = _windows(ivs)
     assert len([w for w in windows if w.loaded]) >= 20

@@ -49,7 +49,7 @@ class Capture:
         if not self.histograms:
             c = {k: v for k, v in c.items() if not k.startswith(RESIDENCY)}
         gauges = {**self.end.gauges, "kv_usage": self.kv, "running": 6.0, "waiting": 0.0, "waiting_capacity": 0.0}
-        return EngineReading(c, gauges, self.end.info, self.end.capabilities)
+        return EngineReading(counters=c, gauges=gauges, info=self.end.info, capabilities=self.end.capabilities)
 
 
 def run(m: Model, capture: Capture, minutes: int, t0: float = 0.0) -> float:
@@ -57,7 +57,7 @@ def run(m: Model, capture: Capture, minutes: int, t0: float = 0.0) -> float:
     for _ in range(minutes * 60):
         t += 1.0
         reading = capture.at(t / 60.0)
-        m.ingest(Tick(t, {"s": ServerRead("s", SourceStatus("vllm", "s", True), reading)}, (), ()))
+        m.ingest(Tick(t, {"s": ServerRead("s", SourceStatus(source="vllm", server="s", up=True), reading)}, (), ()))
     return t
 
 

@@ -203,8 +203,8 @@ def config(tmp_path):
 
 
 def gpu(t: float) -> DeviceReading:
-    return DeviceReading("gpu:GPU-0", "gpu", {"gpu": "0", "uuid": "GPU-0"}, 300.0 * t, True, 300.0, "counter",
-                         40.0, read_at=t)
+    return DeviceReading(device="gpu:GPU-0", kind="gpu", labels={"gpu": "0", "uuid": "GPU-0"}, joules_total=300.0 * t,
+                         continuous=True, power_watts=300.0, method="counter", temperature_celsius=40.0, read_at=t)
 
 
 def check_metrics(text: str, tag: str) -> None:
@@ -287,7 +287,8 @@ def run_sequence(seq: int, tmp_path) -> int:
             refused += 1
         t = float(i + 1)
         model.ingest(Tick(t, {"s": ServerRead("s", status, reading)},
-                          (SourceStatus("nvml", "", True, "", 0.003, "ok"),), (gpu(t),)))
+                          (SourceStatus(source="nvml", server="", up=True, reason="", duration_seconds=0.003,
+                                        state="ok"),), (gpu(t),)))
         snap = model.snapshot()
         assert not non_finite(snap.servers), f"{tag}: {non_finite(snap.servers)}"  # the figures, not only the output
         check_metrics(render(snap).decode(), tag)

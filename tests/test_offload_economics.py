@@ -38,8 +38,9 @@ def test_mean_and_stderr():
 
 
 def _iv(t0, t1, gen, joules, idle=100.0, kv=0.9, **more):
-    return Interval(t0, t1, {"generation_tokens": gen, **more}, {"kv_usage": kv},
-                    {"gpu": joules} if joules is not None else {}, {"gpu": idle} if idle is not None else {})
+    return Interval(t0=t0, t1=t1, deltas={"generation_tokens": gen, **more}, gauges={"kv_usage": kv},
+                    energy_joules={"gpu": joules} if joules is not None else {},
+                    idle_joules={"gpu": idle} if idle is not None else {})
 
 
 def test_window_stats_hand_computed():
@@ -59,8 +60,8 @@ def test_window_stats_hand_computed():
 def test_estimated_reaches_a_pre_016_server_through_the_prefix_cache_counters():
     """vLLM < 0.16 has no prompt_tokens_by_source: window_stats takes the token sources from
     recompute.token_counts' prefix-cache estimate, so the estimated dE exists for such a server too."""
-    ivs = [Interval(t, t + 1, {"generation_tokens": 50.0, "prefix_queries": 1000.0, "prefix_hits": 400.0,
-                               "external_prefix_hits": 250.0}, {"kv_usage": 0.95}, {"gpu": 500.0}, {"gpu": 150.0})
+    ivs = [Interval(t0=t, t1=t + 1, deltas={"generation_tokens": 50.0, "prefix_queries": 1000.0, "prefix_hits": 400.0,
+                               "external_prefix_hits": 250.0}, gauges={"kv_usage": 0.95}, energy_joules={"gpu": 500.0}, idle_joules={"gpu": 150.0})
            for t in range(120)]
     ws = stats(ivs, 60)
     assert [(w.computed_prompt_tokens, w.loaded_prompt_tokens, w.prompt_tokens) for w in ws] == \

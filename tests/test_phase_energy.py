@@ -132,9 +132,9 @@ def test_condition_number_of_orthogonal_and_proportional_columns():
 
 
 def _iv(t0, gen, computed, reloaded, joules, idle):
-    return Interval(t0, t0 + 1, {"generation_tokens": gen, "prompt_local_compute": computed,
+    return Interval(t0=t0, t1=t0 + 1, deltas={"generation_tokens": gen, "prompt_local_compute": computed,
                                  "prompt_local_cache_hit": 0.0, "prompt_external_kv_transfer": reloaded},
-                    {"kv_usage": 0.5}, {"gpu": joules}, {"gpu": idle})
+                    gauges={"kv_usage": 0.5}, energy_joules={"gpu": joules}, idle_joules={"gpu": idle})
 
 
 def test_observation_reads_the_grid_bucket():
@@ -204,10 +204,10 @@ def test_potential_prices_the_tax_with_the_measured_cost_and_the_prior_reload():
 def _bucket_ivs(k, win, width=10.0):
     """One grid bucket's worth of 1 s intervals carrying the window ``win``'s tokens and energy."""
     n = int(width)
-    return [Interval(k * width + i, k * width + i + 1,
-                     {"generation_tokens": win.generated / n, "prompt_local_compute": win.computed / n,
+    return [Interval(t0=k * width + i, t1=k * width + i + 1,
+                     deltas={"generation_tokens": win.generated / n, "prompt_local_compute": win.computed / n,
                       "prompt_local_cache_hit": 0.0, "prompt_external_kv_transfer": win.reloaded / n},
-                     {"kv_usage": 0.5}, {"gpu": 100.0 + win.joules / n}, {"gpu": 100.0}) for i in range(n)]
+                     gauges={"kv_usage": 0.5}, energy_joules={"gpu": 100.0 + win.joules / n}, idle_joules={"gpu": 100.0}) for i in range(n)]
 
 
 def test_the_learner_measures_from_grid_buckets_and_logs_the_change_once(caplog):

@@ -64,8 +64,9 @@ def _fresh():
 
 
 def _with_gpu(snap, watts, limit):
-    reading = DeviceReading("gpu:GPU-0", "gpu", {"gpu": "0", "uuid": "GPU-0"}, 1000.0, True, watts, "counter",
-                            40.0, power_limit_watts=limit)
+    reading = DeviceReading(device="gpu:GPU-0", kind="gpu", labels={"gpu": "0", "uuid": "GPU-0"}, joules_total=1000.0,
+                            continuous=True, power_watts=watts, method="counter", temperature_celsius=40.0,
+                            power_limit_watts=limit)
     return dataclasses.replace(snap, devices=(DeviceFigures(reading, None, None),))
 
 

@@ -207,7 +207,8 @@ class BaselineBook:
         if not self.path:
             return None
         problems = [p for p in (self.read_only_reason, self.write_error, self.load_error) if p]
-        return SourceStatus("state_dir", "", True, "; ".join(problems), None, "degraded" if problems else "ok")
+        return SourceStatus(source="state_dir", server="", up=True, reason="; ".join(problems), duration_seconds=None,
+                            state="degraded" if problems else "ok")
 
     # --- persistence ------------------------------------------------------------------------------------
     def load(self) -> None:

@@ -62,7 +62,8 @@ class ServerModel:
         a, b = (m.engine_write_bytes_per_token, m.engine_write_bytes_per_logits_token) if m else (None, None)
         self.writes = WriteModelLearner(server.name, self.repeat_seconds, cfg.phase_history_seconds,
                                         (a, a + b) if a and b is not None else None)
-        self.status = SourceStatus("vllm", server.name, False, "not_read_yet", 0.0, "down")
+        self.status = SourceStatus(source="vllm", server=server.name, up=False, reason="not_read_yet",
+                                   duration_seconds=0.0, state="down")
         self.info: EngineInfo | None = None
         self.engine, self.capabilities = engine_name(None), frozenset()
         self.engines = 1  # data-parallel engines of the last read

@@ -125,7 +125,8 @@ class PriceSource:
         return _checked(value, PRICE_MAXIMA.get(self.quantity, math.inf))
 
     def status(self, up: bool, reason: str, seconds: float | None, state: str | None = None) -> SourceStatus:
-        return SourceStatus(self.quantity, "", up, reason, seconds, state or ("ok" if up else "down"))
+        return SourceStatus(source=self.quantity, server="", up=up, reason=reason, duration_seconds=seconds,
+                            state=state or ("ok" if up else "down"))
 
 
 def _credentials(url: str):
