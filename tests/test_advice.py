@@ -22,7 +22,7 @@ from exporter.serve.web import status_json
 
 CFG = Config()
 UP = SourceStatus(source="vllm", server="s", up=True, reason="", duration_seconds=0.01, state="ok")
-CLEAR = CollapseResult(dict.fromkeys(CONDITIONS, False), False, "no: conditions false")
+CLEAR = CollapseResult(conditions=dict.fromkeys(CONDITIONS, False), signature=False, reason="no: conditions false")
 QUIET = WindowFigures("1m", 60.0, 60.0, kv_usage_p95=0.4, above_threshold=False, preemptions_per_minute=0.0,
                       preemption_onset=False, recompute_tax=0.001, token_shares={"local_compute": 0.3})
 BUF_OK = BufferFigures(False, 8 * 2 ** 30, 8, 0.0, 60.0, 1e8, 20.0, 1.5)
@@ -72,7 +72,8 @@ def test_nothing_to_do_only_when_every_check_is_known_and_clear():
     not_clear = {
         "regime provisional": dict(regime_state="provisional", regime_reason="none located yet"),
         "tax provisional": dict(tax_state="provisional", tax_reason="1 low-pressure window"),
-        "collapse unknown": dict(collapse=CollapseResult(dict.fromkeys(CONDITIONS), None, "unknown")),
+        "collapse unknown": dict(collapse=CollapseResult(conditions=dict.fromkeys(CONDITIONS), signature=None,
+                                                         reason="unknown")),
         "collapse not evaluated": dict(collapse=None),
         "buffer unknown": dict(buffer=replace(BUF_OK, undersized=None)),
         "buffer not sized": dict(buffer=None),
@@ -171,7 +172,8 @@ def test_a_provisional_regime_says_how_long_and_what_would_make_it_known_now():
 
 
 def test_collapse_and_stalled_engine():
-    sig = CollapseResult(dict.fromkeys(CONDITIONS, True), True, "yes", 0.1, 50.0,
+    sig = CollapseResult(conditions=dict.fromkeys(CONDITIONS, True), signature=True, reason="yes",
+                         recent_tokens_per_second=0.1, reference_tokens_per_second=50.0,
                          condition_sets={"classic": True, "stalled_engine": False})
     (a,) = [a for a in _status(_fig(collapse=sig))["advice"] if a["kind"] == "collapse"]
     assert a["severity"] == "bad" and "Collapse signature" in a["text"]

@@ -365,6 +365,8 @@ def test_out_of_range_values_never_reach_the_figures(case, tmp_path):
 
 def test_a_window_stat_of_less_than_one_token_has_no_joules_per_token():
     from exporter.derive.economics import WindowStat
-    w = WindowStat(0.0, 1.0, 1.0, 5e-324, 240.0, None, None, None, True)
+    w = WindowStat(t0=0.0, t1=1.0, covered_seconds=1.0, generated_tokens=5e-324, joules=240.0, kv_p95=None,
+                   computed_prompt_tokens=None, loaded_prompt_tokens=None, loaded=True)
     assert w.joules_per_token is None
-    assert WindowStat(0.0, 1.0, 1.0, 2.0, 240.0, None, None, None, True).joules_per_token == 120.0
+    assert WindowStat(t0=0.0, t1=1.0, covered_seconds=1.0, generated_tokens=2.0, joules=240.0, kv_p95=None,
+                      computed_prompt_tokens=None, loaded_prompt_tokens=None, loaded=True).joules_per_token == 120.0

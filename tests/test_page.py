@@ -393,7 +393,7 @@ class _Parser(html.parser.HTMLParser):
 def _all_unknown_snapshot() -> Snapshot:
     down = SourceStatus(source="vllm", server="x", up=False, reason="unreachable: connection refused",
                         duration_seconds=0.0, state="down")
-    collapse = CollapseResult(dict.fromkeys(CONDITIONS), None, "unknown: everything",
+    collapse = CollapseResult(conditions=dict.fromkeys(CONDITIONS), signature=None, reason="unknown: everything",
                               details={c: "not enough samples in the recent window" for c in CONDITIONS})
     server = ServerFigures("x", "http://x.invalid:8000", down, None, 0.9, None, "none",
                            (WindowFigures("1m", 60.0, 0.0), WindowFigures("5m", 300.0, 0.0)), collapse)

@@ -146,11 +146,13 @@ def test_observation_reads_the_grid_bucket():
 
 
 def test_tax_and_saving_in_watts():
-    c = pe.PhaseCosts("gpu", 0.03, 0.001, 0.4, 0.01, 0.004, 0.0005, 60, "known", "", "measured")
+    c = pe.PhaseCosts(scope="gpu", prompt_computed_j=0.03, prompt_computed_se=0.001, generated_j=0.4, generated_se=0.01,
+                      reloaded_j=0.004, reloaded_se=0.0005, windows=60, state="known", reason="", source="measured")
     assert pe.recompute_tax_watts(0.2, 1000.0, c) == pytest.approx(0.2 * 1000 * 0.03)
     assert pe.recompute_tax_watts(-0.1, 1000.0, c) == 0.0
     assert pe.offload_saved_watts(500.0, c, 0.1) == pytest.approx(500 * (0.03 - 0.004))
-    no_reload = pe.PhaseCosts("gpu", 0.03, 0.001, 0.4, 0.01, state="known", source="measured")
+    no_reload = pe.PhaseCosts(scope="gpu", prompt_computed_j=0.03, prompt_computed_se=0.001, generated_j=0.4,
+                              generated_se=0.01, state="known", source="measured")
     assert pe.offload_saved_watts(500.0, no_reload, 0.1) == pytest.approx(500 * 0.03 * 0.9)
     assert pe.recompute_tax_watts(None, 1000.0, c) is None
 
@@ -158,13 +160,16 @@ def test_tax_and_saving_in_watts():
 # --- dE priced with the measured costs (derive/economics.py) ----------------------------------------------
 def _stats(n=8):
     from exporter.derive.economics import WindowStat
-    return [WindowStat(0, 30, 30, 1000.0 + 50 * i, 4000.0 + 100 * i, 0.9, 2000.0, 3000.0 + 200 * i, True, 9000.0)
+    return [WindowStat(t0=0, t1=30, covered_seconds=30, generated_tokens=1000.0 + 50 * i, joules=4000.0 + 100 * i,
+                       kv_p95=0.9, computed_prompt_tokens=2000.0, loaded_prompt_tokens=3000.0 + 200 * i, loaded=True,
+                       prompt_tokens=9000.0)
             for i in range(n)]
 
 
 def _costs(se_c, se_r, cov=0.0):
-    return pe.PhaseCosts("gpu", 0.03, se_c, 0.4, 0.01, 0.004, se_r, 60, "known", "", "measured",
-                         cov_prompt_reloaded=cov)
+    return pe.PhaseCosts(scope="gpu", prompt_computed_j=0.03, prompt_computed_se=se_c, generated_j=0.4,
+                         generated_se=0.01, reloaded_j=0.004, reloaded_se=se_r, windows=60, state="known", reason="",
+                         source="measured", cov_prompt_reloaded=cov)
 
 
 def test_estimated_uses_the_measured_prices():
@@ -194,7 +199,9 @@ def test_potential_prices_the_tax_with_the_measured_cost_and_the_prior_reload():
     off = _stats()
     # an OFF server's measured costs: no reloaded tokens, so no reload cost fitted (J_r = ratio x J_c, as the
     # saving kvwatt_offload_saved_watts prices it)
-    off_costs = pe.PhaseCosts("gpu", 0.03, 0.0, 0.4, 0.01, None, None, 60, "known", "", "measured")
+    off_costs = pe.PhaseCosts(scope="gpu", prompt_computed_j=0.03, prompt_computed_se=0.0, generated_j=0.4,
+                              generated_se=0.01, reloaded_j=None, reloaded_se=None, windows=60, state="known",
+                              reason="", source="measured")
     est = economics.potential(off, 0.1, None, 0.1, off_costs)
     saved = sum((w.computed_prompt_tokens - 0.1 * w.prompt_tokens) * 0.03 * 0.9 for w in off)
     assert est.windows == 8 and est.value == pytest.approx(saved / sum(w.joules for w in off))

@@ -72,7 +72,9 @@ def test_unknown_says_why(agg, a, why):
 
 def test_its_power_is_priced_as_a_computed_prompt_token():
     r = preemption_recompute(window(6000, 3000, 600), A, B, 60.0)
-    costs = PhaseCosts("gpu", 0.02, None, 0.05, None, 0.002, None, 30, "known", "", "measured")
+    costs = PhaseCosts(scope="gpu", prompt_computed_j=0.02, prompt_computed_se=None, generated_j=0.05,
+                       generated_se=None, reloaded_j=0.002, reloaded_se=None, windows=30, state="known", reason="",
+                       source="measured")
     assert preemption_recompute_watts(r, costs) == pytest.approx(10 * 0.02)
     assert preemption_recompute_watts(preemption_recompute(window(1, 1, 0), None, B, 60.0), costs) is None
 
@@ -118,7 +120,8 @@ def test_its_power_is_priced_within_the_windows_own_energy():
     their price is capped at what the window's marginal energy allows for all of them (a GPU double that charges
     no re-prefill, as the demo's, or costs learned where no recomputation showed, would price it above)."""
     from exporter.derive.energy import priced_with_recomputation
-    costs = PhaseCosts("gpu", 0.05, None, 0.3, None, None, None, 30, "known", "", "measured")
+    costs = PhaseCosts(scope="gpu", prompt_computed_j=0.05, prompt_computed_se=None, generated_j=0.3, generated_se=None,
+                       reloaded_j=None, reloaded_se=None, windows=30, state="known", reason="", source="measured")
     deltas = {"prompt_local_compute": 600.0, "generation_tokens": 100.0, "engine_write_bytes": 1.0}
     iv = Interval(t0=0.0, t1=10.0, deltas=deltas, gauges={}, energy_joules={"gpu": 700.0 + 40.0},
                   idle_joules={"gpu": 700.0})

@@ -201,7 +201,8 @@ def _judge_reasons():
     for side, (low, high) in itertools.product((w - 0.0004, w - 1, w + 1),
                                                ((0.1, 0.1 + threshold.KNOWN_WIDTH + 1e-5), (0.34, 0.77),
                                                 (0.0, 0.78), (0.5, 0.6))):
-        loc = threshold.LocatedThreshold((low + high) / 2, low, high, "tax_onset", 9, side, w + 1 - side % 1)
+        loc = threshold.LocatedThreshold(ratio=(low + high) / 2, low=low, high=high, method="tax_onset", points=9,
+                                         clean_below=side, pressured_above=w + 1 - side % 1)
         yield threshold.judge(loc)[1]
 
 

@@ -76,7 +76,7 @@ class CollapseThresholds:
                    cfg.collapse_reference_seconds, min(cfg.windows_seconds))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class CollapseResult:
     conditions: dict[str, bool | None]
     signature: bool | None
@@ -217,8 +217,9 @@ def evaluate_aggregates(recent: WindowAggregate, reference_rates: Sequence[float
     sets = {name: kleene_and([cond[c] for c in members]) for name, members in CONDITION_SETS.items()
             if name == "classic" or has_steps}
     sig = kleene_or(list(sets.values()))
-    return CollapseResult(cond, sig, _reason(cond, sets, details, stale), rate, ref, power, idle, details, sets,
-                          stale)
+    return CollapseResult(conditions=cond, signature=sig, reason=_reason(cond, sets, details, stale),
+                          recent_tokens_per_second=rate, reference_tokens_per_second=ref, gpu_power_watts=power,
+                          gpu_idle_power_watts=idle, details=details, condition_sets=sets, stale_witnesses=stale)
 
 
 def steps_stopped(recent: WindowAggregate, enough: bool, th: CollapseThresholds, details: dict[str, str],

@@ -155,7 +155,7 @@ def flag_words(n_bytes: float | None) -> str | None:
     return None if gib is None else f"{gib:.12g} ({size_words(n_bytes)})"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TierFlows:
     """One secondary offload tier of vLLM's tiering manager (0.28+, tier label "<index>:<type>", e.g. "1:fs")
     over a window. Writes go primary (CPU) tier -> this tier (cascade), reads this tier -> primary (promotion).
@@ -220,11 +220,13 @@ def tier_flows(agg: WindowAggregate, capacities: dict[str, float] | None = None,
         failures = agg.delta(labelled_key("tier_job_failures", tier))
         write = _per_covered_second(agg, labelled_key("tier_write_bytes", tier))
         held = residency((capacities or {}).get(tier), write)
-        flows = TierFlows(tier, write, _per_covered_second(agg, labelled_key("tier_read_bytes", tier)),
-                          _hit_ratio(hits, queries), failures,
-                          undersized(held, write, failures, p99_tool_latency_seconds), held,
-                          _dropped(agg, keys, "tier_dropped_stores", tier),
-                          _dropped(agg, keys, "tier_dropped_blocks", tier))
+        flows = TierFlows(tier=tier, write_bytes_per_second=write,
+                          read_bytes_per_second=_per_covered_second(agg, labelled_key("tier_read_bytes", tier)),
+                          chunk_hit_ratio=_hit_ratio(hits, queries), job_failures=failures,
+                          undersized=undersized(held, write, failures, p99_tool_latency_seconds),
+                          residency_seconds=held,
+                          dropped_stores_per_second=_dropped(agg, keys, "tier_dropped_stores", tier),
+                          dropped_blocks_per_second=_dropped(agg, keys, "tier_dropped_blocks", tier))
         if any(v is not None for v in (flows.write_bytes_per_second, flows.read_bytes_per_second,
                                        flows.chunk_hit_ratio, flows.job_failures, flows.dropped_blocks_per_second)):
             out.append(flows)  # a tier whose samples all left the window is gone from it

@@ -105,7 +105,7 @@ NO_WRITE_MODEL = ("the model's write traffic per token is unknown (a dense decod
                   "servers[].model_config; MoE models are not modelled)")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class PreemptionRecompute:
     """Prompt and generated tokens computed again after a preemption, over a window (methods.md s4).
 
@@ -187,14 +187,17 @@ def preemption_recompute(x: WindowAggregate, write_bytes_per_token: float | None
         return PreemptionRecompute(reason=no_model_reason)
     scheduled = (writes - write_bytes_per_logits_token * generated) / write_bytes_per_token
     if scheduled <= 0:
-        return PreemptionRecompute(0.0, None, 0.0, None, "known", "no tokens scheduled in the window", 0.0)
+        return PreemptionRecompute(tokens_per_second=0.0, share=None, scheduled_tokens_per_second=0.0,
+                                   residual_share=None, state="known", reason="no tokens scheduled in the window",
+                                   scheduled_tokens=0.0)
     recomputed = scheduled - computed - generated
     clipped = max(recomputed, 0.0)
     if scheduled < MIN_SCHEDULED_TOKENS:
         return PreemptionRecompute(reason=f"only {scheduled:.0f} tokens scheduled in the window: too few to tell",
                                    scheduled_tokens=scheduled)
-    fig = PreemptionRecompute(clipped / seconds, clipped / scheduled, scheduled / seconds, recomputed / scheduled,
-                              "known", "", scheduled)
+    fig = PreemptionRecompute(tokens_per_second=clipped / seconds, share=clipped / scheduled,
+                              scheduled_tokens_per_second=scheduled / seconds, residual_share=recomputed / scheduled,
+                              state="known", reason="", scheduled_tokens=scheduled)
     if x.covered_seconds < rules.SUSTAINED_MIN_COVERED.default * window_seconds:  # as the onset's
         return replace(fig, state="provisional",
                        reason=f"window {x.covered_seconds / window_seconds:.0%} covered")

@@ -58,7 +58,7 @@ class PressurePoint:
                                            # capacity (None: the engine does not export the gauge)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LocatedThreshold:
     ratio: float                # located KV-p95 threshold
     low: float                  # uncertainty interval
@@ -194,7 +194,8 @@ def locate_why(points: Sequence[PressurePoint], min_points: int = 3, min_side: f
         return None, (f"degenerate cut at p95 {ratio:.3f}: the clean windows below it are idle (p95 <= "
                       f"{known[i - 1][0].kv_p95:.3f}, under the {IDLE_FLOOR:.2f} idle floor)")
     method = "preemption_onset" if preempting(first_pressured, onset_per_minute) else "tax_onset"
-    found = LocatedThreshold(ratio, low, high, method, len(known), clean_w, above_pressured, best)
+    found = LocatedThreshold(ratio=ratio, low=low, high=high, method=method, points=len(known), clean_below=clean_w,
+                             pressured_above=above_pressured, misplaced=best)
     state, reason = judge(found)
     return replace(found, state=state, reason=reason), ""
 

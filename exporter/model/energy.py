@@ -190,7 +190,7 @@ class PhaseLearner:
         self.min_windows, self.max_condition = min_windows, max_condition
         self.ratio = load_to_compute_cost_ratio
         self.last_t1 = -math.inf
-        self.costs: dict[str, phase_energy.PhaseCosts] = {s: phase_energy.PhaseCosts(s) for s in SCOPES}
+        self.costs: dict[str, phase_energy.PhaseCosts] = {s: phase_energy.PhaseCosts(scope=s) for s in SCOPES}
 
     def observe(self, buckets: Iterable) -> bool:
         """Feed the completed buckets not seen yet; refit when one was added. True when refitted."""

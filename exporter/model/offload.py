@@ -90,7 +90,8 @@ def savings(agg, on: Sequence[economics.WindowStat], on_total: Sequence[economic
 
 def _noted(est: economics.Estimate, how: str) -> economics.Estimate:
     note = est.note + how if est.value is not None else est.note
-    return economics.Estimate(est.value, est.stderr, est.windows, 0, est.kind, note)
+    return economics.Estimate(value=est.value, stderr=est.stderr, windows=est.windows, reference_windows=0,
+                              kind=est.kind, note=note)
 
 
 def buffer(windows: Sequence[WindowFigures], failures: float | None, cfg: Config,
