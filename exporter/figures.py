@@ -38,7 +38,7 @@ class EnergyFigure:
     marginal_joules_per_token: float | None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class CostFigure:
     """One scope's marginal energy in money and carbon over a window (derive/cost.py, docs/energy.md). None:
     unknown (no marginal energy figure) or not configured (no price, no carbon intensity)."""
@@ -58,7 +58,7 @@ class CostFigure:
     offload_saved_co2e_grams_per_day: float | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class PriceFigure:
     """The electricity price or the carbon intensity in force: configured, read from a URL, or not configured."""
 
@@ -78,7 +78,7 @@ class PriceFigure:
 NOISE_STDERRS = rules.NOISE_STDERRS.default  # a dE within two standard errors of zero is "within noise"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SavingFigure:
     """dE and dTPS of offloading against one baseline kind (methods.md s2)."""
 
@@ -183,7 +183,7 @@ class WindowFigures:
     implausible_counts: dict[str, str] | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class BufferFigures:
     """Offload buffer sizing (methods.md s6), from the shortest window (undersized) and the busiest one."""
 
@@ -218,7 +218,7 @@ class Advice:
     evidence: dict = field(default_factory=dict)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class KappaFigures:
     """kappa_crit and the recompute break-even (methods.md s7): constants per server."""
 

@@ -25,7 +25,8 @@ UP = SourceStatus(source="vllm", server="s", up=True, reason="", duration_second
 CLEAR = CollapseResult(conditions=dict.fromkeys(CONDITIONS, False), signature=False, reason="no: conditions false")
 QUIET = WindowFigures("1m", 60.0, 60.0, kv_usage_p95=0.4, above_threshold=False, preemptions_per_minute=0.0,
                       preemption_onset=False, recompute_tax=0.001, token_shares={"local_compute": 0.3})
-BUF_OK = BufferFigures(False, 8 * 2 ** 30, 8, 0.0, 60.0, 1e8, 20.0, 1.5)
+BUF_OK = BufferFigures(undersized=False, recommended_bytes=8 * 2 ** 30, recommended_gib=8, store_failures=0.0,
+                       residency_seconds=60.0, write_bytes_per_second=1e8, p99_tool_latency_seconds=20.0, headroom=1.5)
 
 
 def _fig(**kw) -> ServerFigures:

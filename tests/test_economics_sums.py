@@ -141,7 +141,9 @@ def test_the_server_s_potential_figure_is_the_tax_share_it_prices():
     ivs = _load_starts()
     agg = aggregate_of(ivs)
     share = derive_energy.tax_in_energy(agg, 0.3, [costs], False, RATIO)["recompute_energy_share"]["gpu"]
-    so = offload_figures.OffloadSetup(None, None, KappaFigures(None, None, None, None, None, None), None)
+    so = offload_figures.OffloadSetup(None, None, KappaFigures(critical=None, breakeven_tokens=None,
+                                                               breakeven_tokens_gqa=None, breakeven_tokens_mha=None,
+                                                               model_source=None, hardware_source=None), None)
     (fig,) = offload_figures.savings(agg, _windows(ivs), _windows(ivs), None, False, 0.3, Config(), so, costs)
     assert fig.baseline == "potential"
     assert fig.energy_saving == pytest.approx((1 - RATIO) * share, rel=1e-9), (fig, share)

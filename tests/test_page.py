@@ -436,7 +436,7 @@ def test_dE_verdict_words():
     from exporter.figures import SavingFigure
 
     def verdict(de, se):
-        return SavingFigure("paired", de, se, 6).verdict
+        return SavingFigure(baseline="paired", energy_saving=de, energy_saving_stderr=se, windows=6).verdict
 
     assert verdict(None, None) == "unknown"
     assert verdict(0.02, 0.011) == "within_noise" and verdict(-0.02, 0.011) == "within_noise"

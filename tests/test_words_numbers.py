@@ -222,7 +222,9 @@ def _condition_reasons():
 
 def _buffer_reasons():
     for seconds, target in ((19.6, 20.0), (29.96, 30.0), (5.0, 20.0)):
-        buf = BufferFigures(True, 8 * 2 ** 30, 8, 0.0, seconds, 1e8, target, 1.5, residency_target_seconds=target)
+        buf = BufferFigures(undersized=True, recommended_bytes=8 * 2 ** 30, recommended_gib=8, store_failures=0.0,
+                            residency_seconds=seconds, write_bytes_per_second=1e8, p99_tool_latency_seconds=target,
+                            headroom=1.5, residency_target_seconds=target)
         yield offload_model.undersized_words(buf, Config())
 
 

@@ -42,7 +42,7 @@ class IdleEstimate:
     temperature_celsius: float | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Baseline:
     device: str
     watts: float
@@ -191,7 +191,7 @@ class BaselineBook:
     def get(self, device: str, labels: Mapping[str, str] | None = None) -> Baseline | None:
         for key in override_keys(device, labels or {}):
             if key in self.overrides:
-                return Baseline(device, self.overrides[key], "configured")
+                return Baseline(device=device, watts=self.overrides[key], method="configured")
         return self._stored.get(device)
 
     def watts(self, device: str, labels: Mapping[str, str] | None = None) -> float | None:
@@ -251,7 +251,8 @@ class BaselineBook:
         entries, so a concurrent ``kvwatt baseline idle`` is not overwritten). A failed write is a reason
         (``write_error``), not an exception: the baselines stay in force in memory."""
         now = self.wall_clock()
-        new = [Baseline(e.device, e.watts, method, now, e.duration_seconds, e.temperature_celsius)
+        new = [Baseline(device=e.device, watts=e.watts, method=method, measured_at=now,
+                        duration_seconds=e.duration_seconds, temperature_celsius=e.temperature_celsius)
                for e in estimates]
         if not new:
             return []
@@ -312,10 +313,10 @@ def parse_entry(device: str, entry: Any, now_wall: float) -> Baseline:
     if entry["method"] not in STORED_METHODS:
         raise ValueError(f"method {entry['method']!r} is not one of {', '.join(STORED_METHODS)}")
     return Baseline(
-        device, _number(entry["watts"], "watts", 0.0, MAX_IDLE_WATTS), entry["method"],
-        _number(entry["measured_at"], "measured_at", 0.0, now_wall + FUTURE_SLACK_SECONDS),
-        _optional(entry.get("duration_seconds"), "duration_seconds", 0.0, math.inf),
-        _optional(entry.get("temperature_celsius"), "temperature_celsius", -273.15, math.inf))
+        device=device, watts=_number(entry["watts"], "watts", 0.0, MAX_IDLE_WATTS), method=entry["method"],
+        measured_at=_number(entry["measured_at"], "measured_at", 0.0, now_wall + FUTURE_SLACK_SECONDS),
+        duration_seconds=_optional(entry.get("duration_seconds"), "duration_seconds", 0.0, math.inf),
+        temperature_celsius=_optional(entry.get("temperature_celsius"), "temperature_celsius", -273.15, math.inf))
 
 
 def entry_at(entry: Any, required: tuple[str, ...], now_wall: float,
