@@ -221,7 +221,8 @@ def test_the_learner_measures_from_grid_buckets_and_logs_the_change_once(caplog)
     from exporter.model.energy import PhaseLearner
     wins = phase_double.windows(40, TRUE, seed=9)
     ivs = [iv for k, w in enumerate(wins) for iv in _bucket_ivs(k, w)]
-    learner = PhaseLearner("s", 10.0, 3600.0, MIN_W, MAX_COND, 0.1)
+    learner = PhaseLearner(name="s", width=10.0, history_seconds=3600.0, min_windows=MIN_W, max_condition=MAX_COND,
+                           load_to_compute_cost_ratio=0.1)
     with caplog.at_level("INFO", logger="kvwatt.energy"):
         for k in range(1, 41):  # one bucket completes per "tick"
             learner.observe(buckets_of([iv for iv in ivs if iv.t1 <= k * 10.0], 10.0))
@@ -239,7 +240,8 @@ def test_the_learners_running_sums_give_the_fit_over_the_windows_it_keeps(offloa
     from exporter.model.energy import PhaseLearner
     wins = phase_double.windows(200, TRUE, seed=5, offload=offload)
     ivs = [iv for k, w in enumerate(wins) for iv in _bucket_ivs(k, w)]
-    learner = PhaseLearner("s", 10.0, 300.0, MIN_W, MAX_COND, 0.1)
+    learner = PhaseLearner(name="s", width=10.0, history_seconds=300.0, min_windows=MIN_W, max_condition=MAX_COND,
+                           load_to_compute_cost_ratio=0.1)
     for k in range(1, 201):
         learner.observe(buckets_of([iv for iv in ivs if (k - 1) * 10.0 < iv.t1 <= k * 10.0], 10.0))
         kept = list(learner.windows["gpu"])
@@ -264,7 +266,8 @@ def test_a_stale_idle_gives_no_prior_rather_than_a_negative_price():
 def test_a_new_engine_sets_the_measured_costs_aside():
     """A new evidence epoch (model/epoch.py): the windows priced the old engine's phases; back to the prior."""
     from exporter.model.energy import PhaseLearner
-    learner = PhaseLearner("s", 30.0, 3600.0, 2, 100.0, 0.1)
+    learner = PhaseLearner(name="s", width=30.0, history_seconds=3600.0, min_windows=2, max_condition=100.0,
+                           load_to_compute_cost_ratio=0.1)
     learner.windows["gpu"].extend(object() for _ in range(3))
     learner.set_aside()
     assert not learner.windows["gpu"] and learner.figures() == ()

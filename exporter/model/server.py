@@ -43,10 +43,12 @@ class ServerModel:
                                             cfg.threshold_window_seconds), name=server.name)
         self.reference = pressure_model.LowPressureReference(server.reference_local_compute_share)
         self.pressure = pressure_model.ThresholdLearner(
-            cfg.threshold_window_seconds, max(int(cfg.threshold_history_seconds // cfg.threshold_window_seconds), 1),
-            cfg.threshold_min_windows, cfg.preemption_onset_per_minute, cfg.kv_pressure_threshold_ratio,
-            cfg.kv_pressure_threshold_source == "located", self.reference, server.name,
-            server.kv_cache_metrics_sample, cfg.p99_tool_latency_seconds)
+            width_seconds=cfg.threshold_window_seconds,
+            keep_windows=max(int(cfg.threshold_history_seconds // cfg.threshold_window_seconds), 1),
+            min_windows=cfg.threshold_min_windows, onset_per_minute=cfg.preemption_onset_per_minute,
+            configured_threshold=cfg.kv_pressure_threshold_ratio,
+            use_located=cfg.kv_pressure_threshold_source == "located", reference=self.reference, name=server.name,
+            sample_share=server.kv_cache_metrics_sample, p99_tool_latency_seconds=cfg.p99_tool_latency_seconds)
         self._p95: dict[float, pressure_model.P95] = {}  # per window length, as of the last learn()
         self._per_minute: dict[float, float | None] = {}  # per window length: preemptions/min, as of learn()
         self._predicted: dict[float, bool | None] = {}  # per window length: the threshold's prediction (hysteresis)
@@ -72,8 +74,10 @@ class ServerModel:
         self.collapse: collapse.CollapseResult | None = None
         self._stale_witnesses: frozenset[str] = frozenset()  # progress counters last seen stale (logged on change)
         self._repeat: dict[bool, RepeatWindows] = {}  # marginal or total J/token: the repeat windows' stats
-        self.phase = PhaseLearner(server.name, self.repeat_seconds, cfg.phase_history_seconds,
-                                  cfg.phase_min_windows, cfg.phase_max_condition, cfg.load_to_compute_cost_ratio)
+        self.phase = PhaseLearner(name=server.name, width=self.repeat_seconds,
+                                  history_seconds=cfg.phase_history_seconds, min_windows=cfg.phase_min_windows,
+                                  max_condition=cfg.phase_max_condition,
+                                  load_to_compute_cost_ratio=cfg.load_to_compute_cost_ratio)
 
     @property
     def name(self) -> str:

@@ -54,7 +54,7 @@ class ThresholdLearner:
     """The evidence windows of one server in its current epoch, its located threshold (with why it is or is
     not located), and the reference share learned alongside."""
 
-    def __init__(self, width_seconds: float, keep_windows: int, min_windows: int, onset_per_minute: float,
+    def __init__(self, *, width_seconds: float, keep_windows: int, min_windows: int, onset_per_minute: float,
                  configured_threshold: float, use_located: bool, reference: LowPressureReference,
                  name: str = "", sample_share: float = residency.DEFAULT_SAMPLE_SHARE,
                  p99_tool_latency_seconds: float = rules.P99_TOOL_LATENCY.default) -> None:
