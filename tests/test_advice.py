@@ -35,7 +35,9 @@ def _fig(**kw) -> ServerFigures:
                 threshold=0.9, threshold_in_use=0.9, reference_share=0.3, reference_kind="learned", windows=(QUIET,), collapse=CLEAR,
                 buffer=BUF_OK, threshold_state="known", regime_state="known", regime_reason="on the threshold",
                 tax_state="known", tax_reason="median of 3 low-pressure windows", reference_windows=3,
-                reference_spread=0.01, evidence=Evidence(10, 5, 5, 0, 0, 540.0, None, None, 3))
+                reference_spread=0.01, evidence=Evidence(windows=10, clean=5, pressured=5, unknown=0, rejected=0,
+                                                         span_seconds=540.0, oldest_wall=None, newest_wall=None,
+                                                         low_pressure=3))
     base.update(kw)
     fig = ServerFigures(**base)
     advice = advice_model.advise(fig, CFG)
@@ -157,7 +159,8 @@ def test_a_provisional_tax_gives_the_evidence_advice_not_a_verdict():
 
 def test_a_provisional_regime_says_how_long_and_what_would_make_it_known_now():
     # below on low-pressure signs for one evidence window: known after QUIET_KNOWN_WINDOWS in a row
-    ev = Evidence(2, 1, 1, 0, 0, 60.0, None, None, 1, quiet_streak=1)
+    ev = Evidence(windows=2, clean=1, pressured=1, unknown=0, rejected=0, span_seconds=60.0, oldest_wall=None,
+                  newest_wall=None, low_pressure=1, quiet_streak=1)
     st = _status(_fig(regime_state="provisional", regime_reason="below: no preemption", evidence=ev))
     (a,) = [a for a in st["advice"] if a["kind"] == "evidence"]
     assert a["evidence"]["figure"] == "regime" and a["evidence"]["windows_needed"] == QUIET_KNOWN_WINDOWS - 1

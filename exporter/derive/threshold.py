@@ -72,7 +72,7 @@ class LocatedThreshold:
     reason: str = ""            # why the state is what it is, in words
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Evidence:
     """What a server's learned figures rest on (methods.md s10): its evidence windows in the current epoch."""
 

@@ -207,10 +207,12 @@ class ThresholdLearner:
     def _count_evidence(self) -> Evidence:
         kinds = [classify(p, self.onset) for p in self.points]
         walls = [p.wall for p in self.points if p.wall is not None]
-        return Evidence(len(self.points), kinds.count(False), kinds.count(True), kinds.count(None), self.rejected,
-                        (max(walls) - min(walls)) if walls else 0.0, min(walls, default=None),
-                        max(walls, default=None), sum(1 for p in self.points if self._low_pressure(p)),
-                        self.quiet_streak)
+        return Evidence(windows=len(self.points), clean=kinds.count(False), pressured=kinds.count(True),
+                        unknown=kinds.count(None), rejected=self.rejected,
+                        span_seconds=(max(walls) - min(walls)) if walls else 0.0, oldest_wall=min(walls, default=None),
+                        newest_wall=max(walls, default=None),
+                        low_pressure=sum(1 for p in self.points if self._low_pressure(p)),
+                        quiet_streak=self.quiet_streak)
 
     def _count_quiet_streak(self) -> int:
         """The newest evidence windows that were all clean (positive signs of low pressure), counted back from
