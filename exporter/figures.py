@@ -8,16 +8,24 @@ the JSON says null, never a fake 0. Frozen: a scrape cannot change what it reads
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from exporter import rules
-from exporter.derive.collapse import CollapseResult
-from exporter.derive.energy import EnergyPerToken
-from exporter.derive.offload import TierFlows, TierState
-from exporter.derive.phase_energy import PHASES, PhaseCosts  # noqa: F401 (PHASES: for the catalog, which imports no derive/)
-from exporter.derive.recompute import PreemptionRecompute
-from exporter.derive.threshold import Evidence, LocatedThreshold
 from exporter.energy.baseline import Baseline
+from exporter.results import (
+    PHASES,  # noqa: F401 (for the catalog)
+    CollapseResult,
+    Evidence,
+    LocatedThreshold,
+    PhaseCosts,
+    PreemptionRecompute,
+    TierFlows,
+    TierState,
+)
 from exporter.samples import DeviceReading, EngineInfo, SourceStatus
+
+if TYPE_CHECKING:  # a type only: its properties are formulas (derive/marginal.py), which serving never loads
+    from exporter.derive.energy import EnergyPerToken
 
 UNKNOWN_ENGINE = "unknown"  # a server never read yet: no exposition has said which engine it runs
 

@@ -12,10 +12,10 @@ from dataclasses import replace
 
 from exporter.config import DEFAULT_SERVER_URL, Config
 from exporter.derive.collapse import CONDITIONS, CollapseResult
-from exporter.derive.threshold import Evidence
 from exporter.figures import BufferFigures, ServerFigures, Snapshot, WindowFigures
 from exporter.model import advice as advice_model
 from exporter.model.pressure import QUIET_KNOWN_WINDOWS
+from exporter.results import Evidence
 from exporter.samples import EngineInfo, SourceStatus
 from exporter.serve import page
 from exporter.serve.web import status_json

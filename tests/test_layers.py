@@ -230,12 +230,22 @@ def _loaded_by(*modules: str) -> set[str]:
 
 def test_serving_the_figures_loads_no_computation_at_runtime():
     """Importing the catalog and the renderers that walk it loads no model, source, sampler or configuration
-    module, and no derive/ module beyond those whose value types exporter.figures holds."""
+    module, and no computation beyond what exporter.figures loads (its idle baselines' type)."""
     served = _loaded_by("exporter.catalog", "exporter.serve.collector", "exporter.serve.page")
     types_only = _loaded_by("exporter.figures")
-    assert "exporter.catalog.offload" in served and "exporter.derive.phase_energy" in types_only  # the probe works
+    assert "exporter.catalog.offload" in served and "exporter.results" in types_only  # the probe works
     beyond = sorted(m for m in served - types_only if any(_within(m, p) for p in COMPUTATIONS))
     assert not beyond, "serving the figures loads computations:\n" + "\n".join(beyond)
+
+
+def test_serve_loads_without_derive():
+    """Every module of exporter/serve/ (with the figures and the catalog they read) loads without exporter.derive:
+    the result types the figures hold live in exporter/results.py, which derive/ imports, not the reverse."""
+    serve = tuple(sorted(m for m in _files() if _within(m, "exporter.serve")))
+    loaded = _loaded_by(*serve)
+    assert {"exporter.serve.web", "exporter.serve.webconfig", "exporter.figures"} <= loaded  # the probe works
+    derive = sorted(m for m in loaded if _within(m, "exporter.derive"))
+    assert not derive, "loading exporter/serve/ loads derive/:\n" + "\n".join(derive)
 
 
 def test_offload_profile_does_not_import_the_model():

@@ -15,6 +15,7 @@ import pytest
 
 from exporter import rules
 from exporter.derive import phase_energy as pe
+from exporter.results import PHASES
 from exporter.samples import Interval
 from exporter.store import buckets_of
 from tests import phase_double
@@ -48,7 +49,7 @@ def test_the_standard_errors_are_calibrated():
     z = []
     for seed in range(40):
         c = fit(phase_double.windows(60, TRUE, seed=100 + seed, offload=True))
-        z += [(c.joules(p) - t) / c.stderr(p) for p, t in zip(pe.PHASES, TRUE)]
+        z += [(c.joules(p) - t) / c.stderr(p) for p, t in zip(PHASES, TRUE)]
     assert 0.7 <= statistics.pstdev(z) <= 1.4
     assert abs(statistics.mean(z)) < 0.4
 

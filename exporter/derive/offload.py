@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from exporter import rules
 from exporter.derive.pressure import rate_per_second
 from exporter.keys import labelled_key
+from exporter.results import TierFlows, TierState
 from exporter.store import WindowAggregate
 
 # native connector (0.24+ / 0.26+), and the SimpleCPU connector's stores dropped because its pool was full
@@ -50,15 +51,6 @@ def token_rates(x: WindowAggregate) -> TokenRates:
 
 
 TIER_HIT_KEYS = {"host": "offload_host_hit_ratio", "disk": "offload_disk_hit_ratio"}
-
-
-@dataclass(frozen=True)
-class TierState:
-    """The offload tiers as the engine last reported them (gauges the engine computes itself)."""
-
-    used_ratio: float | None = None  # true occupancy 0..1 (SGLang HiCache, TensorRT-LLM host pool)
-    used_bytes: float | None = None  # bytes held (LMCache: no capacity exported, so no ratio)
-    hit_ratio: dict[str, float] | None = None  # tier -> the engine's own recent hit rate (Dynamo KVBM)
 
 
 def tier_state(gauges: dict[str, float] | None) -> TierState:
@@ -153,26 +145,6 @@ def flag_words(n_bytes: float | None) -> str | None:
     """'0.018 (18 MiB)': the flag's value with the bytes it stands for, None when unknown."""
     gib = flag_gib(n_bytes)
     return None if gib is None else f"{gib:.12g} ({size_words(n_bytes)})"
-
-
-@dataclass(frozen=True, kw_only=True)
-class TierFlows:
-    """One secondary offload tier of vLLM's tiering manager (0.28+, tier label "<index>:<type>", e.g. "1:fs")
-    over a window. Writes go primary (CPU) tier -> this tier (cascade), reads this tier -> primary (promotion).
-    vLLM exports no tier capacity: residency needs it from the configuration (servers[].offload_tier_bytes),
-    and ``undersized`` is the CPU tier's rule (methods.md s6) with failed jobs as the failures."""
-
-    tier: str
-    write_bytes_per_second: float | None
-    read_bytes_per_second: float | None
-    chunk_hit_ratio: float | None  # chunk lookups that hit / lookups sent to this tier
-    job_failures: float | None  # failed promotion + cascade jobs in the window
-    undersized: bool | None  # residency < p99 tool-call latency, or a job failed (None: neither known)
-    residency_seconds: float | None = None  # configured capacity / write rate
-    # stores (cascade jobs) bound for this tier and their blocks that vLLM's back-pressure detector dropped, per
-    # second over the window: blocks the tier will never serve (the tier too slow for the write rate)
-    dropped_stores_per_second: float | None = None
-    dropped_blocks_per_second: float | None = None
 
 
 def _hit_ratio(hits: float | None, queries: float | None) -> float | None:

@@ -27,15 +27,15 @@ import itertools
 import math
 from dataclasses import dataclass, replace
 from operator import add, mul, sub
-from typing import ClassVar, Iterable, NamedTuple, Sequence
+from typing import Iterable, NamedTuple, Sequence
 
 from exporter import rules
 from exporter.derive import compare
 from exporter.derive.marginal import above_idle
 from exporter.derive.recompute import token_counts
+from exporter.results import PhaseCosts
 from exporter.store import Bucket
 
-PHASES = ("prompt_computed", "generated", "reloaded")
 # The prior's price of a computed prompt token, as a fraction of a generated one (methods.md s12 "prior"): prefill
 # is batched and compute-bound, decode memory-bound. On the roofline, a prompt token costs 2 N_act / F of GPU time
 # and a generated one, at decode batch B, the weights' read 2 N_act bytes / (B x memory bandwidth) (bf16), so
@@ -53,38 +53,6 @@ class PhaseWindow:
     computed: float
     generated: float
     reloaded: float
-
-
-@dataclass(frozen=True, kw_only=True)
-class PhaseCosts:
-    """Marginal J per token by phase for one scope; SE None for a cost pinned at 0 or from the prior."""
-
-    scope: str
-    prompt_computed_j: float | None = None
-    prompt_computed_se: float | None = None
-    generated_j: float | None = None
-    generated_se: float | None = None
-    reloaded_j: float | None = None
-    reloaded_se: float | None = None
-    windows: int = 0
-    state: str = "unknown"  # known | not_identifiable | unknown
-    reason: str = ""
-    source: str = "prior"  # measured | prior
-    condition: float | None = None  # condition number of the normalised design (identifiability)
-    # covariance of (prompt_computed, reloaded) costs, for propagating into dE (0 where pinned or prior)
-    cov_prompt_reloaded: float = 0.0
-    phases: ClassVar[tuple[str, ...]] = PHASES
-
-    def joules(self, phase: str) -> float | None:
-        return getattr(self, f"{phase}_j")
-
-    def stderr(self, phase: str) -> float | None:
-        return getattr(self, f"{phase}_se")
-
-    @property
-    def usable(self) -> bool:
-        """A price for computed prompt tokens is there (measured or prior)."""
-        return self.prompt_computed_j is not None
 
 
 def observation(bucket: Bucket, width: float, scope: str) -> PhaseWindow | None:

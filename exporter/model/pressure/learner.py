@@ -14,7 +14,6 @@ from exporter.derive import pressure, recompute, residency
 from exporter.derive.pressure import plausible_preemptions
 from exporter.derive.threshold import (
     LOW_PRESSURE_MAX,
-    Evidence,
     LocatedThreshold,
     PressurePoint,
     classify,
@@ -34,6 +33,7 @@ from exporter.model.pressure.regime_signs import (
     quiet,
     residency_sign,
 )
+from exporter.results import Evidence
 from exporter.store import WindowAggregate
 
 log = logging.getLogger("kvwatt.pressure")
