@@ -56,3 +56,28 @@ def test_no_production_call_passes_six_positional_arguments_to_an_exporter_class
                  for hit in positional_calls(path, classes - PENDING)]
     assert not offending, (f"calls passing more than {MAX_POSITIONAL} positional arguments to a value type "
                            "(build it by keyword):\n" + "\n".join(offending))
+
+
+def frozen_writes(path: Path, root: Path = ROOT) -> list[str]:
+    """'file:line in function' for each ``object.__setattr__`` call in ``path`` outside a ``__post_init__`` (where
+    a frozen dataclass completes itself before anyone holds it): a figure set after it was built."""
+    found = []
+    for fn in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) and fn.name != "__post_init__":
+            found += [f"{path.relative_to(root)}:{n.lineno} in {fn.name}" for n in ast.walk(fn)
+                      if isinstance(n, ast.Call) and ast.unparse(n.func) == "object.__setattr__"]
+    return found
+
+
+def test_the_setattr_scan_sees_a_write(tmp_path):
+    path = tmp_path / "m.py"
+    path.write_text("class A:\n    def __post_init__(self):\n        object.__setattr__(self, 'x', 1)\n\n"
+                    "def attach(v):\n    object.__setattr__(v, 'advice', ())\n")
+    assert frozen_writes(path, tmp_path) == ["m.py:6 in attach"]
+
+
+def test_no_frozen_figure_is_set_after_it_is_built():
+    """A frozen figure is built whole (dataclasses.replace for a copy with more fields), never set afterwards:
+    a scrape reads what the tick built (issue 40 item 10; model/advice.py attach set two fields in place)."""
+    offending = [hit for root in PRODUCTION for path in sorted(root.rglob("*.py")) for hit in frozen_writes(path)]
+    assert not offending, "object.__setattr__ outside __post_init__:\n" + "\n".join(offending)

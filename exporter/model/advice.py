@@ -10,6 +10,8 @@ undersized where offloading is on (methods.md s3, s5, s6, s10).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from exporter import rules
 from exporter.config import DEFAULT_SERVER_URL, Config
 from exporter.derive.threshold import noise_bar, plural
@@ -41,12 +43,10 @@ def advise(v: ServerFigures, cfg: Config) -> tuple[Advice, ...]:
 
 
 def attach(v: ServerFigures, cfg: Config) -> ServerFigures:
-    """``v`` with its advice and recommendations set, the figures not copied: advice reads the finished figures,
-    so it is the one pair of fields set after construction (the figures are frozen to every later reader)."""
+    """``v`` with its advice and recommendations: advice reads the finished figures, so the served figures are
+    ``v`` built again with the two fields (dataclasses.replace: the fields shared, never a frozen one set)."""
     advice = advise(v, cfg)
-    object.__setattr__(v, "advice", advice)
-    object.__setattr__(v, "recommendations", recommendations(advice))
-    return v
+    return replace(v, advice=advice, recommendations=recommendations(advice))
 
 
 def recommendations(advice: tuple[Advice, ...]) -> tuple[str, ...]:
