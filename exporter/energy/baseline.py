@@ -313,8 +313,8 @@ def parse_entry(device: str, entry: Any, now_wall: float) -> Baseline:
     if entry["method"] not in STORED_METHODS:
         raise ValueError(f"method {entry['method']!r} is not one of {', '.join(STORED_METHODS)}")
     return Baseline(
-        device=device, watts=_number(entry["watts"], "watts", 0.0, MAX_IDLE_WATTS), method=entry["method"],
-        measured_at=_number(entry["measured_at"], "measured_at", 0.0, now_wall + FUTURE_SLACK_SECONDS),
+        device=device, watts=bounded_number(entry["watts"], "watts", 0.0, MAX_IDLE_WATTS), method=entry["method"],
+        measured_at=bounded_number(entry["measured_at"], "measured_at", 0.0, now_wall + FUTURE_SLACK_SECONDS),
         duration_seconds=_optional(entry.get("duration_seconds"), "duration_seconds", 0.0, math.inf),
         temperature_celsius=_optional(entry.get("temperature_celsius"), "temperature_celsius", -273.15, math.inf))
 
@@ -329,10 +329,10 @@ def entry_at(entry: Any, required: tuple[str, ...], now_wall: float,
     missing = [k for k in required if k not in entry]
     if missing:
         raise ValueError(f"{', '.join(missing)} missing")
-    return _number(entry["at"], "at", 0.0, now_wall + future_slack)
+    return bounded_number(entry["at"], "at", 0.0, now_wall + future_slack)
 
 
-def _number(value: Any, name: str, lo: float, hi: float) -> float:
+def bounded_number(value: Any, name: str, lo: float, hi: float) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{name} {value!r} is not a finite number")
     try:
@@ -347,4 +347,4 @@ def _number(value: Any, name: str, lo: float, hi: float) -> float:
 
 
 def _optional(value: Any, name: str, lo: float, hi: float) -> float | None:
-    return None if value is None else _number(value, name, lo, hi)
+    return None if value is None else bounded_number(value, name, lo, hi)
