@@ -25,8 +25,10 @@ def iv(t: float, computed: float, generated: float, reloaded: float = 0.0, cache
     """One 1 s interval; ``joules`` None: no GPU energy sample for it (NVML failed)."""
     energy = {} if joules is None else {"gpu": joules}
     return Interval(t0=t, t1=t + 1.0, deltas={"generation_tokens": generated, "prompt_local_compute": computed,
-                                 "prompt_local_cache_hit": cached, "prompt_external_kv_transfer": reloaded},
-                    gauges={"kv_usage": 0.95}, energy_joules=energy, idle_joules={} if joules is None else {"gpu": idle})
+                                              "prompt_local_cache_hit": cached,
+                                              "prompt_external_kv_transfer": reloaded},
+                    gauges={"kv_usage": 0.95}, energy_joules=energy,
+                    idle_joules={} if joules is None else {"gpu": idle})
 
 
 def test_the_prior_prices_a_computed_prompt_token_at_a_fraction_of_a_generated_one():
@@ -122,8 +124,10 @@ def test_baseline_record_writes_no_negative_band_that_run_refuses():
 
 
 def test_a_tier_chunk_hit_ratio_never_exceeds_one():
-    agg = aggregate_of([Interval(t0=t, t1=t + 1.0, deltas={"tier_chunk_queries@1:fs": 10.0, "tier_chunk_hits@1:fs": 30.0,
-                                              "tier_write_bytes@1:fs": 1e6}, gauges={}) for t in range(3)])
+    agg = aggregate_of([Interval(t0=t, t1=t + 1.0, deltas={"tier_chunk_queries@1:fs": 10.0,
+                                                           "tier_chunk_hits@1:fs": 30.0,
+                                                           "tier_write_bytes@1:fs": 1e6}, gauges={})
+                        for t in range(3)])
     (flows,) = offload.tier_flows(agg)
     assert flows.chunk_hit_ratio is None or flows.chunk_hit_ratio <= 1.0
 

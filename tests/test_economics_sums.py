@@ -83,7 +83,9 @@ def test_the_jackknife_of_a_mean_is_the_standard_error_of_the_mean():
                   reloaded_j=None, reloaded_se=None, windows=60, state="known", reason="", source="measured"),
     pe.PhaseCosts(scope="gpu", prompt_computed_j=0.05, prompt_computed_se=None, generated_j=0.25, generated_se=None,
                   reloaded_j=0.005, reloaded_se=None, windows=30, state="unknown", reason="", source="prior"),
-    pe.PhaseCosts(scope="gpu", prompt_computed_j=5.0, prompt_computed_se=0.1, generated_j=0.3, generated_se=0.01, reloaded_j=None, reloaded_se=None, windows=60, state="known", reason="", source="measured"),  # beyond the energy: capped
+    # beyond the energy: capped
+    pe.PhaseCosts(scope="gpu", prompt_computed_j=5.0, prompt_computed_se=0.1, generated_j=0.3, generated_se=0.01,
+                  reloaded_j=None, reloaded_se=None, windows=60, state="known", reason="", source="measured"),
 ], ids=["measured", "prior", "capped"])
 def test_the_potential_de_is_the_tax_share_it_prices(costs):
     """potential dE = (1 - J_r/J_c) x the window's recompute energy share (the tax_in_energy figure), exactly,

@@ -281,7 +281,8 @@ def test_the_private_name_scan_sees_both_forms(tmp_path):
     path.write_text("from exporter.config.values import _str, parse_url\nfrom exporter.sources import expfmt\n"
                     "from ._local import x\n\ndef f(t):\n    return expfmt._split(t), expfmt.parse(t), t._own\n")
     assert _private_names_imported("exporter.sources.m", path) == [
-        "exporter.sources.m: _str from exporter.config.values", "exporter.sources.m: _split from exporter.sources.expfmt"]
+        "exporter.sources.m: _str from exporter.config.values",
+        "exporter.sources.m: _split from exporter.sources.expfmt"]
 
 
 def test_no_module_takes_a_private_name_from_another():

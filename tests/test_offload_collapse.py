@@ -185,9 +185,11 @@ def test_both_sets_name_the_stalled_engine_first():
 def busy_with_flat_steps(tokens_per_second=500.0, prompt_per_second=0.0, seconds=660):
     """Busy the whole time (4 running): the step counter is on the wire but flat from t=600 (a detached stats
     logger, a data-parallel coordinator's copy), the token counters keep moving."""
-    return [Interval(t0=float(t), t1=t + 1.0, deltas={"generation_tokens": tokens_per_second, "prompt_tokens": prompt_per_second,
-                                         "preemptions": 0.0, "engine_steps": 20.0 if t < 600 else 0.0},
-                     gauges={"running": 4, "waiting": 0, "kv_usage": 0.5}, energy_joules={}, idle_joules={}) for t in range(seconds)]
+    return [Interval(t0=float(t), t1=t + 1.0,
+                     deltas={"generation_tokens": tokens_per_second, "prompt_tokens": prompt_per_second,
+                             "preemptions": 0.0, "engine_steps": 20.0 if t < 600 else 0.0},
+                     gauges={"running": 4, "waiting": 0, "kv_usage": 0.5}, energy_joules={}, idle_joules={})
+            for t in range(seconds)]
 
 
 @pytest.mark.parametrize("gen, prompt", [(500.0, 0.0), (0.0, 800.0)])  # decoding; prefilling only

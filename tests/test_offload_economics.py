@@ -61,7 +61,8 @@ def test_estimated_reaches_a_pre_016_server_through_the_prefix_cache_counters():
     """vLLM < 0.16 has no prompt_tokens_by_source: window_stats takes the token sources from
     recompute.token_counts' prefix-cache estimate, so the estimated dE exists for such a server too."""
     ivs = [Interval(t0=t, t1=t + 1, deltas={"generation_tokens": 50.0, "prefix_queries": 1000.0, "prefix_hits": 400.0,
-                               "external_prefix_hits": 250.0}, gauges={"kv_usage": 0.95}, energy_joules={"gpu": 500.0}, idle_joules={"gpu": 150.0})
+                                            "external_prefix_hits": 250.0},
+                    gauges={"kv_usage": 0.95}, energy_joules={"gpu": 500.0}, idle_joules={"gpu": 150.0})
            for t in range(120)]
     ws = stats(ivs, 60)
     assert [(w.computed_prompt_tokens, w.loaded_prompt_tokens, w.prompt_tokens) for w in ws] == \
@@ -76,7 +77,9 @@ def test_paired_uses_only_windows_where_both_carry_load():
                        computed_prompt_tokens=10, loaded_prompt_tokens=100, loaded=True) for k in range(4)]
     off = [E.WindowStat(t0=k * 60, t1=k * 60 + 60, covered_seconds=60, generated_tokens=800, joules=100.0, kv_p95=0.9,
                         computed_prompt_tokens=50, loaded_prompt_tokens=0, loaded=True) for k in range(3)]
-    off.append(E.WindowStat(t0=180, t1=240, covered_seconds=60, generated_tokens=0, joules=0.0, kv_p95=0.9, computed_prompt_tokens=0, loaded_prompt_tokens=0, loaded=False))  # OFF idle in the 4th window
+    # OFF idle in the 4th window
+    off.append(E.WindowStat(t0=180, t1=240, covered_seconds=60, generated_tokens=0, joules=0.0, kv_p95=0.9,
+                            computed_prompt_tokens=0, loaded_prompt_tokens=0, loaded=False))
     de, dt = E.paired(on, off)
     assert de.windows == 3 and dt.windows == 3
     # J/tok ON 0.08, OFF 0.125 -> dE = 1 - 0.64 = 0.36; TPS 1000/800 -> +25 %
@@ -111,7 +114,10 @@ def test_recorded_band_by_band_hand_computed():
 
 
 def test_recorded_skips_bands_without_profile_data():
-    profile = [E.BandProfile(lo=0.0, hi=0.95, windows=5, joules_per_token=0.1, joules_per_token_stderr=0.001, tokens_per_second=1000.0, tokens_per_second_stderr=5.0), E.BandProfile(lo=0.95, hi=1.0, windows=0, joules_per_token=None, joules_per_token_stderr=None, tokens_per_second=None, tokens_per_second_stderr=None)]
+    profile = [E.BandProfile(lo=0.0, hi=0.95, windows=5, joules_per_token=0.1, joules_per_token_stderr=0.001,
+                             tokens_per_second=1000.0, tokens_per_second_stderr=5.0),
+               E.BandProfile(lo=0.95, hi=1.0, windows=0, joules_per_token=None, joules_per_token_stderr=None,
+                             tokens_per_second=None, tokens_per_second_stderr=None)]
     on = [E.WindowStat(t0=k, t1=k + 1, covered_seconds=1, generated_tokens=900, joules=90.0, kv_p95=0.97,
                        computed_prompt_tokens=0, loaded_prompt_tokens=0, loaded=True) for k in range(3)]
     de, _ = E.recorded(on, profile)

@@ -115,7 +115,8 @@ def test_observed_kappa():
     assert K.observed(aggregate_of([Interval(t0=0, t1=1, deltas=none, gauges={})])) is None
     only_loaded = {"prompt_local_compute": 0.0, "prompt_external_kv_transfer": 5.0}
     assert K.observed(aggregate_of([Interval(t0=0, t1=1, deltas=only_loaded, gauges={})])) == math.inf
-    assert K.observed(aggregate_of([Interval(t0=0, t1=1, deltas={"prompt_tokens": 5.0}, gauges={})])) is None  # vLLM < 0.16
+    # vLLM < 0.16
+    assert K.observed(aggregate_of([Interval(t0=0, t1=1, deltas={"prompt_tokens": 5.0}, gauges={})])) is None
 
 
 def test_config_file_and_overrides(tmp_path):

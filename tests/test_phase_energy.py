@@ -214,8 +214,9 @@ def _bucket_ivs(k, win, width=10.0):
     n = int(width)
     return [Interval(t0=k * width + i, t1=k * width + i + 1,
                      deltas={"generation_tokens": win.generated / n, "prompt_local_compute": win.computed / n,
-                      "prompt_local_cache_hit": 0.0, "prompt_external_kv_transfer": win.reloaded / n},
-                     gauges={"kv_usage": 0.5}, energy_joules={"gpu": 100.0 + win.joules / n}, idle_joules={"gpu": 100.0}) for i in range(n)]
+                             "prompt_local_cache_hit": 0.0, "prompt_external_kv_transfer": win.reloaded / n},
+                     gauges={"kv_usage": 0.5}, energy_joules={"gpu": 100.0 + win.joules / n},
+                     idle_joules={"gpu": 100.0}) for i in range(n)]
 
 
 def test_the_learner_measures_from_grid_buckets_and_logs_the_change_once(caplog):

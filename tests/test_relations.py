@@ -20,7 +20,9 @@ from exporter.sources.nvml import NvmlSource
 from tests.support.fake_gpus import FakeGpus, load_fake_nvml
 from tests.test_bounds import snapshot
 
-PRIOR = PhaseCosts(scope="gpu", prompt_computed_j=0.05, prompt_computed_se=None, generated_j=0.3, generated_se=None, reloaded_j=0.005, reloaded_se=None, windows=120, state="not_identifiable", reason="", source="prior")  # reload 0.1
+PRIOR = PhaseCosts(scope="gpu", prompt_computed_j=0.05, prompt_computed_se=None, generated_j=0.3, generated_se=None,
+                   reloaded_j=0.005, reloaded_se=None, windows=120, state="not_identifiable", reason="",
+                   source="prior")  # reload 0.1
 
 
 def _check(snap):
