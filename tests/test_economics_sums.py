@@ -28,7 +28,8 @@ WIDTH = 10.0  # the repeat windows' grid
 def _iv(t: float, computed: float, generated: float, reloaded: float = 0.0, cached: float = 0.0,
         joules: float = 400.0, idle: float = 100.0) -> Interval:
     return Interval(t0=t, t1=t + 1.0, deltas={"generation_tokens": generated, "prompt_local_compute": computed,
-                                 "prompt_local_cache_hit": cached, "prompt_external_kv_transfer": reloaded},
+                                              "prompt_local_cache_hit": cached,
+                                              "prompt_external_kv_transfer": reloaded},
                     gauges={"kv_usage": 0.95}, energy_joules={"gpu": joules}, idle_joules={"gpu": idle})
 
 

@@ -134,7 +134,8 @@ def test_condition_number_of_orthogonal_and_proportional_columns():
 
 def _iv(t0, gen, computed, reloaded, joules, idle):
     return Interval(t0=t0, t1=t0 + 1, deltas={"generation_tokens": gen, "prompt_local_compute": computed,
-                                 "prompt_local_cache_hit": 0.0, "prompt_external_kv_transfer": reloaded},
+                                              "prompt_local_cache_hit": 0.0,
+                                              "prompt_external_kv_transfer": reloaded},
                     gauges={"kv_usage": 0.5}, energy_joules={"gpu": joules}, idle_joules={"gpu": idle})
 
 
