@@ -7,8 +7,8 @@ the JSON says null, never a fake 0. Frozen: a scrape cannot change what it reads
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from dataclasses import InitVar, dataclass, field
+from typing import TYPE_CHECKING, Callable
 
 from exporter import rules
 from exporter.energy.baseline import Baseline
@@ -284,6 +284,16 @@ class ServerFigures:
     # of its last read (the ``engine`` label) and the GPUs configured for it (empty: none named)
     engines: int = 1
     gpu_ids: tuple[str, ...] = ()
+    # the model's advisor (exporter.model.advice.advisor): ``advice`` and ``recommendations`` read the finished
+    # figures, so they are set from it while the figures are built, before anyone holds them (built once,
+    # tests/test_figures_once.py); None: as given
+    advise: InitVar[Callable[[ServerFigures], tuple[tuple[Advice, ...], tuple[str, ...]]] | None] = None
+
+    def __post_init__(self, advise: Callable[[ServerFigures], tuple[tuple[Advice, ...], tuple[str, ...]]] | None):
+        if advise is not None:
+            advice, words = advise(self)
+            object.__setattr__(self, "advice", advice)
+            object.__setattr__(self, "recommendations", words)
 
     @property
     def regime(self) -> str:

@@ -10,7 +10,7 @@ undersized where offloading is on (methods.md s3, s5, s6, s10).
 
 from __future__ import annotations
 
-from dataclasses import replace
+from typing import Callable
 
 from exporter import rules
 from exporter.config import DEFAULT_SERVER_URL, Config
@@ -42,11 +42,13 @@ def advise(v: ServerFigures, cfg: Config) -> tuple[Advice, ...]:
     return tuple(out) or (Advice("nothing_to_do", "info", NOTHING_TO_DO, {}),)
 
 
-def attach(v: ServerFigures, cfg: Config) -> ServerFigures:
-    """``v`` with its advice and recommendations: advice reads the finished figures, so the served figures are
-    ``v`` built again with the two fields (dataclasses.replace: the fields shared, never a frozen one set)."""
-    advice = advise(v, cfg)
-    return replace(v, advice=advice, recommendations=recommendations(advice))
+def advisor(cfg: Config) -> Callable[[ServerFigures], tuple[tuple[Advice, ...], tuple[str, ...]]]:
+    """What ServerFigures is built with (its ``advise``): the advice read from the finished figures, and its
+    words. The figures are built once, their advice included, and never set afterwards."""
+    def advice_and_words(v: ServerFigures) -> tuple[tuple[Advice, ...], tuple[str, ...]]:
+        advice = advise(v, cfg)
+        return advice, recommendations(advice)
+    return advice_and_words
 
 
 def recommendations(advice: tuple[Advice, ...]) -> tuple[str, ...]:

@@ -331,7 +331,7 @@ class ServerModel:
 
     def figures(self, now: float, peers: Mapping[str, "ServerModel"], prices: Prices | None = None) -> ServerFigures:
         """The server's figures of this tick, each built once: every window (costs included), then the server's
-        figures, then the advice read from them (attached, not rebuilt: advice_model.attach)."""
+        figures, then the advice read from them (set while they are built: advice_model.advisor)."""
         windows = tuple(self.window(now, s, peers, prices) for s in self.cfg.windows_seconds)
         enabled = self.info.offload_enabled if self.info else None
         buf = None
@@ -339,7 +339,7 @@ class ServerModel:
             short = min(self.cfg.windows_seconds)
             buf = offload_figures.buffer(windows, offload.store_failures(self.history.aggregate(short)), self.cfg,
                                          self.info.offload_buffer_bytes)
-        fig = ServerFigures(
+        return ServerFigures(
             name=self.name, url=redacted_url(self.server.url), status=self.status, info=self.info,
             engine=self.engine, capabilities=self.capabilities,
             threshold=self.cfg.kv_pressure_threshold_ratio, reference_share=self.reference.value,
@@ -350,8 +350,7 @@ class ServerModel:
             threshold_source=self.pressure.source, evidence_windows=len(self.pressure.points),
             reference_windows=self.reference.windows, reference_spread=self.reference.spread,
             phase_costs=self.phase.figures(), engines=self.engines, gpu_ids=self.server.gpus,
-            **self._judgements(windows))
-        return advice_model.attach(fig, self.cfg)  # "what do I do?", from the figures just derived
+            **self._judgements(windows), advise=advice_model.advisor(self.cfg))  # "what do I do?", read from them
 
     def unknown_figures(self, why: str) -> ServerFigures:
         """The server's figures when learning or deriving them failed (exporter.model.Model): every figure
