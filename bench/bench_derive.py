@@ -76,9 +76,10 @@ class Workload:
             c["preemptions"] += 1
         gauges = dict(self.base.gauges, running=round(40 * x), waiting=round(10 * max(x - 0.7, 0)),
                       kv_usage=min(0.99, 0.05 + 0.95 * x))
-        return ServerRead(name, SourceStatus("vllm", name, True, "", 0.004, "ok"),
-                          EngineReading(dict(c), gauges, self.base.info, self.base.capabilities,
-                                        self.base.engine)), x
+        return ServerRead(name, SourceStatus(source="vllm", server=name, up=True, reason="", duration_seconds=0.004,
+                                             state="ok"),
+                          EngineReading(counters=dict(c), gauges=gauges, info=self.base.info,
+                                        capabilities=self.base.capabilities, engine=self.base.engine)), x
 
     def tick(self, t: float) -> Tick:
         servers, devices = {}, []
@@ -87,10 +88,12 @@ class Workload:
             watts = 80.0 + 500.0 * x
             self.joules[i] += watts
             uuid = f"GPU-{i:08d}-bench"
-            devices.append(DeviceReading(f"gpu:{uuid}", "gpu", {"gpu": str(i), "uuid": uuid}, self.joules[i],
-                                         True, watts, "counter", 45.0, t))
-        statuses = (SourceStatus("nvml", "", True, "", 0.005, "ok"),
-                    SourceStatus("rapl", "", False, "unsupported: no powercap", 0.0, "down"))
+            devices.append(DeviceReading(device=f"gpu:{uuid}", kind="gpu", labels={"gpu": str(i), "uuid": uuid},
+                                         joules_total=self.joules[i], continuous=True, power_watts=watts,
+                                         method="counter", temperature_celsius=45.0, read_at=t))
+        statuses = (SourceStatus(source="nvml", server="", up=True, reason="", duration_seconds=0.005, state="ok"),
+                    SourceStatus(source="rapl", server="", up=False, reason="unsupported: no powercap",
+                                 duration_seconds=0.0, state="down"))
         return Tick(t, servers, statuses, tuple(devices))
 
 

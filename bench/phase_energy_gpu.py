@@ -216,10 +216,10 @@ def mixed_windows(work, energy, p_idle: float, n: int, width: float, seed: int) 
         jp, dtp, computed, _ = run_for(work, energy, "prefill", share * width)
         jd, dtd, _, generated = run_for(work, energy, "decode", (1 - share) * width)
         dt = dtp + dtd
-        out.append(Interval(k * width, (k + 1) * width,
-                            {"generation_tokens": generated, "prompt_local_compute": computed,
-                             "prompt_local_cache_hit": 0.0, "prompt_external_kv_transfer": 0.0},
-                            {}, {"gpu": jp + jd}, {"gpu": p_idle * dt}))
+        out.append(Interval(t0=k * width, t1=(k + 1) * width,
+                            deltas={"generation_tokens": generated, "prompt_local_compute": computed,
+                                    "prompt_local_cache_hit": 0.0, "prompt_external_kv_transfer": 0.0},
+                            gauges={}, energy_joules={"gpu": jp + jd}, idle_joules={"gpu": p_idle * dt}))
     return out
 
 

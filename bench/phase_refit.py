@@ -37,8 +37,10 @@ def window(rng: random.Random) -> phase_energy.PhaseWindow:
 def learners(args, rng: random.Random) -> list[PhaseLearner]:
     out = []
     for s in range(args.servers):
-        learner = PhaseLearner(f"s{s}", args.width, args.hours * 3600.0, rules.PHASE_MIN_WINDOWS.default,
-                               rules.PHASE_MAX_CONDITION.default, rules.LOAD_TO_COMPUTE_COST_RATIO.default)
+        learner = PhaseLearner(name=f"s{s}", width=args.width, history_seconds=args.hours * 3600.0,
+                               min_windows=rules.PHASE_MIN_WINDOWS.default,
+                               max_condition=rules.PHASE_MAX_CONDITION.default,
+                               load_to_compute_cost_ratio=rules.LOAD_TO_COMPUTE_COST_RATIO.default)
         for scope in SCOPES:
             for _ in range(learner.keep):
                 learner._keep(scope, window(rng))  # the bench fills the history directly: no buckets to build

@@ -118,10 +118,12 @@ class SoakWorkload(Workload):
                 self.gpu_joules[i][g] += watts * dt
                 k = i * self.gpus + g
                 uuid = f"GPU-{k:08d}-soak"
-                devices.append(DeviceReading(f"gpu:{uuid}", "gpu", {"gpu": str(k), "uuid": uuid},
-                                             self.gpu_joules[i][g], True, watts, "counter", 45.0, t))
-        statuses = (SourceStatus("nvml", "", True, "", 0.005, "ok"),
-                    SourceStatus("rapl", "", False, "unsupported: no powercap", 0.0, "down"))
+                devices.append(DeviceReading(device=f"gpu:{uuid}", kind="gpu", labels={"gpu": str(k), "uuid": uuid},
+                                             joules_total=self.gpu_joules[i][g], continuous=True, power_watts=watts,
+                                             method="counter", temperature_celsius=45.0, read_at=t))
+        statuses = (SourceStatus(source="nvml", server="", up=True, reason="", duration_seconds=0.005, state="ok"),
+                    SourceStatus(source="rapl", server="", up=False, reason="unsupported: no powercap",
+                                 duration_seconds=0.0, state="down"))
         return Tick(t, servers, statuses, tuple(devices))
 
 

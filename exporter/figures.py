@@ -7,18 +7,26 @@ the JSON says null, never a fake 0. Frozen: a scrape cannot change what it reads
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
+from typing import TYPE_CHECKING, Callable
 
 from exporter import rules
-from exporter.derive.collapse import CollapseResult
-from exporter.derive.energy import EnergyPerToken
-from exporter.derive.offload import TierFlows, TierState
-from exporter.derive.phase_energy import PHASES, PhaseCosts  # noqa: F401 (PHASES: for the catalog, which imports no derive/)
-from exporter.derive.recompute import PreemptionRecompute
-from exporter.derive.threshold import Evidence, LocatedThreshold
-from exporter.derive.tier_energy import TierEnergy
 from exporter.energy.baseline import Baseline
+from exporter.results import (
+    PHASES,  # noqa: F401 (for the catalog)
+    CollapseResult,
+    Evidence,
+    LocatedThreshold,
+    PhaseCosts,
+    PreemptionRecompute,
+    TierEnergy,
+    TierFlows,
+    TierState,
+)
 from exporter.samples import DeviceReading, EngineInfo, SourceStatus
+
+if TYPE_CHECKING:  # a type only: its properties are formulas (derive/marginal.py), which serving never loads
+    from exporter.derive.energy import EnergyPerToken
 
 UNKNOWN_ENGINE = "unknown"  # a server never read yet: no exposition has said which engine it runs
 
@@ -39,7 +47,7 @@ class EnergyFigure:
     marginal_joules_per_token: float | None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class CostFigure:
     """One scope's marginal energy in money and carbon over a window (derive/cost.py, docs/energy.md). None:
     unknown (no marginal energy figure) or not configured (no price, no carbon intensity)."""
@@ -59,7 +67,7 @@ class CostFigure:
     offload_saved_co2e_grams_per_day: float | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class PriceFigure:
     """The electricity price or the carbon intensity in force: configured, read from a URL, or not configured."""
 
@@ -79,7 +87,7 @@ class PriceFigure:
 NOISE_STDERRS = rules.NOISE_STDERRS.default  # a dE within two standard errors of zero is "within noise"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SavingFigure:
     """dE and dTPS of offloading against one baseline kind (methods.md s2)."""
 
@@ -188,7 +196,7 @@ class WindowFigures:
     second_tier_energy_saving: float | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class BufferFigures:
     """Offload buffer sizing (methods.md s6), from the shortest window (undersized) and the busiest one."""
 
@@ -233,7 +241,7 @@ class Advice:
     evidence: dict = field(default_factory=dict)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class KappaFigures:
     """kappa_crit and the recompute break-even (methods.md s7): constants per server."""
 
@@ -291,6 +299,16 @@ class ServerFigures:
     # of its last read (the ``engine`` label) and the GPUs configured for it (empty: none named)
     engines: int = 1
     gpu_ids: tuple[str, ...] = ()
+    # the model's advisor (exporter.model.advice.advisor): ``advice`` and ``recommendations`` read the finished
+    # figures, so they are set from it while the figures are built, before anyone holds them (built once,
+    # tests/test_figures_once.py); None: as given
+    advise: InitVar[Callable[[ServerFigures], tuple[tuple[Advice, ...], tuple[str, ...]]] | None] = None
+
+    def __post_init__(self, advise: Callable[[ServerFigures], tuple[tuple[Advice, ...], tuple[str, ...]]] | None):
+        if advise is not None:
+            advice, words = advise(self)
+            object.__setattr__(self, "advice", advice)
+            object.__setattr__(self, "recommendations", words)
 
     @property
     def regime(self) -> str:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Rule:
     key: str
     default: float | tuple[float, ...]
@@ -29,81 +29,95 @@ class Rule:
         return self.field or self.key
 
 
-INTERVAL = Rule("interval", 1.0, "seconds", "sampling interval of every source (dense samples for the p95)", "s3",
-                "interval_seconds")
-WINDOWS = Rule("windows", (60.0, 300.0), "seconds", "rolling windows of the derived figures (label `window`); "
-               "the alerts read the longest", "s3", "windows_seconds")
+INTERVAL = Rule(key="interval", default=1.0, unit="seconds",
+                meaning="sampling interval of every source (dense samples for the p95)", section="s3",
+                field="interval_seconds")
+WINDOWS = Rule(key="windows", default=(60.0, 300.0), unit="seconds",
+               meaning="rolling windows of the derived figures (label `window`); "
+               "the alerts read the longest", section="s3", field="windows_seconds")
 KV_PRESSURE_THRESHOLD = Rule(
-    "kv_pressure_threshold", 0.90, "ratio", "configured p95 KV usage above which offloading pays (methods.md s3); "
-    "the regime flag uses it until a threshold is located", "s3", "kv_pressure_threshold_ratio")
+    key="kv_pressure_threshold", default=0.90, unit="ratio",
+    meaning="configured p95 KV usage above which offloading pays (methods.md s3); "
+    "the regime flag uses it until a threshold is located", section="s3", field="kv_pressure_threshold_ratio")
 THRESHOLD_WINDOW = Rule(
-    "threshold_window", 60.0, "seconds", "one evidence point per completed window of this fixed grid "
-    "(KV p95, preemptions, tax; methods.md s10); the reference share learns from the same", "s10",
-    "threshold_window_seconds")
-THRESHOLD_HISTORY = Rule("threshold_history", 6 * 3600.0, "seconds",
-                         "how long evidence windows are kept for locating the threshold", "s10",
-                         "threshold_history_seconds")
-THRESHOLD_MIN_WINDOWS = Rule("threshold_min_windows", 6, "count", "evidence windows (clean and pressured, at "
-                             "least 2 of each) a located threshold needs", "s10")
-PREEMPTION_ONSET_PER_MINUTE = Rule("preemption_onset_per_minute", 0.5, "per minute",
-                                   "sustained preemption rate that marks onset (methods.md s3)", "s3")
-RECOMPUTE_TAX_THRESHOLD = Rule("recompute_tax_threshold", 0.10, "ratio",
-                               "local_compute share of prompt tokens above the reference share that counts as a "
-                               "high recomputation tax (alert KVRecomputeTaxHigh; methods.md s4)", "s4")
-IDLE_SETTLE = Rule("idle_settle", 30.0, "seconds", "settle delay after load before an idle stretch counts", "s1",
-                   "idle_settle_seconds")
-IDLE_MIN_DURATION = Rule("idle_min_duration", 30.0, "seconds", "idle stretch needed to learn P_idle", "s1",
-                         "idle_min_seconds")
-MIN_LOAD_DURATION = Rule("min_load_duration", 30.0, "seconds",
-                         "load needed in a window before a J/token figure is given", "s1", "min_load_seconds")
+    key="threshold_window", default=60.0, unit="seconds",
+    meaning="one evidence point per completed window of this fixed grid "
+    "(KV p95, preemptions, tax; methods.md s10); the reference share learns from the same", section="s10",
+    field="threshold_window_seconds")
+THRESHOLD_HISTORY = Rule(key="threshold_history", default=6 * 3600.0, unit="seconds",
+                         meaning="how long evidence windows are kept for locating the threshold", section="s10",
+                         field="threshold_history_seconds")
+THRESHOLD_MIN_WINDOWS = Rule(key="threshold_min_windows", default=6, unit="count",
+                             meaning="evidence windows (clean and pressured, at "
+                             "least 2 of each) a located threshold needs", section="s10")
+PREEMPTION_ONSET_PER_MINUTE = Rule(key="preemption_onset_per_minute", default=0.5, unit="per minute",
+                                   meaning="sustained preemption rate that marks onset (methods.md s3)", section="s3")
+RECOMPUTE_TAX_THRESHOLD = Rule(key="recompute_tax_threshold", default=0.10, unit="ratio",
+                               meaning="local_compute share of prompt tokens above the reference share that counts "
+                               "as a high recomputation tax (alert KVRecomputeTaxHigh; methods.md s4)", section="s4")
+IDLE_SETTLE = Rule(key="idle_settle", default=30.0, unit="seconds",
+                   meaning="settle delay after load before an idle stretch counts", section="s1",
+                   field="idle_settle_seconds")
+IDLE_MIN_DURATION = Rule(key="idle_min_duration", default=30.0, unit="seconds",
+                         meaning="idle stretch needed to learn P_idle", section="s1", field="idle_min_seconds")
+MIN_LOAD_DURATION = Rule(key="min_load_duration", default=30.0, unit="seconds",
+                         meaning="load needed in a window before a J/token figure is given", section="s1",
+                         field="min_load_seconds")
 # the buffer recommendation is write rate x p99 tool-call latency x headroom (methods.md s6): 1e300 s or a
 # headroom of 1e308 made it infinite and every tick failed (issue 38). A day of tool call and a hundredfold
 # headroom are far beyond any workload; with the largest write rate taken (MAX_VALUE) the product stays finite.
-P99_TOOL_LATENCY = Rule("p99_tool_latency", 20.0, "seconds",
-                        "the workload's p99 tool-call latency, for buffer sizing (methods.md s6); at most 24h",
-                        "s6", "p99_tool_latency_seconds", most=86400.0)
-BUFFER_HEADROOM = Rule("buffer_headroom", 1.5, "factor",
-                       "factor on the recommended buffer size (methods.md s6); 1 to 100", "s6", most=100.0)
+P99_TOOL_LATENCY = Rule(key="p99_tool_latency", default=20.0, unit="seconds",
+                        meaning="the workload's p99 tool-call latency, for buffer sizing (methods.md s6); at most 24h",
+                        section="s6", field="p99_tool_latency_seconds", most=86400.0)
+BUFFER_HEADROOM = Rule(key="buffer_headroom", default=1.5, unit="factor",
+                       meaning="factor on the recommended buffer size (methods.md s6); 1 to 100", section="s6",
+                       most=100.0)
 # 0.35 and 2.0 cover the study's collapse with margin (methods.md s5: 17-23 % of the healthy output, GPU power
 # ~1.4-1.8x a model-loaded idle), where 0.2 / 1.5 sat inside that range and would miss part of it; healthy load
 # draws >= 3.4x idle, and every other condition (offloading on, zero preemptions, requests pending) must hold too.
-COLLAPSE_THROUGHPUT_DROP_RATIO = Rule("collapse_throughput_drop_ratio", 0.35, "ratio",
-                                      "throughput below this share of its recent level = collapsed (methods.md s5)",
-                                      "s5")
-COLLAPSE_POWER_NEAR_IDLE_RATIO = Rule("collapse_power_near_idle_ratio", 2.0, "factor",
-                                      "GPU power below this multiple of P_idle = near idle (methods.md s5)", "s5")
-COLLAPSE_REFERENCE_WINDOW = Rule("collapse_reference_window", 600.0, "seconds",
-                                 "how far back the recent throughput level is taken (methods.md s5)", "s5",
-                                 "collapse_reference_seconds")
-LOAD_TO_COMPUTE_COST_RATIO = Rule("load_to_compute_cost_ratio", 0.1, "ratio",
-                                  "energy of reloading a token vs recomputing it (attribution model, methods.md s7)",
-                                  "s7")
+COLLAPSE_THROUGHPUT_DROP_RATIO = Rule(
+    key="collapse_throughput_drop_ratio", default=0.35, unit="ratio",
+    meaning="throughput below this share of its recent level = collapsed (methods.md s5)", section="s5")
+COLLAPSE_POWER_NEAR_IDLE_RATIO = Rule(key="collapse_power_near_idle_ratio", default=2.0, unit="factor",
+                                      meaning="GPU power below this multiple of P_idle = near idle (methods.md s5)",
+                                      section="s5")
+COLLAPSE_REFERENCE_WINDOW = Rule(key="collapse_reference_window", default=600.0, unit="seconds",
+                                 meaning="how far back the recent throughput level is taken (methods.md s5)",
+                                 section="s5", field="collapse_reference_seconds")
+LOAD_TO_COMPUTE_COST_RATIO = Rule(
+    key="load_to_compute_cost_ratio", default=0.1, unit="ratio",
+    meaning="energy of reloading a token vs recomputing it (attribution model, methods.md s7)", section="s7")
 # electricity price and carbon intensity read from a series URL (exporter/sources/tariff.py): both change
 # hourly at most (day-ahead tariffs, grid-intensity feeds), so a read every 5 min follows them; a value older
 # than 2 h is no longer the grid's and the money and CO2 figures go unknown (docs/energy.md, "Money and carbon")
-PRICE_REFRESH = Rule("price_refresh", 300.0, "seconds", "how often a price or carbon-intensity series URL is read",
-                     "s1", "price_refresh_seconds")
-PRICE_MAX_AGE = Rule("price_max_age", 7200.0, "seconds", "a price or carbon intensity read from a URL older than "
-                     "this is unknown (the money and CO2 figures with it)", "s1", "price_max_age_seconds")
+PRICE_REFRESH = Rule(key="price_refresh", default=300.0, unit="seconds",
+                     meaning="how often a price or carbon-intensity series URL is read", section="s1",
+                     field="price_refresh_seconds")
+PRICE_MAX_AGE = Rule(key="price_max_age", default=7200.0, unit="seconds",
+                     meaning="a price or carbon intensity read from a URL older than "
+                     "this is unknown (the money and CO2 figures with it)", section="s1", field="price_max_age_seconds")
 
-PHASE_MIN_WINDOWS = Rule("phase_min_windows", 20, "count",
-                         "repeat windows a measured per-phase energy cost needs (regression, methods.md s12)", "s12")
+PHASE_MIN_WINDOWS = Rule(key="phase_min_windows", default=20, unit="count",
+                         meaning="repeat windows a measured per-phase energy cost needs (regression, methods.md s12)",
+                         section="s12")
 # 100 = the prompt and generated columns may share a cosine of up to ~0.98: beyond it the SEs blow up and a
 # cost rests on a few windows (the double's agentic mix sits at 8-16; a constant mix is infinite)
-PHASE_MAX_CONDITION = Rule("phase_max_condition", 100.0, "factor",
-                           "condition number of the normalised token design above which the per-phase costs are "
-                           "not identifiable (the mix of prompt and generated tokens does not vary enough, s12)",
-                           "s12")
-PHASE_HISTORY = Rule("phase_history", 6 * 3600.0, "seconds",
-                     "how long repeat windows are kept for the per-phase energy regression (methods.md s12)", "s12",
-                     "phase_history_seconds",
+PHASE_MAX_CONDITION = Rule(key="phase_max_condition", default=100.0, unit="factor",
+                           meaning="condition number of the normalised token design above which the per-phase "
+                           "costs are not identifiable (the mix of prompt and generated tokens does not vary enough, "
+                           "s12)",
+                           section="s12")
+PHASE_HISTORY = Rule(key="phase_history", default=6 * 3600.0, unit="seconds",
+                     meaning="how long repeat windows are kept for the per-phase energy regression (methods.md s12)",
+                     section="s12",
+                     field="phase_history_seconds",
                      # one row per repeat window (a week of 1 s windows: 6e5 rows a scope); 1e21 s overflowed the
                      # rows' bound at start (a traceback, where check-config said ok)
                      most=7 * 86400.0)
 RECOMPUTE_ENERGY_SHARE_THRESHOLD = Rule(
-    "recompute_energy_share_threshold", 0.10, "ratio",
-    "share of the server's marginal GPU power spent recomputing the tax's prompt tokens above which the alert "
-    "KVRecomputeEnergyHigh fires (methods.md s12)", "s12")
+    key="recompute_energy_share_threshold", default=0.10, unit="ratio",
+    meaning="share of the server's marginal GPU power spent recomputing the tax's prompt tokens above which the alert "
+    "KVRecomputeEnergyHigh fires (methods.md s12)", section="s12")
 
 # The energy per byte of each hop a reloaded token's KV takes to the GPU (methods.md s14), configured: no device
 # exposes a per-transfer energy (RAPL's DRAM domain, where present, is the whole memory's power, and an NVMe
@@ -111,16 +125,18 @@ RECOMPUTE_ENERGY_SHARE_THRESHOLD = Rule(
 # ~10-20 pJ/bit (~0.15 nJ/byte), a PCIe Gen5 x16 link's two PHYs ~5-8 pJ/bit (~0.06 nJ/byte), an enterprise
 # Gen5 NVMe drive ~25 W above idle while reading ~13 GB/s (~2 nJ/byte). Set them from a measurement where one
 # exists (bench/, a power meter on the drive).
-HOST_MEMORY_JOULES_PER_BYTE = Rule("host_memory_joules_per_byte", 1.5e-10, "joules per byte",
-                                   "energy of one host-DRAM access (read or write) per byte of KV, priced into a "
-                                   "token reloaded from an offload tier (methods.md s14; configured, not measured)",
-                                   "s14")
-HOST_LINK_JOULES_PER_BYTE = Rule("host_link_joules_per_byte", 6e-11, "joules per byte",
-                                 "energy per byte of KV over the host-device link (PCIe), priced into a reloaded "
-                                 "token (methods.md s14; configured, not measured)", "s14")
-DISK_JOULES_PER_BYTE = Rule("disk_joules_per_byte", 2e-9, "joules per byte",
-                            "energy per byte an offload disk tier (NVMe) reads, priced into a token reloaded from "
-                            "disk (methods.md s14; configured, not measured)", "s14")
+HOST_MEMORY_JOULES_PER_BYTE = Rule(
+    key="host_memory_joules_per_byte", default=1.5e-10, unit="joules per byte",
+    meaning="energy of one host-DRAM access (read or write) per byte of KV, priced into a token reloaded from an "
+            "offload tier (methods.md s14; configured, not measured)", section="s14")
+HOST_LINK_JOULES_PER_BYTE = Rule(
+    key="host_link_joules_per_byte", default=6e-11, unit="joules per byte",
+    meaning="energy per byte of KV over the host-device link (PCIe), priced into a reloaded token (methods.md s14; "
+            "configured, not measured)", section="s14")
+DISK_JOULES_PER_BYTE = Rule(
+    key="disk_joules_per_byte", default=2e-9, unit="joules per byte",
+    meaning="energy per byte an offload disk tier (NVMe) reads, priced into a token reloaded from disk (methods.md "
+            "s14; configured, not measured)", section="s14")
 
 RULES: dict[str, Rule] = {r.key: r for r in (
     INTERVAL, WINDOWS, KV_PRESSURE_THRESHOLD, THRESHOLD_WINDOW, THRESHOLD_HISTORY, THRESHOLD_MIN_WINDOWS,
@@ -144,18 +160,19 @@ VLLM_KV_CACHE_METRICS_SAMPLE = 0.01
 # A labelled family (tier, reason, stage) has a handful of values in every engine; 64 leaves room for many
 # tiers while 10,000 upstream values (a label carrying an id) stay 64 series per family and server instead of
 # 70,151 /metrics lines and ~700 MB more RSS per hour of window.
-MAX_LABEL_VALUES = Rule("max_label_values", 64, "count",
-                        "distinct values of one labelled family (tier, reason, stage) kept per server: the first "
-                        "seen; further values are dropped with reason label_values_capped", "")
+MAX_LABEL_VALUES = Rule(key="max_label_values", default=64, unit="count",
+                        meaning="distinct values of one labelled family (tier, reason, stage) kept per server: the "
+                        "first seen; further values are dropped with reason label_values_capped", section="")
 # The host offload buffer's size as the engine states it (vllm:cache_config_info kv_offloading_size,
 # vllm:kv_offload_config_info cpu_kv_cache_size_bytes): at least one KV block of the smallest model (16 tokens x
 # K and V x 64 dimensions x 2 bytes = 4 KiB), at most 1 PiB (2**50 B, hundreds of times the host memory of the
 # largest servers). Outside (1e30 B, 9e20 GiB, 1e-291 B were accepted: a residency of 5e20 s, "not undersized")
 # the size is refused: unknown, reason out_of_range, never a residency.
-OFFLOAD_BUFFER_MIN_BYTES = Rule("offload_buffer_min_bytes", 4096.0, "bytes",
-                                "smallest host offload buffer size taken from an engine (one KV block)", "s6")
-OFFLOAD_BUFFER_MAX_BYTES = Rule("offload_buffer_max_bytes", 2.0 ** 50, "bytes",
-                                "largest host offload buffer size taken from an engine (1 PiB)", "s6")
+OFFLOAD_BUFFER_MIN_BYTES = Rule(key="offload_buffer_min_bytes", default=4096.0, unit="bytes",
+                                meaning="smallest host offload buffer size taken from an engine (one KV block)",
+                                section="s6")
+OFFLOAD_BUFFER_MAX_BYTES = Rule(key="offload_buffer_max_bytes", default=2.0 ** 50, unit="bytes",
+                                meaning="largest host offload buffer size taken from an engine (1 PiB)", section="s6")
 
 
 def offload_buffer_size_ok(n_bytes: float) -> bool:
@@ -166,36 +183,38 @@ def offload_buffer_size_ok(n_bytes: float) -> bool:
 # Method constants (docs/methods.md): not configuration keys (not in RULES), each named here once because more
 # than one module, or a metric's HELP, states it; every use reads the entry (``rules.X.default``) and the HELP
 # texts format it. ``words``: what a name holding a literal copy of it would contain (exporter/rulecopies.py).
-SUSTAINED_MIN_COVERED = Rule("sustained_min_covered", 0.8, "ratio",
-                             "share of a window its samples must cover for what it shows to count as sustained: "
-                             "the preemption onset (methods.md s3), a known recomputation tax (s4), an evidence "
-                             "window of the threshold and the regime (s10)", "s10",
+SUSTAINED_MIN_COVERED = Rule(key="sustained_min_covered", default=0.8, unit="ratio",
+                             meaning="share of a window its samples must cover for what it shows to count as "
+                             "sustained: the preemption onset (methods.md s3), a known recomputation tax (s4), an "
+                             "evidence window of the threshold and the regime (s10)", section="s10",
                              words=("covered", "coverage"))
-REPEAT_MIN_COVERED = Rule("repeat_min_covered", 0.9, "ratio",
-                          "share of a repeat window (the fixed grid of min_load_duration) its samples must cover for "
-                          "it to count: dE's pairs (methods.md s2), the per-phase energy (s12), the write model (s4)",
-                          "s2", words=("covered", "coverage"))
-CAPACITY_SUSTAINED = Rule("capacity_sustained", 0.5, "ratio",
-                          "share of a window's samples with a request waiting for KV capacity that is known pressure "
-                          "(methods.md s10)", "s10", words=("capacity",))
+REPEAT_MIN_COVERED = Rule(key="repeat_min_covered", default=0.9, unit="ratio",
+                          meaning="share of a repeat window (the fixed grid of min_load_duration) its samples must "
+                          "cover for it to count: dE's pairs (methods.md s2), the per-phase energy (s12), the write "
+                          "model (s4)",
+                          section="s2", words=("covered", "coverage"))
+CAPACITY_SUSTAINED = Rule(key="capacity_sustained", default=0.5, unit="ratio",
+                          meaning="share of a window's samples with a request waiting for KV capacity that is known "
+                          "pressure (methods.md s10)", section="s10", words=("capacity",))
 # levels in evictions per prompt block (derive/residency.py): the captures gave 0.84 (pressure) and 0.037 (none);
 # each level sits a factor ~3 inside its side, and the band between says nothing
 PRESSURE_EVICTIONS_PER_PROMPT_BLOCK = Rule(
-    "pressure_evictions_per_prompt_block", 0.25, "ratio",
-    "KV blocks evicted per prompt block at or above which the engine's residency record is pressure evidence "
-    "(with most evictions before reuse; methods.md s11)", "s11", words=("evictions_per_prompt_block",))
+    key="pressure_evictions_per_prompt_block", default=0.25, unit="ratio",
+    meaning="KV blocks evicted per prompt block at or above which the engine's residency record is pressure evidence "
+    "(with most evictions before reuse; methods.md s11)", section="s11", words=("evictions_per_prompt_block",))
 LOW_PRESSURE_EVICTIONS_PER_PROMPT_BLOCK = Rule(
-    "low_pressure_evictions_per_prompt_block", 0.1, "ratio",
-    "KV blocks evicted per prompt block at or below which the residency record is low-pressure evidence "
-    "(methods.md s11)", "s11", words=("evictions_per_prompt_block",))
-MIN_REUSE_GAPS = Rule("min_reuse_gaps", 10, "count",
-                      "reuse gaps a window needs for their p50 to be the residency yardstick (methods.md s11)", "s11",
-                      words=("reuse_gaps", "reuse_samples"))
+    key="low_pressure_evictions_per_prompt_block", default=0.1, unit="ratio",
+    meaning="KV blocks evicted per prompt block at or below which the residency record is low-pressure evidence "
+    "(methods.md s11)", section="s11", words=("evictions_per_prompt_block",))
+MIN_REUSE_GAPS = Rule(key="min_reuse_gaps", default=10, unit="count",
+                      meaning="reuse gaps a window needs for their p50 to be the residency yardstick (methods.md s11)",
+                      section="s11", words=("reuse_gaps", "reuse_samples"))
 
 # a difference under this many standard errors is noise: dE against zero ("within noise", figures.SavingFigure)
 # and a priced dE against the tax it prices (the relation de_prices_the_tax, bounds.py)
-NOISE_STDERRS = Rule("noise_stderrs", 2.0, "count", "standard errors within which a difference is noise: dE "
-                     "against zero, and against the tax it prices (methods.md s2, s13)", "s2",
+NOISE_STDERRS = Rule(key="noise_stderrs", default=2.0, unit="count",
+                     meaning="standard errors within which a difference is noise: dE "
+                     "against zero, and against the tax it prices (methods.md s2, s13)", section="s2",
                      words=("stderrs",))
 METHODS: dict[str, Rule] = {r.key: r for r in (
     NOISE_STDERRS, SUSTAINED_MIN_COVERED, REPEAT_MIN_COVERED, CAPACITY_SUSTAINED, PRESSURE_EVICTIONS_PER_PROMPT_BLOCK,

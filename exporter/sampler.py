@@ -84,12 +84,15 @@ class _EnergySource:
                 status, readings = started.result()
             except Exception as e:  # a source must never raise into the loop; if it does, it is down
                 log.exception("%s read failed", self.name)
-                return SourceStatus(self.name, "", False, f"error: {type(e).__name__}: {e}", 0.0, "down"), []
+                return SourceStatus(source=self.name, server="", up=False, reason=f"error: {type(e).__name__}: {e}",
+                                    duration_seconds=0.0, state="down"), []
             self.known = {r.device: r for r in readings}
             return status, readings
-        gaps = [DeviceReading(r.device, r.kind, dict(r.labels), None, False, None, r.method)
+        gaps = [DeviceReading(device=r.device, kind=r.kind, labels=dict(r.labels), joules_total=None, continuous=False,
+                              power_watts=None, method=r.method)
                 for r in self.known.values()]
-        return SourceStatus(self.name, "", False, f"{DEADLINE_REASON} ({deadline:.3g}s)", deadline, "down"), gaps
+        return SourceStatus(source=self.name, server="", up=False, reason=f"{DEADLINE_REASON} ({deadline:.3g}s)",
+                            duration_seconds=deadline, state="down"), gaps
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)

@@ -48,7 +48,7 @@ def reason_code(reason: str) -> str:
     return UNKNOWN_REASON_CODE
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SourceStatus:
     """Health of one source read. ``reason`` is a short machine-friendly word from REASON_CODES plus a
     detail ("parse_error: 3 bad lines skipped"), '' when up; ``code`` is that word alone (the label value)."""
@@ -84,7 +84,7 @@ class EngineInfo:
     kv_capacity_tokens: float | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class EngineReading:
     """One successful read of a server, engine-neutral: cumulative counters (summed over engines) and gauges
     under kvwatt's own keys (exporter/sources/engine.py lists them), slow-changing facts, and the set of
@@ -146,7 +146,7 @@ class PriceReading:
     status: SourceStatus
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class DeviceReading:
     """One energy device (a GPU or a RAPL zone) at one tick.
 
@@ -172,7 +172,7 @@ class DeviceReading:
     power_limit_watts: float | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Interval:
     """What happened on one server between two successful reads ``t0`` < ``t1``.
 
@@ -195,7 +195,7 @@ class Interval:
 
 
 # A served model's parameters (methods.md s7): read by sources/model_config.py, used by derive/kappa.py.
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ModelParams:
     layers: int
     kv_heads: int

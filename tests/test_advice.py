@@ -12,20 +12,21 @@ from dataclasses import replace
 
 from exporter.config import DEFAULT_SERVER_URL, Config
 from exporter.derive.collapse import CONDITIONS, CollapseResult
-from exporter.derive.threshold import Evidence
 from exporter.figures import KV_CACHE_METRICS_HINT, BufferFigures, ServerFigures, Snapshot, WindowFigures
 from exporter.model import advice as advice_model
 from exporter.model.pressure import QUIET_KNOWN_WINDOWS
+from exporter.results import Evidence
 from exporter.samples import EngineInfo, SourceStatus
 from exporter.serve import page
 from exporter.serve.web import status_json
 
 CFG = Config()
-UP = SourceStatus("vllm", "s", True, "", 0.01, "ok")
-CLEAR = CollapseResult(dict.fromkeys(CONDITIONS, False), False, "no: conditions false")
+UP = SourceStatus(source="vllm", server="s", up=True, reason="", duration_seconds=0.01, state="ok")
+CLEAR = CollapseResult(conditions=dict.fromkeys(CONDITIONS, False), signature=False, reason="no: conditions false")
 QUIET = WindowFigures("1m", 60.0, 60.0, kv_usage_p95=0.4, above_threshold=False, preemptions_per_minute=0.0,
                       preemption_onset=False, recompute_tax=0.001, token_shares={"local_compute": 0.3})
-BUF_OK = BufferFigures(False, 8 * 2 ** 30, 8, 0.0, 60.0, 1e8, 20.0, 1.5)
+BUF_OK = BufferFigures(undersized=False, recommended_bytes=8 * 2 ** 30, recommended_gib=8, store_failures=0.0,
+                       residency_seconds=60.0, write_bytes_per_second=1e8, p99_tool_latency_seconds=20.0, headroom=1.5)
 
 
 def _fig(**kw) -> ServerFigures:
@@ -34,7 +35,9 @@ def _fig(**kw) -> ServerFigures:
                 threshold=0.9, threshold_in_use=0.9, reference_share=0.3, reference_kind="learned", windows=(QUIET,), collapse=CLEAR,
                 buffer=BUF_OK, threshold_state="known", regime_state="known", regime_reason="on the threshold",
                 tax_state="known", tax_reason="median of 3 low-pressure windows", reference_windows=3,
-                reference_spread=0.01, evidence=Evidence(10, 5, 5, 0, 0, 540.0, None, None, 3))
+                reference_spread=0.01, evidence=Evidence(windows=10, clean=5, pressured=5, unknown=0, rejected=0,
+                                                         span_seconds=540.0, oldest_wall=None, newest_wall=None,
+                                                         low_pressure=3))
     base.update(kw)
     fig = ServerFigures(**base)
     advice = advice_model.advise(fig, CFG)
@@ -72,12 +75,14 @@ def test_nothing_to_do_only_when_every_check_is_known_and_clear():
     not_clear = {
         "regime provisional": dict(regime_state="provisional", regime_reason="none located yet"),
         "tax provisional": dict(tax_state="provisional", tax_reason="1 low-pressure window"),
-        "collapse unknown": dict(collapse=CollapseResult(dict.fromkeys(CONDITIONS), None, "unknown")),
+        "collapse unknown": dict(collapse=CollapseResult(conditions=dict.fromkeys(CONDITIONS), signature=None,
+                                                         reason="unknown")),
         "collapse not evaluated": dict(collapse=None),
         "buffer unknown": dict(buffer=replace(BUF_OK, undersized=None)),
         "buffer not sized": dict(buffer=None),
         "offloading unknown": dict(info=EngineInfo("m", None)),
-        "server down": dict(status=SourceStatus("vllm", "s", False, "unreachable: refused", 0.0, "down")),
+        "server down": dict(status=SourceStatus(source="vllm", server="s", up=False, reason="unreachable: refused",
+                                                duration_seconds=0.0, state="down")),
     }
     for what, kw in not_clear.items():
         st = _status(_fig(**kw))
@@ -91,7 +96,8 @@ def test_an_off_server_needs_no_buffer_check():
 
 
 def test_a_down_server_gets_the_down_advice_and_nothing_else():
-    down = SourceStatus("vllm", "s", False, "unreachable: connection refused", 0.0, "down")
+    down = SourceStatus(source="vllm", server="s", up=False, reason="unreachable: connection refused",
+                        duration_seconds=0.0, state="down")
     st = _status(_fig(status=down))
     (a,) = st["advice"]
     assert a["kind"] == "server_down" and a["severity"] == "bad"
@@ -153,7 +159,8 @@ def test_a_provisional_tax_gives_the_evidence_advice_not_a_verdict():
 
 def test_a_provisional_regime_says_how_long_and_what_would_make_it_known_now():
     # below on low-pressure signs for one evidence window: known after QUIET_KNOWN_WINDOWS in a row
-    ev = Evidence(2, 1, 1, 0, 0, 60.0, None, None, 1, quiet_streak=1)
+    ev = Evidence(windows=2, clean=1, pressured=1, unknown=0, rejected=0, span_seconds=60.0, oldest_wall=None,
+                  newest_wall=None, low_pressure=1, quiet_streak=1)
     st = _status(_fig(regime_state="provisional", regime_reason="below: no preemption", evidence=ev))
     (a,) = [a for a in st["advice"] if a["kind"] == "evidence"]
     assert a["evidence"]["figure"] == "regime" and a["evidence"]["windows_needed"] == QUIET_KNOWN_WINDOWS - 1
@@ -169,7 +176,8 @@ def test_a_provisional_regime_says_how_long_and_what_would_make_it_known_now():
 
 
 def test_collapse_and_stalled_engine():
-    sig = CollapseResult(dict.fromkeys(CONDITIONS, True), True, "yes", 0.1, 50.0,
+    sig = CollapseResult(conditions=dict.fromkeys(CONDITIONS, True), signature=True, reason="yes",
+                         recent_tokens_per_second=0.1, reference_tokens_per_second=50.0,
                          condition_sets={"classic": True, "stalled_engine": False})
     (a,) = [a for a in _status(_fig(collapse=sig))["advice"] if a["kind"] == "collapse"]
     assert a["severity"] == "bad" and "Collapse signature" in a["text"]
@@ -253,7 +261,8 @@ def test_chips_are_coloured_by_meaning():
 
 def test_nothing_configured_and_nothing_answering_says_what_to_do():
     """kvwatt run with no server anywhere watches the default URL; down there, the advice names three ways on."""
-    down = SourceStatus("vllm", "default", False, "unreachable: connection refused", 0.0, "down")
+    down = SourceStatus(source="vllm", server="default", up=False, reason="unreachable: connection refused",
+                        duration_seconds=0.0, state="down")
     (a,) = _status(_fig(name="default", url=DEFAULT_SERVER_URL, status=down))["advice"]
     assert "No server is configured" in a["text"] and "vllm serve" in a["text"]
     assert "--server NAME=URL" in a["text"] and "kvwatt demo" in a["text"]
@@ -264,7 +273,8 @@ def test_nothing_configured_and_nothing_answering_says_what_to_do():
 def test_the_page_asks_for_kv_cache_metrics_where_the_advice_does_and_only_there():
     """The page renders the model's --kv-cache-metrics hint beside the regime; it has no rule of its own (before:
     page.py decided with its own copy of the model's rule, and showed it whatever the advice said)."""
-    ev = Evidence(2, 1, 1, 0, 0, 60.0, None, None, 1, quiet_streak=1)
+    ev = Evidence(windows=2, clean=1, pressured=1, unknown=0, rejected=0, span_seconds=60.0, oldest_wall=None,
+                  newest_wall=None, low_pressure=1, quiet_streak=1)
     st = _status(_fig(regime_state="provisional", regime_reason="below: no preemption", evidence=ev))
     (a,) = [a for a in st["advice"] if a["kind"] == "evidence" and a["evidence"]["figure"] == "regime"]
     assert KV_CACHE_METRICS_HINT in a["text"]  # the model asks: a vLLM server without residency figures

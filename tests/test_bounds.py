@@ -43,18 +43,23 @@ def window(**kw) -> WindowFigures:
                 generation_tokens_per_second=200.0, token_shares={"local_compute": 0.5, "local_cache_hit": 0.3,
                                                                   "external_kv_transfer": 0.2},
                 recompute_tax=0.1, energy=(EnergyFigure("gpu", BASIS, 5.0, 3.0),),
-                savings=(SavingFigure("estimated", 0.2, 0.01, 5),
-                         SavingFigure("paired", 0.1, 0.02, 5, 5, "", 0.05, 0.01, True)),
+                savings=(SavingFigure(baseline="estimated", energy_saving=0.2, energy_saving_stderr=0.01, windows=5),
+                         SavingFigure(baseline="paired", energy_saving=0.1, energy_saving_stderr=0.02, windows=5,
+                                      reference_windows=5, note="", throughput_gain=0.05, throughput_gain_stderr=0.01,
+                                      has_throughput=True)),
                 recompute_tax_watts={"gpu": 60.0}, offload_saved_watts={"gpu": 30.0},
                 recompute_energy_share={"gpu": 0.1}, costs=(costs(),))
     return WindowFigures(**(base | kw))
 
 
 def snapshot(t: float = 1.0, **kw) -> Snapshot:
-    server = ServerFigures("s", "http://s:8000", SourceStatus("vllm", "s", True), None, 0.9, 0.04, "configured",
+    server = ServerFigures("s", "http://s:8000", SourceStatus(source="vllm", server="s",
+                                                              up=True), None, 0.9, 0.04, "configured",
                            (window(**kw),))
-    return Snapshot(t, 1.75e9, (server,), prices=(PriceFigure("electricity_price", PRICE, "configured", "EUR"),
-                                                  PriceFigure("carbon_intensity", INTENSITY, "configured")))
+    return Snapshot(t, 1.75e9, (server,), prices=(PriceFigure(quantity="electricity_price", value=PRICE,
+                                                              source="configured", currency="EUR"),
+                                                  PriceFigure(quantity="carbon_intensity", value=INTENSITY,
+                                                              source="configured")))
 
 
 def served(snap: Snapshot) -> tuple[dict, dict, str]:
@@ -86,9 +91,12 @@ CASES = [
      "kvwatt_prompt_token_share_ratio", {"server": "s", "source": "local_compute", "window": "1m"}, "share"),
     ("difference of shares", dict(recompute_tax=1.5), "kvwatt_recompute_tax_ratio", {"server": "s", "window": "1m"},
      "share_difference"),
-    ("dE above 1", dict(savings=(SavingFigure("paired", 3.61, 0.1, 5, 5),)), "kvwatt_energy_saving_ratio",
+    ("dE above 1", dict(savings=(SavingFigure(baseline="paired", energy_saving=3.61, energy_saving_stderr=0.1,
+                                              windows=5, reference_windows=5),)), "kvwatt_energy_saving_ratio",
      {"server": "s", "baseline": "paired", "window": "1m"}, "saving"),
-    ("dTPS below -1", dict(savings=(SavingFigure("paired", 0.1, 0.01, 5, 5, "", -1.5, 0.1, True),)),
+    ("dTPS below -1", dict(savings=(SavingFigure(baseline="paired", energy_saving=0.1, energy_saving_stderr=0.01,
+                                                 windows=5, reference_windows=5, note="", throughput_gain=-1.5,
+                                                 throughput_gain_stderr=0.1, has_throughput=True),)),
      "kvwatt_throughput_gain_ratio", {"server": "s", "baseline": "paired", "window": "1m"}, "gain"),
     ("tax beyond the power", dict(recompute_tax_watts={"gpu": 1721.0}, recompute_energy_share={"gpu": 0.5}),
      "kvwatt_recompute_tax_watts", {"server": "s", "scope": "gpu", "window": "1m"}, "power_part"),

@@ -24,9 +24,11 @@ def iv(t: float, computed: float, generated: float, reloaded: float = 0.0, cache
        joules: float | None = 400.0, idle: float = 340.0) -> Interval:
     """One 1 s interval; ``joules`` None: no GPU energy sample for it (NVML failed)."""
     energy = {} if joules is None else {"gpu": joules}
-    return Interval(t, t + 1.0, {"generation_tokens": generated, "prompt_local_compute": computed,
-                                 "prompt_local_cache_hit": cached, "prompt_external_kv_transfer": reloaded},
-                    {"kv_usage": 0.95}, energy, {} if joules is None else {"gpu": idle})
+    return Interval(t0=t, t1=t + 1.0, deltas={"generation_tokens": generated, "prompt_local_compute": computed,
+                                              "prompt_local_cache_hit": cached,
+                                              "prompt_external_kv_transfer": reloaded},
+                    gauges={"kv_usage": 0.95}, energy_joules=energy,
+                    idle_joules={} if joules is None else {"gpu": idle})
 
 
 def test_the_prior_prices_a_computed_prompt_token_at_a_fraction_of_a_generated_one():
@@ -41,7 +43,9 @@ def test_the_prior_prices_a_computed_prompt_token_at_a_fraction_of_a_generated_o
 
 def test_a_decode_heavy_prior_never_prices_a_prompt_heavy_window_beyond_its_energy():
     """A decode-heavy hour prices a token at 3 J; the window recomputes 5,000 prompt tokens/s at 60 W."""
-    prior = pe.PhaseCosts("gpu", 3.0, None, 3.0, None, 0.3, None, 120, "not_identifiable", "", "prior")
+    prior = pe.PhaseCosts(scope="gpu", prompt_computed_j=3.0, prompt_computed_se=None, generated_j=3.0,
+                          generated_se=None, reloaded_j=0.3, reloaded_se=None, windows=120, state="not_identifiable",
+                          reason="", source="prior")
     agg = aggregate_of([iv(t, computed=5000.0, generated=10.0, cached=200.0) for t in range(30)])
     fig = derive_energy.tax_in_energy(agg, 0.05, [prior], False, RATIO)
     marginal = 60.0
@@ -50,7 +54,9 @@ def test_a_decode_heavy_prior_never_prices_a_prompt_heavy_window_beyond_its_ener
 
 
 def test_the_saving_never_prices_beyond_the_window_energy():
-    prior = pe.PhaseCosts("gpu", 3.0, None, 3.0, None, 0.3, None, 120, "not_identifiable", "", "prior")
+    prior = pe.PhaseCosts(scope="gpu", prompt_computed_j=3.0, prompt_computed_se=None, generated_j=3.0,
+                          generated_se=None, reloaded_j=0.3, reloaded_se=None, windows=120, state="not_identifiable",
+                          reason="", source="prior")
     agg = aggregate_of([iv(t, computed=100.0, generated=10.0, reloaded=4000.0) for t in range(30)])
     fig = derive_energy.tax_in_energy(agg, 0.05, [prior], True, RATIO)
     assert 0 < fig["offload_saved_watts"]["gpu"] <= 60.0
@@ -58,7 +64,9 @@ def test_the_saving_never_prices_beyond_the_window_energy():
 
 def test_tokens_seconds_and_energy_come_from_the_same_intervals():
     """NVML fails during a recompute burst: exact measured costs, yet the tax was 21.7x the marginal power."""
-    exact = pe.PhaseCosts("gpu", 0.01, 0.0001, 0.05, 0.001, None, None, 120, "known", "", "measured")
+    exact = pe.PhaseCosts(scope="gpu", prompt_computed_j=0.01, prompt_computed_se=0.0001, generated_j=0.05,
+                          generated_se=0.001, reloaded_j=None, reloaded_se=None, windows=120, state="known", reason="",
+                          source="measured")
     steady = [iv(t, computed=100.0, generated=1000.0, cached=900.0, joules=340.0 + 1.0 + 50.0) for t in range(20)]
     burst = [iv(20.0 + t, computed=600_000.0, generated=100.0, joules=None) for t in range(10)]
     fig = derive_energy.tax_in_energy(aggregate_of(steady + burst), 0.05, [exact], False, RATIO)
@@ -72,7 +80,8 @@ def test_tokens_seconds_and_energy_come_from_the_same_intervals():
 
 def _stat(joules: float, gen: float = 1000.0, computed: float = 2000.0, loaded: float = 0.0,
           prompt: float = 3000.0, kv: float = 0.5) -> WindowStat:
-    return WindowStat(0.0, 30.0, 30.0, gen, joules, kv, computed, loaded, True, prompt)
+    return WindowStat(t0=0.0, t1=30.0, covered_seconds=30.0, generated_tokens=gen, joules=joules, kv_p95=kv,
+                      computed_prompt_tokens=computed, loaded_prompt_tokens=loaded, loaded=True, prompt_tokens=prompt)
 
 
 def test_the_potential_de_never_exceeds_one():
@@ -84,8 +93,12 @@ def test_the_potential_de_never_exceeds_one():
 
 def test_paired_de_leaves_out_windows_with_no_positive_energy():
     """A stale P_idle on the OFF GPU: its marginal J/token is <= 0, and dE was 3.61, verdict saves."""
-    on = [WindowStat(30.0 * i, 30.0 * i + 30, 30.0, 1000.0, 500.0, 0.5, 0.0, 0.0, True, 0.0) for i in range(4)]
-    off = [WindowStat(30.0 * i, 30.0 * i + 30, 30.0, 1000.0, -190.0, 0.5, 0.0, 0.0, True, 0.0) for i in range(4)]
+    on = [WindowStat(t0=30.0 * i, t1=30.0 * i + 30, covered_seconds=30.0, generated_tokens=1000.0, joules=500.0,
+                     kv_p95=0.5, computed_prompt_tokens=0.0, loaded_prompt_tokens=0.0, loaded=True,
+                     prompt_tokens=0.0) for i in range(4)]
+    off = [WindowStat(t0=30.0 * i, t1=30.0 * i + 30, covered_seconds=30.0, generated_tokens=1000.0, joules=-190.0,
+                      kv_p95=0.5, computed_prompt_tokens=0.0, loaded_prompt_tokens=0.0, loaded=True,
+                      prompt_tokens=0.0) for i in range(4)]
     energy, _ = economics.paired(on, off)
     assert energy.value is None or energy.value <= 1.0
     assert energy.value is None and energy.windows == 0
@@ -93,7 +106,8 @@ def test_paired_de_leaves_out_windows_with_no_positive_energy():
 
 def test_recorded_de_leaves_out_a_band_with_no_positive_energy():
     on = [_stat(joules=500.0) for _ in range(4)]
-    band = economics.BandProfile(0.0, 0.8, 6, -0.2, 0.01, 100.0, 1.0)
+    band = economics.BandProfile(lo=0.0, hi=0.8, windows=6, joules_per_token=-0.2, joules_per_token_stderr=0.01,
+                                 tokens_per_second=100.0, tokens_per_second_stderr=1.0)
     energy, _ = economics.recorded(on, [band])
     assert energy.value is None
 
@@ -110,8 +124,10 @@ def test_baseline_record_writes_no_negative_band_that_run_refuses():
 
 
 def test_a_tier_chunk_hit_ratio_never_exceeds_one():
-    agg = aggregate_of([Interval(t, t + 1.0, {"tier_chunk_queries@1:fs": 10.0, "tier_chunk_hits@1:fs": 30.0,
-                                              "tier_write_bytes@1:fs": 1e6}, {}) for t in range(3)])
+    agg = aggregate_of([Interval(t0=t, t1=t + 1.0, deltas={"tier_chunk_queries@1:fs": 10.0,
+                                                           "tier_chunk_hits@1:fs": 30.0,
+                                                           "tier_write_bytes@1:fs": 1e6}, gauges={})
+                        for t in range(3)])
     (flows,) = offload.tier_flows(agg)
     assert flows.chunk_hit_ratio is None or flows.chunk_hit_ratio <= 1.0
 
@@ -120,7 +136,9 @@ def test_the_estimated_de_never_exceeds_one_when_a_reload_costs_more_than_recomp
     """Found by bench/fuzz_bounds.py (seed 20261127, 32 of 82,976 ticks): measured costs with a reload dearer
     than a recomputation make the saving negative; where it is larger than the window's energy, the estimated
     OFF energy E + saved is <= 0 and dE = saved / (E + saved) came out above 1. Such a window stays out."""
-    costs = pe.PhaseCosts("gpu", 0.01, 0.001, 0.4, 0.01, 0.05, 0.001, 60, "known", "", "measured")
+    costs = pe.PhaseCosts(scope="gpu", prompt_computed_j=0.01, prompt_computed_se=0.001, generated_j=0.4,
+                          generated_se=0.01, reloaded_j=0.05, reloaded_se=0.001, windows=60, state="known", reason="",
+                          source="measured")
     on = [_stat(joules=10.0, computed=0.0, loaded=1000.0, prompt=1000.0) for _ in range(4)]
     est = economics.estimated(on, None, RATIO, costs)
     assert est.value is None or est.value <= 1.0, est

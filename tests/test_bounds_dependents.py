@@ -71,10 +71,12 @@ class Engine:
         self.joules += IDLE + GEN_J * generated + PROMPT_J * computed
         problems: list[str] = []
         reading = self.src.decode(self.text(), problems)
-        gpu = DeviceReading("gpu:GPU-0", "gpu", {"gpu": "0", "uuid": "GPU-0"}, self.joules, True,
-                            IDLE + GEN_J * generated, "counter", 40.0, read_at=self.t)
+        gpu = DeviceReading(device="gpu:GPU-0", kind="gpu", labels={"gpu": "0", "uuid": "GPU-0"},
+                            joules_total=self.joules, continuous=True, power_watts=IDLE + GEN_J * generated,
+                            method="counter", temperature_celsius=40.0, read_at=self.t)
         return self.daemon.step(Tick(self.t, {"s": ServerRead("s", self.src.status(problems, 0.01), reading)},
-                                     (SourceStatus("nvml", "", True, "", 0.003, "ok"),), (gpu,)))
+                                     (SourceStatus(source="nvml", server="", up=True, reason="", duration_seconds=0.003,
+                                                   state="ok"),), (gpu,)))
 
     def steady(self, ticks: int):
         """A load whose token mix shifts every 2 s (the per-phase costs identifiable)."""

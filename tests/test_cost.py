@@ -399,7 +399,8 @@ def test_a_failing_price_url_is_a_source_with_a_reason_and_the_figures_go_absent
     from exporter.samples import PriceReading, SourceStatus
     mapping = golden.config_mapping(tmp_path)
     sc = golden.Scenario(tmp_path, mapping)
-    down = SourceStatus("carbon_intensity", "", False, "timeout: no answer within 2 s", 2.0, "down")
+    down = SourceStatus(source="carbon_intensity", server="", up=False, reason="timeout: no answer within 2 s",
+                        duration_seconds=2.0, state="down")
     sc.prices = lambda t: (PriceReading("carbon_intensity", None, None, down),)
     from exporter.daemon import Daemon
     from exporter.model import Model

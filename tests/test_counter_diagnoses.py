@@ -104,8 +104,8 @@ def write_reading(t: int, glitch: bool) -> EngineReading:
     writes = WRITE_PER_SECOND * (100 + t) * (0.7 if glitch else 1.0)
     counters = {"generation_tokens": 500.0 * t, "prompt_tokens": 2000.0 * t, "prompt_local_compute": 2000.0 * t,
                 "engine_write_bytes": writes, "preemptions": 0.0}
-    return EngineReading(counters, {"running": 4.0, "waiting": 0.0},
-                         EngineInfo(model_name="m", process_start_time_seconds=1.7e9))
+    return EngineReading(counters=counters, gauges={"running": 4.0, "waiting": 0.0},
+                         info=EngineInfo(model_name="m", process_start_time_seconds=1.7e9))
 
 
 def test_a_write_counter_going_backwards_is_its_regression_not_flapping(caplog):

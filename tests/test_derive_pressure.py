@@ -8,7 +8,7 @@ from tests.support.aggregates import aggregate_of
 
 
 def iv(t, deltas=None, gauges=None, dt=1.0):
-    return Interval(t - dt, t, dict(deltas or {}), dict(gauges or {}))
+    return Interval(t0=t - dt, t1=t, deltas=dict(deltas or {}), gauges=dict(gauges or {}))
 
 
 def test_quantile_matches_promql_linear_interpolation():

@@ -44,8 +44,9 @@ def test_vllm_cpu_block_sweep_locates_between_the_last_clean_and_first_taxed_p95
     sweep = [pt(0.08, 0, 0.0, 0.01, 3), pt(0.34, 0, 0.0, 0.01, 3), pt(0.77, 0, 0.29, 0.01, 3),
              pt(0.79, 0, 0.59, 0.01, 3), pt(0.79, 4.0, 0.82, 0.01, 3)]
     got = locate(sweep)
-    assert replace(got, reason="") == LocatedThreshold(pytest.approx(0.555), 0.34, 0.77, "tax_onset", 5, 6.0, 9.0,
-                                                       0.0, "provisional")
+    assert replace(got, reason="") == LocatedThreshold(ratio=pytest.approx(0.555), low=0.34, high=0.77,
+                                                       method="tax_onset", points=5, clean_below=6.0,
+                                                       pressured_above=9.0, misplaced=0.0, state="provisional")
     assert got.reason == "interval [0.340, 0.770] wider than 0.30"  # 0.43 between the last clean and first taxed
 
 

@@ -27,9 +27,10 @@ WIDTH = 10.0  # the repeat windows' grid
 
 def _iv(t: float, computed: float, generated: float, reloaded: float = 0.0, cached: float = 0.0,
         joules: float = 400.0, idle: float = 100.0) -> Interval:
-    return Interval(t, t + 1.0, {"generation_tokens": generated, "prompt_local_compute": computed,
-                                 "prompt_local_cache_hit": cached, "prompt_external_kv_transfer": reloaded},
-                    {"kv_usage": 0.95}, {"gpu": joules}, {"gpu": idle})
+    return Interval(t0=t, t1=t + 1.0, deltas={"generation_tokens": generated, "prompt_local_compute": computed,
+                                              "prompt_local_cache_hit": cached,
+                                              "prompt_external_kv_transfer": reloaded},
+                    gauges={"kv_usage": 0.95}, energy_joules={"gpu": joules}, idle_joules={"gpu": idle})
 
 
 def _load_starts(reloaded: float = 0.0) -> list[Interval]:
@@ -48,10 +49,14 @@ def _windows(ivs: list[Interval]) -> list[E.WindowStat]:
 
 def test_paired_de_is_total_energy_over_total_tokens_not_the_mean_of_the_windows_ratios():
     """The OFF twin takes load in the same partial window; its J/token there is 3x its steady one, the ON's 1.5x."""
-    on = [E.WindowStat(0, 10, 10, 100, 30.0, 0.9, 0, 0, True)] + \
-        [E.WindowStat(k * 10, k * 10 + 10, 10, 1000, 200.0, 0.9, 0, 0, True) for k in range(1, 4)]
-    off = [E.WindowStat(0, 10, 10, 100, 75.0, 0.9, 0, 0, True)] + \
-        [E.WindowStat(k * 10, k * 10 + 10, 10, 1000, 250.0 + 10 * k, 0.9, 0, 0, True) for k in range(1, 4)]
+    on = [E.WindowStat(t0=0, t1=10, covered_seconds=10, generated_tokens=100, joules=30.0, kv_p95=0.9,
+                       computed_prompt_tokens=0, loaded_prompt_tokens=0, loaded=True)] + \
+        [E.WindowStat(t0=k * 10, t1=k * 10 + 10, covered_seconds=10, generated_tokens=1000, joules=200.0, kv_p95=0.9,
+                      computed_prompt_tokens=0, loaded_prompt_tokens=0, loaded=True) for k in range(1, 4)]
+    off = [E.WindowStat(t0=0, t1=10, covered_seconds=10, generated_tokens=100, joules=75.0, kv_p95=0.9,
+                        computed_prompt_tokens=0, loaded_prompt_tokens=0, loaded=True)] + \
+        [E.WindowStat(t0=k * 10, t1=k * 10 + 10, covered_seconds=10, generated_tokens=1000, joules=250.0 + 10 * k,
+                      kv_p95=0.9, computed_prompt_tokens=0, loaded_prompt_tokens=0, loaded=True) for k in range(1, 4)]
     de, dt = E.paired(on, off)
     e_on, n_on = sum(w.joules for w in on), sum(w.generated_tokens for w in on)
     e_off, n_off = sum(w.joules for w in off), sum(w.generated_tokens for w in off)
@@ -75,9 +80,13 @@ def test_the_jackknife_of_a_mean_is_the_standard_error_of_the_mean():
 
 
 @pytest.mark.parametrize("costs", [
-    pe.PhaseCosts("gpu", 0.05, 0.002, 0.3, 0.01, None, None, 60, "known", "", "measured"),
-    pe.PhaseCosts("gpu", 0.05, None, 0.25, None, 0.005, None, 30, "unknown", "", "prior"),
-    pe.PhaseCosts("gpu", 5.0, 0.1, 0.3, 0.01, None, None, 60, "known", "", "measured"),  # beyond the energy: capped
+    pe.PhaseCosts(scope="gpu", prompt_computed_j=0.05, prompt_computed_se=0.002, generated_j=0.3, generated_se=0.01,
+                  reloaded_j=None, reloaded_se=None, windows=60, state="known", reason="", source="measured"),
+    pe.PhaseCosts(scope="gpu", prompt_computed_j=0.05, prompt_computed_se=None, generated_j=0.25, generated_se=None,
+                  reloaded_j=0.005, reloaded_se=None, windows=30, state="unknown", reason="", source="prior"),
+    # beyond the energy: capped
+    pe.PhaseCosts(scope="gpu", prompt_computed_j=5.0, prompt_computed_se=0.1, generated_j=0.3, generated_se=0.01,
+                  reloaded_j=None, reloaded_se=None, windows=60, state="known", reason="", source="measured"),
 ], ids=["measured", "prior", "capped"])
 def test_the_potential_de_is_the_tax_share_it_prices(costs):
     """potential dE = (1 - J_r/J_c) x the window's recompute energy share (the tax_in_energy figure), exactly,
@@ -107,7 +116,9 @@ def test_the_potential_de_is_the_tax_share_it_prices(costs):
 
 
 def test_the_estimated_de_is_the_saving_over_the_energy_it_would_have_taken():
-    costs = pe.PhaseCosts("gpu", 0.05, 0.002, 0.3, 0.01, 0.01, 0.001, 60, "known", "", "measured")
+    costs = pe.PhaseCosts(scope="gpu", prompt_computed_j=0.05, prompt_computed_se=0.002, generated_j=0.3,
+                          generated_se=0.01, reloaded_j=0.01, reloaded_se=0.001, windows=60, state="known", reason="",
+                          source="measured")
     ivs = _load_starts(reloaded=600.0)
     agg = aggregate_of(ivs)
     fig = derive_energy.tax_in_energy(agg, 0.3, [costs], True, RATIO)
@@ -127,11 +138,15 @@ def test_the_server_s_potential_figure_is_the_tax_share_it_prices():
     from exporter.figures import KappaFigures
     from exporter.model import offload as offload_figures
 
-    costs = pe.PhaseCosts("gpu", 0.05, None, 0.25, None, 0.005, None, 30, "unknown", "", "prior")
+    costs = pe.PhaseCosts(scope="gpu", prompt_computed_j=0.05, prompt_computed_se=None, generated_j=0.25,
+                          generated_se=None, reloaded_j=0.005, reloaded_se=None, windows=30, state="unknown", reason="",
+                          source="prior")
     ivs = _load_starts()
     agg = aggregate_of(ivs)
     share = derive_energy.tax_in_energy(agg, 0.3, [costs], False, RATIO)["recompute_energy_share"]["gpu"]
-    so = offload_figures.OffloadSetup(None, None, KappaFigures(None, None, None, None, None, None), None)
+    so = offload_figures.OffloadSetup(None, None, KappaFigures(critical=None, breakeven_tokens=None,
+                                                               breakeven_tokens_gqa=None, breakeven_tokens_mha=None,
+                                                               model_source=None, hardware_source=None), None)
     (fig,) = offload_figures.savings(agg, _windows(ivs), _windows(ivs), None, False, 0.3, Config(), so, costs)
     assert fig.baseline == "potential"
     assert fig.energy_saving == pytest.approx((1 - RATIO) * share, rel=1e-9), (fig, share)
@@ -169,11 +184,14 @@ def test_the_leave_one_out_sums_price_exactly_what_window_copies_did(pricing, ki
     """The jackknife prices the whole less each repeat window (at 64 servers and a 1 h window ~7,700 of them a
     tick, hence tuples of the summed fields instead of WindowStat copies): the same dE and SE, to the last bit,
     whichever way the windows are priced (prior costs, a fixed J_c, the roofline per window)."""
-    ivs = [Interval(iv.t0 + k * 40, iv.t1 + k * 40, iv.deltas, iv.gauges, iv.energy_joules, iv.idle_joules)
+    ivs = [Interval(t0=iv.t0 + k * 40, t1=iv.t1 + k * 40, deltas=iv.deltas, gauges=iv.gauges,
+                    energy_joules=iv.energy_joules, idle_joules=iv.idle_joules)
            for k in range(6) for iv in _load_starts(reloaded=300.0 * (k % 2))]
     windows = _windows(ivs)
     assert len([w for w in windows if w.loaded]) >= 20
-    costs = pe.PhaseCosts("gpu", 0.05, None, 0.25, None, 0.005, None, 30, "unknown", "", "prior") \
+    costs = pe.PhaseCosts(scope="gpu", prompt_computed_j=0.05, prompt_computed_se=None, generated_j=0.25,
+                          generated_se=None, reloaded_j=0.005, reloaded_se=None, windows=30, state="unknown", reason="",
+                          source="prior") \
         if pricing == "costs" else None
     price = {"costs": None, "number": 0.04, "roofline": E.price_from_roofline(8e9, 4e14)}[pricing]
     whole = E.scope_stat(aggregate_of(ivs), "gpu") if given_whole else None

@@ -102,11 +102,13 @@ def test_a_server_that_did_not_answer_is_unknown_not_busy():
     from exporter.model.energy import is_idle
     from exporter.samples import Interval, SourceStatus
 
-    up, down = SourceStatus("vllm", "a", True), SourceStatus("vllm", "a", False, "timeout")
-    quiet = Interval(9.0, 10.0, {"generation_tokens": 0.0, "prompt_tokens": 0.0}, {"running": 0.0, "waiting": 0.0})
+    up, down = SourceStatus(source="vllm", server="a",
+                            up=True), SourceStatus(source="vllm", server="a", up=False, reason="timeout")
+    quiet = Interval(t0=9.0, t1=10.0, deltas={"generation_tokens": 0.0, "prompt_tokens": 0.0},
+                     gauges={"running": 0.0, "waiting": 0.0})
     assert is_idle(up, quiet, 10.0) is True
     assert is_idle(down, quiet, 11.0) is None and is_idle(up, quiet, 11.0) is None  # no interval ending at t
-    busy = Interval(9.0, 10.0, {"generation_tokens": 12.0}, {"running": 1.0, "waiting": 0.0})
+    busy = Interval(t0=9.0, t1=10.0, deltas={"generation_tokens": 12.0}, gauges={"running": 1.0, "waiting": 0.0})
     assert is_idle(up, busy, 10.0) is False
 
 def test_long_stretch_refreshes_and_commits_at_its_end():

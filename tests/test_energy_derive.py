@@ -10,8 +10,8 @@ from tests.support.aggregates import aggregate_of
 
 
 def iv(t0, t1, tokens, energy=None, idle=None, running=1.0, **deltas):
-    return Interval(t0, t1, {"generation_tokens": tokens, **deltas}, {"running": running},
-                    dict(energy or {}), dict(idle or {}))
+    return Interval(t0=t0, t1=t1, deltas={"generation_tokens": tokens, **deltas}, gauges={"running": running},
+                    energy_joules=dict(energy or {}), idle_joules=dict(idle or {}))
 
 
 def window():

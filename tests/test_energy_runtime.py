@@ -24,7 +24,7 @@ A, B = "GPU-aaaa", "GPU-bbbb"
 
 
 def gpu(index, uuid):
-    return DeviceReading(f"gpu:{uuid}", "gpu", {"gpu": str(index), "uuid": uuid}, 0.0)
+    return DeviceReading(device=f"gpu:{uuid}", kind="gpu", labels={"gpu": str(index), "uuid": uuid}, joules_total=0.0)
 
 
 # --- attribution ------------------------------------------------------------------------------------------
@@ -99,9 +99,9 @@ class Rig:
         for s in self.cfg.servers:
             n = tokens.get(s.name, 0.0)
             self.tokens[s.name] += n
-            reading = EngineReading({"generation_tokens": self.tokens[s.name], "prompt_tokens": 0.0},
-                                    {"running": 1.0 if n else 0.0, "waiting": 0.0}, EngineInfo())
-            reads[s.name] = ServerRead(s.name, SourceStatus("vllm", s.name, True), reading)
+            reading = EngineReading(counters={"generation_tokens": self.tokens[s.name], "prompt_tokens": 0.0},
+                                    gauges={"running": 1.0 if n else 0.0, "waiting": 0.0}, info=EngineInfo())
+            reads[s.name] = ServerRead(s.name, SourceStatus(source="vllm", server=s.name, up=True), reading)
         self.model.ingest(Tick(self.t, reads, (nv_status, host_status), tuple(gpus + zones)))
 
     def history(self, name):

@@ -76,7 +76,8 @@ def test_a_registered_adapter_is_detected(monkeypatch):
             return text.startswith("fake:")
 
         def read(self, text, problems=None):
-            return EngineReading({"generation_tokens": 1.0}, {}, EngineInfo(), frozenset(), "fake")
+            return EngineReading(counters={"generation_tokens": 1.0}, gauges={}, info=EngineInfo(),
+                                 capabilities=frozenset(), engine="fake")
 
     monkeypatch.setattr(engine, "_REGISTRY", list(engine._REGISTRY))
     engine.register(Fake())

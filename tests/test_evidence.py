@@ -28,7 +28,7 @@ class InfoEngine(Engine):
 
     def second(self, *a, **kw):
         r = super().second(*a, **kw)
-        return type(r)(r.counters, r.gauges, self.info, r.capabilities)
+        return type(r)(counters=r.counters, gauges=r.gauges, info=self.info, capabilities=r.capabilities)
 
 
 def pt(p95, pre=0.0, tax=0.0, se=None, weight=1.0):

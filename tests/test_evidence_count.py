@@ -15,7 +15,8 @@ def fresh(pl: ThresholdLearner):
 
 def test_evidence_follows_every_change_of_what_it_counts():
     rng = random.Random(4)
-    pl = ThresholdLearner(60.0, 12, 3, 0.5, 0.9, True, LowPressureReference(), "s")
+    pl = ThresholdLearner(width_seconds=60.0, keep_windows=12, min_windows=3, onset_per_minute=0.5,
+                          configured_threshold=0.9, use_located=True, reference=LowPressureReference(), name="s")
     assert pl.evidence() == fresh(pl)
     seen = set()
     for k in range(40):  # past the 12 kept: the oldest leave as new ones come

@@ -49,7 +49,7 @@ class Capture:
         if not self.histograms:
             c = {k: v for k, v in c.items() if not k.startswith(RESIDENCY)}
         gauges = {**self.end.gauges, "kv_usage": self.kv, "running": 6.0, "waiting": 0.0, "waiting_capacity": 0.0}
-        return EngineReading(c, gauges, self.end.info, self.end.capabilities)
+        return EngineReading(counters=c, gauges=gauges, info=self.end.info, capabilities=self.end.capabilities)
 
 
 def run(m: Model, capture: Capture, minutes: int, t0: float = 0.0) -> float:
@@ -57,7 +57,7 @@ def run(m: Model, capture: Capture, minutes: int, t0: float = 0.0) -> float:
     for _ in range(minutes * 60):
         t += 1.0
         reading = capture.at(t / 60.0)
-        m.ingest(Tick(t, {"s": ServerRead("s", SourceStatus("vllm", "s", True), reading)}, (), ()))
+        m.ingest(Tick(t, {"s": ServerRead("s", SourceStatus(source="vllm", server="s", up=True), reading)}, (), ()))
     return t
 
 
@@ -134,14 +134,15 @@ def test_the_reference_learned_on_the_large_cache_taxes_the_pressure_after_it(tm
     m = model(tmp_path)
     t = run(m, Capture("large-cache", kv=0.30), 3)
     small = Capture("small-cache", kv=0.60, preemptions=False)
-    small.end = type(small.end)(small.end.counters, small.end.gauges, Capture("large-cache", 0.3).end.info,
-                                small.end.capabilities)
+    small.end = type(small.end)(counters=small.end.counters, gauges=small.end.gauges,
+                                info=Capture("large-cache", 0.3).end.info, capabilities=small.end.capabilities)
     offset = {k: v for k, v in Capture("large-cache", 0.3).at(t / 60.0).counters.items()}
     base = small.at
 
     def shifted(minutes):
         r = base(minutes - t / 60.0)
-        return type(r)({k: v + offset.get(k, 0.0) for k, v in r.counters.items()}, r.gauges, r.info, r.capabilities)
+        return type(r)(counters={k: v + offset.get(k, 0.0) for k, v in r.counters.items()}, gauges=r.gauges,
+                       info=r.info, capabilities=r.capabilities)
     small.at = shifted
     run(m, small, 2, t)
     f = m.snapshot().servers[0]

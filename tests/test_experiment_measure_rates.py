@@ -10,8 +10,10 @@ from exporter.store import aggregate_of
 
 def test_preemptions_per_minute_is_the_daemons_rate():
     # 60 s covered, but only the last 30 s carry vllm:num_preemptions_total (the counter appeared mid-window)
-    intervals = [Interval(t, t + 1.0, {"generation_tokens": 5.0}, {"kv_usage": 0.5}) for t in range(30)]
-    intervals += [Interval(t, t + 1.0, {"generation_tokens": 5.0, "preemptions": 0.5}, {"kv_usage": 0.5})
+    intervals = [Interval(t0=t, t1=t + 1.0, deltas={"generation_tokens": 5.0},
+                          gauges={"kv_usage": 0.5}) for t in range(30)]
+    intervals += [Interval(t0=t, t1=t + 1.0, deltas={"generation_tokens": 5.0, "preemptions": 0.5},
+                           gauges={"kv_usage": 0.5})
                   for t in range(30, 60)]
     figures = window_figures(intervals, min_load_seconds=30.0)
     assert figures["covered_seconds"] == 60.0
@@ -20,5 +22,6 @@ def test_preemptions_per_minute_is_the_daemons_rate():
 
 
 def test_no_preemption_counter_no_rate():
-    intervals = [Interval(t, t + 1.0, {"generation_tokens": 5.0}, {"kv_usage": 0.5}) for t in range(10)]
+    intervals = [Interval(t0=t, t1=t + 1.0, deltas={"generation_tokens": 5.0},
+                          gauges={"kv_usage": 0.5}) for t in range(10)]
     assert window_figures(intervals, min_load_seconds=30.0)["preemptions_per_minute"] is None

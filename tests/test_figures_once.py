@@ -52,11 +52,13 @@ def test_each_figure_is_built_once_per_tick(tmp_path, monkeypatch):
 
 
 def test_the_answer_is_the_models_collapse_verdict():
-    saves = SavingFigure("estimated", 0.10, 0.01, 5)
+    saves = SavingFigure(baseline="estimated", energy_saving=0.10, energy_saving_stderr=0.01, windows=5)
     assert saves.answer == "saves" == saves.verdict
-    collapsed = SavingFigure("estimated", 0.10, 0.01, 5, collapse_holds=True)
+    collapsed = SavingFigure(baseline="estimated", energy_saving=0.10, energy_saving_stderr=0.01, windows=5,
+                             collapse_holds=True)
     assert collapsed.answer == "collapse" and collapsed.verdict == "saves"
-    unknown = SavingFigure("estimated", None, None, 0, collapse_holds=True)
+    unknown = SavingFigure(baseline="estimated", energy_saving=None, energy_saving_stderr=None, windows=0,
+                           collapse_holds=True)
     assert unknown.answer == "unknown"  # no dE: nothing for the collapse to override
 
 

@@ -209,8 +209,8 @@ def config(tmp_path):
 
 
 def gpu(t: float) -> DeviceReading:
-    return DeviceReading("gpu:GPU-0", "gpu", {"gpu": "0", "uuid": "GPU-0"}, 300.0 * t, True, 300.0, "counter",
-                         40.0, read_at=t)
+    return DeviceReading(device="gpu:GPU-0", kind="gpu", labels={"gpu": "0", "uuid": "GPU-0"}, joules_total=300.0 * t,
+                         continuous=True, power_watts=300.0, method="counter", temperature_celsius=40.0, read_at=t)
 
 
 def check_metrics(text: str, tag: str) -> None:
@@ -293,7 +293,8 @@ def run_sequence(seq: int, tmp_path) -> int:
             refused += 1
         t = float(i + 1)
         model.ingest(Tick(t, {"s": ServerRead("s", status, reading)},
-                          (SourceStatus("nvml", "", True, "", 0.003, "ok"),), (gpu(t),)))
+                          (SourceStatus(source="nvml", server="", up=True, reason="", duration_seconds=0.003,
+                                        state="ok"),), (gpu(t),)))
         snap = model.snapshot()
         assert not non_finite(snap.servers), f"{tag}: {non_finite(snap.servers)}"  # the figures, not only the output
         check_metrics(render(snap).decode(), tag)
@@ -370,6 +371,8 @@ def test_out_of_range_values_never_reach_the_figures(case, tmp_path):
 
 def test_a_window_stat_of_less_than_one_token_has_no_joules_per_token():
     from exporter.derive.economics import WindowStat
-    w = WindowStat(0.0, 1.0, 1.0, 5e-324, 240.0, None, None, None, True)
+    w = WindowStat(t0=0.0, t1=1.0, covered_seconds=1.0, generated_tokens=5e-324, joules=240.0, kv_p95=None,
+                   computed_prompt_tokens=None, loaded_prompt_tokens=None, loaded=True)
     assert w.joules_per_token is None
-    assert WindowStat(0.0, 1.0, 1.0, 2.0, 240.0, None, None, None, True).joules_per_token == 120.0
+    assert WindowStat(t0=0.0, t1=1.0, covered_seconds=1.0, generated_tokens=2.0, joules=240.0, kv_p95=None,
+                      computed_prompt_tokens=None, loaded_prompt_tokens=None, loaded=True).joules_per_token == 120.0

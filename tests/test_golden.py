@@ -174,26 +174,31 @@ class Scenario:
         for name, text in texts.items():
             src = self.adapters[name]
             if text is None:
-                servers[name] = ServerRead(name, SourceStatus("vllm", name, False, "unreachable",
-                                                               READ_SECONDS["vllm"], "down"))
+                servers[name] = ServerRead(name, SourceStatus(source="vllm", server=name, up=False,
+                                                              reason="unreachable",
+                                                              duration_seconds=READ_SECONDS["vllm"], state="down"))
                 continue
             problems: list[str] = []
             reading = src.decode(text, problems)  # the vLLM adapter, as EngineSource.read runs it
             servers[name] = ServerRead(name, src.status(problems, READ_SECONDS["vllm"]), reading)
-        energy = [DeviceReading(f"gpu:{uuid}", "gpu", {"gpu": index, "uuid": uuid}, gpus[name][0], True,
-                                gpus[name][1], "counter", 40.0 + int(index), read_at=float(t))
+        energy = [DeviceReading(device=f"gpu:{uuid}", kind="gpu", labels={"gpu": index, "uuid": uuid},
+                                joules_total=gpus[name][0], continuous=True, power_watts=gpus[name][1],
+                                method="counter", temperature_celsius=40.0 + int(index), read_at=float(t))
                   for name, (index, uuid) in self.gpus.items()]
-        energy.append(DeviceReading(HOST_DEVICE, "host", dict(HOST_LABELS), host_joules, t > 1, None, "rapl",
-                                    read_at=float(t)))
-        statuses = (SourceStatus("nvml", "", True, "", READ_SECONDS["nvml"], "ok"),
-                    SourceStatus("rapl", "", True, "", READ_SECONDS["rapl"], "ok"))
+        energy.append(DeviceReading(device=HOST_DEVICE, kind="host", labels=dict(HOST_LABELS), joules_total=host_joules,
+                                    continuous=t > 1, power_watts=None, method="rapl", read_at=float(t)))
+        statuses = (SourceStatus(source="nvml", server="", up=True, reason="", duration_seconds=READ_SECONDS["nvml"],
+                                 state="ok"),
+                    SourceStatus(source="rapl", server="", up=True, reason="", duration_seconds=READ_SECONDS["rapl"],
+                                 state="ok"))
         return Tick(float(t), servers, statuses, tuple(energy), self.prices(t))
 
     def prices(self, t: int) -> tuple[PriceReading, ...]:
         """The carbon-intensity URL as the sampler hands it over: read at t = 1, then every 60 s."""
         if self.cfg.carbon_intensity is None or self.cfg.carbon_intensity.url is None:
             return ()
-        status = SourceStatus("carbon_intensity", "", True, "", READ_SECONDS["price"], "ok")
+        status = SourceStatus(source="carbon_intensity", server="", up=True, reason="",
+                              duration_seconds=READ_SECONDS["price"], state="ok")
         return (PriceReading("carbon_intensity", CARBON_G_PER_KWH, float((t - 1) % 60), status),)
 
 

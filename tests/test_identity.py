@@ -20,7 +20,8 @@ WALL = 1.8e9
 
 
 def reading(g, start, engine="vllm", model="m", wall=None):
-    return EngineReading({"g": g}, {}, EngineInfo(model_name=model, process_start_time_seconds=start),
+    return EngineReading(counters={"g": g}, gauges={}, info=EngineInfo(model_name=model,
+                                                                       process_start_time_seconds=start),
                          engine=engine, read_wall=wall)
 
 

@@ -24,7 +24,7 @@ def many_tiers(text: str, n: int, scrape: int) -> str:
 
 def test_label_cap_keeps_the_first_values_seen_and_says_how_many_it_dropped(caplog):
     cap = LabelCap("s", max_values=3)
-    r = lambda vals: EngineReading({f"tier@{v}": 1.0 for v in vals} | {"g": 1.0}, {}, EngineInfo(),
+    r = lambda vals: EngineReading(counters={f"tier@{v}": 1.0 for v in vals} | {"g": 1.0}, gauges={}, info=EngineInfo(),
                                    engine_counters={"0": {f"tier@{v}": 1.0 for v in vals}})
     with caplog.at_level("INFO", logger="kvwatt.engine"):
         problems: list[str] = []
@@ -66,7 +66,8 @@ def test_an_engine_label_changing_at_every_read_logs_a_bounded_number_of_lines(c
     with caplog.at_level("INFO", logger="kvwatt.store"):
         for t in range(200):
             e = f"id-{t}"
-            h.add_reading(float(t), EngineReading({"g": 10.0 * t}, {}, EngineInfo(), engine_counters={e: {"g": 10.0 * t}}))
+            h.add_reading(float(t), EngineReading(counters={"g": 10.0 * t}, gauges={}, info=EngineInfo(),
+                                                  engine_counters={e: {"g": 10.0 * t}}))
     assert len(caplog.records) <= 8, [r.getMessage() for r in caplog.records]
     assert sum("changes at nearly every read" in r.getMessage() for r in caplog.records) == 1
     assert len(h.identity.levels) == 1

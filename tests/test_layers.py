@@ -230,12 +230,66 @@ def _loaded_by(*modules: str) -> set[str]:
 
 def test_serving_the_figures_loads_no_computation_at_runtime():
     """Importing the catalog and the renderers that walk it loads no model, source, sampler or configuration
-    module, and no derive/ module beyond those whose value types exporter.figures holds."""
+    module, and no computation beyond what exporter.figures loads (its idle baselines' type)."""
     served = _loaded_by("exporter.catalog", "exporter.serve.collector", "exporter.serve.page")
     types_only = _loaded_by("exporter.figures")
-    assert "exporter.catalog.offload" in served and "exporter.derive.phase_energy" in types_only  # the probe works
+    assert "exporter.catalog.offload" in served and "exporter.results" in types_only  # the probe works
     beyond = sorted(m for m in served - types_only if any(_within(m, p) for p in COMPUTATIONS))
     assert not beyond, "serving the figures loads computations:\n" + "\n".join(beyond)
+
+
+def test_serve_loads_without_derive():
+    """Every module of exporter/serve/ (with the figures and the catalog they read) loads without exporter.derive:
+    the result types the figures hold live in exporter/results.py, which derive/ imports, not the reverse."""
+    serve = tuple(sorted(m for m in _files() if _within(m, "exporter.serve")))
+    loaded = _loaded_by(*serve)
+    assert {"exporter.serve.web", "exporter.serve.webconfig", "exporter.figures"} <= loaded  # the probe works
+    derive = sorted(m for m in loaded if _within(m, "exporter.derive"))
+    assert not derive, "loading exporter/serve/ loads derive/:\n" + "\n".join(derive)
+
+
+def _private_names_imported(module: str, path: Path) -> list[str]:
+    """'module: name from other' for each private name (``_x``, not a dunder) this module takes from another
+    module of either package: ``from other import _x``, or ``other._x`` on a module it imported."""
+    def private(name: str) -> bool:
+        return name.startswith("_") and not name.startswith("__")
+
+    tree = ast.parse(path.read_text(), str(path))
+    found, modules = [], {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            target = _absolute(module, path, node)
+            if not any(_within(target, p) for p in PACKAGES):
+                continue
+            for alias in node.names:
+                if f"{target}.{alias.name}" in _files():
+                    modules[alias.asname or alias.name] = f"{target}.{alias.name}"
+                elif private(alias.name) and target != module:
+                    found.append(f"{module}: {alias.name} from {target}")
+        elif isinstance(node, ast.Import):
+            modules.update({alias.asname: alias.name for alias in node.names
+                            if alias.asname and any(_within(alias.name, p) for p in PACKAGES)})
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and private(node.attr) and isinstance(node.value, ast.Name) \
+                and modules.get(node.value.id, module) != module:
+            found.append(f"{module}: {node.attr} from {modules[node.value.id]}")
+    return found
+
+
+def test_the_private_name_scan_sees_both_forms(tmp_path):
+    path = tmp_path / "m.py"
+    path.write_text("from exporter.config.values import _str, parse_url\nfrom exporter.sources import expfmt\n"
+                    "from ._local import x\n\ndef f(t):\n    return expfmt._split(t), expfmt.parse(t), t._own\n")
+    assert _private_names_imported("exporter.sources.m", path) == [
+        "exporter.sources.m: _str from exporter.config.values",
+        "exporter.sources.m: _split from exporter.sources.expfmt"]
+
+
+def test_no_module_takes_a_private_name_from_another():
+    """A name another module needs is public (a parser, a number check): ``_x`` means "only this module's".
+    Tests may reach into a module to check one of its parts (the exposition's fast path, the page's blocks)."""
+    offending = sorted(hit for module, path in _files().items() for hit in _private_names_imported(module, path))
+    assert not offending, "private names imported across modules:\n" + "\n".join(offending)
 
 
 def test_offload_profile_does_not_import_the_model():

@@ -45,9 +45,11 @@ def test_cached_tokens_by_tier_on_the_real_engine():
 
 
 def test_no_cached_tokens_no_shares():
-    iv = Interval(0, 1, {"prompt_cached_device": 0.0, "prompt_cached_host": 0.0}, {}, {}, {})
+    iv = Interval(t0=0, t1=1, deltas={"prompt_cached_device": 0.0, "prompt_cached_host": 0.0}, gauges={},
+                  energy_joules={}, idle_joules={})
     assert recompute.cached_tier_shares(aggregate_of([iv])) is None
-    assert recompute.cached_tier_shares(aggregate_of([Interval(0, 1, {"generation_tokens": 5.0}, {}, {}, {})])) is None
+    assert recompute.cached_tier_shares(aggregate_of([Interval(t0=0, t1=1, deltas={"generation_tokens": 5.0}, gauges={},
+                                                               energy_joules={}, idle_joules={})])) is None
 
 
 # --- preemptions per request ----------------------------------------------------------------------------------
@@ -55,7 +57,7 @@ def hist_interval(n, s, cum, bounds=(1, 2, 3, 4, 5, 10, 20)):
     deltas = {"preemption_hist_count": n, "preemption_hist_sum": s}
     deltas.update({f"preemption_hist_le@{float(b)}": c for b, c in zip(bounds, cum)})
     deltas["preemption_hist_le@+Inf"] = n
-    return aggregate_of([Interval(0, 1, deltas, {}, {}, {})])
+    return aggregate_of([Interval(t0=0, t1=1, deltas=deltas, gauges={}, energy_joules={}, idle_joules={})])
 
 
 def test_preemptions_per_request_hand_computed():

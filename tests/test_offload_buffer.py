@@ -16,7 +16,7 @@ GIB = 2 ** 30
 
 
 def iv(t0, t1, **deltas):
-    return Interval(t0, t1, deltas, {})
+    return Interval(t0=t0, t1=t1, deltas=deltas, gauges={})
 
 
 def test_rates_hand_computed():

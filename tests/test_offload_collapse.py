@@ -24,8 +24,9 @@ def ivs(spec, idle_watts=150.0, energy=True):
         for _ in range(int(seconds)):
             e = {"gpu": watts} if energy and watts is not None else {}
             i = {"gpu": idle_watts} if energy and idle_watts is not None else {}
-            out.append(Interval(t, t + 1, {"generation_tokens": tps, "preemptions": pps},
-                                {"running": running, "waiting": waiting, "kv_usage": 0.99}, e, i))
+            out.append(Interval(t0=t, t1=t + 1, deltas={"generation_tokens": tps, "preemptions": pps},
+                                gauges={"running": running, "waiting": waiting, "kv_usage": 0.99}, energy_joules=e,
+                                idle_joules=i))
             t += 1
     return out
 
@@ -33,7 +34,8 @@ def ivs(spec, idle_watts=150.0, energy=True):
 def test_all_five_hold_hand_computed():
     # 600 s at 2000 tok/s (every 1-minute bucket 2000 -> p90 reference 2000), then 60 s stalled at 100 tok/s
     data = ivs([(660, 2000, 0, 500, 20, 5)])[:600] + ivs([(60, 100, 0, 180, 20, 5)])
-    data = [Interval(i, i + 1, iv.deltas, iv.gauges, iv.energy_joules, iv.idle_joules) for i, iv in enumerate(data)]
+    data = [Interval(t0=i, t1=i + 1, deltas=iv.deltas, gauges=iv.gauges, energy_joules=iv.energy_joules,
+                     idle_joules=iv.idle_joules) for i, iv in enumerate(data)]
     r = collapse_at(data, 660.0, True, TH)
     assert r.reference_tokens_per_second == 2000
     assert r.recent_tokens_per_second == 100          # 100 < 0.2 * 2000 = 400
@@ -122,8 +124,10 @@ def stepping(spec, offload=True):
     out, t = [], 0.0
     for seconds, sps, running, waiting, kv in spec:
         for _ in range(int(seconds)):
-            out.append(Interval(t, t + 1, {"generation_tokens": sps, "preemptions": 0.0, "engine_steps": sps},
-                                {"running": running, "waiting": waiting, "kv_usage": kv}, {}, {}))
+            out.append(Interval(t0=t, t1=t + 1,
+                                deltas={"generation_tokens": sps, "preemptions": 0.0, "engine_steps": sps},
+                                gauges={"running": running, "waiting": waiting, "kv_usage": kv}, energy_joules={},
+                                idle_joules={}))
             t += 1
     return out
 
@@ -170,8 +174,8 @@ def test_stall_clears_when_steps_resume():
 
 def test_both_sets_name_the_stalled_engine_first():
     data = ivs([(600, 2000, 0, 500, 20, 5), (60, 0, 0, 180, 20, 5)])
-    data = [Interval(iv.t0, iv.t1, {**iv.deltas, "engine_steps": iv.deltas["generation_tokens"] / 10},
-                     iv.gauges, iv.energy_joules, iv.idle_joules) for iv in data]
+    data = [Interval(t0=iv.t0, t1=iv.t1, deltas={**iv.deltas, "engine_steps": iv.deltas["generation_tokens"] / 10},
+                     gauges=iv.gauges, energy_joules=iv.energy_joules, idle_joules=iv.idle_joules) for iv in data]
     r = collapse_at(data, 660.0, True, TH)
     assert r.condition_sets == {"stalled_engine": True, "classic": True}
     assert r.condition_set == "stalled_engine" and r.reason.count(":") == 2  # both named in the reason
@@ -181,9 +185,11 @@ def test_both_sets_name_the_stalled_engine_first():
 def busy_with_flat_steps(tokens_per_second=500.0, prompt_per_second=0.0, seconds=660):
     """Busy the whole time (4 running): the step counter is on the wire but flat from t=600 (a detached stats
     logger, a data-parallel coordinator's copy), the token counters keep moving."""
-    return [Interval(float(t), t + 1.0, {"generation_tokens": tokens_per_second, "prompt_tokens": prompt_per_second,
-                                         "preemptions": 0.0, "engine_steps": 20.0 if t < 600 else 0.0},
-                     {"running": 4, "waiting": 0, "kv_usage": 0.5}, {}, {}) for t in range(seconds)]
+    return [Interval(t0=float(t), t1=t + 1.0,
+                     deltas={"generation_tokens": tokens_per_second, "prompt_tokens": prompt_per_second,
+                             "preemptions": 0.0, "engine_steps": 20.0 if t < 600 else 0.0},
+                     gauges={"running": 4, "waiting": 0, "kv_usage": 0.5}, energy_joules={}, idle_joules={})
+            for t in range(seconds)]
 
 
 @pytest.mark.parametrize("gen, prompt", [(500.0, 0.0), (0.0, 800.0)])  # decoding; prefilling only
@@ -201,13 +207,13 @@ def test_no_progress_needs_every_witness_flat():
     """Steps and tokens all flat with requests pending: the stall holds, no witness called stale; a token
     counter flat but sampled over too little of the window leaves it unknown, never asserted."""
     stalled = busy_with_flat_steps(0.0, 0.0)
-    stalled = [iv if iv.t0 < 600 else Interval(iv.t0, iv.t1, {**iv.deltas, "generation_tokens": 0.0}, iv.gauges,
-                                                {}, {}) for iv in stalled]
+    stalled = [iv if iv.t0 < 600 else Interval(t0=iv.t0, t1=iv.t1, deltas={**iv.deltas, "generation_tokens": 0.0},
+                                               gauges=iv.gauges, energy_joules={}, idle_joules={}) for iv in stalled]
     r = collapse_at(stalled, 660.0, False, TH)
     assert r.conditions["engine_steps_stopped"] is True and r.signature is True and not r.stale_witnesses
     sparse = [iv if iv.t0 < 600 or iv.t0 >= 650 else
-              Interval(iv.t0, iv.t1, {k: v for k, v in iv.deltas.items() if k != "generation_tokens"}, iv.gauges,
-                       {}, {}) for iv in stalled]
+              Interval(t0=iv.t0, t1=iv.t1, deltas={k: v for k, v in iv.deltas.items() if k != "generation_tokens"},
+                       gauges=iv.gauges, energy_joules={}, idle_joules={}) for iv in stalled]
     r = collapse_at(sparse, 660.0, False, TH)
     assert r.conditions["engine_steps_stopped"] is None and r.signature is None
 

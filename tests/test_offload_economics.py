@@ -38,8 +38,9 @@ def test_mean_and_stderr():
 
 
 def _iv(t0, t1, gen, joules, idle=100.0, kv=0.9, **more):
-    return Interval(t0, t1, {"generation_tokens": gen, **more}, {"kv_usage": kv},
-                    {"gpu": joules} if joules is not None else {}, {"gpu": idle} if idle is not None else {})
+    return Interval(t0=t0, t1=t1, deltas={"generation_tokens": gen, **more}, gauges={"kv_usage": kv},
+                    energy_joules={"gpu": joules} if joules is not None else {},
+                    idle_joules={"gpu": idle} if idle is not None else {})
 
 
 def test_window_stats_hand_computed():
@@ -59,8 +60,9 @@ def test_window_stats_hand_computed():
 def test_estimated_reaches_a_pre_016_server_through_the_prefix_cache_counters():
     """vLLM < 0.16 has no prompt_tokens_by_source: window_stats takes the token sources from
     recompute.token_counts' prefix-cache estimate, so the estimated dE exists for such a server too."""
-    ivs = [Interval(t, t + 1, {"generation_tokens": 50.0, "prefix_queries": 1000.0, "prefix_hits": 400.0,
-                               "external_prefix_hits": 250.0}, {"kv_usage": 0.95}, {"gpu": 500.0}, {"gpu": 150.0})
+    ivs = [Interval(t0=t, t1=t + 1, deltas={"generation_tokens": 50.0, "prefix_queries": 1000.0, "prefix_hits": 400.0,
+                                            "external_prefix_hits": 250.0},
+                    gauges={"kv_usage": 0.95}, energy_joules={"gpu": 500.0}, idle_joules={"gpu": 150.0})
            for t in range(120)]
     ws = stats(ivs, 60)
     assert [(w.computed_prompt_tokens, w.loaded_prompt_tokens, w.prompt_tokens) for w in ws] == \
@@ -71,9 +73,13 @@ def test_estimated_reaches_a_pre_016_server_through_the_prefix_cache_counters():
 
 
 def test_paired_uses_only_windows_where_both_carry_load():
-    on = [E.WindowStat(k * 60, k * 60 + 60, 60, 1000, 80.0, 0.9, 10, 100, True) for k in range(4)]
-    off = [E.WindowStat(k * 60, k * 60 + 60, 60, 800, 100.0, 0.9, 50, 0, True) for k in range(3)]
-    off.append(E.WindowStat(180, 240, 60, 0, 0.0, 0.9, 0, 0, False))  # OFF idle in the 4th window
+    on = [E.WindowStat(t0=k * 60, t1=k * 60 + 60, covered_seconds=60, generated_tokens=1000, joules=80.0, kv_p95=0.9,
+                       computed_prompt_tokens=10, loaded_prompt_tokens=100, loaded=True) for k in range(4)]
+    off = [E.WindowStat(t0=k * 60, t1=k * 60 + 60, covered_seconds=60, generated_tokens=800, joules=100.0, kv_p95=0.9,
+                        computed_prompt_tokens=50, loaded_prompt_tokens=0, loaded=True) for k in range(3)]
+    # OFF idle in the 4th window
+    off.append(E.WindowStat(t0=180, t1=240, covered_seconds=60, generated_tokens=0, joules=0.0, kv_p95=0.9,
+                            computed_prompt_tokens=0, loaded_prompt_tokens=0, loaded=False))
     de, dt = E.paired(on, off)
     assert de.windows == 3 and dt.windows == 3
     # J/tok ON 0.08, OFF 0.125 -> dE = 1 - 0.64 = 0.36; TPS 1000/800 -> +25 %
@@ -82,10 +88,14 @@ def test_paired_uses_only_windows_where_both_carry_load():
 
 
 def test_recorded_band_by_band_hand_computed():
-    profile = [E.BandProfile(0.0, 0.9, 5, 0.10, 0.002, 1000.0, 10.0),
-               E.BandProfile(0.9, 1.0, 5, 0.20, 0.004, 800.0, 8.0)]
-    on = ([E.WindowStat(k, k + 1, 1, 900, 0.09 * 900, 0.85, 0, 0, True) for k in range(3)] +
-          [E.WindowStat(k, k + 1, 1, 1000, 0.12 * 1000, 0.95, 0, 0, True) for k in range(3, 4)])
+    profile = [E.BandProfile(lo=0.0, hi=0.9, windows=5, joules_per_token=0.10, joules_per_token_stderr=0.002,
+                             tokens_per_second=1000.0, tokens_per_second_stderr=10.0),
+               E.BandProfile(lo=0.9, hi=1.0, windows=5, joules_per_token=0.20, joules_per_token_stderr=0.004,
+                             tokens_per_second=800.0, tokens_per_second_stderr=8.0)]
+    on = ([E.WindowStat(t0=k, t1=k + 1, covered_seconds=1, generated_tokens=900, joules=0.09 * 900, kv_p95=0.85,
+                        computed_prompt_tokens=0, loaded_prompt_tokens=0, loaded=True) for k in range(3)] +
+          [E.WindowStat(t0=k, t1=k + 1, covered_seconds=1, generated_tokens=1000, joules=0.12 * 1000, kv_p95=0.95,
+                        computed_prompt_tokens=0, loaded_prompt_tokens=0, loaded=True) for k in range(3, 4)])
     de, dt = E.recorded(on, profile)
     # the ON energy over what the profile's J/token gives for the same tokens band by band:
     # 1 - (3 x 81 + 120) / (2,700 x 0.10 + 1,000 x 0.20) = 1 - 363/470 (the mean of the windows' ratios gave 0.175)
@@ -104,15 +114,20 @@ def test_recorded_band_by_band_hand_computed():
 
 
 def test_recorded_skips_bands_without_profile_data():
-    profile = [E.BandProfile(0.0, 0.95, 5, 0.1, 0.001, 1000.0, 5.0), E.BandProfile(0.95, 1.0, 0, None, None, None, None)]
-    on = [E.WindowStat(k, k + 1, 1, 900, 90.0, 0.97, 0, 0, True) for k in range(3)]
+    profile = [E.BandProfile(lo=0.0, hi=0.95, windows=5, joules_per_token=0.1, joules_per_token_stderr=0.001,
+                             tokens_per_second=1000.0, tokens_per_second_stderr=5.0),
+               E.BandProfile(lo=0.95, hi=1.0, windows=0, joules_per_token=None, joules_per_token_stderr=None,
+                             tokens_per_second=None, tokens_per_second_stderr=None)]
+    on = [E.WindowStat(t0=k, t1=k + 1, covered_seconds=1, generated_tokens=900, joules=90.0, kv_p95=0.97,
+                       computed_prompt_tokens=0, loaded_prompt_tokens=0, loaded=True) for k in range(3)]
     de, _ = E.recorded(on, profile)
     assert de.value is None and de.windows == 0 and "0.95-1" in de.note
 
 
 def test_estimated_hand_computed():
     # marginal 100 J, 1000 loaded tokens x 0.05 J x (1 - 0.1) = 45 J saved -> dE = 45 / 145
-    w = E.WindowStat(0, 60, 60, 500, 100.0, 0.9, 30, 1000, True)
+    w = E.WindowStat(t0=0, t1=60, covered_seconds=60, generated_tokens=500, joules=100.0, kv_p95=0.9,
+                     computed_prompt_tokens=30, loaded_prompt_tokens=1000, loaded=True)
     est = E.estimated([w, w], 0.05, 0.1)
     assert est.value == pytest.approx(45 / 145) and est.stderr == 0.0 and est.windows == 2
     assert est.kind == "estimated" and "estimate" in est.note
@@ -173,13 +188,18 @@ def test_table1_paired_is_unbiased_and_calibrated():
     n, est, covered = sim.TABLE1_WINDOWS, [], 0
     for _ in range(400):
         def windows(j, tps):
-            return [E.WindowStat(k, k + 1, 1.0, tps * (1 + rng.gauss(0, cv_t)),
-                                 None, 0.9, 0, 0, True) for k in range(n)], [j * (1 + rng.gauss(0, cv_e)) for _ in range(n)]
+            return [E.WindowStat(t0=k, t1=k + 1, covered_seconds=1.0, generated_tokens=tps * (1 + rng.gauss(0, cv_t)),
+                                 joules=None, kv_p95=0.9, computed_prompt_tokens=0, loaded_prompt_tokens=0,
+                                 loaded=True) for k in range(n)], [j * (1 + rng.gauss(0, cv_e)) for _ in range(n)]
         on, j_on = windows(0.15 * (1 - cond.dE_pct / 100), 2000 * (1 + cond.dTPS_pct / 100))
         off, j_off = windows(0.15, 2000.0)
-        on = [E.WindowStat(w.t0, w.t1, 1.0, w.generated_tokens, j * w.generated_tokens, 0.9, 0, 0, True)
+        on = [E.WindowStat(t0=w.t0, t1=w.t1, covered_seconds=1.0, generated_tokens=w.generated_tokens,
+                           joules=j * w.generated_tokens, kv_p95=0.9, computed_prompt_tokens=0, loaded_prompt_tokens=0,
+                           loaded=True)
               for w, j in zip(on, j_on)]
-        off = [E.WindowStat(w.t0, w.t1, 1.0, w.generated_tokens, j * w.generated_tokens, 0.9, 0, 0, True)
+        off = [E.WindowStat(t0=w.t0, t1=w.t1, covered_seconds=1.0, generated_tokens=w.generated_tokens,
+                            joules=j * w.generated_tokens, kv_p95=0.9, computed_prompt_tokens=0, loaded_prompt_tokens=0,
+                            loaded=True)
                for w, j in zip(off, j_off)]
         de, _ = E.paired(on, off)
         est.append(de.value)

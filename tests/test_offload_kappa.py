@@ -108,14 +108,15 @@ def test_breakeven_positive_on_a_slow_tier():
 
 
 def test_observed_kappa():
-    ivs = [Interval(0, 1, {"prompt_external_kv_transfer": 165.0, "prompt_local_compute": 33.0}, {}),
-           Interval(1, 2, {"prompt_external_kv_transfer": 35.0, "prompt_local_compute": 17.0}, {})]
+    ivs = [Interval(t0=0, t1=1, deltas={"prompt_external_kv_transfer": 165.0, "prompt_local_compute": 33.0}, gauges={}),
+           Interval(t0=1, t1=2, deltas={"prompt_external_kv_transfer": 35.0, "prompt_local_compute": 17.0}, gauges={})]
     assert K.observed(aggregate_of(ivs)) == pytest.approx(200 / 50)
     none = {"prompt_local_compute": 0.0, "prompt_external_kv_transfer": 0.0}
-    assert K.observed(aggregate_of([Interval(0, 1, none, {})])) is None
+    assert K.observed(aggregate_of([Interval(t0=0, t1=1, deltas=none, gauges={})])) is None
     only_loaded = {"prompt_local_compute": 0.0, "prompt_external_kv_transfer": 5.0}
-    assert K.observed(aggregate_of([Interval(0, 1, only_loaded, {})])) == math.inf
-    assert K.observed(aggregate_of([Interval(0, 1, {"prompt_tokens": 5.0}, {})])) is None  # vLLM < 0.16
+    assert K.observed(aggregate_of([Interval(t0=0, t1=1, deltas=only_loaded, gauges={})])) == math.inf
+    # vLLM < 0.16
+    assert K.observed(aggregate_of([Interval(t0=0, t1=1, deltas={"prompt_tokens": 5.0}, gauges={})])) is None
 
 
 def test_config_file_and_overrides(tmp_path):

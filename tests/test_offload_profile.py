@@ -22,8 +22,10 @@ from tests.support.loopback import FakeVllm
 def _profile(**kw):
     base = dict(server="off", model_name="m", offload_enabled=False, recorded_at="2026-01-01T00:00:00Z",
                 duration_seconds=600.0, window_seconds=60.0,
-                bands=(BandProfile(0.0, 0.8, 0, None, None, None, None),
-                       BandProfile(0.8, 1.0, 10, 0.15, 0.002, 2000.0, 12.0)))
+                bands=(BandProfile(lo=0.0, hi=0.8, windows=0, joules_per_token=None, joules_per_token_stderr=None,
+                                   tokens_per_second=None, tokens_per_second_stderr=None),
+                       BandProfile(lo=0.8, hi=1.0, windows=10, joules_per_token=0.15, joules_per_token_stderr=0.002,
+                                   tokens_per_second=2000.0, tokens_per_second_stderr=12.0)))
     base.update(kw)
     return P.Profile(**base)
 

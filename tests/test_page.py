@@ -391,12 +391,14 @@ class _Parser(html.parser.HTMLParser):
 
 
 def _all_unknown_snapshot() -> Snapshot:
-    down = SourceStatus("vllm", "x", False, "unreachable: connection refused", 0.0, "down")
-    collapse = CollapseResult(dict.fromkeys(CONDITIONS), None, "unknown: everything",
+    down = SourceStatus(source="vllm", server="x", up=False, reason="unreachable: connection refused",
+                        duration_seconds=0.0, state="down")
+    collapse = CollapseResult(conditions=dict.fromkeys(CONDITIONS), signature=None, reason="unknown: everything",
                               details={c: "not enough samples in the recent window" for c in CONDITIONS})
     server = ServerFigures("x", "http://x.invalid:8000", down, None, 0.9, None, "none",
                            (WindowFigures("1m", 60.0, 0.0), WindowFigures("5m", 300.0, 0.0)), collapse)
-    sources = (SourceStatus("nvml", "", False, "no NVML library", 0.0, "down"),)
+    sources = (SourceStatus(source="nvml", server="", up=False, reason="no NVML library", duration_seconds=0.0,
+                            state="down"),)
     return Snapshot(1.0, golden.WALL, (server,), sources)
 
 
@@ -417,7 +419,8 @@ def test_page_escapes_what_it_shows():
     snap = _all_unknown_snapshot()
     bad = "<script>alert(1)</script>"
     server = snap.servers[0]
-    status = SourceStatus("vllm", "x", False, f"unreachable: {bad}", 0.0, "down")
+    status = SourceStatus(source="vllm", server="x", up=False, reason=f"unreachable: {bad}", duration_seconds=0.0,
+                          state="down")
     snap = Snapshot(1.0, golden.WALL, (ServerFigures(f"x{bad}", server.url, status, None, 0.9, None, "none",
                                                     server.windows, server.collapse),), snap.sources)
     text = page.render(status_json(snap))
@@ -433,7 +436,7 @@ def test_dE_verdict_words():
     from exporter.figures import SavingFigure
 
     def verdict(de, se):
-        return SavingFigure("paired", de, se, 6).verdict
+        return SavingFigure(baseline="paired", energy_saving=de, energy_saving_stderr=se, windows=6).verdict
 
     assert verdict(None, None) == "unknown"
     assert verdict(0.02, 0.011) == "within_noise" and verdict(-0.02, 0.011) == "within_noise"

@@ -15,6 +15,7 @@ import pytest
 
 from exporter import rules
 from exporter.derive import phase_energy as pe
+from exporter.results import PHASES
 from exporter.samples import Interval
 from exporter.store import buckets_of
 from tests import phase_double
@@ -48,7 +49,7 @@ def test_the_standard_errors_are_calibrated():
     z = []
     for seed in range(40):
         c = fit(phase_double.windows(60, TRUE, seed=100 + seed, offload=True))
-        z += [(c.joules(p) - t) / c.stderr(p) for p, t in zip(pe.PHASES, TRUE)]
+        z += [(c.joules(p) - t) / c.stderr(p) for p, t in zip(PHASES, TRUE)]
     assert 0.7 <= statistics.pstdev(z) <= 1.4
     assert abs(statistics.mean(z)) < 0.4
 
@@ -132,9 +133,10 @@ def test_condition_number_of_orthogonal_and_proportional_columns():
 
 
 def _iv(t0, gen, computed, reloaded, joules, idle):
-    return Interval(t0, t0 + 1, {"generation_tokens": gen, "prompt_local_compute": computed,
-                                 "prompt_local_cache_hit": 0.0, "prompt_external_kv_transfer": reloaded},
-                    {"kv_usage": 0.5}, {"gpu": joules}, {"gpu": idle})
+    return Interval(t0=t0, t1=t0 + 1, deltas={"generation_tokens": gen, "prompt_local_compute": computed,
+                                              "prompt_local_cache_hit": 0.0,
+                                              "prompt_external_kv_transfer": reloaded},
+                    gauges={"kv_usage": 0.5}, energy_joules={"gpu": joules}, idle_joules={"gpu": idle})
 
 
 def test_observation_reads_the_grid_bucket():
@@ -146,11 +148,13 @@ def test_observation_reads_the_grid_bucket():
 
 
 def test_tax_and_saving_in_watts():
-    c = pe.PhaseCosts("gpu", 0.03, 0.001, 0.4, 0.01, 0.004, 0.0005, 60, "known", "", "measured")
+    c = pe.PhaseCosts(scope="gpu", prompt_computed_j=0.03, prompt_computed_se=0.001, generated_j=0.4, generated_se=0.01,
+                      reloaded_j=0.004, reloaded_se=0.0005, windows=60, state="known", reason="", source="measured")
     assert pe.recompute_tax_watts(0.2, 1000.0, c) == pytest.approx(0.2 * 1000 * 0.03)
     assert pe.recompute_tax_watts(-0.1, 1000.0, c) == 0.0
     assert pe.offload_saved_watts(500.0, c, 0.1) == pytest.approx(500 * (0.03 - 0.004))
-    no_reload = pe.PhaseCosts("gpu", 0.03, 0.001, 0.4, 0.01, state="known", source="measured")
+    no_reload = pe.PhaseCosts(scope="gpu", prompt_computed_j=0.03, prompt_computed_se=0.001, generated_j=0.4,
+                              generated_se=0.01, state="known", source="measured")
     assert pe.offload_saved_watts(500.0, no_reload, 0.1) == pytest.approx(500 * 0.03 * 0.9)
     assert pe.recompute_tax_watts(None, 1000.0, c) is None
 
@@ -158,13 +162,16 @@ def test_tax_and_saving_in_watts():
 # --- dE priced with the measured costs (derive/economics.py) ----------------------------------------------
 def _stats(n=8):
     from exporter.derive.economics import WindowStat
-    return [WindowStat(0, 30, 30, 1000.0 + 50 * i, 4000.0 + 100 * i, 0.9, 2000.0, 3000.0 + 200 * i, True, 9000.0)
+    return [WindowStat(t0=0, t1=30, covered_seconds=30, generated_tokens=1000.0 + 50 * i, joules=4000.0 + 100 * i,
+                       kv_p95=0.9, computed_prompt_tokens=2000.0, loaded_prompt_tokens=3000.0 + 200 * i, loaded=True,
+                       prompt_tokens=9000.0)
             for i in range(n)]
 
 
 def _costs(se_c, se_r, cov=0.0):
-    return pe.PhaseCosts("gpu", 0.03, se_c, 0.4, 0.01, 0.004, se_r, 60, "known", "", "measured",
-                         cov_prompt_reloaded=cov)
+    return pe.PhaseCosts(scope="gpu", prompt_computed_j=0.03, prompt_computed_se=se_c, generated_j=0.4,
+                         generated_se=0.01, reloaded_j=0.004, reloaded_se=se_r, windows=60, state="known", reason="",
+                         source="measured", cov_prompt_reloaded=cov)
 
 
 def test_estimated_uses_the_measured_prices():
@@ -194,7 +201,9 @@ def test_potential_prices_the_tax_with_the_measured_cost_and_the_prior_reload():
     off = _stats()
     # an OFF server's measured costs: no reloaded tokens, so no reload cost fitted (J_r = ratio x J_c, as the
     # saving kvwatt_offload_saved_watts prices it)
-    off_costs = pe.PhaseCosts("gpu", 0.03, 0.0, 0.4, 0.01, None, None, 60, "known", "", "measured")
+    off_costs = pe.PhaseCosts(scope="gpu", prompt_computed_j=0.03, prompt_computed_se=0.0, generated_j=0.4,
+                              generated_se=0.01, reloaded_j=None, reloaded_se=None, windows=60, state="known",
+                              reason="", source="measured")
     est = economics.potential(off, 0.1, None, 0.1, off_costs)
     saved = sum((w.computed_prompt_tokens - 0.1 * w.prompt_tokens) * 0.03 * 0.9 for w in off)
     assert est.windows == 8 and est.value == pytest.approx(saved / sum(w.joules for w in off))
@@ -204,17 +213,19 @@ def test_potential_prices_the_tax_with_the_measured_cost_and_the_prior_reload():
 def _bucket_ivs(k, win, width=10.0):
     """One grid bucket's worth of 1 s intervals carrying the window ``win``'s tokens and energy."""
     n = int(width)
-    return [Interval(k * width + i, k * width + i + 1,
-                     {"generation_tokens": win.generated / n, "prompt_local_compute": win.computed / n,
-                      "prompt_local_cache_hit": 0.0, "prompt_external_kv_transfer": win.reloaded / n},
-                     {"kv_usage": 0.5}, {"gpu": 100.0 + win.joules / n}, {"gpu": 100.0}) for i in range(n)]
+    return [Interval(t0=k * width + i, t1=k * width + i + 1,
+                     deltas={"generation_tokens": win.generated / n, "prompt_local_compute": win.computed / n,
+                             "prompt_local_cache_hit": 0.0, "prompt_external_kv_transfer": win.reloaded / n},
+                     gauges={"kv_usage": 0.5}, energy_joules={"gpu": 100.0 + win.joules / n},
+                     idle_joules={"gpu": 100.0}) for i in range(n)]
 
 
 def test_the_learner_measures_from_grid_buckets_and_logs_the_change_once(caplog):
     from exporter.model.energy import PhaseLearner
     wins = phase_double.windows(40, TRUE, seed=9)
     ivs = [iv for k, w in enumerate(wins) for iv in _bucket_ivs(k, w)]
-    learner = PhaseLearner("s", 10.0, 3600.0, MIN_W, MAX_COND, 0.1)
+    learner = PhaseLearner(name="s", width=10.0, history_seconds=3600.0, min_windows=MIN_W, max_condition=MAX_COND,
+                           load_to_compute_cost_ratio=0.1)
     with caplog.at_level("INFO", logger="kvwatt.energy"):
         for k in range(1, 41):  # one bucket completes per "tick"
             learner.observe(buckets_of([iv for iv in ivs if iv.t1 <= k * 10.0], 10.0))
@@ -232,7 +243,8 @@ def test_the_learners_running_sums_give_the_fit_over_the_windows_it_keeps(offloa
     from exporter.model.energy import PhaseLearner
     wins = phase_double.windows(200, TRUE, seed=5, offload=offload)
     ivs = [iv for k, w in enumerate(wins) for iv in _bucket_ivs(k, w)]
-    learner = PhaseLearner("s", 10.0, 300.0, MIN_W, MAX_COND, 0.1)
+    learner = PhaseLearner(name="s", width=10.0, history_seconds=300.0, min_windows=MIN_W, max_condition=MAX_COND,
+                           load_to_compute_cost_ratio=0.1)
     for k in range(1, 201):
         learner.observe(buckets_of([iv for iv in ivs if (k - 1) * 10.0 < iv.t1 <= k * 10.0], 10.0))
         kept = list(learner.windows["gpu"])
@@ -257,7 +269,8 @@ def test_a_stale_idle_gives_no_prior_rather_than_a_negative_price():
 def test_a_new_engine_sets_the_measured_costs_aside():
     """A new evidence epoch (model/epoch.py): the windows priced the old engine's phases; back to the prior."""
     from exporter.model.energy import PhaseLearner
-    learner = PhaseLearner("s", 30.0, 3600.0, 2, 100.0, 0.1)
+    learner = PhaseLearner(name="s", width=30.0, history_seconds=3600.0, min_windows=2, max_condition=100.0,
+                           load_to_compute_cost_ratio=0.1)
     learner.windows["gpu"].extend(object() for _ in range(3))
     learner.set_aside()
     assert not learner.windows["gpu"] and learner.figures() == ()

@@ -23,7 +23,7 @@ def window(computed, generated, recomputed, seconds=60.0, writes=None, **extra):
     scheduled = computed + generated + recomputed
     deltas = {"prompt_local_compute": computed, "generation_tokens": generated,
               "engine_write_bytes": A * scheduled + B * generated if writes is None else writes, **extra}
-    return aggregate_of([Interval(0.0, seconds, deltas, {})])
+    return aggregate_of([Interval(t0=0.0, t1=seconds, deltas=deltas, gauges={})])
 
 
 def test_the_tiny_models_coefficients_are_vllms_write_model():
@@ -58,10 +58,10 @@ def test_a_window_less_covered_is_provisional():
 
 
 @pytest.mark.parametrize("agg, a, why", [
-    (aggregate_of([Interval(0, 60, {"prompt_local_compute": 5, "generation_tokens": 5}, {})]), A,
+    (aggregate_of([Interval(t0=0, t1=60, deltas={"prompt_local_compute": 5, "generation_tokens": 5}, gauges={})]), A,
      "exports no write-traffic estimate"),
     (window(100, 100, 0, writes=0.0), A, "--enable-mfu-metrics"),
-    (aggregate_of([Interval(0, 60, {"engine_write_bytes": 1e6, "generation_tokens": 5}, {})]), A,
+    (aggregate_of([Interval(t0=0, t1=60, deltas={"engine_write_bytes": 1e6, "generation_tokens": 5}, gauges={})]), A,
      "prompt tokens by source"),
     (window(100, 100, 10), None, "config.json"),
 ])
@@ -72,7 +72,9 @@ def test_unknown_says_why(agg, a, why):
 
 def test_its_power_is_priced_as_a_computed_prompt_token():
     r = preemption_recompute(window(6000, 3000, 600), A, B, 60.0)
-    costs = PhaseCosts("gpu", 0.02, None, 0.05, None, 0.002, None, 30, "known", "", "measured")
+    costs = PhaseCosts(scope="gpu", prompt_computed_j=0.02, prompt_computed_se=None, generated_j=0.05,
+                       generated_se=None, reloaded_j=0.002, reloaded_se=None, windows=30, state="known", reason="",
+                       source="measured")
     assert preemption_recompute_watts(r, costs) == pytest.approx(10 * 0.02)
     assert preemption_recompute_watts(preemption_recompute(window(1, 1, 0), None, B, 60.0), costs) is None
 
@@ -84,7 +86,7 @@ def test_the_real_low_pressure_capture_satisfies_the_identity():
                    (FIXTURES / "idle" / "000.prom", sorted((FIXTURES / "low-pressure").glob("*.prom"))[-1]))
     deltas = {k: last[k] - first.get(k, 0.0) for k in ("engine_write_bytes", "generation_tokens",
                                                        "prompt_local_compute")}
-    r = preemption_recompute(aggregate_of([Interval(0, 60, deltas, {})]), A, B, 60.0)
+    r = preemption_recompute(aggregate_of([Interval(t0=0, t1=60, deltas=deltas, gauges={})]), A, B, 60.0)
     assert r.share == 0 and r.residual_share == pytest.approx(-0.0019, abs=0.0002)
 
 
@@ -118,9 +120,11 @@ def test_its_power_is_priced_within_the_windows_own_energy():
     their price is capped at what the window's marginal energy allows for all of them (a GPU double that charges
     no re-prefill, as the demo's, or costs learned where no recomputation showed, would price it above)."""
     from exporter.derive.energy import priced_with_recomputation
-    costs = PhaseCosts("gpu", 0.05, None, 0.3, None, None, None, 30, "known", "", "measured")
+    costs = PhaseCosts(scope="gpu", prompt_computed_j=0.05, prompt_computed_se=None, generated_j=0.3, generated_se=None,
+                       reloaded_j=None, reloaded_se=None, windows=30, state="known", reason="", source="measured")
     deltas = {"prompt_local_compute": 600.0, "generation_tokens": 100.0, "engine_write_bytes": 1.0}
-    iv = Interval(0.0, 10.0, deltas, {}, energy_joules={"gpu": 700.0 + 40.0}, idle_joules={"gpu": 700.0})
+    iv = Interval(t0=0.0, t1=10.0, deltas=deltas, gauges={}, energy_joules={"gpu": 700.0 + 40.0},
+                  idle_joules={"gpu": 700.0})
     agg = aggregate_of([iv])  # marginal 40 J over 10 s: 4 W; 600 counted + 900 recomputed prompt tokens
     again = PreemptionRecompute(tokens_per_second=90.0, state="known")
     assert preemption_recompute_watts(again, costs) == pytest.approx(4.5)  # 90 x 0.05: above the 4 W

@@ -20,7 +20,9 @@ from exporter.sources.nvml import NvmlSource
 from tests.support.fake_gpus import FakeGpus, load_fake_nvml
 from tests.test_bounds import snapshot
 
-PRIOR = PhaseCosts("gpu", 0.05, None, 0.3, None, 0.005, None, 120, "not_identifiable", "", "prior")  # reload 0.1
+PRIOR = PhaseCosts(scope="gpu", prompt_computed_j=0.05, prompt_computed_se=None, generated_j=0.3, generated_se=None,
+                   reloaded_j=0.005, reloaded_se=None, windows=120, state="not_identifiable", reason="",
+                   source="prior")  # reload 0.1
 
 
 def _check(snap):
@@ -64,8 +66,9 @@ def _fresh():
 
 
 def _with_gpu(snap, watts, limit):
-    reading = DeviceReading("gpu:GPU-0", "gpu", {"gpu": "0", "uuid": "GPU-0"}, 1000.0, True, watts, "counter",
-                            40.0, power_limit_watts=limit)
+    reading = DeviceReading(device="gpu:GPU-0", kind="gpu", labels={"gpu": "0", "uuid": "GPU-0"}, joules_total=1000.0,
+                            continuous=True, power_watts=watts, method="counter", temperature_celsius=40.0,
+                            power_limit_watts=limit)
     return dataclasses.replace(snap, devices=(DeviceFigures(reading, None, None),))
 
 
@@ -94,29 +97,35 @@ def _with_phase(snap):
 
 def test_a_potential_de_far_below_the_tax_it_prices_is_served_unknown():
     """Issue 37: the tax 0.82 of the energy, potential dE +0.21 +/- 0.19 "within noise"."""
-    kw = dict(recompute_energy_share={"gpu": 0.82}, savings=(SavingFigure("potential", 0.21, 0.019, 5),))
+    kw = dict(recompute_energy_share={"gpu": 0.82}, savings=(SavingFigure(baseline="potential", energy_saving=0.21,
+                                                                          energy_saving_stderr=0.019, windows=5),))
     snap = _check(_with_phase(snapshot(**kw)))
     (f,) = snap.servers[0].windows[0].savings
     assert f.energy_saving is None
     (r,) = _rejected(snap, "kvwatt_energy_saving_ratio")
     assert "potential dE +0.21" in r.reason and dict(r.labels)["baseline"] == "potential"
-    agree = dict(kw, savings=(SavingFigure("potential", 0.76, 0.02, 5),))  # 0.82 x (1 - 0.1) = 0.738
+    agree = dict(kw, savings=(SavingFigure(baseline="potential", energy_saving=0.76, energy_saving_stderr=0.02,
+                                           windows=5),))  # 0.82 x (1 - 0.1) = 0.738
     assert not _rejected(_check(_with_phase(snapshot(**agree))), "kvwatt_energy_saving_ratio")
-    noisy = dict(kw, savings=(SavingFigure("potential", 0.34, 0.34, 5),))  # within 2 SE: noise, not a contradiction
+    noisy = dict(kw, savings=(SavingFigure(baseline="potential", energy_saving=0.34, energy_saving_stderr=0.34,
+                                           windows=5),))  # within 2 SE: noise, not a contradiction
     assert not _rejected(_check(_with_phase(snapshot(**noisy))), "kvwatt_energy_saving_ratio")
 
 
 def test_an_estimated_de_prices_the_saving():
     # marginal 600 W, saved 30 W: dE = 30 / 630 = 0.048
-    snap = _check(_with_phase(snapshot(savings=(SavingFigure("estimated", 0.4, 0.01, 5),))))
+    snap = _check(_with_phase(snapshot(savings=(SavingFigure(baseline="estimated", energy_saving=0.4,
+                                                             energy_saving_stderr=0.01, windows=5),))))
     assert _rejected(snap, "kvwatt_energy_saving_ratio")
-    ok = _check(_with_phase(snapshot(savings=(SavingFigure("estimated", 0.05, 0.01, 5),))))
+    ok = _check(_with_phase(snapshot(savings=(SavingFigure(baseline="estimated", energy_saving=0.05,
+                                                           energy_saving_stderr=0.01, windows=5),))))
     assert not _rejected(ok, "kvwatt_energy_saving_ratio")
 
 
 def _with_buffer(snap, size, undersized, recommended, gib):
     s = snap.servers[0]
-    buf = BufferFigures(undersized, recommended, gib, 0.0, 54.0, 1e6)
+    buf = BufferFigures(undersized=undersized, recommended_bytes=recommended, recommended_gib=gib, store_failures=0.0,
+                        residency_seconds=54.0, write_bytes_per_second=1e6)
     return dataclasses.replace(snap, servers=(dataclasses.replace(
         s, buffer=buf, info=EngineInfo(offload_enabled=True, offload_buffer_bytes=size)),))
 

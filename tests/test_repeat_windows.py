@@ -51,7 +51,8 @@ def test_a_bucket_completed_out_of_time_order_is_taken_in():
         h.advance(iv.t1)
     h.advance(1200.0)  # nothing read for a while
     assert rw.within(h, 1200.0, 3600.0) == fresh(h, 1200.0, 3600.0, True)
-    h._append(Interval(1150.0, 1201.0, {"generation_tokens": 5.0}, {"kv_usage": 0.5}, {"gpu": 10.0}, {}))
+    h._append(Interval(t0=1150.0, t1=1201.0, deltas={"generation_tokens": 5.0}, gauges={"kv_usage": 0.5},
+                       energy_joules={"gpu": 10.0}, idle_joules={}))
     h.advance(1250.0)
     assert rw.within(h, 1250.0, 3600.0) == fresh(h, 1250.0, 3600.0, True)
     late = interval(1100.0, 1105.0, random.Random(3))  # ends in a bucket no interval opened, behind a newer one

@@ -91,7 +91,8 @@ def hist(prefix, n, cum, bounds=(0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0)):
 
 def window(idle, reuse, prompt_tokens=32000.0, p99_tool_latency=20.0):
     deltas = {"prompt_tokens": prompt_tokens, **hist(residency.IDLE, *idle), **hist(residency.REUSE, *reuse)}
-    return _window_residency([Interval(0, 60, deltas, {}, {}, {})], 32.0, 1.0, p99_tool_latency)
+    return _window_residency([Interval(t0=0, t1=60, deltas=deltas, gauges={}, energy_joules={},
+                                       idle_joules={})], 32.0, 1.0, p99_tool_latency)
 
 
 def test_reuse_gap_p50_is_the_yardstick_with_enough_gaps_when_longer():

@@ -56,7 +56,7 @@ def model_after_small_cache(sample: float) -> ServerModel:
     cfg = from_mapping({"servers": [{"name": "a", "url": "http://127.0.0.1:9", "kv_cache_metrics_sample": sample}],
                         "windows": ["1m"], "state_dir": "/nonexistent-kvwatt-state", "nvml": False})
     m = ServerModel(cfg.servers[0], cfg)
-    ok = SourceStatus("vllm", "a", True, "", 0.01, "ok")
+    ok = SourceStatus(source="vllm", server="a", up=True, reason="", duration_seconds=0.01, state="ok")
     for t, name in ((1.0, "small-cache-000"), (31.0, "small-cache-end")):
         m.read(t, ok, VllmAdapter().read((DATA / f"{name}.prom").read_text()))
     m.learn(31.0)
@@ -79,7 +79,8 @@ def test_server_figures_carry_the_evidence():
 
 def test_metrics_families_filled():
     w = model_after_small_cache(1.0).window(31.0, 60.0, {})
-    snap = Snapshot(0.0, 0.0, (ServerFigures("a", "u", SourceStatus("vllm", "a", True, "", 0.0, "ok"), None, 0.9,
+    snap = Snapshot(0.0, 0.0, (ServerFigures("a", "u", SourceStatus(source="vllm", server="a", up=True, reason="",
+                                                                    duration_seconds=0.0, state="ok"), None, 0.9,
                                              None, "none", (w,)),))
     got = {f.name: [(s.labels, s.value) for s in f.samples] for f in families(snap)}
     assert got["kvwatt_kv_block_residency_pressure_evidence"] == [({"server": "a", "window": "1m"}, 1.0)]

@@ -91,8 +91,9 @@ class SlowEnergy:
     def read(self, t, deadline_seconds=None):
         time.sleep(self.seconds)
         self.reads += 1
-        return (SourceStatus("nvml", "", True, "", self.seconds, "ok"),
-                [DeviceReading("gpu:GPU-x", "gpu", {"gpu": "0", "uuid": "GPU-x"}, 1000.0 * self.reads, True, t)])
+        return (SourceStatus(source="nvml", server="", up=True, reason="", duration_seconds=self.seconds, state="ok"),
+                [DeviceReading(device="gpu:GPU-x", kind="gpu", labels={"gpu": "0", "uuid": "GPU-x"},
+                               joules_total=1000.0 * self.reads, continuous=True, power_watts=t)])
 
 
 def config(servers: dict[str, str], interval: float, http_timeout: float):

@@ -63,7 +63,8 @@ def _config():
 
 
 def _tick(t: float, start: float, edges: dict[str, str]) -> Tick:
-    return Tick(t, {name: ServerRead(name, SourceStatus("vllm", name, True, "", 0.01, "ok"),
+    return Tick(t, {name: ServerRead(name, SourceStatus(source="vllm", server=name, up=True, reason="",
+                                                        duration_seconds=0.01, state="ok"),
                                      VllmAdapter().read(exposition_at(t, edge, start)))
                     for name, edge in edges.items()})
 

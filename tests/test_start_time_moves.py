@@ -26,7 +26,8 @@ HOURS = 3 * 3600.0  # the process ran this long before the test's first read: it
 
 
 def reading(g, start, wall):
-    return EngineReading({"g": g}, {}, EngineInfo(model_name="m", process_start_time_seconds=start),
+    return EngineReading(counters={"g": g}, gauges={}, info=EngineInfo(model_name="m",
+                                                                       process_start_time_seconds=start),
                          read_wall=wall)
 
 
@@ -82,7 +83,8 @@ class CreepingEngine(Engine):
             self.start = self.wall - 0.2
         info = EngineInfo(model_name="m", offload_enabled=True, offload_buffer_bytes=2.0 ** 34,
                           process_start_time_seconds=self.start)
-        return EngineReading(r.counters, r.gauges, info, r.capabilities, read_wall=self.wall)
+        return EngineReading(counters=r.counters, gauges=r.gauges, info=info, capabilities=r.capabilities,
+                             read_wall=self.wall)
 
 
 def test_the_model_under_a_creeping_start_keeps_its_epoch_rates_and_collapse(tmp_path, caplog):
@@ -91,7 +93,8 @@ def test_the_model_under_a_creeping_start_keeps_its_epoch_rates_and_collapse(tmp
     eng = CreepingEngine(creep_until=10 * 60)  # then the start time holds still: the rates fall to the truth
     collapsed = []
     for t in range(1, 15 * 60):
-        m.ingest(Tick(float(t), {"s": ServerRead("s", SourceStatus("vllm", "s", True), eng.second(0.6, 0.2))},
+        m.ingest(Tick(float(t), {"s": ServerRead("s", SourceStatus(source="vllm", server="s", up=True), eng.second(
+            0.6, 0.2))},
                       (), ()))
         collapsed.append(m.servers["s"].collapse.conditions.get("throughput_collapsed"))
         if t in (300, 15 * 60 - 1):  # while it creeps, and after

@@ -5,7 +5,8 @@ from exporter.store import DeviceTracker, ServerHistory, counter_deltas, engine_
 
 
 def reading(counters, gauges=None, start=None):
-    return EngineReading(dict(counters), dict(gauges or {}), EngineInfo(process_start_time_seconds=start))
+    return EngineReading(counters=dict(counters), gauges=dict(gauges or {}),
+                         info=EngineInfo(process_start_time_seconds=start))
 
 
 def test_counter_reset_re_bases_never_a_negative_or_catch_up_delta():
@@ -27,8 +28,9 @@ def test_per_engine_deltas_an_engine_vanishing_reappearing_or_resetting_adds_not
 
 def test_history_of_two_engines_counts_no_catch_up_and_logs_the_change_once(caplog):
     h = ServerHistory(max_age_seconds=600, name="dp")
-    both = lambda g0, g1: EngineReading({"g": g0 + g1}, {}, EngineInfo(), engine_counters={"0": {"g": g0}, "1": {"g": g1}})
-    one = lambda g0: EngineReading({"g": g0}, {}, EngineInfo(), engine_counters={"0": {"g": g0}})
+    both = lambda g0, g1: EngineReading(counters={"g": g0 + g1}, gauges={}, info=EngineInfo(),
+                                        engine_counters={"0": {"g": g0}, "1": {"g": g1}})
+    one = lambda g0: EngineReading(counters={"g": g0}, gauges={}, info=EngineInfo(), engine_counters={"0": {"g": g0}})
     h.add_reading(0.0, both(1e9, 1e9))
     with caplog.at_level("INFO", logger="kvwatt.store"):
         deltas = [h.add_reading(float(t), r).deltas.get("g") for t, r in
@@ -96,7 +98,7 @@ def test_energy_accumulates_across_missed_reads_and_a_gap_voids_the_scope():
 
 def test_device_tracker_drops_discontinuities_and_rebases_after_a_missing_read():
     tr = DeviceTracker()
-    mk = lambda j, cont=True: [DeviceReading("gpu:a", "gpu", {}, j, cont)]
+    mk = lambda j, cont=True: [DeviceReading(device="gpu:a", kind="gpu", labels={}, joules_total=j, continuous=cont)]
     assert tr.deltas(mk(10.0)) == {"gpu:a": None}  # first sight
     assert tr.deltas(mk(15.0)) == {"gpu:a": 5.0}
     assert tr.deltas(mk(None)) == {"gpu:a": None}
@@ -108,7 +110,7 @@ def test_device_tracker_drops_discontinuities_and_rebases_after_a_missing_read()
 
 def test_device_tracker_spans_time_each_step_by_the_readings_own_read_at():
     tr = DeviceTracker()
-    mk = lambda j, at: [DeviceReading("gpu:a", "gpu", {}, j, read_at=at)]
+    mk = lambda j, at: [DeviceReading(device="gpu:a", kind="gpu", labels={}, joules_total=j, read_at=at)]
     assert tr.spans(mk(10.0, 100.0)) == {"gpu:a": None}  # first sight
     assert tr.spans(mk(85.0, 101.5)) == {"gpu:a": (75.0, 1.5)}  # seconds from read_at, not from the tick
     assert tr.spans(mk(None, None)) == {"gpu:a": None}
@@ -130,10 +132,10 @@ def test_registered_windows_slide_on_advance_even_without_a_reading():
 
 def test_a_reading_without_counters_is_no_engine_change(caplog):
     h = ServerHistory(max_age_seconds=600, name="s")
-    one = lambda g: EngineReading({"g": g}, {}, EngineInfo(), engine_counters={"0": {"g": g}})
+    one = lambda g: EngineReading(counters={"g": g}, gauges={}, info=EngineInfo(), engine_counters={"0": {"g": g}})
     h.add_reading(0.0, one(10.0))
     with caplog.at_level("INFO", logger="kvwatt.store"):
-        assert h.add_reading(1.0, EngineReading({}, {"kv_usage": 0.5}, EngineInfo())).deltas == {}
+        assert h.add_reading(1.0, EngineReading(counters={}, gauges={"kv_usage": 0.5}, info=EngineInfo())).deltas == {}
         assert h.add_reading(2.0, one(20.0)).deltas == {}  # back: re-based, no catch-up of 10
         assert h.add_reading(3.0, one(25.0)).deltas == {"g": 5.0}
     assert [r.getMessage() for r in caplog.records] == ["s: engine(s) ['0'] vanished: they count for nothing "

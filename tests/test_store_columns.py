@@ -25,7 +25,7 @@ def interval(t0: float, t1: float, rng: random.Random, sparse: bool = False) -> 
     gauges["kv_usage"] = rng.random()
     energy = {"gpu": 100.0 * (t1 - t0)} if keep() else {}
     idle = {"gpu": 20.0 * (t1 - t0)} if energy and keep() else {}
-    return Interval(t0, t1, deltas, gauges, energy, idle)
+    return Interval(t0=t0, t1=t1, deltas=deltas, gauges=gauges, energy_joules=energy, idle_joules=idle)
 
 
 def feed(h: ServerHistory, ivs: list[Interval]) -> None:
@@ -41,7 +41,8 @@ def stream(n: int, dt: float = 0.25, seed: int = 1, sparse: bool = False) -> lis
 
 def test_rows_read_back_equal_to_what_was_appended_keys_coming_and_going():
     ivs = stream(3000, sparse=True)
-    ivs[1200] = Interval(ivs[1200].t0, ivs[1200].t1, {"generation_tokens": math.nan}, {"kv_usage": 0.5})
+    ivs[1200] = Interval(t0=ivs[1200].t0, t1=ivs[1200].t1, deltas={"generation_tokens": math.nan},
+                         gauges={"kv_usage": 0.5})
     h = ServerHistory(200.0, windows=(10.0, 100.0), grids=(5.0,))
     feed(h, ivs)
     kept = [iv for iv in ivs if iv.t1 >= ivs[-1].t1 - 200.0]
@@ -123,7 +124,7 @@ def test_a_late_interval_thaws_a_completed_bucket_and_keeps_it_exact():
     grid.close(ivs[24].t1)
     b = grid.done[-1]
     assert b.agg._frozen
-    late = Interval(ivs[24].t1, b.t1, {"generation_tokens": 7.0}, {"kv_usage": 0.9, "running": 3.0})
+    late = Interval(t0=ivs[24].t1, t1=b.t1, deltas={"generation_tokens": 7.0}, gauges={"kv_usage": 0.9, "running": 3.0})
     grid.add(late)  # ends in the bucket already completed
     assert not b.agg._frozen
     ref = [x for x in buckets_of([*ivs[:25], late], 10.0) if x.t0 == b.t0][0]
@@ -176,7 +177,7 @@ def test_a_late_interval_unpacks_a_packed_bucket_and_keeps_it_exact():
     h.advance(ivs[24].t1 + 0.5)
     b = h.buckets(10.0, -math.inf, math.inf)[-1]
     assert type(b.agg) is PackedAggregate
-    late = Interval(ivs[24].t1, b.t1, {"generation_tokens": 7.0}, {"kv_usage": 0.9, "running": 3.0})
+    late = Interval(t0=ivs[24].t1, t1=b.t1, deltas={"generation_tokens": 7.0}, gauges={"kv_usage": 0.9, "running": 3.0})
     h._append(late)  # ends in the bucket already completed: unpacked, added to, packed again
     assert type(b.agg) is PackedAggregate
     ref = [x for x in buckets_of([*ivs[:25], late], 10.0) if x.t0 == b.t0][0]

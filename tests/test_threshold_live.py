@@ -45,7 +45,8 @@ class Engine:
         running = 4.0 if prompt_per_second else 0.0
         gauges = {"kv_usage": kv, "running": running, "waiting": self.waiting_capacity,
                   "waiting_capacity": self.waiting_capacity}  # vLLM >= 0.20 says why requests wait
-        return EngineReading(dict(self.c), gauges, EngineInfo(), frozenset({"token_sources"}))
+        return EngineReading(counters=dict(self.c), gauges=gauges, info=EngineInfo(),
+                             capabilities=frozenset({"token_sources"}))
 
 
 def model(tmp_path, refs: ReferenceBook | None = None, **cfg) -> Model:
@@ -65,7 +66,8 @@ class Run:
             self.t += 1.0
             level = kv() if callable(kv) else kv
             reading = self.engine.second(level, share, preemptions_per_minute, prompt_per_second)
-            self.m.ingest(Tick(self.t, {"s": ServerRead("s", SourceStatus("vllm", "s", True), reading)}, (), ()))
+            self.m.ingest(Tick(self.t, {"s": ServerRead("s", SourceStatus(source="vllm", server="s",
+                                                                          up=True), reading)}, (), ()))
             if each:
                 each(self.fig())
 

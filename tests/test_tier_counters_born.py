@@ -23,8 +23,8 @@ START = 1.7e9
 def reading(t: int, extra: dict[str, float] | None = None, start: float = START, engine: str = "0",
             spellings: dict[str, str] | None = None) -> EngineReading:
     counters = {"generation_tokens": 100.0 * t, "prompt_tokens": 400.0 * t, **(extra or {})}
-    return EngineReading(counters, {"running": 1.0, "waiting": 0.0},
-                         EngineInfo(model_name="m", process_start_time_seconds=start),
+    return EngineReading(counters=counters, gauges={"running": 1.0, "waiting": 0.0},
+                         info=EngineInfo(model_name="m", process_start_time_seconds=start),
                          engine_counters={engine: counters}, spellings=dict(spellings or {}))
 
 

@@ -22,7 +22,8 @@ from tests.test_evidence import InfoEngine
 from tests.test_page_words import visible_text
 from tests.test_threshold_live import WALL, Run, model
 
-DOWN = SourceStatus("vllm", "s", False, "unreachable: connection refused", 0.0, "down")
+DOWN = SourceStatus(source="vllm", server="s", up=False, reason="unreachable: connection refused", duration_seconds=0.0,
+                    state="down")
 
 
 def off_engine(blocks: float = 192.0, started: float = WALL - 3600) -> InfoEngine:

@@ -264,7 +264,7 @@ class Stream:
             if rng.random() < 0.85:
                 gauges[g] = rng.choice([0.0, 1.0, 0.5, round(rng.random(), 3), float(rng.randint(0, 20))])
         counters = {k: v for k, v in self.counters.items() if self.present[k]}
-        return EngineReading(counters, gauges, EngineInfo(process_start_time_seconds=self.start))
+        return EngineReading(counters=counters, gauges=gauges, info=EngineInfo(process_start_time_seconds=self.start))
 
     def energy(self, h: ServerHistory):
         rng = self.rng
@@ -369,7 +369,8 @@ def test_long_stream_with_eviction_by_count_and_age():
 def test_unbounded_history_keeps_every_bucket():
     h = ServerHistory(math.inf, windows=(30.0,), grids=(60.0,))
     for t in range(0, 3601):
-        h.add_reading(float(t), EngineReading({"generation_tokens": t * 10.0}, {"kv_usage": 0.5}, EngineInfo()))
+        h.add_reading(float(t), EngineReading(counters={"generation_tokens": t * 10.0}, gauges={"kv_usage": 0.5},
+                                              info=EngineInfo()))
     got = h.buckets(60.0, 0.0, 3600.0)
     assert [(b.t0, b.t1) for b in got] == [(k * 60.0, k * 60.0 + 60.0) for k in range(60)]
     assert got[0].agg.n == 60 and got[0].agg.delta("generation_tokens") == 600.0  # t1 = 1..60
@@ -378,7 +379,7 @@ def test_unbounded_history_keeps_every_bucket():
 
 def test_grid_is_anchored_at_zero_and_a_bucket_completes_when_now_reaches_its_end():
     h = ServerHistory(600.0, grids=(10.0,))
-    r = lambda g: EngineReading({"generation_tokens": g}, {}, EngineInfo())
+    r = lambda g: EngineReading(counters={"generation_tokens": g}, gauges={}, info=EngineInfo())
     h.add_reading(3.0, r(0.0))
     h.add_reading(7.0, r(40.0))    # t1 = 7 -> bucket [0, 10)
     h.add_reading(10.0, r(70.0))   # t1 = 10 -> bucket [0, 10) (ends in (0, 10])
@@ -396,9 +397,9 @@ def test_grid_is_anchored_at_zero_and_a_bucket_completes_when_now_reaches_its_en
 
 def test_a_window_empties_back_to_unknown():
     agg = W.WindowAggregate()
-    ivs = [Interval(0, 1, {"a": 5.0, "b": 0.0}, {"kv_usage": 0.3, "running": 1.0, "waiting": 0.0},
-                    {"gpu": 10.0}, {"gpu": 4.0}),
-           Interval(1, 2, {"a": 0.1}, {"kv_usage": 0.7}, {"gpu": 3.0})]
+    ivs = [Interval(t0=0, t1=1, deltas={"a": 5.0, "b": 0.0}, gauges={"kv_usage": 0.3, "running": 1.0, "waiting": 0.0},
+                    energy_joules={"gpu": 10.0}, idle_joules={"gpu": 4.0}),
+           Interval(t0=1, t1=2, deltas={"a": 0.1}, gauges={"kv_usage": 0.7}, energy_joules={"gpu": 3.0})]
     for iv in ivs:
         agg.add(iv)
     assert agg.delta("a") == pytest.approx(5.1) and agg.delta("b") == 0.0 and agg.scope("gpu").idle_joules is None
@@ -415,7 +416,8 @@ def test_a_window_empties_back_to_unknown():
 def test_values_that_all_left_except_zeros_read_exactly_zero():
     """A spike followed by zeros: no residue, so "zero preemptions" is exactly zero again."""
     agg = W.WindowAggregate()
-    seq = [Interval(i, i + 1, {"preemptions": 1e15 if i == 0 else (0.1 if i == 1 else 0.0)}, {}) for i in range(5)]
+    seq = [Interval(t0=i, t1=i + 1, deltas={"preemptions": 1e15 if i == 0 else (0.1 if i == 1 else 0.0)},
+                    gauges={}) for i in range(5)]
     for iv in seq:
         agg.add(iv)
     agg.remove()
@@ -442,8 +444,8 @@ def test_drift_stays_bounded_over_200k_ticks_of_large_counters():
         if rng.random() < 0.5:
             deltas["prompt_local_compute"] = rng.uniform(0, 1e-3)
         energy = {"gpu": rng.uniform(100.0, 1e6)} if rng.random() < 0.95 else {}
-        agg.add(Interval(i * 0.37, (i + 1) * 0.37, deltas, {"kv_usage": rng.random()}, energy,
-                         {"gpu": rng.uniform(50.0, 1e5)} if energy else {}))
+        agg.add(Interval(t0=i * 0.37, t1=(i + 1) * 0.37, deltas=deltas, gauges={"kv_usage": rng.random()},
+                         energy_joules=energy, idle_joules={"gpu": rng.uniform(50.0, 1e5)} if energy else {}))
         if agg.n > held:
             agg.remove()
         if i % 997 == 0 or i == 199_999:
@@ -484,7 +486,7 @@ def test_per_interval_work_is_amortized_constant_in_window_length(monkeypatch):
         agg = W.WindowAggregate()
         removals = 100_000
         for i in range(length + removals):
-            agg.add(Interval(i, i + 1, {"g": 1.0}, {}))
+            agg.add(Interval(t0=i, t1=i + 1, deltas={"g": 1.0}, gauges={}))
             if agg.n > length:
                 agg.remove()
         assert work["resummed"] <= 2 * removals, (length, work)  # <= ~1 re-summed interval per removal
@@ -492,9 +494,9 @@ def test_per_interval_work_is_amortized_constant_in_window_length(monkeypatch):
 
 
 def test_derive_functions_read_an_aggregate_or_a_scope_of_it():
-    ivs = [Interval(i, i + 1, {"generation_tokens": 10.0, "prefix_queries": 100.0, "prefix_hits": 60.0,
-                               "external_prefix_hits": 30.0}, {"kv_usage": i / 10, "running": 1.0},
-                    {"gpu": 500.0}, {"gpu": 200.0}) for i in range(10)]
+    ivs = [Interval(t0=i, t1=i + 1, deltas={"generation_tokens": 10.0, "prefix_queries": 100.0, "prefix_hits": 60.0,
+                               "external_prefix_hits": 30.0}, gauges={"kv_usage": i / 10, "running": 1.0},
+                    energy_joules={"gpu": 500.0}, idle_joules={"gpu": 200.0}) for i in range(10)]
     agg = aggregate_of(ivs)
     assert isinstance(agg, W.WindowAggregate) and list(agg) == ivs
     assert R.token_counts(agg) == {"local_compute": 100.0, "local_cache_hit": 600.0,

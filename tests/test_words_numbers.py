@@ -201,7 +201,8 @@ def _judge_reasons():
     for side, (low, high) in itertools.product((w - 0.0004, w - 1, w + 1),
                                                ((0.1, 0.1 + threshold.KNOWN_WIDTH + 1e-5), (0.34, 0.77),
                                                 (0.0, 0.78), (0.5, 0.6))):
-        loc = threshold.LocatedThreshold((low + high) / 2, low, high, "tax_onset", 9, side, w + 1 - side % 1)
+        loc = threshold.LocatedThreshold(ratio=(low + high) / 2, low=low, high=high, method="tax_onset", points=9,
+                                         clean_below=side, pressured_above=w + 1 - side % 1)
         yield threshold.judge(loc)[1]
 
 
@@ -221,7 +222,9 @@ def _condition_reasons():
 
 def _buffer_reasons():
     for seconds, target in ((19.6, 20.0), (29.96, 30.0), (5.0, 20.0)):
-        buf = BufferFigures(True, 8 * 2 ** 30, 8, 0.0, seconds, 1e8, target, 1.5, residency_target_seconds=target)
+        buf = BufferFigures(undersized=True, recommended_bytes=8 * 2 ** 30, recommended_gib=8, store_failures=0.0,
+                            residency_seconds=seconds, write_bytes_per_second=1e8, p99_tool_latency_seconds=target,
+                            headroom=1.5, residency_target_seconds=target)
         yield offload_model.undersized_words(buf, Config())
 
 

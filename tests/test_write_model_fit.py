@@ -52,8 +52,8 @@ def test_the_fit_recovers_the_engines_bytes_per_token_without_a_config_json():
     assert m.bytes_per_token == pytest.approx(A, rel=0.01) and m.bytes_per_logits_token == pytest.approx(B, rel=0.05)
     assert m.fitted_check == "passed" and m.fitted_residual < 0.005 and m.configured is None
     # a preempted window: its re-prefill shows in the writes only; the fitted model finds it
-    busy = aggregate_of([Interval(0.0, 60.0, {"prompt_local_compute": 6000.0, "generation_tokens": 3000.0,
-                                              "engine_write_bytes": A * 10000 + B * 3000}, {})])
+    busy = aggregate_of([Interval(t0=0.0, t1=60.0, deltas={"prompt_local_compute": 6000.0, "generation_tokens": 3000.0,
+                                              "engine_write_bytes": A * 10000 + B * 3000}, gauges={})])
     r = preemption_recompute(busy, m.bytes_per_token, m.bytes_per_logits_token, 60.0)
     assert r.share == pytest.approx(0.1, abs=0.005)
 
@@ -114,8 +114,8 @@ def test_a_counter_that_jumped_in_one_window_is_set_aside():
                            generated=ws[8].generated)
     assert wm.fit(ws).set_aside == 1 and chosen(ws).bytes_per_token == pytest.approx(A, rel=0.005)
     # a jump no model could make is no observation at all
-    broken = aggregate_of([Interval(0.0, 30.0, {"prompt_local_compute": 500.0, "generation_tokens": 500.0,
-                                                "engine_write_bytes": 1.5e20, "preemptions": 0.0}, {})])
+    broken = aggregate_of([Interval(t0=0.0, t1=30.0, deltas={"prompt_local_compute": 500.0, "generation_tokens": 500.0,
+                                                "engine_write_bytes": 1.5e20, "preemptions": 0.0}, gauges={})])
     assert wm.observation(broken, 30.0) is None
 
 
@@ -177,7 +177,7 @@ def run(scn: sim.Scenario, seconds: float, model_config: str | None = None, step
     cfg = from_mapping({"servers": [server], "windows": ["1m"], "min_load_duration": "10s",
                         "state_dir": "/nonexistent-kvwatt-state", "nvml": False})
     m, eng, adapter = ServerModel(cfg.servers[0], cfg), sim.SimEngine(scn), VllmAdapter()
-    ok = SourceStatus("vllm", "a", True, "", 0.01, "ok")
+    ok = SourceStatus(source="vllm", server="a", up=True, reason="", duration_seconds=0.01, state="ok")
     for _ in range(int(seconds / step)):
         eng.advance(step)
         m.read(eng.seconds, ok, adapter.read(eng.render()))
@@ -249,7 +249,7 @@ def replay(name: str, model_config: str | None = None) -> ServerModel:
     cfg = config("127.0.0.1:1", "http://127.0.0.1:9", "http://127.0.0.1:10", 150.0, "/nonexistent-kvwatt-state")
     server = replace(cfg.servers[0], model_config_path=model_config)
     m, adapter = ServerModel(server, replace(cfg, servers=(server,))), VllmAdapter()
-    ok = SourceStatus("vllm", server.name, True, "", 0.01, "ok")
+    ok = SourceStatus(source="vllm", server=server.name, up=True, reason="", duration_seconds=0.01, state="ok")
     for f in story.load(name):
         m.read(f.t + 1.0, ok, adapter.read(f.text))
         m.learn(f.t + 1.0)

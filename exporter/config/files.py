@@ -10,7 +10,7 @@ import yaml
 
 from exporter.config.schema import Config
 from exporter.config.settings import from_mapping
-from exporter.config.values import ConfigError, _str
+from exporter.config.values import ConfigError, parse_str
 from exporter.limits import MAX_FILE_BYTES
 
 
@@ -63,7 +63,7 @@ def check_writable(path: str, key: str, directory: bool = False) -> None:
     """ConfigError unless ``path`` can be created or replaced later as a file (or, with ``directory``, used as
     a directory): checked before any work, so a typo does not lose a long run's result at its end. Missing
     parents are fine (they are created); the nearest existing one must be a directory we may write in."""
-    target = os.path.abspath(_str(path, key))
+    target = os.path.abspath(parse_str(path, key))
     if os.path.exists(target):
         if os.path.isdir(target) != directory:
             raise ConfigError(f"{key}: {path} is {'not ' if directory else ''}a directory")

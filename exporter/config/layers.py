@@ -7,7 +7,7 @@ from dataclasses import replace
 from typing import Any
 
 from exporter.config.files import load_file
-from exporter.config.schema import Config, ServerConfig, _server, _servers, check_prices
+from exporter.config.schema import Config, ServerConfig, check_prices, parse_server, parse_servers
 from exporter.config.settings import CONFIG_ENV, ENVIRONMENT
 from exporter.config.values import DEFAULT_SERVER_URL, ConfigError, parse_interval, parse_listen, shown
 
@@ -16,7 +16,7 @@ def parse_server_flag(text: str, key: str = "--server") -> ServerConfig:
     name, sep, url = text.partition("=")
     if not sep or not name:
         raise ConfigError(f"{key}: expected NAME=URL, got {shown(text)}")
-    return _server({"name": name, "url": url}, f"{key} {name}")
+    return parse_server({"name": name, "url": url}, f"{key} {name}")
 
 
 def keep_settings(configured: tuple[ServerConfig, ...], given: tuple[ServerConfig, ...]) -> tuple[ServerConfig, ...]:
@@ -37,7 +37,7 @@ def apply_environment(cfg: Config, env: dict[str, str] | None = None) -> Config:
         if not text or s.attribute is None:
             continue
         if s.attribute == "servers":  # NAME=URL pairs keep the file's per-server settings
-            kw["servers"] = keep_settings(cfg.servers, _servers(
+            kw["servers"] = keep_settings(cfg.servers, parse_servers(
                 [{"name": n, "url": u} for n, u in (p.partition("=")[::2] for p in text.split(","))], s.env))
         else:
             kw[s.attribute] = s.parse(text, s.env)
@@ -54,7 +54,7 @@ def resolve(config_path: str | None, servers: list[str] | None = None, listen: s
     cfg = apply_environment(cfg, env)
     kw: dict[str, Any] = {k: v for k, v in overrides.items() if v is not None}
     if servers:
-        kw["servers"] = keep_settings(from_file, _servers(
+        kw["servers"] = keep_settings(from_file, parse_servers(
             [{"name": s.name, "url": s.url} for s in map(parse_server_flag, servers)], "--server"))
     if listen:
         kw["listen"] = parse_listen(listen, "--listen")

@@ -13,8 +13,8 @@ from exporter.config.values import (
     DEFAULT_STATE_DIR,
     ConfigError,
     PriceSetting,
-    _float_range,
-    _str,
+    float_range,
+    parse_str,
     parse_url,
     redacted_url,
     shown,
@@ -167,7 +167,7 @@ def positive_int(value: Any, key: str, most: int) -> int:
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.:-]+$")
 
 
-def _server(item: Any, key: str) -> ServerConfig:
+def parse_server(item: Any, key: str) -> ServerConfig:
     if not isinstance(item, dict):
         raise ConfigError(f"{key}: expected a mapping with name and url, got {shown(item)}")
     for k in item:
@@ -176,7 +176,7 @@ def _server(item: Any, key: str) -> ServerConfig:
     for required in ("name", "url"):
         if required not in item:
             raise ConfigError(f"{key}.{required}: missing")
-    name = _str(item["name"], f"{key}.name")
+    name = parse_str(item["name"], f"{key}.name")
     if not _NAME_RE.match(name):
         raise ConfigError(f"{key}.name: use letters, digits, '_', '-', '.', ':' only, got {shown(name)}")
     kw: dict[str, Any] = {"name": name, "url": parse_url(item["url"], f"{key}.url")}
@@ -186,17 +186,17 @@ def _server(item: Any, key: str) -> ServerConfig:
             raise ConfigError(f"{key}.gpus: expected a list of GPU indices or UUIDs, got {shown(gpus)}")
         kw["gpus"] = tuple(str(g) for g in gpus)
     if "reference_local_compute_share" in item:
-        kw["reference_local_compute_share"] = _float_range(0.0, 1.0)(
+        kw["reference_local_compute_share"] = float_range(0.0, 1.0)(
             item["reference_local_compute_share"], f"{key}.reference_local_compute_share")
     for k in ("model_config", "pair_off_server", "recorded_baseline"):
         if k in item:
-            kw[SERVER_KEYS[k]] = _str(item[k], f"{key}.{k}")
+            kw[SERVER_KEYS[k]] = parse_str(item[k], f"{key}.{k}")
     if "sidecar_urls" in item:
         kw["sidecar_urls"] = _sidecar_urls(item["sidecar_urls"], f"{key}.sidecar_urls")
     if "offload_tier_bytes" in item:
         kw["offload_tier_bytes"] = _tier_bytes(item["offload_tier_bytes"], f"{key}.offload_tier_bytes")
     if "kv_cache_metrics_sample" in item:  # vLLM asserts 0 < sample <= 1
-        kw["kv_cache_metrics_sample"] = _float_range(0.0, 1.0, lo_open=True)(
+        kw["kv_cache_metrics_sample"] = float_range(0.0, 1.0, lo_open=True)(
             item["kv_cache_metrics_sample"], f"{key}.kv_cache_metrics_sample")
     kw["model"] = _numbers(item.get("model", {}), f"{key}.model", MODEL_KEYS)
     kw["hardware"] = _numbers(item.get("hardware", {}), f"{key}.hardware", HARDWARE_KEYS)
@@ -217,7 +217,7 @@ def _tier_bytes(value: Any, key: str) -> dict[str, float]:
     """{"1:fs": 2e12}: the capacity in bytes of each secondary offload tier (vLLM exports none)."""
     if not isinstance(value, dict) or not all(isinstance(k, str) and k for k in value):
         raise ConfigError(f"{key}: expected a mapping of tier label (like \"1:fs\") to bytes, got {shown(value)}")
-    return {k: _float_range(0.0, 1e30, lo_open=True)(v, f"{key}.{k}") for k, v in value.items()}
+    return {k: float_range(0.0, 1e30, lo_open=True)(v, f"{key}.{k}") for k, v in value.items()}
 
 
 def _numbers(value: Any, key: str, allowed: tuple[str, ...]) -> dict[str, Any]:
@@ -228,18 +228,18 @@ def _numbers(value: Any, key: str, allowed: tuple[str, ...]) -> dict[str, Any]:
         if k not in allowed:
             raise unknown_key(f"{key}.{k}", k, allowed)
         if k == "gpu_model":
-            out[k] = _str(v, f"{key}.{k}")
+            out[k] = parse_str(v, f"{key}.{k}")
         elif k in MODEL_SHAPE_MAXIMA:
             out[k] = positive_int(v, f"{key}.{k}", MODEL_SHAPE_MAXIMA[k])
         else:
-            out[k] = _float_range(0.0, lo_open=True)(v, f"{key}.{k}")
+            out[k] = float_range(0.0, lo_open=True)(v, f"{key}.{k}")
     return out
 
 
-def _servers(value: Any, key: str = "servers") -> tuple[ServerConfig, ...]:
+def parse_servers(value: Any, key: str = "servers") -> tuple[ServerConfig, ...]:
     if not isinstance(value, list):
         raise ConfigError(f"{key}: expected a list of servers, got {shown(value)}")
-    servers = tuple(_server(item, f"{key}[{i}]") for i, item in enumerate(value))
+    servers = tuple(parse_server(item, f"{key}[{i}]") for i, item in enumerate(value))
     first_index: dict[str, int] = {}  # a dict, not list.count: 40,000 servers check in linear time
     for i, s in enumerate(servers):
         if s.name in first_index:

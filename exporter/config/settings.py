@@ -10,27 +10,27 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from exporter import rules
-from exporter.config.schema import Config, _servers
+from exporter.config.schema import Config, parse_servers
 from exporter.config.values import (
     THRESHOLD_SOURCES,
     ConfigError,
-    _bool,
-    _choice,
-    _duration_at_most,
-    _float_range,
-    _int_pos,
-    _opt_in,
-    _str,
-    _watts_map,
-    _windows,
+    duration_at_most,
+    float_range,
+    parse_bool,
+    parse_choice,
     parse_currency,
     parse_duration,
     parse_interval,
     parse_listen,
     parse_log_format,
     parse_log_level,
+    parse_opt_in,
+    parse_positive_int,
     parse_price,
+    parse_str,
     parse_telemetry_path,
+    parse_watts_map,
+    parse_windows,
     unknown_key,
 )
 
@@ -91,44 +91,45 @@ SETTINGS: tuple[Setting, ...] = (
     rule(rules.INTERVAL, parse_interval, env="KVWATT_INTERVAL", flags=("--interval",), dest="interval",
          metavar="DURATION", help="sampling interval: 500ms, 2s, or bare seconds (default 1s; 50ms to 60s)",
          flag_layer="resolve"),
-    rule(rules.WINDOWS, _windows),
-    rule(rules.KV_PRESSURE_THRESHOLD, _float_range(0.0, 1.0, lo_open=True)),
+    rule(rules.WINDOWS, parse_windows),
+    rule(rules.KV_PRESSURE_THRESHOLD, float_range(0.0, 1.0, lo_open=True)),
     Setting("kv_pressure_threshold_source", "kv_pressure_threshold_source",
-            lambda v, k: _choice(v, k, THRESHOLD_SOURCES),
+            lambda v, k: parse_choice(v, k, THRESHOLD_SOURCES),
             "`located`: the regime flag uses the threshold located from the server's own history once there is "
             "evidence (methods.md s10), the configured one until then; `configured`: always "
             "`kv_pressure_threshold`"),
     rule(rules.THRESHOLD_WINDOW, parse_duration),
     rule(rules.THRESHOLD_HISTORY, parse_duration),
-    rule(rules.THRESHOLD_MIN_WINDOWS, _int_pos),
-    rule(rules.PREEMPTION_ONSET_PER_MINUTE, _float_range(0.0, lo_open=True)),
+    rule(rules.THRESHOLD_MIN_WINDOWS, parse_positive_int),
+    rule(rules.PREEMPTION_ONSET_PER_MINUTE, float_range(0.0, lo_open=True)),
     Setting("http_timeout", "http_timeout_seconds", parse_duration,
             "timeout of one /metrics read; a slow server is down with reason `timeout`"),
-    Setting("max_body_bytes", "max_body_bytes", _int_pos, "largest /metrics body read (reason `body_too_large` above)"),
-    Setting("state_dir", "state_dir", _str,
+    Setting("max_body_bytes", "max_body_bytes", parse_positive_int,
+            "largest /metrics body read (reason `body_too_large` above)"),
+    Setting("state_dir", "state_dir", parse_str,
             "where baselines are persisted (atomically); if the default is not writable, `$XDG_STATE_HOME/kvwatt` "
             "or `~/.local/state/kvwatt`; one daemon per directory (docs/energy.md, \"State directory\")",
             env="KVWATT_STATE_DIR", flags=("--state-dir",), dest="state_dir", metavar="DIR",
             help="where baselines are persisted (default /var/lib/kvwatt, or ~/.local/state/kvwatt when that is "
                  "not writable)", flag_layer="raw"),
-    Setting("powercap_root", "powercap_root", _str, "RAPL powercap tree (flag `--powercap-root`)",
+    Setting("powercap_root", "powercap_root", parse_str, "RAPL powercap tree (flag `--powercap-root`)",
             env="KVWATT_POWERCAP_ROOT", flags=("--powercap-root",), dest="powercap_root", metavar="DIR",
             help="powercap tree for RAPL (default /sys/class/powercap)", flag_layer="raw"),
-    Setting("nvml", "nvml_enabled", _bool, "read GPU energy through NVML"),
+    Setting("nvml", "nvml_enabled", parse_bool, "read GPU energy through NVML"),
     rule(rules.IDLE_SETTLE, parse_duration),
     rule(rules.IDLE_MIN_DURATION, parse_duration),
     rule(rules.MIN_LOAD_DURATION, parse_duration),
-    Setting("idle_power_watts", "idle_power_watts", _watts_map,
+    Setting("idle_power_watts", "idle_power_watts", parse_watts_map,
             "configured P_idle per device id (`gpu:<uuid>`, `rapl:<zone>:<domain>`)"),
-    rule(rules.P99_TOOL_LATENCY, _duration_at_most(rules.P99_TOOL_LATENCY.most, "24h (a day)")),
-    rule(rules.BUFFER_HEADROOM, _float_range(1.0, rules.BUFFER_HEADROOM.most)),
-    rule(rules.COLLAPSE_THROUGHPUT_DROP_RATIO, _float_range(0.0, 1.0, lo_open=True)),
-    rule(rules.COLLAPSE_POWER_NEAR_IDLE_RATIO, _float_range(1.0)),
+    rule(rules.P99_TOOL_LATENCY, duration_at_most(rules.P99_TOOL_LATENCY.most, "24h (a day)")),
+    rule(rules.BUFFER_HEADROOM, float_range(1.0, rules.BUFFER_HEADROOM.most)),
+    rule(rules.COLLAPSE_THROUGHPUT_DROP_RATIO, float_range(0.0, 1.0, lo_open=True)),
+    rule(rules.COLLAPSE_POWER_NEAR_IDLE_RATIO, float_range(1.0)),
     rule(rules.COLLAPSE_REFERENCE_WINDOW, parse_duration),
-    rule(rules.LOAD_TO_COMPUTE_COST_RATIO, _float_range(0.0)),
-    rule(rules.HOST_MEMORY_JOULES_PER_BYTE, _float_range(0.0, 1e-3)),
-    rule(rules.HOST_LINK_JOULES_PER_BYTE, _float_range(0.0, 1e-3)),
-    rule(rules.DISK_JOULES_PER_BYTE, _float_range(0.0, 1e-3)),
+    rule(rules.LOAD_TO_COMPUTE_COST_RATIO, float_range(0.0)),
+    rule(rules.HOST_MEMORY_JOULES_PER_BYTE, float_range(0.0, 1e-3)),
+    rule(rules.HOST_LINK_JOULES_PER_BYTE, float_range(0.0, 1e-3)),
+    rule(rules.DISK_JOULES_PER_BYTE, float_range(0.0, 1e-3)),
     Setting("electricity_price_per_kwh", "electricity_price", parse_price,
             "electricity price per kWh for the money figures: a number, or a URL read every `price_refresh` -- a "
             "Prometheus `.../api/v1/query?query=...` (one sample) or a `/metrics` URL with `#series_name` "
@@ -154,14 +155,14 @@ SETTINGS: tuple[Setting, ...] = (
                  "carbon_intensity_g_per_kwh, $KVWATT_CARBON_INTENSITY_G_PER_KWH)"),
     rule(rules.PRICE_REFRESH, parse_duration),
     rule(rules.PRICE_MAX_AGE, parse_duration),
-    rule(rules.PHASE_MIN_WINDOWS, _int_pos),
-    rule(rules.PHASE_MAX_CONDITION, _float_range(1.0)),
-    rule(rules.PHASE_HISTORY, _duration_at_most(rules.PHASE_HISTORY.most, "168h (a week)")),
-    Setting("metrics_opt_in", "metrics_opt_in", _opt_in,
+    rule(rules.PHASE_MIN_WINDOWS, parse_positive_int),
+    rule(rules.PHASE_MAX_CONDITION, float_range(1.0)),
+    rule(rules.PHASE_HISTORY, duration_at_most(rules.PHASE_HISTORY.most, "168h (a week)")),
+    Setting("metrics_opt_in", "metrics_opt_in", parse_opt_in,
             "families /metrics exports only when named here, or `[all]`: those marked *opt-in* below, which no "
             "alert, dashboard or page reads (their figures stay in /api/status); docs/fleet.md \"Series budget\"",
             default="`[]`"),
-    Setting("web_config_file", "web_config_path", _str,
+    Setting("web_config_file", "web_config_path", parse_str,
             "TLS and basic auth of every endpoint, exporter-toolkit format (flag `--web.config.file`; "
             "docs/deployment.md)",
             flags=("--web.config.file",), dest="web_config_file", metavar="FILE",
@@ -176,7 +177,7 @@ SETTINGS: tuple[Setting, ...] = (
             "`--log.format`, `$KVWATT_LOG_FORMAT`)",
             env="KVWATT_LOG_FORMAT", flags=("--log.format",), dest="log_format", metavar="FORMAT",
             help="logfmt or json, one line per record (default logfmt; also log_format, $KVWATT_LOG_FORMAT)"),
-    Setting("servers", "servers", None, SERVERS_MEANING,  # parsed by schema._servers (a list of mappings)
+    Setting("servers", "servers", None, SERVERS_MEANING,  # parsed by schema.parse_servers (a list of mappings)
             default="`[{name: default, url: http://127.0.0.1:8000}]`",
             env="KVWATT_SERVERS", flags=("--server",), dest="server", metavar="NAME=URL",
             help="a vLLM server root URL to watch (repeatable; replaces the file's server list)",
@@ -250,5 +251,5 @@ def from_mapping(data: Any, base: Config | None = None) -> Config:
         if key not in KEYS:
             raise unknown_key(str(key), key, KEYS)
         field_name, parser = KEYS[key]
-        kw[field_name] = _servers(value) if key == "servers" else parser(value, key)
+        kw[field_name] = parse_servers(value) if key == "servers" else parser(value, key)
     return replace(base or Config(), **kw)

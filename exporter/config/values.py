@@ -116,7 +116,7 @@ def parse_duration(value: Any, key: str, zero_ok: bool = False) -> float:
     return seconds
 
 
-def _duration_at_most(most: float, words: str):
+def duration_at_most(most: float, words: str):
     """parse_duration, at most ``most`` seconds (``words``: the bound as the error says it)."""
     def parse(value: Any, key: str) -> float:
         seconds = parse_duration(value, key)
@@ -187,7 +187,7 @@ class PriceSetting:
 
 
 # key -> (field name, parser). Parsers take (value, key) and raise ConfigError.
-def _float_range(lo: float, hi: float | None = None, lo_open: bool = False):
+def float_range(lo: float, hi: float | None = None, lo_open: bool = False):
     def parse(value: Any, key: str) -> float:
         v = finite_number(value, key)
         if (v <= lo if lo_open else v < lo) or (hi is not None and v > hi):
@@ -198,13 +198,13 @@ def _float_range(lo: float, hi: float | None = None, lo_open: bool = False):
     return parse
 
 
-def _int_pos(value: Any, key: str) -> int:
+def parse_positive_int(value: Any, key: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ConfigError(f"{key}: expected a positive integer, got {shown(value)}")
     return value
 
 
-def _bool(value: Any, key: str) -> bool:
+def parse_bool(value: Any, key: str) -> bool:
     if not isinstance(value, bool):
         raise ConfigError(f"{key}: expected true or false, got {shown(value)}")
     return value
@@ -213,7 +213,7 @@ def _bool(value: Any, key: str) -> bool:
 THRESHOLD_SOURCES = ("located", "configured")
 
 
-def _choice(value: Any, key: str, choices: tuple[str, ...], given: Any = None) -> str:
+def parse_choice(value: Any, key: str, choices: tuple[str, ...], given: Any = None) -> str:
     """``value`` when it is one of ``choices``; the error shows ``given`` (what the user wrote) if set."""
     if value not in choices:
         got = shown(value if given is None else given)
@@ -221,7 +221,7 @@ def _choice(value: Any, key: str, choices: tuple[str, ...], given: Any = None) -
     return value
 
 
-def _str(value: Any, key: str) -> str:
+def parse_str(value: Any, key: str) -> str:
     if isinstance(value, bool):  # YAML 1.1, which PyYAML reads: a server named on, off, yes or no is a boolean
         raise ConfigError(f"{key}: expected a non-empty string, got {shown(value)} (YAML reads an unquoted on, "
                           f"off, yes, no, true or false as a boolean: quote it, e.g. \"on\")")
@@ -244,7 +244,7 @@ def valid_port(text: str) -> bool:
 
 
 def parse_listen(value: Any, key: str) -> str:
-    text = _str(value, key)
+    text = parse_str(value, key)
     host, sep, port = text.rpartition(":")
     if not sep or not valid_port(port):
         raise ConfigError(f"{key}: expected HOST:PORT with a port in 1-65535, got {shown(value)}")
@@ -297,7 +297,7 @@ def host_problem(host: str) -> str | None:
 
 
 def parse_url(value: Any, key: str) -> str:
-    text = _str(value, key)
+    text = parse_str(value, key)
     problem = url_problem(text)
     if problem:  # the password never goes into a message
         raise ConfigError(f"{key}: {problem}, got {shown(redacted_url(text))}")
@@ -330,11 +330,11 @@ def _lowered(value: Any) -> Any:
 def parse_log_level(value: Any, key: str) -> str:
     """debug, info, warn or error (Prometheus' spelling; 'warning' is taken for warn), any case."""
     text = _lowered(value)
-    return _choice("warn" if text == "warning" else text, key, LOG_LEVELS, value)
+    return parse_choice("warn" if text == "warning" else text, key, LOG_LEVELS, value)
 
 
 def parse_log_format(value: Any, key: str) -> str:
-    return _choice(_lowered(value), key, LOG_FORMATS, value)
+    return parse_choice(_lowered(value), key, LOG_FORMATS, value)
 
 
 RESERVED_PATHS = ("/", "/healthz", "/api/status", "/runbook")  # kvwatt's other endpoints (serve/web.py build_app)
@@ -345,14 +345,14 @@ _PATH_RE = re.compile(r"^/[A-Za-z0-9._~!$&'()*+,;=:@/-]*$")
 
 def parse_telemetry_path(value: Any, key: str) -> str:
     """The path /metrics is served on: absolute, URL path characters only, not another endpoint's."""
-    text = _str(value, key)
+    text = parse_str(value, key)
     if not _PATH_RE.match(text) or text in RESERVED_PATHS:
         raise ConfigError(f"{key}: expected a path like /metrics, not one of {', '.join(RESERVED_PATHS)}, "
                           f"got {shown(value)}")
     return text
 
 
-def _opt_in(value: Any, key: str) -> frozenset[str]:
+def parse_opt_in(value: Any, key: str) -> frozenset[str]:
     """A list of optin.OPT_IN_FAMILIES names, or [all]."""
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise ConfigError(f"{key}: expected a list of family names (or [all]), got {shown(value)}")
@@ -363,7 +363,7 @@ def _opt_in(value: Any, key: str) -> frozenset[str]:
     return frozenset(value)
 
 
-def _windows(value: Any, key: str) -> tuple[float, ...]:
+def parse_windows(value: Any, key: str) -> tuple[float, ...]:
     if not isinstance(value, list) or not value:
         raise ConfigError(f"{key}: expected a list of durations like [1m, 5m], got {shown(value)}")
     out = tuple(parse_duration(v, f"{key}[{i}]") for i, v in enumerate(value))
@@ -376,10 +376,10 @@ def _windows(value: Any, key: str) -> tuple[float, ...]:
     return out
 
 
-def _watts_map(value: Any, key: str) -> dict[str, float]:
+def parse_watts_map(value: Any, key: str) -> dict[str, float]:
     if not isinstance(value, dict):
         raise ConfigError(f"{key}: expected a mapping of device to watts, got {shown(value)}")
-    return {str(k): _float_range(0.0)(v, f"{key}.{k}") for k, v in value.items()}
+    return {str(k): float_range(0.0)(v, f"{key}.{k}") for k, v in value.items()}
 
 
 PROMETHEUS_QUERY_PATH = "/api/v1/query"
@@ -407,12 +407,12 @@ def parse_price(value: Any, key: str, quantity: str = "electricity_price") -> Pr
     if isinstance(value, str) and _NUMBER_RE.match(value.strip()):
         value = float(value.strip())
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return PriceSetting(value=_float_range(0.0, PRICE_MAXIMA[quantity])(value, key))
+        return PriceSetting(value=float_range(0.0, PRICE_MAXIMA[quantity])(value, key))
     if not isinstance(value, str) or url_problem(value, expected):
         shown_value = redacted_url(value) if isinstance(value, str) else value
         raise ConfigError(f"{key}: {url_problem(value, expected) if isinstance(value, str) else expected}, "
                           f"got {shown(shown_value)}")
-    url, _, series = _str(value, key).partition("#")
+    url, _, series = parse_str(value, key).partition("#")
     if series:
         if not _SERIES_RE.match(series):
             raise ConfigError(f"{key}: expected a series name like name or name{{label=\"value\"}} after '#', "

@@ -45,18 +45,15 @@ OR over the applicable sets); ``condition_set`` says which one fired (stalled_en
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from exporter import rules
 from exporter.quantile import quantile
+from exporter.results import CLASSIC, CONDITION_SETS, CollapseResult
 from exporter.store import Bucket, WindowAggregate
 
-CLASSIC = ("offload_enabled", "zero_preemptions", "throughput_collapsed", "power_near_idle", "requests_pending")
-STALLED_ENGINE = ("engine_steps_stopped", "requests_pending")
 CONDITIONS = CLASSIC + ("engine_steps_stopped",)  # every condition, each exported on its own
-# condition set -> its conditions; the first that holds names the signature's condition_set
-CONDITION_SETS: dict[str, tuple[str, ...]] = {"stalled_engine": STALLED_ENGINE, "classic": CLASSIC}
 # the counters that rise only when the engine steps: any one rising is progress (the step counter first)
 PROGRESS_WITNESSES = ("engine_steps", "generation_tokens", "prompt_tokens")
 MIN_COVERAGE_RATIO = 0.5  # a window (or reference bucket) needs samples over half its span to count
@@ -74,35 +71,6 @@ class CollapseThresholds:
     def from_config(cls, cfg) -> "CollapseThresholds":
         return cls(cfg.collapse_throughput_drop_ratio, cfg.collapse_power_near_idle_ratio,
                    cfg.collapse_reference_seconds, min(cfg.windows_seconds))
-
-
-@dataclass(frozen=True)
-class CollapseResult:
-    conditions: dict[str, bool | None]
-    signature: bool | None
-    reason: str
-    recent_tokens_per_second: float | None = None
-    reference_tokens_per_second: float | None = None
-    gpu_power_watts: float | None = None
-    gpu_idle_power_watts: float | None = None
-    details: dict[str, str] = field(default_factory=dict)  # condition -> why it is None
-    condition_sets: dict[str, bool | None] = field(default_factory=dict)  # the applicable sets, each's value
-    stale_witnesses: dict[str, str] = field(default_factory=dict)  # a flat progress counter -> why it is stale
-
-    @property
-    def condition_set(self) -> str | None:
-        """The condition set that fired (stalled_engine before classic), None while the signature does not hold."""
-        return next((name for name in CONDITION_SETS if self.condition_sets.get(name)), None)
-
-    def as_status(self) -> dict:
-        """JSON-ready summary for /api/status."""
-        return {"signature": self.signature, "condition_set": self.condition_set,
-                "condition_sets": dict(self.condition_sets), "reason": self.reason,
-                "conditions": dict(self.conditions),
-                "recent_tokens_per_second": self.recent_tokens_per_second,
-                "reference_tokens_per_second": self.reference_tokens_per_second,
-                "gpu_power_watts": self.gpu_power_watts, "gpu_idle_power_watts": self.gpu_idle_power_watts,
-                "details": dict(self.details), "stale_witnesses": dict(self.stale_witnesses)}
 
 
 def kleene_and(values: Sequence[bool | None]) -> bool | None:
@@ -217,8 +185,9 @@ def evaluate_aggregates(recent: WindowAggregate, reference_rates: Sequence[float
     sets = {name: kleene_and([cond[c] for c in members]) for name, members in CONDITION_SETS.items()
             if name == "classic" or has_steps}
     sig = kleene_or(list(sets.values()))
-    return CollapseResult(cond, sig, _reason(cond, sets, details, stale), rate, ref, power, idle, details, sets,
-                          stale)
+    return CollapseResult(conditions=cond, signature=sig, reason=_reason(cond, sets, details, stale),
+                          recent_tokens_per_second=rate, reference_tokens_per_second=ref, gpu_power_watts=power,
+                          gpu_idle_power_watts=idle, details=details, condition_sets=sets, stale_witnesses=stale)
 
 
 def steps_stopped(recent: WindowAggregate, enough: bool, th: CollapseThresholds, details: dict[str, str],

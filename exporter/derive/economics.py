@@ -40,7 +40,7 @@ from exporter.store import Bucket, WindowAggregate
 DEFAULT_BANDS: tuple[tuple[float, float], ...] = ((0.0, 0.8), (0.8, 0.9), (0.9, 0.95), (0.95, 1.0))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class WindowStat:
     """One non-overlapping window of one server."""
 
@@ -69,11 +69,12 @@ class WindowStat:
     def summed(self) -> "Summed":
         """The summed fields as a pricing reads them (None as 0.0); kept: a repeat window is priced every tick
         for the hour it stays in the window (model/repeat.py keeps the one WindowStat)."""
-        return Summed(self.covered_seconds or 0.0, self.generated_tokens or 0.0, self.joules or 0.0,
-                      self.computed_prompt_tokens or 0.0, self.loaded_prompt_tokens or 0.0, self.prompt_tokens or 0.0)
+        return Summed(covered_seconds=self.covered_seconds or 0.0, generated_tokens=self.generated_tokens or 0.0,
+                      joules=self.joules or 0.0, computed_prompt_tokens=self.computed_prompt_tokens or 0.0,
+                      loaded_prompt_tokens=self.loaded_prompt_tokens or 0.0, prompt_tokens=self.prompt_tokens or 0.0)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Estimate:
     value: float | None
     stderr: float | None
@@ -105,8 +106,10 @@ def window_stat(agg: WindowAggregate, t0: float, t1: float, width: float, scope:
     else:
         computed, loaded_tokens = counts["local_compute"], counts["external_kv_transfer"]
         prompt = sum(counts.values())
-    return WindowStat(t0, t1, covered, gen, joules, kv_usage_quantile(agg, 0.95), computed, loaded_tokens,
-                      covered >= rules.REPEAT_MIN_COVERED.default * width and gen > 0, prompt)
+    return WindowStat(t0=t0, t1=t1, covered_seconds=covered, generated_tokens=gen, joules=joules,
+                      kv_p95=kv_usage_quantile(agg, 0.95), computed_prompt_tokens=computed,
+                      loaded_prompt_tokens=loaded_tokens,
+                      loaded=covered >= rules.REPEAT_MIN_COVERED.default * width and gen > 0, prompt_tokens=prompt)
 
 
 def window_stats(buckets: Iterable[Bucket], width: float, scope: str = "gpu",
@@ -170,8 +173,10 @@ def _sum_ratio(rows: Sequence[Sequence[float]], estimate: Callable[[Sequence[flo
     """``estimate`` of the rows' column sums (a ratio of sums over the repeat windows) and its jackknife SE."""
     value = estimate([math.fsum(col) for col in zip(*rows)]) if rows else None
     if value is None:
-        return Estimate(None, None, len(rows), len(rows), kind, "no comparable windows")
-    return Estimate(value, jackknife_stderr(rows, estimate), len(rows), len(rows), kind)
+        return Estimate(value=None, stderr=None, windows=len(rows), reference_windows=len(rows), kind=kind,
+                        note="no comparable windows")
+    return Estimate(value=value, stderr=jackknife_stderr(rows, estimate), windows=len(rows),
+                    reference_windows=len(rows), kind=kind)
 
 
 def _energy_saving(sums: Sequence[float]) -> float | None:
@@ -214,7 +219,7 @@ def paired(on: Sequence[WindowStat], off: Sequence[WindowStat]) -> tuple[Estimat
 # --------------------------------------------------------------------------------------------------------
 # recorded (profile bands)
 # --------------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class BandProfile:
     """One KV-pressure band of an OFF profile: J/token (total energy over total tokens of the band's windows) and
     tokens/s (total tokens over total seconds), each with its jackknife SE over the band's windows. A profile
@@ -256,7 +261,9 @@ def build_bands(windows: Sequence[WindowStat], bands: Sequence[tuple[float, floa
         ws = [w for w in windows if w.loaded and band_of(bands, w.kv_p95) == i]
         j = _sum_ratio([(w.joules, w.generated_tokens) for w in ws if _spent(w)], _per, "")  # never <= 0
         t = _sum_ratio([(w.generated_tokens, w.covered_seconds) for w in ws], _per, "")
-        out.append(BandProfile(lo, hi, len(ws), j.value, j.stderr, t.value, t.stderr))
+        out.append(BandProfile(lo=lo, hi=hi, windows=len(ws), joules_per_token=j.value,
+                               joules_per_token_stderr=j.stderr, tokens_per_second=t.value,
+                               tokens_per_second_stderr=t.stderr))
     return out
 
 
@@ -315,7 +322,8 @@ def recorded(on: Sequence[WindowStat], profile: Sequence[BandProfile]) -> tuple[
         note = f"no OFF profile data for band(s) {', '.join(skipped)}" if skipped else ""
         if r is None and not note:
             note = "no comparable windows"
-        results[what] = Estimate(None if r is None else sign * (1.0 - r), se, len(rows), ref, "recorded", note, bands)
+        results[what] = Estimate(value=None if r is None else sign * (1.0 - r), stderr=se, windows=len(rows),
+                                 reference_windows=ref, kind="recorded", note=note, bands=bands)
     return results["energy"], results["throughput"]
 
 
@@ -330,9 +338,12 @@ def scope_stat(agg: WindowAggregate, scope: str = "gpu") -> WindowStat | None:
     if scoped is None:
         return None
     used, counts = scoped
-    return WindowStat(0.0, used.covered_seconds, used.covered_seconds,
-                      used.delta("generation_tokens") or 0.0, above_idle(used.energy_joules, used.idle_joules), None,
-                      counts["local_compute"], counts["external_kv_transfer"], True, sum(counts.values()))
+    return WindowStat(t0=0.0, t1=used.covered_seconds, covered_seconds=used.covered_seconds,
+                      generated_tokens=used.delta("generation_tokens") or 0.0,
+                      joules=above_idle(used.energy_joules, used.idle_joules), kv_p95=None,
+                      computed_prompt_tokens=counts["local_compute"],
+                      loaded_prompt_tokens=counts["external_kv_transfer"], loaded=True,
+                      prompt_tokens=sum(counts.values()))
 
 
 _SUMMED = ("covered_seconds", "generated_tokens", "joules", "computed_prompt_tokens", "loaded_prompt_tokens",
@@ -394,7 +405,8 @@ def potential(off: Sequence[WindowStat], reference_share: float | None, price: f
     over ``whole`` (else the repeat windows); SE as ``estimated``. Needs a reference share (learned from
     low-pressure windows, or configured) and a J_c price."""
     if reference_share is None:
-        return Estimate(None, None, 0, 0, "estimated", "no low-pressure reference share yet (learned or configured)")
+        return Estimate(value=None, stderr=None, windows=0, reference_windows=0, kind="estimated",
+                        note="no low-pressure reference share yet (learned or configured)")
 
     def saving(s: WindowStat, c: PhaseCosts) -> tuple[float, float] | None:
         if s.joules is None or s.computed_prompt_tokens is None or not s.prompt_tokens or s.prompt_tokens <= 0:
@@ -417,20 +429,24 @@ def _priced(windows: Sequence[WindowStat], whole: WindowStat | None, saving: Sav
     (J_c, J_r) by finite differences, V their covariance from the regression (the delta method; J_r = ratio x
     J_c where the reload cost is not fitted)."""
     if (costs is None or not costs.usable) and price is None:
-        return Estimate(None, None, 0, 0, "estimated", "no J per computed prompt token (needs GPU energy and P_idle)")
+        return Estimate(value=None, stderr=None, windows=0, reference_windows=0, kind="estimated",
+                        note="no J per computed prompt token (needs GPU energy and P_idle)")
     if not windows:
-        return Estimate(None, None, 0, 0, "estimated", "no comparable windows")
+        return Estimate(value=None, stderr=None, windows=0, reference_windows=0, kind="estimated",
+                        note="no comparable windows")
     if whole is None and len(windows) == 1:
         whole = windows[0]
     elif whole is None:  # the windows' sum, field by field in their order
         c, g, j, p, r, t = windows[0].summed
         for w in [w.summed for w in windows[1:]]:
             c, g, j, p, r, t = c + w[0], g + w[1], j + w[2], p + w[3], r + w[4], t + w[5]
-        whole = Summed(c, g, j, p, r, t)
+        whole = Summed(covered_seconds=c, generated_tokens=g, joules=j, computed_prompt_tokens=p,
+                       loaded_prompt_tokens=r, prompt_tokens=t)
 
     usable = costs is not None and costs.usable
     # the costs every window is priced at, built once (a window per tick of the hour is priced; see Summed)
-    fixed = costs if usable else None if price is None or callable(price) else PhaseCosts("gpu", prompt_computed_j=price)
+    fixed = (costs if usable else None if price is None or callable(price)
+             else PhaseCosts(scope="gpu", prompt_computed_j=price))
 
     def at(s: WindowStat | Summed, c_j: float | None = None, r_j: float | None = None) -> float | None:
         """dE over ``s``; ``c_j``, ``r_j``: the costs moved (finite differences)."""
@@ -444,19 +460,21 @@ def _priced(windows: Sequence[WindowStat], whole: WindowStat | None, saving: Sav
             p = price(s) if callable(price) else price
             if p is None:
                 return None
-            c = PhaseCosts("gpu", prompt_computed_j=p)
+            c = PhaseCosts(scope="gpu", prompt_computed_j=p)
         x = saving(s, c)
         return x[0] / x[1] if x is not None and x[1] > 0 else None
 
     value = at(whole)
     if value is None:
-        return Estimate(None, None, len(windows), 0, "estimated", "no comparable windows")
+        return Estimate(value=None, stderr=None, windows=len(windows), reference_windows=0, kind="estimated",
+                        note="no comparable windows")
     c, g, j, p, r, t = _summed(whole)
-    se = _jackknife([at(Summed(c - w[0], g - w[1], j - w[2], p - w[3], r - w[4], t - w[5]))
+    se = _jackknife([at(Summed(covered_seconds=c - w[0], generated_tokens=g - w[1], joules=j - w[2],
+                               computed_prompt_tokens=p - w[3], loaded_prompt_tokens=r - w[4], prompt_tokens=t - w[5]))
                      for w in [w.summed for w in windows]])  # the whole less each window
     if se is not None and costs is not None and costs.source == "measured":
         se = math.sqrt(se * se + _price_variance(costs, value, at, whole))
-    return Estimate(value, se, len(windows), 0, "estimated", note)
+    return Estimate(value=value, stderr=se, windows=len(windows), reference_windows=0, kind="estimated", note=note)
 
 
 def _price_variance(costs: PhaseCosts, value: float, at, whole: WindowStat) -> float:

@@ -15,11 +15,12 @@ vllm:kv_offload_total_bytes_total{transfer_type="GPU_to_CPU"}; sources/vllm.py m
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from exporter import rules
 from exporter.derive.pressure import rate_per_second
 from exporter.keys import labelled_key
+from exporter.results import TierFlows, TierState
 from exporter.store import WindowAggregate
 
 # native connector (0.24+ / 0.26+), and the SimpleCPU connector's stores dropped because its pool was full
@@ -50,15 +51,6 @@ def token_rates(x: WindowAggregate) -> TokenRates:
 
 
 TIER_HIT_KEYS = {"host": "offload_host_hit_ratio", "disk": "offload_disk_hit_ratio"}
-
-
-@dataclass(frozen=True)
-class TierState:
-    """The offload tiers as the engine last reported them (gauges the engine computes itself)."""
-
-    used_ratio: float | None = None  # true occupancy 0..1 (SGLang HiCache, TensorRT-LLM host pool)
-    used_bytes: float | None = None  # bytes held (LMCache: no capacity exported, so no ratio)
-    hit_ratio: dict[str, float] | None = None  # tier -> the engine's own recent hit rate (Dynamo KVBM)
 
 
 def tier_state(gauges: dict[str, float] | None) -> TierState:
@@ -155,34 +147,7 @@ def flag_words(n_bytes: float | None) -> str | None:
     return None if gib is None else f"{gib:.12g} ({size_words(n_bytes)})"
 
 
-@dataclass(frozen=True)
-class TierFlows:
-    """One secondary offload tier of vLLM's tiering manager (0.28+, tier label "<index>:<type>", e.g. "1:fs")
-    over a window. Writes go primary (CPU) tier -> this tier (cascade), reads this tier -> primary (promotion).
-    vLLM exports no tier capacity: residency needs it from the configuration (servers[].offload_tier_bytes),
-    and ``undersized`` is the CPU tier's rule (methods.md s6) with failed jobs as the failures."""
-
-    tier: str
-    write_bytes_per_second: float | None
-    read_bytes_per_second: float | None
-    chunk_hit_ratio: float | None  # chunk lookups that hit / lookups sent to this tier
-    job_failures: float | None  # failed promotion + cascade jobs in the window
-    undersized: bool | None  # residency < p99 tool-call latency, or a job failed (None: neither known)
-    residency_seconds: float | None = None  # configured capacity / write rate
-    # stores (cascade jobs) bound for this tier and their blocks that vLLM's back-pressure detector dropped, per
-    # second over the window: blocks the tier will never serve (the tier too slow for the write rate)
-    dropped_stores_per_second: float | None = None
-    dropped_blocks_per_second: float | None = None
-    # failed promotion (this tier -> CPU tier) and cascade (CPU tier -> this tier) jobs per second over the window;
-    # 0 where the tier moved data and vLLM has no sample of the counter (it has none until its first failure)
-    failed_promotions_per_second: float | None = None
-    failed_cascades_per_second: float | None = None
-    # the tier's capacity (configured: vLLM exports none) or, unknown, why
-    capacity_bytes: float | None = None
-    capacity_reason: str = ""
-
-
-def _hit_ratio(hits: float | None, queries: float | None) -> float | None:
+def chunk_hit_ratio(hits: float | None, queries: float | None) -> float | None:
     """Hits / lookups; unknown when the counters disagree (more hits than lookups: a reset or a skew between the
     two counters' reads), never a ratio above 1."""
     if not queries or hits is None or hits > queries:
@@ -245,16 +210,18 @@ def tier_flows(agg: WindowAggregate, capacities: dict[str, float] | None = None,
         failures = agg.delta(labelled_key("tier_job_failures", tier))
         write = _per_covered_second(agg, labelled_key("tier_write_bytes", tier))
         held = residency((capacities or {}).get(tier), write)
-        flows = TierFlows(tier, write, _per_covered_second(agg, labelled_key("tier_read_bytes", tier)),
-                          _hit_ratio(hits, queries), failures,
-                          undersized(held, write, failures, p99_tool_latency_seconds), held,
-                          _dropped(agg, keys, "tier_dropped_stores", tier),
-                          _dropped(agg, keys, "tier_dropped_blocks", tier))
-        moved = any(v is not None for v in (flows.write_bytes_per_second, flows.read_bytes_per_second, queries))
+        read = _per_covered_second(agg, labelled_key("tier_read_bytes", tier))
+        moved = any(v is not None for v in (write, read, queries))
         cap = (capacities or {}).get(tier)
-        flows = replace(flows, failed_promotions_per_second=_failed(agg, "tier_promotion_failures", tier, moved),
-                        failed_cascades_per_second=_failed(agg, "tier_cascade_failures", tier, moved),
-                        capacity_bytes=cap, capacity_reason="" if cap is not None else capacity_unknown(tier))
+        flows = TierFlows(tier=tier, write_bytes_per_second=write, read_bytes_per_second=read,
+                          chunk_hit_ratio=chunk_hit_ratio(hits, queries), job_failures=failures,
+                          undersized=undersized(held, write, failures, p99_tool_latency_seconds),
+                          residency_seconds=held,
+                          dropped_stores_per_second=_dropped(agg, keys, "tier_dropped_stores", tier),
+                          dropped_blocks_per_second=_dropped(agg, keys, "tier_dropped_blocks", tier),
+                          failed_promotions_per_second=_failed(agg, "tier_promotion_failures", tier, moved),
+                          failed_cascades_per_second=_failed(agg, "tier_cascade_failures", tier, moved),
+                          capacity_bytes=cap, capacity_reason="" if cap is not None else capacity_unknown(tier))
         if any(v is not None for v in (flows.write_bytes_per_second, flows.read_bytes_per_second,
                                        flows.chunk_hit_ratio, flows.job_failures, flows.dropped_blocks_per_second)):
             out.append(flows)  # a tier whose samples all left the window is gone from it

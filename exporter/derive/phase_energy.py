@@ -27,15 +27,15 @@ import itertools
 import math
 from dataclasses import dataclass, replace
 from operator import add, mul, sub
-from typing import ClassVar, Iterable, NamedTuple, Sequence
+from typing import Iterable, NamedTuple, Sequence
 
 from exporter import rules
 from exporter.derive import compare
 from exporter.derive.marginal import above_idle
 from exporter.derive.recompute import token_counts
+from exporter.results import PhaseCosts
 from exporter.store import Bucket
 
-PHASES = ("prompt_computed", "generated", "reloaded")
 # The prior's price of a computed prompt token, as a fraction of a generated one (methods.md s12 "prior"): prefill
 # is batched and compute-bound, decode memory-bound. On the roofline, a prompt token costs 2 N_act / F of GPU time
 # and a generated one, at decode batch B, the weights' read 2 N_act bytes / (B x memory bandwidth) (bf16), so
@@ -53,38 +53,6 @@ class PhaseWindow:
     computed: float
     generated: float
     reloaded: float
-
-
-@dataclass(frozen=True)
-class PhaseCosts:
-    """Marginal J per token by phase for one scope; SE None for a cost pinned at 0 or from the prior."""
-
-    scope: str
-    prompt_computed_j: float | None = None
-    prompt_computed_se: float | None = None
-    generated_j: float | None = None
-    generated_se: float | None = None
-    reloaded_j: float | None = None
-    reloaded_se: float | None = None
-    windows: int = 0
-    state: str = "unknown"  # known | not_identifiable | unknown
-    reason: str = ""
-    source: str = "prior"  # measured | prior
-    condition: float | None = None  # condition number of the normalised design (identifiability)
-    # covariance of (prompt_computed, reloaded) costs, for propagating into dE (0 where pinned or prior)
-    cov_prompt_reloaded: float = 0.0
-    phases: ClassVar[tuple[str, ...]] = PHASES
-
-    def joules(self, phase: str) -> float | None:
-        return getattr(self, f"{phase}_j")
-
-    def stderr(self, phase: str) -> float | None:
-        return getattr(self, f"{phase}_se")
-
-    @property
-    def usable(self) -> bool:
-        """A price for computed prompt tokens is there (measured or prior)."""
-        return self.prompt_computed_j is not None
 
 
 def observation(bucket: Bucket, width: float, scope: str) -> PhaseWindow | None:
@@ -311,7 +279,8 @@ def estimate(windows: Sequence[PhaseWindow], scope: str, min_windows: int, max_c
     unknown without any window). ``sums``: the windows' running sums when the caller keeps them (PhaseSums)."""
     n = len(windows)
     if n == 0:
-        return PhaseCosts(scope, state="unknown", reason=f"no window with {scope} energy, P_idle and token sources")
+        return PhaseCosts(scope=scope, state="unknown",
+                          reason=f"no window with {scope} energy, P_idle and token sources")
     if n < min_windows:
         return _not(prior_costs(windows, scope, load_to_compute_cost_ratio), n, f"{n} windows, needs {min_windows}")
     sums = sums or PhaseSums.of(windows)
@@ -335,7 +304,7 @@ def estimate(windows: Sequence[PhaseWindow], scope: str, min_windows: int, max_c
                     "no energy rises with tokens (P_idle above the loaded power?)", cond)
     se = [math.sqrt(fit.cov[i][i]) if fit.free[i] else None for i in range(len(names))]
     out = {f"{p}_j": fit.coef[i] for i, p in enumerate(names)} | {f"{p}_se": se[i] for i, p in enumerate(names)}
-    return PhaseCosts(scope, **out, windows=n, state="known", source="measured", condition=cond,
+    return PhaseCosts(scope=scope, **out, windows=n, state="known", source="measured", condition=cond,
                       cov_prompt_reloaded=fit.cov[0][2] if with_reload else 0.0,
                       reason="" if with_reload else "no reloaded tokens in enough windows: reloaded cost not fitted")
 
@@ -343,8 +312,9 @@ def estimate(windows: Sequence[PhaseWindow], scope: str, min_windows: int, max_c
 def _not(prior: PhaseCosts, n: int, reason: str, cond: float | None = None) -> PhaseCosts:
     if not prior.usable and prior.reason:
         reason = f"{reason}; no prior either: {prior.reason}"
-    return PhaseCosts(prior.scope, prior.prompt_computed_j, None, prior.generated_j, None, prior.reloaded_j, None,
-                      n, "not_identifiable", reason, "prior", cond)
+    return PhaseCosts(scope=prior.scope, prompt_computed_j=prior.prompt_computed_j, prompt_computed_se=None,
+                      generated_j=prior.generated_j, generated_se=None, reloaded_j=prior.reloaded_j, reloaded_se=None,
+                      windows=n, state="not_identifiable", reason=reason, source="prior", condition=cond)
 
 
 def _collinear_reason(g: list[list[float]], names, cond: float, max_condition: float) -> str:
@@ -367,13 +337,14 @@ def prior_costs(windows: Sequence[PhaseWindow], scope: str, load_to_compute_cost
     p = PRIOR_PROMPT_TO_GENERATED_COST_RATIO
     units = sum(w.generated + p * w.computed + p * load_to_compute_cost_ratio * w.reloaded for w in windows)
     if units <= 0:
-        return PhaseCosts(scope, state="unknown", reason="no tokens")
+        return PhaseCosts(scope=scope, state="unknown", reason="no tokens")
     if joules <= 0:  # no price, rather than a negative one
-        return PhaseCosts(scope, state="unknown", reason="marginal energy not positive (P_idle above the loaded "
+        return PhaseCosts(scope=scope, state="unknown", reason="marginal energy not positive (P_idle above the loaded "
                           "power: stale?)")
     u = joules / units
-    return PhaseCosts(scope, p * u, None, u, None, load_to_compute_cost_ratio * p * u, None, len(windows), "unknown",
-                      "", "prior")
+    return PhaseCosts(scope=scope, prompt_computed_j=p * u, prompt_computed_se=None, generated_j=u, generated_se=None,
+                      reloaded_j=load_to_compute_cost_ratio * p * u, reloaded_se=None, windows=len(windows),
+                      state="unknown", reason="", source="prior")
 
 
 def within_energy(costs: PhaseCosts, marginal_joules: float, computed: float, reloaded: float) -> PhaseCosts | None:

@@ -3,9 +3,10 @@ reference; the MFU-counter view that also sees re-prefill after preemption (vllm
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from exporter import rules
+from exporter.results import PreemptionRecompute, WriteModel
 from exporter.store import ScopeSums, WindowAggregate
 
 SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
@@ -105,60 +106,6 @@ NO_WRITE_MODEL = ("the model's write traffic per token is unknown (a dense decod
                   "servers[].model_config; MoE models are not modelled)")
 
 
-@dataclass(frozen=True)
-class PreemptionRecompute:
-    """Prompt and generated tokens computed again after a preemption, over a window (methods.md s4).
-
-    vLLM >= 0.16 counts prompt tokens by source on a request's first prefill only, so a preempted request that
-    resumes (recomputed OFF, reloaded ON) moves no token counter. vLLM's write-traffic estimate
-    (vllm:estimated_write_bytes_per_gpu_total, --enable-mfu-metrics) is built from every scheduled token:
-        scheduled = (write bytes - bytes per logits token x generated) / bytes per token
-    (the bytes per token: the write model, fitted from the engine's windows without preemption or config.json's,
-    derive/write_model.py)
-        recomputed = scheduled - prompt tokens computed (first prefills) - generated tokens
-    ``residual_share`` is recomputed / scheduled before clipping at 0: with no preemption it is the identity's
-    error (a logits row per chunked-prefill step the estimate also bills), measured below 0.5 % on the real
-    engine (docs/offload.md)."""
-
-    tokens_per_second: float | None = None
-    share: float | None = None  # of the tokens the engine scheduled in the window
-    scheduled_tokens_per_second: float | None = None
-    residual_share: float | None = None
-    state: str = "unknown"  # known | provisional | unknown
-    reason: str = ""
-    scheduled_tokens: float | None = None
-    write_model: "WriteModel | None" = None  # the coefficients it used and where they came from (judged)
-
-
-@dataclass(frozen=True, kw_only=True)
-class WriteModel:
-    """The write model the post-preemption figure uses (methods.md s4): bytes of the engine's write-traffic
-    estimate per scheduled token (``bytes_per_token``, a) and per token that gets logits (b), the state of its
-    check on windows without preemption, and where it came from (derive/write_model.py ``choose``).
-
-    ``source``: "fitted" (least squares over the engine's own windows without preemption), "config.json" (the
-    model's shapes, sources/model_config.engine_write_bytes), "fitted and config.json agree", or "" (none yet).
-    ``fitted`` and ``configured``: each candidate's (bytes per computed prompt token, per generated token) =
-    (a, a + b), None where it does not exist; ``*_residual``: each one's check, the median over the windows
-    without preemption of |writes - its prediction| in tokens per scheduled token (the fit's on held-out
-    windows), and ``*_check`` its verdict; ``agrees``: both checks passed and the coefficients are within
-    write_model.AGREEMENT of each other."""
-
-    bytes_per_token: float | None = None
-    bytes_per_logits_token: float | None = None
-    source: str = ""
-    state: str = "unknown"  # known | provisional | unknown
-    reason: str = ""
-    windows: int = 0  # windows without preemption learned from
-    fitted: tuple[float, float] | None = None
-    fitted_residual: float | None = None
-    fitted_check: str = ""  # passed | failed | "" (not checked yet)
-    configured: tuple[float, float] | None = None
-    configured_residual: float | None = None
-    configured_check: str = ""
-    agrees: bool | None = None
-
-
 def preemption_recompute(x: WindowAggregate, write_bytes_per_token: float | None,
                          write_bytes_per_logits_token: float | None, window_seconds: float,
                          no_model_reason: str = NO_WRITE_MODEL) -> PreemptionRecompute:
@@ -187,14 +134,17 @@ def preemption_recompute(x: WindowAggregate, write_bytes_per_token: float | None
         return PreemptionRecompute(reason=no_model_reason)
     scheduled = (writes - write_bytes_per_logits_token * generated) / write_bytes_per_token
     if scheduled <= 0:
-        return PreemptionRecompute(0.0, None, 0.0, None, "known", "no tokens scheduled in the window", 0.0)
+        return PreemptionRecompute(tokens_per_second=0.0, share=None, scheduled_tokens_per_second=0.0,
+                                   residual_share=None, state="known", reason="no tokens scheduled in the window",
+                                   scheduled_tokens=0.0)
     recomputed = scheduled - computed - generated
     clipped = max(recomputed, 0.0)
     if scheduled < MIN_SCHEDULED_TOKENS:
         return PreemptionRecompute(reason=f"only {scheduled:.0f} tokens scheduled in the window: too few to tell",
                                    scheduled_tokens=scheduled)
-    fig = PreemptionRecompute(clipped / seconds, clipped / scheduled, scheduled / seconds, recomputed / scheduled,
-                              "known", "", scheduled)
+    fig = PreemptionRecompute(tokens_per_second=clipped / seconds, share=clipped / scheduled,
+                              scheduled_tokens_per_second=scheduled / seconds, residual_share=recomputed / scheduled,
+                              state="known", reason="", scheduled_tokens=scheduled)
     if x.covered_seconds < rules.SUSTAINED_MIN_COVERED.default * window_seconds:  # as the onset's
         return replace(fig, state="provisional",
                        reason=f"window {x.covered_seconds / window_seconds:.0%} covered")

@@ -55,7 +55,7 @@ YARDSTICK_REUSE_GAP = "reuse_gap_p50"
 YARDSTICK_TOOL_LATENCY = "p99_tool_latency"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Residency:
     """One window's residency figures; None where unknown, ``reason`` saying why ("" when all are known)."""
 
@@ -155,9 +155,12 @@ def window_residency(agg: WindowAggregate, block_size: float | None,
     before = share_at_most(idle, yard_seconds) if n > 0 else None
     if n <= 0:
         reasons.append("no sampled eviction in the window")
-    return Residency(n, None if sampled_rate is None else sampled_rate / sample_share, blocks, ratio,
-                     quantiles(idle), quantiles(reuse), before[0] if before else None,
-                     yard if before else None, before[1] if before else None, sample_share, "; ".join(reasons))
+    return Residency(sampled_evictions=n,
+                     evicted_blocks_per_second=None if sampled_rate is None else sampled_rate / sample_share,
+                     prompt_blocks=blocks, evictions_per_prompt_block=ratio, idle_before_evict_seconds=quantiles(idle),
+                     reuse_gap_seconds=quantiles(reuse), evicted_before_reuse_ratio=before[0] if before else None,
+                     yardstick=yard if before else None, yardstick_seconds=before[1] if before else None,
+                     sample_share=sample_share, reason="; ".join(reasons))
 
 
 def _yardstick(reuse, p99_tool_latency_seconds: float) -> tuple[str, float]:

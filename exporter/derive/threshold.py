@@ -25,6 +25,7 @@ from typing import Sequence
 
 from exporter import rules
 from exporter.derive import compare
+from exporter.results import LocatedThreshold
 
 ONSET_PER_MINUTE = rules.PREEMPTION_ONSET_PER_MINUTE.default  # methods.md s3: sustained preemptions mark onset
 TAX_Z = 2.0              # a tax is evidence when it exceeds TAX_Z times its noise ...
@@ -56,36 +57,6 @@ class PressurePoint:
                                            # s11): "pressure" | "low_pressure" | None (unknown or no histograms)
     capacity_share: float | None = None    # live windows: share of samples with a request waiting for KV
                                            # capacity (None: the engine does not export the gauge)
-
-
-@dataclass(frozen=True)
-class LocatedThreshold:
-    ratio: float                # located KV-p95 threshold
-    low: float                  # uncertainty interval
-    high: float
-    method: str                 # "preemption_onset" | "tax_onset"
-    points: int                 # points it rests on (clean and pressured; unknown ones are not counted)
-    clean_below: float = 0.0    # weight of the clean points below the cut
-    pressured_above: float = 0.0  # weight of the pressured points above it
-    misplaced: float = 0.0      # weight of the points on the wrong side (pressured below, clean above)
-    state: str = "provisional"  # known | provisional (judge); an unlocated threshold is unknown: None
-    reason: str = ""            # why the state is what it is, in words
-
-
-@dataclass(frozen=True)
-class Evidence:
-    """What a server's learned figures rest on (methods.md s10): its evidence windows in the current epoch."""
-
-    windows: int = 0            # evidence windows held
-    clean: int = 0              # of them: clean, pressured, unknown (neither preemptions nor tax known)
-    pressured: int = 0
-    unknown: int = 0
-    rejected: int = 0           # windows not taken as evidence: implausible counters (this run)
-    span_seconds: float = 0.0   # from the oldest window's end to the newest's
-    oldest_wall: float | None = None
-    newest_wall: float | None = None
-    low_pressure: int = 0       # windows with positive signs of no pressure (the reference's candidates)
-    quiet_streak: int = 0       # the newest windows, all clean: how long the server has shown low pressure
 
 
 def plural(n: int, noun: str) -> str:
@@ -194,7 +165,8 @@ def locate_why(points: Sequence[PressurePoint], min_points: int = 3, min_side: f
         return None, (f"degenerate cut at p95 {ratio:.3f}: the clean windows below it are idle (p95 <= "
                       f"{known[i - 1][0].kv_p95:.3f}, under the {IDLE_FLOOR:.2f} idle floor)")
     method = "preemption_onset" if preempting(first_pressured, onset_per_minute) else "tax_onset"
-    found = LocatedThreshold(ratio, low, high, method, len(known), clean_w, above_pressured, best)
+    found = LocatedThreshold(ratio=ratio, low=low, high=high, method=method, points=len(known), clean_below=clean_w,
+                             pressured_above=above_pressured, misplaced=best)
     state, reason = judge(found)
     return replace(found, state=state, reason=reason), ""
 

@@ -33,9 +33,9 @@ from dataclasses import dataclass
 from exporter.derive.marginal import above_idle
 from exporter.derive.phase_energy import PhaseCosts, within_energy
 from exporter.derive.recompute import CACHE_TIERS, token_counts
+from exporter.results import TierEnergy
 from exporter.store import WindowAggregate
 
-HOP_SOURCE = "configured"  # the energy per byte of each hop: configured, never measured (methods.md s14)
 SECONDARY_READ_PREFIX = "tier_read_bytes@"  # vLLM tiering: bytes read from a secondary tier into the CPU tier
 PRIMARY_TIER = "0:primary"
 
@@ -47,25 +47,6 @@ class HopEnergy:
     host_memory: float
     host_link: float
     disk: float
-
-
-@dataclass(frozen=True, kw_only=True)
-class TierEnergy:
-    """One offload tier's reloads priced over a window and scope (methods.md s14). None: unknown."""
-
-    tier: str  # the cached-token source: host, disk (p2p, external: no hop prices, the price unknown)
-    scope: str
-    tokens_per_second: float
-    cached_to_prefill: float | None  # kappa_t: tokens from the tier / computed prompt tokens
-    bytes_per_token: float | None  # bytes a token from the tier moves over its hops (summed)
-    hop_joules_per_token: float | None  # hops_t
-    reload_joules_per_token: float | None  # c_r + hops_t
-    breakeven_ratio: float | None  # price_t / c_p
-    gpu_saved_watts: float | None  # tokens/s x (c_p - c_r)
-    reload_watts: float | None  # tokens/s x hops_t
-    saved_watts: float | None  # gpu-side saving - reload W
-    hop_source: str = HOP_SOURCE
-    price_reason: str = ""  # why the price (and the savings) are unknown, "" when known
 
 
 def bytes_per_reloaded_token(agg: WindowAggregate) -> float | None:

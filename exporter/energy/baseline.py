@@ -42,7 +42,7 @@ class IdleEstimate:
     temperature_celsius: float | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Baseline:
     device: str
     watts: float
@@ -191,7 +191,7 @@ class BaselineBook:
     def get(self, device: str, labels: Mapping[str, str] | None = None) -> Baseline | None:
         for key in override_keys(device, labels or {}):
             if key in self.overrides:
-                return Baseline(device, self.overrides[key], "configured")
+                return Baseline(device=device, watts=self.overrides[key], method="configured")
         return self._stored.get(device)
 
     def watts(self, device: str, labels: Mapping[str, str] | None = None) -> float | None:
@@ -207,7 +207,8 @@ class BaselineBook:
         if not self.path:
             return None
         problems = [p for p in (self.read_only_reason, self.write_error, self.load_error) if p]
-        return SourceStatus("state_dir", "", True, "; ".join(problems), None, "degraded" if problems else "ok")
+        return SourceStatus(source="state_dir", server="", up=True, reason="; ".join(problems), duration_seconds=None,
+                            state="degraded" if problems else "ok")
 
     # --- persistence ------------------------------------------------------------------------------------
     def load(self) -> None:
@@ -250,7 +251,8 @@ class BaselineBook:
         entries, so a concurrent ``kvwatt baseline idle`` is not overwritten). A failed write is a reason
         (``write_error``), not an exception: the baselines stay in force in memory."""
         now = self.wall_clock()
-        new = [Baseline(e.device, e.watts, method, now, e.duration_seconds, e.temperature_celsius)
+        new = [Baseline(device=e.device, watts=e.watts, method=method, measured_at=now,
+                        duration_seconds=e.duration_seconds, temperature_celsius=e.temperature_celsius)
                for e in estimates]
         if not new:
             return []
@@ -311,10 +313,10 @@ def parse_entry(device: str, entry: Any, now_wall: float) -> Baseline:
     if entry["method"] not in STORED_METHODS:
         raise ValueError(f"method {entry['method']!r} is not one of {', '.join(STORED_METHODS)}")
     return Baseline(
-        device, _number(entry["watts"], "watts", 0.0, MAX_IDLE_WATTS), entry["method"],
-        _number(entry["measured_at"], "measured_at", 0.0, now_wall + FUTURE_SLACK_SECONDS),
-        _optional(entry.get("duration_seconds"), "duration_seconds", 0.0, math.inf),
-        _optional(entry.get("temperature_celsius"), "temperature_celsius", -273.15, math.inf))
+        device=device, watts=bounded_number(entry["watts"], "watts", 0.0, MAX_IDLE_WATTS), method=entry["method"],
+        measured_at=bounded_number(entry["measured_at"], "measured_at", 0.0, now_wall + FUTURE_SLACK_SECONDS),
+        duration_seconds=_optional(entry.get("duration_seconds"), "duration_seconds", 0.0, math.inf),
+        temperature_celsius=_optional(entry.get("temperature_celsius"), "temperature_celsius", -273.15, math.inf))
 
 
 def entry_at(entry: Any, required: tuple[str, ...], now_wall: float,
@@ -327,10 +329,10 @@ def entry_at(entry: Any, required: tuple[str, ...], now_wall: float,
     missing = [k for k in required if k not in entry]
     if missing:
         raise ValueError(f"{', '.join(missing)} missing")
-    return _number(entry["at"], "at", 0.0, now_wall + future_slack)
+    return bounded_number(entry["at"], "at", 0.0, now_wall + future_slack)
 
 
-def _number(value: Any, name: str, lo: float, hi: float) -> float:
+def bounded_number(value: Any, name: str, lo: float, hi: float) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{name} {value!r} is not a finite number")
     try:
@@ -345,4 +347,4 @@ def _number(value: Any, name: str, lo: float, hi: float) -> float:
 
 
 def _optional(value: Any, name: str, lo: float, hi: float) -> float | None:
-    return None if value is None else _number(value, name, lo, hi)
+    return None if value is None else bounded_number(value, name, lo, hi)

@@ -10,6 +10,8 @@ undersized where offloading is on (methods.md s3, s5, s6, s10).
 
 from __future__ import annotations
 
+from typing import Callable
+
 from exporter import rules
 from exporter.config import DEFAULT_SERVER_URL, Config
 from exporter.derive.threshold import noise_bar, plural
@@ -38,13 +40,13 @@ def advise(v: ServerFigures, cfg: Config) -> tuple[Advice, ...]:
     return tuple(out) or (Advice("nothing_to_do", "info", NOTHING_TO_DO, {}),)
 
 
-def attach(v: ServerFigures, cfg: Config) -> ServerFigures:
-    """``v`` with its advice and recommendations set, the figures not copied: advice reads the finished figures,
-    so it is the one pair of fields set after construction (the figures are frozen to every later reader)."""
-    advice = advise(v, cfg)
-    object.__setattr__(v, "advice", advice)
-    object.__setattr__(v, "recommendations", recommendations(advice))
-    return v
+def advisor(cfg: Config) -> Callable[[ServerFigures], tuple[tuple[Advice, ...], tuple[str, ...]]]:
+    """What ServerFigures is built with (its ``advise``): the advice read from the finished figures, and its
+    words. The figures are built once, their advice included, and never set afterwards."""
+    def advice_and_words(v: ServerFigures) -> tuple[tuple[Advice, ...], tuple[str, ...]]:
+        advice = advise(v, cfg)
+        return advice, recommendations(advice)
+    return advice_and_words
 
 
 def recommendations(advice: tuple[Advice, ...]) -> tuple[str, ...]:

@@ -58,11 +58,15 @@ class Prices:
         watts = None if jpt is None else cost.marginal_watts(e.basis.energy_joules, e.basis.idle_joules,
                                                                e.basis.seconds)
         price, intensity = self.value("electricity_price"), self.value("carbon_intensity")
-        return CostFigure(e.scope, watts, cost.money_per_million_tokens(jpt, price),
-                          cost.co2e_grams_per_thousand_tokens(jpt, intensity),
-                          cost.money_per_day(watts, price), cost.co2e_grams_per_day(watts, intensity), self.currency,
-                          cost.money_per_day(tax_watts, price), cost.co2e_grams_per_day(tax_watts, intensity),
-                          cost.money_per_day(saved_watts, price), cost.co2e_grams_per_day(saved_watts, intensity))
+        return CostFigure(scope=e.scope, marginal_watts=watts,
+                          money_per_million_tokens=cost.money_per_million_tokens(jpt, price),
+                          co2e_grams_per_thousand_tokens=cost.co2e_grams_per_thousand_tokens(jpt, intensity),
+                          money_per_day=cost.money_per_day(watts, price),
+                          co2e_grams_per_day=cost.co2e_grams_per_day(watts, intensity), currency=self.currency,
+                          recompute_tax_money_per_day=cost.money_per_day(tax_watts, price),
+                          recompute_tax_co2e_grams_per_day=cost.co2e_grams_per_day(tax_watts, intensity),
+                          offload_saved_money_per_day=cost.money_per_day(saved_watts, price),
+                          offload_saved_co2e_grams_per_day=cost.co2e_grams_per_day(saved_watts, intensity))
 
     def costs(self, energy: tuple[EnergyFigure, ...], tax_watts: dict[str, float] | None,
               saved_watts: dict[str, float] | None) -> tuple[CostFigure, ...]:
@@ -80,13 +84,13 @@ class Prices:
         setting = self.settings[quantity]
         currency = self.currency if quantity == "electricity_price" else None
         if setting is None:
-            return PriceFigure(quantity, None, "not_configured", reason=HOW_TO_SET[quantity])
+            return PriceFigure(quantity=quantity, value=None, source="not_configured", reason=HOW_TO_SET[quantity])
         if setting.url is None:
-            return PriceFigure(quantity, setting.value, "configured", currency)
+            return PriceFigure(quantity=quantity, value=setting.value, source="configured", currency=currency)
         r = self.readings.get(quantity)
         reason = "not_read_yet" if r is None else r.status.reason
-        return PriceFigure(quantity, self.value(quantity), "url", currency, setting.shown,
-                           None if r is None else r.age_seconds, reason)
+        return PriceFigure(quantity=quantity, value=self.value(quantity), source="url", currency=currency,
+                           url=setting.shown, age_seconds=None if r is None else r.age_seconds, reason=reason)
 
     def statuses(self) -> tuple[SourceStatus, ...]:
         """The price URLs' health, beside nvml and rapl (kvwatt_source_up{source="electricity_price"} ...)."""

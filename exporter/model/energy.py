@@ -181,7 +181,7 @@ class PhaseLearner:
     observation per scope, kept for ``history_seconds``; the regression is refitted when a window arrives (at
     most once per tick, a few hundred 3-column rows). Logs when a scope's cost source changes, not per tick."""
 
-    def __init__(self, name: str, width: float, history_seconds: float, min_windows: int, max_condition: float,
+    def __init__(self, *, name: str, width: float, history_seconds: float, min_windows: int, max_condition: float,
                  load_to_compute_cost_ratio: float) -> None:
         self.name, self.width = name, width
         self.keep = max(int(history_seconds // width), 1)
@@ -190,7 +190,7 @@ class PhaseLearner:
         self.min_windows, self.max_condition = min_windows, max_condition
         self.ratio = load_to_compute_cost_ratio
         self.last_t1 = -math.inf
-        self.costs: dict[str, phase_energy.PhaseCosts] = {s: phase_energy.PhaseCosts(s) for s in SCOPES}
+        self.costs: dict[str, phase_energy.PhaseCosts] = {s: phase_energy.PhaseCosts(scope=s) for s in SCOPES}
 
     def observe(self, buckets: Iterable) -> bool:
         """Feed the completed buckets not seen yet; refit when one was added. True when refitted."""

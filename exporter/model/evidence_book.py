@@ -22,7 +22,7 @@ from typing import Any, Callable, Mapping
 
 from exporter import atomic
 from exporter.derive.threshold import PressurePoint
-from exporter.energy.baseline import _number, entry_at
+from exporter.energy.baseline import bounded_number, entry_at
 from exporter.model.epoch import FACTS, Epoch
 from exporter.model.pressure import MAX_EVIDENCE_WEIGHT
 
@@ -110,7 +110,7 @@ def parse_epoch(entry: Any, now_wall: float) -> Epoch:
     if not isinstance(entry, dict):
         raise ValueError("no epoch")
     started = entry.get("started")
-    started = None if started is None else _number(started, "started", 0.0, now_wall + CLOCK_SLACK_SECONDS)
+    started = None if started is None else bounded_number(started, "started", 0.0, now_wall + CLOCK_SLACK_SECONDS)
     cause, engine = entry.get("cause", ""), entry.get("engine", {})
     if not isinstance(cause, str) or not isinstance(engine, dict):
         raise ValueError("epoch cause or engine malformed")
@@ -123,7 +123,7 @@ def parse_epoch(entry: Any, now_wall: float) -> Epoch:
 
 
 def _optional(entry: dict, key: str, lo: float, hi: float) -> float | None:
-    return None if entry.get(key) is None else _number(entry[key], key, lo, hi)
+    return None if entry.get(key) is None else bounded_number(entry[key], key, lo, hi)
 
 
 def parse_entry(entry: Any, now_wall: float) -> PressurePoint:
@@ -131,9 +131,10 @@ def parse_entry(entry: Any, now_wall: float) -> PressurePoint:
     kind = entry.get("residency")  # absent in files written before the residency evidence: unknown
     if kind not in RESIDENCY_KINDS:
         raise ValueError(f"residency {kind!r} is not one of {', '.join(k for k in RESIDENCY_KINDS if k)}")
-    return PressurePoint(_number(entry["p95"], "p95", 0.0, 1.0),
+    return PressurePoint(bounded_number(entry["p95"], "p95", 0.0, 1.0),
                          _optional(entry, "preemptions_per_minute", 0.0, 1e9),
                          _optional(entry, "tax", -1.0, 1.0), _optional(entry, "tax_se", 0.0, 1.0),
-                         _number(entry["weight"], "weight", 0.0, MAX_EVIDENCE_WEIGHT), _optional(entry, "low", 0.0, 1.0),
+                         bounded_number(entry["weight"], "weight", 0.0, MAX_EVIDENCE_WEIGHT),
+                         _optional(entry, "low", 0.0, 1.0),
                          _optional(entry, "high", 0.0, 1.0), None, at, _optional(entry, "max", 0.0, 1.0), kind,
                          _optional(entry, "capacity_share", 0.0, 1.0))

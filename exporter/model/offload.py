@@ -35,16 +35,19 @@ def setup(s: ServerConfig) -> OffloadSetup:
     crit = kappa.critical(model, hw) if model and hw else None
     be = kappa.breakeven(model, hw) if model and hw else None
     prof = profile_mod.load(s.recorded_baseline_path) if s.recorded_baseline_path else None
-    figures = KappaFigures(crit, be.exported_tokens if be else None, be.gqa_tokens if be else None,
-                           be.mha_tokens if be else None, model.source if model else None,
-                           hw.source if hw else None)
+    figures = KappaFigures(critical=crit, breakeven_tokens=be.exported_tokens if be else None,
+                           breakeven_tokens_gqa=be.gqa_tokens if be else None,
+                           breakeven_tokens_mha=be.mha_tokens if be else None,
+                           model_source=model.source if model else None, hardware_source=hw.source if hw else None)
     return OffloadSetup(model, hw, figures, prof)
 
 
 def _figure(kind: str, energy: economics.Estimate, tput: economics.Estimate | None,
             collapse_holds: bool = False) -> SavingFigure:
-    return SavingFigure(kind, energy.value, energy.stderr, energy.windows, energy.reference_windows, energy.note,
-                        tput.value if tput else None, tput.stderr if tput else None, tput is not None,
+    return SavingFigure(baseline=kind, energy_saving=energy.value, energy_saving_stderr=energy.stderr,
+                        windows=energy.windows, reference_windows=energy.reference_windows, note=energy.note,
+                        throughput_gain=tput.value if tput else None,
+                        throughput_gain_stderr=tput.stderr if tput else None, has_throughput=tput is not None,
                         collapse_holds=collapse_holds)
 
 
@@ -92,7 +95,8 @@ def savings(agg, on: Sequence[economics.WindowStat], on_total: Sequence[economic
 
 def _noted(est: economics.Estimate, how: str) -> economics.Estimate:
     note = est.note + how if est.value is not None else est.note
-    return economics.Estimate(est.value, est.stderr, est.windows, 0, est.kind, note)
+    return economics.Estimate(value=est.value, stderr=est.stderr, windows=est.windows, reference_windows=0,
+                              kind=est.kind, note=note)
 
 
 PRIMARY_TIER = "0:primary"  # vLLM tiering's CPU tier (TieringOffloadingSpec: kv_connector_extra_config.cpu_bytes_to_use)
@@ -132,9 +136,12 @@ def buffer(windows: Sequence[WindowFigures], failures: float | None, cfg: Config
     under = offload.undersized(short.offload_buffer_residency_seconds, write, failures, target)
     rec = offload.recommended_buffer(busiest.offload_write_bytes_per_second if busiest else None, target,
                                      cfg.buffer_headroom)
-    fig = BufferFigures(under, rec, offload.flag_gib(rec), failures, short.offload_buffer_residency_seconds,
-                        short.offload_write_bytes_per_second, cfg.p99_tool_latency_seconds, cfg.buffer_headroom,
-                        target, source, offload.flag_words(rec), size_setting=sized_by)
+    fig = BufferFigures(undersized=under, recommended_bytes=rec, recommended_gib=offload.flag_gib(rec),
+                        store_failures=failures, residency_seconds=short.offload_buffer_residency_seconds,
+                        write_bytes_per_second=short.offload_write_bytes_per_second,
+                        p99_tool_latency_seconds=cfg.p99_tool_latency_seconds, headroom=cfg.buffer_headroom,
+                        residency_target_seconds=target, residency_target_source=source,
+                        recommended_words=offload.flag_words(rec), size_setting=sized_by)
     return replace(fig, recommended_note=larger_note(fig, short, busiest, buffer_bytes))
 
 

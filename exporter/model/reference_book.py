@@ -19,7 +19,7 @@ import logging
 from typing import Any, Callable, Iterable, Mapping
 
 from exporter import atomic
-from exporter.energy.baseline import _number, entry_at
+from exporter.energy.baseline import bounded_number, entry_at
 from exporter.model.evidence_book import CLOCK_SLACK_SECONDS
 from exporter.model.pressure import ReferenceSample
 
@@ -78,5 +78,6 @@ def parse_file(data: Any, now_wall: float) -> tuple[dict[str, list[ReferenceSamp
 
 def parse_entry(entry: Any, now_wall: float) -> ReferenceSample:
     at = entry_at(entry, ("share", "p95", "at"), now_wall, CLOCK_SLACK_SECONDS)
-    return ReferenceSample(_number(entry["share"], "share", 0.0, 1.0), _number(entry["p95"], "p95", 0.0, 1.0),
+    return ReferenceSample(bounded_number(entry["share"], "share", 0.0, 1.0),
+                           bounded_number(entry["p95"], "p95", 0.0, 1.0),
                            -1.0, at, entry.get("residency_low") is True)

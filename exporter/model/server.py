@@ -53,10 +53,12 @@ class ServerModel:
                                             cfg.threshold_window_seconds), name=server.name)
         self.reference = pressure_model.LowPressureReference(server.reference_local_compute_share)
         self.pressure = pressure_model.ThresholdLearner(
-            cfg.threshold_window_seconds, max(int(cfg.threshold_history_seconds // cfg.threshold_window_seconds), 1),
-            cfg.threshold_min_windows, cfg.preemption_onset_per_minute, cfg.kv_pressure_threshold_ratio,
-            cfg.kv_pressure_threshold_source == "located", self.reference, server.name,
-            server.kv_cache_metrics_sample, cfg.p99_tool_latency_seconds)
+            width_seconds=cfg.threshold_window_seconds,
+            keep_windows=max(int(cfg.threshold_history_seconds // cfg.threshold_window_seconds), 1),
+            min_windows=cfg.threshold_min_windows, onset_per_minute=cfg.preemption_onset_per_minute,
+            configured_threshold=cfg.kv_pressure_threshold_ratio,
+            use_located=cfg.kv_pressure_threshold_source == "located", reference=self.reference, name=server.name,
+            sample_share=server.kv_cache_metrics_sample, p99_tool_latency_seconds=cfg.p99_tool_latency_seconds)
         self._p95: dict[float, pressure_model.P95] = {}  # per window length, as of the last learn()
         self._per_minute: dict[float, float | None] = {}  # per window length: preemptions/min, as of learn()
         self._predicted: dict[float, bool | None] = {}  # per window length: the threshold's prediction (hysteresis)
@@ -72,7 +74,8 @@ class ServerModel:
         a, b = (m.engine_write_bytes_per_token, m.engine_write_bytes_per_logits_token) if m else (None, None)
         self.writes = WriteModelLearner(server.name, self.repeat_seconds, cfg.phase_history_seconds,
                                         (a, a + b) if a and b is not None else None)
-        self.status = SourceStatus("vllm", server.name, False, "not_read_yet", 0.0, "down")
+        self.status = SourceStatus(source="vllm", server=server.name, up=False, reason="not_read_yet",
+                                   duration_seconds=0.0, state="down")
         self.info: EngineInfo | None = None
         self.engine, self.capabilities = engine_name(None), frozenset()
         self.engines = 1  # data-parallel engines of the last read
@@ -81,8 +84,10 @@ class ServerModel:
         self.collapse: collapse.CollapseResult | None = None
         self._stale_witnesses: frozenset[str] = frozenset()  # progress counters last seen stale (logged on change)
         self._repeat: dict[bool, RepeatWindows] = {}  # marginal or total J/token: the repeat windows' stats
-        self.phase = PhaseLearner(server.name, self.repeat_seconds, cfg.phase_history_seconds,
-                                  cfg.phase_min_windows, cfg.phase_max_condition, cfg.load_to_compute_cost_ratio)
+        self.phase = PhaseLearner(name=server.name, width=self.repeat_seconds,
+                                  history_seconds=cfg.phase_history_seconds, min_windows=cfg.phase_min_windows,
+                                  max_condition=cfg.phase_max_condition,
+                                  load_to_compute_cost_ratio=cfg.load_to_compute_cost_ratio)
 
     @property
     def name(self) -> str:
@@ -352,7 +357,7 @@ class ServerModel:
 
     def figures(self, now: float, peers: Mapping[str, "ServerModel"], prices: Prices | None = None) -> ServerFigures:
         """The server's figures of this tick, each built once: every window (costs included), then the server's
-        figures, then the advice read from them (attached, not rebuilt: advice_model.attach)."""
+        figures, then the advice read from them (set while they are built: advice_model.advisor)."""
         windows = tuple(self.window(now, s, peers, prices) for s in self.cfg.windows_seconds)
         enabled = self.info.offload_enabled if self.info else None
         buf = None
@@ -361,7 +366,7 @@ class ServerModel:
             buf = offload_figures.buffer(windows, offload.store_failures(self.history.aggregate(short)), self.cfg,
                                          self.info.offload_buffer_bytes,
                                          sized_by=offload_figures.buffer_setting(self.info, self.server))
-        fig = ServerFigures(
+        return ServerFigures(
             name=self.name, url=redacted_url(self.server.url), status=self.status, info=self.info,
             engine=self.engine, capabilities=self.capabilities,
             threshold=self.cfg.kv_pressure_threshold_ratio, reference_share=self.reference.value,
@@ -372,8 +377,7 @@ class ServerModel:
             threshold_source=self.pressure.source, evidence_windows=len(self.pressure.points),
             reference_windows=self.reference.windows, reference_spread=self.reference.spread,
             phase_costs=self.phase.figures(), engines=self.engines, gpu_ids=self.server.gpus,
-            **self._judgements(windows))
-        return advice_model.attach(fig, self.cfg)  # "what do I do?", from the figures just derived
+            **self._judgements(windows), advise=advice_model.advisor(self.cfg))  # "what do I do?", read from them
 
     def unknown_figures(self, why: str) -> ServerFigures:
         """The server's figures when learning or deriving them failed (exporter.model.Model): every figure

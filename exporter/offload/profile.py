@@ -113,11 +113,11 @@ def from_json(data: Any, where: str) -> Profile:
         n = b.get("windows")
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ConfigError(f"{w}.windows: expected a count, got {n!r}")
-        vals = [_num(b, k, w, optional=True) for k in ("joules_per_token", "joules_per_token_stderr",
-                                                         "tokens_per_second", "tokens_per_second_stderr")]
-        if n > 0 and vals[2] is None:
+        vals = {k: _num(b, k, w, optional=True) for k in ("joules_per_token", "joules_per_token_stderr",
+                                                          "tokens_per_second", "tokens_per_second_stderr")}
+        if n > 0 and vals["tokens_per_second"] is None:
             raise ConfigError(f"{w}: {n} windows but no tokens_per_second")
-        bands.append(BandProfile(lo, hi, n, *vals))
+        bands.append(BandProfile(lo=lo, hi=hi, windows=n, **vals))
         prev_hi = hi
     return Profile(server=str(data.get("server", "")), model_name=str(data.get("model_name", "")),
                    offload_enabled=data.get("offload_enabled"), recorded_at=str(data.get("recorded_at", "")),

@@ -345,9 +345,6 @@ class BasicAuth:
     def _cache_key(self, user: str, password: str) -> bytes:
         return hmac.new(self._key, f"{user}\0{password}".encode(), hashlib.sha256).digest()
 
-    def admitted(self) -> int:
-        return sum(self._admitted.values())
-
     def _next_seq(self) -> int:
         self._seq += 1
         return self._seq

@@ -108,7 +108,8 @@ def merge(base: EngineReading, addon: EngineReading) -> EngineReading:
     rejected = {**addon.rejected, **base.rejected}
     info = _merge_info(base.info, addon.info)
     caps = base.capabilities | addon.capabilities | capabilities_of(counters, gauges, info)
-    return EngineReading(counters, gauges, info, frozenset(caps), f"{base.engine}+{addon.engine}", ranks, rejected,
+    return EngineReading(counters=counters, gauges=gauges, info=info, capabilities=frozenset(caps),
+                         engine=f"{base.engine}+{addon.engine}", engine_counters=ranks, rejected=rejected,
                          spellings=dict(base.spellings))
 
 

@@ -159,12 +159,14 @@ class EngineSource:
     def status(self, problems: list[str], seconds: float) -> SourceStatus:
         """The status of a read that produced a reading: ok, or degraded with the problems as the reason."""
         if problems:
-            return SourceStatus("vllm", self.name, True, _bounded("; ".join(problems)), seconds, "degraded")
-        return SourceStatus("vllm", self.name, True, "", seconds, "ok")
+            return SourceStatus(source="vllm", server=self.name, up=True, reason=_bounded("; ".join(problems)),
+                                duration_seconds=seconds, state="degraded")
+        return SourceStatus(source="vllm", server=self.name, up=True, reason="", duration_seconds=seconds, state="ok")
 
     def down(self, error: SourceError, seconds: float) -> SourceStatus:
         """Down, the reason's word first (the label), then its detail (for the log and /api/status)."""
-        return SourceStatus("vllm", self.name, False, _bounded(str(error)), seconds, "down")
+        return SourceStatus(source="vllm", server=self.name, up=False, reason=_bounded(str(error)),
+                            duration_seconds=seconds, state="down")
 
     async def read(self, session: aiohttp.ClientSession) -> tuple[SourceStatus, EngineReading | None]:
         start = time.perf_counter()

@@ -241,7 +241,8 @@ class SpecAdapter:
         caps = capabilities_of(parts.counters, seen, info)
         if "offload_buffer_bytes" in parts.rejected:
             caps |= {OFFLOAD_BUFFER}
-        return EngineReading(parts.counters, parts.gauges, info, caps, self.name, parts.by_rank, parts.rejected)
+        return EngineReading(counters=parts.counters, gauges=parts.gauges, info=info, capabilities=caps,
+                             engine=self.name, engine_counters=parts.by_rank, rejected=parts.rejected)
 
     def facts(self, parts: Parts, process_start: float | None) -> EngineInfo:
         """The slow-changing facts; may also complete ``parts`` (derived counters, dropped gauges)."""

@@ -49,7 +49,7 @@ def _unescape(v: str) -> str:
     return _ESC_RE.sub(lambda m: _ESCAPES[m.group(0)], v) if "\\" in v else v
 
 
-def _parse_labels(text: str) -> Labels | None:
+def parse_labels(text: str) -> Labels | None:
     pos, out = 0, []
     while pos < len(text):
         m = _LABEL_RE.match(text, pos)
@@ -88,14 +88,14 @@ def parse(text: str, prefix: str = "vllm:", skip_suffixes: tuple[str, ...] = ("_
     for line in text.split("\n"):
         if not line.startswith(prefix):
             continue
-        parts = _split(line)
+        parts = split_sample_line(line)
         if parts is not None and parts[0].endswith(skip_suffixes) and parts[0] not in keep:
             continue
         _store(exp, parts, parts is not None and " " not in parts[0] and "\t" not in parts[0])
     return exp
 
 
-def _split(line: str) -> tuple[str, tuple | None, float | None] | None:
+def split_sample_line(line: str) -> tuple[str, tuple | None, float | None] | None:
     """(name, labels, value) of one sample line (labels or value None when malformed), or None when a
     closing brace comes before the opening one.
 
@@ -107,7 +107,7 @@ def _split(line: str) -> tuple[str, tuple | None, float | None] | None:
         close = line.rfind("}")
         if close < brace:
             return None
-        name, labels, rest = line[:brace].rstrip(" \t"), _parse_labels(line[brace + 1:close]), line[close + 1:]
+        name, labels, rest = line[:brace].rstrip(" \t"), parse_labels(line[brace + 1:close]), line[close + 1:]
     else:
         end = line.find(" ")
         tab = line.find("\t", 0, end if end >= 0 else len(line))  # one C scan, bounded by the first space
@@ -134,7 +134,7 @@ def _store(exp: Exposition, parts, name_ok: bool) -> None:
 def _accept(exp: Exposition, names: frozenset[str], line: str) -> None:
     """One line of a named family into ``exp``, with ``parse``'s rules; a line it rejects is an error
     (e.g. "name 1 {..}": a space before the brace makes the name not one of ``names``)."""
-    parts = _split(line)
+    parts = split_sample_line(line)
     _store(exp, parts, parts is not None and parts[0] in names)
 
 

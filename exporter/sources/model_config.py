@@ -133,9 +133,9 @@ def model_params(model_config_path: str | None, model: Mapping[str, float]) -> M
     reshaped = any(k in model for k in ("layers", "kv_heads", "head_dim", "dtype_bytes", "hidden_size"))
     writes = (None, None) if base is None or reshaped else (base.engine_write_bytes_per_token,
                                                             base.engine_write_bytes_per_logits_token)
-    return ModelParams(int(vals["layers"]), int(vals["kv_heads"]), int(vals["head_dim"]),
-                       float(vals["dtype_bytes"]), vals["active_parameters"],
-                       int(vals["hidden_size"]) if vals["hidden_size"] else None,
-                       int(width) if width else None,
+    return ModelParams(layers=int(vals["layers"]), kv_heads=int(vals["kv_heads"]), head_dim=int(vals["head_dim"]),
+                       dtype_bytes=float(vals["dtype_bytes"]), active_parameters=vals["active_parameters"],
+                       hidden_size=int(vals["hidden_size"]) if vals["hidden_size"] else None,
+                       attention_width=int(width) if width else None,
                        source=" + ".join(x for x in (model_config_path, "configured" if model else None) if x),
                        engine_write_bytes_per_token=writes[0], engine_write_bytes_per_logits_token=writes[1])

@@ -241,7 +241,8 @@ class NvmlSource:
     def _read(self, t: float, deadline_seconds: float | None) -> tuple[SourceStatus, list[DeviceReading]]:
         started = time.perf_counter()
         if not self._try_init(t):
-            return SourceStatus("nvml", "", False, self._unavailable, time.perf_counter() - started, "down"), []
+            return SourceStatus(source="nvml", server="", up=False, reason=self._unavailable,
+                                duration_seconds=time.perf_counter() - started, state="down"), []
         if self._scan_at is None or t - self._scan_at >= RESCAN_SECONDS:
             self._scan(t)
         gpus = list(self._gpus.values())
@@ -344,9 +345,11 @@ class NvmlSource:
         if joules is None:
             failure = (gpu.integrator.failure if gpu.integrator else "") or "no recent power sample"
             return self._no_sample(gpu), f"error: {gpu.describe()}: {failure}"
-        return DeviceReading(gpu.device, "gpu", dict(gpu.labels), gpu.total_joules, continuous,
-                             None if got.milliwatts is None else got.milliwatts / 1000.0, gpu.method,
-                             None if got.temperature is None else float(got.temperature), read_at,
+        return DeviceReading(device=gpu.device, kind="gpu", labels=dict(gpu.labels), joules_total=gpu.total_joules,
+                             continuous=continuous,
+                             power_watts=None if got.milliwatts is None else got.milliwatts / 1000.0, method=gpu.method,
+                             temperature_celsius=None if got.temperature is None else float(got.temperature),
+                             read_at=read_at,
                              power_limit_watts=None if not got.limit_milliwatts else got.limit_milliwatts / 1000.0), ""
 
     def _missed(self, gpu: _Gpu, future: Future, t: float, deadline: float | None) -> tuple[DeviceReading, str]:
@@ -407,7 +410,8 @@ class NvmlSource:
 
     def _no_sample(self, gpu: _Gpu) -> DeviceReading:
         # rule 3: no sample, never a 0 J delta; the total stays frozen for when the GPU returns
-        return DeviceReading(gpu.device, "gpu", dict(gpu.labels), None, False, None, gpu.method)
+        return DeviceReading(device=gpu.device, kind="gpu", labels=dict(gpu.labels), joules_total=None,
+                             continuous=False, power_watts=None, method=gpu.method)
 
 
 @dataclass
@@ -503,9 +507,11 @@ def _unavailable_reason(e: Exception) -> str:
 
 def _status(readings: list[DeviceReading], failures: list[str], seconds: float) -> SourceStatus:
     if not readings:
-        return SourceStatus("nvml", "", False, "absent: NVML reports no GPU", seconds, "down")
+        return SourceStatus(source="nvml", server="", up=False, reason="absent: NVML reports no GPU",
+                            duration_seconds=seconds, state="down")
     ok = sum(r.joules_total is not None for r in readings)
     reason = "; ".join(failures)
     if ok == 0:
-        return SourceStatus("nvml", "", False, reason, seconds, "down")
-    return SourceStatus("nvml", "", True, reason, seconds, "degraded" if failures else "ok")
+        return SourceStatus(source="nvml", server="", up=False, reason=reason, duration_seconds=seconds, state="down")
+    return SourceStatus(source="nvml", server="", up=True, reason=reason, duration_seconds=seconds,
+                        state="degraded" if failures else "ok")

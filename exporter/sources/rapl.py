@@ -232,7 +232,8 @@ class RaplSource:
             read_at = self.clock()
         except _Unreadable as e:
             z.broken = True  # the next good read re-bases (rule 3: no sample, not 0 J)
-            return DeviceReading(z.device, "host", labels, None, continuous=False, method="rapl"), e
+            return DeviceReading(device=z.device, kind="host", labels=labels, joules_total=None, continuous=False,
+                                 method="rapl"), e
         continuous = not z.broken
         if z.prev_uj is not None:
             step = step_joules(z.prev_uj, cur, z.max_range_uj, t - z.prev_t, self.max_plausible_watts)
@@ -245,15 +246,18 @@ class RaplSource:
         else:
             continuous = False
         z.prev_uj, z.prev_t, z.broken = cur, t, False
-        return DeviceReading(z.device, "host", labels, z.total_joules, continuous=continuous,
-                             method="rapl", read_at=read_at), None
+        return DeviceReading(device=z.device, kind="host", labels=labels, joules_total=z.total_joules,
+                             continuous=continuous, method="rapl", read_at=read_at), None
 
     def _status(self, readings: list[DeviceReading], reason: str, seconds: float) -> SourceStatus:
         ok = sum(r.joules_total is not None for r in readings)
         if not readings:
-            return SourceStatus("rapl", "", False, self._scan_reason, seconds, "down")
+            return SourceStatus(source="rapl", server="", up=False, reason=self._scan_reason, duration_seconds=seconds,
+                                state="down")
         if ok == 0:
-            return SourceStatus("rapl", "", False, reason, seconds, "down")
+            return SourceStatus(source="rapl", server="", up=False, reason=reason, duration_seconds=seconds,
+                                state="down")
         if reason:
-            return SourceStatus("rapl", "", True, reason, seconds, "degraded")
-        return SourceStatus("rapl", "", True, "", seconds, "ok")
+            return SourceStatus(source="rapl", server="", up=True, reason=reason, duration_seconds=seconds,
+                                state="degraded")
+        return SourceStatus(source="rapl", server="", up=True, reason="", duration_seconds=seconds, state="ok")

@@ -58,7 +58,7 @@ def value_from_exposition(text: str, series: str) -> float:
     text exposition; SourceError otherwise. Only that name's lines are parsed: the text is searched for them
     (a price next to a large exposition costs a scan of it, not a parse)."""
     name, _, selector = series.partition("{")
-    wanted = set(expfmt._parse_labels(selector.rstrip("}")) or ()) if selector else set()
+    wanted = set(expfmt.parse_labels(selector.rstrip("}")) or ()) if selector else set()
     # each wanted label's value as written (quoted), when it can only be written one way: a line without it
     # cannot match and is not parsed (the label name may have blanks around its "=": not part of the test)
     needles = [f'"{v}"' for _, v in wanted if "\\" not in v and '"' not in v and "\n" not in v]
@@ -66,7 +66,7 @@ def value_from_exposition(text: str, series: str) -> float:
     for line in _lines_of(text, name):
         if line[len(name):len(name) + 1] not in ("{", " ", "\t") or not all(n in line for n in needles):
             continue  # another name sharing the prefix (name_total), or not the labels asked for
-        parts = expfmt._split(line)
+        parts = expfmt.split_sample_line(line)
         if parts is None or parts[0] != name or parts[1] is None or parts[2] is None:
             continue  # another name sharing the prefix, or a malformed line
         if wanted <= set(parts[1]):
@@ -125,7 +125,8 @@ class PriceSource:
         return _checked(value, PRICE_MAXIMA.get(self.quantity, math.inf))
 
     def status(self, up: bool, reason: str, seconds: float | None, state: str | None = None) -> SourceStatus:
-        return SourceStatus(self.quantity, "", up, reason, seconds, state or ("ok" if up else "down"))
+        return SourceStatus(source=self.quantity, server="", up=up, reason=reason, duration_seconds=seconds,
+                            state=state or ("ok" if up else "down"))
 
 
 def _credentials(url: str):

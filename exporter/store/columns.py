@@ -107,7 +107,8 @@ class IntervalColumns:
         """Row ``i`` without its counter deltas (a step found to count another process's counters,
         store/identity.py); returns the row as it is now."""
         iv = self.interval(i)
-        voided = Interval(iv.t0, iv.t1, {}, iv.gauges, iv.energy_joules, iv.idle_joules)
+        voided = Interval(t0=iv.t0, t1=iv.t1, deltas={}, gauges=iv.gauges, energy_joules=iv.energy_joules,
+                          idle_joules=iv.idle_joules)
         c, j = divmod(i - self._base, CHUNK)
         for chunks in self._cols[0].values():
             chunks[c][j] = NAN
@@ -136,7 +137,7 @@ class IntervalColumns:
             return odd
         c, j = divmod(i - self._base, CHUNK)
         d, g, e, idle = ({k: v for k, chunks in cols.items() if (v := chunks[c][j]) == v} for cols in self._cols)
-        return Interval(self._t0[c][j], self._t1[c][j], d, g, e, idle)
+        return Interval(t0=self._t0[c][j], t1=self._t1[c][j], deltas=d, gauges=g, energy_joules=e, idle_joules=idle)
 
     def first_index_from(self, t0: float) -> int:
         """The absolute index of the oldest row with t0 >= ``t0`` (rows are in time order)."""

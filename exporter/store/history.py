@@ -120,7 +120,8 @@ class ServerHistory:
             if not (self.identity.problem or churning):  # flapping, churning: their one line says it all
                 self._log_engine_changes(counters, restarted, reset)
             energy, idle = self.energy.take()
-            interval = Interval(self.last_t, t, deltas, dict(reading.gauges), energy, idle)
+            interval = Interval(t0=self.last_t, t1=t, deltas=deltas, gauges=dict(reading.gauges), energy_joules=energy,
+                                idle_joules=idle)
             self._append(interval)
         else:
             self.energy.take()

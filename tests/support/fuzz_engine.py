@@ -218,11 +218,13 @@ def run(seq: list[Step], tmp_path) -> Outcome:
             status = src.status(problems, 0.01)
         except SourceError as e:
             reading, status = None, src.down(e, 0.01)
-        gpu = DeviceReading("gpu:GPU-0", "gpu", {"gpu": "0", "uuid": "GPU-0"}, joules if step.energy else None,
-                            step.energy, step.watts, "counter", 40.0, read_at=t if step.energy else None,
-                            power_limit_watts=POWER_LIMIT_WATTS)
+        gpu = DeviceReading(device="gpu:GPU-0", kind="gpu", labels={"gpu": "0", "uuid": "GPU-0"},
+                            joules_total=joules if step.energy else None, continuous=step.energy,
+                            power_watts=step.watts, method="counter", temperature_celsius=40.0,
+                            read_at=t if step.energy else None, power_limit_watts=POWER_LIMIT_WATTS)
         model.ingest(Tick(t, {"s": ServerRead("s", status, reading)},
-                          (SourceStatus("nvml", "", True, "", 0.003, "ok"),), (gpu,)))
+                          (SourceStatus(source="nvml", server="", up=True, reason="", duration_seconds=0.003,
+                                        state="ok"),), (gpu,)))
         raw = model.snapshot()
         out.served += [f"tick {i}: {v}" for v in isolation_broken(raw, t, FAILURES.get(ev))]
         snap = check.apply(raw)

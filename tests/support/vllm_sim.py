@@ -699,7 +699,7 @@ def simulate_intervals(scenario: Scenario, seconds: float, step: float = 1.0, ve
                 gauges["waiting_capacity"] = float(eng.waiting) - gauges["waiting_deferred"]
             e = {"gpu": energy - penergy} if with_gpu_energy else {}
             idle = {"gpu": scenario.gpu_idle_watts * (t - t0)} if (with_gpu_energy and with_idle) else {}
-            out.append(Interval(t0, t, deltas, gauges, e, idle))
+            out.append(Interval(t0=t0, t1=t, deltas=deltas, gauges=gauges, energy_joules=e, idle_joules=idle))
         prev = (t, tot, energy, eng.restarts)
     return out
 

@@ -14,7 +14,6 @@ from exporter.derive import pressure, recompute, residency
 from exporter.derive.pressure import plausible_preemptions
 from exporter.derive.threshold import (
     LOW_PRESSURE_MAX,
-    Evidence,
     LocatedThreshold,
     PressurePoint,
     classify,
@@ -34,6 +33,7 @@ from exporter.model.pressure.regime_signs import (
     quiet,
     residency_sign,
 )
+from exporter.results import Evidence
 from exporter.store import WindowAggregate
 
 log = logging.getLogger("kvwatt.pressure")
@@ -54,7 +54,7 @@ class ThresholdLearner:
     """The evidence windows of one server in its current epoch, its located threshold (with why it is or is
     not located), and the reference share learned alongside."""
 
-    def __init__(self, width_seconds: float, keep_windows: int, min_windows: int, onset_per_minute: float,
+    def __init__(self, *, width_seconds: float, keep_windows: int, min_windows: int, onset_per_minute: float,
                  configured_threshold: float, use_located: bool, reference: LowPressureReference,
                  name: str = "", sample_share: float = residency.DEFAULT_SAMPLE_SHARE,
                  p99_tool_latency_seconds: float = rules.P99_TOOL_LATENCY.default) -> None:
@@ -207,10 +207,12 @@ class ThresholdLearner:
     def _count_evidence(self) -> Evidence:
         kinds = [classify(p, self.onset) for p in self.points]
         walls = [p.wall for p in self.points if p.wall is not None]
-        return Evidence(len(self.points), kinds.count(False), kinds.count(True), kinds.count(None), self.rejected,
-                        (max(walls) - min(walls)) if walls else 0.0, min(walls, default=None),
-                        max(walls, default=None), sum(1 for p in self.points if self._low_pressure(p)),
-                        self.quiet_streak)
+        return Evidence(windows=len(self.points), clean=kinds.count(False), pressured=kinds.count(True),
+                        unknown=kinds.count(None), rejected=self.rejected,
+                        span_seconds=(max(walls) - min(walls)) if walls else 0.0, oldest_wall=min(walls, default=None),
+                        newest_wall=max(walls, default=None),
+                        low_pressure=sum(1 for p in self.points if self._low_pressure(p)),
+                        quiet_streak=self.quiet_streak)
 
     def _count_quiet_streak(self) -> int:
         """The newest evidence windows that were all clean (positive signs of low pressure), counted back from

@@ -124,7 +124,7 @@ def condition_tiers(runs: list[dict]) -> dict:
             k.removeprefix("tier_"))) for k in TIER_COUNTERS}
         if totals["chunk_queries"] and totals["chunk_hits"] is None:
             totals["chunk_hits"] = 0.0   # vLLM creates a tier's hits series at its first hit
-        totals["hit_ratio"] = offload._hit_ratio(totals["chunk_hits"], totals["chunk_queries"])
+        totals["hit_ratio"] = offload.chunk_hit_ratio(totals["chunk_hits"], totals["chunk_queries"])
         # the blocks the back-pressure detector kept from the tier, of those bound for it (written + dropped)
         written_blocks = None if totals["write_bytes"] is None or not block_bytes else totals["write_bytes"] / block_bytes
         bound = (written_blocks or 0.0) + (totals["dropped_blocks"] or 0.0)
