@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Sequence
+from typing import Protocol, Sequence
 
 from exporter import rules
 from exporter.derive import compare
@@ -97,7 +97,17 @@ def preempting(p: PressurePoint, onset_per_minute: float = ONSET_PER_MINUTE) -> 
     return p.preemptions_per_minute is not None and p.preemptions_per_minute >= onset_per_minute
 
 
-def taxed(p: PressurePoint, z: float = TAX_Z, min_tax: float = MIN_TAX,
+class Taxed(Protocol):
+    """What ``taxed`` reads: a point's, or a window's evidence's, tax and its noise (derive/pressure_evidence.py)."""
+
+    @property
+    def tax(self) -> float | None: ...
+
+    @property
+    def tax_se(self) -> float | None: ...
+
+
+def taxed(p: Taxed, z: float = TAX_Z, min_tax: float = MIN_TAX,
           min_tax_unknown_se: float = MIN_TAX_UNKNOWN_SE) -> bool:
     """The tax is above noise: > z * SE and > min_tax (without an SE: > min_tax_unknown_se)."""
     return p.tax is not None and p.tax > noise_bar(p.tax_se, z, min_tax, min_tax_unknown_se)

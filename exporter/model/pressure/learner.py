@@ -10,8 +10,9 @@ from dataclasses import replace
 from typing import Iterable
 
 from exporter import rules
-from exporter.derive import pressure, recompute, residency
+from exporter.derive import residency
 from exporter.derive.pressure import plausible_preemptions
+from exporter.derive.pressure_evidence import WindowEvidence, window_evidence
 from exporter.derive.threshold import (
     LOW_PRESSURE_MAX,
     Evidence,
@@ -26,11 +27,9 @@ from exporter.model.pressure.reference import LowPressureReference
 from exporter.model.pressure.regime_signs import (
     MAX_EVIDENCE_WEIGHT,
     MAX_EVIDENCE_WINDOWS,
-    MIN_PROMPT_TOKENS,
     SUSTAINED_PREEMPTIONS,
     ResidencySign,
     disagreement,
-    p95_of,
     quiet,
     residency_sign,
 )
@@ -167,26 +166,19 @@ class ThresholdLearner:
         if agg.covered_seconds < rules.SUSTAINED_MIN_COVERED.default * self.width:  # not evidence
             return False
         sign = self.residency = self.residency_of(agg)
-        p = p95_of(agg)
-        preemptions = agg.delta("preemptions")
-        if preemptions and preemptions > plausible_preemptions(agg):
+        ev = window_evidence(agg, window_seconds=self.width, reference_share=self.reference.value,
+                             reference_spread=self.reference.spread, residency=sign)
+        if not ev.preemptions_plausible:
             self.rejected += 1
             log.warning("%s: %g preemptions in one %gs window is implausible (at most %g); not evidence",
-                        self.name, preemptions, self.width, plausible_preemptions(agg))
+                        self.name, ev.preemptions, self.width, plausible_preemptions(agg))
             return False
-        per_minute = pressure.preemptions_per_minute(agg)  # plausible: checked above
-        shares = recompute.judged_shares(agg, MIN_PROMPT_TOKENS)
-        if p.value is None or (shares is None and not per_minute):
+        if ev.p95.value is None or (ev.local_compute_share is None and not ev.preemptions_per_minute):
             return False  # a window that served (almost) nothing shows no pressure either way
-        capacity = pressure.waiting_for_capacity(agg)
-        point = PressurePoint(p.value, per_minute,
-                              recompute.window_tax(shares, self.reference.value), self.reference.spread,
-                              1.0, p.low, p.high, t1, wall, agg.gauge_max("kv_usage"), sign.kind,
-                              None if capacity is None else capacity.share)
-        point = _weighted(point, preemptions)
+        point = _weighted(_point(ev, t1, wall), ev.preemptions)
         self.disagreement = disagreement(sign, point.preemptions_per_minute, taxed(point), point.tax is not None)
         self.points.append(point)
-        self.reference.offer(point, shares["local_compute"] if shares else None, quiet(agg, p, sign.kind), t1, wall)
+        self.reference.offer(point, ev.local_compute_share, quiet(agg, ev.p95, sign.kind), t1, wall)
         return True
 
     def residency_of(self, agg: WindowAggregate) -> ResidencySign:
@@ -251,6 +243,15 @@ class ThresholdLearner:
         if self.disagreement:
             reason += f"; {self.disagreement}"
         return state, reason
+
+
+def _point(ev: WindowEvidence, t1: float, wall: float | None) -> PressurePoint:
+    """The evidence window as a point to locate the threshold from: its evidence, when it ended."""
+    capacity = None if ev.capacity is None else ev.capacity.share
+    return PressurePoint(kv_p95=ev.p95.value, preemptions_per_minute=ev.preemptions_per_minute, tax=ev.tax,
+                         tax_se=ev.tax_se, kv_p95_low=ev.p95.low, kv_p95_high=ev.p95.high, t=t1, wall=wall,
+                         kv_max=ev.kv_max, residency=None if ev.residency is None else ev.residency.kind,
+                         capacity_share=capacity)
 
 
 def _weighted(point: PressurePoint, preemptions: float | None) -> PressurePoint:

@@ -1,0 +1,94 @@
+"""One window's KV-pressure evidence (methods.md s10, "The regime: evidence both ways"): the one type every reader
+of a window's pressure takes it from (the regime, the threshold learner, the lab's run figures), and the one pure
+function that builds it from a window's aggregate, so every reader applies the same rules (the preemption
+counter's glitch guard, derive/pressure.py ``plausible_preemptions``; the prompt-token guard MIN_PROMPT_TOKENS).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from exporter import rules
+from exporter.derive import pressure, recompute, residency
+from exporter.derive.threshold import quantile_bounds
+from exporter.store import WindowAggregate
+
+MIN_PROMPT_TOKENS = 100.0   # fewer prompt tokens in a window: its share is not worth a point or a sample
+
+
+@dataclass(frozen=True)
+class P95:
+    """A window's KV p95 with its order-statistic interval (derive.threshold.quantile_bounds)."""
+
+    value: float | None
+    low: float | None
+    high: float | None
+
+
+def p95_of(agg: WindowAggregate) -> P95:
+    s = agg.sorted_gauge("kv_usage")
+    bounds = quantile_bounds(s, 0.95)
+    if bounds is None:
+        return P95(None, None, None)
+    return P95(pressure.kv_usage_quantile(agg, 0.95), bounds[0], bounds[1])
+
+
+@dataclass(frozen=True)
+class ResidencySign:
+    """A window's KV-block residency evidence (derive/residency.py, methods.md s11) and whether the engine
+    exports the histograms at all (without them the evidence is unknown for want of ``--kv-cache-metrics``)."""
+
+    kind: str | None  # "pressure" | "low_pressure" | None
+    reason: str
+    histograms: bool
+
+
+def residency_sign(agg: WindowAggregate, block_size: float | None, sample_share: float,
+                   p99_tool_latency_seconds: float) -> ResidencySign:
+    r = residency.window_residency(agg, block_size, sample_share, p99_tool_latency_seconds)
+    ev = residency.residency_evidence(r)
+    return ResidencySign(ev.kind, ev.reason, r.sampled_evictions is not None)
+
+
+@dataclass(frozen=True, kw_only=True)
+class WindowEvidence:
+    """What one window shows about KV pressure (methods.md s10): built only by ``window_evidence``."""
+
+    p95: P95
+    covered_ratio: float                    # covered seconds / the window's length
+    preemptions: float | None               # the counter's increase as read (None: not counted)
+    preemptions_plausible: bool             # False: the increase is a counter glitch (plausible_preemptions)
+    preemptions_per_minute: float | None    # None: not counted, or an implausible counter
+    onset: bool | None                      # sustained preemptions over a window covered enough (methods.md s3)
+    capacity: pressure.CapacityWait | None  # requests waiting for KV capacity; None: gauge not exported
+    waiting_median: float | None            # requests waiting for any reason (without the capacity gauge)
+    kv_max: float | None
+    local_compute_share: float | None       # share of prompt tokens computed (None: < MIN_PROMPT_TOKENS served)
+    tax: float | None                       # against the reference in force (None: no reference)
+    tax_se: float | None                    # the reference's spread: the tax's noise
+    tax_state: str                          # the reference's state: the tax rests on it
+    residency: ResidencySign | None         # the engine's own eviction record (None: not read)
+
+
+def window_evidence(agg: WindowAggregate, *, window_seconds: float, reference_share: float | None = None,
+                    reference_spread: float | None = None, tax_state: str = "unknown",
+                    residency: ResidencySign | None = None,
+                    onset_per_minute: float = rules.PREEMPTION_ONSET_PER_MINUTE.default) -> WindowEvidence:
+    """A window's pressure evidence over ``window_seconds``: its KV p95 with the interval, its preemptions per
+    minute (None where the counter's increase is implausible), onset, requests waiting (for KV capacity where the
+    engine tells), KV max, its computed prompt share and the tax against the reference in force (the reference's
+    spread its noise, its state what the tax rests on), and the residency sign read by the caller."""
+    preemptions = agg.delta("preemptions")
+    per_minute = pressure.preemptions_per_minute(agg)
+    shares = recompute.judged_shares(agg, MIN_PROMPT_TOKENS)
+    covered = agg.covered_seconds
+    return WindowEvidence(
+        p95=p95_of(agg), covered_ratio=covered / window_seconds if window_seconds > 0 else 0.0,
+        preemptions=preemptions,
+        preemptions_plausible=not (preemptions and preemptions > pressure.plausible_preemptions(agg)),
+        preemptions_per_minute=per_minute,
+        onset=pressure.preemption_onset(per_minute, covered, window_seconds, onset_per_minute),
+        capacity=pressure.waiting_for_capacity(agg), waiting_median=agg.quantile("waiting", 0.5),
+        kv_max=agg.gauge_max("kv_usage"), local_compute_share=shares["local_compute"] if shares else None,
+        tax=recompute.window_tax(shares, reference_share), tax_se=reference_spread, tax_state=tax_state,
+        residency=residency)
