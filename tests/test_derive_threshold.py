@@ -11,7 +11,8 @@ from exporter.derive.threshold import LocatedThreshold, PressurePoint, classify,
 def pt(p95, pre=0.0, tax=0.0, se=None, weight=1.0, low=None, high=None, **kw):
     """A point; by default a clean one: preemptions counted and zero, a known tax of 0 (a clean point needs
     positive signs of low pressure, methods.md s10)."""
-    return PressurePoint(p95, pre, tax, se, weight, low, high, **kw)
+    return PressurePoint(kv_p95=p95, preemptions_per_minute=pre, tax=tax, tax_se=se, weight=weight, kv_p95_low=low,
+                         kv_p95_high=high, **kw)
 
 
 def test_classify_needs_preemptions_or_a_tax_above_its_noise():

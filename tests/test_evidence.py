@@ -33,7 +33,7 @@ class InfoEngine(Engine):
 
 def pt(p95, pre=0.0, tax=0.0, se=None, weight=1.0):
     """A point, clean by default: preemptions counted and zero, a known tax of 0 (positive signs, methods.md s10)."""
-    return PressurePoint(p95, pre, tax, se, weight)
+    return PressurePoint(kv_p95=p95, preemptions_per_minute=pre, tax=tax, tax_se=se, weight=weight)
 
 
 def book(tmp_path) -> ReferenceBook:

@@ -19,8 +19,8 @@ def test_evidence_follows_every_change_of_what_it_counts():
     assert pl.evidence() == fresh(pl)
     seen = set()
     for k in range(40):  # past the 12 kept: the oldest leave as new ones come
-        clean = PressurePoint(0.3, 0.0, 0.0, None, 1.0, wall=1000.0 + k)
-        pressured = PressurePoint(0.3, 3.0, 0.2, None, 1.0, wall=1000.0 + k)
+        clean = PressurePoint(kv_p95=0.3, preemptions_per_minute=0.0, tax=0.0, tax_se=None, wall=1000.0 + k)
+        pressured = PressurePoint(kv_p95=0.3, preemptions_per_minute=3.0, tax=0.2, tax_se=None, wall=1000.0 + k)
         pl.points.append(clean if rng.random() < 0.6 else pressured)  # equal values, other objects: still counted
         assert pl.evidence() == fresh(pl)
         ev = pl.evidence()

@@ -38,9 +38,11 @@ KNOWN_MISPLACED = 0.2      # ... and at most this share of its evidence weight l
 LOW_PRESSURE_MAX = 0.80    # a window whose KV max stayed under this came nowhere near preempting (methods.md s10)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class PressurePoint:
-    """One live window, or one experiment run/condition."""
+    """A point the threshold is located from: a live evidence window as the learner holds it (its
+    ``WindowEvidence``, derive/pressure_evidence.py, weighted and timed; persisted in evidence.json), or one
+    experiment condition (the lab's analysis)."""
 
     kv_p95: float                          # ratio 0..1
     preemptions_per_minute: float | None

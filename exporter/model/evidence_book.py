@@ -131,9 +131,10 @@ def parse_entry(entry: Any, now_wall: float) -> PressurePoint:
     kind = entry.get("residency")  # absent in files written before the residency evidence: unknown
     if kind not in RESIDENCY_KINDS:
         raise ValueError(f"residency {kind!r} is not one of {', '.join(k for k in RESIDENCY_KINDS if k)}")
-    return PressurePoint(_number(entry["p95"], "p95", 0.0, 1.0),
-                         _optional(entry, "preemptions_per_minute", 0.0, 1e9),
-                         _optional(entry, "tax", -1.0, 1.0), _optional(entry, "tax_se", 0.0, 1.0),
-                         _number(entry["weight"], "weight", 0.0, MAX_EVIDENCE_WEIGHT), _optional(entry, "low", 0.0, 1.0),
-                         _optional(entry, "high", 0.0, 1.0), None, at, _optional(entry, "max", 0.0, 1.0), kind,
-                         _optional(entry, "capacity_share", 0.0, 1.0))
+    return PressurePoint(kv_p95=_number(entry["p95"], "p95", 0.0, 1.0),
+                         preemptions_per_minute=_optional(entry, "preemptions_per_minute", 0.0, 1e9),
+                         tax=_optional(entry, "tax", -1.0, 1.0), tax_se=_optional(entry, "tax_se", 0.0, 1.0),
+                         weight=_number(entry["weight"], "weight", 0.0, MAX_EVIDENCE_WEIGHT),
+                         kv_p95_low=_optional(entry, "low", 0.0, 1.0), kv_p95_high=_optional(entry, "high", 0.0, 1.0),
+                         wall=at, kv_max=_optional(entry, "max", 0.0, 1.0), residency=kind,
+                         capacity_share=_optional(entry, "capacity_share", 0.0, 1.0))

@@ -1,0 +1,94 @@
+"""One window's KV-pressure evidence has one type and one builder (issue 40 item 2): ``WindowEvidence`` is
+constructed only by ``derive/pressure_evidence.window_evidence`` in the daemon and the lab (an AST scan of every
+production module), and the regime, the threshold learner and the lab's run figures all take it from there, so
+each applies the same guards (the preemption counter's glitch guard, the prompt-token guard)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from exporter.derive.pressure import plausible_preemptions
+from exporter.derive.pressure_evidence import WindowEvidence, window_evidence
+from exporter.samples import Interval
+from exporter.store import aggregate_of
+
+ROOT = Path(__file__).resolve().parent.parent
+PRODUCTION = (ROOT / "exporter", ROOT / "lab" / "kvwatt_lab")
+BUILDER = ("exporter/derive/pressure_evidence.py", "window_evidence")
+READERS = ("exporter/model/server.py", "exporter/model/pressure/learner.py", "lab/kvwatt_lab/experiment/measure.py")
+
+
+def _called(node: ast.Call) -> str:
+    f = node.func
+    return f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else ""
+
+
+def constructions(source: str, name: str = "WindowEvidence") -> list[tuple[str, int]]:
+    """(enclosing function, line) of every call of ``name`` in a module's source ("" at module level)."""
+    found: list[tuple[str, int]] = []
+
+    def visit(node: ast.AST, where: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            inner = child.name if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) else where
+            if isinstance(child, ast.Call) and _called(child) == name:
+                found.append((where, child.lineno))
+            visit(child, inner)
+
+    visit(ast.parse(source), "")
+    return found
+
+
+def _production_files() -> list[Path]:
+    return sorted(p for root in PRODUCTION for p in root.rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def test_the_scan_finds_a_construction_and_its_function():
+    source = ("from exporter.derive import pressure_evidence as pe\n"
+              "def f(agg):\n    return pe.WindowEvidence(p95=None)\n"
+              "class A:\n    def g(self):\n        return WindowEvidence(p95=None)\n")
+    assert constructions(source) == [("f", 3), ("g", 6)]
+
+
+def test_only_the_builder_constructs_a_windows_evidence():
+    where = {str(p.relative_to(ROOT)): constructions(p.read_text(encoding="utf-8")) for p in _production_files()}
+    assert [f for f, _ in where.get(BUILDER[0], [])] == [BUILDER[1]], "the builder no longer builds the evidence"
+    others = sorted(f"{path}:{line} ({fn or 'module level'})" for path, calls in where.items()
+                    for fn, line in calls if (path, fn) != BUILDER)
+    assert not others, "WindowEvidence constructed outside window_evidence:\n" + "\n".join(others)
+
+
+@pytest.mark.parametrize("path", READERS)
+def test_the_regime_the_learner_and_the_lab_read_the_one_builder(path):
+    assert constructions((ROOT / path).read_text(encoding="utf-8"), "window_evidence"), \
+        f"{path} no longer builds its window's pressure evidence with window_evidence"
+
+
+def test_the_type_is_frozen_and_keyword_only():
+    ev = window_evidence(aggregate_of([Interval(0.0, 1.0, {}, {"kv_usage": 0.5})]), window_seconds=1.0)
+    with pytest.raises(TypeError):
+        WindowEvidence(*[None] * 14)  # positional arguments are refused
+    with pytest.raises(AttributeError):
+        ev.tax = 0.1  # frozen
+
+
+def _window(preemptions_at_30: float) -> list[Interval]:
+    return [Interval(t, t + 1.0, {"preemptions": preemptions_at_30 if t == 30 else 0.0, "prompt_tokens": 10.0,
+                                  "prompt_tokens_local_compute": 10.0},
+                     {"kv_usage": 0.5, "running": 1.0, "waiting": 0.0}) for t in range(60)]
+
+
+def test_a_glitched_counter_is_marked_and_gives_no_rate():
+    agg = aggregate_of(_window(1e9))
+    ev = window_evidence(agg, window_seconds=60.0)
+    assert agg.delta("preemptions") > plausible_preemptions(agg)
+    assert (ev.preemptions, ev.preemptions_plausible, ev.preemptions_per_minute, ev.onset) == (1e9, False, None, None)
+
+
+def test_a_plausible_count_is_a_rate_and_onset_over_a_covered_window():
+    ev = window_evidence(aggregate_of(_window(6.0)), window_seconds=60.0, onset_per_minute=5.0)
+    assert (ev.preemptions_plausible, ev.preemptions_per_minute, ev.onset, ev.covered_ratio) == (True, 6.0, True, 1.0)
+    half = window_evidence(aggregate_of(_window(6.0)), window_seconds=240.0, onset_per_minute=5.0)
+    assert half.covered_ratio == 0.25 and half.onset is None  # not covered enough to call it sustained
