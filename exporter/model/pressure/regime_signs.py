@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from exporter import rules
 from exporter.derive import compare, pressure
-from exporter.derive.pressure_evidence import (  # noqa: F401 (P95, p95_of, residency_sign: the package's face)
+from exporter.derive.pressure_evidence import (  # noqa: F401 (their home; the package's face re-exports them)
     MIN_PROMPT_TOKENS,
     P95,
     ResidencySign,
