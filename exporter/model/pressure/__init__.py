@@ -9,8 +9,9 @@ one builder the regime and the lab read too) and becomes one ``PressurePoint`` (
 order-statistic interval, its KV max, preemptions per minute, the tax against the reference in force and the
 reference's spread as its noise), unless its preemption count is implausible for the window
 (``plausible_preemptions``: a counter glitch is no evidence). A window pressured by preemptions alone weighs
-``preemptions / SUSTAINED_PREEMPTIONS`` (at most 1): one preemption is a third of a window of evidence. The last ``threshold_history`` of points are kept; ``derive.threshold.locate_why`` runs
-when a point is added (the points only change then).
+``preemptions / SUSTAINED_PREEMPTIONS`` (at most 1): one preemption is a third of a window of evidence. The
+last ``threshold_history`` of points are kept; ``derive.threshold.locate_why`` runs when a point is added (the
+points only change then).
 
 The same bucket then teaches the reference share (``LowPressureReference``) only on positive signs of no
 pressure (``quiet``): no preemption, nobody waiting for KV, KV max under ``LOW_PRESSURE_MAX``, p95 under both
