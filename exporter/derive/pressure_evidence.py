@@ -1,16 +1,20 @@
 """One window's KV-pressure evidence (methods.md s10, "The regime: evidence both ways"): the one type every reader
-of a window's pressure takes it from (the regime, the threshold learner, the lab's run figures), and the one pure
-function that builds it from a window's aggregate, so every reader applies the same rules (the preemption
-counter's glitch guard, derive/pressure.py ``plausible_preemptions``; the prompt-token guard MIN_PROMPT_TOKENS).
+of a window's pressure takes it from (the regime, the threshold learner and its points, the lab's run figures and
+sweep conditions), and the one pure function that builds it from a window's aggregate, so every reader applies the
+same rules (the preemption counter's glitch guard, derive/pressure.py ``plausible_preemptions``; the prompt-token
+guard MIN_PROMPT_TOKENS). ``recorded_evidence`` is the only other way to one: a window's evidence read back from
+the figures it was recorded as (a window in evidence-windows.json, a sweep condition's means over its runs), with
+what the record does not hold unknown.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Sequence
 
 from exporter import rules
 from exporter.derive import pressure, recompute, residency
-from exporter.derive.threshold import quantile_bounds
 from exporter.store import WindowAggregate
 
 MIN_PROMPT_TOKENS = 100.0   # fewer prompt tokens in a window: its share is not worth a point or a sample
@@ -18,11 +22,27 @@ MIN_PROMPT_TOKENS = 100.0   # fewer prompt tokens in a window: its share is not 
 
 @dataclass(frozen=True)
 class P95:
-    """A window's KV p95 with its order-statistic interval (derive.threshold.quantile_bounds)."""
+    """A window's KV p95 with its order-statistic interval (``quantile_bounds``)."""
 
     value: float | None
     low: float | None
     high: float | None
+
+
+def quantile_bounds(sorted_values: Sequence[float], q: float = 0.95,
+                    z: float = 1.96) -> tuple[float, float] | None:
+    """Distribution-free interval for the q-quantile of the population the sorted samples come from: the
+    order statistics X_(l), X_(u) with ranks nq -/+ z*sqrt(nq(1-q)) (normal approximation to the binomial
+    count of samples below the quantile; ~95 % for z = 1.96), clamped to the sample range. It assumes
+    independent samples; 1 s samples of a slowly moving gauge are correlated, so it is a lower bound on the
+    real uncertainty (methods.md s10)."""
+    n = len(sorted_values)
+    if n == 0:
+        return None
+    half = z * math.sqrt(n * q * (1 - q))
+    lo = max(math.floor(n * q - half), 1)       # 1-based ranks
+    hi = min(math.ceil(n * q + half) + 1, n)
+    return sorted_values[lo - 1], sorted_values[hi - 1]
 
 
 def p95_of(agg: WindowAggregate) -> P95:
@@ -52,22 +72,36 @@ def residency_sign(agg: WindowAggregate, block_size: float | None, sample_share:
 
 @dataclass(frozen=True, kw_only=True)
 class WindowEvidence:
-    """What one window shows about KV pressure (methods.md s10): built only by ``window_evidence``."""
+    """What one window shows about KV pressure (methods.md s10): built only by ``window_evidence`` (from the
+    window's aggregate) and ``recorded_evidence`` (from the figures it was recorded as)."""
 
     p95: P95
-    covered_ratio: float                    # covered seconds / the window's length
-    preemptions: float | None               # the counter's increase as read (None: not counted)
+    covered_ratio: float | None             # covered seconds / the window's length (None: not recorded)
+    preemptions: float | None               # the counter's increase as read (None: not counted, or not recorded)
     preemptions_plausible: bool             # False: the increase is a counter glitch (plausible_preemptions)
     preemptions_per_minute: float | None    # None: not counted, or an implausible counter
     onset: bool | None                      # sustained preemptions over a window covered enough (methods.md s3)
     capacity: pressure.CapacityWait | None  # requests waiting for KV capacity; None: gauge not exported
     waiting_median: float | None            # requests waiting for any reason (without the capacity gauge)
     kv_max: float | None
-    local_compute_share: float | None       # share of prompt tokens computed (None: < MIN_PROMPT_TOKENS served)
+    local_compute_share: float | None       # share of prompt tokens computed (None: < MIN_PROMPT_TOKENS served,
+                                            # or not recorded)
     tax: float | None                       # against the reference in force (None: no reference)
     tax_se: float | None                    # the reference's spread: the tax's noise
     tax_state: str                          # the reference's state: the tax rests on it
     residency: ResidencySign | None         # the engine's own eviction record (None: not read)
+
+    @property
+    def residency_kind(self) -> str | None:
+        """"pressure" | "low_pressure" | None (unknown, not read, or no histograms): the residency evidence's
+        verdict, as a window's record keeps it."""
+        return None if self.residency is None else self.residency.kind
+
+    @property
+    def capacity_share(self) -> float | None:
+        """Share of the samples with a request waiting for KV capacity (None: the engine does not export the
+        gauge), as a window's record keeps it."""
+        return None if self.capacity is None else self.capacity.share
 
 
 def window_evidence(agg: WindowAggregate, *, window_seconds: float, reference_share: float | None = None,
@@ -92,3 +126,22 @@ def window_evidence(agg: WindowAggregate, *, window_seconds: float, reference_sh
         kv_max=agg.gauge_max("kv_usage"), local_compute_share=shares["local_compute"] if shares else None,
         tax=recompute.window_tax(shares, reference_share), tax_se=reference_spread, tax_state=tax_state,
         residency=residency)
+
+
+def recorded_evidence(*, p95: float, p95_low: float | None = None, p95_high: float | None = None,
+                      preemptions_per_minute: float | None, tax: float | None, tax_se: float | None,
+                      kv_max: float | None = None, residency: str | None = None,
+                      capacity_share: float | None = None) -> WindowEvidence:
+    """A window's evidence from the figures it was recorded as: a held evidence window read back from
+    evidence-windows.json (model/evidence_book.py), or a sweep condition's means over its runs (the lab's
+    analysis.off_points; each run's figures came from ``window_evidence``). What the record does not hold is
+    unknown: the coverage, the preemption count and onset, the capacity waits' mean, the requests waiting, the
+    computed share, the reference's state and the residency's reason. Only windows that passed the glitch guard
+    are recorded, so the preemptions are plausible; a residency kind was only ever read from the histograms."""
+    sign = None if residency is None else ResidencySign(kind=residency, reason="", histograms=True)
+    wait = None if capacity_share is None else pressure.CapacityWait(mean=None, share=capacity_share, samples=None)
+    return WindowEvidence(
+        p95=P95(value=p95, low=p95_low, high=p95_high), covered_ratio=None, preemptions=None,
+        preemptions_plausible=True, preemptions_per_minute=preemptions_per_minute, onset=None, capacity=wait,
+        waiting_median=None, kv_max=kv_max, local_compute_share=None, tax=tax, tax_se=tax_se, tax_state="unknown",
+        residency=sign)

@@ -1,12 +1,11 @@
-"""The threshold learner (methods.md s10): one PressurePoint per completed evidence window, the threshold located
-from them, its state and the epoch the evidence belongs to."""
+"""The threshold learner (methods.md s10): one PressurePoint (the window's evidence, weighted and timed) per completed
+evidence window, the threshold located from them, its state and the epoch the evidence belongs to."""
 
 from __future__ import annotations
 
 import logging
 import math
 from collections import deque
-from dataclasses import replace
 from typing import Iterable
 
 from exporter import rules
@@ -175,8 +174,8 @@ class ThresholdLearner:
             return False
         if ev.p95.value is None or (ev.local_compute_share is None and not ev.preemptions_per_minute):
             return False  # a window that served (almost) nothing shows no pressure either way
-        point = _weighted(_point(ev, t1, wall), ev.preemptions)
-        self.disagreement = disagreement(sign, point.preemptions_per_minute, taxed(point), point.tax is not None)
+        point = PressurePoint(evidence=ev, weight=_weight(ev), t=t1, wall=wall)
+        self.disagreement = disagreement(sign, ev.preemptions_per_minute, taxed(ev), ev.tax is not None)
         self.points.append(point)
         self.reference.offer(point, ev.local_compute_share, quiet(agg, ev.p95, sign.kind), t1, wall)
         return True
@@ -216,9 +215,10 @@ class ThresholdLearner:
 
     def _low_pressure(self, p: PressurePoint) -> bool:
         """A held window with positive signs of no pressure (the reference's candidates; ``quiet``)."""
-        low = p.residency == "low_pressure"
-        return (p.kv_p95 <= self.reference.limit(low) and not p.preemptions_per_minute and p.residency != "pressure"
-                and (low or p.kv_max is None or p.kv_max < LOW_PRESSURE_MAX))
+        ev = p.evidence
+        low = ev.residency_kind == "low_pressure"
+        return (p.kv_p95 <= self.reference.limit(low) and not ev.preemptions_per_minute
+                and ev.residency_kind != "pressure" and (low or ev.kv_max is None or ev.kv_max < LOW_PRESSURE_MAX))
 
     def judgement(self) -> tuple[str, str]:
         """(state, reason) of the located threshold; unknown when none is located."""
@@ -245,15 +245,7 @@ class ThresholdLearner:
         return state, reason
 
 
-def _point(ev: WindowEvidence, t1: float, wall: float | None) -> PressurePoint:
-    """The evidence window as a point to locate the threshold from: its evidence, when it ended."""
-    capacity = None if ev.capacity is None else ev.capacity.share
-    return PressurePoint(kv_p95=ev.p95.value, preemptions_per_minute=ev.preemptions_per_minute, tax=ev.tax,
-                         tax_se=ev.tax_se, kv_p95_low=ev.p95.low, kv_p95_high=ev.p95.high, t=t1, wall=wall,
-                         kv_max=ev.kv_max, residency=None if ev.residency is None else ev.residency.kind,
-                         capacity_share=capacity)
-
-
-def _weighted(point: PressurePoint, preemptions: float | None) -> PressurePoint:
-    return replace(point, weight=evidence_weight(preemptions, taxed(point) or point.residency == "pressure",
-                                                 point.capacity_share))
+def _weight(ev: WindowEvidence) -> float:
+    """The evidence behind a window (``evidence_weight``): its preemptions as counted, its tax or residency
+    evidence of pressure, its share of samples with a request waiting for KV capacity."""
+    return evidence_weight(ev.preemptions, taxed(ev) or ev.residency_kind == "pressure", ev.capacity_share)

@@ -133,14 +133,15 @@ def pressure_signs(g: WindowEvidence) -> list[tuple[str, bool]]:
     """(words, known) for every sign of pressure the window shows, whatever the threshold in use."""
     out = []
     if g.capacity is not None and g.capacity.share > 0:
-        out.append((f"requests waiting for KV capacity in {g.capacity.share * 100:.0f} % of samples (mean "
-                    f"{g.capacity.mean:.1f})", g.capacity.share >= rules.CAPACITY_SUSTAINED.default))
+        mean = "" if g.capacity.mean is None else f" (mean {g.capacity.mean:.1f})"  # None: a recorded window
+        out.append((f"requests waiting for KV capacity in {g.capacity.share * 100:.0f} % of samples{mean}",
+                    g.capacity.share >= rules.CAPACITY_SUSTAINED.default))
     if g.preemptions_per_minute:
         out.append((f"{g.preemptions_per_minute:.1f} preemptions/min", bool(g.onset)))
     if taxed(g):
         # known on a known reference over a window covered enough to call it sustained (as the onset, s3)
-        out.append((tax_words(g.tax, g.tax_se),
-                    g.tax_state == "known" and g.covered_ratio >= rules.SUSTAINED_MIN_COVERED.default))
+        sustained = g.covered_ratio is not None and g.covered_ratio >= rules.SUSTAINED_MIN_COVERED.default
+        out.append((tax_words(g.tax, g.tax_se), g.tax_state == "known" and sustained))
     if g.residency is not None and g.residency.kind == "pressure":
         out.append((f"the engine's KV-block residency shows pressure ({g.residency.reason})", True))
     return out
@@ -171,7 +172,7 @@ def low_pressure_signs(g: WindowEvidence, threshold: float) -> tuple[list[str], 
         top = "unknown" if g.kv_max is None else f"{g.kv_max * 100:.0f} %"
         missing.append(f"a known recompute tax, the engine's KV-block residency, or a KV max under "
                        f"{min(LOW_PRESSURE_MAX, threshold - REFERENCE_MARGIN) * 100:.0f} % (it reached {top})")
-    if g.covered_ratio < MIN_BELOW_COVERAGE:
+    if g.covered_ratio is None or g.covered_ratio < MIN_BELOW_COVERAGE:
         missing.append("a window at least half covered")
     engine_said = (g.capacity is not None or (g.tax is not None and g.tax_state == "known")
                    or bool(g.residency and g.residency.kind == "low_pressure"))
