@@ -5,9 +5,10 @@ it rests on and a state ``known`` / ``provisional`` / ``unknown`` with a reason.
 Every completed bucket of a fixed grid (``threshold_window``, 1 minute by default: the shared monotonic clock's
 ``k * W``, as the repeat windows), at least ``rules.SUSTAINED_MIN_COVERED`` covered and serving >= 100 prompt
 tokens (or preempting), has its ``WindowEvidence`` built (derive/pressure_evidence.py ``window_evidence``, the
-one builder the regime and the lab read too) and becomes one ``PressurePoint`` (its KV p95 with the
+one builder the regime and the lab read too) and becomes one ``PressurePoint`` holding it (its KV p95 with the
 order-statistic interval, its KV max, preemptions per minute, the tax against the reference in force and the
-reference's spread as its noise), unless its preemption count is implausible for the window
+reference's spread as its noise, ...) with its weight and times, unless its preemption count is implausible for
+the window
 (``plausible_preemptions``: a counter glitch is no evidence). A window pressured by preemptions alone weighs
 ``preemptions / SUSTAINED_PREEMPTIONS`` (at most 1): one preemption is a third of a window of evidence. The
 last ``threshold_history`` of points are kept; ``derive.threshold.locate_why`` runs when a point is added (the
