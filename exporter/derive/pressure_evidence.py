@@ -20,7 +20,7 @@ from exporter.store import WindowAggregate
 MIN_PROMPT_TOKENS = 100.0   # fewer prompt tokens in a window: its share is not worth a point or a sample
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # slots: one per evidence window held (up to 10,000 a server)
 class P95:
     """A window's KV p95 with its order-statistic interval (``quantile_bounds``)."""
 
@@ -70,7 +70,7 @@ def residency_sign(agg: WindowAggregate, block_size: float | None, sample_share:
     return ResidencySign(ev.kind, ev.reason, r.sampled_evictions is not None)
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, slots=True)  # slots: one per evidence window held
 class WindowEvidence:
     """What one window shows about KV pressure (methods.md s10): built only by ``window_evidence`` (from the
     window's aggregate) and ``recorded_evidence`` (from the figures it was recorded as)."""
@@ -128,6 +128,9 @@ def window_evidence(agg: WindowAggregate, *, window_seconds: float, reference_sh
         residency=residency)
 
 
+_RECORDED_SIGNS = {kind: ResidencySign(kind=kind, reason="", histograms=True) for kind in ("pressure", "low_pressure")}
+
+
 def recorded_evidence(*, p95: float, p95_low: float | None = None, p95_high: float | None = None,
                       preemptions_per_minute: float | None, tax: float | None, tax_se: float | None,
                       kv_max: float | None = None, residency: str | None = None,
@@ -138,7 +141,7 @@ def recorded_evidence(*, p95: float, p95_low: float | None = None, p95_high: flo
     unknown: the coverage, the preemption count and onset, the capacity waits' mean, the requests waiting, the
     computed share, the reference's state and the residency's reason. Only windows that passed the glitch guard
     are recorded, so the preemptions are plausible; a residency kind was only ever read from the histograms."""
-    sign = None if residency is None else ResidencySign(kind=residency, reason="", histograms=True)
+    sign = None if residency is None else _RECORDED_SIGNS[residency]
     wait = None if capacity_share is None else pressure.CapacityWait(mean=None, share=capacity_share, samples=None)
     return WindowEvidence(
         p95=P95(value=p95, low=p95_low, high=p95_high), covered_ratio=None, preemptions=None,

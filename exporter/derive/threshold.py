@@ -36,7 +36,7 @@ KNOWN_MISPLACED = 0.2      # ... and at most this share of its evidence weight l
 LOW_PRESSURE_MAX = 0.80    # a window whose KV max stayed under this came nowhere near preempting (methods.md s10)
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, slots=True)  # slots: up to 10,000 held a server
 class PressurePoint:
     """A point the threshold is located from: one window's pressure evidence (``WindowEvidence``,
     derive/pressure_evidence.py: a live window's as built, a held one's as read back from evidence.json, or an
