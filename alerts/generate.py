@@ -89,6 +89,7 @@ SETTINGS: dict[str, Setting] = {
                                               "KVOffloadBufferUndersized: allocation failures per minute above this"),
     "buffer_for": Setting("15m", "duration", "KVOffloadBufferUndersized for:"),
     "tier_backpressure_for": Setting("10m", "duration", "KVOffloadTierDroppingStores for:"),
+    "tier_failures_for": Setting("5m", "duration", "KVOffloadTierJobsFailing for:"),
     "recompute_tax_threshold": shared(rules.RECOMPUTE_TAX_THRESHOLD, "ratio"),
     "recompute_reference_lookback": Setting("1d", "duration", "fallback: reference share looks back this far"),
     "recompute_reference_quantile": Setting(0.1, "ratio", "fallback: reference = this quantile of the share"),
@@ -466,6 +467,17 @@ def tier_backpressure_expr() -> str:
             ") > 0")
 
 
+def tier_failures_expr() -> str:
+    """vLLM's own job-failure counters (tiering, 0.28+): failed promotions (tier -> CPU tier) and cascades (CPU tier
+    -> tier) per second, told apart by a ``direction`` label (kvwatt's figures, kvwatt_offload_tier_failed_*, are
+    opt-in, per tier and window). Each counter has no sample until its first failure: the union, not a sum of
+    the two, so one without the other still alerts."""
+    one = ('  label_replace(rate(vllm:kv_offload_tiering_{kind}_job_failures_total[@window]), "direction", "{kind}", '
+           '"", "")')
+    return ("sum by (server, tier, direction) (\n" + one.format(kind="promotion") + "\n  or\n"
+            + one.format(kind="cascade") + "\n) > 0")
+
+
 def recompute_expr() -> str:
     kw = 'kvwatt_recompute_tax_ratio{window="@kvwatt_window"}'
     share = 'server_source:vllm_prompt_tokens_by_source:ratio_rate@window{source="local_compute"}'
@@ -567,6 +579,13 @@ ALERTS: tuple[Alert, ...] = (
           "high-water mark, and the dropped blocks will never be served from it (their prompts are recomputed). "
           "Give the tier a faster device or more write threads (n_write_threads), or store less to it "
           "(offload_prompt_only)."),
+    Alert("KVOffloadTierJobsFailing", "warning", "tier_failures_for", tier_failures_expr(),
+          "A secondary KV offload tier's promotions or cascades are failing.",
+          "vLLM's tiered offloading on server {{ $labels.server }} fails {{ $value | printf \"%.2f\" }} "
+          "{{ $labels.direction }} jobs per second on its {{ $labels.tier }} tier over @window "
+          "(vllm:kv_offload_tiering_{{ $labels.direction }}_job_failures_total): a failed promotion is a reload "
+          "from the tier that did not happen (its prompt is recomputed), a failed cascade a block that never "
+          "reached the tier. Check the tier's storage (space, permissions, I/O errors in vLLM's log)."),
     Alert("KVRecomputeTaxHigh", "warning", "recompute_for", recompute_expr(),
           "Prompt tokens are being recomputed that a larger KV cache would have reused.",
           "The local_compute share of prompt tokens on server {{ $labels.server }} exceeds its low-pressure "

@@ -5,12 +5,16 @@ A share lies in [0, 1]; dE <= 1 (a saving of more than all the energy is impossi
 marginal power (the recomputation tax) is no larger than that power; J/token >= 0; generated tokens/s no larger
 than an engine can produce; money and CO2 per day finite and equal to the watts they price at the price in force.
 
-``BoundsCheck.apply(snapshot)`` runs once per tick in exporter.model.Model.snapshot, before /metrics,
-/api/status and the page read the snapshot: every sample of every family is checked against its family's bound;
-a figure outside it is replaced by None in the typed figures (unknown: absent from /metrics, null in the JSON,
-"unknown" on the page), its reason ("implausible: ...", naming the figure's inputs) goes into
-``Snapshot.implausible`` (/api/status, the page), it is counted in ``kvwatt_figures_rejected_total{figure,
-reason}`` (reason: the bound's kind) and logged once when it starts and once when it ends, never per tick.
+``BoundsCheck.apply(snapshot)`` runs once per tick in exporter.daemon.Daemon.step, on the model's snapshot and
+before it is published (so before /metrics, /api/status and the page read it): every sample of every family is
+checked against its family's bound; a figure outside it is replaced by None in the typed figures (unknown: absent
+from /metrics, null in the JSON, "unknown" on the page), and so are the figures computed from the same counts
+(``DEPENDENCIES``, reason "dependent"); a derived figure that breaks a declared relation with another
+(``RELATIONS``: shares that do not sum to 1, a GPU above its power limit, a dE that disagrees with the tax it
+prices, ...) becomes unknown with an "inconsistent: ..." reason, the measured one staying. Each reason
+("implausible: ...", naming the figure's inputs, or "inconsistent: ...") goes into ``Snapshot.implausible``
+(/api/status, the page), is counted in ``kvwatt_figures_rejected_total{figure, reason}`` (reason: the bound's
+kind, ``dependent`` or ``relation``) and logged once when it starts and once when it ends, never per tick.
 """
 
 from __future__ import annotations
@@ -173,6 +177,20 @@ def _saved_power(v: float, where: Where) -> str | None:
     if marginal is None or abs(v) > max(marginal, 0.0) * (1 + _REL_TOL):
         return f"|{v:.4g}| W > the {inputs}"
     return None
+
+
+def _gpu_saved_power(v: float, where: Where) -> str | None:
+    """A tier's net saving (methods.md s14): its GPU-side part is within the GPU's marginal power (s12's capped
+    costs), its reload energy only lowers it, so it is at most that power; below 0 is a tier dearer than a
+    recompute."""
+    if v <= 0:
+        return None
+    w = where.window()
+    e = next((e for e in (w.energy if w else ()) if e.scope == "gpu"), None)
+    if e is None or e.basis.idle_joules is None or e.basis.seconds <= 0:
+        return f"{v:.4g} W with no gpu energy with P_idle in the window"
+    marginal = (e.basis.energy_joules - e.basis.idle_joules) / e.basis.seconds
+    return None if v <= max(marginal, 0.0) * (1 + _REL_TOL) else f"{v:.4g} W > the gpu marginal power {marginal:.4g} W"
 
 
 def token_rate_ceiling(engines: int, gpus: int) -> float:
@@ -407,6 +425,20 @@ def _de_prices_the_tax(s, w, _snap) -> Iterable[Broken]:
                    f"{words}: expected [{low:.3g}, {high:.3g}] +/- {slack:.2g}"), {"baseline": f.baseline}
 
 
+def _tier_savings_sum(_s, w, _snap) -> Iterable[Broken]:
+    """Each tier's net saving plus its reload energy is its GPU-side saving, and those sum over the tiers to what
+    offloading saved on the GPU (methods.md s14: the same capped costs, the reloaded tokens split by tier)."""
+    saved = (w.offload_saved_watts or {}).get("gpu")
+    tiers = [t for t in w.offload_tier_energy if t.scope == "gpu"]
+    if saved is None or not tiers or len(tiers) != len(w.offload_tier_energy) \
+            or any(t.saved_watts is None or t.reload_watts is None for t in tiers):
+        return
+    total = sum(t.saved_watts + t.reload_watts for t in tiers)
+    if abs(total - saved) > _REL_TOL * max(abs(saved), abs(total)) + 1e-9:
+        yield (f"the tiers' savings plus their reload energy sum to {total:.6g} W, not what offloading saved on the "
+               f"gpu {saved:.6g} W"), {}
+
+
 def _buffer_matches_verdict(s, _w, _snap) -> Iterable[Broken]:
     """An undersized buffer is never recommended at its own size or less."""
     b, size = s.buffer, (s.info.offload_buffer_bytes if s.info else None)
@@ -456,7 +488,8 @@ RELATIONS = (
              relates=("kvwatt_energy_per_token_joules", "kvwatt_gpu_power_watts"),
              unknown=("kvwatt_energy_per_token_joules", "kvwatt_marginal_energy_per_token_joules",
                       "kvwatt_recompute_tax_watts", "kvwatt_offload_saved_watts",
-                      "kvwatt_recompute_energy_share_ratio", "kvwatt_preemption_recompute_watts"),
+                      "kvwatt_recompute_energy_share_ratio", "kvwatt_preemption_recompute_watts",
+                      "kvwatt_offload_tier_saved_watts", "kvwatt_offload_second_tier_energy_saving_ratio"),
              per="window", check=_window_power_within_limit,
              says="a server's GPU energy over a window averages at most its GPUs' enforced power limits"),
     Relation(name="de_prices_the_tax",
@@ -466,6 +499,13 @@ RELATIONS = (
              check=_de_prices_the_tax,
              says="potential and estimated dE agree with the tax and the saving they price (within 2 SE and the "
                   "reload price)"),
+    Relation(name="tier_savings_sum_to_the_saving",
+             relates=("kvwatt_offload_tier_saved_watts", "kvwatt_offload_tier_reload_watts",
+                      "kvwatt_offload_saved_watts"),
+             unknown=("kvwatt_offload_tier_saved_watts", "kvwatt_offload_tier_reload_watts",
+                      "kvwatt_offload_second_tier_energy_saving_ratio"), per="window", check=_tier_savings_sum,
+             says="each offload tier's net saving plus its reload energy sums over the tiers to what offloading "
+                  "saved on the GPU (methods.md s14)"),
     Relation(name="buffer_matches_verdict",
              relates=("kvwatt_offload_recommended_buffer_bytes", "kvwatt_offload_buffer_undersized"),
              unknown=("kvwatt_offload_recommended_buffer_bytes",), per="server", check=_buffer_matches_verdict,
@@ -543,6 +583,9 @@ SAVING = Bound("saving", "dE <= 1: offloading cannot save more than all the ener
 GAIN = Bound("gain", "dTPS >= -1: throughput cannot fall below zero", _gain)
 POWER_PART = Bound("power_part", "a part of the scope's marginal power: 0 <= W <= (E - P_idle*dt)/dt",
                    _power_part)
+TIER_SAVED_POWER = Bound("saved_power", "at most the GPU's marginal power (its GPU-side part is capped at it, its "
+                         "reload energy only lowers it); below 0: the tier is dearer than recomputing",
+                         _gpu_saved_power)
 SAVED_POWER = Bound("saved_power", "|W| <= the scope's marginal power (costs capped at the window's energy, "
                     "methods.md s12)", _saved_power)
 TOKEN_RATE = Bound("token_rate", f"0 <= tokens/s <= {MAX_GENERATION_TOKENS_PER_SECOND:g} x max(data-parallel "

@@ -16,6 +16,7 @@ from exporter.derive.offload import TierFlows, TierState
 from exporter.derive.phase_energy import PHASES, PhaseCosts  # noqa: F401 (PHASES: for the catalog, which imports no derive/)
 from exporter.derive.recompute import PreemptionRecompute
 from exporter.derive.threshold import Evidence, LocatedThreshold
+from exporter.derive.tier_energy import TierEnergy
 from exporter.energy.baseline import Baseline
 from exporter.samples import DeviceReading, EngineInfo, SourceStatus
 
@@ -181,6 +182,10 @@ class WindowFigures:
     # counts the window holds that no server can produce (model/plausible.py): counts name -> why; every figure
     # computed from them is served as unknown (exporter/bounds.py DEPENDENCIES)
     implausible_counts: dict[str, str] | None = None
+    # each offload tier's reloads priced against a recompute (methods.md s14; GPU scope, hops configured), and dE of
+    # adding the disk tier (its net saving / the energy without it)
+    offload_tier_energy: tuple[TierEnergy, ...] = ()
+    second_tier_energy_saving: float | None = None
 
 
 @dataclass(frozen=True)
@@ -203,6 +208,16 @@ class BufferFigures:
     # why the recommendation exceeds a pool the verdict calls not undersized (the busiest window, the headroom);
     # '' when it does not
     recommended_note: str = ""
+    # the engine setting that sizes the buffer: --kv-offloading-size, or the tiered spec's cpu_bytes_to_use (the CPU
+    # tier's size configured as servers[].offload_tier_bytes["0:primary"]: vLLM exports none)
+    size_setting: str = "--kv-offloading-size"
+
+
+# The advice's words asking for vLLM's --kv-cache-metrics (methods.md s11): exporter.model.advice decides when they
+# would help (a vLLM server without KV-block residency figures, its regime not yet known) and appends them to the
+# regime's "evidence" advice; the page shows them where that advice carries them, and never decides it itself.
+KV_CACHE_METRICS_HINT = ("Enabling --kv-cache-metrics on the vLLM server would make the pressure verdict certain from "
+                         "the first minutes (KV-block evictions per prompt block, evicted-before-reuse share).")
 
 
 @dataclass(frozen=True)

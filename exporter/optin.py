@@ -24,6 +24,20 @@ OPT_IN_FAMILIES: dict[str, str] = {
                                                      "says it (/api/status)",
     "kvwatt_offload_tier_dropped_blocks_per_second": "per offload tier and window: the advice tier_dropping_stores "
                                                      "says it; the alert reads vLLM's own counter",
+    # issue 41: the second tier's failures and energy, per tier and window (/api/status offload_tiers,
+    # offload_tier_energy; the alerts read vLLM's own failure counters)
+    "kvwatt_offload_tier_failed_promotions_per_second": "per offload tier and window: the alert "
+                                                        "KVOffloadTierJobsFailing reads vLLM's own counter",
+    "kvwatt_offload_tier_failed_cascades_per_second": "per offload tier and window: the alert "
+                                                      "KVOffloadTierJobsFailing reads vLLM's own counter",
+    "kvwatt_offload_tier_reload_joules_per_token": "per offload tier and window (/api/status offload_tier_energy)",
+    "kvwatt_offload_tier_breakeven_ratio": "per offload tier and window (/api/status offload_tier_energy)",
+    "kvwatt_offload_tier_cached_to_prefill_ratio": "per offload tier and window: kvwatt_cached_to_prefill_ratio is "
+                                                   "the server's",
+    "kvwatt_offload_tier_reload_watts": "per offload tier and window (/api/status offload_tier_energy)",
+    "kvwatt_offload_tier_saved_watts": "per offload tier and window: kvwatt_offload_saved_watts is the server's",
+    "kvwatt_offload_second_tier_energy_saving_ratio": "per window, a tiered server's only (/api/status "
+                                                      "second_tier_energy_saving)",
     "kvwatt_offload_saved_cost_per_day": "money per baseline and window: kvwatt_offload_saved_watts times the price",
     "kvwatt_offload_saved_co2e_grams_per_day": "per baseline and window: kvwatt_offload_saved_watts times the "
                                                "carbon intensity",

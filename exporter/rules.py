@@ -105,12 +105,30 @@ RECOMPUTE_ENERGY_SHARE_THRESHOLD = Rule(
     "share of the server's marginal GPU power spent recomputing the tax's prompt tokens above which the alert "
     "KVRecomputeEnergyHigh fires (methods.md s12)", "s12")
 
+# The energy per byte of each hop a reloaded token's KV takes to the GPU (methods.md s14), configured: no device
+# exposes a per-transfer energy (RAPL's DRAM domain, where present, is the whole memory's power, and an NVMe
+# drive states its power states, not J/byte). Orders of magnitude from public figures: DDR5 access with its I/O
+# ~10-20 pJ/bit (~0.15 nJ/byte), a PCIe Gen5 x16 link's two PHYs ~5-8 pJ/bit (~0.06 nJ/byte), an enterprise
+# Gen5 NVMe drive ~25 W above idle while reading ~13 GB/s (~2 nJ/byte). Set them from a measurement where one
+# exists (bench/, a power meter on the drive).
+HOST_MEMORY_JOULES_PER_BYTE = Rule("host_memory_joules_per_byte", 1.5e-10, "joules per byte",
+                                   "energy of one host-DRAM access (read or write) per byte of KV, priced into a "
+                                   "token reloaded from an offload tier (methods.md s14; configured, not measured)",
+                                   "s14")
+HOST_LINK_JOULES_PER_BYTE = Rule("host_link_joules_per_byte", 6e-11, "joules per byte",
+                                 "energy per byte of KV over the host-device link (PCIe), priced into a reloaded "
+                                 "token (methods.md s14; configured, not measured)", "s14")
+DISK_JOULES_PER_BYTE = Rule("disk_joules_per_byte", 2e-9, "joules per byte",
+                            "energy per byte an offload disk tier (NVMe) reads, priced into a token reloaded from "
+                            "disk (methods.md s14; configured, not measured)", "s14")
+
 RULES: dict[str, Rule] = {r.key: r for r in (
     INTERVAL, WINDOWS, KV_PRESSURE_THRESHOLD, THRESHOLD_WINDOW, THRESHOLD_HISTORY, THRESHOLD_MIN_WINDOWS,
     PREEMPTION_ONSET_PER_MINUTE, RECOMPUTE_TAX_THRESHOLD, IDLE_SETTLE, IDLE_MIN_DURATION, MIN_LOAD_DURATION,
     P99_TOOL_LATENCY, BUFFER_HEADROOM, COLLAPSE_THROUGHPUT_DROP_RATIO, COLLAPSE_POWER_NEAR_IDLE_RATIO,
     COLLAPSE_REFERENCE_WINDOW, LOAD_TO_COMPUTE_COST_RATIO, PRICE_REFRESH, PRICE_MAX_AGE, PHASE_MIN_WINDOWS,
-    PHASE_MAX_CONDITION, PHASE_HISTORY, RECOMPUTE_ENERGY_SHARE_THRESHOLD)}
+    PHASE_MAX_CONDITION, PHASE_HISTORY, RECOMPUTE_ENERGY_SHARE_THRESHOLD, HOST_MEMORY_JOULES_PER_BYTE,
+    HOST_LINK_JOULES_PER_BYTE, DISK_JOULES_PER_BYTE)}
 
 
 def longest_window_seconds() -> float:

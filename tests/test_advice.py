@@ -13,7 +13,7 @@ from dataclasses import replace
 from exporter.config import DEFAULT_SERVER_URL, Config
 from exporter.derive.collapse import CONDITIONS, CollapseResult
 from exporter.derive.threshold import Evidence
-from exporter.figures import BufferFigures, ServerFigures, Snapshot, WindowFigures
+from exporter.figures import KV_CACHE_METRICS_HINT, BufferFigures, ServerFigures, Snapshot, WindowFigures
 from exporter.model import advice as advice_model
 from exporter.model.pressure import QUIET_KNOWN_WINDOWS
 from exporter.samples import EngineInfo, SourceStatus
@@ -259,3 +259,22 @@ def test_nothing_configured_and_nothing_answering_says_what_to_do():
     assert "--server NAME=URL" in a["text"] and "kvwatt demo" in a["text"]
     (configured,) = _status(_fig(name="default", url="http://elsewhere:8000", status=down))["advice"]
     assert "kvwatt demo" not in configured["text"]
+
+
+def test_the_page_asks_for_kv_cache_metrics_where_the_advice_does_and_only_there():
+    """The page renders the model's --kv-cache-metrics hint beside the regime; it has no rule of its own (before:
+    page.py decided with its own copy of the model's rule, and showed it whatever the advice said)."""
+    ev = Evidence(2, 1, 1, 0, 0, 60.0, None, None, 1, quiet_streak=1)
+    st = _status(_fig(regime_state="provisional", regime_reason="below: no preemption", evidence=ev))
+    (a,) = [a for a in st["advice"] if a["kind"] == "evidence" and a["evidence"]["figure"] == "regime"]
+    assert KV_CACHE_METRICS_HINT in a["text"]  # the model asks: a vLLM server without residency figures
+    hint = 'data-field="kv-cache-metrics"'
+    assert hint in page._pressure(st)
+    a["text"] = a["text"].replace(KV_CACHE_METRICS_HINT, "")  # the model does not ask: the page does not either
+    assert st["regime_state"] == "provisional" and hint not in page._pressure(st)
+    with_residency = (replace(QUIET, kv_evictions_per_prompt_block=0.2),)
+    st = _status(_fig(regime_state="provisional", regime_reason="x", windows=with_residency, evidence=ev))
+    assert hint not in page._pressure(st)
+    (a,) = [a for a in st["advice"] if a["kind"] == "evidence" and a["evidence"]["figure"] == "regime"]
+    a["text"] += " " + KV_CACHE_METRICS_HINT  # whatever the advice says is what the page shows
+    assert hint in page._pressure(st)

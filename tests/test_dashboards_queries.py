@@ -30,7 +30,7 @@ from __future__ import annotations
 import re
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Iterator
 
 import pytest
@@ -108,7 +108,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     rules = tmp / "probe-rules.yml"
     rules.write_text(yaml.safe_dump(PROBE_RULES), encoding="utf-8")
     rule_files = [rules, *sorted((ROOT / "alerts").glob("kvwatt-rules.y*ml"))]
-    with FakeVllm(vllm_sim.undersized_buffer_on()) as on, FakeVllm(vllm_sim.high_pressure_off()) as off:
+    # the ON server runs vLLM's tiering with a disk tier behind its CPU one: the tier row reads its series
+    on_scenario = replace(vllm_sim.undersized_buffer_on(), tiers=("1:fs",))
+    with FakeVllm(on_scenario) as on, FakeVllm(vllm_sim.high_pressure_off()) as off:
         # GPU 0 follows the ON scenario's power; GPU 1 (OFF) burns a constant 540 W. One writer only: two
         # FakeVllm tickers rewriting the same NVML state file would race on its temporary file.
         gpus.add(GPU_OFF, power_mw=540_000, counter_follows_power=True, t0=time.monotonic())

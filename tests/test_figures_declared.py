@@ -3,7 +3,7 @@ declaration (exporter.catalog), and the page and the README take their rows from
 
 The check walks a real /api/status: the golden scenario (tests/test_golden.py) through Daemon.step(), its
 snapshot serialised by web.status_json. A key of a server's or a window's dict is owned by a declaration's
-status key, by a block of exporter.serve.web (which names the declarations it serialises), or by the dict's
+status key, by a JSON block of a catalog section (which names the declarations it serialises), or by the dict's
 own structure (a window's length, a server's windows); it must have exactly one owner. A declaration must have
 a status key found in that status, be named by a block, or say why it is elsewhere (catalog.Elsewhere).
 The negative tests run the same check on a doctored catalog: a declaration without a JSON key, a JSON key
@@ -18,9 +18,9 @@ import pytest
 
 from exporter import catalog
 from exporter.catalog import SERVER, WINDOW, Elsewhere, MetricDef, StatusKey, Words
-from exporter.serve import page, web
+from exporter.serve import page
 from exporter.serve.collector import families
-from exporter.serve.web import Block, status_json
+from exporter.serve.web import status_json
 from tests import test_golden as golden
 
 STRUCTURE = {WINDOW: {"seconds"}, SERVER: {"windows"}}  # the dicts' own shape, not figures
@@ -35,12 +35,16 @@ def scenario(tmp_path_factory):
 def _owners(scope: str, key: str, metrics, blocks) -> list[str]:
     out = [d.name for d in metrics
            if isinstance(d.status, StatusKey) and (d.status.scope, d.status.key) == (scope, key)]
-    out += [f"block({', '.join(m.name for m in b.serialises)})" for b in blocks if key in b.keys]
+    out += [f"block({', '.join(b.serialises)})" for b in blocks if key in b.keys]
     return out + (["structure"] if key in STRUCTURE[scope] else [])
 
 
-def problems(snap, status: dict, metrics=catalog.METRICS, window_blocks=web.WINDOW_BLOCKS,
-             server_blocks=web.SERVER_BLOCKS) -> list[str]:
+WINDOW_BLOCKS = tuple(b for b in catalog.BLOCKS if b.scope == WINDOW)
+SERVER_BLOCKS = tuple(b for b in catalog.BLOCKS if b.scope == SERVER)
+
+
+def problems(snap, status: dict, metrics=catalog.METRICS, window_blocks=WINDOW_BLOCKS,
+             server_blocks=SERVER_BLOCKS) -> list[str]:
     out = []
     names = [d.name for d in metrics]
     out += [f"{n}: declared {names.count(n)} times" for n in sorted(set(names)) if names.count(n) > 1]
@@ -59,8 +63,8 @@ def problems(snap, status: dict, metrics=catalog.METRICS, window_blocks=web.WIND
             for b in blocks[scope]:
                 extra = set(b.write(fig)) - set(b.keys)
                 if extra:
-                    out.append(f"block of {b.serialises[0].name}: writes undeclared keys {sorted(extra)}")
-    in_blocks = {m.name for bs in blocks.values() for b in bs for m in b.serialises}
+                    out.append(f"block of {b.serialises[0]}: writes undeclared keys {sorted(extra)}")
+    in_blocks = {n for bs in blocks.values() for b in bs for n in b.serialises}
     for d in metrics:
         if isinstance(d.status, StatusKey):
             if d.status.key not in seen[d.status.scope]:
@@ -70,8 +74,8 @@ def problems(snap, status: dict, metrics=catalog.METRICS, window_blocks=web.WIND
                 out.append(f"{d.name}: Elsewhere without a reason")
         elif d.name not in in_blocks:
             out.append(f"{d.name}: no /api/status key, no block serialises it, and no Elsewhere reason")
-    out += [f"a block names {m.name}, which is not a catalog family"
-            for bs in blocks.values() for b in bs for m in b.serialises if m.name not in names]
+    out += [f"a block names {n}, which is not a catalog family"
+            for bs in blocks.values() for b in bs for n in b.serialises if n not in names]
     return out
 
 
@@ -123,15 +127,15 @@ def test_a_block_naming_a_family_outside_the_catalog_fails(scenario):
     ghost = MetricDef(name="kvwatt_ghost_ratio", type="gauge", labels=("server",), help="never exported",
                       computes=catalog.NotDerived("info", "build.build_info", "a test family"), section="Exporter",
                       fill=lambda _snap: (), status=Elsewhere("test"))
-    blocks = web.SERVER_BLOCKS + (Block(("ghost",), (ghost,), lambda v: {}),)
+    blocks = SERVER_BLOCKS + (catalog.server_block(("ghost",), (ghost.name,), lambda v: {}),)
     found = problems(snap, status, server_blocks=blocks)
     assert "a block names kvwatt_ghost_ratio, which is not a catalog family" in found
 
 
 def test_a_block_writing_a_key_it_does_not_declare_fails(scenario):
     snap, status = scenario
-    sloppy = Block(("kappa",), web.SERVER_BLOCKS[0].serialises, lambda v: {"kappa": 1, "kappa_extra": 2})
-    found = problems(snap, status, server_blocks=web.SERVER_BLOCKS + (sloppy,))
+    sloppy = catalog.server_block(("kappa",), SERVER_BLOCKS[0].serialises, lambda v: {"kappa": 1, "kappa_extra": 2})
+    found = problems(snap, status, server_blocks=SERVER_BLOCKS + (sloppy,))
     assert any("writes undeclared keys ['kappa_extra']" in p for p in found), found
 
 
@@ -154,17 +158,38 @@ def test_one_declaration_is_enough_for_json_series_page_and_reference(scenario, 
                     help="Twice the coverage.", computes="derive.pressure.rate_per_second", section="Sources",
                     status=catalog.window_key("test_covered_twice", lambda w: 2 * w.covered_seconds),
                     words=(Words("twice covered", "seconds"),))
-    monkeypatch.setattr(catalog, "METRICS", catalog.METRICS + (new,))
+    sources = next(s for s in catalog.SECTIONS if s.name == "Sources")  # the section of its idea
+    sections = tuple(replace(s, metrics=s.metrics + (new,)) if s is sources else s for s in catalog.SECTIONS)
+    monkeypatch.setattr(catalog, "SECTIONS", sections)
+    monkeypatch.setattr(catalog, "METRICS", tuple(m for s in sections for m in s.metrics))
     fams = {f.name: f for f in families(snap)}
     assert {s.labels["window"] for s in fams[new.name].samples} == {"30s", "1m"}
     js = status_json(snap)
     w = js["servers"][0]["windows"]["1m"]
     assert w["test_covered_twice"] == 2 * w["covered_seconds"]
-    assert list(w)[-1] == "test_covered_twice"  # appended after the keys /api/status always had
+    keys = list(w)
+    assert keys[keys.index("covered_seconds") + 1] == "test_covered_twice"  # in its section's place, catalog order
     assert "<th>twice covered</th>" in page.windows_table(js["servers"][0])
     from exporter import readme_tables
     assert "`kvwatt_test_covered_twice_seconds`" in readme_tables.metric_table()
     assert "`windows.<window>.test_covered_twice`" in readme_tables.metric_table()
+
+
+def test_status_keys_are_in_catalog_order(scenario):
+    """Each dict of /api/status writes its keys in catalog order (catalog.SECTIONS): section by section, its
+    figures' keys, then its blocks' (before: two hand-typed lists in serve/web.py kept a historical order)."""
+    _, status = scenario
+    for scope, dicts in ((SERVER, status["servers"]),
+                         (WINDOW, [w for s in status["servers"] for w in s["windows"].values()])):
+        want = []
+        for section in catalog.SECTIONS:
+            want += [d.status.key for d in section.metrics
+                     if isinstance(d.status, StatusKey) and d.status.scope == scope]
+            want += [k for b in section.blocks if b.scope == scope for k in b.keys]
+        for d in dicts:
+            got = [k for k in d if k not in STRUCTURE[scope]]
+            assert got == [k for k in want if k in d], (scope, got)
+    assert list(status["servers"][0])[-1] == "windows" and list(status["servers"][0]["windows"]["1m"])[0] == "seconds"
 
 
 def test_page_rows_are_the_declared_words(scenario):

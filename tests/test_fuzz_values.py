@@ -69,6 +69,11 @@ NON_NEGATIVE = {"kvwatt_sample_duration_seconds", "kvwatt_window_covered_seconds
                 "kvwatt_offload_tier_job_failures", "kvwatt_requests_in_kv_fetch",
                 "kvwatt_offload_tier_dropped_stores_per_second", "kvwatt_offload_tier_dropped_blocks_per_second",
                 "kvwatt_requests_waiting_for_kv_capacity",
+                # issue 41: the tiers' failures, counts and hop energy (a tier's net saving and the second tier's dE
+                # may be negative: SIGNED)
+                "kvwatt_offload_tier_failed_promotions_per_second", "kvwatt_offload_tier_failed_cascades_per_second",
+                "kvwatt_offload_tier_reload_joules_per_token", "kvwatt_offload_tier_breakeven_ratio",
+                "kvwatt_offload_tier_cached_to_prefill_ratio", "kvwatt_offload_tier_reload_watts",
                 "kvwatt_preemptions_by_reason_per_minute", "kvwatt_offload_tier_residency_seconds",
                 "kvwatt_offload_write_tokens_per_second", "kvwatt_offload_read_tokens_per_second",
                 "kvwatt_offload_buffer_used_bytes",
@@ -84,7 +89,8 @@ NON_NEGATIVE = {"kvwatt_sample_duration_seconds", "kvwatt_window_covered_seconds
                 "kvwatt_recompute_tax_cost_per_day", "kvwatt_recompute_tax_co2e_grams_per_day",
                 "kvwatt_figures_rejected_total"}
 # differences and stale-baseline figures: any finite sign (marginal J/token < 0 when P_idle is stale)
-SIGNED = {"kvwatt_marginal_energy_per_token_joules", "kvwatt_recompute_tax_ratio", "kvwatt_energy_saving_ratio",
+SIGNED = {"kvwatt_offload_tier_saved_watts", "kvwatt_offload_second_tier_energy_saving_ratio",
+          "kvwatt_marginal_energy_per_token_joules", "kvwatt_recompute_tax_ratio", "kvwatt_energy_saving_ratio",
           "kvwatt_energy_saving_stderr_ratio", "kvwatt_throughput_gain_ratio",
           "kvwatt_throughput_gain_stderr_ratio",
           # money and carbon of the marginal energy: negative with it (a stale P_idle)

@@ -29,6 +29,7 @@ import time
 import pytest
 import requests
 
+from exporter import rules
 from tests.support.daemon import KvwattDaemon, parse_exposition
 from tests.support.engine import VllmEngine, build_tiny_model
 
@@ -67,7 +68,9 @@ def run():
     try:
         engine.start()
         config = {"windows": [WINDOW], "metrics_opt_in": ["all"]}
-        with KvwattDaemon(servers={"tiered": {"url": engine.url, "gpus": []}}, config=config, interval="1s") as d:
+        # the CPU tier's size as kvwatt's configuration states it (vLLM exports its cpu_bytes_to_use nowhere)
+        server = {"url": engine.url, "gpus": [], "offload_tier_bytes": {"0:primary": CPU_MIB * 2 ** 20}}
+        with KvwattDaemon(servers={"tiered": server}, config=config, interval="1s") as d:
             d.wait_for(lambda d: d.value("kvwatt_offload_enabled", server="tiered") is not None, timeout=30)
             before = counters(engine.url)
             rng = random.Random(41)
@@ -179,3 +182,64 @@ def test_cached_token_shares_by_source_equal_the_engines_counters(run):
     for source in SOURCES:
         got = kv(run, "kvwatt_cached_prompt_token_share_ratio", server="tiered", tier=source, window=WINDOW)
         assert got == pytest.approx(counts[source] / total, rel=0.01, abs=1e-9), (source, counts, got)
+
+
+# --- issue 41 items 2-3 on the same run: failures, kappa and the hops' energy per tier, the CPU tier's size ---------
+def _window(run: dict) -> dict:
+    [server] = run["status"]["servers"]
+    return server["windows"][WINDOW]
+
+
+def test_failed_promotions_and_cascades_equal_the_engines_counters(run):
+    """vLLM has no sample of a failure counter until its first failure: kvwatt says 0 for a tier that moved data,
+    and the engine's delta (0 on a healthy RAM-backed tier, whatever it counted otherwise) is what it read."""
+    covered = _covered(run)
+    for what, kind in (("promotions", "promotion"), ("cascades", "cascade")):
+        engine = delta(run, f"vllm:kv_offload_tiering_{kind}_job_failures_total", "1:fs")
+        got = kv(run, f"kvwatt_offload_tier_failed_{what}_per_second", server="tiered", tier="1:fs", window=WINDOW)
+        print(f"\n1:fs failed {what}: engine {engine:.0f}, kvwatt {got} /s x {covered:.1f} s")
+        assert got is not None and got * covered == pytest.approx(engine, rel=0.01, abs=1e-9)
+
+
+def test_kappa_per_tier_equals_the_engines_counters(run):
+    computed = delta(run, "vllm:prompt_tokens_by_source_total", "local_compute")
+    for tier in ("host", "disk"):
+        engine = delta(run, "vllm:prompt_tokens_cached_by_source_total", tier) / computed
+        got = kv(run, "kvwatt_offload_tier_cached_to_prefill_ratio", server="tiered", tier=tier, window=WINDOW)
+        print(f"\nkappa {tier}: engine {engine:.4f}, kvwatt {got}")
+        assert got == pytest.approx(engine, rel=0.01)
+
+
+def test_a_disk_tokens_hops_are_the_engines_bytes_at_the_configured_joules(run):
+    """bytes a reloaded token moves over the link (load bytes / reloaded tokens) x (DRAM + link) plus the fs
+    tier's read bytes per disk token x (disk + DRAM), at rules.py's defaults (methods.md s14); the reload W x the
+    covered seconds is the disk tokens x that. No energy here (the CPU engine has none): the price is unknown,
+    with its reason."""
+    loaded = delta(run, "vllm:kv_offload_load_bytes_total")
+    reloaded = delta(run, "vllm:prompt_tokens_by_source_total", "external_kv_transfer")
+    disk = delta(run, "vllm:prompt_tokens_cached_by_source_total", "disk")
+    read = delta(run, "vllm:kv_offload_tiering_read_bytes_total", "1:fs")
+    mem, link, drive = (rules.HOST_MEMORY_JOULES_PER_BYTE.default, rules.HOST_LINK_JOULES_PER_BYTE.default,
+                        rules.DISK_JOULES_PER_BYTE.default)
+    hop = loaded / reloaded * (mem + link) + read / disk * (drive + mem)
+    tier = _window(run)["offload_tier_energy"]["disk"]
+    print(f"\ndisk: {loaded:.0f} B loaded / {reloaded:.0f} reloaded, {read:.0f} B read / {disk:.0f} disk tokens: "
+          f"hops {hop:.4g} J, kvwatt {tier}")
+    assert loaded > 0 and tier["hop_joules_per_token"] == pytest.approx(hop, rel=0.01)
+    got = kv(run, "kvwatt_offload_tier_reload_watts", server="tiered", tier="disk", window=WINDOW)
+    assert got * _covered(run) == pytest.approx(disk * hop, rel=0.01)
+    assert tier["hop_source"] == "configured" and tier["reload_joules_per_token"] is None and tier["price_reason"]
+
+
+def test_the_cpu_tier_sizes_the_buffer_and_the_disk_tiers_size_is_unknown_with_its_reason(run):
+    """The CPU tier's cpu_bytes_to_use (configured as offload_tier_bytes["0:primary"]) is the buffer: residency =
+    its bytes / the store rate; vLLM's fs tier has no capacity of its own."""
+    assert kv(run, "kvwatt_offload_buffer_bytes", server="tiered") == CPU_MIB * 2 ** 20
+    write = kv(run, "kvwatt_offload_write_bytes_per_second", server="tiered", window=WINDOW)
+    residency = kv(run, "kvwatt_offload_buffer_residency_seconds", server="tiered", window=WINDOW)
+    print(f"\nCPU tier {CPU_MIB} MiB at {write:.0f} B/s: residency {residency} s")
+    assert write > 0 and residency == pytest.approx(CPU_MIB * 2 ** 20 / write, rel=1e-6)
+    [server] = run["status"]["servers"]
+    assert server["offload_buffer"]["size_setting"] == "cpu_bytes_to_use"
+    fs = _window(run)["offload_tiers"]["1:fs"]
+    assert fs["capacity_bytes"] is None and "no capacity of its own" in fs["capacity_reason"]

@@ -44,6 +44,28 @@ def server_key(key: str, value: Callable[[ServerFigures], object], json=None) ->
     return StatusKey(SERVER, key, value, json)
 
 
+@dataclass(frozen=True, kw_only=True)
+class Block:
+    """A structured part of a server's or a window's /api/status dict that is not one figure (energy by scope,
+    savings by baseline, the threshold's evidence, ...), declared in the section it belongs to: its scope (WINDOW
+    or SERVER), the keys it writes (one nested key, or a few flat ones), the names of the declarations it
+    serialises (any section's: the catalog checks each at import), and its small serialiser, which returns those
+    keys, or {} to leave them out."""
+
+    scope: str
+    keys: tuple[str, ...]
+    serialises: tuple[str, ...]
+    write: Callable[[object], dict]
+
+
+def window_block(keys: tuple[str, ...], serialises: tuple[str, ...], write: Callable[[WindowFigures], dict]) -> Block:
+    return Block(scope=WINDOW, keys=keys, serialises=serialises, write=write)
+
+
+def server_block(keys: tuple[str, ...], serialises: tuple[str, ...], write: Callable[[ServerFigures], dict]) -> Block:
+    return Block(scope=SERVER, keys=keys, serialises=serialises, write=write)
+
+
 @dataclass(frozen=True)
 class Elsewhere:
     """A series with no key among /api/status's per-server and per-window figures, and why."""
@@ -150,6 +172,22 @@ class MetricDef:
     def where(self) -> str:
         """``wheres`` as one string (the README's "computed in" column)."""
         return ", ".join(self.wheres)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Section:
+    """One idea's figures (a README heading, a run of /metrics, of the page's rows and of /api/status's keys):
+    its declarations in exposition order, each saying ``section=name``, and the JSON blocks of the figures that
+    are not one key each. ``exporter.catalog.SECTIONS`` lists the sections in their declared order."""
+
+    name: str
+    metrics: tuple[MetricDef, ...]
+    blocks: tuple[Block, ...] = ()
+
+    def __post_init__(self):
+        strays = [m.name for m in self.metrics if m.section != self.name]
+        if strays:
+            raise ValueError(f"section {self.name!r} holds declarations of another section: {strays}")
 
 
 def deprecation_help(replacement: str) -> str:

@@ -1,8 +1,9 @@
-"""Energy: the devices' readings and idle baselines, joules per token, and the per-phase costs (methods.md s1,
-s12) with the power they put on recomputation and offloading."""
+"""Energy, two sections: the devices' readings and idle baselines with joules per token (methods.md s1), and the
+per-phase costs (s12) with the power they put on recomputation and offloading."""
 
 from __future__ import annotations
 
+import math
 from typing import Iterator
 
 from exporter import bounds, rules
@@ -11,16 +12,20 @@ from exporter.catalog.declare import (
     Fill,
     MetricDef,
     Sample,
+    Section,
     Words,
     bookkeeping,
     info,
     learned,
     reading,
+    server_block,
+    window_block,
     window_key,
 )
-from exporter.figures import PHASES, Snapshot
+from exporter.figures import PHASES, ServerFigures, Snapshot, WindowFigures
 
-SECTION = "Energy"
+ENERGY_SECTION = "Energy"
+PHASE_SECTION = "Energy per phase"
 
 DEVICES = Elsewhere("a host-wide device reading (GPU, RAPL zone), not a server's figure: /metrics only")
 
@@ -77,13 +82,14 @@ def _phase_windows(snap: Snapshot) -> Iterator[Sample]:
             yield (s.name, c.scope), float(c.windows)
 
 
-MEASURED: tuple[MetricDef, ...] = (
+# the devices' readings and idle baselines, and joules per token (methods.md s1)
+ENERGY: tuple[MetricDef, ...] = (
     MetricDef(
         name="kvwatt_gpu_energy_joules_total", type="counter", labels=("gpu", "uuid"),
         help="GPU energy since kvwatt started watching it (NVML total-energy counter, or integrated instant power "
              "where the counter is missing). rate() gives watts.",
         computes=reading("sources.nvml.NvmlSource.read"),
-        section=SECTION,
+        section=ENERGY_SECTION,
         fill=_devices("gpu", lambda d: (_gpu_labels(d), d.reading.joules_total)),
         status=DEVICES,
         bounds=bounds.NON_NEGATIVE,
@@ -92,7 +98,7 @@ MEASURED: tuple[MetricDef, ...] = (
         name="kvwatt_gpu_energy_method_info", type="info", labels=("gpu", "uuid", "method"),
         help="How that GPU's energy is measured: counter or power_integration; value 1.",
         computes=info("sources.nvml.NvmlSource.read"),
-        section=SECTION,
+        section=ENERGY_SECTION,
         fill=_devices("gpu", lambda d: ((*_gpu_labels(d), d.reading.method), 1.0)),
         status=DEVICES,
         bounds=bounds.INFO,
@@ -101,7 +107,7 @@ MEASURED: tuple[MetricDef, ...] = (
         name="kvwatt_gpu_power_watts", type="gauge", labels=("gpu", "uuid"),
         help="Current board power (NVML power usage; a 1 s trailing average on Ampere and newer).",
         computes=reading("sources.nvml.NvmlSource.read"),
-        section=SECTION,
+        section=ENERGY_SECTION,
         fill=_devices("gpu", lambda d: (_gpu_labels(d), d.reading.power_watts)),
         status=DEVICES,
         bounds=bounds.NON_NEGATIVE,
@@ -110,7 +116,7 @@ MEASURED: tuple[MetricDef, ...] = (
         name="kvwatt_host_energy_joules_total", type="counter", labels=("zone", "domain"),
         help="RAPL energy of a package or dram zone since kvwatt started watching it, wrap-corrected.",
         computes=reading("sources.rapl.RaplSource.read"),
-        section=SECTION,
+        section=ENERGY_SECTION,
         fill=_devices("host", lambda d: (_host_labels(d), d.reading.joules_total)),
         status=DEVICES,
         bounds=bounds.NON_NEGATIVE,
@@ -121,7 +127,7 @@ MEASURED: tuple[MetricDef, ...] = (
         computes=learned("energy.baseline.BaselineBook.get",
                          why="P_idle learned across ticks, measured or configured, kept in the state directory "
                              "(docs/energy.md)"),
-        section=SECTION,
+        section=ENERGY_SECTION,
         fill=_devices("gpu", lambda d: (_gpu_labels(d), d.baseline.watts if d.baseline else None)),
         status=DEVICES,
         bounds=bounds.NON_NEGATIVE,
@@ -132,7 +138,7 @@ MEASURED: tuple[MetricDef, ...] = (
         computes=learned("energy.baseline.BaselineBook.get",
                          why="P_idle learned across ticks, measured or configured, kept in the state directory "
                              "(docs/energy.md)"),
-        section=SECTION,
+        section=ENERGY_SECTION,
         fill=_devices("host", lambda d: (_host_labels(d), d.baseline.watts if d.baseline else None)),
         status=DEVICES,
         bounds=bounds.NON_NEGATIVE,
@@ -142,7 +148,7 @@ MEASURED: tuple[MetricDef, ...] = (
         help="Seconds since that device's idle baseline was measured.",
         computes=bookkeeping("energy.baseline.Baseline.age_seconds",
                              why="the age of a stored idle baseline (docs/energy.md)"),
-        section=SECTION,
+        section=ENERGY_SECTION,
         fill=_idle_age,
         status=DEVICES,
         bounds=bounds.NON_NEGATIVE,
@@ -153,7 +159,7 @@ MEASURED: tuple[MetricDef, ...] = (
              f"{rules.MIN_LOAD_DURATION.default:g} s of load or "
              "without tokens.",
         computes="derive.energy.window_energy",
-        section=SECTION,
+        section=ENERGY_SECTION,
         fill=_energy("marginal_joules_per_token"),
         words=(Words("GPU J/token, marginal", "joules", ("energy", "gpu", "marginal_joules_per_token")),
                Words("host J/token, marginal", "joules", ("energy", "host", "marginal_joules_per_token"))),
@@ -163,7 +169,7 @@ MEASURED: tuple[MetricDef, ...] = (
         name="kvwatt_energy_per_token_joules", type="gauge", labels=("server", "scope", "window"),
         help="E / generated tokens over the window, no idle subtraction. Absent without enough load.",
         computes="derive.energy.window_energy",
-        section=SECTION,
+        section=ENERGY_SECTION,
         fill=_energy("joules_per_token"),
         words=(Words("GPU J/token, total", "joules", ("energy", "gpu", "joules_per_token")),
                Words("host J/token, total", "joules", ("energy", "host", "joules_per_token"))),
@@ -174,14 +180,15 @@ MEASURED: tuple[MetricDef, ...] = (
         help="Attribution model, not a measurement: marginal GPU joules per prompt token by token source, pricing "
              "reloaded tokens at the configured load/compute cost ratio (docs/energy.md).",
         computes="derive.energy.prompt_attribution",
-        section=SECTION,
+        section=ENERGY_SECTION,
         status=window_key("prompt_energy_per_token_joules", lambda w: w.prompt_energy_per_token),
         bounds=bounds.JOULES_PER_TOKEN,
     ),
 )
 
 
-PER_PHASE: tuple[MetricDef, ...] = (
+# the per-phase costs (methods.md s12) and the power they price: the recomputation's, the offloading's saving
+PHASE_COSTS: tuple[MetricDef, ...] = (
     MetricDef(
         name="kvwatt_phase_joules_per_token", type="gauge", labels=("server", "scope", "phase"),
         help="Marginal joules per token by phase (prompt_computed: a prompt token the server computed; generated; "
@@ -190,7 +197,7 @@ PER_PHASE: tuple[MetricDef, ...] = (
              "until identifiable, the configured attribution model (see kvwatt_phase_cost_source). reloaded is "
              "absent where the server reloads nothing.",
         computes=("derive.phase_energy.estimate", "derive.phase_energy.prior_costs"),  # source=measured, prior
-        section=SECTION,
+        section=PHASE_SECTION,
         fill=_phase("j"),
         bounds=bounds.JOULES_PER_TOKEN,
     ),
@@ -199,7 +206,7 @@ PER_PHASE: tuple[MetricDef, ...] = (
         help="Standard error of kvwatt_phase_joules_per_token from the regression's residual variance; absent for "
              "the prior and for a cost pinned at 0.",
         computes="derive.phase_energy.estimate",
-        section=SECTION,
+        section=PHASE_SECTION,
         fill=_phase("se"),
         bounds=bounds.NON_NEGATIVE,
     ),
@@ -208,7 +215,7 @@ PER_PHASE: tuple[MetricDef, ...] = (
         help="Repeat windows the per-phase costs rest on.",
         computes=bookkeeping("model.energy.PhaseLearner.observe",
                              why="a count of the repeat windows the per-phase learner holds"),
-        section=SECTION,
+        section=PHASE_SECTION,
         fill=_phase_windows,
         bounds=bounds.NON_NEGATIVE,
     ),
@@ -217,7 +224,7 @@ PER_PHASE: tuple[MetricDef, ...] = (
         help="Which per-phase costs are in use: source=measured (state=known) or source=prior (the configured "
              "attribution model; state=not_identifiable with the reason in /api/status, or unknown); value 1.",
         computes=("derive.phase_energy.estimate", "derive.phase_energy.prior_costs"),  # source=measured, prior
-        section=SECTION,
+        section=PHASE_SECTION,
         fill=_phase_source,
         bounds=bounds.INFO,
     ),
@@ -227,7 +234,7 @@ PER_PHASE: tuple[MetricDef, ...] = (
              "computed prompt token (kvwatt_phase_joules_per_token, measured or prior), methods.md s12. x 24 h / "
              "1000 = kWh per day.",
         computes="derive.phase_energy.recompute_tax_watts",
-        section=SECTION,
+        section=PHASE_SECTION,
         status=window_key("recompute_tax_watts", lambda w: w.recompute_tax_watts),
         words=(Words("recomputation energy (GPU)", "kwh_per_day", ("recompute_tax_watts", "gpu")),
                Words("recomputation energy (host)", "kwh_per_day", ("recompute_tax_watts", "host"))),
@@ -238,17 +245,26 @@ PER_PHASE: tuple[MetricDef, ...] = (
         help="kvwatt_recompute_tax_watts over the scope's marginal power (E - P_idle*dt)/dt in the window (alert "
              "KVRecomputeEnergyHigh; methods.md s12).",
         computes="derive.energy.tax_in_energy",
-        section=SECTION,
+        section=PHASE_SECTION,
         status=window_key("recompute_energy_share", lambda w: w.recompute_energy_share),
         words=(Words("recomputation share of GPU energy above idle", "percent", ("recompute_energy_share", "gpu")),),
         bounds=bounds.SHARE,
+    ),
+    MetricDef(
+        name="kvwatt_preemption_recompute_watts", type="gauge", labels=("server", "scope", "window"),
+        help="Power spent on the post-preemption recomputation: its tokens/s x J per computed prompt token "
+             "(kvwatt_phase_joules_per_token, measured or prior; methods.md s12).",
+        computes="derive.recompute.preemption_recompute_watts",
+        section=PHASE_SECTION,
+        status=window_key("preemption_recompute_watts", lambda w: w.preemption_recompute_watts),
+        bounds=bounds.POWER_PART,
     ),
     MetricDef(
         name="kvwatt_offload_saved_watts", type="gauge", labels=("server", "scope", "window"),
         help="Power offloading saved on an offloading server: reloaded tokens/s x (J per computed - J per reloaded "
              "prompt token), per-phase costs measured or prior (methods.md s12).",
         computes="derive.phase_energy.offload_saved_watts",
-        section=SECTION,
+        section=PHASE_SECTION,
         status=window_key("offload_saved_watts", lambda w: w.offload_saved_watts),
         words=(Words("energy offloading saved (GPU)", "kwh_per_day", ("offload_saved_watts", "gpu")),),
         bounds=bounds.SAVED_POWER,
@@ -256,14 +272,28 @@ PER_PHASE: tuple[MetricDef, ...] = (
 )
 
 
-PREEMPTION: tuple[MetricDef, ...] = (
-    MetricDef(
-        name="kvwatt_preemption_recompute_watts", type="gauge", labels=("server", "scope", "window"),
-        help="Power spent on the post-preemption recomputation: its tokens/s x J per computed prompt token "
-             "(kvwatt_phase_joules_per_token, measured or prior; methods.md s12).",
-        computes="derive.recompute.preemption_recompute_watts",
-        section=SECTION,
-        status=window_key("preemption_recompute_watts", lambda w: w.preemption_recompute_watts),
-        bounds=bounds.POWER_PART,
-    ),
-)
+# --- the sections' JSON and the sections ----------------------------------------------------------------------------
+def _energy_json(w: WindowFigures) -> dict:
+    return {"energy": {e.scope: {"joules": e.basis.energy_joules, "idle_joules": e.basis.idle_joules,
+                                 "generated_tokens": e.basis.tokens, "seconds": e.basis.seconds,
+                                 "loaded_seconds": e.basis.loaded_seconds, "joules_per_token": e.joules_per_token,
+                                 "marginal_joules_per_token": e.marginal_joules_per_token} for e in w.energy}}
+
+
+def _phase_costs_json(v: ServerFigures) -> dict:
+    """Per-phase energy costs by scope (methods.md s12): each phase's J/token and SE, and what they rest on."""
+    return {"phase_costs": {c.scope: {
+        **{p: {"joules_per_token": c.joules(p), "stderr": c.stderr(p)} for p in c.phases},
+        "windows": c.windows, "state": c.state, "reason": c.reason, "source": c.source,
+        "condition": None if c.condition is None or math.isinf(c.condition) else c.condition}
+        for c in v.phase_costs}}
+
+
+ENERGY_SEC = Section(name=ENERGY_SECTION, metrics=ENERGY, blocks=(
+    window_block(("energy",), ("kvwatt_marginal_energy_per_token_joules", "kvwatt_energy_per_token_joules"),
+                 _energy_json),
+))
+PHASE_SEC = Section(name=PHASE_SECTION, metrics=PHASE_COSTS, blocks=(
+    server_block(("phase_costs",), ("kvwatt_phase_joules_per_token", "kvwatt_phase_joules_per_token_stderr",
+                                    "kvwatt_phase_cost_windows", "kvwatt_phase_cost_source"), _phase_costs_json),
+))

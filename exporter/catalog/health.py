@@ -6,8 +6,20 @@ from typing import Iterator
 
 from exporter import bounds
 from exporter.build import build_info
-from exporter.catalog.declare import Elsewhere, MetricDef, Sample, Words, bookkeeping, flag, info, reading, window_key
-from exporter.figures import Snapshot
+from exporter.catalog.declare import (
+    Elsewhere,
+    MetricDef,
+    Sample,
+    Section,
+    Words,
+    bookkeeping,
+    flag,
+    info,
+    reading,
+    server_block,
+    window_key,
+)
+from exporter.figures import ServerFigures, Snapshot
 
 EXPORTER_SECTION = "Exporter"
 SOURCES_SECTION = "Sources"
@@ -55,6 +67,7 @@ def _capabilities(snap: Snapshot) -> Iterator[Sample]:
             yield (s.name, cap), 1.0
 
 
+# kvwatt itself: its build, and the figures its bounds check rejected
 EXPORTER: tuple[MetricDef, ...] = (
     MetricDef(
         name="kvwatt_build_info", type="info", labels=("version", "revision", "python_version"),
@@ -66,9 +79,24 @@ EXPORTER: tuple[MetricDef, ...] = (
         status=Elsewhere("the running kvwatt, not a server's figure: /api/status's top-level version"),
         bounds=bounds.INFO,
     ),
+    MetricDef(
+        name="kvwatt_figures_rejected_total", type="counter", labels=("figure", "reason"),
+        help="Figures served as unknown because they broke their family's declared bound (reason: the bound's kind: "
+             "share, power_part, saving, token_rate, priced, ...; exporter/bounds.py), were computed from counts "
+             "another figure showed implausible (reason=dependent) or broke a declared relation with another figure "
+             "(reason=relation; figure: the relation's name where the figure has no family), counted once per tick "
+             "each; the figure and its inputs are in /api/status's implausible list and the log.",
+        computes=bookkeeping("bounds.BoundsCheck.apply",
+                             why="a count of the figures the bounds check rejected, not a figure of a server"),
+        section=EXPORTER_SECTION,
+        fill=_rejected,
+        status=Elsewhere("a count of the bounds check: /api/status lists the figures rejected this tick"),
+        bounds=bounds.NON_NEGATIVE,
+    ),
 )
 
 
+# what is read: each source's health and read time, each server's identity, how much of a window is held
 SOURCES: tuple[MetricDef, ...] = (
     MetricDef(
         name="kvwatt_source_up", type="gauge", labels=("source", "server"),
@@ -88,20 +116,6 @@ SOURCES: tuple[MetricDef, ...] = (
         section=SOURCES_SECTION,
         fill=_source_info,
         bounds=bounds.INFO,
-    ),
-    MetricDef(
-        name="kvwatt_figures_rejected_total", type="counter", labels=("figure", "reason"),
-        help="Figures served as unknown because they broke their family's declared bound (reason: the bound's kind: "
-             "share, power_part, saving, token_rate, priced, ...; exporter/bounds.py), were computed from counts "
-             "another figure showed implausible (reason=dependent) or broke a declared relation with another figure "
-             "(reason=relation; figure: the relation's name where the figure has no family), counted once per tick "
-             "each; the figure and its inputs are in /api/status's implausible list and the log.",
-        computes=bookkeeping("bounds.BoundsCheck.apply",
-                             why="a count of the figures the bounds check rejected, not a figure of a server"),
-        section=SOURCES_SECTION,
-        fill=_rejected,
-        status=Elsewhere("a count of the bounds check: /api/status lists the figures rejected this tick"),
-        bounds=bounds.NON_NEGATIVE,
     ),
     MetricDef(
         name="kvwatt_sample_duration_seconds", type="gauge", labels=("source", "server"),
@@ -145,3 +159,22 @@ SOURCES: tuple[MetricDef, ...] = (
         bounds=bounds.NON_NEGATIVE,
     ),
 )
+
+
+# --- the sections' JSON and the sections ----------------------------------------------------------------------------
+def _identity_json(v: ServerFigures) -> dict:
+    return {"server": v.name, "url": v.url, "engine": v.engine, "capabilities": sorted(v.capabilities),
+            "model_name": v.info.model_name if v.info else None}
+
+
+def _source_status_json(v: ServerFigures) -> dict:
+    return {"up": v.status.up, "state": v.status.state, "reason_code": v.status.code, "reason": v.status.reason}
+
+
+EXPORTER_SEC = Section(name=EXPORTER_SECTION, metrics=EXPORTER)
+SOURCES_SEC = Section(name=SOURCES_SECTION, metrics=SOURCES, blocks=(
+    server_block(("server", "url", "engine", "capabilities", "model_name"),
+                 ("kvwatt_server_info", "kvwatt_server_capability"), _identity_json),
+    server_block(("up", "state", "reason_code", "reason"), ("kvwatt_source_up", "kvwatt_source_info"),
+                 _source_status_json),
+))

@@ -1,5 +1,6 @@
-"""KV pressure and recomputation: KV usage and the regime (methods.md s3, s10), preemptions, prompt-token
-sources and the recomputation tax (s4), and the engine's own KV-block residency record (s11)."""
+"""KV pressure and recomputation, five sections: the KV pressure regime (KV usage, the threshold, the regime;
+methods.md s3, s10), preemptions, tokens and FLOPs (prompt tokens by source), the recomputation tax (s4), and the
+engine's own KV-block residency record (s11)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from exporter.catalog.declare import (
     Elsewhere,
     MetricDef,
     Sample,
+    Section,
     Words,
     deprecation_help,
     judged,
@@ -17,13 +19,19 @@ from exporter.catalog.declare import (
     per_server,
     per_window,
     reading,
+    server_block,
     server_key,
     setting,
+    window_block,
     window_key,
 )
-from exporter.figures import Snapshot, WindowFigures
+from exporter.figures import ServerFigures, Snapshot, WindowFigures
 
-SECTION = "KV pressure and recomputation"
+REGIME_SECTION = "KV pressure regime"
+PREEMPTION_SECTION = "Preemptions"
+TOKENS_SECTION = "Tokens and FLOPs"
+TAX_SECTION = "Recomputation tax"
+RESIDENCY_SECTION = "KV-block residency"
 
 STATES = ("known", "provisional", "unknown")  # a verdict's state (methods.md s10): one series each, 1 for the current
 VERDICTS = ("regime", "tax", "reference", "threshold")
@@ -100,6 +108,7 @@ def _evidence(w: WindowFigures) -> float | None:
     return {"pressure": 1.0, "low_pressure": 0.0}.get(w.residency_evidence or "")
 
 
+# KV usage, the threshold and the regime with the verdicts' states, requests waiting on KV (methods.md s3, s10)
 REGIME: tuple[MetricDef, ...] = (
     MetricDef(
         name="kvwatt_kv_capacity_tokens", type="gauge", labels=("server",),
@@ -108,7 +117,7 @@ REGIME: tuple[MetricDef, ...] = (
              "trtllm_kv_cache_tokens_per_block): the whole the KV-usage ratios are shares of. Absent where the "
              "engine states none.",
         computes=reading("sources.vllm.extract"),
-        section=SECTION,
+        section=REGIME_SECTION,
         status=server_key("kv_capacity_tokens", lambda s: s.info.kv_capacity_tokens if s.info else None),
         bounds=bounds.NON_NEGATIVE,
     ),
@@ -118,7 +127,7 @@ REGIME: tuple[MetricDef, ...] = (
              "trtllm_kv_cache_utilization) over the window from kvwatt's dense samples (methods.md s3); a 15 s "
              "scrape misses the peaks.",
         computes="derive.pressure.kv_usage_quantile",
-        section=SECTION,
+        section=REGIME_SECTION,
         status=window_key("kv_usage_p95", lambda w: w.kv_usage_p95),
         words=(Words("KV-cache usage p95", "percent"),),
         bounds=bounds.SHARE,
@@ -127,7 +136,7 @@ REGIME: tuple[MetricDef, ...] = (
         name="kvwatt_kv_cache_usage_max_ratio", type="gauge", labels=("server", "window"),
         help="Maximum of the engine's KV-cache usage over the window from dense samples.",
         computes="derive.pressure.kv_usage_quantile",
-        section=SECTION,
+        section=REGIME_SECTION,
         status=window_key("kv_usage_max", lambda w: w.kv_usage_max),
         words=(Words("KV-cache usage max", "percent"),),
         bounds=bounds.SHARE,
@@ -137,7 +146,7 @@ REGIME: tuple[MetricDef, ...] = (
         help=f"The configured KV-pressure regime threshold on p95 usage (default "
              f"{rules.KV_PRESSURE_THRESHOLD.default:.2f}, methods.md s3).",
         computes=setting("config.resolve"),
-        section=SECTION,
+        section=REGIME_SECTION,
         status=server_key("threshold", lambda s: s.threshold),
         bounds=bounds.SHARE,
     ),
@@ -146,7 +155,7 @@ REGIME: tuple[MetricDef, ...] = (
         help="Lower bound of the ~95 % order-statistic interval of the window's p95 KV usage (methods.md s10; "
              "assumes independent samples, so the real uncertainty is larger).",
         computes="derive.pressure_evidence.quantile_bounds",
-        section=SECTION,
+        section=REGIME_SECTION,
         fill=per_window(lambda w: w.kv_usage_p95_low),
         bounds=bounds.SHARE,
     ),
@@ -154,7 +163,7 @@ REGIME: tuple[MetricDef, ...] = (
         name="kvwatt_kv_cache_usage_p95_upper_ratio", type="gauge", labels=("server", "window"),
         help="Upper bound of the ~95 % order-statistic interval of the window's p95 KV usage (methods.md s10).",
         computes="derive.pressure_evidence.quantile_bounds",
-        section=SECTION,
+        section=REGIME_SECTION,
         fill=per_window(lambda w: w.kv_usage_p95_high),
         bounds=bounds.SHARE,
     ),
@@ -164,7 +173,7 @@ REGIME: tuple[MetricDef, ...] = (
              "with sustained preemptions (method=preemption_onset) or a recomputation tax above noise "
              "(method=tax_onset), methods.md s10. Absent until the evidence is there.",
         computes="derive.threshold.locate_why",
-        section=SECTION,
+        section=REGIME_SECTION,
         fill=_located("ratio"),
         bounds=bounds.SHARE,
     ),
@@ -172,7 +181,7 @@ REGIME: tuple[MetricDef, ...] = (
         name="kvwatt_kv_pressure_threshold_located_low_ratio", type="gauge", labels=("server", "method"),
         help="Lower end of the located threshold's interval: the highest clean window's p95 (its lower bound).",
         computes="derive.threshold.locate_why",
-        section=SECTION,
+        section=REGIME_SECTION,
         fill=_located("low"),
         bounds=bounds.SHARE,
     ),
@@ -180,7 +189,7 @@ REGIME: tuple[MetricDef, ...] = (
         name="kvwatt_kv_pressure_threshold_located_high_ratio", type="gauge", labels=("server", "method"),
         help="Upper end of the located threshold's interval: the lowest pressured window's p95 (its upper bound).",
         computes="derive.threshold.locate_why",
-        section=SECTION,
+        section=REGIME_SECTION,
         fill=_located("high"),
         bounds=bounds.SHARE,
     ),
@@ -188,7 +197,7 @@ REGIME: tuple[MetricDef, ...] = (
         name="kvwatt_kv_pressure_threshold_located_windows", type="gauge", labels=("server", "method"),
         help="Number of evidence windows (threshold_window each, clean or pressured) the located threshold rests on.",
         computes="derive.threshold.locate_why",
-        section=SECTION,
+        section=REGIME_SECTION,
         fill=_located("points"),
         bounds=bounds.NON_NEGATIVE,
     ),
@@ -199,7 +208,7 @@ REGIME: tuple[MetricDef, ...] = (
         computes=learned("model.pressure.ThresholdLearner.observe",
                          why="the located threshold once the history locates one, else the configured one "
                              "(methods.md s10)"),
-        section=SECTION,
+        section=REGIME_SECTION,
         fill=_threshold_in_use,
         bounds=bounds.SHARE,
     ),
@@ -212,7 +221,7 @@ REGIME: tuple[MetricDef, ...] = (
         computes=judged("model.pressure.regime",
                         why="weighs the engine's signs of pressure against the threshold's prediction (methods.md "
                             "s10)"),
-        section=SECTION,
+        section=REGIME_SECTION,
         status=window_key("above_threshold", lambda w: w.above_threshold),
         bounds=bounds.BOOLEAN,
     ),
@@ -223,7 +232,7 @@ REGIME: tuple[MetricDef, ...] = (
         computes=judged("model.pressure.regime",
                         why="weighs the engine's signs of pressure against the threshold's prediction (methods.md "
                             "s10)"),
-        section=SECTION,
+        section=REGIME_SECTION,
         fill=per_window(lambda w: w.above_threshold),
         status=Elsewhere(f"deprecated: {REGIME_ABOVE}'s values (windows.<window>.above_threshold), /metrics only"),
         bounds=bounds.BOOLEAN,
@@ -238,7 +247,7 @@ REGIME: tuple[MetricDef, ...] = (
         computes=judged("model.pressure.regime",
                         why="weighs the engine's signs of pressure against the threshold's prediction (methods.md "
                             "s10)"),
-        section=SECTION,
+        section=REGIME_SECTION,
         fill=_regime_states,
         status=window_key("regime", lambda w: {"state": w.regime_state, "reason": w.regime_reason}),
         bounds=bounds.BOOLEAN,
@@ -252,7 +261,7 @@ REGIME: tuple[MetricDef, ...] = (
         computes=judged("model.server.ServerModel.figures",
                         why="the state of each learned verdict, gathered when the server's figures are assembled "
                             "(methods.md s10)"),
-        section=SECTION,
+        section=REGIME_SECTION,
         fill=_verdict_states,
         bounds=bounds.BOOLEAN,
     ),
@@ -262,7 +271,7 @@ REGIME: tuple[MetricDef, ...] = (
              "vllm:num_requests_waiting_by_reason{reason=\"capacity\"} (vLLM 0.20+): the most direct sign of KV "
              "pressure (methods.md s10). Absent where the engine does not export it.",
         computes="derive.pressure.waiting_for_capacity",
-        section=SECTION,
+        section=REGIME_SECTION,
         status=window_key("requests_waiting_for_kv_capacity", lambda w: w.requests_waiting_for_kv_capacity),
         words=(Words("requests waiting for KV capacity (mean)", "number", absent_when_none=True),),
         bounds=bounds.NON_NEGATIVE,
@@ -273,7 +282,7 @@ REGIME: tuple[MetricDef, ...] = (
              f"samples (>= {rules.CAPACITY_SUSTAINED.default:g}) it is known pressure, in any it rules out low "
              "pressure (methods.md s10).",
         computes="derive.pressure.waiting_for_capacity",
-        section=SECTION,
+        section=REGIME_SECTION,
         status=window_key("requests_waiting_for_kv_capacity_share",
                           lambda w: w.requests_waiting_for_kv_capacity_share),
         words=(Words("samples with requests waiting for KV capacity", "percent", absent_when_none=True),),
@@ -285,17 +294,33 @@ REGIME: tuple[MetricDef, ...] = (
              "p95 usage over the window is above the threshold in use. Absent for a server with one pool; "
              "kvwatt_kv_cache_usage_p95_ratio is the fullest pool's.",
         computes="derive.pressure.pools_above_threshold",
-        section=SECTION,
+        section=REGIME_SECTION,
         status=window_key("kv_pools_above_threshold", lambda w: w.kv_pools_above_threshold),
         words=(Words("KV pools above threshold", "number", absent_when_none=True),),
         bounds=bounds.NON_NEGATIVE,
     ),
     MetricDef(
+        name="kvwatt_requests_in_kv_fetch", type="gauge", labels=("server", "stage"),
+        help="Requests in an asynchronous KV fetch, by stage (waiting_to_start, in_progress, completed_waiting) at "
+             "the last read, from vllm:num_requests_kv_fetch_by_stage (0.32, with a connector that loads KV): not "
+             "requests waiting for KV capacity (kvwatt_requests_waiting_for_kv_capacity). Requests held in_progress "
+             "while nothing runs point at the async-load stall (vLLM #57841).",
+        computes=reading("sources.vllm.extract"),
+        section=REGIME_SECTION,
+        status=server_key("requests_in_kv_fetch", lambda s: s.kv_fetch_waiting),
+        bounds=bounds.NON_NEGATIVE,
+    ),
+)
+
+
+# preemptions and admission rejections: the engine's signs of KV pressure (methods.md s3)
+PREEMPTIONS: tuple[MetricDef, ...] = (
+    MetricDef(
         name="kvwatt_preemptions_per_minute", type="gauge", labels=("server", "window"),
         help="Preemptions per minute over the window, from vllm:num_preemptions_total deltas (SGLang: retractions, "
              "sglang:num_retracted_requests_total; absent for engines without such a counter).",
         computes="derive.pressure.preemptions_per_minute",
-        section=SECTION,
+        section=PREEMPTION_SECTION,
         status=window_key("preemptions_per_minute", lambda w: w.preemptions_per_minute),
         words=(Words("preemptions per minute", "number"),),
         bounds=bounds.NON_NEGATIVE,
@@ -305,15 +330,60 @@ REGIME: tuple[MetricDef, ...] = (
         help=f"1 when preemptions are sustained at >= the onset rate (default "
              f"{rules.PREEMPTION_ONSET_PER_MINUTE.default:g}/min, methods.md s3).",
         computes="derive.pressure.preemption_onset",
-        section=SECTION,
+        section=PREEMPTION_SECTION,
         status=window_key("preemption_onset", lambda w: w.preemption_onset),
         bounds=bounds.BOOLEAN,
     ),
     MetricDef(
+        name="kvwatt_preemptions_per_request", type="gauge", labels=("server", "percentile", "window"),
+        help="Preemptions per request finished in the window at the percentile (p50, p99), from the histogram "
+             "vllm:request_num_preemptions (0.30+): the upper edge of the bucket holding it (at most this many; "
+             "vLLM's first bucket holds 0 and 1 together); absent above the largest bucket.",
+        computes="derive.preemption.quantiles",
+        section=PREEMPTION_SECTION,
+        status=window_key("preemptions_per_request", lambda w: w.preemptions_per_request),
+        bounds=bounds.NON_NEGATIVE,
+    ),
+    MetricDef(
+        name="kvwatt_preempted_requests_ratio", type="gauge", labels=("server", "bound", "window"),
+        help="Share of the requests finished in the window that were preempted at least once, as a lower and an "
+             "upper bound (equal when the histogram's buckets and sum tell it exactly), from "
+             "vllm:request_num_preemptions (0.30+).",
+        computes="derive.preemption.preempted_share",
+        section=PREEMPTION_SECTION,
+        status=window_key("preempted_requests_share", lambda w: w.preempted_requests_share),
+        bounds=bounds.SHARE,
+    ),
+    MetricDef(
+        name="kvwatt_preemptions_by_reason_per_minute", type="gauge", labels=("server", "reason", "window"),
+        help="Preemptions per minute over the window by reason (kv_full, priority, prefix_cache_reset) where vLLM "
+             "exports vllm:num_preemptions_by_reason_total (vLLM PR #58037, not in a release yet): only kv_full is "
+             "KV pressure.",
+        computes="derive.pressure.labelled_per_minute",
+        section=PREEMPTION_SECTION,
+        status=window_key("preemptions_by_reason_per_minute", lambda w: w.preemptions_by_reason_per_minute),
+        bounds=bounds.NON_NEGATIVE,
+    ),
+    MetricDef(
+        name="kvwatt_admission_rejections_per_minute", type="gauge", labels=("server", "reason", "window"),
+        help="Requests refused at admission per minute over the window, by reason (a queue limit: "
+             "max_num_queued_reqs, max_num_queued_tokens), from vllm:admission_rejections_total (0.32+).",
+        computes="derive.pressure.labelled_per_minute",
+        section=PREEMPTION_SECTION,
+        status=window_key("admission_rejections_per_minute",
+                                                    lambda w: w.admission_rejections_per_minute),
+        bounds=bounds.NON_NEGATIVE,
+    ),
+)
+
+
+# what the engine produced and computed: generated tokens, prompt tokens by source, estimated FLOPs (s4)
+TOKENS: tuple[MetricDef, ...] = (
+    MetricDef(
         name="kvwatt_generation_tokens_per_second", type="gauge", labels=("server", "window"),
         help="Generated tokens per second over the window.",
         computes="derive.pressure.rate_per_second",
-        section=SECTION,
+        section=TOKENS_SECTION,
         status=window_key("generation_tokens_per_second", lambda w: w.generation_tokens_per_second),
         words=(Words("generated tokens/s", "number"),),
         bounds=bounds.TOKEN_RATE,
@@ -324,7 +394,7 @@ REGIME: tuple[MetricDef, ...] = (
              "window; sums to 1. vLLM < 0.16: estimated from prefix-cache counters. First prefills only: re-prefill "
              "after preemption is not counted (see kvwatt_estimated_flops_per_generated_token).",
         computes="derive.recompute.token_shares",
-        section=SECTION,
+        section=TOKENS_SECTION,
         status=window_key("prompt_token_shares", lambda w: w.token_shares),
         words=(Words("prompt tokens recomputed", "percent", ("prompt_token_shares", "local_compute")),
                Words("prompt tokens from prefix cache", "percent",
@@ -339,66 +409,39 @@ REGIME: tuple[MetricDef, ...] = (
              "p2p, external) over the window; sums to 1 (vllm:prompt_tokens_cached_by_source_total, 0.32+): a reload "
              "from host memory and one from disk are told apart.",
         computes="derive.recompute.cached_tier_shares",
-        section=SECTION,
+        section=TOKENS_SECTION,
         status=window_key("cached_prompt_token_shares", lambda w: w.cached_tier_shares),
         bounds=bounds.SHARE,
     ),
     MetricDef(
-        name="kvwatt_preemptions_per_request", type="gauge", labels=("server", "percentile", "window"),
-        help="Preemptions per request finished in the window at the percentile (p50, p99), from the histogram "
-             "vllm:request_num_preemptions (0.30+): the upper edge of the bucket holding it (at most this many; "
-             "vLLM's first bucket holds 0 and 1 together); absent above the largest bucket.",
-        computes="derive.preemption.quantiles",
-        section=SECTION,
-        status=window_key("preemptions_per_request", lambda w: w.preemptions_per_request),
+        name="kvwatt_estimated_flops_per_second", type="gauge", labels=("server", "window"),
+        help="FLOP/s vLLM estimated for the tokens it actually scheduled (MFU counters, --enable-mfu-metrics); "
+             "includes re-prefill after preemption, which the token counters miss.",
+        computes="derive.recompute.mfu_view",
+        section=TOKENS_SECTION,
+        status=window_key("estimated_flops_per_second", lambda w: w.flops_per_second),
         bounds=bounds.NON_NEGATIVE,
     ),
     MetricDef(
-        name="kvwatt_preempted_requests_ratio", type="gauge", labels=("server", "bound", "window"),
-        help="Share of the requests finished in the window that were preempted at least once, as a lower and an "
-             "upper bound (equal when the histogram's buckets and sum tell it exactly), from "
-             "vllm:request_num_preemptions (0.30+).",
-        computes="derive.preemption.preempted_share",
-        section=SECTION,
-        status=window_key("preempted_requests_share", lambda w: w.preempted_requests_share),
-        bounds=bounds.SHARE,
-    ),
-    MetricDef(
-        name="kvwatt_preemptions_by_reason_per_minute", type="gauge", labels=("server", "reason", "window"),
-        help="Preemptions per minute over the window by reason (kv_full, priority, prefix_cache_reset) where vLLM "
-             "exports vllm:num_preemptions_by_reason_total (vLLM PR #58037, not in a release yet): only kv_full is "
-             "KV pressure.",
-        computes="derive.pressure.labelled_per_minute",
-        section=SECTION,
-        status=window_key("preemptions_by_reason_per_minute", lambda w: w.preemptions_by_reason_per_minute),
+        name="kvwatt_estimated_flops_per_generated_token", type="gauge", labels=("server", "window"),
+        help="Estimated FLOPs per generated token over the window (MFU counters): rises with every kind of "
+             "recomputation, preemption re-prefill included.",
+        computes="derive.recompute.mfu_view",
+        section=TOKENS_SECTION,
+        status=window_key("estimated_flops_per_generated_token", lambda w: w.flops_per_generated_token),
+        words=(Words("FLOPs per generated token (estimated)", "gigaflops"),),
         bounds=bounds.NON_NEGATIVE,
     ),
-    MetricDef(
-        name="kvwatt_admission_rejections_per_minute", type="gauge", labels=("server", "reason", "window"),
-        help="Requests refused at admission per minute over the window, by reason (a queue limit: "
-             "max_num_queued_reqs, max_num_queued_tokens), from vllm:admission_rejections_total (0.32+).",
-        computes="derive.pressure.labelled_per_minute",
-        section=SECTION,
-        status=window_key("admission_rejections_per_minute",
-                                                    lambda w: w.admission_rejections_per_minute),
-        bounds=bounds.NON_NEGATIVE,
-    ),
-    MetricDef(
-        name="kvwatt_requests_in_kv_fetch", type="gauge", labels=("server", "stage"),
-        help="Requests in an asynchronous KV fetch, by stage (waiting_to_start, in_progress, completed_waiting) at "
-             "the last read, from vllm:num_requests_kv_fetch_by_stage (0.32, with a connector that loads KV): not "
-             "requests waiting for KV capacity (kvwatt_requests_waiting_for_kv_capacity). Requests held in_progress "
-             "while nothing runs point at the async-load stall (vLLM #57841).",
-        computes=reading("sources.vllm.extract"),
-        section=SECTION,
-        status=server_key("requests_in_kv_fetch", lambda s: s.kv_fetch_waiting),
-        bounds=bounds.NON_NEGATIVE,
-    ),
+)
+
+
+# the recomputation tax, its low-pressure reference, and the recomputation preemptions caused (methods.md s4)
+TAX: tuple[MetricDef, ...] = (
     MetricDef(
         name="kvwatt_recompute_tax_ratio", type="gauge", labels=("server", "window"),
         help="local_compute share minus this server's low-pressure reference share (methods.md s4).",
         computes="derive.recompute.recompute_tax",
-        section=SECTION,
+        section=TAX_SECTION,
         status=window_key("recompute_tax", lambda w: w.recompute_tax),
         words=(Words("recompute tax (points)", "points"),),
         bounds=bounds.SHARE_DIFFERENCE,
@@ -411,7 +454,7 @@ REGIME: tuple[MetricDef, ...] = (
         computes=learned("model.pressure.LowPressureReference.offer",
                          why="learned from the low-pressure windows of the server's history and persisted "
                              "(methods.md s10)"),
-        section=SECTION,
+        section=TAX_SECTION,
         status=server_key("reference_local_compute_share", lambda s: s.reference_share),
         bounds=bounds.SHARE,
     ),
@@ -422,27 +465,8 @@ REGIME: tuple[MetricDef, ...] = (
         computes=learned("model.pressure.LowPressureReference.offer",
                          why="learned from the low-pressure windows of the server's history and persisted "
                              "(methods.md s10)"),
-        section=SECTION,
+        section=TAX_SECTION,
         fill=per_server(lambda s: s.reference_windows),
-        bounds=bounds.NON_NEGATIVE,
-    ),
-    MetricDef(
-        name="kvwatt_estimated_flops_per_second", type="gauge", labels=("server", "window"),
-        help="FLOP/s vLLM estimated for the tokens it actually scheduled (MFU counters, --enable-mfu-metrics); "
-             "includes re-prefill after preemption, which the token counters miss.",
-        computes="derive.recompute.mfu_view",
-        section=SECTION,
-        status=window_key("estimated_flops_per_second", lambda w: w.flops_per_second),
-        bounds=bounds.NON_NEGATIVE,
-    ),
-    MetricDef(
-        name="kvwatt_estimated_flops_per_generated_token", type="gauge", labels=("server", "window"),
-        help="Estimated FLOPs per generated token over the window (MFU counters): rises with every kind of "
-             "recomputation, preemption re-prefill included.",
-        computes="derive.recompute.mfu_view",
-        section=SECTION,
-        status=window_key("estimated_flops_per_generated_token", lambda w: w.flops_per_generated_token),
-        words=(Words("FLOPs per generated token (estimated)", "gigaflops"),),
         bounds=bounds.NON_NEGATIVE,
     ),
     MetricDef(
@@ -454,7 +478,7 @@ REGIME: tuple[MetricDef, ...] = (
              "source on first prefills only, so the recomputation tax misses this work. State, reason and the write "
              "model's source (fitted, config.json, both agree) in /api/status.",
         computes="derive.recompute.preemption_recompute",
-        section=SECTION,
+        section=TAX_SECTION,
         status=window_key("preemption_recompute", lambda w: _again(w, "tokens_per_second"),
                           json=lambda w: _again_json(w.preemption_recompute)),
         bounds=bounds.TOKEN_RATE,
@@ -464,7 +488,7 @@ REGIME: tuple[MetricDef, ...] = (
         help="The post-preemption recomputation's share of the tokens the engine scheduled in the window "
              "(kvwatt_preemption_recompute_tokens_per_second over all scheduled tokens/s, methods.md s4).",
         computes="derive.recompute.preemption_recompute",
-        section=SECTION,
+        section=TAX_SECTION,
         status=window_key("preemption_recompute_share", lambda w: _again(w, "share")),
         words=(Words("recomputed after preemption (of scheduled tokens)", "percent"),
                Words("its write model", "write_model", path=("preemption_recompute", "write_model"))),
@@ -473,6 +497,7 @@ REGIME: tuple[MetricDef, ...] = (
 )
 
 
+# the engine's own KV-block residency record (vLLM --kv-cache-metrics, methods.md s11)
 RESIDENCY: tuple[MetricDef, ...] = (
     MetricDef(
         name="kvwatt_kv_block_evictions_per_second", type="gauge", labels=("server", "window"),
@@ -481,7 +506,7 @@ RESIDENCY: tuple[MetricDef, ...] = (
              "servers[].kv_cache_metrics_sample (the engine's --kv-cache-metrics-sample, default "
              f"{rules.VLLM_KV_CACHE_METRICS_SAMPLE:g}).",
         computes="derive.residency.window_residency",
-        section=SECTION,
+        section=RESIDENCY_SECTION,
         status=window_key("kv_evicted_blocks_per_second", lambda w: w.kv_evicted_blocks_per_second),
         bounds=bounds.NON_NEGATIVE,
     ),
@@ -491,7 +516,7 @@ RESIDENCY: tuple[MetricDef, ...] = (
              f"s11): >= {rules.PRESSURE_EVICTIONS_PER_PROMPT_BLOCK.default:g} with the evictions before reuse is "
              f"pressure evidence, <= {rules.LOW_PRESSURE_EVICTIONS_PER_PROMPT_BLOCK.default:g} low-pressure evidence.",
         computes="derive.residency.window_residency",
-        section=SECTION,
+        section=RESIDENCY_SECTION,
         status=window_key("kv_evictions_per_prompt_block", lambda w: w.kv_evictions_per_prompt_block),
         words=(Words("KV blocks evicted per prompt block", "number"),),
         bounds=bounds.NON_NEGATIVE,
@@ -501,7 +526,7 @@ RESIDENCY: tuple[MetricDef, ...] = (
         help="How long evicted KV blocks sat unused before eviction, at the percentile (p50, p99) over the window: "
              "the upper edge of the bucket of vllm:kv_block_idle_before_evict_seconds holding it.",
         computes="derive.residency.quantiles",
-        section=SECTION,
+        section=RESIDENCY_SECTION,
         status=window_key("kv_idle_before_evict_seconds", lambda w: w.kv_idle_before_evict_seconds),
         bounds=bounds.NON_NEGATIVE,
     ),
@@ -511,7 +536,7 @@ RESIDENCY: tuple[MetricDef, ...] = (
              "vllm:kv_block_reuse_gap_seconds (upper bucket edge). Only blocks reused before their eviction are "
              "seen: the gaps the cache survived.",
         computes="derive.residency.quantiles",
-        section=SECTION,
+        section=RESIDENCY_SECTION,
         status=window_key("kv_reuse_gap_seconds", lambda w: w.kv_reuse_gap_seconds),
         bounds=bounds.NON_NEGATIVE,
     ),
@@ -522,7 +547,7 @@ RESIDENCY: tuple[MetricDef, ...] = (
              f"saw >= {rules.MIN_REUSE_GAPS.default:g} gaps and it is longer (yardstick=reuse_gap_p50); methods.md "
              "s11.",
         computes="derive.residency.window_residency",
-        section=SECTION,
+        section=RESIDENCY_SECTION,
         fill=_evicted_before_reuse,
         bounds=bounds.SHARE,
     ),
@@ -533,8 +558,66 @@ RESIDENCY: tuple[MetricDef, ...] = (
              f"before reuse), 0 = low pressure (<= {rules.LOW_PRESSURE_EVICTIONS_PER_PROMPT_BLOCK.default:g}); absent "
              "when unknown (no --kv-cache-metrics, too few prompt blocks for the sample share, between).",
         computes="derive.residency.residency_evidence",
-        section=SECTION,
+        section=RESIDENCY_SECTION,
         fill=per_window(_evidence),
         bounds=bounds.BOOLEAN,
     ),
 )
+
+
+# --- the sections' JSON and the sections ----------------------------------------------------------------------------
+# the keys _threshold_json writes: extend the two together (tests/test_figures_declared.py checks they agree)
+THRESHOLD_KEYS = ("threshold_in_use", "threshold_source", "threshold_located", "evidence_windows",
+                  "reference_windows", "reference_spread", "threshold_state", "threshold_reason",
+                  "reference_state", "reference_reason", "tax_state", "tax_reason", "regime_state",
+                  "regime_reason", "evidence", "epoch")
+
+
+def _threshold_json(v: ServerFigures) -> dict:
+    """The located threshold and the reference's evidence (methods.md s10)."""
+    loc = v.located
+    return {
+        "threshold_in_use": v.threshold_in_use, "threshold_source": v.threshold_source,
+        "threshold_located": None if loc is None else {
+            "ratio": loc.ratio, "low": loc.low, "high": loc.high, "method": loc.method, "windows": loc.points,
+            "clean_below": loc.clean_below, "pressured_above": loc.pressured_above, "misplaced": loc.misplaced},
+        "evidence_windows": v.evidence_windows, "reference_windows": v.reference_windows,
+        "reference_spread": v.reference_spread,
+        "threshold_state": v.threshold_state, "threshold_reason": v.threshold_reason,
+        "reference_state": v.reference_state, "reference_reason": v.reference_reason,
+        "tax_state": v.tax_state, "tax_reason": v.tax_reason,
+        "regime_state": v.regime_state, "regime_reason": v.regime_reason,
+        "evidence": dict(vars(v.evidence)),
+        "epoch": {"started": v.epoch_started_wall, "cause": v.epoch_cause},
+    }
+
+
+REGIME_SEC = Section(name=REGIME_SECTION, metrics=REGIME, blocks=(
+    window_block(("kv_usage_p95_interval",),  # methods.md s10
+                 ("kvwatt_kv_cache_usage_p95_lower_ratio", "kvwatt_kv_cache_usage_p95_upper_ratio"),
+                 lambda w: {"kv_usage_p95_interval": [w.kv_usage_p95_low, w.kv_usage_p95_high]}),
+    server_block(("regime", "regime_window"), (REGIME_ABOVE,),  # the shortest window's, in words
+                 lambda v: {"regime": v.regime, "regime_window": v.regime_window}),
+    server_block(THRESHOLD_KEYS,
+                 ("kvwatt_kv_pressure_threshold_in_use_ratio", "kvwatt_kv_pressure_threshold_located_ratio",
+                  "kvwatt_kv_pressure_threshold_located_low_ratio", "kvwatt_kv_pressure_threshold_located_high_ratio",
+                  "kvwatt_kv_pressure_threshold_located_windows", "kvwatt_recompute_reference_windows",
+                  "kvwatt_verdict_state"),
+                 _threshold_json),
+))
+PREEMPTION_SEC = Section(name=PREEMPTION_SECTION, metrics=PREEMPTIONS)
+TOKENS_SEC = Section(name=TOKENS_SECTION, metrics=TOKENS)
+TAX_SEC = Section(name=TAX_SECTION, metrics=TAX, blocks=(
+    server_block(("reference_kind",), ("kvwatt_recompute_reference_share_ratio",),
+                 lambda v: {"reference_kind": v.reference_kind}),
+))
+RESIDENCY_SEC = Section(name=RESIDENCY_SECTION, metrics=RESIDENCY, blocks=(
+    window_block(("kv_evicted_before_reuse_ratio", "kv_before_reuse_yardstick", "kv_before_reuse_yardstick_seconds"),
+                 ("kvwatt_kv_block_evicted_before_reuse_ratio",),  # methods.md s11
+                 lambda w: {"kv_evicted_before_reuse_ratio": w.kv_evicted_before_reuse_ratio,
+                            "kv_before_reuse_yardstick": w.kv_before_reuse_yardstick,
+                            "kv_before_reuse_yardstick_seconds": w.kv_before_reuse_yardstick_seconds}),
+    window_block(("residency_evidence", "residency_evidence_reason"), ("kvwatt_kv_block_residency_pressure_evidence",),
+                 lambda w: {"residency_evidence": w.residency_evidence,
+                            "residency_evidence_reason": w.residency_evidence_reason}),
+))

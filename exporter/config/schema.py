@@ -71,6 +71,10 @@ class Config:
     collapse_power_near_idle_ratio: float = rules.COLLAPSE_POWER_NEAR_IDLE_RATIO.default
     collapse_reference_seconds: float = rules.COLLAPSE_REFERENCE_WINDOW.default
     load_to_compute_cost_ratio: float = rules.LOAD_TO_COMPUTE_COST_RATIO.default
+    # the energy per byte of each hop of a reloaded token (methods.md s14): configured, never measured
+    host_memory_joules_per_byte: float = rules.HOST_MEMORY_JOULES_PER_BYTE.default
+    host_link_joules_per_byte: float = rules.HOST_LINK_JOULES_PER_BYTE.default
+    disk_joules_per_byte: float = rules.DISK_JOULES_PER_BYTE.default
     # money and carbon (docs/energy.md): None = not configured, the figures are absent (no invented default)
     electricity_price: PriceSetting | None = None  # per kWh, in electricity_currency
     electricity_currency: str | None = None  # ISO 4217 code, required with a price (a label of the money series)

@@ -126,6 +126,9 @@ SETTINGS: tuple[Setting, ...] = (
     rule(rules.COLLAPSE_POWER_NEAR_IDLE_RATIO, _float_range(1.0)),
     rule(rules.COLLAPSE_REFERENCE_WINDOW, parse_duration),
     rule(rules.LOAD_TO_COMPUTE_COST_RATIO, _float_range(0.0)),
+    rule(rules.HOST_MEMORY_JOULES_PER_BYTE, _float_range(0.0, 1e-3)),
+    rule(rules.HOST_LINK_JOULES_PER_BYTE, _float_range(0.0, 1e-3)),
+    rule(rules.DISK_JOULES_PER_BYTE, _float_range(0.0, 1e-3)),
     Setting("electricity_price_per_kwh", "electricity_price", parse_price,
             "electricity price per kWh for the money figures: a number, or a URL read every `price_refresh` -- a "
             "Prometheus `.../api/v1/query?query=...` (one sample) or a `/metrics` URL with `#series_name` "

@@ -15,7 +15,7 @@ vllm:kv_offload_total_bytes_total{transfer_type="GPU_to_CPU"}; sources/vllm.py m
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from exporter import rules
 from exporter.derive.pressure import rate_per_second
@@ -173,6 +173,13 @@ class TierFlows:
     # second over the window: blocks the tier will never serve (the tier too slow for the write rate)
     dropped_stores_per_second: float | None = None
     dropped_blocks_per_second: float | None = None
+    # failed promotion (this tier -> CPU tier) and cascade (CPU tier -> this tier) jobs per second over the window;
+    # 0 where the tier moved data and vLLM has no sample of the counter (it has none until its first failure)
+    failed_promotions_per_second: float | None = None
+    failed_cascades_per_second: float | None = None
+    # the tier's capacity (configured: vLLM exports none) or, unknown, why
+    capacity_bytes: float | None = None
+    capacity_reason: str = ""
 
 
 def _hit_ratio(hits: float | None, queries: float | None) -> float | None:
@@ -203,6 +210,24 @@ def _dropped(agg: WindowAggregate, keys, prefix: str, tier: str) -> float | None
     return rate
 
 
+def _failed(agg: WindowAggregate, prefix: str, tier: str, moved: bool) -> float | None:
+    """Failed jobs per second over the window. vLLM's job-failure counters (tiering, 0.28+) have a HELP line and
+    no sample until their first failure: a tier that moved data without one failed none; unknown otherwise."""
+    rate = _per_covered_second(agg, labelled_key(prefix, tier))
+    return 0.0 if rate is None and moved and agg.covered_seconds > 0 else rate
+
+
+def capacity_unknown(tier: str) -> str:
+    """Why a tier's size is unknown: vLLM (0.32) exports no tier capacity, and its fs tier has none of its own."""
+    where = f'servers[].offload_tier_bytes["{tier}"]'
+    if tier.endswith(":primary"):
+        return f"the CPU tier's size is kv_connector_extra_config.cpu_bytes_to_use, which vLLM exports nowhere: set {where}"
+    if tier.endswith(":fs"):
+        return (f"vLLM's fs tier has no capacity of its own (it fills its root_dir's filesystem) and exports none: "
+                f"set {where} to the space it may use")
+    return f"vLLM exports no tier capacity: set {where}"
+
+
 def tier_flows(agg: WindowAggregate, capacities: dict[str, float] | None = None,
                p99_tool_latency_seconds: float = rules.P99_TOOL_LATENCY.default) -> tuple[TierFlows, ...]:
     """Every tier that carries a tiering counter in the window, sorted by tier label; ``capacities``: the
@@ -225,6 +250,11 @@ def tier_flows(agg: WindowAggregate, capacities: dict[str, float] | None = None,
                           undersized(held, write, failures, p99_tool_latency_seconds), held,
                           _dropped(agg, keys, "tier_dropped_stores", tier),
                           _dropped(agg, keys, "tier_dropped_blocks", tier))
+        moved = any(v is not None for v in (flows.write_bytes_per_second, flows.read_bytes_per_second, queries))
+        cap = (capacities or {}).get(tier)
+        flows = replace(flows, failed_promotions_per_second=_failed(agg, "tier_promotion_failures", tier, moved),
+                        failed_cascades_per_second=_failed(agg, "tier_cascade_failures", tier, moved),
+                        capacity_bytes=cap, capacity_reason="" if cap is not None else capacity_unknown(tier))
         if any(v is not None for v in (flows.write_bytes_per_second, flows.read_bytes_per_second,
                                        flows.chunk_hit_ratio, flows.job_failures, flows.dropped_blocks_per_second)):
             out.append(flows)  # a tier whose samples all left the window is gone from it

@@ -13,7 +13,7 @@ from __future__ import annotations
 from exporter import rules
 from exporter.config import DEFAULT_SERVER_URL, Config
 from exporter.derive.threshold import noise_bar, plural
-from exporter.figures import Advice, BufferFigures, ServerFigures, WindowFigures
+from exporter.figures import KV_CACHE_METRICS_HINT, Advice, BufferFigures, ServerFigures, WindowFigures
 from exporter.model import offload as offload_figures
 from exporter.model.pressure import QUIET_KNOWN_WINDOWS, REFERENCE_KNOWN_WINDOWS
 
@@ -22,8 +22,6 @@ NO_SERVER_CONFIGURED = ("No server is configured, and nothing answers at the def
                         "configuration's servers), or run `kvwatt demo` to see what kvwatt shows on a real "
                         "engine's capture.")
 NOTHING_TO_DO = "Nothing to do: every check kvwatt makes is known and clear."
-KV_CACHE_METRICS = ("Enabling --kv-cache-metrics on the vLLM server would make the pressure verdict certain from "
-                    "the first minutes (KV-block evictions per prompt block, evicted-before-reuse share).")
 
 
 def advise(v: ServerFigures, cfg: Config) -> tuple[Advice, ...]:
@@ -221,7 +219,7 @@ def _eta(needed: int, have: int, span_seconds: float, width_seconds: float) -> t
 def _evidence(v: ServerFigures, cfg: Config) -> list[Advice]:
     out = []
     ev, width = v.evidence, cfg.threshold_window_seconds
-    hint = "" if _has_residency(v) or v.engine != "vllm" else " " + KV_CACHE_METRICS
+    hint = "" if _has_residency(v) or v.engine != "vllm" else " " + KV_CACHE_METRICS_HINT
     if v.regime_state != "known":
         # a "below" becomes known after QUIET_KNOWN_WINDOWS clean windows in a row; any other regime with a sign
         # the engine shows (methods.md s10), which no count of windows can promise

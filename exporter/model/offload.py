@@ -4,6 +4,7 @@ aggregates and repeat windows; the only state (the collapse latch) lives in expo
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Sequence
 
@@ -13,6 +14,7 @@ from exporter.derive.energy import prompt_attribution
 from exporter.derive.phase_energy import PhaseCosts
 from exporter.figures import BufferFigures, KappaFigures, SavingFigure, WindowFigures
 from exporter.offload import profile as profile_mod
+from exporter.samples import EngineInfo
 from exporter.sources import model_config
 
 
@@ -93,8 +95,32 @@ def _noted(est: economics.Estimate, how: str) -> economics.Estimate:
     return economics.Estimate(est.value, est.stderr, est.windows, 0, est.kind, note)
 
 
+PRIMARY_TIER = "0:primary"  # vLLM tiering's CPU tier (TieringOffloadingSpec: kv_connector_extra_config.cpu_bytes_to_use)
+FLAG_SETTING = "--kv-offloading-size"
+TIER_SETTING = "cpu_bytes_to_use"
+
+
+def with_tier_buffer(info: EngineInfo, server: ServerConfig) -> EngineInfo:
+    """The engine's info with the CPU tier's configured size as its offload buffer where the engine states none
+    (methods.md s6): vLLM's tiered spec takes the CPU tier's size in kv_connector_extra_config.cpu_bytes_to_use
+    (bytes; no --kv-offloading-size, and 0.32 exports it nowhere), so it comes from
+    servers[].offload_tier_bytes["0:primary"]. Only on a server that offloads; the engine's own size wins."""
+    size = server.offload_tier_bytes.get(PRIMARY_TIER)
+    if size is None or info.offload_buffer_bytes is not None or not info.offload_enabled:
+        return info
+    return replace(info, offload_buffer_bytes=size)
+
+
+def buffer_setting(info: EngineInfo | None, server: ServerConfig) -> str:
+    """The engine setting that sizes the buffer: the tiered spec's cpu_bytes_to_use when its size came from
+    servers[].offload_tier_bytes["0:primary"], else --kv-offloading-size."""
+    tiered = info is not None and info.offload_buffer_bytes is not None and \
+        info.offload_buffer_bytes == server.offload_tier_bytes.get(PRIMARY_TIER)
+    return TIER_SETTING if tiered else FLAG_SETTING
+
+
 def buffer(windows: Sequence[WindowFigures], failures: float | None, cfg: Config,
-           buffer_bytes: float | None = None) -> BufferFigures:
+           buffer_bytes: float | None = None, *, sized_by: str = FLAG_SETTING) -> BufferFigures:
     """Undersized from the shortest window (most responsive); the recommendation from the busiest one (size
     for the busy minute, not the average), methods.md s6. ``buffer_bytes``: the pool the engine has."""
     short = min(windows, key=lambda w: w.seconds)
@@ -108,7 +134,7 @@ def buffer(windows: Sequence[WindowFigures], failures: float | None, cfg: Config
                                      cfg.buffer_headroom)
     fig = BufferFigures(under, rec, offload.flag_gib(rec), failures, short.offload_buffer_residency_seconds,
                         short.offload_write_bytes_per_second, cfg.p99_tool_latency_seconds, cfg.buffer_headroom,
-                        target, source, offload.flag_words(rec))
+                        target, source, offload.flag_words(rec), size_setting=sized_by)
     return replace(fig, recommended_note=larger_note(fig, short, busiest, buffer_bytes))
 
 
@@ -177,5 +203,9 @@ def undersized_words(buf: BufferFigures, cfg: Config) -> str:
     why = (f"residency {_below(buf.residency_seconds, p99, what)}"
            if buf.residency_seconds is not None and buf.residency_seconds < p99
            else "stores failing (allocation failures / skipped stores)")
+    if buf.size_setting == TIER_SETTING:  # the tiered spec's CPU tier: bytes in kv_connector_extra_config
+        size = "?" if buf.recommended_bytes is None else f"{math.ceil(buf.recommended_bytes):d}"
+        return (f"Offload CPU tier undersized ({why}): set kv_connector_extra_config.cpu_bytes_to_use to {size} "
+                "or more (bytes) and servers[].offload_tier_bytes[\"0:primary\"] with it.")
     return (f"Offload buffer undersized ({why}): use --kv-offloading-size {recommended_words(buf) or '?'} "
             "or more (the flag takes GiB).")

@@ -8,7 +8,17 @@ from dataclasses import replace
 from typing import Mapping
 
 from exporter.config import Config, ServerConfig, format_window, redacted_url
-from exporter.derive import collapse, economics, kappa, offload, preemption, pressure, recompute, residency
+from exporter.derive import (
+    collapse,
+    economics,
+    kappa,
+    offload,
+    preemption,
+    pressure,
+    recompute,
+    residency,
+    tier_energy,
+)
 from exporter.derive import energy as derive_energy
 from exporter.derive.pressure_evidence import window_evidence
 from exporter.figures import EnergyFigure, ServerFigures, WindowFigures, engine_name
@@ -87,7 +97,8 @@ class ServerModel:
             self._down_since = t
         if reading is not None:
             self._back(t)
-            self.info, self.engine, self.capabilities = reading.info, engine_name(reading.engine), reading.capabilities
+            self.info, self.engine, self.capabilities = (offload_figures.with_tier_buffer(reading.info, self.server),
+                                                         engine_name(reading.engine), reading.capabilities)
             self.engines = max(1, sum(1 for e in reading.engine_counters if e))  # data-parallel ranks (bounds)
             self.implausible.observe(self.history.add_reading(t, reading), self.engines, len(self.server.gpus))
             h = self.history  # two processes behind one URL, a switching spelling, a counter going back alone
@@ -227,6 +238,7 @@ class ServerModel:
                                              self.info.offload_enabled if self.info else None,
                                              cfg.load_to_compute_cost_ratio)
         costs = prices.costs(energy, priced["recompute_tax_watts"], priced["offload_saved_watts"]) if prices else ()
+        tiers_priced = self._tier_energy(agg)
         return WindowFigures(
             regime_state=regime_state, regime_reason=regime_reason,
             requests_waiting_for_kv_capacity=capacity.mean if capacity else None,
@@ -253,7 +265,21 @@ class ServerModel:
             savings=self._savings(agg, now, seconds, peers), **self._newest_series(agg),
             preemption_recompute=again, preemption_recompute_watts=again_watts or None,
             implausible_counts=self.implausible.within(now, seconds),
+            offload_tier_energy=tiers_priced,
+            second_tier_energy_saving=tier_energy.second_tier_saving(tiers_priced, agg, "gpu"),
             **self._residency_figures(agg), **priced)
+
+    def _tier_energy(self, agg: WindowAggregate) -> tuple:
+        """Each offload tier's reloads (methods.md s14): kappa, bytes and hop energy per token from the counters and
+        the configured energy per byte of each hop, priced against a recompute on the GPU scope where it has
+        per-phase costs; only on a server that offloads."""
+        gpu = next((c for c in self.phase.figures() if c.scope == "gpu"), None)
+        if not (self.info and self.info.offload_enabled):
+            return ()
+        cfg = self.cfg
+        hops = tier_energy.HopEnergy(host_memory=cfg.host_memory_joules_per_byte,
+                                     host_link=cfg.host_link_joules_per_byte, disk=cfg.disk_joules_per_byte)
+        return tier_energy.tier_energy(agg, gpu, hops, cfg.load_to_compute_cost_ratio)
 
     def _residency(self, buffer_bytes: float | None, rates: offload.TransferRates,
                    tokens: offload.TokenRates) -> float | None:
@@ -330,7 +356,8 @@ class ServerModel:
         if enabled and windows:
             short = min(self.cfg.windows_seconds)
             buf = offload_figures.buffer(windows, offload.store_failures(self.history.aggregate(short)), self.cfg,
-                                         self.info.offload_buffer_bytes)
+                                         self.info.offload_buffer_bytes,
+                                         sized_by=offload_figures.buffer_setting(self.info, self.server))
         fig = ServerFigures(
             name=self.name, url=redacted_url(self.server.url), status=self.status, info=self.info,
             engine=self.engine, capabilities=self.capabilities,

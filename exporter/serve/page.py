@@ -15,6 +15,7 @@ from html import escape
 from typing import Callable
 
 from exporter import catalog, rules
+from exporter.figures import KV_CACHE_METRICS_HINT
 from exporter.serve.page_assets import CSS, JS, REFRESH_SECONDS
 
 UNKNOWN = '<span class="unknown">unknown</span>'
@@ -25,10 +26,6 @@ KIND_WORDS = {
     "estimated": "a model estimate, not a measurement (no OFF reference)",
     "potential": "an estimate of what offloading would save here: the recomputation tax priced as reloads",
 }
-
-# the page's words for a pressure verdict not yet known on a vLLM server without --kv-cache-metrics (methods.md s11)
-KV_CACHE_METRICS = ("Enabling --kv-cache-metrics on the vLLM server would make this verdict certain from the first "
-                    "minutes (KV-block evictions per prompt block, evicted-before-reuse share).")
 
 CONDITION_WORDS = {
     "offload_enabled": "offloading is on",
@@ -528,8 +525,8 @@ def _pressure(s: dict) -> str:
         text += (f' <span data-field="waiting-for-capacity">Requests waiting for KV capacity: '
                  f"{_num(w['requests_waiting_for_kv_capacity'])} on average, in "
                  f"{_pct(w['requests_waiting_for_kv_capacity_share'])} of samples.</span>")
-    if state != "known" and _without_residency(s):
-        text += f' <span class="note" data-field="kv-cache-metrics">{_e(KV_CACHE_METRICS)}</span>'
+    if _asks_for_kv_cache_metrics(s):
+        text += f' <span class="note" data-field="kv-cache-metrics">{_e(KV_CACHE_METRICS_HINT)}</span>'
     return f'<p data-field="pressure" data-regime="{_e(regime)}" data-state="{_e(state)}">{text}</p>'
 
 
@@ -546,10 +543,11 @@ def _first_window(s: dict) -> tuple[str | None, dict | None]:
     return next(iter(wins.items()), (None, None))
 
 
-def _without_residency(s: dict) -> bool:
-    """A vLLM server whose windows carry no KV-block residency figure (--kv-cache-metrics off, methods.md s11)."""
-    wins = (s.get("windows") or {}).values()
-    return s.get("engine") == "vllm" and not any(w.get("kv_evictions_per_prompt_block") is not None for w in wins)
+def _asks_for_kv_cache_metrics(s: dict) -> bool:
+    """Whether the model's advice asks for vLLM's --kv-cache-metrics (exporter.model.advice decides when: the
+    regime's evidence advice carries the words); the page repeats them beside the regime, it does not decide."""
+    return any(a.get("kind") == "evidence" and (a.get("evidence") or {}).get("figure") == "regime"
+               and KV_CACHE_METRICS_HINT in (a.get("text") or "") for a in s.get("advice") or ())
 
 
 def _health(s: dict) -> str:

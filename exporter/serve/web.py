@@ -32,7 +32,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Callable
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
@@ -49,63 +48,6 @@ log = logging.getLogger("kvwatt.web")
 MALFORMED_LOG_INTERVAL_SECONDS = 60.0
 
 
-@dataclass(frozen=True)
-class Block:
-    """A structured part of a server's or a window's /api/status dict that is not one figure (energy by scope,
-    savings by baseline, ...): the keys it writes (one nested key, or a few flat ones), the catalog declarations
-    it serialises, and its small serialiser, which returns those keys, or {} to leave them out."""
-
-    keys: tuple[str, ...]
-    serialises: tuple[catalog.MetricDef, ...]
-    write: Callable[[object], dict]
-
-
-def _named(*names: str) -> tuple[catalog.MetricDef, ...]:
-    return tuple(catalog.get(n) for n in names)  # a name missing from the catalog fails at import
-
-
-def _energy_json(w: WindowFigures) -> dict:
-    return {"energy": {e.scope: {"joules": e.basis.energy_joules, "idle_joules": e.basis.idle_joules,
-                                 "generated_tokens": e.basis.tokens, "seconds": e.basis.seconds,
-                                 "loaded_seconds": e.basis.loaded_seconds, "joules_per_token": e.joules_per_token,
-                                 "marginal_joules_per_token": e.marginal_joules_per_token} for e in w.energy}}
-
-
-def _savings_json(w: WindowFigures) -> dict:
-    savings = {sv.baseline: {"dE": sv.energy_saving, "dE_stderr": sv.energy_saving_stderr, "verdict": sv.verdict,
-                             "answer": sv.answer,
-                             "windows": sv.windows, "reference_windows": sv.reference_windows, "note": sv.note,
-                             "dTPS": sv.throughput_gain, "dTPS_stderr": sv.throughput_gain_stderr}
-               for sv in w.savings}
-    return {"energy_saving": savings} if savings else {}
-
-
-def _tiers_json(w: WindowFigures) -> dict:
-    return {"offload_tiers": {t.tier: {"write_bytes_per_second": t.write_bytes_per_second,
-                                       "read_bytes_per_second": t.read_bytes_per_second,
-                                       "chunk_hit_ratio": t.chunk_hit_ratio, "job_failures": t.job_failures,
-                                       "residency_seconds": t.residency_seconds, "undersized": t.undersized,
-                                       "dropped_stores_per_second": t.dropped_stores_per_second,
-                                       "dropped_blocks_per_second": t.dropped_blocks_per_second}
-                              for t in w.offload_tiers}}
-
-
-def _cost_json(w: WindowFigures) -> dict:
-    """Money and carbon of the marginal energy by scope; no key when no price or intensity is configured."""
-    if not w.costs:
-        return {}
-    return {"cost": {c.scope: {"marginal_watts": c.marginal_watts,
-                               "money_per_million_tokens": c.money_per_million_tokens,
-                               "co2e_grams_per_thousand_tokens": c.co2e_grams_per_thousand_tokens,
-                               "money_per_day": c.money_per_day,
-                               "co2e_grams_per_day": c.co2e_grams_per_day, "currency": c.currency,
-                               "recompute_tax_money_per_day": c.recompute_tax_money_per_day,
-                               "recompute_tax_co2e_grams_per_day": c.recompute_tax_co2e_grams_per_day,
-                               "offload_saved_money_per_day": c.offload_saved_money_per_day,
-                               "offload_saved_co2e_grams_per_day": c.offload_saved_co2e_grams_per_day}
-                     for c in w.costs}}
-
-
 def prices_json(snap: Snapshot | None) -> dict:
     """The price and carbon intensity in force (top level): value, unit, source, age, or "not_configured"
     with how to set it."""
@@ -119,196 +61,56 @@ def prices_json(snap: Snapshot | None) -> dict:
     return out
 
 
-WINDOW_BLOCKS: tuple[Block, ...] = (
-    Block(("energy",), _named("kvwatt_marginal_energy_per_token_joules", "kvwatt_energy_per_token_joules"),
-          _energy_json),
-    Block(("energy_saving",),
-          _named("kvwatt_energy_saving_ratio", "kvwatt_energy_saving_stderr_ratio", "kvwatt_throughput_gain_ratio",
-                 "kvwatt_throughput_gain_stderr_ratio", "kvwatt_comparison_windows"), _savings_json),
-    Block(("offload_tiers",),
-          _named("kvwatt_offload_tier_write_bytes_per_second", "kvwatt_offload_tier_read_bytes_per_second",
-                 "kvwatt_offload_tier_chunk_hit_ratio", "kvwatt_offload_tier_job_failures",
-                 "kvwatt_offload_tier_residency_seconds", "kvwatt_offload_tier_undersized",
-                 "kvwatt_offload_tier_dropped_stores_per_second", "kvwatt_offload_tier_dropped_blocks_per_second"),
-          _tiers_json),
-    Block(("kv_evicted_before_reuse_ratio", "kv_before_reuse_yardstick", "kv_before_reuse_yardstick_seconds"),
-          _named("kvwatt_kv_block_evicted_before_reuse_ratio"),  # methods.md s11
-          lambda w: {"kv_evicted_before_reuse_ratio": w.kv_evicted_before_reuse_ratio,
-                     "kv_before_reuse_yardstick": w.kv_before_reuse_yardstick,
-                     "kv_before_reuse_yardstick_seconds": w.kv_before_reuse_yardstick_seconds}),
-    Block(("residency_evidence", "residency_evidence_reason"), _named("kvwatt_kv_block_residency_pressure_evidence"),
-          lambda w: {"residency_evidence": w.residency_evidence,
-                     "residency_evidence_reason": w.residency_evidence_reason}),
-    Block(("kv_usage_p95_interval",),  # methods.md s10
-          _named("kvwatt_kv_cache_usage_p95_lower_ratio", "kvwatt_kv_cache_usage_p95_upper_ratio"),
-          lambda w: {"kv_usage_p95_interval": [w.kv_usage_p95_low, w.kv_usage_p95_high]}),
-    Block(("cost",),  # docs/energy.md, "Money and carbon"; the currency is the top-level prices' one
-          _named("kvwatt_energy_cost_per_million_tokens", "kvwatt_co2e_grams_per_thousand_tokens",
-                 "kvwatt_marginal_energy_cost_per_day", "kvwatt_marginal_co2e_grams_per_day",
-                 "kvwatt_recompute_tax_cost_per_day", "kvwatt_recompute_tax_co2e_grams_per_day",
-                 "kvwatt_offload_saved_cost_per_day", "kvwatt_offload_saved_co2e_grams_per_day"), _cost_json),
-)
-
-
-def _identity_json(v: ServerFigures) -> dict:
-    return {"server": v.name, "url": v.url, "engine": v.engine, "capabilities": sorted(v.capabilities),
-            "model_name": v.info.model_name if v.info else None}
-
-
-def _source_status_json(v: ServerFigures) -> dict:
-    return {"up": v.status.up, "state": v.status.state, "reason_code": v.status.code, "reason": v.status.reason}
-
-
-# the keys _threshold_json writes: extend the two together (tests/test_figures_declared.py checks they agree)
-THRESHOLD_KEYS = ("threshold_in_use", "threshold_source", "threshold_located", "evidence_windows",
-                  "reference_windows", "reference_spread", "threshold_state", "threshold_reason",
-                  "reference_state", "reference_reason", "tax_state", "tax_reason", "regime_state",
-                  "regime_reason", "evidence", "epoch")
-
-
-def _threshold_json(v: ServerFigures) -> dict:
-    """The located threshold and the reference's evidence (methods.md s10)."""
-    loc = v.located
-    return {
-        "threshold_in_use": v.threshold_in_use, "threshold_source": v.threshold_source,
-        "threshold_located": None if loc is None else {
-            "ratio": loc.ratio, "low": loc.low, "high": loc.high, "method": loc.method, "windows": loc.points,
-            "clean_below": loc.clean_below, "pressured_above": loc.pressured_above, "misplaced": loc.misplaced},
-        "evidence_windows": v.evidence_windows, "reference_windows": v.reference_windows,
-        "reference_spread": v.reference_spread,
-        "threshold_state": v.threshold_state, "threshold_reason": v.threshold_reason,
-        "reference_state": v.reference_state, "reference_reason": v.reference_reason,
-        "tax_state": v.tax_state, "tax_reason": v.tax_reason,
-        "regime_state": v.regime_state, "regime_reason": v.regime_reason,
-        "evidence": dict(vars(v.evidence)),
-        "epoch": {"started": v.epoch_started_wall, "cause": v.epoch_cause},
-    }
-
-
-def _kappa_json(v: ServerFigures) -> dict:
-    k = v.kappa
-    return {"kappa": {"critical": k.critical, "breakeven_tokens_gqa": k.breakeven_tokens_gqa,
-                      "breakeven_tokens_mha": k.breakeven_tokens_mha, "model": k.model_source,
-                      "hardware": k.hardware_source}}
-
-
-def _collapse_json(v: ServerFigures) -> dict:
-    return {} if v.collapse is None else {"collapse": {**v.collapse.as_status(), "window": v.collapse_window}}
-
-
-def _buffer_json(v: ServerFigures) -> dict:
-    b = v.buffer
-    return {} if b is None else {"offload_buffer": {
-        "undersized": b.undersized, "recommended_bytes": b.recommended_bytes, "recommended_gib": b.recommended_gib,
-        "store_failures": b.store_failures, "residency_seconds": b.residency_seconds,
-        "write_bytes_per_second": b.write_bytes_per_second, "p99_tool_latency_seconds": b.p99_tool_latency_seconds,
-        "headroom": b.headroom, "residency_target_seconds": b.residency_target_seconds,
-        "residency_target_source": b.residency_target_source, "recommended_words": b.recommended_words,
-        "recommended_note": b.recommended_note}}
-
-
-def _phase_costs_json(v: ServerFigures) -> dict:
-    """Per-phase energy costs by scope (methods.md s12): each phase's J/token and SE, and what they rest on."""
-    return {"phase_costs": {c.scope: {
-        **{p: {"joules_per_token": c.joules(p), "stderr": c.stderr(p)} for p in c.phases},
-        "windows": c.windows, "state": c.state, "reason": c.reason, "source": c.source,
-        "condition": None if c.condition is None or math.isinf(c.condition) else c.condition}
-        for c in v.phase_costs}}
-
-
-def _advice_json(v: ServerFigures) -> dict:
-    return {"advice": [{"kind": a.kind, "severity": a.severity, "text": a.text, "evidence": dict(a.evidence)}
-                       for a in v.advice]}
-
-
-SERVER_BLOCKS: tuple[Block, ...] = (
-    Block(("server", "url", "engine", "capabilities", "model_name"),
-          _named("kvwatt_server_info", "kvwatt_server_capability"), _identity_json),
-    Block(("up", "state", "reason_code", "reason"), _named("kvwatt_source_up", "kvwatt_source_info"),
-          _source_status_json),
-    Block(("regime", "regime_window"), _named("kvwatt_kv_pressure_regime_above"),  # the shortest window's, in words
-          lambda v: {"regime": v.regime, "regime_window": v.regime_window}),
-    Block(("reference_kind",), _named("kvwatt_recompute_reference_share_ratio"),
-          lambda v: {"reference_kind": v.reference_kind}),
-    Block(("signatures",), _named("kvwatt_collapse_signature"), lambda v: {"signatures": v.signatures}),
-    Block(("recommendations",),  # the advice's words (exporter.model.advice)
-          _named("kvwatt_offload_buffer_undersized", "kvwatt_offload_recommended_buffer_bytes",
-                 "kvwatt_collapse_signature"), lambda v: {"recommendations": list(v.recommendations)}),
-    Block(("advice",),  # "what do I do?": each check's answer with the numbers it rests on
-          _named("kvwatt_source_up", "kvwatt_kv_pressure_regime_above", "kvwatt_collapse_signature",
-                 "kvwatt_offload_buffer_undersized", "kvwatt_offload_recommended_buffer_bytes"), _advice_json),
-    Block(THRESHOLD_KEYS,
-          _named("kvwatt_kv_pressure_threshold_in_use_ratio", "kvwatt_kv_pressure_threshold_located_ratio",
-                 "kvwatt_kv_pressure_threshold_located_low_ratio", "kvwatt_kv_pressure_threshold_located_high_ratio",
-                 "kvwatt_kv_pressure_threshold_located_windows", "kvwatt_recompute_reference_windows",
-                 "kvwatt_verdict_state"),
-          _threshold_json),
-    Block(("kappa",), _named("kvwatt_critical_cached_to_prefill_ratio", "kvwatt_recompute_breakeven_tokens"),
-          _kappa_json),
-    Block(("collapse",),
-          _named("kvwatt_collapse_signature", "kvwatt_collapse_condition_set", "kvwatt_collapse_condition"),
-          _collapse_json),
-    Block(("phase_costs",), _named("kvwatt_phase_joules_per_token", "kvwatt_phase_joules_per_token_stderr",
-                                   "kvwatt_phase_cost_windows", "kvwatt_phase_cost_source"), _phase_costs_json),
-    Block(("offload_buffer",), _named("kvwatt_offload_buffer_undersized", "kvwatt_offload_recommended_buffer_bytes",
-                                      "kvwatt_offload_buffer_residency_target_seconds"),
-          _buffer_json),
-)
-
-
 def status_paths(d: catalog.MetricDef) -> list[str]:
     """Where a declaration's figure is in /api/status (servers[].<path>), for the README's reference."""
     if isinstance(d.status, catalog.StatusKey):
         keys, scope = [d.status.key], d.status.scope
     else:
         keys, scope = [], catalog.SERVER
-        for blocks, scope_of in ((WINDOW_BLOCKS, catalog.WINDOW), (SERVER_BLOCKS, catalog.SERVER)):
-            for b in blocks:
-                if d in b.serialises:
-                    keys, scope = keys + list(b.keys), scope_of
+        for b in catalog.BLOCKS:
+            if d.name in b.serialises:
+                keys, scope = keys + list(b.keys), b.scope
     prefix = "windows.<window>." if scope == catalog.WINDOW else ""
     return [prefix + k for k in keys]
 
-# The order /api/status has always written these keys in (clients and tests/data/golden/status.json read it
-# as text); a key declared since is appended after them, in catalog order. Names only: no value comes from here.
-WINDOW_KEY_ORDER = (
-    "seconds", "covered_seconds", "kv_usage_p95", "kv_usage_max", "above_threshold", "preemptions_per_minute",
-    "preemption_onset", "generation_tokens_per_second", "prompt_token_shares", "recompute_tax",
-    "cached_prompt_token_shares", "preemptions_per_request", "preempted_requests_share",
-    "admission_rejections_per_minute", "preemptions_by_reason_per_minute", "offload_tiers", "energy",
-    "offload_write_bytes_per_second", "offload_buffer_residency_seconds", "offload_write_tokens_per_second",
-    "offload_read_tokens_per_second", "energy_saving", "kv_usage_p95_interval", "offload_read_bytes_per_second",
-    "estimated_flops_per_second", "estimated_flops_per_generated_token", "cached_to_prefill_ratio",
-    "prompt_energy_per_token_joules", "kv_evicted_blocks_per_second", "kv_evictions_per_prompt_block",
-    "kv_idle_before_evict_seconds", "kv_reuse_gap_seconds", "kv_evicted_before_reuse_ratio",
-    "kv_before_reuse_yardstick", "kv_before_reuse_yardstick_seconds", "residency_evidence",
-    "residency_evidence_reason", "cost")
-SERVER_KEY_ORDER = (
-    "server", "url", "up", "state", "reason_code", "reason", "engine", "capabilities", "model_name",
-    "offload_enabled", "offload_buffer_bytes", "offload_buffer_used_ratio", "offload_buffer_used_bytes",
-    "offload_tier_hit_ratio", "regime", "regime_window", "threshold", "reference_local_compute_share",
-    "reference_kind", "signatures", "recommendations", "advice", "requests_in_kv_fetch", "windows", "kappa",
-    *THRESHOLD_KEYS, "collapse", "offload_buffer", "phase_costs")
+
+def _writers(scope: str) -> tuple:
+    """What writes a scope's dict, in catalog order (exporter.catalog.SECTIONS): section by section, its figures'
+    keys in declaration order, then its blocks."""
+    out = []
+    for section in catalog.SECTIONS:
+        out += [d.status for d in section.metrics if isinstance(d.status, catalog.StatusKey) and d.status.scope == scope]
+        out += [b for b in section.blocks if b.scope == scope]
+    return tuple(out)
 
 
-def _figures_json(fig, scope: str, blocks: tuple[Block, ...], order: tuple[str, ...], **fixed) -> dict:
-    """The scope's figure keys from the catalog's declarations, then its blocks' keys, in ``order``."""
-    out = dict(fixed)
-    out.update((d.status.key, d.status.json_value(fig)) for d in catalog.METRICS
-               if isinstance(d.status, catalog.StatusKey) and d.status.scope == scope)
-    for b in blocks:
-        out.update(b.write(fig))
-    rank = {k: i for i, k in enumerate(order)}
-    return dict(sorted(out.items(), key=lambda kv: rank.get(kv[0], len(rank))))  # stable: new keys in catalog order
+WRITERS: dict[str, tuple] = {}  # scope -> (the catalog's SECTIONS they were built from, the writers)
+
+
+def writers(scope: str) -> tuple:
+    """The scope's writers, built once per catalog (a test may give the catalog another section)."""
+    built = WRITERS.get(scope)
+    if built is None or built[0] is not catalog.SECTIONS:
+        built = WRITERS[scope] = (catalog.SECTIONS, _writers(scope))
+    return built[1]
+
+
+def _figures_json(fig, scope: str) -> dict:
+    out = {}
+    for x in writers(scope):
+        if isinstance(x, catalog.StatusKey):
+            out[x.key] = x.json_value(fig)
+        else:
+            out.update(x.write(fig))
+    return out
 
 
 def _window_json(w: WindowFigures) -> dict:
-    return _figures_json(w, catalog.WINDOW, WINDOW_BLOCKS, WINDOW_KEY_ORDER, seconds=w.seconds)
+    return {"seconds": w.seconds, **_figures_json(w, catalog.WINDOW)}
 
 
 def _server_json(v: ServerFigures) -> dict:
-    return _figures_json(v, catalog.SERVER, SERVER_BLOCKS, SERVER_KEY_ORDER,
-                         windows={w.window: _window_json(w) for w in v.windows})
+    return {**_figures_json(v, catalog.SERVER), "windows": {w.window: _window_json(w) for w in v.windows}}
 
 
 def _source_json(st: SourceStatus) -> dict:

@@ -82,6 +82,8 @@ LABELLED_COUNTER_KEYS: dict[str, str] = {
     "tier_chunk_queries": "chunk lookups sent to an offload tier, by tier",
     "tier_chunk_hits": "chunk lookups that hit in an offload tier, by tier",
     "tier_job_failures": "failed promotion (read) and cascade (write) jobs of an offload tier, by tier",
+    "tier_promotion_failures": "failed promotion jobs (secondary tier -> CPU tier) of an offload tier, by tier",
+    "tier_cascade_failures": "failed cascade jobs (CPU tier -> secondary tier) of an offload tier, by tier",
     "kv_idle_before_evict_hist_le": "sampled evicted KV blocks idle at most <le> seconds (cumulative bucket)",
     "kv_reuse_gap_hist_le": "reuse gaps of sampled evicted KV blocks of at most <le> seconds (cumulative bucket)",
     "kv_lifetime_hist_le": "sampled evicted KV blocks that lived at most <le> seconds (cumulative bucket)",

@@ -91,6 +91,10 @@ LABELLED: dict[str, tuple[str, str]] = {
     # stores (cascade jobs) and their blocks a secondary tier's back-pressure detector dropped (0.32: EMA policy)
     "tier_dropped_stores": ("kv_offload_tiering_backpressure_stores_dropped", "tier"),
     "tier_dropped_blocks": ("kv_offload_tiering_backpressure_blocks_dropped", "tier"),
+    # failed promotion (secondary -> CPU tier) and cascade (CPU -> secondary) jobs apart (issue 41: failures as
+    # figures); HELP lines and no sample until the first failure
+    "tier_promotion_failures": ("kv_offload_tiering_promotion_job_failures", "tier"),
+    "tier_cascade_failures": ("kv_offload_tiering_cascade_job_failures", "tier"),
     # KV-block residency histograms' buckets (--kv-cache-metrics, 0.11+): sampled evicted blocks, cumulative
     "kv_idle_before_evict_hist_le": ("kv_block_idle_before_evict_seconds_bucket", "le"),
     "kv_reuse_gap_hist_le": ("kv_block_reuse_gap_seconds_bucket", "le"),

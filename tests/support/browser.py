@@ -9,6 +9,9 @@
 
 A missing chromium is an AssertionError naming the install step, never a skip (scripts/install-deps.sh
 installs Debian's package).
+
+Why not Playwright: docs/architecture.md "Tests", "The browser driver" (it drives Debian's chromium too, but
+weighs 165 MB with its Node driver and supports only the Chromium build it bundles).
 """
 
 from __future__ import annotations

@@ -534,8 +534,11 @@ def render(eng: SimEngine, version: str) -> str:
         out.counter("prompt_tokens_cached", "Number of cached prompt tokens (local + external).", split(cached),
                     eng.created)
         samples = []
-        for src, v in (("device", hit), ("host", c["prompt_external_kv_transfer"]), ("p2p", 0.0), ("disk", 0.0),
-                       ("external_unspecified", 0.0)):
+        # with a disk tier behind the CPU one, a quarter of the reloaded tokens come from it (as its read bytes
+        # are a quarter of the loads, _render_tiers)
+        disk = c["prompt_external_kv_transfer"] / 4 if any(t.endswith(":fs") for t in s.tiers) else 0.0
+        for src, v in (("device", hit), ("host", c["prompt_external_kv_transfer"] - disk), ("p2p", 0.0),
+                       ("disk", disk), ("external_unspecified", 0.0)):
             samples += with_label({"source": src}, v)
         out.counter("prompt_tokens_cached_by_source", "Prefix-cache hit tokens by the cache tier that supplied "
                     "them.", samples, eng.created)
