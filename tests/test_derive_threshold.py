@@ -5,13 +5,15 @@ from dataclasses import replace
 
 import pytest
 
-from exporter.derive.threshold import LocatedThreshold, PressurePoint, classify, locate, quantile_bounds, taxed
+from exporter.derive.pressure_evidence import quantile_bounds, recorded_evidence
+from exporter.derive.threshold import LocatedThreshold, PressurePoint, classify, locate, taxed
 
 
 def pt(p95, pre=0.0, tax=0.0, se=None, weight=1.0, low=None, high=None, **kw):
     """A point; by default a clean one: preemptions counted and zero, a known tax of 0 (a clean point needs
     positive signs of low pressure, methods.md s10)."""
-    return PressurePoint(p95, pre, tax, se, weight, low, high, **kw)
+    return PressurePoint(evidence=recorded_evidence(p95=p95, preemptions_per_minute=pre, tax=tax, tax_se=se,
+                                                    p95_low=low, p95_high=high, **kw), weight=weight)
 
 
 def test_classify_needs_preemptions_or_a_tax_above_its_noise():
@@ -23,7 +25,7 @@ def test_classify_needs_preemptions_or_a_tax_above_its_noise():
     assert classify(pt(0.5, pre=0.0, tax=0.025, se=0.007)) is False  # the 4-session window: 2.5 points, no preemption
     assert classify(pt(0.5, pre=None, tax=None)) is None
     assert classify(pt(0.5, pre=0.0, tax=-0.2, se=0.01)) is False  # a negative tax is no pressure
-    assert taxed(pt(0.5, tax=0.06)) and not taxed(pt(0.5, tax=0.04))  # unknown SE: 5 points
+    assert taxed(pt(0.5, tax=0.06).evidence) and not taxed(pt(0.5, tax=0.04).evidence)  # unknown SE: 5 points
 
 
 def test_clean_needs_positive_signs_and_waiting_for_capacity_is_pressure():

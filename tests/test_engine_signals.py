@@ -11,7 +11,7 @@ import threading
 import pytest
 
 from exporter.derive.pressure import quantile
-from exporter.derive.threshold import quantile_bounds
+from exporter.derive.pressure_evidence import quantile_bounds
 from exporter.model.pressure import MIN_BELOW_COVERAGE
 from exporter.sources.expfmt import parse
 from exporter.sources.vllm import extract

@@ -9,6 +9,7 @@ import os
 
 import pytest
 
+from exporter.derive.pressure_evidence import recorded_evidence
 from exporter.derive.threshold import PressurePoint, locate, locate_why
 from exporter.model.evidence_book import FORMAT_VERSION, MAX_FILE_BYTES
 from exporter.model.evidence_book import STATE_FILE as EVIDENCE_FILE
@@ -33,7 +34,8 @@ class InfoEngine(Engine):
 
 def pt(p95, pre=0.0, tax=0.0, se=None, weight=1.0):
     """A point, clean by default: preemptions counted and zero, a known tax of 0 (positive signs, methods.md s10)."""
-    return PressurePoint(p95, pre, tax, se, weight)
+    return PressurePoint(evidence=recorded_evidence(p95=p95, preemptions_per_minute=pre, tax=tax, tax_se=se),
+                         weight=weight)
 
 
 def book(tmp_path) -> ReferenceBook:
@@ -339,7 +341,7 @@ def test_a_window_with_requests_waiting_for_capacity_is_pressured_by_how_much_of
     run.engine.second = some
     run.seconds(60, 0.5, 0.2)
     pts = run.m.servers["s"].pressure.points
-    assert len(pts) == 2 and pts[-1].capacity_share == pytest.approx(0.25, abs=0.02)
-    assert pts[-1].weight == pytest.approx(pts[-1].capacity_share)
+    assert len(pts) == 2 and pts[-1].evidence.capacity_share == pytest.approx(0.25, abs=0.02)
+    assert pts[-1].weight == pytest.approx(pts[-1].evidence.capacity_share)
     f = run.fig()
     assert f.regime == "above" and f.regime_state == "provisional"  # waited, but not through the window

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+from exporter.derive.pressure_evidence import recorded_evidence
 from exporter.derive.threshold import PressurePoint
 from exporter.model.pressure import LowPressureReference, ThresholdLearner
 
@@ -20,8 +21,10 @@ def test_evidence_follows_every_change_of_what_it_counts():
     assert pl.evidence() == fresh(pl)
     seen = set()
     for k in range(40):  # past the 12 kept: the oldest leave as new ones come
-        clean = PressurePoint(0.3, 0.0, 0.0, None, 1.0, wall=1000.0 + k)
-        pressured = PressurePoint(0.3, 3.0, 0.2, None, 1.0, wall=1000.0 + k)
+        clean = PressurePoint(evidence=recorded_evidence(p95=0.3, preemptions_per_minute=0.0, tax=0.0, tax_se=None),
+                              wall=1000.0 + k)
+        pressured = PressurePoint(evidence=recorded_evidence(p95=0.3, preemptions_per_minute=3.0, tax=0.2, tax_se=None),
+                                  wall=1000.0 + k)
         pl.points.append(clean if rng.random() < 0.6 else pressured)  # equal values, other objects: still counted
         assert pl.evidence() == fresh(pl)
         ev = pl.evidence()

@@ -66,7 +66,7 @@ def test_first_seen_under_load_the_small_cache_is_pressure_without_preemption_or
     m = model(tmp_path)
     run(m, Capture("small-cache", kv=0.60, preemptions=False), 3)
     f = m.snapshot().servers[0]
-    assert [p.residency for p in m.servers["s"].pressure.points] == ["pressure"] * 3
+    assert [p.evidence.residency_kind for p in m.servers["s"].pressure.points] == ["pressure"] * 3
     assert f.evidence.pressured == 3 and f.evidence.low_pressure == 0
     assert f.windows[0].residency_evidence == "pressure"
     assert f.regime == "above" and f.regime_state == "known"  # p95 0.60 under the configured 0.90: not below
@@ -101,7 +101,7 @@ def test_the_large_cache_low_pressure_evidence_teaches_the_reference_above_the_a
     m = model(tmp_path)
     run(m, Capture("large-cache", kv=0.82), 3)
     f = m.snapshot().servers[0]
-    assert [p.residency for p in m.servers["s"].pressure.points] == ["low_pressure"] * 3
+    assert [p.evidence.residency_kind for p in m.servers["s"].pressure.points] == ["low_pressure"] * 3
     assert f.reference_state == "known" and f.reference_windows == 3 and f.evidence.low_pressure == 3
     assert abs(f.reference_share - 5268 / 10260) < 1e-6  # the large-cache run's own local_compute share
     assert f.windows[0].recompute_tax is not None and abs(f.windows[0].recompute_tax) < 0.01
@@ -189,9 +189,9 @@ def test_persisted_windows_keep_their_residency_kind_and_old_files_still_load(tm
     stored = json.loads(path.read_text())["servers"]["s"]["windows"]
     assert [w.get("residency") for w in stored] == ["pressure", "pressure"]
     restored = model(tmp_path, book(tmp_path))  # a restarted daemon: the windows are pressured evidence at once
-    assert [p.residency for p in restored.servers["s"].pressure.points] == ["pressure", "pressure"]
+    assert [p.evidence.residency_kind for p in restored.servers["s"].pressure.points] == ["pressure", "pressure"]
     old = {"p95": 0.5, "weight": 1.0, "at": WALL}  # a file written before the residency evidence
-    assert parse_entry(old, WALL).residency is None
+    assert parse_entry(old, WALL).evidence.residency_kind is None
     try:
         parse_entry({**old, "residency": "maybe"}, WALL)
     except ValueError as e:

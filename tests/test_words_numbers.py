@@ -25,7 +25,7 @@ from exporter.derive import compare, phase_energy, residency, threshold
 from exporter.derive.pressure import CapacityWait
 from exporter.figures import BufferFigures
 from exporter.model import offload as offload_model
-from exporter.model.pressure import P95, Signs, ThresholdInUse, regime, threshold_in_use
+from exporter.model.pressure import P95, ThresholdInUse, WindowEvidence, regime, threshold_in_use
 from exporter.serve import page
 from exporter.serve.web import status_json
 from tests.test_threshold_live import Run, model
@@ -188,11 +188,19 @@ THRESHOLDS = [ThresholdInUse(ratio=0.9), ThresholdInUse(ratio=0.9000004),
               ThresholdInUse(ratio=0.345, source="located", state="provisional", low=0.0, high=0.78)]
 
 
+def _evidence(p, per_min, onset, capacity, kv_max, tax, spread, tax_state) -> WindowEvidence:
+    """A window's evidence as derive.pressure_evidence.window_evidence would hold it: whole window, none waiting."""
+    return WindowEvidence(p95=p, covered_ratio=1.0, preemptions=per_min, preemptions_plausible=True,
+                          preemptions_per_minute=per_min, onset=onset, capacity=capacity, waiting_median=0.0,
+                          kv_max=kv_max, local_compute_share=None, tax=tax, tax_se=spread, tax_state=tax_state,
+                          residency=None)
+
+
 def _regime_reasons():
     for p, th, per_min, tax, spread, kv_max, capacity, over, streak in itertools.product(
             P95S, THRESHOLDS, (None, 0.0, 3.0), (None, 0.001, 0.0502, 0.2), (None, 0.01), (0.6, 0.7996, 0.95),
             (None, CapacityWait(mean=0.0, share=0.0, samples=60)), (False, True), (0, 5)):
-        g = Signs(p, 1.0, per_min, bool(per_min), capacity, 0.0, kv_max, tax, spread, "known", None)
+        g = _evidence(p, per_min, bool(per_min), capacity, kv_max, tax, spread, "known")
         yield regime(g, th, over, streak).reason
 
 
@@ -294,7 +302,7 @@ def test_a_provisional_located_threshold_says_provisional_and_its_interval_on_th
 def test_a_provisional_located_threshold_says_so_in_the_regimes_reason(tmp_path):
     f = _provisional_located(tmp_path).fig()
     th = threshold_in_use(f.threshold_in_use, f.threshold_source, f.located)  # as ServerModel._learn_regime builds it
-    g = Signs(P95(0.2, 0.18, 0.22), 1.0, 3.0, True, None, 0.0, 0.3, None, None, "unknown", None)
+    g = _evidence(P95(0.2, 0.18, 0.22), 3.0, True, None, 0.3, None, None, "unknown")
     reason = regime(g, th, False, 0).reason
     assert reason == (f"above: 3.0 preemptions/min; p95 0.200 is under the threshold in use {f.threshold_in_use:.3f} "
                       f"(located, provisional, in [{f.located.low:.3f}, {f.located.high:.3f}])"), reason

@@ -154,7 +154,7 @@ REGIME: tuple[MetricDef, ...] = (
         name="kvwatt_kv_cache_usage_p95_lower_ratio", type="gauge", labels=("server", "window"),
         help="Lower bound of the ~95 % order-statistic interval of the window's p95 KV usage (methods.md s10; "
              "assumes independent samples, so the real uncertainty is larger).",
-        computes="derive.threshold.quantile_bounds",
+        computes="derive.pressure_evidence.quantile_bounds",
         section=REGIME_SECTION,
         fill=per_window(lambda w: w.kv_usage_p95_low),
         bounds=bounds.SHARE,
@@ -162,7 +162,7 @@ REGIME: tuple[MetricDef, ...] = (
     MetricDef(
         name="kvwatt_kv_cache_usage_p95_upper_ratio", type="gauge", labels=("server", "window"),
         help="Upper bound of the ~95 % order-statistic interval of the window's p95 KV usage (methods.md s10).",
-        computes="derive.threshold.quantile_bounds",
+        computes="derive.pressure_evidence.quantile_bounds",
         section=REGIME_SECTION,
         fill=per_window(lambda w: w.kv_usage_p95_high),
         bounds=bounds.SHARE,

@@ -89,9 +89,10 @@ class CapacityWait:
     ``vllm:num_requests_waiting_by_reason{reason="capacity"}``) over a window's samples: the most direct sign of
     KV pressure the engine exports (methods.md s10)."""
 
-    mean: float         # requests waiting for KV capacity, averaged over the window's samples
+    mean: float | None  # requests waiting for KV capacity, averaged over the window's samples (None: not recorded,
+                        # a window read back keeps only its share: pressure_evidence.recorded_evidence)
     share: float        # share of the samples with at least one such request (0..1)
-    samples: int
+    samples: int | None
 
 
 def waiting_for_capacity(x: WindowAggregate) -> CapacityWait | None:

@@ -72,7 +72,7 @@ def window_tax(shares: dict[str, float] | None, reference_share: float | None) -
 
 def judged_shares(x: WindowAggregate | ScopeSums, min_prompt_tokens: float) -> dict[str, float] | None:
     """token_shares, or None where the window served fewer than ``min_prompt_tokens`` prompt tokens: a share of
-    a handful of tokens is no evidence (the learners' guard, model/pressure/regime_signs.py MIN_PROMPT_TOKENS)."""
+    a handful of tokens is no evidence (the learners' guard, derive/pressure_evidence.py MIN_PROMPT_TOKENS)."""
     counts = token_counts(x)
     return token_shares(counts) if counts and sum(counts.values()) >= min_prompt_tokens else None
 

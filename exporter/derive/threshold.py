@@ -1,20 +1,17 @@
 """Locating the KV-pressure threshold from evidence (methods.md s10): pure functions.
 
-A ``PressurePoint`` is one observation of a server at one pressure level: a live window, or one experiment run
-or condition. It is *pressured* when it shows sustained preemptions (>= ``onset_per_minute``, methods.md s3),
-a recomputation tax above its noise (methods.md s4) or, for a live window, requests waiting for KV capacity or
-the engine's KV-block residency evidence of pressure (methods.md s11); *clean* only on positive signs of low
-pressure (preemptions counted and below onset, nobody waiting for KV capacity, and a known tax within noise,
-the residency evidence of low pressure, or a KV max under ``LOW_PRESSURE_MAX`` with the capacity gauge read
-at zero); *unknown* (ignored) otherwise: an unknown tax never makes a window clean. ``locate`` puts the threshold at the KV-p95 cut that best separates
-clean points (below) from pressured ones (above): a one-dimensional decision stump, weighted by the evidence
-behind each point (windows or runs; a live window with a single preemption weighs a third), ties going to the
-cut with the most evidence on its thinner side, then the lowest. A cut at the idle floor is not a threshold;
-a located one is ``known`` only with sustained evidence on both sides and a narrow interval, else
-``provisional`` (``judge``; methods.md s10).
-
-``quantile_bounds`` is the order-statistic interval of a quantile of dense samples (the uncertainty of a
-window's p95).
+A ``PressurePoint`` is one observation of a server at one pressure level: a live window, or one experiment run or
+condition, its evidence a ``WindowEvidence`` (derive/pressure_evidence.py). It is *pressured* when it shows
+sustained preemptions (>= ``onset_per_minute``, methods.md s3), a recomputation tax above its noise (methods.md s4)
+or, for a live window, requests waiting for KV capacity or the engine's KV-block residency evidence of pressure
+(methods.md s11); *clean* only on positive signs of low pressure (preemptions counted and below onset, nobody
+waiting for KV capacity, and a known tax within noise, the residency evidence of low pressure, or a KV max under
+``LOW_PRESSURE_MAX`` with the capacity gauge read at zero); *unknown* (ignored) otherwise: an unknown tax never
+makes a window clean. ``locate`` puts the threshold at the KV-p95 cut that best separates clean points (below) from
+pressured ones (above): a one-dimensional decision stump, weighted by the evidence behind each point (windows or
+runs; a live window with a single preemption weighs a third), ties going to the cut with the most evidence on its
+thinner side, then the lowest. A cut at the idle floor is not a threshold; a located one is ``known`` only with
+sustained evidence on both sides and a narrow interval, else ``provisional`` (``judge``; methods.md s10).
 """
 
 from __future__ import annotations
@@ -25,6 +22,7 @@ from typing import Sequence
 
 from exporter import rules
 from exporter.derive import compare
+from exporter.derive.pressure_evidence import WindowEvidence
 from exporter.results import LocatedThreshold
 
 ONSET_PER_MINUTE = rules.PREEMPTION_ONSET_PER_MINUTE.default  # methods.md s3: sustained preemptions mark onset
@@ -39,24 +37,22 @@ KNOWN_MISPLACED = 0.2      # ... and at most this share of its evidence weight l
 LOW_PRESSURE_MAX = 0.80    # a window whose KV max stayed under this came nowhere near preempting (methods.md s10)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True, slots=True)  # slots: up to 10,000 held a server
 class PressurePoint:
-    """One live window, or one experiment run/condition."""
+    """A point the threshold is located from: one window's pressure evidence (``WindowEvidence``,
+    derive/pressure_evidence.py: a live window's as built, a held one's as read back from evidence.json, or an
+    experiment condition's, the lab's analysis), weighted by the evidence behind it and timed. Only the weight and
+    the times are the point's own: every figure of the evidence is read from ``evidence``."""
 
-    kv_p95: float                          # ratio 0..1
-    preemptions_per_minute: float | None
-    tax: float | None                      # local_compute share minus the low-pressure reference; None unknown
-    tax_se: float | None                   # noise level of the tax; None unknown
+    evidence: WindowEvidence
     weight: float = 1.0                    # windows/runs behind the point
-    kv_p95_low: float | None = None        # the p95's own uncertainty interval (None: the p95 itself)
-    kv_p95_high: float | None = None
     t: float | None = None                 # when (live windows: the window's end); not used by locate
     wall: float | None = None              # live windows: the unix time of the window's end (persisted)
-    kv_max: float | None = None            # live windows: the highest KV usage sampled in the window
-    residency: str | None = None           # live windows: the engine's KV-block residency evidence (methods.md
-                                           # s11): "pressure" | "low_pressure" | None (unknown or no histograms)
-    capacity_share: float | None = None    # live windows: share of samples with a request waiting for KV
-                                           # capacity (None: the engine does not export the gauge)
+
+    @property
+    def kv_p95(self) -> float:
+        """The point's place on the KV-p95 axis (ratio 0..1): its evidence's p95."""
+        return self.evidence.p95.value
 
 
 def plural(n: int, noun: str) -> str:
@@ -65,13 +61,14 @@ def plural(n: int, noun: str) -> str:
 
 
 def preempting(p: PressurePoint, onset_per_minute: float = ONSET_PER_MINUTE) -> bool:
-    return p.preemptions_per_minute is not None and p.preemptions_per_minute >= onset_per_minute
+    per_minute = p.evidence.preemptions_per_minute
+    return per_minute is not None and per_minute >= onset_per_minute
 
 
-def taxed(p: PressurePoint, z: float = TAX_Z, min_tax: float = MIN_TAX,
+def taxed(ev: WindowEvidence, z: float = TAX_Z, min_tax: float = MIN_TAX,
           min_tax_unknown_se: float = MIN_TAX_UNKNOWN_SE) -> bool:
-    """The tax is above noise: > z * SE and > min_tax (without an SE: > min_tax_unknown_se)."""
-    return p.tax is not None and p.tax > noise_bar(p.tax_se, z, min_tax, min_tax_unknown_se)
+    """The window's tax is above noise: > z * SE and > min_tax (without an SE: > min_tax_unknown_se)."""
+    return ev.tax is not None and ev.tax > noise_bar(ev.tax_se, z, min_tax, min_tax_unknown_se)
 
 
 def noise_bar(tax_se: float | None, z: float = TAX_Z, min_tax: float = MIN_TAX,
@@ -82,14 +79,14 @@ def noise_bar(tax_se: float | None, z: float = TAX_Z, min_tax: float = MIN_TAX,
 
 def waited(p: PressurePoint) -> bool:
     """Some sample of the window had a request waiting for KV capacity."""
-    return bool(p.capacity_share)
+    return bool(p.evidence.capacity_share)
 
 
 def classify(p: PressurePoint, onset_per_minute: float = ONSET_PER_MINUTE) -> bool | None:
     """True: pressured (sustained preemptions, a tax above noise, requests waiting for KV capacity, or the
     engine's residency evidence of pressure); False: clean, on positive signs of low pressure only (``headroom``);
     None: neither (an unknown tax, a window whose KV neared full with nothing else known)."""
-    if preempting(p, onset_per_minute) or taxed(p) or p.residency == "pressure" or waited(p):
+    if preempting(p, onset_per_minute) or taxed(p.evidence) or p.evidence.residency_kind == "pressure" or waited(p):
         return True
     return False if headroom(p) else None
 
@@ -98,10 +95,11 @@ def headroom(p: PressurePoint) -> bool:
     """Positive signs of low pressure in a point that shows no pressure: preemptions counted, and a known tax (then
     within noise), the engine's residency evidence of low pressure, or the capacity gauge read at zero in every
     sample with a KV max under LOW_PRESSURE_MAX (methods.md s10)."""
-    if p.preemptions_per_minute is None:
+    ev = p.evidence
+    if ev.preemptions_per_minute is None:
         return False
-    quiet_levels = p.capacity_share == 0 and p.kv_max is not None and p.kv_max < LOW_PRESSURE_MAX
-    return p.tax is not None or p.residency == "low_pressure" or quiet_levels
+    quiet_levels = ev.capacity_share == 0 and ev.kv_max is not None and ev.kv_max < LOW_PRESSURE_MAX
+    return ev.tax is not None or ev.residency_kind == "low_pressure" or quiet_levels
 
 
 def locate(points: Sequence[PressurePoint], min_points: int = 3, min_side: float = 1.0,
@@ -211,24 +209,10 @@ def judge(loc: LocatedThreshold) -> tuple[str, str]:
 
 
 def _lower(p: PressurePoint) -> float:
-    return p.kv_p95 if p.kv_p95_low is None else min(p.kv_p95_low, p.kv_p95)
+    p95 = p.evidence.p95  # an interval not recorded: the p95 itself
+    return p95.value if p95.low is None else min(p95.low, p95.value)
 
 
 def _upper(p: PressurePoint) -> float:
-    return p.kv_p95 if p.kv_p95_high is None else max(p.kv_p95_high, p.kv_p95)
-
-
-def quantile_bounds(sorted_values: Sequence[float], q: float = 0.95,
-                    z: float = 1.96) -> tuple[float, float] | None:
-    """Distribution-free interval for the q-quantile of the population the sorted samples come from: the
-    order statistics X_(l), X_(u) with ranks nq -/+ z*sqrt(nq(1-q)) (normal approximation to the binomial
-    count of samples below the quantile; ~95 % for z = 1.96), clamped to the sample range. It assumes
-    independent samples; 1 s samples of a slowly moving gauge are correlated, so it is a lower bound on the
-    real uncertainty (methods.md s10)."""
-    n = len(sorted_values)
-    if n == 0:
-        return None
-    half = z * math.sqrt(n * q * (1 - q))
-    lo = max(math.floor(n * q - half), 1)       # 1-based ranks
-    hi = min(math.ceil(n * q + half) + 1, n)
-    return sorted_values[lo - 1], sorted_values[hi - 1]
+    p95 = p.evidence.p95
+    return p95.value if p95.high is None else max(p95.high, p95.value)

@@ -21,6 +21,7 @@ import logging
 from typing import Any, Callable, Mapping
 
 from exporter import atomic
+from exporter.derive.pressure_evidence import recorded_evidence
 from exporter.derive.threshold import PressurePoint
 from exporter.energy.baseline import bounded_number, entry_at
 from exporter.model.epoch import FACTS, Epoch
@@ -69,11 +70,12 @@ class EvidenceBook(atomic.StateBook):
 
 
 def _entry(p: PressurePoint, now: float) -> dict:
-    return {"p95": p.kv_p95, "low": p.kv_p95_low, "high": p.kv_p95_high, "max": p.kv_max,
-            "preemptions_per_minute": p.preemptions_per_minute, "tax": p.tax, "tax_se": p.tax_se,
+    ev = p.evidence
+    return {"p95": ev.p95.value, "low": ev.p95.low, "high": ev.p95.high, "max": ev.kv_max,
+            "preemptions_per_minute": ev.preemptions_per_minute, "tax": ev.tax, "tax_se": ev.tax_se,
             "weight": p.weight, "at": p.wall if p.wall is not None else now,
-            **({"residency": p.residency} if p.residency else {}),
-            **({"capacity_share": p.capacity_share} if p.capacity_share is not None else {})}
+            **({"residency": ev.residency_kind} if ev.residency_kind else {}),
+            **({"capacity_share": ev.capacity_share} if ev.capacity_share is not None else {})}
 
 
 def parse_file(data: Any, now_wall: float) -> tuple[Stored, list[str]]:
@@ -131,10 +133,12 @@ def parse_entry(entry: Any, now_wall: float) -> PressurePoint:
     kind = entry.get("residency")  # absent in files written before the residency evidence: unknown
     if kind not in RESIDENCY_KINDS:
         raise ValueError(f"residency {kind!r} is not one of {', '.join(k for k in RESIDENCY_KINDS if k)}")
-    return PressurePoint(bounded_number(entry["p95"], "p95", 0.0, 1.0),
-                         _optional(entry, "preemptions_per_minute", 0.0, 1e9),
-                         _optional(entry, "tax", -1.0, 1.0), _optional(entry, "tax_se", 0.0, 1.0),
-                         bounded_number(entry["weight"], "weight", 0.0, MAX_EVIDENCE_WEIGHT),
-                         _optional(entry, "low", 0.0, 1.0),
-                         _optional(entry, "high", 0.0, 1.0), None, at, _optional(entry, "max", 0.0, 1.0), kind,
-                         _optional(entry, "capacity_share", 0.0, 1.0))
+    p95 = bounded_number(entry["p95"], "p95", 0.0, 1.0)  # validated in the order the file's entries were always read
+    per_minute = _optional(entry, "preemptions_per_minute", 0.0, 1e9)
+    tax, tax_se = _optional(entry, "tax", -1.0, 1.0), _optional(entry, "tax_se", 0.0, 1.0)
+    weight = bounded_number(entry["weight"], "weight", 0.0, MAX_EVIDENCE_WEIGHT)
+    evidence = recorded_evidence(p95=p95, p95_low=_optional(entry, "low", 0.0, 1.0),
+                                 p95_high=_optional(entry, "high", 0.0, 1.0), preemptions_per_minute=per_minute,
+                                 tax=tax, tax_se=tax_se, kv_max=_optional(entry, "max", 0.0, 1.0), residency=kind,
+                                 capacity_share=_optional(entry, "capacity_share", 0.0, 1.0))
+    return PressurePoint(evidence=evidence, weight=weight, wall=at)

@@ -20,6 +20,7 @@ from exporter.derive import (
     tier_energy,
 )
 from exporter.derive import energy as derive_energy
+from exporter.derive.pressure_evidence import window_evidence
 from exporter.figures import EnergyFigure, ServerFigures, WindowFigures, engine_name
 from exporter.keys import labelled
 from exporter.model import advice as advice_model
@@ -182,20 +183,16 @@ class ServerModel:
         """The window's regime on positive evidence both ways, its state and reason (methods.md s10); the
         threshold in use only predicts (with hysteresis on the p95's interval)."""
         pl, agg = self.pressure, self.history.aggregate(seconds)
-        p = self._p95[seconds] = pressure_model.p95_of(agg)
-        per_minute = self._per_minute[seconds] = pressure.preemptions_per_minute(agg)  # window() reuses it
-        onset = pressure.preemption_onset(per_minute, agg.covered_seconds, seconds,
-                                          self.cfg.preemption_onset_per_minute)
-        shares = recompute.judged_shares(agg, pressure_model.MIN_PROMPT_TOKENS)
-        signs = pressure_model.Signs(
-            p, agg.covered_seconds / seconds, per_minute, onset, pressure.waiting_for_capacity(agg),
-            agg.quantile("waiting", 0.5), agg.gauge_max("kv_usage"),
-            recompute.window_tax(shares, self.reference.value),
-            self.reference.spread, tax_state, pl.residency_of(agg))  # residency: the engine's own eviction record
+        ev = window_evidence(agg, window_seconds=seconds, reference_share=self.reference.value,
+                             reference_spread=self.reference.spread, tax_state=tax_state,
+                             residency=pl.residency_of(agg),  # the engine's own eviction record
+                             onset_per_minute=self.cfg.preemption_onset_per_minute)
+        p = self._p95[seconds] = ev.p95
+        self._per_minute[seconds] = ev.preemptions_per_minute  # window() reuses it
         over = self._predicted[seconds] = pressure_model.predicted_regime(p, pl.threshold,
                                                                           self._predicted.get(seconds))
         th = pressure_model.threshold_in_use(pl.threshold, pl.source, pl.located)
-        v = pressure_model.regime(signs, th, bool(over), pl.quiet_streak)
+        v = pressure_model.regime(ev, th, bool(over), pl.quiet_streak)
         self._regime[seconds] = v.above
         self._regime_why[seconds] = (v.state, v.reason)
 

@@ -4,12 +4,15 @@ it rests on and a state ``known`` / ``provisional`` / ``unknown`` with a reason.
 
 Every completed bucket of a fixed grid (``threshold_window``, 1 minute by default: the shared monotonic clock's
 ``k * W``, as the repeat windows), at least ``rules.SUSTAINED_MIN_COVERED`` covered and serving >= 100 prompt
-tokens (or preempting), becomes one ``PressurePoint`` (its KV p95 with the order-statistic interval, its KV max, preemptions per minute,
-the tax against the reference in force and the reference's spread as its noise), unless its preemption count
-is implausible for the window (``plausible_preemptions``: a counter glitch is no evidence). A window pressured
-by preemptions alone weighs ``preemptions / SUSTAINED_PREEMPTIONS`` (at most 1): one preemption is a third of
-a window of evidence. The last ``threshold_history`` of points are kept; ``derive.threshold.locate_why`` runs
-when a point is added (the points only change then).
+tokens (or preempting), has its ``WindowEvidence`` built (derive/pressure_evidence.py ``window_evidence``, the
+one builder the regime and the lab read too) and becomes one ``PressurePoint`` holding it (its KV p95 with the
+order-statistic interval, its KV max, preemptions per minute, the tax against the reference in force and the
+reference's spread as its noise, ...) with its weight and times, unless its preemption count is implausible for
+the window
+(``plausible_preemptions``: a counter glitch is no evidence). A window pressured by preemptions alone weighs
+``preemptions / SUSTAINED_PREEMPTIONS`` (at most 1): one preemption is a third of a window of evidence. The
+last ``threshold_history`` of points are kept; ``derive.threshold.locate_why`` runs when a point is added (the
+points only change then).
 
 The same bucket then teaches the reference share (``LowPressureReference``) only on positive signs of no
 pressure (``quiet``): no preemption, nobody waiting for KV, KV max under ``LOW_PRESSURE_MAX``, p95 under both
@@ -45,9 +48,9 @@ from exporter.model.pressure.regime_signs import (  # noqa: F401 (the package's 
     REFERENCE_MARGIN,
     SUSTAINED_PREEMPTIONS,
     ResidencySign,
-    Signs,
     ThresholdInUse,
     Verdict,
+    WindowEvidence,
     disagreement,
     low_pressure_signs,
     p95_of,

@@ -1,17 +1,17 @@
-"""The threshold learner (methods.md s10): one PressurePoint per completed evidence window, the threshold located
-from them, its state and the epoch the evidence belongs to."""
+"""The threshold learner (methods.md s10): one PressurePoint (the window's evidence, weighted and timed) per completed
+evidence window, the threshold located from them, its state and the epoch the evidence belongs to."""
 
 from __future__ import annotations
 
 import logging
 import math
 from collections import deque
-from dataclasses import replace
 from typing import Iterable
 
 from exporter import rules
-from exporter.derive import pressure, recompute, residency
+from exporter.derive import residency
 from exporter.derive.pressure import plausible_preemptions
+from exporter.derive.pressure_evidence import WindowEvidence, window_evidence
 from exporter.derive.threshold import (
     LOW_PRESSURE_MAX,
     LocatedThreshold,
@@ -25,11 +25,9 @@ from exporter.model.pressure.reference import LowPressureReference
 from exporter.model.pressure.regime_signs import (
     MAX_EVIDENCE_WEIGHT,
     MAX_EVIDENCE_WINDOWS,
-    MIN_PROMPT_TOKENS,
     SUSTAINED_PREEMPTIONS,
     ResidencySign,
     disagreement,
-    p95_of,
     quiet,
     residency_sign,
 )
@@ -167,26 +165,19 @@ class ThresholdLearner:
         if agg.covered_seconds < rules.SUSTAINED_MIN_COVERED.default * self.width:  # not evidence
             return False
         sign = self.residency = self.residency_of(agg)
-        p = p95_of(agg)
-        preemptions = agg.delta("preemptions")
-        if preemptions and preemptions > plausible_preemptions(agg):
+        ev = window_evidence(agg, window_seconds=self.width, reference_share=self.reference.value,
+                             reference_spread=self.reference.spread, residency=sign)
+        if not ev.preemptions_plausible:
             self.rejected += 1
             log.warning("%s: %g preemptions in one %gs window is implausible (at most %g); not evidence",
-                        self.name, preemptions, self.width, plausible_preemptions(agg))
+                        self.name, ev.preemptions, self.width, plausible_preemptions(agg))
             return False
-        per_minute = pressure.preemptions_per_minute(agg)  # plausible: checked above
-        shares = recompute.judged_shares(agg, MIN_PROMPT_TOKENS)
-        if p.value is None or (shares is None and not per_minute):
+        if ev.p95.value is None or (ev.local_compute_share is None and not ev.preemptions_per_minute):
             return False  # a window that served (almost) nothing shows no pressure either way
-        capacity = pressure.waiting_for_capacity(agg)
-        point = PressurePoint(p.value, per_minute,
-                              recompute.window_tax(shares, self.reference.value), self.reference.spread,
-                              1.0, p.low, p.high, t1, wall, agg.gauge_max("kv_usage"), sign.kind,
-                              None if capacity is None else capacity.share)
-        point = _weighted(point, preemptions)
-        self.disagreement = disagreement(sign, point.preemptions_per_minute, taxed(point), point.tax is not None)
+        point = PressurePoint(evidence=ev, weight=_weight(ev), t=t1, wall=wall)
+        self.disagreement = disagreement(sign, ev.preemptions_per_minute, taxed(ev), ev.tax is not None)
         self.points.append(point)
-        self.reference.offer(point, shares["local_compute"] if shares else None, quiet(agg, p, sign.kind), t1, wall)
+        self.reference.offer(point, ev.local_compute_share, quiet(agg, ev.p95, sign.kind), t1, wall)
         return True
 
     def residency_of(self, agg: WindowAggregate) -> ResidencySign:
@@ -226,9 +217,10 @@ class ThresholdLearner:
 
     def _low_pressure(self, p: PressurePoint) -> bool:
         """A held window with positive signs of no pressure (the reference's candidates; ``quiet``)."""
-        low = p.residency == "low_pressure"
-        return (p.kv_p95 <= self.reference.limit(low) and not p.preemptions_per_minute and p.residency != "pressure"
-                and (low or p.kv_max is None or p.kv_max < LOW_PRESSURE_MAX))
+        ev = p.evidence
+        low = ev.residency_kind == "low_pressure"
+        return (p.kv_p95 <= self.reference.limit(low) and not ev.preemptions_per_minute
+                and ev.residency_kind != "pressure" and (low or ev.kv_max is None or ev.kv_max < LOW_PRESSURE_MAX))
 
     def judgement(self) -> tuple[str, str]:
         """(state, reason) of the located threshold; unknown when none is located."""
@@ -255,6 +247,7 @@ class ThresholdLearner:
         return state, reason
 
 
-def _weighted(point: PressurePoint, preemptions: float | None) -> PressurePoint:
-    return replace(point, weight=evidence_weight(preemptions, taxed(point) or point.residency == "pressure",
-                                                 point.capacity_share))
+def _weight(ev: WindowEvidence) -> float:
+    """The evidence behind a window (``evidence_weight``): its preemptions as counted, its tax or residency
+    evidence of pressure, its share of samples with a request waiting for KV capacity."""
+    return evidence_weight(ev.preemptions, taxed(ev) or ev.residency_kind == "pressure", ev.capacity_share)

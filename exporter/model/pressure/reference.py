@@ -76,8 +76,8 @@ class LowPressureReference:
     def offer(self, point: PressurePoint, share: float | None, quiet: bool, t: float,
               wall: float | None = None) -> bool:
         """Learn the window when it is truly low pressure (module docstring); True when learned."""
-        low = point.residency == "low_pressure"
-        if share is None or not quiet or taxed(point) or point.kv_p95 > self.limit(low):
+        low = point.evidence.residency_kind == "low_pressure"
+        if share is None or not quiet or taxed(point.evidence) or point.kv_p95 > self.limit(low):
             return False
         self.samples.append(ReferenceSample(share, point.kv_p95, t, wall, low))
         self.changed = True

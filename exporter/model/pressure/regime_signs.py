@@ -7,16 +7,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from exporter import rules
-from exporter.derive import compare, pressure, residency
-from exporter.derive.threshold import (
-    LOW_PRESSURE_MAX,
-    LocatedThreshold,
-    PressurePoint,
-    noise_bar,
-    plural,
-    quantile_bounds,
-    taxed,
+from exporter.derive import compare, pressure
+from exporter.derive.pressure_evidence import (  # noqa: F401 (their home; the package's face re-exports them)
+    MIN_PROMPT_TOKENS,
+    P95,
+    ResidencySign,
+    WindowEvidence,
+    p95_of,
+    residency_sign,
 )
+from exporter.derive.threshold import LOW_PRESSURE_MAX, LocatedThreshold, noise_bar, plural, taxed
 from exporter.store import WindowAggregate
 
 REFERENCE_MARGIN = 0.05     # a learning window's p95 stays this far under the threshold in force
@@ -26,27 +26,10 @@ LOW_PRESSURE_P95 = 0.50     # ... and under this absolute KV p95 (methods.md s10
 REFERENCE_KNOWN_WINDOWS = 3  # low-pressure windows before the reference is known (fewer: provisional)
 SUSTAINED_PREEMPTIONS = 3.0  # preemptions in a window that make it a full window of pressure evidence
 MAX_EVIDENCE_WEIGHT = 1.0   # a full window's weight: no window, live or stored, weighs more
-MIN_PROMPT_TOKENS = 100.0   # fewer prompt tokens in a window: its share is not worth a point or a sample
+# MIN_PROMPT_TOKENS (derive/pressure_evidence.py): fewer prompt tokens in a window: its share is not worth a point
 MIN_BELOW_COVERAGE = 0.5    # a regime window less covered than this cannot say "below" (start, restart)
 QUIET_KNOWN_WINDOWS = 3     # consecutive clean evidence windows before a "below" is known (methods.md s10)
 MAX_EVIDENCE_WINDOWS = 10_000  # bounds memory and the sort in locate whatever history / window asks
-
-
-@dataclass(frozen=True)
-class ResidencySign:
-    """A window's KV-block residency evidence (derive/residency.py, methods.md s11) and whether the engine
-    exports the histograms at all (without them the evidence is unknown for want of ``--kv-cache-metrics``)."""
-
-    kind: str | None  # "pressure" | "low_pressure" | None
-    reason: str
-    histograms: bool
-
-
-def residency_sign(agg: WindowAggregate, block_size: float | None, sample_share: float,
-                   p99_tool_latency_seconds: float) -> ResidencySign:
-    r = residency.window_residency(agg, block_size, sample_share, p99_tool_latency_seconds)
-    ev = residency.residency_evidence(r)
-    return ResidencySign(ev.kind, ev.reason, r.sampled_evictions is not None)
 
 
 def disagreement(sign: ResidencySign | None, preemptions_per_minute: float | None, taxed_: bool,
@@ -63,23 +46,6 @@ def disagreement(sign: ResidencySign | None, preemptions_per_minute: float | Non
         return (f"the engine's KV-block residency shows low pressure ({sign.reason}) in a window with {seen}: "
                 "counted pressured")
     return ""
-
-
-@dataclass(frozen=True)
-class P95:
-    """A window's KV p95 with its order-statistic interval (derive.threshold.quantile_bounds)."""
-
-    value: float | None
-    low: float | None
-    high: float | None
-
-
-def p95_of(agg: WindowAggregate) -> P95:
-    s = agg.sorted_gauge("kv_usage")
-    bounds = quantile_bounds(s, 0.95)
-    if bounds is None:
-        return P95(None, None, None)
-    return P95(pressure.kv_usage_quantile(agg, 0.95), bounds[0], bounds[1])
 
 
 def predicted_regime(p: P95, threshold: float, previous: bool | None, covered_ratio: float = 1.0) -> bool | None:
@@ -113,23 +79,6 @@ def quiet(agg: WindowAggregate, p: P95, residency_kind: str | None = None) -> bo
     if agg.gauge_count("waiting_capacity"):
         return not agg.gauge_max("waiting_capacity")
     return not agg.quantile("waiting", 0.5)
-
-
-@dataclass(frozen=True)
-class Signs:
-    """What one window shows about KV pressure (methods.md s10, "The regime: evidence both ways")."""
-
-    p: P95
-    covered_ratio: float
-    preemptions_per_minute: float | None  # None: not counted, or an implausible counter
-    onset: bool | None                    # sustained preemptions over a window covered enough (methods.md s3)
-    capacity: pressure.CapacityWait | None  # requests waiting for KV capacity; None: gauge not exported
-    waiting_median: float | None          # requests waiting for any reason (without the capacity gauge)
-    kv_max: float | None
-    tax: float | None                     # against the reference in force (None: no reference)
-    tax_spread: float | None              # the reference's spread: the tax's noise
-    tax_state: str                        # the reference's state: the tax rests on it
-    residency: ResidencySign | None
 
 
 @dataclass(frozen=True)
@@ -180,28 +129,25 @@ def tax_words(tax: float, spread: float | None) -> str:
     return f"a recompute tax of {t} points, {word} the noise bar {bar} points"
 
 
-def _tax_point(g: Signs) -> PressurePoint:
-    return PressurePoint(g.p.value or 0.0, None, g.tax, g.tax_spread)
-
-
-def pressure_signs(g: Signs) -> list[tuple[str, bool]]:
+def pressure_signs(g: WindowEvidence) -> list[tuple[str, bool]]:
     """(words, known) for every sign of pressure the window shows, whatever the threshold in use."""
     out = []
     if g.capacity is not None and g.capacity.share > 0:
-        out.append((f"requests waiting for KV capacity in {g.capacity.share * 100:.0f} % of samples (mean "
-                    f"{g.capacity.mean:.1f})", g.capacity.share >= rules.CAPACITY_SUSTAINED.default))
+        mean = "" if g.capacity.mean is None else f" (mean {g.capacity.mean:.1f})"  # None: a recorded window
+        out.append((f"requests waiting for KV capacity in {g.capacity.share * 100:.0f} % of samples{mean}",
+                    g.capacity.share >= rules.CAPACITY_SUSTAINED.default))
     if g.preemptions_per_minute:
         out.append((f"{g.preemptions_per_minute:.1f} preemptions/min", bool(g.onset)))
-    if taxed(_tax_point(g)):
+    if taxed(g):
         # known on a known reference over a window covered enough to call it sustained (as the onset, s3)
-        out.append((tax_words(g.tax, g.tax_spread),
-                    g.tax_state == "known" and g.covered_ratio >= rules.SUSTAINED_MIN_COVERED.default))
+        sustained = g.covered_ratio is not None and g.covered_ratio >= rules.SUSTAINED_MIN_COVERED.default
+        out.append((tax_words(g.tax, g.tax_se), g.tax_state == "known" and sustained))
     if g.residency is not None and g.residency.kind == "pressure":
         out.append((f"the engine's KV-block residency shows pressure ({g.residency.reason})", True))
     return out
 
 
-def low_pressure_signs(g: Signs, threshold: float) -> tuple[list[str], list[str], bool]:
+def low_pressure_signs(g: WindowEvidence, threshold: float) -> tuple[list[str], list[str], bool]:
     """(the positive signs of low pressure seen, what is missing for a "below", whether a sign rests on the
     engine's own record: a known tax, the residency evidence or the capacity gauge)."""
     seen, missing = [], []
@@ -217,7 +163,7 @@ def low_pressure_signs(g: Signs, threshold: float) -> tuple[list[str], list[str]
         missing.append("requests waiting (the engine does not say for what)")
     levels = g.kv_max is not None and g.kv_max < min(LOW_PRESSURE_MAX, threshold - REFERENCE_MARGIN)
     if g.tax is not None:
-        seen.append(tax_words(g.tax, g.tax_spread) + ": within noise")
+        seen.append(tax_words(g.tax, g.tax_se) + ": within noise")
     if g.residency is not None and g.residency.kind == "low_pressure":
         seen.append(f"the engine's KV-block residency shows low pressure ({g.residency.reason})")
     if levels:
@@ -226,14 +172,14 @@ def low_pressure_signs(g: Signs, threshold: float) -> tuple[list[str], list[str]
         top = "unknown" if g.kv_max is None else f"{g.kv_max * 100:.0f} %"
         missing.append(f"a known recompute tax, the engine's KV-block residency, or a KV max under "
                        f"{min(LOW_PRESSURE_MAX, threshold - REFERENCE_MARGIN) * 100:.0f} % (it reached {top})")
-    if g.covered_ratio < MIN_BELOW_COVERAGE:
+    if g.covered_ratio is None or g.covered_ratio < MIN_BELOW_COVERAGE:
         missing.append("a window at least half covered")
     engine_said = (g.capacity is not None or (g.tax is not None and g.tax_state == "known")
                    or bool(g.residency and g.residency.kind == "low_pressure"))
     return seen, missing, engine_said
 
 
-def regime(g: Signs, threshold: ThresholdInUse, over: bool, quiet_streak: int) -> Verdict:
+def regime(g: WindowEvidence, threshold: ThresholdInUse, over: bool, quiet_streak: int) -> Verdict:
     """One window's regime on positive evidence both ways (methods.md s10): *above* on any sign of pressure
     (known when sustained: requests waiting for KV capacity in most samples, preemption onset, a tax above noise
     on a known reference, residency pressure), whatever the threshold in use; *below* only on positive signs of
@@ -242,12 +188,12 @@ def regime(g: Signs, threshold: ThresholdInUse, over: bool, quiet_streak: int) -
     bound clears it) or the regime is unknown, with what is missing. ``over``: the threshold's prediction
     (``predicted_regime``, with hysteresis on the p95's interval). The p95 and the threshold are worded by
     ``p95_words``: its comparison word is computed from the numbers it prints, never from ``over``."""
-    if g.p.value is None:
+    if g.p95.value is None:
         return Verdict(None, "unknown", "no KV usage sampled in the window")
     seen = pressure_signs(g)
     if seen:
         known = any(k for _, k in seen)
-        where = "" if over else f"; {p95_words(g.p, threshold)}"
+        where = "" if over else f"; {p95_words(g.p95, threshold)}"
         v = Verdict(True, "known" if known else "provisional", "above: " + "; ".join(w for w, _ in seen) + where)
         if g.residency is not None and g.residency.kind == "low_pressure":
             v = Verdict(True, "provisional" if v.state == "known" else v.state, v.reason +
@@ -257,7 +203,7 @@ def regime(g: Signs, threshold: ThresholdInUse, over: bool, quiet_streak: int) -
     if not missing:
         why = "below: " + ", ".join(low)
         if over:
-            return Verdict(False, "provisional", f"{why}; although {p95_words(g.p, threshold)}: the threshold "
+            return Verdict(False, "provisional", f"{why}; although {p95_words(g.p95, threshold)}: the threshold "
                            "predicts pressure the engine does not show")
         if quiet_streak >= QUIET_KNOWN_WINDOWS and engine_said:
             return Verdict(False, "known", f"{why}; low pressure for the last {plural(quiet_streak, 'evidence window')}")
@@ -268,6 +214,6 @@ def regime(g: Signs, threshold: ThresholdInUse, over: bool, quiet_streak: int) -
                         f"({quiet_streak} so far)")
         return Verdict(False, "provisional", f"{why}; known with {' and '.join(need)}")
     if over:
-        return Verdict(True, "provisional", f"above (predicted): {p95_words(g.p, threshold)}; the engine shows no "
+        return Verdict(True, "provisional", f"above (predicted): {p95_words(g.p95, threshold)}; the engine shows no "
                        "sign of pressure yet; missing for a below: " + "; ".join(missing))
     return Verdict(None, "unknown", "neither pressure nor low pressure shown: missing " + "; ".join(missing))

@@ -21,6 +21,7 @@ from exporter import rules
 from exporter.config import ConfigError
 from exporter.derive import offload
 from exporter.derive.pressure import quantile
+from exporter.derive.pressure_evidence import recorded_evidence
 from exporter.derive.threshold import PressurePoint, locate
 from exporter.rules import PREEMPTION_ONSET_PER_MINUTE as ONSET
 
@@ -169,6 +170,9 @@ def significance_boundary(points: list[dict]) -> dict | None:
 
 
 def off_points(conditions: list[dict], summaries: list[dict], tax: dict[str, dict]) -> list[PressurePoint]:
+    """One point per OFF condition: its evidence recorded as the means over its runs (each run's figures built by
+    the daemon's ``window_evidence``, measure.window_figures; no aggregate spans a condition's runs), weighted by
+    its runs."""
     by_name = {s["condition"]: s for s in summaries}
     out = []
     for c in conditions:
@@ -178,10 +182,11 @@ def off_points(conditions: list[dict], summaries: list[dict], tax: dict[str, dic
             continue
         t = tax.get(c["name"]) or {}
         se = _se(s, "kv_usage_p95_ratio") or 0.0
-        out.append(PressurePoint(kv_p95=x, preemptions_per_minute=_mean(s, "preemptions_per_minute"),
-                                 tax=t.get("tax"), tax_se=t.get("tax_se"), weight=float(s["n"]),
-                                 # a usage ratio: its interval never leaves [0, 1]
-                                 kv_p95_low=max(0.0, x - P95_Z * se), kv_p95_high=min(1.0, x + P95_Z * se)))
+        ev = recorded_evidence(p95=x, preemptions_per_minute=_mean(s, "preemptions_per_minute"), tax=t.get("tax"),
+                               tax_se=t.get("tax_se"),
+                               # a usage ratio: its interval never leaves [0, 1]
+                               p95_low=max(0.0, x - P95_Z * se), p95_high=min(1.0, x + P95_Z * se))
+        out.append(PressurePoint(evidence=ev, weight=float(s["n"])))
     return out
 
 

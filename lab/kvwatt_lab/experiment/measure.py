@@ -25,7 +25,8 @@ from typing import Sequence
 from exporter.config import Config, ServerConfig
 from exporter.derive import energy as derive_energy
 from exporter.derive.offload import store_failures, transfer_rates
-from exporter.derive.pressure import kv_usage_quantile, rate_per_second
+from exporter.derive.pressure import rate_per_second
+from exporter.derive.pressure_evidence import window_evidence
 from exporter.derive.recompute import mfu_view, token_counts, token_shares
 from exporter.energy.baseline import IdleAccumulator
 from exporter.model import Model
@@ -211,8 +212,8 @@ def energy_figures(agg: WindowAggregate, scope: str, min_load_seconds: float) ->
 def window_figures(intervals: Sequence[Interval], min_load_seconds: float) -> dict:
     agg = aggregate_of(intervals)
     covered = agg.covered_seconds
-    # per second of the intervals that carry the counter, as the daemon's kvwatt_preemptions_per_minute
-    preemptions_per_second = rate_per_second(agg, "preemptions")
+    # the daemon's window evidence: p95, KV max, preemptions/min (None on a glitched counter, as the daemon's)
+    ev = window_evidence(agg, window_seconds=covered)
     generated = agg.delta("generation_tokens")
     preemptions = agg.delta("preemptions")
     counts = token_counts(agg)
@@ -221,10 +222,8 @@ def window_figures(intervals: Sequence[Interval], min_load_seconds: float) -> di
     rates = transfer_rates(agg)
     return {
         "covered_seconds": covered, "intervals": len(intervals),
-        "kv_usage_p95_ratio": kv_usage_quantile(agg, 0.95), "kv_usage_max_ratio": max(kv) if kv else None,
-        "kv_samples": len(kv),
-        "preemptions": preemptions,
-        "preemptions_per_minute": None if preemptions_per_second is None else preemptions_per_second * 60.0,
+        "kv_usage_p95_ratio": ev.p95.value, "kv_usage_max_ratio": ev.kv_max, "kv_samples": len(kv),
+        "preemptions": preemptions, "preemptions_per_minute": ev.preemptions_per_minute,
         "generation_tokens": generated, "prompt_tokens": agg.delta("prompt_tokens"),
         "tokens_per_second": rate_per_second(agg, "generation_tokens"),
         "prompt_tokens_by_source": counts, "prompt_token_shares": token_shares(counts),
