@@ -18,6 +18,7 @@ import math
 from dataclasses import dataclass, replace
 
 from exporter import rules
+from exporter.derive import kappa
 from exporter.derive.pressure import rate_per_second
 from exporter.keys import labelled_key
 from exporter.store import WindowAggregate
@@ -180,6 +181,19 @@ class TierFlows:
     # the tier's capacity (configured: vLLM exports none) or, unknown, why
     capacity_bytes: float | None = None
     capacity_reason: str = ""
+    # vLLM's transfer-time counters (kv_offload_tiering_{read,write}_time, seconds summed over the tier's finished
+    # jobs, each job's I/O wall time without its queue wait; methods.md s14): bytes per second of transfer (the
+    # bandwidth one job sees: with parallel I/O threads the tier's aggregate is higher), and seconds of transfer per
+    # second of the window (the mean number of jobs transferring: above 1 with parallel jobs)
+    read_bandwidth_bytes_per_second: float | None = None
+    write_bandwidth_bytes_per_second: float | None = None
+    read_seconds_per_second: float | None = None
+    write_seconds_per_second: float | None = None
+    transfer_time_reason: str = ""  # why the bandwidths are unknown, "" when both are known
+    # s7's kappa_crit with a reload from this tier: the read hop at the tier's measured bandwidth, then the host
+    # link (kappa.tier_critical); unknown with its reason
+    critical_cached_to_prefill: float | None = None
+    critical_reason: str = ""
 
 
 def _hit_ratio(hits: float | None, queries: float | None) -> float | None:
@@ -228,10 +242,29 @@ def capacity_unknown(tier: str) -> str:
     return f"vLLM exports no tier capacity: set {where}"
 
 
+def _bandwidth(agg: WindowAggregate, direction: str, tier: str) -> tuple[float | None, float | None, str]:
+    """(bytes per second of transfer, seconds of transfer per covered second, why unknown) of one direction
+    ("read": promotions, "write": cascades). vLLM counts the bytes of the finished jobs (of a partly failed
+    promotion, its loaded keys) and their time only where the tier reports one (fs, obj; p2p none)."""
+    moved = agg.delta(labelled_key(f"tier_{direction}_bytes", tier))
+    seconds = agg.delta(labelled_key(f"tier_{direction}_seconds", tier))
+    busy = _per_covered_second(agg, labelled_key(f"tier_{direction}_seconds", tier))
+    if seconds is None:
+        if not moved:
+            return None, busy, f"no {direction}s from the tier in the window"
+        return None, busy, f"vLLM reports no {direction} time for the tier (kv_offload_tiering_{direction}_time)"
+    if not moved or seconds <= 0:
+        return None, busy, f"no timed {direction}s from the tier in the window"
+    rate = moved / seconds
+    return (rate, busy, "") if math.isfinite(rate) else (None, busy, f"the tier's {direction} time is ~0 s")
+
+
 def tier_flows(agg: WindowAggregate, capacities: dict[str, float] | None = None,
-               p99_tool_latency_seconds: float = rules.P99_TOOL_LATENCY.default) -> tuple[TierFlows, ...]:
+               p99_tool_latency_seconds: float = rules.P99_TOOL_LATENCY.default,
+               critical: tuple[float, float] | None = None) -> tuple[TierFlows, ...]:
     """Every tier that carries a tiering counter in the window, sorted by tier label; ``capacities``: the
-    configured bytes of each tier."""
+    configured bytes of each tier; ``critical``: (s7's kappa_crit over the host link, that link's bytes/s), None
+    without the model and hardware parameters."""
     keys = agg.keys()
     tiers = sorted({k.split("@", 1)[1] for k in keys if k.startswith(("tier_write_bytes@", "tier_read_bytes@",
                                                                        "tier_chunk_queries@", "tier_job_failures@",
@@ -255,8 +288,26 @@ def tier_flows(agg: WindowAggregate, capacities: dict[str, float] | None = None,
         flows = replace(flows, failed_promotions_per_second=_failed(agg, "tier_promotion_failures", tier, moved),
                         failed_cascades_per_second=_failed(agg, "tier_cascade_failures", tier, moved),
                         capacity_bytes=cap, capacity_reason="" if cap is not None else capacity_unknown(tier))
+        flows = _with_transfer_times(agg, flows, critical)
         if any(v is not None for v in (flows.write_bytes_per_second, flows.read_bytes_per_second,
                                        flows.chunk_hit_ratio, flows.job_failures, flows.dropped_blocks_per_second)):
             out.append(flows)  # a tier whose samples all left the window is gone from it
     return tuple(out)
 
+
+def _with_transfer_times(agg: WindowAggregate, flows: TierFlows,
+                         critical: tuple[float, float] | None) -> TierFlows:
+    """The tier's read and write bandwidth and busy seconds per second (vLLM's transfer-time counters), and the
+    critical cached-to-prefill ratio of a reload from it (methods.md s14)."""
+    read, read_busy, read_why = _bandwidth(agg, "read", flows.tier)
+    write, write_busy, write_why = _bandwidth(agg, "write", flows.tier)
+    if critical is None:
+        crit, crit_why = None, "kappa_crit needs the model's config.json and the hardware (methods.md s7)"
+    elif read is None:
+        crit, crit_why = None, f"no measured read bandwidth: {read_why}"
+    else:
+        crit, crit_why = kappa.tier_critical(critical[0], critical[1], read), ""
+    return replace(flows, read_bandwidth_bytes_per_second=read, write_bandwidth_bytes_per_second=write,
+                   read_seconds_per_second=read_busy, write_seconds_per_second=write_busy,
+                   transfer_time_reason="; ".join(w for w in (read_why, write_why) if w),
+                   critical_cached_to_prefill=crit, critical_reason=crit_why)

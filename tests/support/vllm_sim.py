@@ -603,8 +603,11 @@ def _render_offload(out: _Out, eng: SimEngine, version: str, split, with_label, 
 
 # One MiB chunks; of what enters the CPU (primary) tier, each secondary tier i (1-based) gets 1/(2i) cascaded
 # and gives back 1/(4i) of the loads; cascade jobs fail like the primary tier's allocations, and its
-# back-pressure drops 1/i stores of 8 blocks as often.
+# back-pressure drops 1/i stores of 8 blocks as often. Tier i reads at 1/i of TIER_READ_BYTES_PER_SECOND and
+# writes at 1/i of TIER_WRITE_BYTES_PER_SECOND per second of transfer (its _read_time/_write_time counters).
 TIER_CHUNK_BYTES = 2 ** 20
+TIER_READ_BYTES_PER_SECOND = 3e9  # an NVMe-class read (kv_offload_tiering_read_bytes / _read_time)
+TIER_WRITE_BYTES_PER_SECOND = 1.5e9
 
 
 def _render_tiers(out: _Out, eng: SimEngine, with_label) -> None:
@@ -616,6 +619,10 @@ def _render_tiers(out: _Out, eng: SimEngine, with_label) -> None:
                                            "labeled by tier.", []),
         "kv_offload_tiering_read_bytes": ("Total bytes read from secondary tiers into the primary tier, "
                                           "labeled by tier.", []),
+        "kv_offload_tiering_read_time": ("Total time spent reading from secondary tiers into the primary tier, in "
+                                         "seconds, labeled by tier.", []),
+        "kv_offload_tiering_write_time": ("Total time spent writing from the primary tier to secondary tiers, in "
+                                          "seconds, labeled by tier.", []),
         "kv_offload_tiering_chunk_queries": ("Number of chunk lookup queries sent to a tier, labeled by tier.", []),
         "kv_offload_tiering_chunk_hits": ("Number of chunk lookup hits in a tier, labeled by tier.", []),
         "kv_offload_tiering_promotion_job_failures": ("Number of failed secondary-tier promotion jobs, labeled "
@@ -632,10 +639,10 @@ def _render_tiers(out: _Out, eng: SimEngine, with_label) -> None:
         read = c["offload_load_bytes"] / (4 * i)
         queries = c["offload_load_bytes"] / TIER_CHUNK_BYTES
         dropped = c["offload_allocation_failures"] / i  # back-pressure drops a store (of 8 blocks) as often
-        values = (written, read, queries, queries / (2 * i), 0.0, c["offload_allocation_failures"], dropped,
-                  8 * dropped)
+        values = (written, read, read / (TIER_READ_BYTES_PER_SECOND / i), written / (TIER_WRITE_BYTES_PER_SECOND / i),
+                  queries, queries / (2 * i), 0.0, c["offload_allocation_failures"], dropped, 8 * dropped)
         for (name, (_, samples)), v in zip(series.items(), values):
-            samples += with_label({"tier": tier}, v)
+            samples += with_label({"tier": tier}, v, floor=not name.endswith("_time"))  # seconds: fractional
     for name, (help_, samples) in series.items():
         out.counter(name, help_, samples, created)
 
