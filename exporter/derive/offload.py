@@ -6,6 +6,8 @@
                   buffer tokens / write tokens per second for an engine that counts tokens: SGLang HiCache)
     undersized  = residency < p99 tool-call latency  OR  allocation failures / skipped stores rose
     recommended = write rate x p99 tool-call latency x headroom
+Per vLLM tiering tier (methods.md s14): bandwidth = tier bytes / tier transfer seconds, busy = transfer seconds /
+covered seconds, kappa_crit_t = kappa_crit x B_t / (B_t + B).
 
 The store counter is vllm:kv_offload_store_bytes_total (0.24+) or, before that, the deprecated
 vllm:kv_offload_total_bytes_total{transfer_type="GPU_to_CPU"}; sources/vllm.py maps both to
