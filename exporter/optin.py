@@ -45,6 +45,8 @@ OPT_IN_FAMILIES: dict[str, str] = {
     "kvwatt_offload_tier_write_seconds_per_second": "per offload tier and window (/api/status offload_tiers)",
     "kvwatt_offload_tier_critical_cached_to_prefill_ratio": "per offload tier and window: "
                                                             "kvwatt_critical_cached_to_prefill_ratio is the server's",
+    "kvwatt_offload_tier_lookup_seconds": "per offload tier and window (/api/status offload_tiers)",
+    "kvwatt_offload_tier_lookup_wait_seconds": "per offload tier and window (/api/status offload_tiers)",
     "kvwatt_offload_saved_cost_per_day": "money per baseline and window: kvwatt_offload_saved_watts times the price",
     "kvwatt_offload_saved_co2e_grams_per_day": "per baseline and window: kvwatt_offload_saved_watts times the "
                                                "carbon intensity",

@@ -1,7 +1,7 @@
 """Each offload tier's transfer times (issue 41 item 2; methods.md s14): vLLM 0.32's
 ``kv_offload_tiering_{read,write}_time{tier}`` (seconds summed over the tier's finished jobs) read into the tier's
-read and write bandwidth and its busy seconds per second, and s7's kappa_crit with a reload from the tier. Expected
-values worked by hand."""
+read and write bandwidth and its busy seconds per second, s7's kappa_crit with a reload from the tier, and its
+lookup delay from vLLM's lookup histograms. Expected values worked by hand."""
 
 from __future__ import annotations
 
@@ -87,3 +87,32 @@ def test_the_adapter_reads_vllms_time_counters_by_tier():
     counters = extract(parse(text)).counters
     assert counters["tier_read_seconds@1:fs"] == 1.5
     assert counters["tier_write_seconds@1:fs"] == 5.0  # summed over engines
+
+
+def test_lookup_delays_are_the_histograms_means_over_the_window():
+    """Each second 1:fs resolves 4 lookups blocking 0.0002 s in all, and 2 of them first waited 0.03 s in all on
+    its asynchronous lookup: means 5e-5 s and 0.015 s."""
+    lookups = {"tier_lookup_seconds_sum@1:fs": 0.0002, "tier_lookup_seconds_count@1:fs": 4.0,
+               "tier_lookup_wait_seconds_sum@1:fs": 0.03, "tier_lookup_wait_seconds_count@1:fs": 2.0,
+               "tier_lookup_seconds_sum@0:primary": 0.0004, "tier_lookup_seconds_count@0:primary": 4.0}
+    tiers = flows([timed(float(t), **lookups) for t in range(SECONDS)])
+    fs, primary = tiers["1:fs"], tiers["0:primary"]
+    assert fs.lookup_seconds == pytest.approx(5e-5) and fs.lookup_wait_seconds == pytest.approx(0.015)
+    assert fs.lookup_reason == ""
+    # the CPU tier answers at once: no lookup waited on it (vLLM has no async series for it), unknown with why
+    assert primary.lookup_seconds == pytest.approx(1e-4) and primary.lookup_wait_seconds is None
+    assert "no lookup waited" in primary.lookup_reason
+
+
+def test_the_adapter_reads_vllms_lookup_histograms_by_tier():
+    text = "\n".join([
+        "# TYPE vllm:kv_offload_tiering_lookup_async_delay_seconds histogram",
+        'vllm:kv_offload_tiering_lookup_async_delay_seconds_bucket{engine="0",le="+Inf",model_name="m",tier="1:fs"} 3',
+        'vllm:kv_offload_tiering_lookup_async_delay_seconds_count{engine="0",model_name="m",tier="1:fs"} 3',
+        'vllm:kv_offload_tiering_lookup_async_delay_seconds_sum{engine="0",model_name="m",tier="1:fs"} 0.12',
+        "# TYPE vllm:generation_tokens counter",
+        'vllm:generation_tokens_total{engine="0",model_name="m"} 10',
+    ])
+    counters = extract(parse(text)).counters
+    assert counters["tier_lookup_wait_seconds_count@1:fs"] == 3.0
+    assert counters["tier_lookup_wait_seconds_sum@1:fs"] == 0.12

@@ -15,7 +15,8 @@ first 10 completed stores), after which its policy drops the cascades bound for 
 
 kvwatt (a real ``kvwatt run``, 1 s ticks, a 10 m window holding the whole run) is checked against an independent
 scrape of the engine's /metrics (prometheus_client's parser): per-tier read/write bytes/s x the window's covered
-seconds, per-tier chunk hit ratios, cached-token shares by source, the back-pressure drops; all within 1 %.
+seconds, per-tier chunk hit ratios, cached-token shares by source, the back-pressure drops, each tier's read/write
+bandwidth and busy seconds (vLLM's _time counters), its kappa_crit and its lookup delays; all within 1 %.
 """
 
 from __future__ import annotations
@@ -284,3 +285,16 @@ def test_kappa_crit_per_tier_is_the_links_with_the_tiers_measured_read_in_series
     assert link > 0 and got == pytest.approx(want, rel=0.01)
     primary = _window(run)["offload_tiers"]["0:primary"]  # vLLM counts no bytes for the CPU tier itself
     assert primary["critical_cached_to_prefill_ratio"] is None and primary["critical_reason"]
+
+
+def test_per_tier_lookup_delays_equal_the_engines_histograms(run):
+    """vLLM's lookup histograms per tier: the mean blocking time of a resolved lookup and the mean wait of one the
+    tier answered 'retry' (the fs tier's asynchronous lookup: each new prompt waits a step for it), within 1 %."""
+    fs = _window(run)["offload_tiers"]["1:fs"]
+    for figure, base in (("lookup_seconds", "sync"), ("lookup_wait_seconds", "async")):
+        name = f"vllm:kv_offload_tiering_lookup_{base}_delay_seconds"
+        total, count = delta(run, name + "_sum", "1:fs"), delta(run, name + "_count", "1:fs")
+        got = kv(run, f"kvwatt_offload_tier_{figure}", server="tiered", tier="1:fs", window=WINDOW)
+        print(f"\n1:fs {base} lookups: engine {count:.0f} in {total:.5f} s = {total / count:.6f} s each; kvwatt {got}")
+        assert count > 0 and got == pytest.approx(total / count, rel=0.01)
+        assert fs[figure] == pytest.approx(got, rel=1e-9)

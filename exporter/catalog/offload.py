@@ -499,7 +499,7 @@ TIERED: tuple[MetricDef, ...] = (
 
 # issue 41 item 2: each tier's transfer times (vLLM's kv_offload_tiering_{read,write}_time, seconds summed over the
 # tier's finished jobs): its read and write bandwidth, the seconds it spent transferring per second, and s7's
-# kappa_crit with a reload from it (methods.md s14). Opt-in like the other tier figures (/api/status offload_tiers).
+# kappa_crit with a reload from it (methods.md s14); its lookup delay (vLLM's lookup histograms). Opt-in like the other tier figures (/api/status offload_tiers).
 TIER_TIMES: tuple[MetricDef, ...] = (
     MetricDef(
         name="kvwatt_offload_tier_read_bandwidth_bytes_per_second", type="gauge", labels=("server", "tier", "window"),
@@ -551,6 +551,25 @@ TIER_TIMES: tuple[MetricDef, ...] = (
         fill=_tiers("critical_cached_to_prefill"),
         bounds=bounds.NON_NEGATIVE,
     ),
+    MetricDef(
+        name="kvwatt_offload_tier_lookup_seconds", type="gauge", labels=("server", "tier", "window"),
+        help="vLLM tiering: the mean time the scheduler blocked in one of the tier's chunk lookups that resolved (hit "
+             "or miss) over the window (vllm:kv_offload_tiering_lookup_sync_delay_seconds _sum / _count).",
+        computes="derive.offload.tier_flows",
+        section=TRAFFIC_SECTION,
+        fill=_tiers("lookup_seconds"),
+        bounds=bounds.NON_NEGATIVE,
+    ),
+    MetricDef(
+        name="kvwatt_offload_tier_lookup_wait_seconds", type="gauge", labels=("server", "tier", "window"),
+        help="vLLM tiering: the mean wait of a chunk lookup that the tier answered 'retry' (its asynchronous lookup, "
+             "the fs tier's) until it resolved, over the window (vllm:kv_offload_tiering_lookup_async_delay_seconds "
+             "_sum / _count): the lookup delay a prompt waits before a reload from the tier can start.",
+        computes="derive.offload.tier_flows",
+        section=TRAFFIC_SECTION,
+        fill=_tiers("lookup_wait_seconds"),
+        bounds=bounds.NON_NEGATIVE,
+    ),
 )
 
 
@@ -571,7 +590,10 @@ def _tiers_json(w: WindowFigures) -> dict:
                                        "write_seconds_per_second": t.write_seconds_per_second,
                                        "transfer_time_reason": t.transfer_time_reason,
                                        "critical_cached_to_prefill_ratio": t.critical_cached_to_prefill,
-                                       "critical_reason": t.critical_reason}
+                                       "critical_reason": t.critical_reason,
+                                       "lookup_seconds": t.lookup_seconds,
+                                       "lookup_wait_seconds": t.lookup_wait_seconds,
+                                       "lookup_reason": t.lookup_reason}
                               for t in w.offload_tiers}}
 
 

@@ -196,6 +196,11 @@ class TierFlows:
     # link (kappa.tier_critical); unknown with its reason
     critical_cached_to_prefill: float | None = None
     critical_reason: str = ""
+    # vLLM's lookup histograms (seconds, means over the window): the scheduler's blocking time per resolved chunk
+    # lookup, and the wait of a lookup that had to retry (the tier's asynchronous lookup) until it resolved
+    lookup_seconds: float | None = None
+    lookup_wait_seconds: float | None = None
+    lookup_reason: str = ""  # why either is unknown, "" when both are known
 
 
 def _hit_ratio(hits: float | None, queries: float | None) -> float | None:
@@ -309,7 +314,21 @@ def _with_transfer_times(agg: WindowAggregate, flows: TierFlows,
         crit, crit_why = None, f"no measured read bandwidth: {read_why}"
     else:
         crit, crit_why = kappa.tier_critical(critical[0], critical[1], read), ""
+    lookup, lookup_why = _mean(agg, "tier_lookup_seconds", flows.tier, "no chunk lookups resolved by the tier")
+    wait, wait_why = _mean(agg, "tier_lookup_wait_seconds", flows.tier, "no lookup waited on the tier")
+    flows = replace(flows, lookup_seconds=lookup, lookup_wait_seconds=wait,
+                    lookup_reason="; ".join(w for w in (lookup_why, wait_why) if w))
     return replace(flows, read_bandwidth_bytes_per_second=read, write_bandwidth_bytes_per_second=write,
                    read_seconds_per_second=read_busy, write_seconds_per_second=write_busy,
                    transfer_time_reason="; ".join(w for w in (read_why, write_why) if w),
                    critical_cached_to_prefill=crit, critical_reason=crit_why)
+
+
+def _mean(agg: WindowAggregate, prefix: str, tier: str, none: str) -> tuple[float | None, str]:
+    """A tiering histogram's mean over the window (its _sum / _count increases) and, unknown, why. vLLM creates a
+    tier's series at its first observation: without a sample nothing was observed (``none``)."""
+    total = agg.delta(labelled_key(prefix + "_sum", tier))
+    count = agg.delta(labelled_key(prefix + "_count", tier))
+    if total is None or not count:
+        return None, f"{none} in the window"
+    return (total / count, "") if total >= 0 else (None, f"{prefix} fell in the window")

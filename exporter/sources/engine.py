@@ -83,6 +83,12 @@ LABELLED_COUNTER_KEYS: dict[str, str] = {
                          "promotion jobs, by tier",
     "tier_write_seconds": "seconds a secondary offload tier spent writing from the primary tier, summed over its "
                           "cascade jobs, by tier",
+    "tier_lookup_seconds_sum": "seconds the scheduler blocked in an offload tier's resolved chunk lookups, summed, "
+                               "by tier",
+    "tier_lookup_seconds_count": "chunk lookups an offload tier resolved (hit or miss), by tier",
+    "tier_lookup_wait_seconds_sum": "seconds from an offload tier's first 'retry' to the lookup's resolution, summed "
+                                    "over the lookups that waited, by tier",
+    "tier_lookup_wait_seconds_count": "chunk lookups that waited on an offload tier's asynchronous lookup, by tier",
     "tier_chunk_queries": "chunk lookups sent to an offload tier, by tier",
     "tier_chunk_hits": "chunk lookups that hit in an offload tier, by tier",
     "tier_job_failures": "failed promotion (read) and cascade (write) jobs of an offload tier, by tier",

@@ -608,6 +608,9 @@ def _render_offload(out: _Out, eng: SimEngine, version: str, split, with_label, 
 TIER_CHUNK_BYTES = 2 ** 20
 TIER_READ_BYTES_PER_SECOND = 3e9  # an NVMe-class read (kv_offload_tiering_read_bytes / _read_time)
 TIER_WRITE_BYTES_PER_SECOND = 1.5e9
+TIER_LOOKUP_SECONDS = 2e-5  # the scheduler's blocking time per resolved chunk lookup
+TIER_LOOKUP_WAIT_SECONDS = 0.004  # a lookup that answered "retry" until it resolved (the fs tier's async lookup)
+TIER_LOOKUP_BUCKETS = (0.00001, 0.00005, 0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10)
 
 
 def _render_tiers(out: _Out, eng: SimEngine, with_label) -> None:
@@ -645,6 +648,20 @@ def _render_tiers(out: _Out, eng: SimEngine, with_label) -> None:
             samples += with_label({"tier": tier}, v, floor=not name.endswith("_time"))  # seconds: fractional
     for name, (help_, samples) in series.items():
         out.counter(name, help_, samples, created)
+    # the lookup histograms: every resolved chunk lookup blocks TIER_LOOKUP_SECONDS x i, half of them first wait
+    # TIER_LOOKUP_WAIT_SECONDS x i on the tier's asynchronous lookup
+    for base, help_, per_lookup, waited in (
+            ("kv_offload_tiering_lookup_sync_delay_seconds", "Histogram of blocking time spent in a per-chunk tier "
+             "lookup that resolved as a hit or miss, labeled by tier, in seconds.", TIER_LOOKUP_SECONDS, 1.0),
+            ("kv_offload_tiering_lookup_async_delay_seconds", "Histogram of wall-clock time from a per-chunk tier "
+             "lookup first returning retry until that same tier lookup resolves as a hit or miss, labeled by tier, "
+             "in seconds.", TIER_LOOKUP_WAIT_SECONDS, 0.5)):
+        per_engine = []
+        for i, tier in enumerate(eng.scenario.tiers, start=1):
+            h = _Histogram(TIER_LOOKUP_BUCKETS)
+            h.observe(per_lookup * i, int(c["offload_load_bytes"] / TIER_CHUNK_BYTES * waited))
+            per_engine += [(lab, h, share) for lab, share in with_label({"tier": tier}, 1.0, floor=False)]
+        out.histogram(base, help_, per_engine, created)
 
 
 def _render_cache_config(out: _Out, eng: SimEngine, version: str) -> None:
