@@ -38,6 +38,15 @@ OPT_IN_FAMILIES: dict[str, str] = {
     "kvwatt_offload_tier_saved_watts": "per offload tier and window: kvwatt_offload_saved_watts is the server's",
     "kvwatt_offload_second_tier_energy_saving_ratio": "per window, a tiered server's only (/api/status "
                                                       "second_tier_energy_saving)",
+    # issue 41 item 2: each tier's transfer times and kappa_crit (/api/status offload_tiers)
+    "kvwatt_offload_tier_read_bandwidth_bytes_per_second": "per offload tier and window (/api/status offload_tiers)",
+    "kvwatt_offload_tier_write_bandwidth_bytes_per_second": "per offload tier and window (/api/status offload_tiers)",
+    "kvwatt_offload_tier_read_seconds_per_second": "per offload tier and window (/api/status offload_tiers)",
+    "kvwatt_offload_tier_write_seconds_per_second": "per offload tier and window (/api/status offload_tiers)",
+    "kvwatt_offload_tier_critical_cached_to_prefill_ratio": "per offload tier and window: "
+                                                            "kvwatt_critical_cached_to_prefill_ratio is the server's",
+    "kvwatt_offload_tier_lookup_seconds": "per offload tier and window (/api/status offload_tiers)",
+    "kvwatt_offload_tier_lookup_wait_seconds": "per offload tier and window (/api/status offload_tiers)",
     "kvwatt_offload_saved_cost_per_day": "money per baseline and window: kvwatt_offload_saved_watts times the price",
     "kvwatt_offload_saved_co2e_grams_per_day": "per baseline and window: kvwatt_offload_saved_watts times the "
                                                "carbon intensity",

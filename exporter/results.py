@@ -79,6 +79,24 @@ class TierFlows:
     # the tier's capacity (configured: vLLM exports none) or, unknown, why
     capacity_bytes: float | None = None
     capacity_reason: str = ""
+    # vLLM's transfer-time counters (kv_offload_tiering_{read,write}_time, seconds summed over the tier's finished
+    # jobs, each job's I/O wall time without its queue wait; methods.md s14): bytes per second of transfer (the
+    # bandwidth one job sees: with parallel I/O threads the tier's aggregate is higher), and seconds of transfer per
+    # second of the window (the mean number of jobs transferring: above 1 with parallel jobs)
+    read_bandwidth_bytes_per_second: float | None = None
+    write_bandwidth_bytes_per_second: float | None = None
+    read_seconds_per_second: float | None = None
+    write_seconds_per_second: float | None = None
+    transfer_time_reason: str = ""  # why the bandwidths are unknown, "" when both are known
+    # s7's kappa_crit with a reload from this tier: the read hop at the tier's measured bandwidth, then the host
+    # link (kappa.tier_critical); unknown with its reason
+    critical_cached_to_prefill: float | None = None
+    critical_reason: str = ""
+    # vLLM's lookup histograms (seconds, means over the window): the scheduler's blocking time per resolved chunk
+    # lookup, and the wait of a lookup that had to retry (the tier's asynchronous lookup) until it resolved
+    lookup_seconds: float | None = None
+    lookup_wait_seconds: float | None = None
+    lookup_reason: str = ""  # why either is unknown, "" when both are known
 
 
 # --- computed by derive/phase_energy.py -------------------------------------------------------------------------------

@@ -74,6 +74,12 @@ NON_NEGATIVE = {"kvwatt_sample_duration_seconds", "kvwatt_window_covered_seconds
                 "kvwatt_offload_tier_failed_promotions_per_second", "kvwatt_offload_tier_failed_cascades_per_second",
                 "kvwatt_offload_tier_reload_joules_per_token", "kvwatt_offload_tier_breakeven_ratio",
                 "kvwatt_offload_tier_cached_to_prefill_ratio", "kvwatt_offload_tier_reload_watts",
+                # issue 41 item 2: each tier's transfer times and kappa_crit
+                "kvwatt_offload_tier_read_bandwidth_bytes_per_second",
+                "kvwatt_offload_tier_write_bandwidth_bytes_per_second",
+                "kvwatt_offload_tier_read_seconds_per_second", "kvwatt_offload_tier_write_seconds_per_second",
+                "kvwatt_offload_tier_critical_cached_to_prefill_ratio", "kvwatt_offload_tier_lookup_seconds",
+                "kvwatt_offload_tier_lookup_wait_seconds",
                 "kvwatt_preemptions_by_reason_per_minute", "kvwatt_offload_tier_residency_seconds",
                 "kvwatt_offload_write_tokens_per_second", "kvwatt_offload_read_tokens_per_second",
                 "kvwatt_offload_buffer_used_bytes",

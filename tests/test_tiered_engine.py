@@ -15,7 +15,8 @@ first 10 completed stores), after which its policy drops the cascades bound for 
 
 kvwatt (a real ``kvwatt run``, 1 s ticks, a 10 m window holding the whole run) is checked against an independent
 scrape of the engine's /metrics (prometheus_client's parser): per-tier read/write bytes/s x the window's covered
-seconds, per-tier chunk hit ratios, cached-token shares by source, the back-pressure drops; all within 1 %.
+seconds, per-tier chunk hit ratios, cached-token shares by source, the back-pressure drops, each tier's read/write
+bandwidth and busy seconds (vLLM's _time counters), its kappa_crit and its lookup delays; all within 1 %.
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ DISK_GIB_PER_SECOND = 0.02  # 20.5 MiB/s: ~0.049 s/MiB, over the back-pressure h
 WINDOW = "10m"  # longer than the run: the window's deltas are the run's
 TIERS = ("0:primary", "1:fs")
 SOURCES = ("device", "host", "disk")
+# F and the host link B for s7's roofline (configured: the CPU engine has no GPU); B of the order of the modelled
+# disk's so that the disk's read visibly lowers the tier's kappa_crit
+HARDWARE = {"flops_per_second": 1e11, "host_device_bytes_per_second": 1e8}
 
 
 def counters(url: str) -> dict[tuple[str, str], float]:
@@ -62,14 +66,17 @@ def _complete(url: str, prompt: list[int]) -> None:
 @pytest.fixture(scope="module")
 def run():
     disk = tempfile.mkdtemp(prefix="kvwatt-disk-", dir="/dev/shm")  # RAM-backed: the model sets the disk's time
-    engine = VllmEngine(build_tiny_model(), num_gpu_blocks=BLOCKS, max_model_len=2048,
+    model = build_tiny_model()
+    engine = VllmEngine(model, num_gpu_blocks=BLOCKS, max_model_len=2048,
                         extra_args=["--enable-prefix-caching"],
                         tiered=dict(cpu_mib=CPU_MIB, disk_dir=disk, disk=DISK_GIB_PER_SECOND))
     try:
         engine.start()
         config = {"windows": [WINDOW], "metrics_opt_in": ["all"]}
-        # the CPU tier's size as kvwatt's configuration states it (vLLM exports its cpu_bytes_to_use nowhere)
-        server = {"url": engine.url, "gpus": [], "offload_tier_bytes": {"0:primary": CPU_MIB * 2 ** 20}}
+        # the CPU tier's size as kvwatt's configuration states it (vLLM exports its cpu_bytes_to_use nowhere); the
+        # served model's config.json and a configured host link give kappa_crit (methods.md s7), per tier (s14)
+        server = {"url": engine.url, "gpus": [], "offload_tier_bytes": {"0:primary": CPU_MIB * 2 ** 20},
+                  "model_config": os.path.join(model, "config.json"), "hardware": HARDWARE}
         with KvwattDaemon(servers={"tiered": server}, config=config, interval="1s") as d:
             d.wait_for(lambda d: d.value("kvwatt_offload_enabled", server="tiered") is not None, timeout=30)
             before = counters(engine.url)
@@ -243,3 +250,51 @@ def test_the_cpu_tier_sizes_the_buffer_and_the_disk_tiers_size_is_unknown_with_i
     assert server["offload_buffer"]["size_setting"] == "cpu_bytes_to_use"
     fs = _window(run)["offload_tiers"]["1:fs"]
     assert fs["capacity_bytes"] is None and "no capacity of its own" in fs["capacity_reason"]
+
+
+def test_per_tier_transfer_times_equal_the_engines_counters(run):
+    """vLLM's kv_offload_tiering_{read,write}_time (seconds summed over the tier's finished jobs): the tier's
+    bandwidth = its bytes / those seconds, its busy seconds per second x the covered seconds = those seconds (1 %);
+    the modelled disk (DISK_GIB_PER_SECOND) bounds the bandwidth a job sees."""
+    covered = _covered(run)
+    for direction in ("read", "write"):
+        moved = delta(run, f"vllm:kv_offload_tiering_{direction}_bytes_total", "1:fs")
+        seconds = delta(run, f"vllm:kv_offload_tiering_{direction}_time_total", "1:fs")
+        bandwidth = kv(run, f"kvwatt_offload_tier_{direction}_bandwidth_bytes_per_second", server="tiered",
+                       tier="1:fs", window=WINDOW)
+        busy = kv(run, f"kvwatt_offload_tier_{direction}_seconds_per_second", server="tiered", tier="1:fs",
+                  window=WINDOW)
+        print(f"\n1:fs {direction}: engine {moved:.0f} B in {seconds:.4f} s = {moved / seconds:.4g} B/s; kvwatt "
+              f"{bandwidth:.4g} B/s, {busy:.5f} s/s x {covered:.1f} s = {busy * covered:.4f} s "
+              f"(the modelled disk: {DISK_GIB_PER_SECOND * 2 ** 30:.4g} B/s)")
+        assert moved > 0 and seconds > 0
+        assert bandwidth == pytest.approx(moved / seconds, rel=0.01)
+        assert busy * covered == pytest.approx(seconds, rel=0.01)
+        assert bandwidth <= DISK_GIB_PER_SECOND * 2 ** 30 * 1.01  # the model holds each batch to its bandwidth
+
+
+def test_kappa_crit_per_tier_is_the_links_with_the_tiers_measured_read_in_series(run):
+    """methods.md s14: kappa_crit_t = kappa_crit x B_t / (B_t + B), B_t the engine's read bytes / read seconds."""
+    link = kv(run, "kvwatt_critical_cached_to_prefill_ratio", server="tiered")
+    read = delta(run, "vllm:kv_offload_tiering_read_bytes_total", "1:fs") / \
+        delta(run, "vllm:kv_offload_tiering_read_time_total", "1:fs")
+    want = link * read / (read + HARDWARE["host_device_bytes_per_second"])
+    got = kv(run, "kvwatt_offload_tier_critical_cached_to_prefill_ratio", server="tiered", tier="1:fs",
+             window=WINDOW)
+    print(f"\nkappa_crit: link {link:.4g}, 1:fs {got} (engine's read {read:.4g} B/s: {want:.4g})")
+    assert link > 0 and got == pytest.approx(want, rel=0.01)
+    primary = _window(run)["offload_tiers"]["0:primary"]  # vLLM counts no bytes for the CPU tier itself
+    assert primary["critical_cached_to_prefill_ratio"] is None and primary["critical_reason"]
+
+
+def test_per_tier_lookup_delays_equal_the_engines_histograms(run):
+    """vLLM's lookup histograms per tier: the mean blocking time of a resolved lookup and the mean wait of one the
+    tier answered 'retry' (the fs tier's asynchronous lookup: each new prompt waits a step for it), within 1 %."""
+    fs = _window(run)["offload_tiers"]["1:fs"]
+    for figure, base in (("lookup_seconds", "sync"), ("lookup_wait_seconds", "async")):
+        name = f"vllm:kv_offload_tiering_lookup_{base}_delay_seconds"
+        total, count = delta(run, name + "_sum", "1:fs"), delta(run, name + "_count", "1:fs")
+        got = kv(run, f"kvwatt_offload_tier_{figure}", server="tiered", tier="1:fs", window=WINDOW)
+        print(f"\n1:fs {base} lookups: engine {count:.0f} in {total:.5f} s = {total / count:.6f} s each; kvwatt {got}")
+        assert count > 0 and got == pytest.approx(total / count, rel=0.01)
+        assert fs[figure] == pytest.approx(got, rel=1e-9)

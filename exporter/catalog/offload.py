@@ -497,6 +497,82 @@ TIERED: tuple[MetricDef, ...] = (
 )
 
 
+# issue 41 item 2: each tier's transfer times (vLLM's kv_offload_tiering_{read,write}_time, seconds summed over the
+# tier's finished jobs): its read and write bandwidth, the seconds it spent transferring per second, and s7's
+# kappa_crit with a reload from it (methods.md s14); its lookup delay (vLLM's lookup histograms). Opt-in like the other tier figures (/api/status offload_tiers).
+TIER_TIMES: tuple[MetricDef, ...] = (
+    MetricDef(
+        name="kvwatt_offload_tier_read_bandwidth_bytes_per_second", type="gauge", labels=("server", "tier", "window"),
+        help="vLLM tiering: the tier's read bandwidth, bytes read into the CPU tier / seconds its promotion jobs spent "
+             "reading over the window (vllm:kv_offload_tiering_read_bytes_total / _read_time_total; per job: with "
+             "parallel I/O threads the tier's aggregate is higher). Low: a reload from the tier is slow.",
+        computes="derive.offload.tier_flows",
+        section=TRAFFIC_SECTION,
+        fill=_tiers("read_bandwidth_bytes_per_second"),
+        bounds=bounds.NON_NEGATIVE,
+    ),
+    MetricDef(
+        name="kvwatt_offload_tier_write_bandwidth_bytes_per_second", type="gauge",
+        labels=("server", "tier", "window"),
+        help="vLLM tiering: the tier's write bandwidth, bytes written from the CPU tier / seconds its cascade jobs "
+             "spent writing over the window (vllm:kv_offload_tiering_write_bytes_total / _write_time_total).",
+        computes="derive.offload.tier_flows",
+        section=TRAFFIC_SECTION,
+        fill=_tiers("write_bandwidth_bytes_per_second"),
+        bounds=bounds.NON_NEGATIVE,
+    ),
+    MetricDef(
+        name="kvwatt_offload_tier_read_seconds_per_second", type="gauge", labels=("server", "tier", "window"),
+        help="vLLM tiering: seconds the tier's promotion jobs spent reading per second of the window "
+             "(vllm:kv_offload_tiering_read_time_total): the mean number of reads in flight, above 1 with parallel "
+             "jobs; near the tier's read threads its reads queue.",
+        computes="derive.offload.tier_flows",
+        section=TRAFFIC_SECTION,
+        fill=_tiers("read_seconds_per_second"),
+        bounds=bounds.NON_NEGATIVE,
+    ),
+    MetricDef(
+        name="kvwatt_offload_tier_write_seconds_per_second", type="gauge", labels=("server", "tier", "window"),
+        help="vLLM tiering: seconds the tier's cascade jobs spent writing per second of the window "
+             "(vllm:kv_offload_tiering_write_time_total): the mean number of writes in flight.",
+        computes="derive.offload.tier_flows",
+        section=TRAFFIC_SECTION,
+        fill=_tiers("write_seconds_per_second"),
+        bounds=bounds.NON_NEGATIVE,
+    ),
+    MetricDef(
+        name="kvwatt_offload_tier_critical_cached_to_prefill_ratio", type="gauge",
+        labels=("server", "tier", "window"),
+        help="kappa_crit of a reload from the tier (methods.md s7, s14): s7's roofline with the tier's measured read "
+             "bandwidth then the host link in series, kvwatt_critical_cached_to_prefill_ratio x B_t / (B_t + B). "
+             "Above it (kvwatt_offload_tier_cached_to_prefill_ratio) reloads from the tier outlast the compute.",
+        computes="derive.kappa.tier_critical",
+        section=TRAFFIC_SECTION,
+        fill=_tiers("critical_cached_to_prefill"),
+        bounds=bounds.NON_NEGATIVE,
+    ),
+    MetricDef(
+        name="kvwatt_offload_tier_lookup_seconds", type="gauge", labels=("server", "tier", "window"),
+        help="vLLM tiering: the mean time the scheduler blocked in one of the tier's chunk lookups that resolved (hit "
+             "or miss) over the window (vllm:kv_offload_tiering_lookup_sync_delay_seconds _sum / _count).",
+        computes="derive.offload.tier_flows",
+        section=TRAFFIC_SECTION,
+        fill=_tiers("lookup_seconds"),
+        bounds=bounds.NON_NEGATIVE,
+    ),
+    MetricDef(
+        name="kvwatt_offload_tier_lookup_wait_seconds", type="gauge", labels=("server", "tier", "window"),
+        help="vLLM tiering: the mean wait of a chunk lookup that the tier answered 'retry' (its asynchronous lookup, "
+             "the fs tier's) until it resolved, over the window (vllm:kv_offload_tiering_lookup_async_delay_seconds "
+             "_sum / _count): the lookup delay a prompt waits before a reload from the tier can start.",
+        computes="derive.offload.tier_flows",
+        section=TRAFFIC_SECTION,
+        fill=_tiers("lookup_wait_seconds"),
+        bounds=bounds.NON_NEGATIVE,
+    ),
+)
+
+
 # --- the sections' JSON and the sections ----------------------------------------------------------------------------
 def _tiers_json(w: WindowFigures) -> dict:
     return {"offload_tiers": {t.tier: {"write_bytes_per_second": t.write_bytes_per_second,
@@ -507,7 +583,17 @@ def _tiers_json(w: WindowFigures) -> dict:
                                        "dropped_blocks_per_second": t.dropped_blocks_per_second,
                                        "failed_promotions_per_second": t.failed_promotions_per_second,
                                        "failed_cascades_per_second": t.failed_cascades_per_second,
-                                       "capacity_bytes": t.capacity_bytes, "capacity_reason": t.capacity_reason}
+                                       "capacity_bytes": t.capacity_bytes, "capacity_reason": t.capacity_reason,
+                                       "read_bandwidth_bytes_per_second": t.read_bandwidth_bytes_per_second,
+                                       "write_bandwidth_bytes_per_second": t.write_bandwidth_bytes_per_second,
+                                       "read_seconds_per_second": t.read_seconds_per_second,
+                                       "write_seconds_per_second": t.write_seconds_per_second,
+                                       "transfer_time_reason": t.transfer_time_reason,
+                                       "critical_cached_to_prefill_ratio": t.critical_cached_to_prefill,
+                                       "critical_reason": t.critical_reason,
+                                       "lookup_seconds": t.lookup_seconds,
+                                       "lookup_wait_seconds": t.lookup_wait_seconds,
+                                       "lookup_reason": t.lookup_reason}
                               for t in w.offload_tiers}}
 
 
@@ -560,13 +646,14 @@ def _advice_json(v: ServerFigures) -> dict:
                        for a in v.advice]}
 
 
-TRAFFIC_SEC = Section(name=TRAFFIC_SECTION, metrics=(*TRAFFIC, *TIERED), blocks=(
+TRAFFIC_SEC = Section(name=TRAFFIC_SECTION, metrics=(*TRAFFIC, *TIERED, *TIER_TIMES), blocks=(
     window_block(("offload_tiers",),
                  ("kvwatt_offload_tier_write_bytes_per_second", "kvwatt_offload_tier_read_bytes_per_second",
                   "kvwatt_offload_tier_chunk_hit_ratio", "kvwatt_offload_tier_job_failures",
                   "kvwatt_offload_tier_residency_seconds", "kvwatt_offload_tier_undersized",
                   "kvwatt_offload_tier_dropped_stores_per_second", "kvwatt_offload_tier_dropped_blocks_per_second",
-                  "kvwatt_offload_tier_failed_promotions_per_second", "kvwatt_offload_tier_failed_cascades_per_second"),
+                  "kvwatt_offload_tier_failed_promotions_per_second", "kvwatt_offload_tier_failed_cascades_per_second",
+                  *(m.name for m in TIER_TIMES)),
                  _tiers_json),
     window_block(("offload_tier_energy",),
                  ("kvwatt_offload_tier_reload_joules_per_token", "kvwatt_offload_tier_breakeven_ratio",

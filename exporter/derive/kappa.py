@@ -27,7 +27,7 @@ from exporter.samples import ModelParams
 from exporter.store import WindowAggregate
 
 __all__ = ["ModelParams", "HardwareParams", "GPU_TABLE", "gpu_defaults", "hardware_params", "observed",
-           "critical", "breakeven_tokens", "tetris_mha_breakeven_tokens", "Breakeven", "breakeven"]
+           "critical", "tier_critical", "breakeven_tokens", "tetris_mha_breakeven_tokens", "Breakeven", "breakeven"]
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -114,6 +114,13 @@ def critical(m: ModelParams, hw: HardwareParams) -> float | None:
     if m.active_parameters is None:
         return None
     return 2.0 * m.active_parameters * hw.host_device_bytes_per_second / (hw.flops_per_second * m.kv_bytes_per_token)
+
+
+def tier_critical(link_critical: float, link_bytes_per_second: float, tier_read_bytes_per_second: float) -> float:
+    """kappa_crit of a reload from a secondary tier (methods.md s14): a token's KV crosses the tier's read (into the
+    CPU tier, at its measured bandwidth B_t) and then the host link (B), one after the other, so its load time is
+    b_kv/B_t + b_kv/B and kappa_crit_t = 2*N_act / (F*b_kv*(1/B_t + 1/B)) = kappa_crit x B_t / (B_t + B)."""
+    return link_critical * tier_read_bytes_per_second / (tier_read_bytes_per_second + link_bytes_per_second)
 
 
 def breakeven_tokens(hidden_size: float, kv_width: float, dtype_bytes: float, flops_per_second: float,

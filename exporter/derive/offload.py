@@ -6,6 +6,8 @@
                   buffer tokens / write tokens per second for an engine that counts tokens: SGLang HiCache)
     undersized  = residency < p99 tool-call latency  OR  allocation failures / skipped stores rose
     recommended = write rate x p99 tool-call latency x headroom
+Per vLLM tiering tier (methods.md s14): bandwidth = tier bytes / tier transfer seconds, busy = transfer seconds /
+covered seconds, kappa_crit_t = kappa_crit x B_t / (B_t + B).
 
 The store counter is vllm:kv_offload_store_bytes_total (0.24+) or, before that, the deprecated
 vllm:kv_offload_total_bytes_total{transfer_type="GPU_to_CPU"}; sources/vllm.py maps both to
@@ -15,9 +17,10 @@ vllm:kv_offload_total_bytes_total{transfer_type="GPU_to_CPU"}; sources/vllm.py m
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from exporter import rules
+from exporter.derive import kappa
 from exporter.derive.pressure import rate_per_second
 from exporter.keys import labelled_key
 from exporter.results import TierFlows, TierState
@@ -193,10 +196,29 @@ def capacity_unknown(tier: str) -> str:
     return f"vLLM exports no tier capacity: set {where}"
 
 
+def _bandwidth(agg: WindowAggregate, direction: str, tier: str) -> tuple[float | None, float | None, str]:
+    """(bytes per second of transfer, seconds of transfer per covered second, why unknown) of one direction
+    ("read": promotions, "write": cascades). vLLM counts the bytes of the finished jobs (of a partly failed
+    promotion, its loaded keys) and their time only where the tier reports one (fs, obj; p2p none)."""
+    moved = agg.delta(labelled_key(f"tier_{direction}_bytes", tier))
+    seconds = agg.delta(labelled_key(f"tier_{direction}_seconds", tier))
+    busy = _per_covered_second(agg, labelled_key(f"tier_{direction}_seconds", tier))
+    if seconds is None:
+        if not moved:
+            return None, busy, f"no {direction}s from the tier in the window"
+        return None, busy, f"vLLM reports no {direction} time for the tier (kv_offload_tiering_{direction}_time)"
+    if not moved or seconds <= 0:
+        return None, busy, f"no timed {direction}s from the tier in the window"
+    rate = moved / seconds
+    return (rate, busy, "") if math.isfinite(rate) else (None, busy, f"the tier's {direction} time is ~0 s")
+
+
 def tier_flows(agg: WindowAggregate, capacities: dict[str, float] | None = None,
-               p99_tool_latency_seconds: float = rules.P99_TOOL_LATENCY.default) -> tuple[TierFlows, ...]:
+               p99_tool_latency_seconds: float = rules.P99_TOOL_LATENCY.default,
+               critical: tuple[float, float] | None = None) -> tuple[TierFlows, ...]:
     """Every tier that carries a tiering counter in the window, sorted by tier label; ``capacities``: the
-    configured bytes of each tier."""
+    configured bytes of each tier; ``critical``: (s7's kappa_crit over the host link, that link's bytes/s), None
+    without the model and hardware parameters."""
     keys = agg.keys()
     tiers = sorted({k.split("@", 1)[1] for k in keys if k.startswith(("tier_write_bytes@", "tier_read_bytes@",
                                                                        "tier_chunk_queries@", "tier_job_failures@",
@@ -222,8 +244,40 @@ def tier_flows(agg: WindowAggregate, capacities: dict[str, float] | None = None,
                           failed_promotions_per_second=_failed(agg, "tier_promotion_failures", tier, moved),
                           failed_cascades_per_second=_failed(agg, "tier_cascade_failures", tier, moved),
                           capacity_bytes=cap, capacity_reason="" if cap is not None else capacity_unknown(tier))
+        flows = _with_transfer_times(agg, flows, critical)
         if any(v is not None for v in (flows.write_bytes_per_second, flows.read_bytes_per_second,
                                        flows.chunk_hit_ratio, flows.job_failures, flows.dropped_blocks_per_second)):
             out.append(flows)  # a tier whose samples all left the window is gone from it
     return tuple(out)
 
+
+def _with_transfer_times(agg: WindowAggregate, flows: TierFlows,
+                         critical: tuple[float, float] | None) -> TierFlows:
+    """The tier's read and write bandwidth and busy seconds per second (vLLM's transfer-time counters), and the
+    critical cached-to-prefill ratio of a reload from it (methods.md s14)."""
+    read, read_busy, read_why = _bandwidth(agg, "read", flows.tier)
+    write, write_busy, write_why = _bandwidth(agg, "write", flows.tier)
+    if critical is None:
+        crit, crit_why = None, "kappa_crit needs the model's config.json and the hardware (methods.md s7)"
+    elif read is None:
+        crit, crit_why = None, f"no measured read bandwidth: {read_why}"
+    else:
+        crit, crit_why = kappa.tier_critical(critical[0], critical[1], read), ""
+    lookup, lookup_why = _mean(agg, "tier_lookup_seconds", flows.tier, "no chunk lookups resolved by the tier")
+    wait, wait_why = _mean(agg, "tier_lookup_wait_seconds", flows.tier, "no lookup waited on the tier")
+    flows = replace(flows, lookup_seconds=lookup, lookup_wait_seconds=wait,
+                    lookup_reason="; ".join(w for w in (lookup_why, wait_why) if w))
+    return replace(flows, read_bandwidth_bytes_per_second=read, write_bandwidth_bytes_per_second=write,
+                   read_seconds_per_second=read_busy, write_seconds_per_second=write_busy,
+                   transfer_time_reason="; ".join(w for w in (read_why, write_why) if w),
+                   critical_cached_to_prefill=crit, critical_reason=crit_why)
+
+
+def _mean(agg: WindowAggregate, prefix: str, tier: str, none: str) -> tuple[float | None, str]:
+    """A tiering histogram's mean over the window (its _sum / _count increases) and, unknown, why. vLLM creates a
+    tier's series at its first observation: without a sample nothing was observed (``none``)."""
+    total = agg.delta(labelled_key(prefix + "_sum", tier))
+    count = agg.delta(labelled_key(prefix + "_count", tier))
+    if total is None or not count:
+        return None, f"{none} in the window"
+    return (total / count, "") if total >= 0 else (None, f"{prefix} fell in the window")

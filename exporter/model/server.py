@@ -303,7 +303,12 @@ class ServerModel:
                 "admission_rejections_per_minute": pressure.labelled_per_minute(agg, "admission_rejections"),
                 "preemptions_by_reason_per_minute": pressure.labelled_per_minute(agg, "preemptions_by_reason"),
                 "offload_tiers": offload.tier_flows(agg, self.server.offload_tier_bytes,
-                                                    self.cfg.p99_tool_latency_seconds)}
+                                                    self.cfg.p99_tool_latency_seconds, self._link_critical())}
+
+    def _link_critical(self) -> tuple[float, float] | None:
+        """(s7's kappa_crit over the host link, the link's bytes/s) for each tier's own (methods.md s14)."""
+        crit, hw = self.offload.kappa.critical, self.offload.hardware
+        return None if crit is None or hw is None else (crit, hw.host_device_bytes_per_second)
 
     def _residency_figures(self, agg: WindowAggregate) -> dict:
         """KV-block residency from vLLM's --kv-cache-metrics histograms and the evidence it gives (methods.md

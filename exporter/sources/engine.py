@@ -79,6 +79,16 @@ LABELLED_COUNTER_KEYS: dict[str, str] = {
     "preemptions_by_reason": "requests preempted, by reason (KV cache full, priority, prefix-cache reset)",
     "tier_write_bytes": "bytes written from the primary (CPU) offload tier to a secondary tier, by tier",
     "tier_read_bytes": "bytes read from a secondary offload tier into the primary tier, by tier",
+    "tier_read_seconds": "seconds a secondary offload tier spent reading into the primary tier, summed over its "
+                         "promotion jobs, by tier",
+    "tier_write_seconds": "seconds a secondary offload tier spent writing from the primary tier, summed over its "
+                          "cascade jobs, by tier",
+    "tier_lookup_seconds_sum": "seconds the scheduler blocked in an offload tier's resolved chunk lookups, summed, "
+                               "by tier",
+    "tier_lookup_seconds_count": "chunk lookups an offload tier resolved (hit or miss), by tier",
+    "tier_lookup_wait_seconds_sum": "seconds from an offload tier's first 'retry' to the lookup's resolution, summed "
+                                    "over the lookups that waited, by tier",
+    "tier_lookup_wait_seconds_count": "chunk lookups that waited on an offload tier's asynchronous lookup, by tier",
     "tier_chunk_queries": "chunk lookups sent to an offload tier, by tier",
     "tier_chunk_hits": "chunk lookups that hit in an offload tier, by tier",
     "tier_job_failures": "failed promotion (read) and cascade (write) jobs of an offload tier, by tier",

@@ -86,6 +86,17 @@ LABELLED: dict[str, tuple[str, str]] = {
     # tiering (0.28+), label tier = "<index>:<type>" ("0:primary", "1:fs"): vllm/v1/kv_offload/tiering/spec.py
     "tier_write_bytes": ("kv_offload_tiering_write_bytes", "tier"),
     "tier_read_bytes": ("kv_offload_tiering_read_bytes", "tier"),
+    # seconds of transfer, summed over the tier's finished jobs (per job: its I/O tasks' wall time, not its queue
+    # wait; parallel jobs add up): vllm/v1/kv_offload/tiering/metrics.py, fs/thread_pool.py (0.32)
+    "tier_read_seconds": ("kv_offload_tiering_read_time", "tier"),
+    "tier_write_seconds": ("kv_offload_tiering_write_time", "tier"),
+    # per-chunk lookups (histograms, seconds): the scheduler's blocking time in a lookup that resolved (one per
+    # resolved lookup), and the wait of a lookup that first returned "retry" until it resolved (the fs tier's
+    # asynchronous lookup: a new prompt waits a step for it); vllm/v1/kv_offload/tiering/metrics.py
+    "tier_lookup_seconds_sum": ("kv_offload_tiering_lookup_sync_delay_seconds_sum", "tier"),
+    "tier_lookup_seconds_count": ("kv_offload_tiering_lookup_sync_delay_seconds_count", "tier"),
+    "tier_lookup_wait_seconds_sum": ("kv_offload_tiering_lookup_async_delay_seconds_sum", "tier"),
+    "tier_lookup_wait_seconds_count": ("kv_offload_tiering_lookup_async_delay_seconds_count", "tier"),
     "tier_chunk_queries": ("kv_offload_tiering_chunk_queries", "tier"),
     "tier_chunk_hits": ("kv_offload_tiering_chunk_hits", "tier"),
     # stores (cascade jobs) and their blocks a secondary tier's back-pressure detector dropped (0.32: EMA policy)

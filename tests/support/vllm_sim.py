@@ -603,8 +603,14 @@ def _render_offload(out: _Out, eng: SimEngine, version: str, split, with_label, 
 
 # One MiB chunks; of what enters the CPU (primary) tier, each secondary tier i (1-based) gets 1/(2i) cascaded
 # and gives back 1/(4i) of the loads; cascade jobs fail like the primary tier's allocations, and its
-# back-pressure drops 1/i stores of 8 blocks as often.
+# back-pressure drops 1/i stores of 8 blocks as often. Tier i reads at 1/i of TIER_READ_BYTES_PER_SECOND and
+# writes at 1/i of TIER_WRITE_BYTES_PER_SECOND per second of transfer (its _read_time/_write_time counters).
 TIER_CHUNK_BYTES = 2 ** 20
+TIER_READ_BYTES_PER_SECOND = 3e9  # an NVMe-class read (kv_offload_tiering_read_bytes / _read_time)
+TIER_WRITE_BYTES_PER_SECOND = 1.5e9
+TIER_LOOKUP_SECONDS = 2e-5  # the scheduler's blocking time per resolved chunk lookup
+TIER_LOOKUP_WAIT_SECONDS = 0.004  # a lookup that answered "retry" until it resolved (the fs tier's async lookup)
+TIER_LOOKUP_BUCKETS = (0.00001, 0.00005, 0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10)
 
 
 def _render_tiers(out: _Out, eng: SimEngine, with_label) -> None:
@@ -616,6 +622,10 @@ def _render_tiers(out: _Out, eng: SimEngine, with_label) -> None:
                                            "labeled by tier.", []),
         "kv_offload_tiering_read_bytes": ("Total bytes read from secondary tiers into the primary tier, "
                                           "labeled by tier.", []),
+        "kv_offload_tiering_read_time": ("Total time spent reading from secondary tiers into the primary tier, in "
+                                         "seconds, labeled by tier.", []),
+        "kv_offload_tiering_write_time": ("Total time spent writing from the primary tier to secondary tiers, in "
+                                          "seconds, labeled by tier.", []),
         "kv_offload_tiering_chunk_queries": ("Number of chunk lookup queries sent to a tier, labeled by tier.", []),
         "kv_offload_tiering_chunk_hits": ("Number of chunk lookup hits in a tier, labeled by tier.", []),
         "kv_offload_tiering_promotion_job_failures": ("Number of failed secondary-tier promotion jobs, labeled "
@@ -632,12 +642,26 @@ def _render_tiers(out: _Out, eng: SimEngine, with_label) -> None:
         read = c["offload_load_bytes"] / (4 * i)
         queries = c["offload_load_bytes"] / TIER_CHUNK_BYTES
         dropped = c["offload_allocation_failures"] / i  # back-pressure drops a store (of 8 blocks) as often
-        values = (written, read, queries, queries / (2 * i), 0.0, c["offload_allocation_failures"], dropped,
-                  8 * dropped)
+        values = (written, read, read / (TIER_READ_BYTES_PER_SECOND / i), written / (TIER_WRITE_BYTES_PER_SECOND / i),
+                  queries, queries / (2 * i), 0.0, c["offload_allocation_failures"], dropped, 8 * dropped)
         for (name, (_, samples)), v in zip(series.items(), values):
-            samples += with_label({"tier": tier}, v)
+            samples += with_label({"tier": tier}, v, floor=not name.endswith("_time"))  # seconds: fractional
     for name, (help_, samples) in series.items():
         out.counter(name, help_, samples, created)
+    # the lookup histograms: every resolved chunk lookup blocks TIER_LOOKUP_SECONDS x i, half of them first wait
+    # TIER_LOOKUP_WAIT_SECONDS x i on the tier's asynchronous lookup
+    for base, help_, per_lookup, waited in (
+            ("kv_offload_tiering_lookup_sync_delay_seconds", "Histogram of blocking time spent in a per-chunk tier "
+             "lookup that resolved as a hit or miss, labeled by tier, in seconds.", TIER_LOOKUP_SECONDS, 1.0),
+            ("kv_offload_tiering_lookup_async_delay_seconds", "Histogram of wall-clock time from a per-chunk tier "
+             "lookup first returning retry until that same tier lookup resolves as a hit or miss, labeled by tier, "
+             "in seconds.", TIER_LOOKUP_WAIT_SECONDS, 0.5)):
+        per_engine = []
+        for i, tier in enumerate(eng.scenario.tiers, start=1):
+            h = _Histogram(TIER_LOOKUP_BUCKETS)
+            h.observe(per_lookup * i, int(c["offload_load_bytes"] / TIER_CHUNK_BYTES * waited))
+            per_engine += [(lab, h, share) for lab, share in with_label({"tier": tier}, 1.0, floor=False)]
+        out.histogram(base, help_, per_engine, created)
 
 
 def _render_cache_config(out: _Out, eng: SimEngine, version: str) -> None:
