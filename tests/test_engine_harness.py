@@ -32,9 +32,9 @@ def test_tiny_model_is_cached(tmp_path):
 
 # started by the pool (the harness's start), stopped here: the plain 2000-block one, which test_energy_engine's
 # and test_offload_engine's shard starts anyway (any shape would do: nothing here reads the residency record)
-@pytest.mark.takes_engine(blocks=2000)
+@pytest.mark.takes_engine(blocks=2000, max_model_len=4096)
 def test_engine_serves_exact_lengths_and_stops_cleanly(engines):
-    engine = engines.take(blocks=2000)
+    engine = engines.take(blocks=2000, max_model_len=4096)
     with engine:
         assert engine.url == f"http://127.0.0.1:{engine.port}"
         body = {"model": SERVED_MODEL_NAME, "prompt": list(range(10, 110)), "max_tokens": 7, "min_tokens": 7,
