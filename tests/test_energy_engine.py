@@ -21,7 +21,8 @@ from tests.support.workload import drive
 # the plain 2000-block engine, not LARGE_CACHE: on the engine with its residency record the marginal J/token read
 # 2.2 % off in one run of four (0.7 % in another; never beyond 1 % on this engine in the runs before), most likely
 # the double's token poll lagging behind a busier engine
-pytestmark = [pytest.mark.engine, pytest.mark.shares_engine(blocks=2000)]
+# its 4k context is test_replay_engine's (vLLM's CPU batch stays 2,048 tokens whatever the context): one start
+pytestmark = [pytest.mark.engine, pytest.mark.shares_engine(blocks=2000, max_model_len=4096)]
 # ~100 W at this engine's ~3k tok/s. The double is advanced by a Python thread that can stall for a second on
 # 2 busy cores and then write a catch-up burst; kept well under RAPL's 1 kW plausibility guard so that no
 # burst is dropped as implausible (a real RAPL counter never stalls like that).
@@ -84,7 +85,7 @@ def test_marginal_joules_per_token_and_idle_baseline_within_one_percent(tmp_path
     zone = tree.add_zone("package-0")
     config = {"powercap_root": tree.root, "state_dir": str(tmp_path / "state"), "nvml": False,
               "idle_settle": "2s", "idle_min_duration": "30s", "min_load_duration": "30s", "windows": ["5m"]}
-    engine = engines.get(blocks=2000)
+    engine = engines.get(blocks=2000, max_model_len=4096)
     power = EnginePower(tree, zone, engine.url)
     power.start()
     try:

@@ -8,7 +8,7 @@ import urllib.request
 
 import pytest
 
-from tests.support.engine import LARGE_CACHE, SERVED_MODEL_NAME, VllmEngine, build_tiny_model, group_members
+from tests.support.engine import SERVED_MODEL_NAME, VllmEngine, build_tiny_model, group_members
 
 pytestmark = pytest.mark.engine
 
@@ -30,9 +30,11 @@ def test_tiny_model_is_cached(tmp_path):
     assert os.stat(os.path.join(model_dir, "model.safetensors")).st_mtime_ns == before
 
 
-@pytest.mark.takes_engine(**LARGE_CACHE)  # started by the pool (the harness's start), stopped here
+# started by the pool (the harness's start), stopped here: the plain 2000-block one, which test_energy_engine's
+# and test_offload_engine's shard starts anyway (any shape would do: nothing here reads the residency record)
+@pytest.mark.takes_engine(blocks=2000, max_model_len=4096)
 def test_engine_serves_exact_lengths_and_stops_cleanly(engines):
-    engine = engines.take(**LARGE_CACHE)
+    engine = engines.take(blocks=2000, max_model_len=4096)
     with engine:
         assert engine.url == f"http://127.0.0.1:{engine.port}"
         body = {"model": SERVED_MODEL_NAME, "prompt": list(range(10, 110)), "max_tokens": 7, "min_tokens": 7,

@@ -283,7 +283,9 @@ def test_pipeline_through_http_store_and_restart():
     from exporter.sources.vllm import _process_start
 
     scn = sim.restarting_on(steady_seconds=120, down_seconds=20, quiet_seconds=60)
-    hist = ServerHistory(2000)
+    # the recent window and its grid registered, as the daemon's history has them (model/server.py): kept tick by
+    # tick, not rebuilt from every interval held at each tick
+    hist = ServerHistory(2000, windows=(TH.recent_seconds,), grids=(TH.recent_seconds,))
     prev, seen_down = None, 0
     with FakeVllm(scn, auto=False) as fv:
         e_prev = fv.gpu_energy_joules()

@@ -14,11 +14,12 @@ from exporter.sources import model_config
 from exporter.sources.expfmt import parse
 from exporter.sources.vllm import extract
 from tests.support.daemon import KvwattDaemon
-from tests.support.engine import LARGE_CACHE, build_tiny_model
+from tests.support.engine import build_tiny_model
 from tests.support.fake_gpus import FakeGpus
 from tests.support.workload import drive
 
-pytestmark = [pytest.mark.engine, pytest.mark.shares_engine(**LARGE_CACHE)]
+# the plain 2000-block engine (test_energy_engine's): nothing here reads the residency record, so no shape of its own
+pytestmark = [pytest.mark.engine, pytest.mark.shares_engine(blocks=2000, max_model_len=4096)]
 GPU = "GPU-0ff0-engine"
 REFERENCE, GPU_WATTS, IDLE_WATTS, REPEAT_SECONDS = 0.039, 200.0, 50.0, 4.0
 HARDWARE = {"flops_per_second": 1.0e12, "host_device_bytes_per_second": 1.0e10}
@@ -33,7 +34,7 @@ def test_off_server_kappa_and_potential_saving_from_real_counters(tmp_path, engi
               "reference_local_compute_share": REFERENCE}
     config = {"windows": ["1m"], "min_load_duration": f"{REPEAT_SECONDS}s", "idle_power_watts": {f"gpu:{GPU}": IDLE_WATTS},
               "metrics_opt_in": ["kvwatt_comparison_windows"]}  # opt-in since issue 39 (exporter/optin.py)
-    engine = engines.get(**LARGE_CACHE)
+    engine = engines.get(blocks=2000, max_model_len=4096)
     server["url"] = engine.url
     with KvwattDaemon(servers={"off": server}, config=config, env=gpus.env(), interval="500ms") as d:
         before = extract(parse(engine.metrics_text())).counters

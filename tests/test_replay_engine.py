@@ -27,7 +27,9 @@ from kvwatt_lab.replay.traces import scale_tokens
 from exporter.cli import main
 from tests.support.engine import free_port
 
-pytestmark = [pytest.mark.engine, pytest.mark.shares_engine(blocks=1024, max_model_len=4096)]
+# the 4k-context engine test_energy_engine, test_offload_engine and the harness share (its 2,000 blocks hold
+# more than these replays need): no start of its own
+pytestmark = [pytest.mark.engine, pytest.mark.shares_engine(blocks=2000, max_model_len=4096)]
 
 REPO = Path(__file__).resolve().parents[1]
 SAMPLE = REPO / "tests" / "data" / "office_work_8k.sample.jsonl"
@@ -40,7 +42,7 @@ CAP = 3000
 @pytest.fixture
 def engine(engines):
     """The shared engine of this shape, idle and with an empty prefix cache for each test."""
-    return engines.get(blocks=1024, max_model_len=MAX_MODEL_LEN)
+    return engines.get(blocks=2000, max_model_len=MAX_MODEL_LEN)
 
 
 def _traces(tmp_path, first: int, count: int) -> tuple[Path, list[dict]]:
