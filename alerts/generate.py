@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """kvwatt recording and alerting rules, defined once, written twice.
 
-    python alerts/generate.py                      # write alerts/kvwatt-rules.yaml and alerts/kvwatt-prometheusrule.yaml
+    python alerts/generate.py                      # write alerts/kvwatt-rules.yaml and
+                                                   # alerts/kvwatt-prometheusrule.yaml
                                                    # (and exporter/data/RUNBOOK.md, the copy GET /runbook serves)
     python alerts/generate.py --check              # exit 1 when the committed files (or that copy) are stale
     python alerts/generate.py --set kv_pressure_threshold=0.85 --set collapse_for=10m --out-dir /etc/prometheus/rules
@@ -456,7 +457,8 @@ def preemption_expr() -> str:
 
 def buffer_expr() -> str:
     return ('label_replace(max by (server) (kvwatt_offload_buffer_undersized) == 1, "cause", "kvwatt", "", "")\nor\n'
-            'label_replace(\n  60 * server:vllm_kv_offload_allocation_failure:rate@window > @allocation_failures_per_minute,\n'
+            'label_replace(\n'
+            '  60 * server:vllm_kv_offload_allocation_failure:rate@window > @allocation_failures_per_minute,\n'
             '  "cause", "allocation_failures", "", ""\n)')
 
 

@@ -1,4 +1,5 @@
-"""Samples per second of each healthy server while one extra server is blackholed (accepts, never answers), 8 servers x 8 fake GPUs at 1 s (target 1.0/s each).
+"""Samples per second of each healthy server while one extra server is blackholed (accepts, never answers),
+8 servers x 8 fake GPUs at 1 s (target 1.0/s each).
 
     .venv/bin/python bench/bench_blackhole.py [--seconds 30] [--servers 8] [--no-control]
 
@@ -53,7 +54,7 @@ def run(tmp: str, count: int, blackholes: int, seconds: float) -> dict:
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seconds", type=float, default=30.0)
     ap.add_argument("--servers", type=int, default=8)
     ap.add_argument("--no-control", action="store_true", help="skip the run without a blackhole")

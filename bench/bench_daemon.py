@@ -1,4 +1,5 @@
-"""Daemon footprint: CPU per watched server (% of one core) and RSS of a real `kvwatt run`, 8 servers x 8 H100-cost fake GPUs at 1 s (target < 0.5 % per server, RSS < 60 MB).
+"""Daemon footprint: CPU per watched server (% of one core) and RSS of a real `kvwatt run`,
+8 servers x 8 H100-cost fake GPUs at 1 s (target < 0.5 % per server, RSS < 60 MB).
 
     .venv/bin/python bench/bench_daemon.py [--seconds 30] [--servers 8] [--nvml-latency h100]
 
@@ -36,7 +37,7 @@ def hwm_mib(pid: int) -> float:
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seconds", type=float, default=30.0)
     ap.add_argument("--servers", type=int, default=8)
     ap.add_argument("--nvml-latency", default="h100", help="the double's energy_read_latency: h100, 0 or ms")

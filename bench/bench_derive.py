@@ -1,4 +1,6 @@
-"""Cost of one tick's derivation (Model.ingest + Model.snapshot) and of one /metrics render, windows [1m,5m] vs [1m,5m,15m,1h] (and [15m,1h]), 8 and 32 servers, after an hour of 1 s ticks (target: independent of window length).
+"""Cost of one tick's derivation (Model.ingest + Model.snapshot) and of one /metrics render,
+windows [1m,5m] vs [1m,5m,15m,1h] (and [15m,1h]), 8 and 32 servers, after an hour of 1 s ticks
+(target: independent of window length).
 
     .venv/bin/python bench/bench_derive.py [--seconds 3600] [--measure 60] [--servers 8,32]
 
@@ -8,8 +10,8 @@ moved by a load pattern with busy and idle phases, one counter GPU per server wi
 --measure more ticks are timed: ingest, snapshot, and the render of the snapshot's exposition
 (exporter.serve.collector.render: the families + prometheus_client generate_latest, done once per tick by the
 daemon; a scrape itself only copies those bytes). Also printed: the time of one full garbage collection with
-that history in memory (a pause of every thread, the event loop's included, whenever CPython runs one). The fill ingests without deriving (Model.snapshot is pure,
-the history does not depend on it), so the hour takes seconds, not minutes.
+that history in memory (a pause of every thread, the event loop's included, whenever CPython runs one). The fill ingests
+without deriving (Model.snapshot is pure, the history does not depend on it), so the hour takes seconds, not minutes.
 """
 
 from __future__ import annotations
@@ -178,7 +180,7 @@ def run(servers: int, fill_seconds: int, measure: int, tmp: str) -> list[dict]:
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seconds", type=int, default=3600, help="history to fill before measuring (1 s ticks)")
     ap.add_argument("--measure", type=int, default=60, help="ticks timed after the fill")
     ap.add_argument("--servers", default="8,32")

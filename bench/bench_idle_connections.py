@@ -1,4 +1,5 @@
-"""/metrics latency, sampling rate and log growth while 1,100 idle TCP connections are held open to kvwatt's port (hardening issue item 2: at a 1,024 fd limit this once made /metrics unreachable).
+"""/metrics latency, sampling rate and log growth while 1,100 idle TCP connections are held open to kvwatt's port
+(hardening issue item 2: at a 1,024 fd limit this once made /metrics unreachable).
 
     .venv/bin/python bench/bench_idle_connections.py [--connections 1100] [--fd-limit SOFT:HARD] [--seconds 10]
 
@@ -75,7 +76,7 @@ def hold_idle(port: int, n: int, wait_seconds: float = 20.0) -> tuple[list[socke
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--connections", type=int, default=1100)
     ap.add_argument("--fd-limit", metavar="SOFT:HARD", help="the daemon's RLIMIT_NOFILE (default: inherited)")
     ap.add_argument("--seconds", type=float, default=10.0)

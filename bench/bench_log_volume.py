@@ -1,7 +1,7 @@
 """Log lines per minute of a real `kvwatt run` in each failure mode of an upstream server.
 
-One daemon (1 s sampling; no GPU and no RAPL here: one line each) watches one server per failure mode, all on loopback: refused
-(nothing listens), blackholed (accepts, never answers), HTTP 500, a redirect to another port, a KV usage
+One daemon (1 s sampling; no GPU and no RAPL here: one line each) watches one server per failure mode, all on loopback:
+refused (nothing listens), blackholed (accepts, never answers), HTTP 500, a redirect to another port, a KV usage
 of 1.7 (out of range), a bad-line count that changes on every answer, and a healthy control. After the
 run, each log line is attributed to the server it names; the standard says a state is logged when it
 changes, never once per tick, so every mode should stay at ~1 line however long the run.
@@ -86,7 +86,8 @@ def servers() -> dict[str, str]:
         "http500": serve(lambda h: send(h, 500, "boom")),
         "redirect": serve(lambda h: send(h, 302, "", {"Location": healthy + "/metrics"})),
         "outofrange": serve(lambda h: send(h, 200, out_of_range)),
-        "badlines": serve(lambda h: send(h, 200, TEXT + 'vllm:num_preemptions_total{engine="1" 5\n' * (next(counter) % 7 + 1))),
+        "badlines": serve(lambda h: send(h, 200,
+                                         TEXT + 'vllm:num_preemptions_total{engine="1" 5\n' * (next(counter) % 7 + 1))),
     }
 
 

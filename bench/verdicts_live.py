@@ -5,8 +5,8 @@ and kvwatt's /api/status, /metrics and landing page read every 2 s. One scenario
 - ``busy``: 128 blocks, 8 sessions, kvwatt started 60 s into the load (``--kv-cache-metrics`` with ``--kvm``);
 - ``ramp``: 192 blocks, 1 -> 2 -> 4 -> 8 sessions;
 - ``restart``: 192 blocks at 8 sessions (with ``--ramp``: 1 -> 2 -> 4 -> 8 sessions, the ramp), then the engine
-  restarted with 512 blocks (the same kvwatt) at 2 sessions: no figure may mix the two engines, the down server is unknown everywhere, and the healthy engine
-  reaches "below (known)" and "Nothing to do";
+  restarted with 512 blocks (the same kvwatt) at 2 sessions: no figure may mix the two engines, the down server
+  is unknown everywhere, and the healthy engine reaches "below (known)" and "Nothing to do";
 - ``healthy``: 512 blocks, 1 -> 2 -> 4 sessions.
 
     VLLM_CPU_OMP_THREADS_BIND=1 nice .venv/bin/python bench/verdicts_live.py busy --seconds 240 --out /tmp/v-busy

@@ -776,29 +776,30 @@ PRESSURE = Row("KV pressure", (
 # vLLM's tiering (a CPU tier and secondary tiers such as "1:fs" on disk): one series per server and tier, from vLLM's
 # own counters (kvwatt's per-tier families are opt-in; issue 41). Absent on servers without TieringOffloadingSpec.
 TIERS = Row("Offload tiers (vLLM tiering)", (
-    Panel("Tier traffic (vLLM only)", "Per server and tier: bytes/s cascaded from the CPU tier on to a secondary tier (written) "
-          "and promoted from it back into the CPU tier (read), vLLM's kv_offload_tiering_{write,read}_bytes counters.",
+    Panel("Tier traffic (vLLM only)", "Per server and tier: bytes/s cascaded from the CPU tier on to a secondary tier "
+          "(written) and promoted from it back into the CPU tier (read), vLLM's "
+          "kv_offload_tiering_{write,read}_bytes counters.",
           "Bps",
           (Target(f"sum by (server, tier) ({rate(vl('vllm:kv_offload_tiering_write_bytes_total'))})",
                   "{{server}} {{tier}} written"),
            Target(f"sum by (server, tier) ({rate(vl('vllm:kv_offload_tiering_read_bytes_total'))})",
                   "{{server}} {{tier}} read")),
           w=8, min=0),
-    Panel("Tier hit ratio (vLLM only)", "Per server and tier: chunk lookups that hit in the tier / lookups sent to it (the CPU "
-          "tier is 0:primary). A disk tier that is written and never hit costs its writes for nothing.",
+    Panel("Tier hit ratio (vLLM only)", "Per server and tier: chunk lookups that hit in the tier / lookups sent to it "
+          "(the CPU tier is 0:primary). A disk tier that is written and never hit costs its writes for nothing.",
           "percentunit",
           (Target(f"sum by (server, tier) ({rate(vl('vllm:kv_offload_tiering_chunk_hits_total'))})\n/\n"
                   f"sum by (server, tier) ({rate(vl('vllm:kv_offload_tiering_chunk_queries_total'))})",
                   "{{server}} {{tier}}"),),
           w=8, min=0, max=1),
-    Panel("Cached prompt tokens by tier (vLLM only)", "Per server: prompt tokens/s served from each cache tier (device = the "
-          "GPU's prefix cache, host = the CPU tier, disk = a secondary tier), vLLM 0.32's "
+    Panel("Cached prompt tokens by tier (vLLM only)", "Per server: prompt tokens/s served from each cache tier "
+          "(device = the GPU's prefix cache, host = the CPU tier, disk = a secondary tier), vLLM 0.32's "
           "prompt_tokens_cached_by_source counter.", TOKENS_PER_SECOND,
           (Target(f"sum by (server, source) ({rate(vl('vllm:prompt_tokens_cached_by_source_total'))})",
                   "{{server}} {{source}}"),),
           w=8, min=0, stacked=True),
-    Panel("Tier drops and failures (vLLM only)", "Per server and tier: KV blocks/s the tier's back-pressure detector dropped "
-          "(alert KVOffloadTierDroppingStores) and failed promotion and cascade jobs/s (alert "
+    Panel("Tier drops and failures (vLLM only)", "Per server and tier: KV blocks/s the tier's back-pressure detector "
+          "dropped (alert KVOffloadTierDroppingStores) and failed promotion and cascade jobs/s (alert "
           "KVOffloadTierJobsFailing). A healthy tier shows none.", "ops",
           (Target(f"sum by (server, tier) ({rate(vl('vllm:kv_offload_tiering_backpressure_blocks_dropped_total'))})",
                   "{{server}} {{tier}} blocks dropped"),
@@ -1043,7 +1044,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dir", type=Path, default=HERE, help="where the JSON files live (default: %(default)s)")
     args = parser.parse_args(argv)
     stale: list[str] = []
-    files = [(args.dir / f, d) for f, d in DASHBOARDS.items()] + [(FLEET_DIR / f, d) for f, d in FLEET_DASHBOARDS.items()]
+    files = ([(args.dir / f, d) for f, d in DASHBOARDS.items()]
+             + [(FLEET_DIR / f, d) for f, d in FLEET_DASHBOARDS.items()])
     for path, dashboard in files:
         filename = path.name
         text = dumps(dashboard)

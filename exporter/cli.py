@@ -67,7 +67,8 @@ def _lab_missing(command: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="kvwatt", description="Watch vLLM servers with KV offloading: KV pressure, recomputation and energy per token.")
+    parser = _Parser(prog="kvwatt", description="Watch vLLM servers with KV offloading: KV pressure, recomputation and "
+                                                "energy per token.")
     parser.add_argument("--version", action=VersionAction)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     groups: dict[str, argparse._SubParsersAction] = {}

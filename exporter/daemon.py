@@ -1,6 +1,7 @@
-"""The daemon's loop (`kvwatt run` starts it through exporter/service.py). It only orchestrates: each tick the Sampler reads every source (each with
-its own deadline, off the loop), the Model ingests the Tick and derives the figures once, and the daemon
-publishes the Snapshot. /metrics, /api/status and / only serialise the latest snapshot (docs/architecture.md).
+"""The daemon's loop (`kvwatt run` starts it through exporter/service.py). It only orchestrates: each tick
+the Sampler reads every source (each with its own deadline, off the loop), the Model ingests the Tick and derives
+the figures once, and the daemon publishes the Snapshot. /metrics, /api/status and / only serialise the latest snapshot
+(docs/architecture.md).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Typed figures: everything kvwatt knows at one tick, computed once by exporter.model and only read after.
 
 /metrics, /api/status and the landing page (exporter.serve) serialise the same Snapshot, each through the
-figure's one declaration in exporter.catalog, so they always agree. None means unknown: the exposition omits the series and
-the JSON says null, never a fake 0. Frozen: a scrape cannot change what it reads.
+figure's one declaration in exporter.catalog, so they always agree. None means unknown: the exposition omits
+the series and the JSON says null, never a fake 0. Frozen: a scrape cannot change what it reads.
 """
 
 from __future__ import annotations

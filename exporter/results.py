@@ -221,7 +221,7 @@ class Evidence:
     quiet_streak: int = 0       # the newest windows, all clean: how long the server has shown low pressure
 
 
-# --- computed by derive/tier_energy.py ---------------------------------------------------------------------------------
+# --- computed by derive/tier_energy.py ------------------------------------------------------------------------------
 HOP_SOURCE = "configured"  # the energy per byte of each hop: configured, never measured (methods.md s14)
 
 

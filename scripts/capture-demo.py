@@ -52,7 +52,8 @@ from tests.support.engine import VllmEngine, free_port  # noqa: E402
 from tests.test_engine_stall import engine_core_pid  # noqa: E402
 
 TRACE = REPO / "tests" / "data" / "office_work_8k.sample.jsonl"
-OUT = {"off": REPO / "exporter" / "demo" / "story.jsonl.xz", "on": REPO / "exporter" / "demo" / "story-offload.jsonl.xz",
+OUT = {"off": REPO / "exporter" / "demo" / "story.jsonl.xz",
+       "on": REPO / "exporter" / "demo" / "story-offload.jsonl.xz",
        "tiered": REPO / "exporter" / "demo" / "story-tiered.jsonl.xz"}
 ACTS = (("quiet", 1, 40), ("pressure", 8, 70), ("stalled", 8, 25), ("recovered", 0, 15))  # (act, sessions, s)
 HOST_POOL_GIB = 0.0625   # 64 MiB: 32 times the engine's 128 x 32-token blocks (512 bytes per token)

@@ -32,9 +32,10 @@ BUF_OK = BufferFigures(undersized=False, recommended_bytes=8 * 2 ** 30, recommen
 def _fig(**kw) -> ServerFigures:
     """A server where every check is known and clear, with ``kw`` changed; its advice as the model builds it."""
     base = dict(name="s", url="http://s.invalid:8000", status=UP, info=EngineInfo("m", True, 8 * 2 ** 30),
-                threshold=0.9, threshold_in_use=0.9, reference_share=0.3, reference_kind="learned", windows=(QUIET,), collapse=CLEAR,
-                buffer=BUF_OK, threshold_state="known", regime_state="known", regime_reason="on the threshold",
-                tax_state="known", tax_reason="median of 3 low-pressure windows", reference_windows=3,
+                threshold=0.9, threshold_in_use=0.9, reference_share=0.3, reference_kind="learned", windows=(QUIET,),
+                collapse=CLEAR, buffer=BUF_OK, threshold_state="known", regime_state="known",
+                regime_reason="on the threshold", tax_state="known", tax_reason="median of 3 low-pressure windows",
+                reference_windows=3,
                 reference_spread=0.01, evidence=Evidence(windows=10, clean=5, pressured=5, unknown=0, rejected=0,
                                                          span_seconds=540.0, oldest_wall=None, newest_wall=None,
                                                          low_pressure=3))

@@ -166,7 +166,8 @@ CASES: list[tuple[str, Callable[[Path], list[str]], str | tuple[str, ...]]] = [
     ("run with a model config.json of hidden_size 1e400", lambda t: run_config(t, "", server_file(
         t, "model_config", "config.json", {"hidden_size": 1e400, "num_attention_heads": 8, "num_hidden_layers": 2})),
      "config.json: hidden_size: expected a positive integer"),
-    ("run with a profile of a 400-digit window", lambda t: run_config(t, "", server_file(t, "recorded_baseline", "p.json", {
+    ("run with a profile of a 400-digit window", lambda t: run_config(t, "", server_file(
+        t, "recorded_baseline", "p.json", {
         "format": "kvwatt-offload-profile", "version": 1, "scope": "gpu", "energy": "total", "duration_seconds": 1,
         "window_seconds": int("9" * 400), "bands": [{"lo": 0, "hi": 1, "windows": 1, "tokens_per_second": 1}]})),
      "p.json.window_seconds: expected a finite number >= 1, got an integer of about 40"),

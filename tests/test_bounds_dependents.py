@@ -39,7 +39,8 @@ class Engine:
                 "powercap_root": cfg.powercap_root, "nvml": False}
         self.cfg = from_mapping(data)
         self.t = 0.0
-        self.daemon = Daemon(self.cfg, sampler=object(), model=Model(self.cfg, wall_clock=lambda: fuzz_engine.WALL + self.t))
+        self.daemon = Daemon(self.cfg, sampler=object(),
+                             model=Model(self.cfg, wall_clock=lambda: fuzz_engine.WALL + self.t))
         self.src = EngineSource("s", "http://s.invalid:8000", 2.0, 1 << 26)
         self.proc = fuzz_engine.Process(fuzz_engine.WALL - 3600.0)
         self.engines, self.joules, self.writes = engines, 0.0, 0.0

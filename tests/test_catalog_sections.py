@@ -38,7 +38,8 @@ def test_a_figure_and_its_neighbours_share_an_idea():
     assert where["kvwatt_recompute_tax_ratio"] == where["kvwatt_recompute_reference_share_ratio"] == "Recomputation tax"
     assert where["kvwatt_kv_cache_usage_p95_ratio"] == where["kvwatt_kv_pressure_regime_above"] == "KV pressure regime"
     assert where["kvwatt_collapse_signature"] == "Collapse"
-    assert where["kvwatt_energy_saving_ratio"] == where["kvwatt_critical_cached_to_prefill_ratio"] == "Offload economics"
+    assert (where["kvwatt_energy_saving_ratio"] == where["kvwatt_critical_cached_to_prefill_ratio"]
+            == "Offload economics")
     assert where["kvwatt_offload_buffer_residency_target_seconds"] == where["kvwatt_offload_buffer_undersized"]
 
 

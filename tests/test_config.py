@@ -91,7 +91,8 @@ def test_check_config_cli_ok_and_bad(tmp_path):
     bad.write_text("servers:\n  - {name: a, url: 'http://127.0.0.1:8000', gpus: all}\n")
     r = run_cli("check-config", str(bad))
     assert r.returncode == 2
-    assert r.stderr.strip().splitlines() == ["kvwatt: error: servers[0].gpus: expected a list of GPU indices or UUIDs, got 'all'"]
+    assert r.stderr.strip().splitlines() == ["kvwatt: error: servers[0].gpus: expected a list of GPU indices or UUIDs, "
+                                             "got 'all'"]
     broken = tmp_path / "broken.yaml"
     broken.write_text("servers: [\n")
     r = run_cli("check-config", str(broken))

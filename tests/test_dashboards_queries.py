@@ -16,13 +16,13 @@ The stack, all on loopback:
 
 Then, as Grafana would: each query variable is resolved by its own ``label_values`` query (a variable without
 options fails), multi variables are substituted as All (``.+``) and, in a second pass, as a user's selection
-(kvwatt's job and instance, the ON server, regex-escaped), single variables take their default or first option, ``$__rate_interval`` is 4 x the scrape interval; time-series targets run as range
-queries over the last 30 s, table targets as instant queries. Every target must return at least one series,
-and every ``{{label}}`` of its legend must be a label of what it returns; with one server picked, every series
-returned must be that server's (the variables are chained: picking the server is enough, vLLM's series
-included). Failures name the dashboard, the panel title and the refId, and say whether the series is missing
-from Prometheus altogether. Last, the overview's first row is read as Grafana shows it (values through the
-panel's value mappings) for each of the three servers.
+(kvwatt's job and instance, the ON server, regex-escaped), single variables take their default or first option,
+``$__rate_interval`` is 4 x the scrape interval; time-series targets run as range queries over the last 30 s, table
+targets as instant queries. Every target must return at least one series, and every ``{{label}}`` of its legend must be
+a label of what it returns; with one server picked, every series returned must be that server's (the variables are
+chained: picking the server is enough, vLLM's series included). Failures name the dashboard, the panel title and the
+refId, and say whether the series is missing from Prometheus altogether. Last, the overview's first row is read as
+Grafana shows it (values through the panel's value mappings) for each of the three servers.
 """
 
 from __future__ import annotations

@@ -164,7 +164,8 @@ def test_the_simulated_gpus_stay_within_their_power_limit_over_the_whole_story(n
         assert p2 == pytest.approx((j2 - j0) / 1.0, abs=0.01)
     # every token's cost is paid by the end (2 minutes of idle after the story)
     g, c, r = counts()
-    owed = gpus.IDLE_WATTS * reads[-1][0] + (g * gpus.JOULES_PER_GENERATED_TOKEN + c * gpus.JOULES_PER_COMPUTED_PROMPT_TOKEN
+    owed = gpus.IDLE_WATTS * reads[-1][0] + (g * gpus.JOULES_PER_GENERATED_TOKEN
+                                             + c * gpus.JOULES_PER_COMPUTED_PROMPT_TOKEN
                                              + r * gpus.JOULES_PER_RELOADED_TOKEN) / speed
     assert reads[-1][1] == pytest.approx(owed, abs=0.01)
 

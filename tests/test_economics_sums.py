@@ -64,7 +64,8 @@ def test_paired_de_is_total_energy_over_total_tokens_not_the_mean_of_the_windows
     mean_of_ratios = 1 - (sum(w.joules_per_token for w in on) / 4) / (sum(w.joules_per_token for w in off) / 4)
     assert abs(de.value - mean_of_ratios) > 0.02  # the partial window no longer weighs as a full one
     # the jackknife, by hand: leave one pair out of the four sums
-    thetas = [1 - ((e_on - a.joules) / (n_on - a.generated_tokens)) / ((e_off - b.joules) / (n_off - b.generated_tokens))
+    thetas = [1 - ((e_on - a.joules) / (n_on - a.generated_tokens))
+              / ((e_off - b.joules) / (n_off - b.generated_tokens))
               for a, b in zip(on, off)]
     m = sum(thetas) / 4
     assert de.stderr == pytest.approx(math.sqrt(3 / 4 * sum((t - m) ** 2 for t in thetas)))

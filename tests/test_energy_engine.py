@@ -130,7 +130,8 @@ def test_marginal_joules_per_token_and_idle_baseline_within_one_percent(tmp_path
     print(f"\nidle {idle:.3f} W (model {IDLE_WATTS}), marginal {marginal} J/token (model {JOULES_PER_TOKEN}), "
           f"total {total} vs {expected_total:.6f}, {tokens:.0f} tokens over {covered:.1f} s, {rounds} rounds, "
           f"driver errors {power.errors}\nbasis {basis}\n"
-          f"raw file {(raw1[1] - raw0[1]) / 1e6:.1f} J, model {IDLE_WATTS * (raw1[0] - raw0[0]) + JOULES_PER_TOKEN * (raw1[2] - raw0[2]):.1f} J, "
+          f"raw file {(raw1[1] - raw0[1]) / 1e6:.1f} J, "
+          f"model {IDLE_WATTS * (raw1[0] - raw0[0]) + JOULES_PER_TOKEN * (raw1[2] - raw0[2]):.1f} J, "
           f"kvwatt counter {raw1[3] - raw0[3]:.1f} J over {raw1[0] - raw0[0]:.1f} s\n{diag}\n{kvwatt_log}")
     assert reloaded == pytest.approx(idle, rel=1e-9), "the persisted baseline did not survive the restart"
     assert marginal is not None, f"no marginal figure with > 30 s of load:\n{diag}"

@@ -188,7 +188,8 @@ def test_chmod_000_for_a_non_root_reader():
         if out is None:
             pytest.skip(f"no python runnable as nobody here: {why}")
         assert out.returncode == 0, out.stderr
-        assert out.stdout.startswith("True permission: rapl:package-0:package (energy_uj is root-only")  # package-1 reads fine
+        # package-1 reads fine
+        assert out.stdout.startswith("True permission: rapl:package-0:package (energy_uj is root-only")
     finally:
         subprocess.run(["rm", "-rf", base])
 

@@ -1,7 +1,7 @@
 """The engines' current series: each engine's newer exposition, built from its metric definitions at a
-cited commit (the section "Series added since the adapter was written" of tests/data/<engine>/README.md), read through its adapter, the values worked out
-by hand from the file; one read per engine over loopback HTTP; and ``_created`` samples never taken as a
-counter's value.
+cited commit (the section "Series added since the adapter was written" of tests/data/<engine>/README.md), read through
+its adapter, the values worked out by hand from the file; one read per engine over loopback HTTP; and ``_created``
+samples never taken as a counter's value.
 """
 
 from __future__ import annotations

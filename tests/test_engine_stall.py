@@ -132,7 +132,8 @@ def collapse_view(d: KvwattDaemon) -> dict:
     m = d.metrics()
 
     def one(name, **labels):
-        hits = [v for (n, lab), v in m.items() if n == name and set(labels.items()) <= lab and ("server", SERVER) in lab]
+        hits = [v for (n, lab), v in m.items()
+                if n == name and set(labels.items()) <= lab and ("server", SERVER) in lab]
         return hits[0] if hits else None
     status = next(s for s in d.status()["servers"] if s["server"] == SERVER)
     return {"signature": one("kvwatt_collapse_signature"),

@@ -113,7 +113,8 @@ def test_sglang_before_realtime_tokens_takes_shares_from_cached_tokens():
 
 
 def test_sglang_data_parallel_ranks():
-    text = "".join(f'sglang:{name}{{dp_rank="{r}",tp_rank="{tp}"}} {v}\n' for r, used, usage in ((0, 10, 0.3), (1, 30, 0.8))
+    text = "".join(f'sglang:{name}{{dp_rank="{r}",tp_rank="{tp}"}} {v}\n'
+                   for r, used, usage in ((0, 10, 0.3), (1, 30, 0.8))
                    for tp in (0, 1) for name, v in (("hicache_host_used_tokens", used),
                                                     ("hicache_host_total_tokens", 100), ("token_usage", usage),
                                                     ("num_retracted_requests_total", used // 10)))

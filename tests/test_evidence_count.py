@@ -1,5 +1,5 @@
-"""ThresholdLearner.evidence() is read every tick and recounted only when what it reads changed (model/pressure/learner.py):
-whatever happens to the evidence windows, it equals a fresh count."""
+"""ThresholdLearner.evidence() is read every tick and recounted only when what it reads changed
+(model/pressure/learner.py): whatever happens to the evidence windows, it equals a fresh count."""
 
 from __future__ import annotations
 

@@ -44,7 +44,8 @@ def test_a_glitched_preemption_counter_is_no_rate_as_in_the_daemon():
 
 def test_the_lab_reads_the_daemons_window_evidence():
     # p95, KV max and preemptions/min are the daemon's window evidence (derive/pressure_evidence.py)
-    intervals = [Interval(t0=t, t1=t + 1.0, deltas={"generation_tokens": 5.0, "preemptions": 1.0 if t % 10 == 0 else 0.0},
+    intervals = [Interval(t0=t, t1=t + 1.0,
+                          deltas={"generation_tokens": 5.0, "preemptions": 1.0 if t % 10 == 0 else 0.0},
                           gauges={"kv_usage": t / 100.0, "running": 4.0, "waiting": 1.0}) for t in range(60)]
     ev = window_evidence(aggregate_of(intervals), window_seconds=60.0)
     figures = window_figures(intervals, min_load_seconds=30.0)

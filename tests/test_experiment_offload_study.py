@@ -59,11 +59,13 @@ def test_the_committed_real_run_rerenders_to_its_committed_report_and_has_the_st
     data = ExperimentState.load(str(out)).data
     assert len(data["finished"]) == 12 and not data.get("failed")
     report.write_report(str(out), data)
-    for name in ("report.md", "conditions.csv", "runs.csv", *(f"plots/{p.name}" for p in (RESULTS / "plots").iterdir())):
+    plots = [f"plots/{p.name}" for p in (RESULTS / "plots").iterdir()]
+    for name in ("report.md", "conditions.csv", "runs.csv", *plots):
         assert (out / name).read_bytes() == (RESULTS / name).read_bytes(), name
     tables = {title: rows for title, _, rows in report.build(data)["tables"]}
     t2 = tables["Table 2: token-source decomposition, OFF vs ON (shares of prompt tokens)"]
     low, high = "on-kv512-buf0.0625 vs off-kv512", "on-kv128-buf0.0625 vs off-kv128"
     # columns: OFF compute, OFF cache, ON compute, ON cache, ON external (%)
     assert abs(_cell(t2, low, 1) - _cell(t2, low, 3)) < 5 and _cell(t2, low, 5) < 5   # low pressure: ON ~ OFF
-    assert _cell(t2, high, 3) < _cell(t2, high, 1) - 30 and _cell(t2, high, 5) > 30  # high: computed falls, reloaded rises
+    # high: computed falls, reloaded rises
+    assert _cell(t2, high, 3) < _cell(t2, high, 1) - 30 and _cell(t2, high, 5) > 30

@@ -73,7 +73,8 @@ BAD = [
      "server.command[4] (condition large): bad placeholder {port:05d}"),
     ("placeholder with attribute access", lambda p: p["conditions"][2]["args"].__setitem__(1, "{gib.real}"),
      "conditions[2].args[1]: bad placeholder {gib.real}"),
-    ("unbalanced brace", lambda p: p["server"]["command"].append("{oops"), "server.command[7] (condition large): bad template"),
+    ("unbalanced brace", lambda p: p["server"]["command"].append("{oops"),
+     "server.command[7] (condition large): bad template"),
     ("bad duration", lambda p: p["phases"].update(measure="ten minutes"),
      "phases.measure: expected a duration like 30s or 5m"),
     ("zero idle", lambda p: p["phases"].update(idle=0), "phases.idle: must be greater than zero"),
@@ -94,7 +95,8 @@ BAD = [
     ("bad port", lambda p: p["server"].update(port=70000), "server.port: expected a port 1-65535 or auto"),
     ("bad energy scope", lambda p: p.update(energy={"scope": "rack"}), "energy.scope: expected one of auto, gpu, host"),
     ("no conditions", lambda p: p.update(conditions=[]), "conditions: expected a non-empty list"),
-    ("bad url", lambda p: p["server"].update(url="localhost:{port}"), "server.url (condition large): expected an http(s) URL"),
+    ("bad url", lambda p: p["server"].update(url="localhost:{port}"),
+     "server.url (condition large): expected an http(s) URL"),
 ]
 
 

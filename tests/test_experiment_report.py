@@ -166,8 +166,9 @@ def test_off_only_plan_marks_savings_na_and_lists_shares_per_condition(tmp_path)
     header, rows = t["Table 2: token-source decomposition and recomputation tax by condition (shares of prompt "
                      "tokens)"]
     assert header[3:7] == ["compute (%)", "cache (%)", "external (%)", "recomputation tax (pp)"]
-    assert [r[:1] + r[3:8] for r in rows] == [["off-c6", "21.3 ± 0.0", "78.7 ± 0.0", "0.0 ± 0.0", "+17.4 ± 0.0", "off-c2"],
-                                              ["off-c2", "3.9 ± 0.0", "96.1 ± 0.0", "0.0 ± 0.0", "0 (reference)", "off-c2"]]
+    expected = [["off-c6", "21.3 ± 0.0", "78.7 ± 0.0", "0.0 ± 0.0", "+17.4 ± 0.0", "off-c2"],
+                ["off-c2", "3.9 ± 0.0", "96.1 ± 0.0", "0.0 ± 0.0", "0 (reference)", "off-c2"]]
+    assert [r[:1] + r[3:8] for r in rows] == expected
 
 
 def test_files_plots_and_standalone_entry_points(tmp_path, capsys):

@@ -1,7 +1,7 @@
 """`kvwatt experiment` end to end with a stand-in server (tests/support/loopback.py: starts in
 ~0.5 s, serves completions and vLLM-style /metrics) and the RAPL test double driven by a power model from
-the server's own counters. The same protocol as the real-engine test, in seconds: full runs and the power double here; a server that
-fails to start, one killed mid-measurement, kvwatt itself killed or terminated, and --resume after each in
+the server's own counters. The same protocol as the real-engine test, in seconds: full runs and the power double here; a
+server that fails to start, one killed mid-measurement, kvwatt itself killed or terminated, and --resume after each in
 tests/test_experiment_resume.py (two files, so the slow tier's workers run them side by side)."""
 
 from __future__ import annotations
@@ -85,7 +85,8 @@ def test_paired_experiment_measures_energy_pressure_and_token_sources(tmp_path, 
         # marginal J/token from the RAPL double vs the power model over the run's own counters
         counts = w["prompt_tokens_by_source"]
         expected = JOULES_PER_TOKEN + JOULES_PER_PREFILL_TOKEN * counts["local_compute"] / w["generation_tokens"]
-        assert w["energy"]["host"]["marginal_joules_per_token"] == pytest.approx(expected, rel=ENERGY_TOLERANCE), r["run"]
+        assert w["energy"]["host"]["marginal_joules_per_token"] == pytest.approx(expected, rel=ENERGY_TOLERANCE), \
+            r["run"]
         assert w["covered_seconds"] == pytest.approx(4.0, abs=0.6)
     by = {c["condition"]: c for c in report_json(out)["conditions"]}
     assert by["on"]["kv_usage_p95_ratio"]["mean"] == pytest.approx(0.95)
@@ -142,7 +143,8 @@ def test_a_power_double_plays_each_runs_energy_from_its_engines_counters(tmp_pat
         counts = w["prompt_tokens_by_source"]
         flops = FLOPS_PER_TOKEN * (counts["local_compute"] + w["generation_tokens"])
         assert w["flops_per_generated_token"] == pytest.approx(flops / w["generation_tokens"], rel=0.02)
-        expected = DOUBLE["joules_per_generated_token"] + DOUBLE["joules_per_gflop"] * flops / 1e9 / w["generation_tokens"]
+        expected = (DOUBLE["joules_per_generated_token"]
+                    + DOUBLE["joules_per_gflop"] * flops / 1e9 / w["generation_tokens"])
         assert w["energy"]["host"]["marginal_joules_per_token"] == pytest.approx(expected, rel=ENERGY_TOLERANCE)
     md = (out / "report.md").read_text()
     assert "ENERGY FROM A POWER DOUBLE, not measured: 30 W idle" in md and "dE (%, power double)" in md

@@ -163,7 +163,8 @@ def test_the_tier_tables_are_the_runs_counters(tmp_path):
     # T2: tokens by source as the engine counted them, dE of the disk tier against the CPU tier
     for name in ("off", "cpu", "cpu-disk"):
         w = _run(data, name)["window"]
-        cached = (w.get("tiers") or {}).get("cached_tokens") or {"device": w["prompt_tokens_by_source"]["local_cache_hit"]}
+        cached = ((w.get("tiers") or {}).get("cached_tokens")
+                  or {"device": w["prompt_tokens_by_source"]["local_cache_hit"]})
         r = _row(t2, name)
         assert r[1] == f"{w['prompt_tokens_by_source']['local_compute']:.6g}"
         assert r[2:5] == [f"{cached[k]:.6g}" if k in cached else "n/a" for k in ("device", "host", "disk")]

@@ -36,7 +36,8 @@ def test_tiered_args_name_the_spec_size_the_cpu_tier_in_bytes_and_give_the_engin
     [tier] = extra["secondary_tiers"]
     assert tier["type"] == "fs" and tier["root_dir"] == "/dev/shm/kvwatt-disk"
     assert tier["backpressure"] == {"backpressure_cls": "EMABackpressureDetector"}
-    assert config["engine_id"] == got["engine_id"] and got["shm_path"] == f"/dev/shm/vllm_offload_{got['engine_id']}.mmap"
+    assert config["engine_id"] == got["engine_id"]
+    assert got["shm_path"] == f"/dev/shm/vllm_offload_{got['engine_id']}.mmap"
     module = Path(got["env"]["PYTHONPATH"], *extra["spec_module_path"].split(".")).with_suffix(".py")
     assert module.is_file() and f"class {extra['spec_name']}(" in module.read_text()
 

@@ -328,7 +328,8 @@ def test_a_daemon_only_install_pulls_neither_the_lab_nor_matplotlib():
 
 def test_the_lab_depends_on_the_daemon_and_matplotlib_and_declares_its_commands():
     lab = _project(ROOT / "lab" / "pyproject.toml")
-    assert {"kvwatt", "matplotlib"} <= _requirement_names(lab), f"lab/pyproject.toml dependencies: {lab['dependencies']}"
+    assert {"kvwatt", "matplotlib"} <= _requirement_names(lab), \
+        f"lab/pyproject.toml dependencies: {lab['dependencies']}"
     commands = lab.get("entry-points", {}).get("kvwatt.commands", {})
     assert {"replay", "experiment"} <= commands.keys(), f"lab/pyproject.toml kvwatt.commands: {commands}"
     for name, module in commands.items():

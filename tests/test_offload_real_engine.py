@@ -13,12 +13,12 @@ The two engines start each phase together (a barrier at each checkpoint), so the
 and kvwatt can pair them.
 Each engine has its own core (VLLM_CPU_OMP_THREADS_BIND 0 and 1 for the worker, and the affinity of its API server
 and engine core: unbound, an engine core's busy poll took the other engine's core and the two ran by turns),
-both niced so that the watcher keeps some CPU. A kvwatt daemon (1 s ticks) watches both from before the first request (ON paired with OFF, each with
-the tiny model's config.json). Every figure is compared with an independent scrape of the engine's own /metrics (parsed with
-prometheus_client's parser, not kvwatt's), with the tolerance each test states. GPU energy is the NVML test
-DOUBLE (tests/support/fake_gpus.py: no GPU here): each "GPU"'s energy counter is a known model of its engine's
-generated tokens, 50 W idle (integrated by the double at each read) + J_ON = 0.6 J (ON) or J_OFF = 0.8 J (OFF)
-per generated token, counted as the tokens stream to this test's clients (every request streams); so the energy
+both niced so that the watcher keeps some CPU. A kvwatt daemon (1 s ticks) watches both from before the first request
+(ON paired with OFF, each with the tiny model's config.json). Every figure is compared with an independent scrape of the
+engine's own /metrics (parsed with prometheus_client's parser, not kvwatt's), with the tolerance each test states. GPU
+energy is the NVML test DOUBLE (tests/support/fake_gpus.py: no GPU here): each "GPU"'s energy counter is a known model
+of its engine's generated tokens, 50 W idle (integrated by the double at each read) + J_ON = 0.6 J (ON) or J_OFF = 0.8 J
+(OFF) per generated token, counted as the tokens stream to this test's clients (every request streams); so the energy
 figures check kvwatt's windows, pairing and arithmetic on a real engine's token counts against a known answer
 (dE = 1 - 0.6/0.8 = 0.25), not a GPU's costs.
 """
@@ -478,7 +478,8 @@ def test_the_per_phase_price_of_a_reloaded_token(lab):
     # says so), or a short interval that got one of the double's 5 Hz steps of token energy and so read above
     # kvwatt's 3 kW glitch limit for one GPU; the reloaded-token rate over the rest differed from the whole
     # window's by 1.2-12 % in seven runs on the two cores. Still caught: no saving, a saving priced at a generated
-    # token's cost (5x) or over all prompt tokens (~10x here); the 0.9 itself is checked exactly in tests/test_phase_energy.py
+    # token's cost (5x) or over all prompt tokens (~10x here); the 0.9 itself is checked exactly in
+    # tests/test_phase_energy.py
     assert saved == pytest.approx(reloaded / _covered(m, "on") * 0.9 * cost["prompt_computed"], rel=0.25), \
         lab.energy_gaps
 

@@ -174,7 +174,8 @@ def test_one_scenario_reads_the_same_verdict_everywhere(tmp_path: Path):
                 alerts = {a["labels"]["alertname"] for a in p.alerts() if a["labels"].get("server") == SERVER}
                 shown = first_row_shown(p, overview, resolve_variables(p, overview, {}, True, []))
                 return (None not in mv.values() and {"KVPressureAboveThreshold", "KVRecomputeTaxHigh"} <= alerts
-                        and {REGIME_PANEL, THRESHOLD_PANEL, TAX_PANEL, "Failure signatures now: collapse"} <= set(shown))
+                        and {REGIME_PANEL, THRESHOLD_PANEL, TAX_PANEL, "Failure signatures now: collapse"}
+                        <= set(shown))
 
             p.wait_for(everyone_has_read, timeout=BUDGET_SECONDS, what="the verdict in every place")
             # read every place back to back (one window = 10 s; the scenario is steady)

@@ -280,7 +280,8 @@ def _collapse_scenario(tmp_path) -> golden.Scenario:
         "powercap_root": str(tmp_path / "no-powercap"), "nvml": False,
     }
     inputs = golden.Inputs({"stalled": sim.collapsing_on(steady_seconds=STEADY_SECONDS),
-                            "stalled-no-gpu": sim.collapsing_on(steady_seconds=STEADY_SECONDS, seed=12)}, cpu=False, sgl=False)
+                            "stalled-no-gpu": sim.collapsing_on(steady_seconds=STEADY_SECONDS, seed=12)},
+                           cpu=False, sgl=False)
     return golden.Scenario(tmp_path, mapping, inputs, gpus={"stalled": gpu})
 
 
@@ -353,8 +354,9 @@ async def _live(d: KvwattDaemon):
                          "(document.querySelector('#server-on [data-field=buffer-verdict]'))", timeout=90,
                          what="the undersized buffer on the page")
         assert await b.eval("window.notReloaded === true")  # followed by the page's own refresh
-        shown, seen = await _shown_and_served(b, d, "#server-on [data-field=recommended-buffer]",
-                                              lambda st: f"{_server(st, 'on')['offload_buffer']['recommended_gib']:.12g} GiB")
+        shown, seen = await _shown_and_served(
+            b, d, "#server-on [data-field=recommended-buffer]",
+            lambda st: f"{_server(st, 'on')['offload_buffer']['recommended_gib']:.12g} GiB")
         assert shown in seen, (shown, seen)  # the page shows what /api/status served for the same tick
         assert (await b.text("[data-source=nvml]")) == "GPU energy (NVML): ok"
         assert "of 30 s covered" in await b.text("#server-on [data-field=joules-per-token]")

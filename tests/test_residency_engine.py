@@ -41,7 +41,8 @@ def test_small_cache_shows_pressure_evidence(engines):
     server = {"url": engine.url, "kv_cache_metrics_sample": 1.0}
     # the residency evidence is opt-in on /metrics since issue 39 (exporter/optin.py)
     with KvwattDaemon(servers={"local": server}, interval="250ms",
-                      config={"windows": ["5m"], "metrics_opt_in": ["kvwatt_kv_block_residency_pressure_evidence"]}) as d:
+                      config={"windows": ["5m"],
+                              "metrics_opt_in": ["kvwatt_kv_block_residency_pressure_evidence"]}) as d:
         d.wait_for(lambda d: d.value("kvwatt_window_covered_seconds", server="local", window="5m"),
                    what="first interval")
         threads = [threading.Thread(target=session, args=(engine.url, i)) for i in range(6)]

@@ -51,7 +51,8 @@ def test_alert_settings_default_to_the_rules():
     # one collapse (methods.md s5) for the daemon and the alert: 0.35 and 2.0, which cover the study's collapsed
     # runs (17-23 % of the output, ~1.4-1.8x idle power), not the daemon's old 0.2 and 1.5, which sat inside them
     daemon = config.Config()
-    assert ALERTS_GEN.SETTINGS["collapse_throughput_drop_ratio"].default == daemon.collapse_throughput_drop_ratio == 0.35
+    assert (ALERTS_GEN.SETTINGS["collapse_throughput_drop_ratio"].default == daemon.collapse_throughput_drop_ratio
+            == 0.35)
     assert ALERTS_GEN.SETTINGS["collapse_power_near_idle_ratio"].default == daemon.collapse_power_near_idle_ratio == 2.0
     assert ALERTS_GEN.SETTINGS["kvwatt_window"].default == config.format_window(max(config.Config().windows_seconds))
 

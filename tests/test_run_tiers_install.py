@@ -1,7 +1,8 @@
 """scripts/run_tiers.py --install-rest (scripts/test.sh): the Debian and vLLM install steps run beside the first
-pass's own-session run (the fast tier) and are waited for before a run that needs them (the waiting tiers, beside it) and
-before the next pass; a failed install stops the run with its exit status, only the fast tier having run. Real pytest runs over a throwaway tests/ directory, a throwaway scripts/install-deps.sh standing in
-for the real one (which would apt-get and pip-install vLLM)."""
+pass's own-session run (the fast tier) and are waited for before a run that needs them (the waiting tiers, beside it)
+and before the next pass; a failed install stops the run with its exit status, only the fast tier having run. Real
+pytest runs over a throwaway tests/ directory, a throwaway scripts/install-deps.sh standing in for the real one (which
+would apt-get and pip-install vLLM)."""
 
 from __future__ import annotations
 
@@ -55,7 +56,8 @@ def test_a_failed_install_stops_the_run_with_its_status_before_the_second_pass(t
     code, out = _run(tmp_path, monkeypatch, capsys, install_exit=3)
     assert code == 3, out
     assert "=== install beside the fast tier: exit 3" in out and "=== second pass" not in out, out
-    assert out.rstrip().splitlines()[-1] == "tests: the install failed (exit 3): only the fast tier ran (1 passed, 0 failed)"
+    assert out.rstrip().splitlines()[-1] == ("tests: the install failed (exit 3): only the fast tier ran "
+                                             "(1 passed, 0 failed)")
     assert (tmp_path / "ran.txt").read_text().count("\n") == 1  # the own-session run only
 
 

@@ -120,5 +120,6 @@ def test_baseline_idle_samples_at_the_configured_interval(tmp_path):
     baseline_idle.add_arguments(p)
     cfg, _ = baseline_idle._config(p.parse_args(["--config", str(cfg_file), "--no-server-check"]))
     assert cfg.interval_seconds == 2.0
-    cfg, _ = baseline_idle._config(p.parse_args(["--config", str(cfg_file), "--no-server-check", "--interval", "500ms"]))
+    cfg, _ = baseline_idle._config(p.parse_args(["--config", str(cfg_file), "--no-server-check",
+                                                 "--interval", "500ms"]))
     assert cfg.interval_seconds == 0.5

@@ -113,7 +113,8 @@ def test_a_tier_queried_and_never_hit_has_a_hit_ratio_of_zero():
     # vLLM's 0:primary tier: queries counted, its hits series not created until its first hit
     agg = _window([{}, {"tier_chunk_queries@0:primary": 10.0, "tier_chunk_hits@1:fs": 2.0,
                         "tier_chunk_queries@1:fs": 4.0},
-                   {"tier_chunk_queries@0:primary": 450.0, "tier_chunk_hits@1:fs": 2.0, "tier_chunk_queries@1:fs": 4.0}])
+                   {"tier_chunk_queries@0:primary": 450.0, "tier_chunk_hits@1:fs": 2.0,
+                    "tier_chunk_queries@1:fs": 4.0}])
     primary, fs = tier_flows(agg)
     assert primary.tier == "0:primary" and primary.chunk_hit_ratio == 0.0  # old code: None (no hits series)
     assert fs.chunk_hit_ratio == 0.5

@@ -16,7 +16,8 @@ from tests.support.aggregates import aggregate_of
 
 RATIO = 0.1
 # measured costs: 0.05 J per computed prompt token, 0.005 J per reloaded one (the GPU's side of a reload)
-COSTS = pe.PhaseCosts(scope="gpu", prompt_computed_j=0.05, prompt_computed_se=0.001, generated_j=1.0, generated_se=0.01, reloaded_j=0.005, reloaded_se=0.0005, windows=120, state="known", reason="", source="measured")
+COSTS = pe.PhaseCosts(scope="gpu", prompt_computed_j=0.05, prompt_computed_se=0.001, generated_j=1.0, generated_se=0.01,
+                      reloaded_j=0.005, reloaded_se=0.0005, windows=120, state="known", reason="", source="measured")
 HOPS = te.HopEnergy(host_memory=1e-10, host_link=5e-11, disk=2e-9)
 BLOCK_BYTES_PER_TOKEN = 16384.0  # what a reloaded token moves over the link (offload load bytes / reloaded)
 DISK_BYTES_PER_TOKEN = 32768.0  # what the fs tier reads per disk token (whole chunks)
@@ -32,7 +33,8 @@ def iv(t: float, *, host: float = 300.0, disk: float = 100.0, p2p: float = 0.0, 
               "offload_load_bytes": reloaded * BLOCK_BYTES_PER_TOKEN}
     if disk_reads:
         deltas["tier_read_bytes@1:fs"] = disk * DISK_BYTES_PER_TOKEN
-    return Interval(t0=t, t1=t + 1.0, deltas=deltas, gauges={}, energy_joules={"gpu": joules}, idle_joules={"gpu": idle})
+    return Interval(t0=t, t1=t + 1.0, deltas=deltas, gauges={}, energy_joules={"gpu": joules},
+                    idle_joules={"gpu": idle})
 
 
 def by_tier(tiers):
@@ -156,7 +158,9 @@ def test_the_cpu_tier_sizes_the_buffer_from_cpu_bytes_to_use():
 
 def test_an_undersized_cpu_tier_is_told_in_cpu_bytes_to_use():
     cfg = from_mapping({})
-    buf = offload_model.BufferFigures(undersized=True, recommended_bytes=25_000_000.4, recommended_gib=0.024, store_failures=0.0, residency_seconds=2.0, write_bytes_per_second=1e7, p99_tool_latency_seconds=20.0, headroom=1.5, residency_target_seconds=20.0,
+    buf = offload_model.BufferFigures(undersized=True, recommended_bytes=25_000_000.4, recommended_gib=0.024,
+                                      store_failures=0.0, residency_seconds=2.0, write_bytes_per_second=1e7,
+                                      p99_tool_latency_seconds=20.0, headroom=1.5, residency_target_seconds=20.0,
                                       size_setting="cpu_bytes_to_use")
     words = offload_model.undersized_words(buf, cfg)
     assert "cpu_bytes_to_use to 25000001 or more (bytes)" in words and "--kv-offloading-size" not in words

@@ -80,7 +80,8 @@ def test_unmarked_starts_fail_and_marked_ones_run(tmp_path):
     r = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rA", "-W", "ignore", "."],
                        cwd=project, env=env, capture_output=True, text=True, timeout=120)
     out = r.stdout + r.stderr
-    outcome = dict((name, word) for word, name in re.findall(r"^(PASSED|FAILED|ERROR) test_tiered\.py::(\w+)", out, re.M))
+    outcome = dict((name, word)
+                   for word, name in re.findall(r"^(PASSED|FAILED|ERROR) test_tiered\.py::(\w+)", out, re.M))
     assert outcome == {
         "test_unmarked_promtool": "FAILED", "test_marked_promtool": "PASSED",
         "test_unmarked_amtool_error_swallowed": "FAILED",

@@ -60,7 +60,8 @@ def test_nan_counter_values_are_not_summed_the_family_is_unknown():
 
 
 def test_offload_detected_from_cache_config_info_and_both_store_spellings():
-    base = 'vllm:cache_config_info{engine="0",kv_offloading_backend="native",kv_offloading_size="64",num_gpu_blocks="100"} 1\n'
+    base = ('vllm:cache_config_info{engine="0",kv_offloading_backend="native",kv_offloading_size="64",'
+            'num_gpu_blocks="100"} 1\n')
     deprecated = base + 'vllm:kv_offload_total_bytes_total{engine="0",transfer_type="GPU_to_CPU"} 1000\n' \
                         'vllm:kv_offload_total_bytes_total{engine="0",transfer_type="CPU_to_GPU"} 400\n'
     r = reading_of(deprecated)

@@ -101,8 +101,8 @@ def test_a_pressure_point_holds_the_evidence_and_repeats_none_of_it():
 def test_a_held_window_reads_back_as_it_was_written():
     """The evidence file's entry of a live window's point, parsed back through the restore, writes the same
     entry (the file's keys and values are the evidence's figures, and only those)."""
-    samples = [Interval(t0=t, t1=t + 1.0, deltas={"preemptions": 1.0 if t == 30 else 0.0, "prompt_local_cache_hit": 150.0,
-                                     "prompt_local_compute": 50.0},
+    samples = [Interval(t0=t, t1=t + 1.0, deltas={"preemptions": 1.0 if t == 30 else 0.0,
+                                                  "prompt_local_cache_hit": 150.0, "prompt_local_compute": 50.0},
                         gauges={"kv_usage": 0.4 + t / 200, "running": 1.0, "waiting": 0.0,
                          "waiting_capacity": 1.0 if t % 4 == 0 else 0.0}) for t in range(60)]
     ev = window_evidence(aggregate_of(samples), window_seconds=60.0, reference_share=0.1, reference_spread=0.02)
@@ -124,7 +124,8 @@ def test_the_regime_the_learner_and_the_lab_read_the_one_builder(path):
 
 
 def test_the_type_is_frozen_and_keyword_only():
-    ev = window_evidence(aggregate_of([Interval(t0=0.0, t1=1.0, deltas={}, gauges={"kv_usage": 0.5})]), window_seconds=1.0)
+    ev = window_evidence(aggregate_of([Interval(t0=0.0, t1=1.0, deltas={}, gauges={"kv_usage": 0.5})]),
+                         window_seconds=1.0)
     with pytest.raises(TypeError):
         WindowEvidence(*[None] * 14)  # positional arguments are refused
     with pytest.raises(AttributeError):
@@ -132,8 +133,8 @@ def test_the_type_is_frozen_and_keyword_only():
 
 
 def _window(preemptions_at_30: float) -> list[Interval]:
-    return [Interval(t0=t, t1=t + 1.0, deltas={"preemptions": preemptions_at_30 if t == 30 else 0.0, "prompt_tokens": 10.0,
-                                  "prompt_tokens_local_compute": 10.0},
+    return [Interval(t0=t, t1=t + 1.0, deltas={"preemptions": preemptions_at_30 if t == 30 else 0.0,
+                                               "prompt_tokens": 10.0, "prompt_tokens_local_compute": 10.0},
                      gauges={"kv_usage": 0.5, "running": 1.0, "waiting": 0.0}) for t in range(60)]
 
 

@@ -63,7 +63,8 @@ def test_provisional_until_the_fit_is_checked_on_held_out_windows():
     assert few.state == "unknown" and few.bytes_per_token is None
     assert "2 windows without preemption so far, a fit needs 3" in few.reason and "model_config" in few.reason
     fitted = chosen(windows(3))
-    assert (fitted.state, fitted.source) == ("provisional", "fitted") and fitted.bytes_per_token == pytest.approx(A, rel=0.02)
+    assert (fitted.state, fitted.source) == ("provisional", "fitted")
+    assert fitted.bytes_per_token == pytest.approx(A, rel=0.02)
     assert "not yet checked" in fitted.reason and "held-out" in fitted.reason
     assert chosen(windows(8)).state == "known"
 

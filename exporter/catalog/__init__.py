@@ -61,9 +61,10 @@ from exporter.catalog.energy import DEVICES
 from exporter.catalog.money import PRICES
 from exporter.catalog.pressure import STATES, VERDICTS
 
-__all__ = ["METRICS", "BY_NAME", "get", "build_info", "SECTIONS", "BLOCKS", "Block", "Section", "NOT_DERIVED", "SERVER", "WINDOW", "Elsewhere", "Fill",
-           "MetricDef", "NotDerived", "Sample", "StatusKey", "Words", "formula", "per_server", "per_server_key",
-           "per_window", "per_window_key", "server_block", "server_key", "window_block", "window_key", "DEVICES", "PRICES", "STATES", "VERDICTS"]
+__all__ = ["METRICS", "BY_NAME", "get", "build_info", "SECTIONS", "BLOCKS", "Block", "Section", "NOT_DERIVED", "SERVER",
+           "WINDOW", "Elsewhere", "Fill", "MetricDef", "NotDerived", "Sample", "StatusKey", "Words", "formula",
+           "per_server", "per_server_key", "per_window", "per_window_key", "server_block", "server_key", "window_block",
+           "window_key", "DEVICES", "PRICES", "STATES", "VERDICTS"]
 
 # The sections in their declared order: the order of /metrics, of the README's reference, of the page's rows and
 # of /api/status's keys (each scope's dict: section by section, its figures' keys, then its blocks'). A new

@@ -1,7 +1,7 @@
 """`kvwatt demo`: the real daemon, on loopback only, watching three demo engines that replay bundled captures of
 real vLLM engines (exporter/demo/story.py): one without offloading, its offloading twin (the same engine with
-vLLM's OffloadingConnector on a host tier) and its tiered twin (a CPU tier and a disk tier). GPU energy is simulated (exporter/demo/gpus.py) and every screen
-says so. docs/demo.md."""
+vLLM's OffloadingConnector on a host tier) and its tiered twin (a CPU tier and a disk tier). GPU energy is
+simulated (exporter/demo/gpus.py) and every screen says so. docs/demo.md."""
 
 from __future__ import annotations
 

@@ -100,11 +100,11 @@ class IdleLearner:
 
     ``feed(t, idle, joules)``: ``idle`` says whether the interval ending at ``t`` was idle (server up, no
     running or waiting requests, no tokens), None when that is unknown (the server did not answer at ``t``: the
-    step counts for no device, and a stretch survives up to UNKNOWN_HOLD_SECONDS of them); ``joules`` maps device -> (joules, seconds between that device's
-    own readings) from DeviceTracker.spans, or plain joules over the tick (None = no sample: that interval
-    does not count for that device, rule 3). The arithmetic is IdleAccumulator's. Returns estimates to commit: when a
-    device first reaches ``min_seconds`` of idle samples, every ``refresh_seconds`` after, and when the
-    stretch ends.
+    step counts for no device, and a stretch survives up to UNKNOWN_HOLD_SECONDS of them); ``joules`` maps device ->
+    (joules, seconds between that device's own readings) from DeviceTracker.spans, or plain joules over the tick (None =
+    no sample: that interval does not count for that device, rule 3). The arithmetic is IdleAccumulator's. Returns
+    estimates to commit: when a device first reaches ``min_seconds`` of idle samples, every ``refresh_seconds`` after,
+    and when the stretch ends.
     """
 
     settle_seconds: float = 30.0

@@ -4,9 +4,9 @@ Negotiated as prometheus_client's own handler does (prometheus_client.exposition
 quality values that it ignores honoured as prometheus/common's expfmt.Negotiate does: the format from
 ``Accept`` (OpenMetrics when asked for with q > 0 and a version kvwatt produces, else the text format), gzip
 when ``Accept-Encoding`` names it with q > 0, and ``name[]`` query parameters restricting the output to
-those sample names (``registry.restricted_registry``). The families are collected once, at tick time (Daemon.step); here they
-are only serialised: the text format at once (in the tick's worker thread), any other form on the first
-scrape that asks for it, then kept with the tick. A ``name[]`` subset is serialised per request (from the
+those sample names (``registry.restricted_registry``). The families are collected once, at tick time
+(Daemon.step); here they are only serialised: the text format at once (in the tick's worker thread), any other form on
+the first scrape that asks for it, then kept with the tick. A ``name[]`` subset is serialised per request (from the
 same families, no figure recomputed).
 """
 

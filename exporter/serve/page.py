@@ -125,7 +125,8 @@ def render(status: dict, telemetry_path: str = "/metrics") -> str:
 <title>kvwatt</title><noscript><meta http-equiv="refresh" content="{REFRESH_SECONDS * 2}"></noscript>
 <style>{CSS}</style></head><body>
 <header class="top"><h1>kvwatt</h1><span class="version">{_e(status.get("version", ""))}</span>
-<nav><a href="{_e(telemetry_path)}">Metrics</a><a href="/api/status">Status (JSON)</a><a href="/healthz">Health</a></nav>
+<nav><a href="{_e(telemetry_path)}">Metrics</a><a href="/api/status">Status (JSON)</a>\
+<a href="/healthz">Health</a></nav>
 </header>
 {content(status)}
 <footer>The page refreshes itself every {REFRESH_SECONDS} s from the same figures as
@@ -237,8 +238,9 @@ def _cost_words(c: dict) -> str:
     kg = None if c["co2e_grams_per_day"] is None else c["co2e_grams_per_day"] / 1000
     per_day = (f'<b>{_money(c["money_per_day"], cur)}/day</b>, '
                f'<b>{UNKNOWN if kg is None else f"{kg:,.3g} kg"} CO2e/day</b>')
+    co2e = c["co2e_grams_per_thousand_tokens"]
     per_token = (f'{_money(c["money_per_million_tokens"], cur)} per million generated tokens, '
-                 f'{UNKNOWN if c["co2e_grams_per_thousand_tokens"] is None else _num(c["co2e_grams_per_thousand_tokens"])}'
+                 f'{UNKNOWN if co2e is None else _num(co2e)}'
                  f' g CO2e per 1,000 tokens')
     return f"{per_day} ({_num(c['marginal_watts'])} W; {per_token}){_tax_cost_words(c)}"
 
@@ -517,7 +519,8 @@ def _pressure(s: dict) -> str:
     text += where
     loc_state = s.get("threshold_state", "known")
     if s.get("threshold_located") and loc_state != "known":
-        text += f" The located threshold is {_state_words(loc_state, s.get('threshold_reason') or '', 'threshold-state')}."
+        located = _state_words(loc_state, s.get('threshold_reason') or '', 'threshold-state')
+        text += f" The located threshold is {located}."
     if w is not None and w.get("preemptions_per_minute") is not None:
         onset = " (preemption onset: the leading sign of pressure)" if w.get("preemption_onset") else ""
         text += f" Preemptions: {_num(w['preemptions_per_minute'])} per minute{onset}."

@@ -79,7 +79,8 @@ def _writers(scope: str) -> tuple:
     keys in declaration order, then its blocks."""
     out = []
     for section in catalog.SECTIONS:
-        out += [d.status for d in section.metrics if isinstance(d.status, catalog.StatusKey) and d.status.scope == scope]
+        out += [d.status for d in section.metrics
+                if isinstance(d.status, catalog.StatusKey) and d.status.scope == scope]
         out += [b for b in section.blocks if b.scope == scope]
     return tuple(out)
 

@@ -81,7 +81,8 @@ def _endpoint(url: str) -> tuple[aiohttp.BasicAuth | None, str]:
 
 
 class EngineSource:
-    """Reads one engine server's exposition (whichever engine it is: the adapters decide). ``read()`` returns (status, reading or None); it never raises.
+    """Reads one engine server's exposition (whichever engine it is: the adapters decide). ``read()`` returns
+    (status, reading or None); it never raises.
 
     ``adapter`` fixes the engine adapter; by default each exposition picks its own (sources/combine.py: the
     engine a registered adapter recognises, vLLM when none does, with the add-ons found beside it).

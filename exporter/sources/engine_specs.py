@@ -211,7 +211,8 @@ class SpecAdapter:
     def read(self, text: str, problems: list[str] | None = None) -> EngineReading:
         exp = parse_families(text, self.spec.wire_names())
         if not exp.series:
-            detail = f"{exp.errors} malformed lines" if exp.errors else f"no usable {self.name} series in the exposition"
+            detail = (f"{exp.errors} malformed lines" if exp.errors
+                      else f"no usable {self.name} series in the exposition")
             raise SourceError("parse_error", detail)
         if exp.errors and problems is not None:
             problems.append(f"parse_error: {exp.errors} bad lines skipped")

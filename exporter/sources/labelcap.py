@@ -1,5 +1,5 @@
-"""The bound on upstream label values (docs/architecture.md "Limits"): per labelled family ("<prefix>@<value>" keys: tier,
-reason, stage) and server, the first ``rules.MAX_LABEL_VALUES`` values seen are kept, for the process' life
+"""The bound on upstream label values (docs/architecture.md "Limits"): per labelled family ("<prefix>@<value>" keys:
+tier, reason, stage) and server, the first ``rules.MAX_LABEL_VALUES`` values seen are kept, for the process' life
 (stable: a value kept once is kept, the series do not swap at each read); a value beyond them is dropped from
 the reading (its figures unknown, never folded into another value) and the read is degraded with reason
 ``label_values_capped``. Logged when the set of capped families changes, not at every read."""

@@ -30,7 +30,8 @@ P95_Z = 1.96                  # a condition's KV p95 interval: mean ± 1.96 SE o
 PLATEAU_FRACTION = 0.9        # methods.md s6: a sufficient buffer captures > 90 % of the achievable saving
 # methods.md s6, the study's traces; used when the trace cannot be read
 DEFAULT_P99_TOOL_LATENCY = rules.P99_TOOL_LATENCY.default
-SKIP_KEYS = ("name", "baseline", "args", "env", "tiered")   # shown in the plan (a tiered one: its params); ON/OFF is the baseline column
+# shown in the plan (a tiered one: its params); ON/OFF is the baseline column
+SKIP_KEYS = ("name", "baseline", "args", "env", "tiered")
 
 
 def _mean(summary: dict, key: str) -> float | None:
@@ -239,8 +240,8 @@ def _planned_buffer(condition: dict) -> float | None:
 
 def buffer_comparison(conditions: list[dict], summaries: list[dict]) -> list[dict]:
     """One group per OFF condition with ON conditions at two or more distinct buffer sizes (the engine's
-    reported size, else the plan's params.buffer_gib): per ON condition its dE, the residency rule's verdict and whether the measured dE
-    reaches the plateau (>= 90 % of the largest buffer's dE)."""
+    reported size, else the plan's params.buffer_gib): per ON condition its dE, the residency rule's verdict and whether
+    the measured dE reaches the plateau (>= 90 % of the largest buffer's dE)."""
     cond = {c["name"]: c for c in conditions}
     cache: dict = {}
     groups = []

@@ -203,7 +203,8 @@ def _savings(fig, model: dict) -> bool:
         run_y += runs
         xs.append(x)
         extent += [x - xerr, x + xerr]
-        labels.append((x, c["dE_percent"], f"{s['condition']}\n{_pair_words(c['n_on'], c['n_off'], model.get('repeats'))}"))
+        pairs = _pair_words(c['n_on'], c['n_off'], model.get('repeats'))
+        labels.append((x, c["dE_percent"], f"{s['condition']}\n{pairs}"))
     if not xs:
         return False
     _label_points(ax, labels)
@@ -489,7 +490,8 @@ def _buffer(fig, model: dict) -> bool:
         ax.axhline(0, color="black", lw=0.6)
         if g["rule_buffer_bytes"]:
             ax.axvline(g["rule_buffer_bytes"] / 2 ** 30, color=BAND_COLOR, ls="--", lw=1, gid="rule-buffer",
-                       label=f"rule's minimum: write rate x p99 tool latency = {g['rule_buffer_bytes'] / 2 ** 30:.3g} GiB")
+                       label="rule's minimum: write rate x p99 tool latency = "
+                             f"{g['rule_buffer_bytes'] / 2 ** 30:.3g} GiB")
         for verdict, face, label in ((True, ON_COLOR, "rule: residency >= p99 tool latency"),
                                      (False, "white", "rule: residency < p99 tool latency (undersized)"),
                                      (None, "#bbbbbb", "rule: unknown (no write rate)")):
@@ -574,8 +576,9 @@ FIGURES: dict[str, tuple[Callable, tuple[float, float], str]] = {
     "savings_vs_kv_p95.png": (_savings, (7.2, 5.0),
                               "Energy saving of offloading, dE % (positive = saves), of each ON condition "
                               "against its OFF baseline, at the OFF condition's KV p95. Points: mean over runs with "
-                              "± SE bars (dE: delta method; KV p95: over the OFF runs), the runs ON and OFF (of the plan's "
-                              "repeats) beside each; crosses, drawn over the means: each ON run against the OFF mean. "
+                              "± SE bars (dE: delta method; KV p95: over the OFF runs), the runs ON and OFF "
+                              "(of the plan's repeats) beside each; "
+                              "crosses, drawn over the means: each ON run against the OFF mean. "
                               "Band: the threshold located from the sweep with its uncertainty interval, drawn when "
                               "narrower than half the data's KV p95 range (else a line at it, the interval in the "
                               "legend; dashed line: the configured threshold, when none is located)."),
@@ -659,7 +662,8 @@ def skipped(model: dict, drawn: list[str]) -> dict[str, str]:
                "frontier.png": "no condition with both tokens/s and J/token",
                "mechanism.png": "no condition with a KV p95",
                "token_sources.png": "no ON/OFF pair with token-source shares",
-               "tiers.png": "no tiered condition (conditions[].tiered)", "energy_throughput_bars.png": "no condition with J/token or tokens/s yet"}
+               "tiers.png": "no tiered condition (conditions[].tiered)",
+               "energy_throughput_bars.png": "no condition with J/token or tokens/s yet"}
     # the tier figure belongs to plans with tiered conditions: a plan without one misses nothing
     applicable = [n for n in FIGURES if n != "tiers.png" or (model.get("analysis") or {}).get("tiers")]
     return {n: reasons[n] for n in applicable if n not in drawn}

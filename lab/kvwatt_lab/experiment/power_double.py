@@ -62,7 +62,8 @@ class PowerModel:
 
     def work_joules(self, generated: float, flops: float, transferred_bytes: float, disk_bytes: float = 0.0) -> float:
         return (self.joules_per_generated_token * generated + self.joules_per_gflop * flops / 1e9
-                + self.joules_per_gib_transferred * transferred_bytes / GIB + self.joules_per_gib_disk * disk_bytes / GIB)
+                + self.joules_per_gib_transferred * transferred_bytes / GIB
+                + self.joules_per_gib_disk * disk_bytes / GIB)
 
     def costs(self) -> str:
         disk = (f" + {self.joules_per_gib_disk:g} J per GiB written to or read from a secondary (disk) tier"

@@ -60,7 +60,8 @@ def method_lines(plan: dict) -> list[str]:
         f"idle baseline, {p['warmup_seconds']:g} s warm-up, {p['measure_seconds']:g} s measurement, "
         f"{p['cooldown_seconds']:g} s cool-down, server stopped; {plan['repeats']} repeats, order shuffled "
         f"in blocks with seed {plan['seed']}; samples every {plan['sample_interval_seconds']:g} s.",
-        f"J/token: {e['basis']} ({'(E - P_idle*dt) / generated tokens' if e['basis'] == 'marginal' else 'E / generated tokens'}), "
+        f"J/token: {e['basis']} "
+        f"({'(E - P_idle*dt) / generated tokens' if e['basis'] == 'marginal' else 'E / generated tokens'}), "
         f"scope {e['scope']} (auto: gpu when every run has it, else host). dE% = (J/tok_OFF - J/tok_ON) / "
         "J/tok_OFF * 100; dTPS% = (TPS_ON - TPS_OFF) / TPS_OFF * 100; ± is the delta-method SE "
         "100 * (x_ON/x_OFF) * sqrt((SE_ON/x_ON)^2 + (SE_OFF/x_OFF)^2) over runs (methods.md s2); n = runs ON / OFF.",
@@ -191,7 +192,8 @@ def render_markdown(model: dict, images: dict[str, str]) -> str:
 
 def render_html(model: dict, images: dict[str, str]) -> str:
     parts = [f"<h1>Experiment report: {html.escape(model['experiment'])}</h1>",
-             f"<p>Plan <code>{html.escape(model['plan_path'])}</code> (protocol {model['protocol_fingerprint'][:12]}).</p>"]
+             f"<p>Plan <code>{html.escape(model['plan_path'])}</code>"
+             f" (protocol {model['protocol_fingerprint'][:12]}).</p>"]
     warn = ' class="warn"'
     parts += [f"<p{warn if line.startswith('INCOMPLETE') else ''}>{html.escape(line)}</p>" for line in model["status"]]
     parts += [f"<p><strong>{html.escape(line)}</strong></p>" for line in model["summary"]]
@@ -200,8 +202,10 @@ def render_html(model: dict, images: dict[str, str]) -> str:
         parts += [f"<h2>{html.escape(title)}</h2>", html_table(header, rows)]
     if images:
         parts += ["<h2>Figures</h2>"] + [f'<figure><img src="{html.escape(p)}" alt="{html.escape(a)}">'
-                                         f"<figcaption>{html.escape(a)}</figcaption></figure>" for p, a in images.items()]
-    parts += [f"<p>Not drawn: {html.escape(n)}: {html.escape(w)}.</p>" for n, w in model.get("skipped_figures", {}).items()]
+                                         f"<figcaption>{html.escape(a)}</figcaption></figure>"
+                                         for p, a in images.items()]
+    parts += [f"<p>Not drawn: {html.escape(n)}: {html.escape(w)}.</p>"
+              for n, w in model.get("skipped_figures", {}).items()]
     for title, header, rows in runs:
         parts += [f"<h2>{html.escape(title)}</h2>", html_table(header, rows)]
     parts += ["<h2>Method</h2><ul>" + "".join(f"<li>{html.escape(l)}</li>" for l in model["method"]) + "</ul>"]

@@ -109,7 +109,8 @@ def table1(summaries: list[dict], plan: dict, found: dict) -> list[tuple[str, li
         rows = []
         for s in pairs:
             off, c = by_name[s["baseline"]], s["comparison"]
-            rows.append([f"{s['condition']} vs {off['condition']}"] + ([_params(params, s["condition"])] if has_params else [])
+            rows.append([f"{s['condition']} vs {off['condition']}"]
+                        + ([_params(params, s["condition"])] if has_params else [])
                         + [_pm_pct(off, "kv_usage_p95_ratio"), _regime(_stat(off, "kv_usage_p95_ratio")[0], threshold),
                            _pm_g(off, "preemptions_per_minute")]
                         + ([_mflops(off), _mflops(s)] if flops else [])
@@ -135,7 +136,8 @@ def conditions_table(summaries: list[dict], plan: dict, found: dict, threshold: 
     header = (["condition", "baseline"] + (["parameters"] if has_params else [])
               + ["KV p95 (%)", regime, "preemptions per minute", "tokens/s"]
               + (["FLOPs per generated token (MFLOP)"] if flops else [])
-              + [f"J/token ({basis}, {'scope per row' if mixed else (next(iter(scopes)) if scopes else 'n/a')}{double})"]
+              + [f"J/token ({basis}, "
+                 f"{'scope per row' if mixed else (next(iter(scopes)) if scopes else 'n/a')}{double})"]
               + (["energy scope"] if mixed else []) + [f"dE (%{double})", "dTPS (%)", "n (ON / OFF runs)"])
     rows, by_name = [], {s["condition"]: s for s in summaries}
     for s in summaries:
@@ -263,15 +265,16 @@ def buffer_tables(found: dict) -> list[tuple[str, list[str], list[list[str]]]]:
 
 
 def runs_table(data: dict, scope: str, basis: str) -> tuple[str, list[str], list[list[str]]]:
-    header = ["run", "condition", "KV p95 (%)", "preemptions per minute", "tokens/s", f"J/token ({basis})", "energy scope",
-              "local_compute (%)", "startup (s)"]
+    header = ["run", "condition", "KV p95 (%)", "preemptions per minute", "tokens/s", f"J/token ({basis})",
+              "energy scope", "local_compute (%)", "startup (s)"]
     rows = []
     for run in ordered_runs(data):
         w = run.get("window", {})
         chosen = stats.choose_scope([run], scope, basis)
         jpt = stats.joules_per_token(run, chosen, basis) if chosen else None
-        rows.append([run["run"], run["condition"], pct(w.get("kv_usage_p95_ratio")), num(w.get("preemptions_per_minute")),
-                     num(w.get("tokens_per_second"), 4), NA if jpt is None else f"{jpt:.4g}", chosen or NA,
+        rows.append([run["run"], run["condition"], pct(w.get("kv_usage_p95_ratio")),
+                     num(w.get("preemptions_per_minute")), num(w.get("tokens_per_second"), 4),
+                     NA if jpt is None else f"{jpt:.4g}", chosen or NA,
                      pct(stats.share(run, "local_compute")), num(run.get("startup_seconds"))])
     return "Runs (in the order they ran)", header, rows
 

@@ -126,7 +126,8 @@ def condition_tiers(runs: list[dict]) -> dict:
             totals["chunk_hits"] = 0.0   # vLLM creates a tier's hits series at its first hit
         totals["hit_ratio"] = offload.chunk_hit_ratio(totals["chunk_hits"], totals["chunk_queries"])
         # the blocks the back-pressure detector kept from the tier, of those bound for it (written + dropped)
-        written_blocks = None if totals["write_bytes"] is None or not block_bytes else totals["write_bytes"] / block_bytes
+        written_blocks = (None if totals["write_bytes"] is None or not block_bytes
+                          else totals["write_bytes"] / block_bytes)
         bound = (written_blocks or 0.0) + (totals["dropped_blocks"] or 0.0)
         totals["dropped_block_share"] = _ratio(totals["dropped_blocks"], bound) if bound else None
         out["tiers"][name] = totals

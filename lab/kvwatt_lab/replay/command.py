@@ -161,8 +161,9 @@ def main(args: argparse.Namespace) -> int:
         return 1
     finally:
         sink.close()
-    summary.update(trace=args.trace, url=redacted_url(args.url), length_scale=args.length_scale, latency_scale=args.latency_scale,
-                   system_prompt_tokens=options.system_prompt_tokens, max_context_tokens=options.max_context_tokens)
+    summary.update(trace=args.trace, url=redacted_url(args.url), length_scale=args.length_scale,
+                   latency_scale=args.latency_scale, system_prompt_tokens=options.system_prompt_tokens,
+                   max_context_tokens=options.max_context_tokens)
     if args.summary:
         try:
             write_summary(args.summary, summary)
