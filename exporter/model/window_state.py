@@ -1,0 +1,57 @@
+"""One window length of one server between ticks (model/server.py keeps one per configured window): what learn()
+derived from the window's aggregate this tick (its KV p95, preemptions/min), the regime with the threshold's
+prediction it latches across ticks (methods.md s10), and the window's figures of the tick they were last built
+(model/window_figures.py), with when, so that a long window may be rebuilt every few ticks and say its age
+(docs/architecture.md "Windows": the staggered long windows)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from exporter.derive import pressure, recompute
+from exporter.figures import WindowFigures
+from exporter.model import pressure as pressure_model
+from exporter.model.pressure import LowPressureReference, ThresholdLearner
+from exporter.store import WindowAggregate
+
+
+@dataclass(kw_only=True, slots=True)
+class WindowState:
+    """A window's state, mutable: set by learn() every tick it is learned, the regime cleared by restart()."""
+
+    seconds: float
+    p95: pressure_model.P95 | None = None     # as of the last learn()
+    per_minute: float | None = None           # preemptions/min, as of the last learn()
+    learned: bool = False                     # p95 and per_minute were derived (learn() ran on this window)
+    predicted: bool | None = None             # the threshold's prediction (hysteresis)
+    above: bool | None = None                 # the regime (methods.md s10)
+    why: tuple[str, str] | None = None        # the regime's state, reason
+    built: WindowFigures | None = None        # the figures last built (model/window_figures.py), kept for reuse
+    built_t: float | None = None              # the tick they were built at
+
+    def restart(self) -> None:
+        """A new epoch, an outage, the server down: no regime is known and no kept figures may be reused."""
+        self.predicted = self.above = self.why = None
+        self.built = self.built_t = None
+
+    def learn(self, agg: WindowAggregate, cfg, pl: ThresholdLearner, reference: LowPressureReference,
+              tax_state: str) -> None:
+        """The window's regime on positive evidence both ways, its state and reason (methods.md s10); the
+        threshold in use only predicts (with hysteresis on the p95's interval)."""
+        seconds = self.seconds
+        p = self.p95 = pressure_model.p95_of(agg)
+        per_minute = self.per_minute = pressure.preemptions_per_minute(agg)  # the window's figures reuse it
+        self.learned = True
+        onset = pressure.preemption_onset(per_minute, agg.covered_seconds, seconds,
+                                          cfg.preemption_onset_per_minute)
+        shares = recompute.judged_shares(agg, pressure_model.MIN_PROMPT_TOKENS)
+        signs = pressure_model.Signs(
+            p, agg.covered_seconds / seconds, per_minute, onset, pressure.waiting_for_capacity(agg),
+            agg.quantile("waiting", 0.5), agg.gauge_max("kv_usage"),
+            recompute.window_tax(shares, reference.value),
+            reference.spread, tax_state, pl.residency_of(agg))  # residency: the engine's own eviction record
+        over = self.predicted = pressure_model.predicted_regime(p, pl.threshold, self.predicted)
+        th = pressure_model.threshold_in_use(pl.threshold, pl.source, pl.located)
+        v = pressure_model.regime(signs, th, bool(over), pl.quiet_streak)
+        self.above = v.above
+        self.why = (v.state, v.reason)
