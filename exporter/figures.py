@@ -181,6 +181,9 @@ class WindowFigures:
     # counts the window holds that no server can produce (model/plausible.py): counts name -> why; every figure
     # computed from them is served as unknown (exporter/bounds.py DEPENDENCIES)
     implausible_counts: dict[str, str] | None = None
+    # seconds since these figures were derived: 0 unless the window is a long one of a node with more servers than
+    # rules.LONG_WINDOWS_BUILT_PER_TICK, rebuilt in turn every few ticks (model/window_state.py)
+    age_seconds: float = 0.0
 
 
 @dataclass(frozen=True)

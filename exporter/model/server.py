@@ -7,6 +7,7 @@ import logging
 from dataclasses import replace
 from typing import Mapping
 
+from exporter import rules
 from exporter.config import Config, ServerConfig
 from exporter.derive import collapse, economics
 from exporter.figures import ServerFigures, WindowFigures, engine_name
@@ -26,11 +27,13 @@ log = logging.getLogger("kvwatt.model")
 
 # a server unread for this long (intervals, and at least seconds) was out: the windows restart when it is back
 OUTAGE_INTERVALS, OUTAGE_MIN_SECONDS = 5, 10.0
+_PER_TICK = int(rules.LONG_WINDOWS_BUILT_PER_TICK.default)
 
 
 class ServerModel:
     def __init__(self, server: ServerConfig, cfg: Config, keep_seconds: float | None = None) -> None:
         self.cfg, self.server = cfg, server
+        self._index = next((i for i, s in enumerate(cfg.servers) if s.name == server.name), 0)  # its turn
         self.wall: float | None = None  # the wall clock at the last learn (the engine's process age)
         self.collapse_th = collapse.CollapseThresholds.from_config(cfg)
         self.repeat_seconds = max(cfg.min_load_seconds, 1.0)  # dE/dTPS repeat windows (methods.md s2)
@@ -150,8 +153,9 @@ class ServerModel:
 
     def _state(self, seconds: float) -> WindowState:
         st = self._windows.get(seconds)
-        if st is None:
-            st = self._windows[seconds] = WindowState(seconds=seconds)
+        if st is None:  # the longer windows of many servers take turns (rules.LONG_WINDOWS_BUILT_PER_TICK)
+            every = 1 if seconds <= min(self.cfg.windows_seconds) else -(-len(self.cfg.servers) // _PER_TICK)
+            st = self._windows[seconds] = WindowState(seconds=seconds, every=every, turn=self._index % every)
         return st
 
     def _collapse(self, now: float) -> collapse.CollapseResult:
@@ -174,9 +178,10 @@ class ServerModel:
 
     def window(self, now: float, seconds: float, peers: Mapping[str, "ServerModel"],
                prices: Prices | None = None) -> WindowFigures:
-        """The window's figures, built once (model/window_figures.py; with their money and carbon when ``prices``
-        has a setting)."""
-        return window_figures.build(self, self._state(seconds), now, peers, prices)
+        """The window's figures (model/window_figures.py; their money and carbon when ``prices`` has a setting),
+        built once at its turn (model/window_state.py: a long window of many servers is rebuilt in turn)."""
+        return self._state(seconds).figures(now, self.cfg.interval_seconds, self.status.up,
+                                            lambda: window_figures.build(self, self._state(seconds), now, peers, prices))
 
     def figures(self, now: float, peers: Mapping[str, "ServerModel"], prices: Prices | None = None) -> ServerFigures:
         """The server's figures of this tick, each built once (model/server_figures.py)."""
@@ -186,11 +191,6 @@ class ServerModel:
         """The server's figures when learning or deriving them failed (exporter.model.Model): every figure
         unknown, the source degraded with reason ``derivation_failed: <why>``; what was read stays shown."""
         return server_figures.unknown(self, why)
-
-    def why(self, seconds: float | None) -> tuple[str, str] | None:
-        """The regime's (state, reason) of the window of ``seconds`` as last learned; None: none learned."""
-        st = self._windows.get(seconds)
-        return st.why if st is not None else None
 
     def unknown_regime(self) -> tuple[str, str]:
         if not self.status.up:

@@ -1,11 +1,12 @@
 """One server's figures of a tick (``ServerFigures``), built from its model (model/server.py ServerModel): every
 window once (model/window_figures.py, costs included), then the server's figures, then the advice read from them
-(attached, not rebuilt: model/advice.py attach). The model keeps the learners and latches; this module reads them."""
+(attached, not rebuilt: model/advice.py attach). The model keeps the learners and latches; this module reads them
+(``sm``: the server's ServerModel, not imported here: model/server.py imports this module)."""
 
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING, Mapping
+from typing import Mapping
 
 from exporter.config import redacted_url
 from exporter.derive import offload
@@ -15,11 +16,8 @@ from exporter.model import advice as advice_model
 from exporter.model import offload as offload_figures
 from exporter.model.cost import Prices
 
-if TYPE_CHECKING:
-    from exporter.model.server import ServerModel
 
-
-def build(sm: ServerModel, now: float, peers: Mapping[str, ServerModel], prices: Prices | None) -> ServerFigures:
+def build(sm, now: float, peers: Mapping, prices: Prices | None) -> ServerFigures:
     """The server's figures of this tick, each built once: every window (costs included), then the server's
     figures, then the advice read from them."""
     cfg = sm.cfg
@@ -45,7 +43,7 @@ def build(sm: ServerModel, now: float, peers: Mapping[str, ServerModel], prices:
     return advice_model.attach(fig, cfg)  # "what do I do?", from the figures just derived
 
 
-def unknown(sm: ServerModel, why: str) -> ServerFigures:
+def unknown(sm, why: str) -> ServerFigures:
     """The server's figures when learning or deriving them failed: every figure unknown, the source degraded with
     reason ``derivation_failed: <why>``; what was read stays shown."""
     status = replace(sm.status, state="degraded" if sm.status.up else sm.status.state,
@@ -57,7 +55,7 @@ def unknown(sm: ServerModel, why: str) -> ServerFigures:
         threshold_reason=why, reference_reason=why, tax_reason=why)
 
 
-def _judgements(sm: ServerModel, windows) -> dict:
+def _judgements(sm, windows) -> dict:
     """Each learned figure's state and reason, and the evidence and epoch they rest on (methods.md s10)."""
     pl = sm.pressure
     threshold_state, threshold_reason = pl.judgement()
@@ -65,10 +63,10 @@ def _judgements(sm: ServerModel, windows) -> dict:
     tax_state, tax_reason = pl.tax_judgement(reference_state, reference_reason)
     if not sm.status.up:  # down: the tax of now is not known, whatever the reference
         tax_state, tax_reason = sm.unknown_regime()
-    regime_seconds = next((w.seconds for w in windows if w.above_threshold is not None), None)
-    # no window has a regime: the first window's own reason (why neither answer is shown)
-    unknown_ = sm.why(windows[0].seconds if windows else None) or sm.unknown_regime()
-    regime_state, regime_reason = sm.why(regime_seconds) or unknown_
+    # the regime of the first window that has one, as of its figures (a long window's may be a few ticks old); no
+    # window has a regime: the first window's own reason (why neither answer is shown)
+    w = next((w for w in windows if w.above_threshold is not None), windows[0] if windows else None)
+    regime_state, regime_reason = (w.regime_state, w.regime_reason) if w is not None else sm.unknown_regime()
     return {"threshold_state": threshold_state, "threshold_reason": threshold_reason,
             "reference_state": reference_state, "reference_reason": reference_reason,
             "tax_state": tax_state, "tax_reason": tax_reason,  # the reference's, told the residency evidence

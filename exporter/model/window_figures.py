@@ -1,10 +1,11 @@
 """One window's figures of one server (``WindowFigures``), built from its aggregate and what the server's model
 learned (model/server.py ServerModel): each derivation of derive/ once, with the window's money and carbon when
-prices are set. The model keeps the learners and latches; this module only reads them."""
+prices are set. The model keeps the learners and latches; this module only reads them (``sm``: the server's
+ServerModel, not imported here: model/server.py imports this module)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Mapping
+from typing import Mapping
 
 from exporter.config import format_window
 from exporter.derive import energy as derive_energy
@@ -16,13 +17,10 @@ from exporter.model.cost import Prices
 from exporter.model.window_state import WindowState
 from exporter.store import WindowAggregate, identity
 
-if TYPE_CHECKING:
-    from exporter.model.server import ServerModel
-
 SCOPES = ("gpu", "host")
 
 
-def build(sm: ServerModel, st: WindowState, now: float, peers: Mapping[str, ServerModel],
+def build(sm, st: WindowState, now: float, peers: Mapping,
           prices: Prices | None = None) -> WindowFigures:
     """The window's figures, built once (with their money and carbon when ``prices`` has a setting)."""
     cfg, seconds = sm.cfg, st.seconds
@@ -82,7 +80,7 @@ def build(sm: ServerModel, st: WindowState, now: float, peers: Mapping[str, Serv
         **_residency_figures(sm, agg), **priced)
 
 
-def _again(sm: ServerModel, agg: WindowAggregate, seconds: float) -> recompute.PreemptionRecompute:
+def _again(sm, agg: WindowAggregate, seconds: float) -> recompute.PreemptionRecompute:
     """The window's post-preemption recomputation over the write model in use, judged by its state."""
     m = sm.writes.model
     r = recompute.preemption_recompute(agg, m.bytes_per_token, m.bytes_per_logits_token, seconds,
@@ -90,7 +88,7 @@ def _again(sm: ServerModel, agg: WindowAggregate, seconds: float) -> recompute.P
     return recompute.judged(r, m)
 
 
-def _residency(sm: ServerModel, buffer_bytes: float | None, rates: offload.TransferRates,
+def _residency(sm, buffer_bytes: float | None, rates: offload.TransferRates,
                tokens: offload.TokenRates) -> float | None:
     """Buffer / write rate in bytes; for an engine that sizes its buffer and counts its stores in tokens
     (SGLang HiCache), in tokens (methods.md s6)."""
@@ -99,7 +97,7 @@ def _residency(sm: ServerModel, buffer_bytes: float | None, rates: offload.Trans
     return offload.residency((sm.gauges or {}).get("offload_buffer_tokens"), tokens.write_tokens_per_second)
 
 
-def _newest_series(sm: ServerModel, agg: WindowAggregate) -> dict:
+def _newest_series(sm, agg: WindowAggregate) -> dict:
     """The figures from vLLM's newest series (0.30+, docs/vllm-metrics.md): preemptions per request, admission
     rejections, offload tiers; each absent where the engine does not export its series."""
     hist = preemption.histogram(agg)
@@ -110,7 +108,7 @@ def _newest_series(sm: ServerModel, agg: WindowAggregate) -> dict:
             "offload_tiers": offload.tier_flows(agg, sm.server.offload_tier_bytes, sm.cfg.p99_tool_latency_seconds)}
 
 
-def _residency_figures(sm: ServerModel, agg: WindowAggregate) -> dict:
+def _residency_figures(sm, agg: WindowAggregate) -> dict:
     """KV-block residency from vLLM's --kv-cache-metrics histograms and the evidence it gives (methods.md
     s11); all absent where the engine does not export them."""
     r = residency.window_residency(agg, sm.info.block_size if sm.info else None,
@@ -147,8 +145,8 @@ def _energy(agg: WindowAggregate, min_load_seconds: float) -> tuple[EnergyFigure
     return tuple(out)
 
 
-def _savings(sm: ServerModel, agg: WindowAggregate, now: float, seconds: float,
-             peers: Mapping[str, ServerModel]) -> tuple:
+def _savings(sm, agg: WindowAggregate, now: float, seconds: float,
+             peers: Mapping) -> tuple:
     enabled = sm.info.offload_enabled if sm.info else None
     if enabled is None:
         return ()

@@ -6,7 +6,8 @@ prediction it latches across ticks (methods.md s10), and the window's figures of
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Callable
 
 from exporter.derive import pressure, recompute
 from exporter.figures import WindowFigures
@@ -28,11 +29,25 @@ class WindowState:
     why: tuple[str, str] | None = None        # the regime's state, reason
     built: WindowFigures | None = None        # the figures last built (model/window_figures.py), kept for reuse
     built_t: float | None = None              # the tick they were built at
+    every: int = 1                            # rebuilt every this many ticks (1: every tick, not kept)
+    turn: int = 0                             # at the ticks k with k % every == turn (servers take turns)
 
     def restart(self) -> None:
         """A new epoch, an outage, the server down: no regime is known and no kept figures may be reused."""
         self.predicted = self.above = self.why = None
         self.built = self.built_t = None
+
+    def figures(self, now: float, interval: float, up: bool, build: Callable[[], WindowFigures]) -> WindowFigures:
+        """The window's figures of the tick ``now``: built (``build()``) at its turn, else the ones kept, with their
+        age. Built whatever the turn when none is kept or they are ``every`` intervals old (a tick was skipped)."""
+        kept = self.built
+        if kept is not None and self.every > 1 and now - self.built_t < self.every * interval * 0.999 \
+                and round(now / interval) % self.every != self.turn:
+            return replace(kept, age_seconds=now - self.built_t)
+        fig = build()
+        keep = self.every > 1 and up and fig.covered_seconds > 0  # an unknown window is not kept: built next tick
+        self.built, self.built_t = (fig, now) if keep else (None, None)
+        return fig
 
     def learn(self, agg: WindowAggregate, cfg, pl: ThresholdLearner, reference: LowPressureReference,
               tax_state: str) -> None:
