@@ -194,6 +194,9 @@ class WindowFigures:
     # adding the disk tier (its net saving / the energy without it)
     offload_tier_energy: tuple[TierEnergy, ...] = ()
     second_tier_energy_saving: float | None = None
+    # seconds since these figures were derived: 0 unless the window is a long one of a node with more servers than
+    # rules.LONG_WINDOWS_BUILT_PER_TICK, rebuilt in turn every few ticks (model/window_state.py)
+    age_seconds: float = 0.0
 
 
 @dataclass(frozen=True, kw_only=True)

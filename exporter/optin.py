@@ -70,6 +70,8 @@ OPT_IN_FAMILIES: dict[str, str] = {
     "kvwatt_preemption_recompute_tokens_per_second": "per window: kvwatt_preemption_recompute_share_ratio is the "
                                                      "share of the engine's work it is",
     "kvwatt_preemption_recompute_watts": "per scope and window: its power at the per-phase cost (/api/status)",
+    "kvwatt_window_age_seconds": "0 but on a node of many servers (their long windows rebuilt in turn): "
+                                 "/api/status says it per window",
     # issue 39: the budget down to 100 series per fully configured server
     "kvwatt_energy_cost_per_million_tokens": "money per scope and window: kvwatt_marginal_energy_per_token_joules "
                                              "times the price (the dashboard multiplies them)",

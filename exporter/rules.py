@@ -163,6 +163,14 @@ VLLM_KV_CACHE_METRICS_SAMPLE = 0.01
 MAX_LABEL_VALUES = Rule(key="max_label_values", default=64, unit="count",
                         meaning="distinct values of one labelled family (tier, reason, stage) kept per server: the "
                         "first seen; further values are dropped with reason label_values_capped", section="")
+# The long windows' figures of a node watching many servers (docs/architecture.md "Windows": staggered): each tick
+# every server's shortest window is built, and the longer windows of at most this many servers, in turn; with
+# more servers each long window is rebuilt every ceil(servers / this) ticks and served with its age. A long window
+# moves little in a few ticks (its figures read an hour), and its figures (dE's jackknife over ~120 repeat windows)
+# cost most of a server's tick: 64 servers thus build 16 long windows a tick, not 64.
+LONG_WINDOWS_BUILT_PER_TICK = Rule(key="long_windows_built_per_tick", default=16, unit="count",
+                                   meaning="servers whose longer windows' figures are rebuilt each tick (the others "
+                                           "serve theirs with their age, kvwatt_window_age_seconds)", section="")
 # The host offload buffer's size as the engine states it (vllm:cache_config_info kv_offloading_size,
 # vllm:kv_offload_config_info cpu_kv_cache_size_bytes): at least one KV block of the smallest model (16 tokens x
 # K and V x 64 dimensions x 2 bytes = 4 KiB), at most 1 PiB (2**50 B, hundreds of times the host memory of the

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Iterator
 
-from exporter import bounds
+from exporter import bounds, rules
 from exporter.build import build_info
 from exporter.catalog.declare import (
     Elsewhere,
@@ -156,6 +156,16 @@ SOURCES: tuple[MetricDef, ...] = (
         status=window_key("covered_seconds", lambda w: w.covered_seconds,
                            json=lambda w: round(w.covered_seconds, 3)),
         words=(Words("covered", "coverage"),),
+        bounds=bounds.NON_NEGATIVE,
+    ),
+    MetricDef(
+        name="kvwatt_window_age_seconds", type="gauge", labels=("server", "window"),
+        help="Seconds since the window's figures were derived: 0 but for the longer windows of a node watching more "
+             f"than {rules.LONG_WINDOWS_BUILT_PER_TICK.default:g} servers, each rebuilt in turn every few ticks.",
+        computes=bookkeeping("model.window_state.WindowState.figures",
+                             why="when the window's figures were last built, counted when they are served"),
+        section=SOURCES_SECTION,
+        status=window_key("age_seconds", lambda w: w.age_seconds, json=lambda w: round(w.age_seconds, 3)),
         bounds=bounds.NON_NEGATIVE,
     ),
 )
