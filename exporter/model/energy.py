@@ -181,6 +181,13 @@ class PhaseLearner:
     observation per scope, kept for ``history_seconds``; the regression is refitted when a window arrives (at
     most once per tick, a few hundred 3-column rows). Logs when a scope's cost source changes, not per tick."""
 
+    @classmethod
+    def for_server(cls, cfg, name: str, width: float) -> "PhaseLearner":
+        """One server's learner as the configuration sets it (``cfg``: a Config), over repeat windows of ``width``."""
+        return cls(name=name, width=width, history_seconds=cfg.phase_history_seconds,
+                   min_windows=cfg.phase_min_windows, max_condition=cfg.phase_max_condition,
+                   load_to_compute_cost_ratio=cfg.load_to_compute_cost_ratio)
+
     def __init__(self, *, name: str, width: float, history_seconds: float, min_windows: int, max_condition: float,
                  load_to_compute_cost_ratio: float) -> None:
         self.name, self.width = name, width

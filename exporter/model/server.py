@@ -43,13 +43,7 @@ class ServerModel:
                                      grids=(self.repeat_seconds, self.collapse_th.recent_seconds,
                                             cfg.threshold_window_seconds), name=server.name)
         self.reference = pressure_model.LowPressureReference(server.reference_local_compute_share)
-        self.pressure = pressure_model.ThresholdLearner(
-            width_seconds=cfg.threshold_window_seconds,
-            keep_windows=max(int(cfg.threshold_history_seconds // cfg.threshold_window_seconds), 1),
-            min_windows=cfg.threshold_min_windows, onset_per_minute=cfg.preemption_onset_per_minute,
-            configured_threshold=cfg.kv_pressure_threshold_ratio,
-            use_located=cfg.kv_pressure_threshold_source == "located", reference=self.reference, name=server.name,
-            sample_share=server.kv_cache_metrics_sample, p99_tool_latency_seconds=cfg.p99_tool_latency_seconds)
+        self.pressure = pressure_model.ThresholdLearner.for_server(cfg, server, self.reference)
         self._windows: dict[float, WindowState] = {}  # per window length: its learned regime (model/window_state.py)
         # a read failed since the last good one, and when that was: the windows restart after an outage
         self._down_since: float | None = None
@@ -71,10 +65,7 @@ class ServerModel:
         self.collapse: collapse.CollapseResult | None = None
         self._stale_witnesses: frozenset[str] = frozenset()  # progress counters last seen stale (logged on change)
         self._repeat: dict[bool, RepeatWindows] = {}  # marginal or total J/token: the repeat windows' stats
-        self.phase = PhaseLearner(name=server.name, width=self.repeat_seconds,
-                                  history_seconds=cfg.phase_history_seconds, min_windows=cfg.phase_min_windows,
-                                  max_condition=cfg.phase_max_condition,
-                                  load_to_compute_cost_ratio=cfg.load_to_compute_cost_ratio)
+        self.phase = PhaseLearner.for_server(cfg, server.name, self.repeat_seconds)
 
     @property
     def name(self) -> str:

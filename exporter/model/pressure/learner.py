@@ -52,6 +52,17 @@ class ThresholdLearner:
     """The evidence windows of one server in its current epoch, its located threshold (with why it is or is
     not located), and the reference share learned alongside."""
 
+    @classmethod
+    def for_server(cls, cfg, server, reference: LowPressureReference) -> "ThresholdLearner":
+        """One server's learner as the configuration sets it (``cfg``: a Config, ``server``: its ServerConfig)."""
+        return cls(width_seconds=cfg.threshold_window_seconds,
+                   keep_windows=max(int(cfg.threshold_history_seconds // cfg.threshold_window_seconds), 1),
+                   min_windows=cfg.threshold_min_windows, onset_per_minute=cfg.preemption_onset_per_minute,
+                   configured_threshold=cfg.kv_pressure_threshold_ratio,
+                   use_located=cfg.kv_pressure_threshold_source == "located", reference=reference,
+                   name=server.name, sample_share=server.kv_cache_metrics_sample,
+                   p99_tool_latency_seconds=cfg.p99_tool_latency_seconds)
+
     def __init__(self, *, width_seconds: float, keep_windows: int, min_windows: int, onset_per_minute: float,
                  configured_threshold: float, use_located: bool, reference: LowPressureReference,
                  name: str = "", sample_share: float = residency.DEFAULT_SAMPLE_SHARE,
