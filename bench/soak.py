@@ -268,7 +268,8 @@ def main(argv=None) -> dict:
                   "gc_fill": fill_gc, "gc_measure": measure_gc, "metrics_p99_ms": got["metrics"]["p99_ms"],
                   "cyclic_garbage_at_end": garbage, **got}
     print(f"measure ({args.measure:.0f} s real time, {got['ticks']} ticks, store full): /metrics {got['metrics']} "
-          f"({got['metrics_bytes']} bytes, {got['errors']} errors); tick step {got['step']} (CPU {got['step_cpu']}); RSS {rss_end:.1f} MiB; "
+          f"({got['metrics_bytes']} bytes, {got['errors']} errors); tick step {got['step']} (CPU {got['step_cpu']}); "
+          f"RSS {rss_end:.1f} MiB; "
           f"GC {measure_gc}; cyclic garbage at the end {result['cyclic_garbage_at_end']} objects; {load()}")
     result["step_p99_ms"] = got["step"]["p99_ms"]
     print(f"  (longest collection in CPU time of the collecting thread: {result['gc_pause_max_cpu_ms']} ms)")

@@ -6,9 +6,11 @@ apart, in the CPU time of the thread running them (a busy machine shows in the w
 bench/soak.py's workload and daemon (exporter.daemon.Daemon, tuned as `kvwatt run` tunes it), the history filled
 time-compressed to the plateau (the longest kept span + 300 s), then ``--ticks`` ticks, each split into the
 stages Daemon.step runs: ingest (store, buckets, learners), snapshot (the figures), the bounds check, the samples
-(collector.collect) and the text exposition (written from them), plus the GC policy. Prints the median and the maximum of each stage and of
+(collector.collect) and the text exposition (written from them), plus the GC policy. Prints the median and the maximum
+of each stage and of
 the whole, the whole's p99, kvwatt's CPU cost per watched server (the median tick over the servers: docs/fleet.md
-"One kvwatt per node: what it costs the node"), and the slowest ticks with the collections inside them. No /metrics scraper runs (bench/soak.py measures
+"One kvwatt per node: what it costs the node"), and the slowest ticks with the collections inside them. No /metrics
+scraper runs (bench/soak.py measures
 the tick beside one): the difference between the two is what serving costs the tick.
 """
 

@@ -1,5 +1,6 @@
 """What physics and arithmetic allow each figure (declared with its family in exporter.catalog, ``bounds=``), and
-the one check that holds the typed figures to it before anything is served (docs/methods.md "Bounds declared with every figure").
+the one check that holds the typed figures to it before anything is served (docs/methods.md "Bounds declared with
+every figure").
 
 A share lies in [0, 1]; dE <= 1 (a saving of more than all the energy is impossible); a power part of a scope's
 marginal power (the recomputation tax) is no larger than that power; J/token >= 0; generated tokens/s no larger

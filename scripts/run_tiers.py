@@ -12,7 +12,8 @@ real-time scenarios), so pytest-xdist workers overlap them, more workers than co
 themselves against a baseline measured alongside, so it gets one worker more than cores (KVWATT_TEST_WORKERS,
 default cores + 1; on 2 cores: 2 workers 226-229 s, 3 workers 177 s, 4 workers 163 s, all passing). The two run
 side by side (the waiting tiers used 30-70 % of two cores alone), the fast tier in a session of its own
-(FAST_SESSION): 311-357 s for both instead of 234 + 273 s one after the other (CI-like runs here). The engine tier's tests wait on real-time loads with one engine
+(FAST_SESSION): 311-357 s for both instead of 234 + 273 s one after the other (CI-like runs here). The engine tier's
+tests wait on real-time loads with one engine
 computing on one core, so it runs as KVWATT_ENGINE_SHARDS (default: one per core) pytest processes side by
 side, each shard's engines bound to its own core (VLLM_CPU_OMP_THREADS_BIND) and niced (KVWATT_ENGINE_NICENESS=10:
 the tests' watchers and doubles come first), each shard a fixed set of whole modules (tests/support/

@@ -168,7 +168,8 @@ def test_one_declaration_is_enough_for_json_series_page_and_reference(scenario, 
     w = js["servers"][0]["windows"]["1m"]
     assert w["test_covered_twice"] == 2 * w["covered_seconds"]
     keys = list(w)
-    last = [m.status.key for m in sources.metrics if isinstance(m.status, catalog.StatusKey) and m.status.scope == "window"][-1]
+    last = [m.status.key for m in sources.metrics
+            if isinstance(m.status, catalog.StatusKey) and m.status.scope == "window"][-1]
     assert keys[keys.index(last) + 1] == "test_covered_twice"  # in its section's place, catalog order
     assert "<th>twice covered</th>" in page.windows_table(js["servers"][0])
     from exporter import readme_tables

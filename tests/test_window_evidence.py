@@ -31,7 +31,8 @@ BUILDER = ("exporter/derive/pressure_evidence.py", "window_evidence")
 RESTORE = ("exporter/derive/pressure_evidence.py", "recorded_evidence")  # figures recorded, no aggregate (above)
 RESTORED_BY = {("exporter/model/evidence_book.py", "parse_entry"), ("lab/kvwatt_lab/experiment/analysis.py",
                                                                      "off_points")}
-READERS = ("exporter/model/window_state.py", "exporter/model/pressure/learner.py", "lab/kvwatt_lab/experiment/measure.py")
+READERS = ("exporter/model/window_state.py", "exporter/model/pressure/learner.py",
+           "lab/kvwatt_lab/experiment/measure.py")
 
 
 def _called(node: ast.Call) -> str:

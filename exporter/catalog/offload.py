@@ -499,7 +499,8 @@ TIERED: tuple[MetricDef, ...] = (
 
 # issue 41 item 2: each tier's transfer times (vLLM's kv_offload_tiering_{read,write}_time, seconds summed over the
 # tier's finished jobs): its read and write bandwidth, the seconds it spent transferring per second, and s7's
-# kappa_crit with a reload from it (methods.md s14); its lookup delay (vLLM's lookup histograms). Opt-in like the other tier figures (/api/status offload_tiers).
+# kappa_crit with a reload from it (methods.md s14); its lookup delay (vLLM's lookup histograms). Opt-in like the
+# other tier figures (/api/status offload_tiers).
 TIER_TIMES: tuple[MetricDef, ...] = (
     MetricDef(
         name="kvwatt_offload_tier_read_bandwidth_bytes_per_second", type="gauge", labels=("server", "tier", "window"),

@@ -189,7 +189,8 @@ def capacity_unknown(tier: str) -> str:
     """Why a tier's size is unknown: vLLM (0.32) exports no tier capacity, and its fs tier has none of its own."""
     where = f'servers[].offload_tier_bytes["{tier}"]'
     if tier.endswith(":primary"):
-        return f"the CPU tier's size is kv_connector_extra_config.cpu_bytes_to_use, which vLLM exports nowhere: set {where}"
+        return ("the CPU tier's size is kv_connector_extra_config.cpu_bytes_to_use, which vLLM exports nowhere: "
+                f"set {where}")
     if tier.endswith(":fs"):
         return (f"vLLM's fs tier has no capacity of its own (it fills its root_dir's filesystem) and exports none: "
                 f"set {where} to the space it may use")

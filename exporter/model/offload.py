@@ -99,7 +99,8 @@ def _noted(est: economics.Estimate, how: str) -> economics.Estimate:
                               kind=est.kind, note=note)
 
 
-PRIMARY_TIER = "0:primary"  # vLLM tiering's CPU tier (TieringOffloadingSpec: kv_connector_extra_config.cpu_bytes_to_use)
+# vLLM tiering's CPU tier (TieringOffloadingSpec: kv_connector_extra_config.cpu_bytes_to_use)
+PRIMARY_TIER = "0:primary"
 FLAG_SETTING = "--kv-offloading-size"
 TIER_SETTING = "cpu_bytes_to_use"
 

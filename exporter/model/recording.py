@@ -15,7 +15,8 @@ async def record_intervals(cfg: Config, server: ServerConfig, duration_seconds: 
                            nvml=None, rapl=None, progress: Progress | None = None):
     """Read the server (and energy) every cfg.interval_seconds for duration_seconds with the daemon's own
     Sampler and Model (one server, every interval kept, no idle learning: P_idle must not change halfway).
-    Returns (intervals, last EngineInfo or None, last vLLM status); ``progress`` hears each tick. ConfigError when the server offloads: an
+    Returns (intervals, last EngineInfo or None, last vLLM status); ``progress`` hears each tick. ConfigError when the
+    server offloads: an
     OFF profile must come from an OFF server."""
     model = Model(cfg, keep_seconds=duration_seconds + 3600.0, learn_idle=False)
     sm = model.servers[server.name]

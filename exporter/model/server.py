@@ -178,7 +178,8 @@ class ServerModel:
         """The window's figures (model/window_figures.py; their money and carbon when ``prices`` has a setting),
         built once at its turn (model/window_state.py: a long window of many servers is rebuilt in turn)."""
         return self._state(seconds).figures(now, self.cfg.interval_seconds, self.status.up,
-                                            lambda: window_figures.build(self, self._state(seconds), now, peers, prices))
+                                            lambda: window_figures.build(self, self._state(seconds), now, peers,
+                                                                         prices))
 
     def figures(self, now: float, peers: Mapping[str, "ServerModel"], prices: Prices | None = None) -> ServerFigures:
         """The server's figures of this tick, each built once (model/server_figures.py)."""

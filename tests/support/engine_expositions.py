@@ -72,7 +72,8 @@ class Sequence:
         return {
             "generation": ld.generation_tps * busy, "prompt": prompt, "compute": prompt - cached,
             "cached": cached, "cached_host": cached * ld.host_share, "cached_device": cached * (1 - ld.host_share),
-            "preemptions": math.floor(ld.preemptions_per_second * busy), "steps": math.floor(ld.steps_per_second * busy),
+            "preemptions": math.floor(ld.preemptions_per_second * busy),
+            "steps": math.floor(ld.steps_per_second * busy),
             "store": store, "load": cached * ld.host_share,
             "kv_usage": ld.kv_usage if stalled else min(ld.kv_usage + 0.03 * math.sin(t), 1.0),
             "running": ld.running, "waiting": ld.waiting + (min(t - STALL_AT, 14.0) if stalled else 0.0),
@@ -257,7 +258,8 @@ def lmcache(s: dict, start_time: float) -> dict[str, str]:
     family(side, "lmcache:num_hit_tokens_total", "counter", "Total number of tokens hit in lmcache", each(s["load"]))
     family(side, "lmcache:num_stored_tokens_total", "counter",
            "Total number of tokens stored in lmcache including evicted ones", each(s["store"]))
-    family(side, "lmcache:num_lookup_tokens_total", "counter", "Total number of tokens requested in lookup from lmcache",
+    family(side, "lmcache:num_lookup_tokens_total", "counter",
+           "Total number of tokens requested in lookup from lmcache",
            each(s["prompt"]))
     family(side, "lmcache:num_lookup_hits_total", "counter", "Total number of tokens hit in lookup from lmcache",
            each(s["load"]))

@@ -20,7 +20,8 @@ PagerDuty, for end-to-end tests.
   its targets (``["host:port"]``), to one static_config (``{"targets": [...], "labels": {...}}``) or to a list
   of static_configs (targets with different labels); ``job_options`` adds scrape_config keys per job
   (``{"kvwatt": {"scheme": "https", "tls_config": {...}, "basic_auth": {...}}}``). Scrape, rule evaluation
-  and the re-sending of firing alerts to the Alertmanager (``--rules.alert.resend-delay``) all run every ``interval``. TSDB, config and log live under ``workdir/prometheus-PORT``.
+  and the re-sending of firing alerts to the Alertmanager (``--rules.alert.resend-delay``) all run every ``interval``.
+  TSDB, config and log live under ``workdir/prometheus-PORT``.
 - ``Alertmanager(workdir, config)``: ``config`` is a dict or a path; clustering is off
   (``--cluster.listen-address=``), storage is a temporary directory. Debian names the binary
   ``prometheus-alertmanager``; an upstream ``alertmanager`` on PATH is used when that one is absent.

@@ -14,7 +14,8 @@ Shards (scripts/run_tiers.py runs the engine tier as two pytest processes side b
 modules that need both cores alone): ``--engine-shard K/N`` keeps the engine modules of shard K, ``--engine-shard
 solo`` those marked ``owns_cores`` (they start engines on both cores). Whole modules are dealt, longest first,
 to the shard with the least work, counting an engine start for each shape the shard has not started yet,
-improved by moves and swaps, and for two shards searched for the best deal (shard_modules); a module's work is the seconds it took in a measured run less the shared engines it started, and
+improved by moves and swaps, and for two shards searched for the best deal (shard_modules); a module's work is the
+seconds it took in a measured run less the shared engines it started, and
 each shape's start its own measured seconds (tests/engine-seconds.json, ``run_tiers.py all --store-engine-seconds``
 rewrites it; a module not in it counts DEFAULT_SECONDS, a shape START_SECONDS).
 """

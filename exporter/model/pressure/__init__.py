@@ -27,15 +27,19 @@ is a positive sign of no pressure that stands in for the absolute KV-usage level
 LOW_PRESSURE_MAX are proxies for "nothing the workload reuses was evicted", which the histograms measure).
 Signals that disagree are stated in the reasons (the tax's, the regime's).
 
-One idea per module: ``regime_signs`` (the pure regime functions and the shared constants), ``reference`` (the low-pressure
-reference share), ``learner`` (the threshold learner). Every name stays importable from here.
+One idea per module: ``regime_signs`` (the pure regime functions and the shared constants), ``reference`` (the
+low-pressure reference share), ``learner`` (the threshold learner). Every name stays importable from here.
 """
 
 from __future__ import annotations
 
 from exporter.derive.pressure import MAX_STEPS_PER_SECOND, plausible_preemptions  # noqa: F401 (their home)
 from exporter.model.pressure.learner import ThresholdLearner, evidence_weight  # noqa: F401 (the package's face)
-from exporter.model.pressure.reference import LowPressureReference, ReferenceSample, no_reference_reason  # noqa: F401 (the package's face)
+from exporter.model.pressure.reference import (  # noqa: F401 (the package's face)
+    LowPressureReference,
+    ReferenceSample,
+    no_reference_reason,
+)
 from exporter.model.pressure.regime_signs import (  # noqa: F401 (the package's face)
     LOW_PRESSURE_P95,
     MAX_EVIDENCE_WEIGHT,

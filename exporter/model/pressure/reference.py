@@ -124,5 +124,6 @@ def no_reference_reason(points: list[PressurePoint], limit: float) -> str:
     if lowest > limit:
         floor = math.floor(lowest * 100) / 100  # ">= 0.87" for 0.876: never rounded above what was seen
         return f"no low-pressure window seen yet: {plural(len(points), 'window')}, all with p95 >= {floor:.2f}"
-    return (f"no low-pressure window seen yet: {plural(len(points), 'window')}; those with p95 <= {limit:.2f} preempted, "
+    return (f"no low-pressure window seen yet: {plural(len(points), 'window')}; those with p95 <= {limit:.2f} "
+            "preempted, "
             f"had requests waiting for KV, touched KV usage >= {LOW_PRESSURE_MAX:.2f} or paid a tax")

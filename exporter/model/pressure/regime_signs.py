@@ -206,7 +206,8 @@ def regime(g: WindowEvidence, threshold: ThresholdInUse, over: bool, quiet_strea
             return Verdict(False, "provisional", f"{why}; although {p95_words(g.p95, threshold)}: the threshold "
                            "predicts pressure the engine does not show")
         if quiet_streak >= QUIET_KNOWN_WINDOWS and engine_said:
-            return Verdict(False, "known", f"{why}; low pressure for the last {plural(quiet_streak, 'evidence window')}")
+            quiet = plural(quiet_streak, "evidence window")
+            return Verdict(False, "known", f"{why}; low pressure for the last {quiet}")
         need = [] if engine_said else ["a known recompute tax, the engine's KV-block residency or its count of "
                                        "requests waiting for KV capacity"]
         if quiet_streak < QUIET_KNOWN_WINDOWS:
