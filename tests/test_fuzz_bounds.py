@@ -101,7 +101,7 @@ def test_the_generated_sequences_serve_every_tier_family():
     counted them, none was served: the tier figures went unchecked."""
     seen: set[str] = set()
 
-    @settings(max_examples=60, deadline=None, database=None, derandomize=True, phases=[Phase.generate],
+    @settings(max_examples=40, deadline=None, database=None, derandomize=True, phases=[Phase.generate],
               suppress_health_check=list(HealthCheck))
     @given(fuzz_engine.sequences)
     def one(seq):
