@@ -231,7 +231,8 @@ def _advance_tiers(step: Step, c: dict[str, float], reloaded: float) -> None:
     c["load"] += reloaded * BYTES_PER_TOKEN
     c["read@0:primary"] += reloaded * BYTES_PER_TOKEN
     c["write@0:primary"] += step.prompt * step.computed_share * BYTES_PER_TOKEN
-    c["read@1:fs"] += disk * 2 * BYTES_PER_TOKEN
+    if step.disk_share != 0.3:  # at 0.3 the disk tokens come with no promotion read: priced at the link's bytes
+        c["read@1:fs"] += disk * 2 * BYTES_PER_TOKEN
     c["write@1:fs"] += step.prompt * step.computed_share * BYTES_PER_TOKEN * (1 - step.disk_share)
     for tier, hit in (("0:primary", reloaded - disk), ("1:fs", disk)):
         c[f"queries@{tier}"] += reloaded // 16 + 1
