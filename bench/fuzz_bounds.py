@@ -13,7 +13,8 @@ bound "dependent"), "stale_idle" (the GPU drew less than its configured P_idle: 
 declared relation today's derivations break, fixed on another branch: fuzz_engine.PENDING_RELATIONS), or "-"
 (nothing explains it: a figure kvwatt derived wrongly, a defect to fix; target 0). A violation is a served figure
 outside its bound, a served figure that breaks a declared relation, a served figure computed from counts shown
-implausible, or an implausible window in the per-phase history.
+implausible, or an implausible window in the per-phase history. Then the families served with a value at some tick,
+and those never served: the vLLM tiering families (fuzz_engine.TIER_FAMILIES) must all be among the served.
 Hypothesis generates the sequences from the seed (generation only, no shrinking: tests/test_fuzz_bounds.py
 shrinks); with --workers K, worker k uses seed + k and its share of the sequences. Exit status 1 on a violation
 or an own rejection.
@@ -40,7 +41,7 @@ from tests.support import fuzz_engine  # noqa: E402
 def work(args: tuple[int, int]) -> dict:
     n, worker_seed = args
     logging.disable(logging.CRITICAL)  # the model logs each change once; 10,000 sequences of changes
-    total = {"sequences": 0, "ticks": 0, "violations": [], "rejected": {}}
+    total = {"sequences": 0, "ticks": 0, "violations": [], "rejected": {}, "covered": set()}
 
     @seed(worker_seed)
     @settings(max_examples=n, deadline=None, database=None, phases=[Phase.generate],
@@ -52,6 +53,7 @@ def work(args: tuple[int, int]) -> dict:
         total["sequences"] += 1
         total["ticks"] += out.ticks
         total["violations"] += out.served
+        total["covered"] |= out.covered
         for key, v in out.rejected.items():
             total["rejected"][key] = total["rejected"].get(key, 0) + v
 
@@ -80,6 +82,8 @@ def main() -> int:
         for key, v in r["rejected"].items():
             rejected[key] = rejected.get(key, 0) + v
     own = {k: v for k, v in rejected.items() if not k[2]}
+    covered = set().union(*(r["covered"] for r in results))
+    never = sorted(m.name for m in fuzz_engine.catalog.METRICS if m.name not in covered)
     print(f"sequences {seqs}, ticks {ticks}, seed {a.seed}"
           f" (workers {a.workers}: seeds {a.seed}..{a.seed + a.workers - 1}),"
           f" {time.monotonic() - started:.0f} s")
@@ -90,7 +94,12 @@ def main() -> int:
     print("rejected by the check, by family, bound and cause:")
     for (fig, kind, cause), v in sorted(rejected.items(), key=lambda kv: -kv[1]):
         print(f"  {v:8d}  {fig} [{kind}] cause={cause or '-'}")
-    return 1 if violations or own else 0
+    print(f"families served with a value: {len(covered)} of {len(fuzz_engine.catalog.METRICS)}; never served "
+          f"({len(never)}): {', '.join(never)}")
+    missed = fuzz_engine.TIER_FAMILIES - covered
+    print(f"tier families served: {len(fuzz_engine.TIER_FAMILIES) - len(missed)} of {len(fuzz_engine.TIER_FAMILIES)}"
+          + (f"; never: {', '.join(sorted(missed))}" if missed else ""))
+    return 1 if violations or own or missed else 0
 
 
 if __name__ == "__main__":

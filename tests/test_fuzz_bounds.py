@@ -14,8 +14,9 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
 
+from exporter import catalog
 from tests.support import fuzz_engine
 from tests.support.fuzz_engine import Step
 
@@ -91,3 +92,42 @@ def test_a_gpu_at_exactly_its_idle_power_gives_no_negative_marginal_j_per_token(
                 60.0, True, 0.92, 0.0)]
     out = _run(seq)
     assert not fuzz_engine.own_rejections(out), out.rejected
+
+
+def test_the_generated_sequences_serve_every_tier_family():
+    """The generator reaches vLLM's tiering (cached tokens by tier, kv_offload_tiering_* by tier, back-pressure
+    drops, failed promotions and cascades) on a server with a configured fs tier: every per-tier family
+    (fuzz_engine.TIER_FAMILIES) is served, so the bounds and relations above hold on them too. Before the generator
+    counted them, none was served: the tier figures went unchecked."""
+    seen: set[str] = set()
+
+    @settings(max_examples=40, deadline=None, database=None, derandomize=True, phases=[Phase.generate],
+              suppress_health_check=list(HealthCheck))
+    @given(fuzz_engine.sequences)
+    def one(seq):
+        seen.update(_run(seq).covered)
+
+    one()
+    assert fuzz_engine.TIER_FAMILIES <= {m.name for m in catalog.METRICS}  # the list names real families
+    assert not fuzz_engine.TIER_FAMILIES - seen, sorted(fuzz_engine.TIER_FAMILIES - seen)
+
+
+def test_a_disk_dearer_than_a_recompute_is_served_within_its_bounds():
+    """A sequence priced with the dearest disk (fuzz_engine.DISK_JOULES_PER_BYTE by the sequence's length): the
+    fs tier's break-even ratio above 1 and its net saving below 0 are served, inside their bounds and relations."""
+    on = Step("offload_toggle", 100.0, 1000.0, 0.3, 0.8, 300.0, True, 0.5, 0.0, 1.0, 1.0)
+    base = Step("normal", 100.0, 1000.0, 0.3, 0.8, 300.0, True, 0.5, 0.0, 0.5, 1.0)
+    seq = [on] + [base] * (11 + fuzz_engine.DISK_JOULES_PER_BYTE.index(max(fuzz_engine.DISK_JOULES_PER_BYTE)))
+    out = _run(seq)
+    assert not out.served and not fuzz_engine.own_rejections(out), (out.served[:5], out.rejected)
+    assert fuzz_engine.TIER_FAMILIES <= out.covered, sorted(fuzz_engine.TIER_FAMILIES - out.covered)
+    disk = {dict(labels)["tier"]: v for labels, v in _fill(out.snapshot, "kvwatt_offload_tier_breakeven_ratio")}
+    saved = {dict(labels)["tier"]: v for labels, v in _fill(out.snapshot, "kvwatt_offload_tier_saved_watts")}
+    assert disk["disk"] > 1 > disk["host"] and saved["disk"] < 0 < saved["host"], (disk, saved)
+
+
+def _fill(snap, name):
+    """The 5 s window's (labels, value) of one family."""
+    d = catalog.BY_NAME[name]
+    rows = [(dict(zip(d.labels, labels)), v) for labels, v in d.fill(snap)]
+    return [(labels, v) for labels, v in rows if labels["window"] == "5s"]

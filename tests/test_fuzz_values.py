@@ -53,7 +53,8 @@ BOOLEAN = {"kvwatt_source_up", "kvwatt_kv_pressure_regime_above", "kvwatt_kv_pre
            "kvwatt_kv_block_residency_pressure_evidence", "kvwatt_kv_pressure_regime_state", "kvwatt_verdict_state"}
 INFO = {"kvwatt_source_info", "kvwatt_server_info", "kvwatt_gpu_energy_method_info", "kvwatt_build_info",
         "kvwatt_server_capability", "kvwatt_phase_cost_source"}
-NON_NEGATIVE = {"kvwatt_sample_duration_seconds", "kvwatt_window_covered_seconds", "kvwatt_gpu_energy_joules_total",
+NON_NEGATIVE = {"kvwatt_sample_duration_seconds", "kvwatt_window_covered_seconds", "kvwatt_window_age_seconds",
+                "kvwatt_gpu_energy_joules_total",
                 "kvwatt_gpu_power_watts", "kvwatt_host_energy_joules_total", "kvwatt_gpu_idle_power_watts",
                 "kvwatt_host_idle_power_watts", "kvwatt_idle_baseline_age_seconds", "kvwatt_energy_per_token_joules",
                 "kvwatt_preemptions_per_minute", "kvwatt_generation_tokens_per_second",

@@ -6,7 +6,13 @@ checked snapshot is held to its declared bound (exporter/bounds.py).
 What a sequence may do, tick by tick: counters that reset, jump, go back or stall; a second process behind the same
 URL (its own counters and start time); a start time that moves (forward, into the future, back); GPU energy
 missing for some ticks, or power below the configured idle (a stale P_idle); the token mix shifting from
-decode-heavy to prompt-heavy; offloading switched on and off; KV usage NaN, +-Inf, negative or above 1. Beside
+decode-heavy to prompt-heavy; offloading switched on and off; KV usage NaN, +-Inf, negative or above 1. With
+offloading on, the reloaded prompt tokens come from the host or the disk tier (vLLM 0.32's
+``prompt_tokens_cached_by_source``) and vLLM's tiering counters move (``kv_offload_tiering_*{tier="0:primary"|"1:fs"}``:
+bytes written and read, chunk queries and hits, back-pressure drops, promotion and cascade job failures), on a
+server with a configured fs tier capacity (servers[].offload_tier_bytes) and a disk priced, by the sequence's length,
+cheaper or dearer than a recompute (disk_joules_per_byte): the per-tier figures (kvwatt_offload_tier_*,
+kvwatt_offload_second_tier_energy_saving_ratio) are served and held to their bounds and relations. Beside
 the fuzzed server ``s`` a second, unread server ``q`` whose learning or derivation raises at a "derive_fail" or
 "learn_fail" event (issue 38 item 1: one server's failure is that server's, never the tick's): ``q`` is then
 served unknown with ``derivation_failed``, and ``s``'s figures and the snapshot's time go on.
@@ -56,6 +62,8 @@ class Step:
     energy: bool  # a GPU energy sample this tick
     kv: float
     preemptions: float
+    disk_share: float = 0.0  # of the reloaded prompt tokens, served from the fs tier (the rest from host memory)
+    tier_faults: float = 0.0  # back-pressure drops and failed promotion/cascade jobs of the fs tier this tick
 
 
 steps = st.builds(
@@ -63,15 +71,49 @@ steps = st.builds(
     computed_share=st.floats(0, 1), reloaded_share=st.floats(0, 1),
     watts=st.one_of(st.floats(0, 1000), st.sampled_from((0.0, 30.0, IDLE_WATTS, 700.0))),
     energy=st.sampled_from((True, True, True, True, False)), kv=st.sampled_from(KV_VALUES),
-    preemptions=st.sampled_from((0.0, 0.0, 0.0, 1.0, 5.0)))
+    preemptions=st.sampled_from((0.0, 0.0, 0.0, 1.0, 5.0)), disk_share=st.sampled_from((0.0, 0.3, 0.5, 1.0)),
+    tier_faults=st.sampled_from((0.0, 0.0, 0.0, 1.0, 3.0)))
 sequences = st.lists(steps, min_size=3, max_size=30)
+
+
+# vLLM's tiering (0.28+; tier "<index>:<type>") and 0.32's cached tokens by tier: Process counter -> series
+_T = 'engine="0",model_name="tiny"'
+TIER_SERIES = {
+    "host": f'vllm:prompt_tokens_cached_by_source_total{{{_T},source="host"}}',
+    "disk": f'vllm:prompt_tokens_cached_by_source_total{{{_T},source="disk"}}',
+    "load": f"vllm:kv_offload_load_bytes_total{{{_T}}}"} | {
+    f"{key}@{tier}": f'vllm:kv_offload_tiering_{series}_total{{{_T},tier="{tier}"}}'
+    for tier in ("0:primary", "1:fs")
+    for key, series in (("write", "write_bytes"), ("read", "read_bytes"), ("queries", "chunk_queries"),
+                        ("hits", "chunk_hits"))} | {
+    f"{key}@1:fs": f'vllm:kv_offload_tiering_{series}_total{{{_T},tier="1:fs"}}'
+    for key, series in (("drop_stores", "backpressure_stores_dropped"), ("drop_blocks", "backpressure_blocks_dropped"),
+                        ("promo_fail", "promotion_job_failures"), ("cascade_fail", "cascade_job_failures"))}
+TIER_COUNTERS = tuple(TIER_SERIES)
+# created at their first increment in vLLM (a tier's chunk hits, its job failures): no sample while 0
+_LAZY = frozenset(k for k in TIER_COUNTERS if k.startswith(("hits@", "promo_fail@", "cascade_fail@")))
+BYTES_PER_TOKEN = 65536.0  # what a reloaded token moves over the link
+FS_CAPACITY_BYTES = 2e9  # servers[].offload_tier_bytes of the fs tier
+# the fs tier's J/byte, by the sequence's length: a disk reload cheaper, dearer, far dearer than a recompute
+DISK_JOULES_PER_BYTE = (2e-9, 2e-6, 1e-3)
+# the families served only by an offloading server with tiering counters: the generator must reach each one
+# (tests/test_fuzz_bounds.py asserts it, bench/fuzz_bounds.py prints the families never served)
+TIER_FAMILIES = frozenset({
+    "kvwatt_offload_tier_write_bytes_per_second", "kvwatt_offload_tier_read_bytes_per_second",
+    "kvwatt_offload_tier_chunk_hit_ratio", "kvwatt_offload_tier_job_failures",
+    "kvwatt_offload_tier_residency_seconds", "kvwatt_offload_tier_undersized",
+    "kvwatt_offload_tier_dropped_stores_per_second", "kvwatt_offload_tier_dropped_blocks_per_second",
+    "kvwatt_offload_tier_failed_promotions_per_second", "kvwatt_offload_tier_failed_cascades_per_second",
+    "kvwatt_offload_tier_reload_joules_per_token", "kvwatt_offload_tier_breakeven_ratio",
+    "kvwatt_offload_tier_cached_to_prefill_ratio", "kvwatt_offload_tier_reload_watts",
+    "kvwatt_offload_tier_saved_watts", "kvwatt_offload_second_tier_energy_saving_ratio"})
 
 
 @dataclass
 class Process:
     start: float
     counters: dict[str, float] = field(default_factory=lambda: dict.fromkeys(
-        ("gen", "computed", "cached", "reloaded", "preempt", "store"), 0.0))
+        ("gen", "computed", "cached", "reloaded", "preempt", "store", *TIER_COUNTERS), 0.0))
 
 
 def _name(line: str) -> str:
@@ -91,7 +133,9 @@ _SERIES = {"start": "process_start_time_seconds", "gen": f"vllm:generation_token
     key: f'vllm:prompt_tokens_by_source_total{{engine="0",model_name="tiny",source="{source}"}}'
     for source, key in (("local_compute", "computed"), ("local_cache_hit", "cached"),
                         ("external_kv_transfer", "reloaded"))}
-_AT = {key: next(i for i, ln in enumerate(_LINES) if ln.startswith(series + " ")) for key, series in _SERIES.items()}
+_SERIES["device"] = f'vllm:prompt_tokens_cached_by_source_total{{{_T},source="device"}}'
+_AT = {key: next(i for i, ln in enumerate(_LINES) if ln.startswith(series + " "))
+       for key, series in (_SERIES | TIER_SERIES).items() if any(ln.startswith(series + " ") for ln in _LINES)}
 _CACHE_CONFIG = next(i for i, ln in enumerate(_LINES) if ln.startswith("vllm:cache_config_info{"))
 
 
@@ -102,20 +146,29 @@ def exposition(p: Process, kv: float, offload: bool) -> str:
         k: c[k] for k in ("gen", "computed", "cached", "reloaded")} | {"preempt": c["preempt"]}
     for key, value in values.items():
         lines[_AT[key]] = f"{_SERIES[key]} {value!r}"
+    lines[_AT["device"]] = f'{_SERIES["device"]} {c["cached"]!r}'
     if offload:
         lines[_CACHE_CONFIG] = lines[_CACHE_CONFIG].replace('kv_offloading_size="None"', 'kv_offloading_size="8"')
         lines.append(f'vllm:kv_offload_store_bytes_total{_E} {c["store"]!r}')
+    for key in TIER_COUNTERS:  # the tier series stay once offloading was on (counters of the same process)
+        if key in _AT:
+            lines[_AT[key]] = f"{TIER_SERIES[key]} {c[key]!r}"
+        elif (offload or c[key]) and not (key in _LAZY and c[key] <= 0):
+            lines.append(f"{TIER_SERIES[key]} {c[key]!r}")
     return "\n".join(lines) + "\n"
 
 
-def config(tmp_path):
+def config(tmp_path, disk_joules_per_byte: float = DISK_JOULES_PER_BYTE[0]):
     return from_mapping({
         "servers": [{"name": "s", "url": "http://s.invalid:8000", "gpus": ["GPU-0"],
-                     "reference_local_compute_share": 0.05},
+                     "reference_local_compute_share": 0.05, "offload_tier_bytes": {"1:fs": FS_CAPACITY_BYTES}},
                     {"name": "q", "url": "http://q.invalid:8000"}],  # the bystander that fails (FAILURES)
         "windows": ["5s", "20s"], "min_load_duration": "2s", "collapse_reference_window": "6s",
         "threshold_window": "4s", "phase_min_windows": 4,
-        "idle_power_watts": {"GPU-0": IDLE_WATTS}, "electricity_price_per_kwh": 0.25, "electricity_currency": "EUR", "carbon_intensity_g_per_kwh": 380,
+        "idle_power_watts": {"GPU-0": IDLE_WATTS}, "electricity_price_per_kwh": 0.25, "electricity_currency": "EUR",
+        "carbon_intensity_g_per_kwh": 380,
+        "host_memory_joules_per_byte": 1.5e-10, "host_link_joules_per_byte": 6e-11,
+        "disk_joules_per_byte": disk_joules_per_byte,
         "state_dir": str(tmp_path / "state"), "powercap_root": str(tmp_path / "no-powercap"), "nvml": False})
 
 
@@ -150,6 +203,8 @@ class Outcome:
     served: list[str] = field(default_factory=list)
     rejected: dict[tuple[str, str, str], int] = field(default_factory=dict)
     ticks: int = 0
+    covered: set[str] = field(default_factory=set)  # the families served with a value at some tick
+    snapshot: object = None  # the last tick's checked snapshot
 
 
 def advance(step: Step, p: Process, offload: bool) -> None:
@@ -162,12 +217,37 @@ def advance(step: Step, p: Process, offload: bool) -> None:
     c["reloaded"] += round(reloaded)
     c["cached"] += round(rest - reloaded)
     c["preempt"] += step.preemptions
-    c["store"] += reloaded * 65536.0 if offload else 0.0
+    c["store"] += reloaded * BYTES_PER_TOKEN if offload else 0.0
+    if offload:
+        _advance_tiers(step, c, round(reloaded))
+
+
+def _advance_tiers(step: Step, c: dict[str, float], reloaded: float) -> None:
+    """The reloaded tokens by tier and what vLLM's tiering counts for them: the CPU tier (0:primary) loads every
+    reloaded token to the GPU, the fs tier (1:fs) promotes the disk tokens into it (whole chunks: twice the bytes)
+    and takes the cascaded stores; its back-pressure drops and failed jobs with the step's faults."""
+    disk = round(reloaded * step.disk_share)
+    c["host"] += reloaded - disk
+    c["disk"] += disk
+    c["load"] += reloaded * BYTES_PER_TOKEN
+    c["read@0:primary"] += reloaded * BYTES_PER_TOKEN
+    c["write@0:primary"] += step.prompt * step.computed_share * BYTES_PER_TOKEN
+    if step.disk_share != 0.3:  # at 0.3 the disk tokens come with no promotion read: priced at the link's bytes
+        c["read@1:fs"] += disk * 2 * BYTES_PER_TOKEN
+    c["write@1:fs"] += step.prompt * step.computed_share * BYTES_PER_TOKEN * (1 - step.disk_share)
+    for tier, hit in (("0:primary", reloaded - disk), ("1:fs", disk)):
+        c[f"queries@{tier}"] += reloaded // 16 + 1
+        c[f"hits@{tier}"] += hit // 16
+    c["drop_stores@1:fs"] += step.tier_faults
+    c["drop_blocks@1:fs"] += step.tier_faults * 4
+    c["promo_fail@1:fs"] += step.tier_faults if step.disk_share > 0.4 else 0.0
+    c["cascade_fail@1:fs"] += step.tier_faults if step.disk_share < 0.6 else 0.0
 
 
 def run(seq: list[Step], tmp_path) -> Outcome:
     t_now = [0.0]
-    model = Model(config(tmp_path), wall_clock=lambda: WALL + t_now[0])
+    disk_price = DISK_JOULES_PER_BYTE[len(seq) % len(DISK_JOULES_PER_BYTE)]
+    model = Model(config(tmp_path, disk_price), wall_clock=lambda: WALL + t_now[0])
     check = bounds.BoundsCheck(catalog.METRICS)
     src = EngineSource("s", "http://s.invalid:8000", 2.0, 1 << 24)
     procs = [Process(WALL - 3600.0), Process(WALL - 1800.0)]
@@ -241,10 +321,17 @@ def run(seq: list[Step], tmp_path) -> Outcome:
         out.served += [f"tick {i}: {v}" for v in relations_served(snap)]
         out.served += [f"tick {i}: {v}" for v in dependents_served(snap)]
         out.served += [f"tick {i}: {v}" for v in learned_from_implausible(model)]
+        out.covered |= served_families(snap)
         out.ticks += 1
+    out.snapshot = snap
     render(snap)  # the renderers take what is served without error (once: they only serialise)
     status_json(snap)
     return out
+
+
+def served_families(snap) -> set[str]:
+    """The families with at least one value served in ``snap``."""
+    return {m.name for m in catalog.METRICS if any(v is not None for _labels, v in m.fill(snap))}
 
 
 def _fail(*_args, **_kwargs):
