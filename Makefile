@@ -52,7 +52,7 @@ check:
 	.venv/bin/python alerts/generate.py --check
 	.venv/bin/python dashboards/generate.py --check
 	.venv/bin/python deploy/kubernetes/generate.py --check
-	.venv/bin/python -m exporter.readme_tables --check
+	.venv/bin/python -m exporter.tooling.readme_tables --check
 	.venv/bin/python -m pytest -q tests/test_golden.py tests/test_doc_references.py \
 	  tests/test_architecture_map.py tests/test_layers.py tests/test_settings_table.py tests/test_rules.py \
 	  tests/test_catalog_formulas.py

@@ -12,11 +12,11 @@
 ``kvwatt-rules.yaml`` goes straight into Prometheus ``rule_files``; ``kvwatt-prometheusrule.yaml`` is the same
 groups wrapped in a ``monitoring.coreos.com/v1`` PrometheusRule. Every threshold, window and ``for:`` is a
 setting (``SETTINGS``); the thresholds and windows the daemon shares (the KV-pressure threshold, the onset rate,
-the collapse ratios, the recompute-tax threshold, kvwatt's window) default to exporter/rules.py, the one
+the collapse ratios, the recompute-tax threshold, kvwatt's window) default to exporter/rules/__init__.py, the one
 definition the daemon, the dashboards and the lab read too. alerts/RUNBOOK.md justifies each default and
 alerts/README.md explains the choices. Where kvwatt watches a server (``kvwatt_server_info``), every alert reads
 kvwatt's verdict; the PromQL recomputations are fallbacks for servers it does not watch. ``--check`` also
-refuses a literal copy of a rule in the generators (exporter/rulecopies.py).
+refuses a literal copy of a rule in the generators (exporter/tooling/rulecopies.py).
 Bad input: one line on stderr, exit status 2.
 """
 
@@ -35,10 +35,11 @@ import yaml
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from exporter import rulecopies, rules  # noqa: E402
+from exporter import rules  # noqa: E402
 from exporter.config import format_window  # noqa: E402
 from exporter.serve.runbook import RUNBOOK_PATH as PACKAGE_RUNBOOK  # noqa: E402
 from exporter.serve.runbook import anchor  # noqa: E402
+from exporter.tooling import rulecopies  # noqa: E402
 
 RULES_FILE = "kvwatt-rules.yaml"
 PROMETHEUSRULE_FILE = "kvwatt-prometheusrule.yaml"
@@ -60,8 +61,8 @@ class Setting:
 
 
 def shared(rule: rules.Rule, kind: str) -> Setting:
-    """A setting whose default is a rule of exporter/rules.py: the daemon's value, never a copy."""
-    return Setting(rule.default, kind, f"{rule.meaning} [exporter/rules.py {rule.key}, {rule.unit}]")
+    """A setting whose default is a rule of exporter/rules/__init__.py: the daemon's value, never a copy."""
+    return Setting(rule.default, kind, f"{rule.meaning} [exporter/rules/__init__.py {rule.key}, {rule.unit}]")
 
 
 # the runbook served by a kvwatt (GET /runbook, its own version); runbook_url() says which kvwatt
@@ -70,9 +71,9 @@ LONG_WINDOW = format_window(rules.longest_window_seconds())  # kvwatt's longest 
 
 SETTINGS: dict[str, Setting] = {
     "window": Setting(LONG_WINDOW, "duration", "PromQL range of rates and quantile_over_time in recording rules "
-                      "(default: kvwatt's longest window, exporter/rules.py windows)"),
+                      "(default: kvwatt's longest window, exporter/rules/__init__.py windows)"),
     "kvwatt_window": Setting(LONG_WINDOW, "duration", "kvwatt `window` label value the rules read (a window kvwatt "
-                             "exports; default: its longest, exporter/rules.py windows)"),
+                             "exports; default: its longest, exporter/rules/__init__.py windows)"),
     "kvwatt_job": Setting("kvwatt.*", "text", "regex of the Prometheus job(s) scraping kvwatt"),
     "node_label": Setting("node", "label", "target label shared by vLLM and kvwatt targets on the same host"),
     "runbook_base_url": Setting(INSTANCE_RUNBOOK, "text",
@@ -711,7 +712,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overrides", metavar="FILE", help="YAML mapping of settings (applied before --set)")
     p.add_argument("--out-dir", default=str(HERE), help="where the two files go (default: alerts/)")
     p.add_argument("--check", action="store_true", help="exit 1 if the files in --out-dir are stale or a "
-                   "generator copies a rule of exporter/rules.py as a literal")
+                   "generator copies a rule of exporter/rules/__init__.py as a literal")
     p.add_argument("--list-settings", action="store_true", help="print every setting with its default")
     return p
 

@@ -8,7 +8,7 @@ Two runs, each with the 8 fixture servers (bench/fixture_servers.py) in a child 
 1. external: a real `kvwatt run` subprocess; a scraper child (bench/scraper.py) GETs /metrics at 10/s and
    /healthz at 20/s interleaved, for --seconds. /healthz does no work, so its latency is the loop's lag as
    seen from outside (plus the HTTP round trip).
-2. in-process: exporter.daemon.Daemon with the web app in this process (fake NVML loaded in-process), the same
+2. in-process: exporter.runtime.daemon.Daemon with the web app in this process (fake NVML loaded in-process), the same
    scraper child for --seconds/3, and a probe task on the daemon's loop that sleeps 10 ms in a loop and
    records the overshoot. The probe's overshoot on the idle loop (before the daemon starts) is printed too:
    asyncio rounds its epoll timeout up to the millisecond, so ~1 ms of overshoot is the probe's own floor.
@@ -78,8 +78,8 @@ async def _probe(samples: list[float], stop: asyncio.Event, period: float = 0.01
 
 async def _in_process(servers: FixtureServers, gpus_path: str, seconds: float, tmp: str) -> dict:
     from exporter.config import Config, ServerConfig
-    from exporter.daemon import Daemon
-    from exporter.sampler import Sampler
+    from exporter.runtime.daemon import Daemon
+    from exporter.runtime.sampler import Sampler
     from exporter.serve.web import start_web
     from exporter.sources.nvml import NvmlSource
     from tests.support.fake_gpus import load_fake_nvml

@@ -1,5 +1,6 @@
 """The bounds fuzzer's long run: >= 10,000 generated engine sequences (tests/support/fuzz_engine.py) through the
-real vLLM adapter and the real Model, every family of every tick held to its declared bound (exporter/bounds.py).
+real vLLM adapter and the real Model, every family of every tick held to its declared bound
+(exporter/catalog/bounds.py).
 
     .venv/bin/python bench/fuzz_bounds.py [--sequences 10000] [--seed 20261127] [--workers 1]
 

@@ -7,7 +7,7 @@ latency of the daemon holding a full hour of history (docs/architecture.md "Wind
 Configuration (defaults): 8 servers x 8 GPUs, a 0.25 s interval, windows [1m, 1h]: the history keeps
 max(1h, collapse reference + recent) + 60 s, i.e. ~14,700 intervals per server at the plateau.
 
-In-process, the real code from the store up: an exporter.daemon.Daemon (Model: store, derivations, collector,
+In-process, the real code from the store up: an exporter.runtime.daemon.Daemon (Model: store, derivations, collector,
 exposition) fed synthetic exporter.samples.Ticks (bench_derive.Workload's load pattern, 8 counter GPUs per
 server with their energy) and the real web app (exporter.serve.web.start_web) on loopback, scraped by
 bench/scraper.py in a child process. Two phases:
@@ -27,8 +27,8 @@ generation) over both phases; their frequency in phase 1 is higher than at the r
 allocations in less time), their length is what counts: a full collection walks every tracked object.
 
 Timings are wall-clock; os.getloadavg() is printed beside each (the machine may be shared). Tuned (the
-default), the daemon runs as `kvwatt run` does: exporter.service.tune_runtime(daemon) freezes the start-up
-objects (its one collection, before the first tick, is printed apart) and installs exporter.gcpolicy's
+default), the daemon runs as `kvwatt run` does: exporter.runtime.service.tune_runtime(daemon) freezes the start-up
+objects (its one collection, before the first tick, is printed apart) and installs exporter.runtime.gcpolicy's
 FreezePolicy, which Daemon.step runs on the ticks' synthetic times, so the fill exercises it as an hour would;
 at the end the policy's freezes and refreshes are printed, and the cyclic garbage still held (unfrozen and
 collected with DEBUG_SAVEALL: what a freeze would have leaked).
@@ -52,11 +52,11 @@ from _support import percentile, rss_mib, start_scrape, summary  # noqa: E402
 from bench_derive import T0, WALL0, Workload  # noqa: E402
 
 from exporter.config import Config, ServerConfig  # noqa: E402
-from exporter.daemon import Daemon  # noqa: E402
 from exporter.model import Model  # noqa: E402
+from exporter.runtime.daemon import Daemon  # noqa: E402
+from exporter.runtime.service import tune_runtime  # noqa: E402
 from exporter.samples import DeviceReading, SourceStatus, Tick  # noqa: E402
 from exporter.serve.web import start_web  # noqa: E402
-from exporter.service import tune_runtime  # noqa: E402
 
 TARGETS = {"rss_plateau_mib": 120.0, "gc_pause_max_ms": 20.0, "metrics_p99_ms": 5.0}
 # a node serving many small models, or a kvwatt watching a rack: --servers 64 --gpus 1 --interval 1
@@ -218,7 +218,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--measure", type=float, default=60.0, help="real-time seconds scraped with the store full")
     ap.add_argument("--derive-every", type=int, default=16, help="full tick every N ticks during the fill")
     ap.add_argument("--untuned", action="store_true",
-                    help="leave out exporter.service.tune_runtime(daemon), which `kvwatt run` calls after start-up "
+                    help="leave out exporter.runtime.service.tune_runtime(daemon), which `kvwatt run` calls after "
+                         "start-up "
                          "(gc.freeze() of the start-up objects, a 0.5 ms switch interval, the FreezePolicy): to "
                          "measure its effect")
     ap.add_argument("--no-freeze-policy", action="store_true",

@@ -3,7 +3,7 @@ apart, in the CPU time of the thread running them (a busy machine shows in the w
 
     .venv/bin/python bench/tick_phases.py [--servers 64] [--gpus 1] [--interval 1] [--ticks 60] [--fill-seconds S]
 
-bench/soak.py's workload and daemon (exporter.daemon.Daemon, tuned as `kvwatt run` tunes it), the history filled
+bench/soak.py's workload and daemon (exporter.runtime.daemon.Daemon, tuned as `kvwatt run` tunes it), the history filled
 time-compressed to the plateau (the longest kept span + 300 s), then ``--ticks`` ticks, each split into the
 stages Daemon.step runs: ingest (store, buckets, learners), snapshot (the figures), the bounds check, the samples
 (collector.collect) and the text exposition (written from them), plus the GC policy. Prints the median and the maximum
@@ -31,8 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_derive import T0  # noqa: E402
 from soak import SoakWorkload, build  # noqa: E402
 
+from exporter.runtime.service import tune_runtime  # noqa: E402
 from exporter.serve.collector import collect, exposition_of  # noqa: E402
-from exporter.service import tune_runtime  # noqa: E402
 
 STAGES = ("ingest", "snapshot", "bounds", "samples", "text", "gc_policy")
 

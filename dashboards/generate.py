@@ -27,9 +27,10 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from exporter import rulecopies, rules  # noqa: E402
+from exporter import rules  # noqa: E402
 from exporter.catalog import BY_NAME  # noqa: E402
 from exporter.sources.vllm_names import WIRE_SERIES  # noqa: E402
+from exporter.tooling import rulecopies  # noqa: E402
 
 SCHEMA_VERSION = 42
 DS: dict[str, str] = {"type": "prometheus", "uid": "${datasource}"}
@@ -40,7 +41,7 @@ TAGS = ["kvwatt", "vllm", "kv-offload"]
 SERIES_RE = re.compile(r"(?<![\w:])(?:[a-z_]+:kvwatt_[a-z0-9_]+:[a-z0-9_]+|kvwatt_[a-z0-9_]+|vllm:[a-z0-9_:]+)")
 SERVER_VARS = ("server", "server_on", "server_off")
 
-# the dashed reference lines: the daemon's defaults (exporter/rules.py), never a copy
+# the dashed reference lines: the daemon's defaults (exporter/rules/__init__.py), never a copy
 ONSET_PER_MINUTE = rules.PREEMPTION_ONSET_PER_MINUTE.default
 P99_TOOL_LATENCY_SECONDS = rules.P99_TOOL_LATENCY.default
 RECOMPUTE_TAX_THRESHOLD = rules.RECOMPUTE_TAX_THRESHOLD.default
@@ -635,7 +636,7 @@ NOT_CONFIGURED = ("Absent unless kvwatt is given an electricity price (electrici
                   "electricity_currency) or a carbon intensity (carbon_intensity_g_per_kwh): docs/energy.md.")
 
 # kvwatt exports the marginal energy and the price and intensity in force; the money and carbon figures per
-# server are their products (exporter/derive/cost.py; opt-in on /metrics, exporter/optin.py), taken here
+# server are their products (exporter/derive/cost.py; opt-in on /metrics, exporter/rules/optin.py), taken here
 JOULES_PER_KWH = 3.6e6
 SECONDS_PER_DAY = 86400
 MARGINAL_WATTS = (f"{kv('kvwatt_marginal_energy_per_token_joules')}\n* on (job, instance, server, window) group_left\n"
@@ -1040,7 +1041,7 @@ def dumps(d: Dashboard) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--check", action="store_true", help="exit 1 if the committed JSON is stale or a "
-                        "generator copies a rule of exporter/rules.py as a literal")
+                        "generator copies a rule of exporter/rules/__init__.py as a literal")
     parser.add_argument("--dir", type=Path, default=HERE, help="where the JSON files live (default: %(default)s)")
     args = parser.parse_args(argv)
     stale: list[str] = []

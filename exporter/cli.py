@@ -12,8 +12,8 @@ import importlib
 import sys
 from importlib.metadata import entry_points
 
-from exporter.build import VersionAction
 from exporter.config import ConfigError
+from exporter.runtime.build import VersionAction
 
 # command path -> (module, one-line help). Sub-commands of "baseline" are "baseline idle" etc.
 COMMANDS: dict[str, tuple[str, str]] = {

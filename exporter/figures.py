@@ -11,7 +11,7 @@ from dataclasses import InitVar, dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 from exporter import rules
-from exporter.energy.baseline import Baseline
+from exporter.idle.baseline import Baseline
 from exporter.results import (
     PHASES,  # noqa: F401 (for the catalog)
     CollapseResult,
@@ -188,7 +188,7 @@ class WindowFigures:
     preemption_recompute: PreemptionRecompute | None = None
     preemption_recompute_watts: dict[str, float] | None = None  # scope -> W (per-phase costs, methods.md s12)
     # counts the window holds that no server can produce (model/plausible.py): counts name -> why; every figure
-    # computed from them is served as unknown (exporter/bounds.py DEPENDENCIES)
+    # computed from them is served as unknown (exporter/catalog/bounds.py DEPENDENCIES)
     implausible_counts: dict[str, str] | None = None
     # each offload tier's reloads priced against a recompute (methods.md s14; GPU scope, hops configured), and dE of
     # adding the disk tier (its net saving / the energy without it)
@@ -298,7 +298,7 @@ class ServerFigures:
     advice: tuple[Advice, ...] = ()
     # measured per-phase energy costs by scope (methods.md s12), or the attribution prior until identifiable
     phase_costs: tuple[PhaseCosts, ...] = ()
-    # what the server can be, for the bound on its token rates (exporter/bounds.py): the data-parallel engines
+    # what the server can be, for the bound on its token rates (exporter/catalog/bounds.py): the data-parallel engines
     # of its last read (the ``engine`` label) and the GPUs configured for it (empty: none named)
     engines: int = 1
     gpu_ids: tuple[str, ...] = ()
@@ -357,7 +357,7 @@ class Snapshot:
     devices: tuple[DeviceFigures, ...] = ()
     notice: str = ""  # Config.notice: shown above the figures on every screen
     prices: tuple[PriceFigure, ...] = ()  # electricity price and carbon intensity (model/cost.py)
-    # the figures of this tick served as unknown for breaking their bounds (exporter/bounds.py Rejection), and
+    # the figures of this tick served as unknown for breaking their bounds (exporter/catalog/bounds.py Rejection), and
     # how many each family has had rejected since start, by the bound's kind: (figure, kind) -> count
     implausible: tuple = ()
     rejected_counts: dict = field(default_factory=dict)

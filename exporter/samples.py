@@ -24,11 +24,11 @@ REASON_CODES = frozenset({
     "identity_flapping", "spelling_switching", "counter_regression",
     # the model (exporter/model/model.py): learning or deriving this server's figures raised; they are unknown
     "derivation_failed",
-    # the sampler (exporter/sampler.py)
+    # the sampler (exporter/runtime/sampler.py)
     "deadline", "error",
     # nvml, rapl
     "disabled", "absent", "permission", "masked", "unreadable", "gpu_lost", "busy",
-    # the state directory (exporter/energy/baseline.py, exporter/statedir.py)
+    # the state directory (exporter/idle/baseline.py, exporter/runtime/statedir.py)
     "not_persisted", "dropped",
     # a price or carbon-intensity series URL (exporter/sources/tariff.py); also timeout, unreachable, parse_error
     "stale", "no_sample",

@@ -370,7 +370,7 @@ def test_grouping_and_inhibition():
     assert warnings <= set(target), "some non-critical alert would not be inhibited"
 
 
-# --- one configuration (exporter/rules.py) -----------------------------------------------------------------
+# --- one configuration (exporter/rules/__init__.py) -----------------------------------------------------------------
 
 def test_fallbacks_use_the_daemons_thresholds():
     """The PromQL fallbacks compare with the daemon's defaults: one definition of collapse (methods.md s5),

@@ -20,8 +20,8 @@ import pytest
 import yaml
 from kvwatt_lab.experiment import sweep
 
-from exporter import atomic
 from exporter.config import ConfigError, format_window, from_mapping
+from exporter.runtime import atomic
 from tests.conftest import REPO
 
 SAMPLE = REPO / "tests" / "data" / "office_work_8k.sample.jsonl"

@@ -1,4 +1,5 @@
-"""The declared bounds (exporter/bounds.py, ``bounds=`` in exporter.catalog) and the one check that holds the typed
+"""The declared bounds (exporter/catalog/bounds.py, ``bounds=`` in exporter.catalog) and the one check that holds the
+typed
 figures to them before anything is served: a violation of each kind of bound becomes unknown in /metrics, in
 /api/status and on the page alike, with its reason, counted and logged once per change."""
 
@@ -10,8 +11,9 @@ import math
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from exporter import bounds, catalog
-from exporter.bounds import BoundsCheck
+from exporter import catalog
+from exporter.catalog import bounds
+from exporter.catalog.bounds import BoundsCheck
 from exporter.derive.energy import EnergyPerToken
 from exporter.figures import CostFigure, EnergyFigure, PriceFigure, SavingFigure, ServerFigures, Snapshot, WindowFigures
 from exporter.samples import SourceStatus

@@ -13,7 +13,7 @@ from exporter.derive import economics, offload
 from exporter.derive import energy as derive_energy
 from exporter.derive import phase_energy as pe
 from exporter.derive.economics import WindowStat
-from exporter.offload import profile as profile_mod
+from exporter.recording import profile as profile_mod
 from exporter.samples import Interval
 from tests.support.aggregates import aggregate_of
 

@@ -11,10 +11,10 @@ import re
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from exporter import bounds
+from exporter.catalog import bounds
 from exporter.config import from_mapping
-from exporter.daemon import Daemon
 from exporter.model import Model
+from exporter.runtime.daemon import Daemon
 from exporter.samples import DeviceReading, ServerRead, SourceStatus, Tick
 from exporter.sources.endpoint import EngineSource
 from tests.conftest import FIXTURES

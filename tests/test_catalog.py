@@ -23,9 +23,9 @@ import yaml
 
 import exporter.config as config_module
 from exporter import catalog
-from exporter.daemon import Daemon
 from exporter.model import Model
-from exporter.sampler import Sampler
+from exporter.runtime.daemon import Daemon
+from exporter.runtime.sampler import Sampler
 from exporter.serve.collector import families
 from exporter.sources.nvml import NvmlSource
 from exporter.sources.rapl import RaplSource

@@ -17,11 +17,12 @@ import sys
 
 import pytest
 
-from exporter import __version__, logsetup
-from exporter.build import build_info
+from exporter import __version__
 from exporter.cli import build_parser
 from exporter.commands.run import config_from_args
 from exporter.config import ConfigError, from_mapping, parse_duration, resolve
+from exporter.runtime import logsetup
+from exporter.runtime.build import build_info
 from tests.conftest import REPO
 
 VERSION_LINE = re.compile(r"^kvwatt, version (\S+) \(revision (\S+), python (\S+)\)$")

@@ -24,7 +24,7 @@ from exporter.config import (
     resolve,
 )
 from exporter.derive import cost
-from exporter.sampler import Sampler
+from exporter.runtime.sampler import Sampler
 from exporter.serve.collector import families
 from exporter.serve.exposition import Exposition
 from exporter.serve.web import status_json
@@ -301,8 +301,8 @@ def _run(tmp_path, **prices):
         mapping.pop(key)
     mapping.update(prices)
     sc = golden.Scenario(tmp_path, mapping)
-    from exporter.daemon import Daemon
     from exporter.model import Model
+    from exporter.runtime.daemon import Daemon
     daemon = Daemon(sc.cfg, sampler=Sampler(sc.cfg, energy=False), model=Model(sc.cfg, wall_clock=lambda: golden.WALL))
     for t in range(1, 41):
         daemon.step(sc.tick(t))
@@ -402,8 +402,8 @@ def test_a_failing_price_url_is_a_source_with_a_reason_and_the_figures_go_absent
     down = SourceStatus(source="carbon_intensity", server="", up=False, reason="timeout: no answer within 2 s",
                         duration_seconds=2.0, state="down")
     sc.prices = lambda t: (PriceReading("carbon_intensity", None, None, down),)
-    from exporter.daemon import Daemon
     from exporter.model import Model
+    from exporter.runtime.daemon import Daemon
     daemon = Daemon(sc.cfg, sampler=Sampler(sc.cfg, energy=False), model=Model(sc.cfg, wall_clock=lambda: golden.WALL))
     for t in range(1, 41):
         daemon.step(sc.tick(t))

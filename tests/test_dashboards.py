@@ -851,14 +851,14 @@ def test_dashboard_provider_is_a_read_only_file_provider():
     assert provider["options"]["path"] in readme, "README must document the mount path"
 
 
-# --- one configuration (exporter/rules.py) -----------------------------------------------------------------
+# --- one configuration (exporter/rules/__init__.py) -----------------------------------------------------------------
 
 @pytest.mark.parametrize("title, rule_key", [
     ("Preemptions per minute", "preemption_onset_per_minute"),
     ("Offload buffer residency", "p99_tool_latency"),
 ])
 def test_reference_lines_are_the_daemons_defaults(title: str, rule_key: str):
-    """A dashed reference line is the rule's default in exporter/rules.py, and its description says so."""
+    """A dashed reference line is the rule's default in exporter/rules/__init__.py, and its description says so."""
     from exporter import rules
     default = rules.RULES[rule_key].default
     panel = _panel(DASHBOARDS["kvwatt-overview.json"], title)

@@ -2,7 +2,8 @@
 --speed 3: every frame still passes through the daemon, in a third of the CI's time) shows no figure
 outside its declared bounds: a real headless chromium reads the page every few seconds (every share on it within
 0-100 %), /api/status lists no implausible figure, and at the end kvwatt_figures_rejected_total is 0 for every
-family (the one check, exporter/bounds.py, saw every figure of every tick). Before the bounds and the pricing fix
+family (the one check, exporter/catalog/bounds.py, saw every figure of every tick). Before the bounds and the pricing
+fix
 the first screen said "recomputation share of GPU energy 261.6 %" (up to 3,093 % in the pressure act).
 
 The demo's engines replay a real capture and its GPUs are simulated BY DESIGN (docs/demo.md). Its tiered server's
@@ -19,7 +20,8 @@ import time
 import pytest
 import requests
 
-from exporter import bounds, catalog
+from exporter import catalog
+from exporter.catalog import bounds
 from tests.support.daemon import ADDRESS_IN_USE, BIND_TRIES, parse_exposition
 from tests.support.engine import free_port
 from tests.support.fuzz_engine import PENDING_RELATIONS

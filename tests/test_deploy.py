@@ -380,7 +380,7 @@ def test_image_build_stage_replayed(tmp_path):
     outside = tmp_path / "elsewhere"  # not the repo: the installed package, not the source tree, is imported
     outside.mkdir()
     r = subprocess.run([str(exe), "--version"], cwd=outside, env=_clean_env(), capture_output=True, text=True)
-    # an installed package has no git tree: its revision is unknown (exporter/build.py)
+    # an installed package has no git tree: its revision is unknown (exporter/runtime/build.py)
     want = f"kvwatt, version {pyproject_version()} (revision unknown, python {platform.python_version()})"
     assert r.returncode == 0 and r.stdout.strip() == want, r.stdout + r.stderr
     r = subprocess.run([str(exe), "check-config", str(COMPOSE_DIR / "kvwatt.yaml")], cwd=outside,

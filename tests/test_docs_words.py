@@ -43,5 +43,5 @@ def test_every_path_a_doc_names_exists():
 
 def test_the_check_sees_a_stale_path(tmp_path):
     doc = tmp_path / "x.md"
-    doc.write_text("see `exporter/vllm_source.py` and [x](docs/nowhere.md#a) and `exporter/rules.py`")
+    doc.write_text("see `exporter/vllm_source.py` and [x](docs/nowhere.md#a) and `exporter/rules/__init__.py`")
     assert [p for p in named_paths(doc) if not exists(doc, p)] == ["exporter/vllm_source.py", "docs/nowhere.md"]

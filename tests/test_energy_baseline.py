@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from exporter.energy.baseline import STATE_FILE, UNKNOWN_HOLD_SECONDS, BaselineBook, IdleEstimate, IdleLearner
+from exporter.idle.baseline import STATE_FILE, UNKNOWN_HOLD_SECONDS, BaselineBook, IdleEstimate, IdleLearner
 
 REPO = Path(__file__).resolve().parents[1]
 G, H = "gpu:GPU-a", "rapl:package-0:package"
@@ -187,7 +187,7 @@ def test_corrupt_or_foreign_file_is_ignored_not_fatal(tmp_path):
 WRITER = """
 import sys
 sys.path.insert(0, {repo!r})
-from exporter.energy.baseline import BaselineBook, IdleEstimate
+from exporter.idle.baseline import BaselineBook, IdleEstimate
 book = BaselineBook({state!r})
 book.load()
 i = 0

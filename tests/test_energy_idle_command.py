@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from exporter.energy.baseline import STATE_FILE
+from exporter.idle.baseline import STATE_FILE
 from tests.support.fake_gpus import FakeGpus
 from tests.support.loopback import MetricsServer
 from tests.support.powercap import ConstantPower, PowercapTree
@@ -153,7 +153,7 @@ def test_slow_first_read_does_not_dilute_the_power(tmp_path):
     import asyncio
 
     from exporter.config import Config
-    from exporter.energy.idle import measure
+    from exporter.idle.measure import measure
     from exporter.sources.nvml import NvmlSource
     from exporter.sources.rapl import RaplSource
     from tests.support.fake_gpus import load_fake_nvml

@@ -10,9 +10,9 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from exporter import catalog
 from exporter.config import Config, ServerConfig
-from exporter.energy.attribution import assign_gpus, host_shares
-from exporter.energy.baseline import BaselineBook
+from exporter.idle.baseline import BaselineBook
 from exporter.model import Model
+from exporter.model.attribution import assign_gpus, host_shares
 from exporter.samples import DeviceReading, EngineInfo, EngineReading, ServerRead, SourceStatus, Tick
 from exporter.serve.collector import KvwattCollector, families
 from exporter.sources.nvml import NvmlSource

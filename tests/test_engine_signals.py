@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.engine, pytest.mark.shares_engine(**LARGE_CACHE), pyte
 WINDOW, WINDOW_SECONDS = "10m", 600.0  # the whole run inside one window
 RESULTS = {}  # size -> measured figures, printed at the end for the issue note
 
-# opt-in families (exporter/optin.py)
+# opt-in families (exporter/rules/optin.py)
 P95_BOUNDS = ["kvwatt_kv_cache_usage_p95_lower_ratio", "kvwatt_kv_cache_usage_p95_upper_ratio",
               "kvwatt_estimated_flops_per_generated_token", "kvwatt_requests_waiting_for_kv_capacity_samples_ratio"]
 

@@ -34,7 +34,7 @@ pytestmark = pytest.mark.prom
 
 WINDOW = "10s"
 KVWATT_CONFIG = {"windows": [WINDOW], "collapse_reference_window": "20s", "min_load_duration": "5s",
-                 # opt-in families this test reads besides the dashboards' (exporter/optin.py)
+                 # opt-in families this test reads besides the dashboards' (exporter/rules/optin.py)
                  "metrics_opt_in": ["kvwatt_server_capability", "kvwatt_offload_write_tokens_per_second",
                                     "kvwatt_offload_tier_hit_ratio"]}
 ENGINE_NAME = {"sglang": "sglang", "trtllm": "trtllm", "lmcache": "vllm+lmcache", "dynamo": "vllm+dynamo"}

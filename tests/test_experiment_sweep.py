@@ -17,7 +17,7 @@ from kvwatt_lab.experiment.plan import STOP_ESTIMATE_SECONDS, load_plan, run_ord
 from kvwatt_lab.experiment.runner import launch_for
 
 from exporter.cli import main
-from exporter.limits import MAX_RUNS
+from exporter.rules.limits import MAX_RUNS
 from tests.support.engine import free_port
 from tests.support.experiment import FAKE_SERVER, SAMPLE_TRACES, load_state, report_json, run_experiment, write_plan
 

@@ -23,7 +23,7 @@ from prometheus_client.openmetrics.parser import text_string_to_metric_families 
 from prometheus_client.parser import text_string_to_metric_families as parse_text
 
 from exporter import __version__
-from exporter.build import build_info
+from exporter.runtime.build import build_info
 from tests.conftest import FIXTURES
 from tests.support import prom
 from tests.support.daemon import KvwattDaemon

@@ -125,7 +125,8 @@ def test_a_key_with_two_declarations_fails(scenario):
 def test_a_block_naming_a_family_outside_the_catalog_fails(scenario):
     snap, status = scenario
     ghost = MetricDef(name="kvwatt_ghost_ratio", type="gauge", labels=("server",), help="never exported",
-                      computes=catalog.NotDerived("info", "build.build_info", "a test family"), section="Exporter",
+                      computes=catalog.NotDerived("info", "runtime.build.build_info", "a test family"),
+                      section="Exporter",
                       fill=lambda _snap: (), status=Elsewhere("test"))
     blocks = SERVER_BLOCKS + (catalog.server_block(("ghost",), (ghost.name,), lambda v: {}),)
     found = problems(snap, status, server_blocks=blocks)
@@ -147,7 +148,7 @@ def test_a_declaration_names_its_formula_directly():
     assert all(callable(catalog.formula(w)) for w in d.wheres)
     assert d.where == ", ".join(d.wheres)
     age = catalog.get("kvwatt_idle_baseline_age_seconds")
-    assert age.where == "energy.baseline.Baseline.age_seconds" and age.computes.kind == "bookkeeping"
+    assert age.where == "idle.baseline.Baseline.age_seconds" and age.computes.kind == "bookkeeping"
 
 
 def test_one_declaration_is_enough_for_json_series_page_and_reference(scenario, monkeypatch):
@@ -172,7 +173,7 @@ def test_one_declaration_is_enough_for_json_series_page_and_reference(scenario, 
             if isinstance(m.status, catalog.StatusKey) and m.status.scope == "window"][-1]
     assert keys[keys.index(last) + 1] == "test_covered_twice"  # in its section's place, catalog order
     assert "<th>twice covered</th>" in page.windows_table(js["servers"][0])
-    from exporter import readme_tables
+    from exporter.tooling import readme_tables
     assert "`kvwatt_test_covered_twice_seconds`" in readme_tables.metric_table()
     assert "`windows.<window>.test_covered_twice`" in readme_tables.metric_table()
 
@@ -218,5 +219,5 @@ def test_a_one_pool_server_has_no_pools_row_and_a_several_pool_one_has(scenario)
 
 def test_a_figure_without_a_fill_or_status_key_is_refused():
     with pytest.raises(ValueError, match="no fill and no status key"):
-        MetricDef(name="kvwatt_x", type="gauge", labels=("server",), help="x", computes="build.build_info",
+        MetricDef(name="kvwatt_x", type="gauge", labels=("server",), help="x", computes="runtime.build.build_info",
                   section="Exporter", status=None)

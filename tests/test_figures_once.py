@@ -8,10 +8,10 @@ from __future__ import annotations
 import copy
 from collections import Counter
 
-from exporter.daemon import Daemon
 from exporter.figures import SavingFigure, ServerFigures, WindowFigures
 from exporter.model import Model
-from exporter.sampler import Sampler
+from exporter.runtime.daemon import Daemon
+from exporter.runtime.sampler import Sampler
 from exporter.serve import page
 from exporter.serve.web import status_json
 from tests import test_golden as golden

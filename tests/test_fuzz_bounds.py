@@ -1,7 +1,7 @@
 """Property-based: generated engine sequences (tests/support/fuzz_engine.py: counters that reset, jump, go back and
 stall, two processes behind one URL, start times that move, energy missing, token mixes that shift, offloading on
 and off, NaN/Inf/negative KV usage) through the real vLLM adapter and the real Model. After every tick, every
-family of the served snapshot is within its declared bound (exporter/bounds.py), and the check rejects nothing
+family of the served snapshot is within its declared bound (exporter/catalog/bounds.py), and the check rejects nothing
 that an implausible input does not explain (fuzz_engine.EXPLAINS: tokens/s after a start time moved forward, a
 second process or a counter jump; J/token < 0 after a stale P_idle): every other rejection is a figure the model
 derived wrongly. Every declared relation between figures (bounds.RELATIONS) holds on what is served, no figure

@@ -1,4 +1,4 @@
-"""exporter/gcpolicy.py FreezePolicy on the real collector: what it freezes, when, and that a frozen cycle
+"""exporter/runtime/gcpolicy.py FreezePolicy on the real collector: what it freezes, when, and that a frozen cycle
 dropped later (the leak freezing risks) is collected by the refresh once the frozen count grows past the
 plateau. Pause lengths are measured by bench/soak.py, not here."""
 
@@ -9,7 +9,7 @@ import weakref
 
 import pytest
 
-from exporter.gcpolicy import REFRESH_GROWTH, FreezePolicy
+from exporter.runtime.gcpolicy import REFRESH_GROWTH, FreezePolicy
 
 
 class Node:

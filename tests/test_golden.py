@@ -44,12 +44,12 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from exporter import __version__, catalog
-from exporter.build import build_info
 from exporter.config import from_mapping
-from exporter.daemon import Daemon
-from exporter.energy.baseline import BaselineBook, IdleEstimate
+from exporter.idle.baseline import BaselineBook, IdleEstimate
 from exporter.model import Model
-from exporter.sampler import Sampler
+from exporter.runtime.build import build_info
+from exporter.runtime.daemon import Daemon
+from exporter.runtime.sampler import Sampler
 from exporter.samples import DeviceReading, PriceReading, ServerRead, SourceStatus, Tick
 from exporter.serve.web import _finite, status_json
 from exporter.sources.endpoint import EngineSource
@@ -92,7 +92,7 @@ def config_mapping(tmp_path, urls: dict[str, str] | None = None) -> dict:
         # money and carbon (docs/energy.md): a configured price, a carbon intensity read from a series URL
         "electricity_price_per_kwh": ELECTRICITY_PRICE, "electricity_currency": "EUR",
         "carbon_intensity_g_per_kwh": CARBON_URL,
-        # every family, the opt-in ones too (exporter/optin.py): the golden files cover the whole catalog;
+        # every family, the opt-in ones too (exporter/rules/optin.py): the golden files cover the whole catalog;
         # tests/test_series_budget.py runs the same scenario with the default (none)
         "metrics_opt_in": ["all"],
     }

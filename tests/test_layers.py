@@ -149,10 +149,10 @@ def _path_around(graph: dict[str, frozenset[str]], component: set[str], start: s
 # --- the graph itself ---------------------------------------------------------------------------------------
 def test_the_graph_sees_function_level_and_relative_imports(tmp_path):
     path = tmp_path / "m.py"
-    path.write_text("from . import engine\nfrom .. import keys\n\ndef f():\n    import exporter.sampler\n"
+    path.write_text("from . import engine\nfrom ..rules import keys\n\ndef f():\n    import exporter.runtime.sampler\n"
                     "    from exporter.sources.vllm import VllmAdapter\n")
-    assert _imports_of("exporter.sources.m", path) == {"exporter.sources.engine", "exporter.keys",
-                                                       "exporter.sampler", "exporter.sources.vllm"}
+    assert _imports_of("exporter.sources.m", path) == {"exporter.sources.engine", "exporter.rules.keys",
+                                                       "exporter.runtime.sampler", "exporter.sources.vllm"}
     assert _cycles({"a": frozenset({"b"}), "b": frozenset({"c"}), "c": frozenset({"a"}), "d": frozenset({"a"})}) \
         == [["a", "b", "c", "a"]]
     assert _cycles({"a": frozenset({"b"}), "b": frozenset({"a", "c"}), "c": frozenset({"b"})}) \
@@ -209,8 +209,8 @@ def test_serve_imports_no_model_derivation_or_source():
 
 
 # what the catalog may not import: the computations it names (``computes`` is a dotted string) and the readers
-COMPUTATIONS = ("exporter.derive", "exporter.model", "exporter.sources", "exporter.sampler", "exporter.config",
-                "exporter.daemon", "exporter.energy")
+COMPUTATIONS = ("exporter.derive", "exporter.model", "exporter.sources", "exporter.runtime.sampler", "exporter.config",
+                "exporter.runtime.daemon", "exporter.idle")
 
 
 def test_the_catalog_imports_no_computation():
@@ -293,8 +293,8 @@ def test_no_module_takes_a_private_name_from_another():
 
 
 def test_offload_profile_does_not_import_the_model():
-    offending = _edges("exporter.offload", "exporter.model")
-    assert not offending, "exporter.offload imports exporter.model:\n" + "\n".join(offending)
+    offending = _edges("exporter.recording", "exporter.model")
+    assert not offending, "exporter.recording imports exporter.model:\n" + "\n".join(offending)
 
 
 def test_library_packages_do_not_import_commands_or_the_cli():

@@ -34,7 +34,7 @@ def test_off_server_kappa_and_potential_saving_from_real_counters(tmp_path, engi
               "reference_local_compute_share": REFERENCE}
     config = {"windows": ["1m"], "min_load_duration": f"{REPEAT_SECONDS}s",
               "idle_power_watts": {f"gpu:{GPU}": IDLE_WATTS},
-              "metrics_opt_in": ["kvwatt_comparison_windows"]}  # opt-in since issue 39 (exporter/optin.py)
+              "metrics_opt_in": ["kvwatt_comparison_windows"]}  # opt-in since issue 39 (exporter/rules/optin.py)
     engine = engines.get(blocks=2000, max_model_len=4096)
     server["url"] = engine.url
     with KvwattDaemon(servers={"off": server}, config=config, env=gpus.env(), interval="500ms") as d:

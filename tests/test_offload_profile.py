@@ -12,7 +12,7 @@ import yaml
 
 from exporter.config import ConfigError
 from exporter.derive.economics import BandProfile
-from exporter.offload import profile as P
+from exporter.recording import profile as P
 from tests.conftest import REPO
 from tests.support import vllm_sim as sim
 from tests.support.fake_gpus import FakeGpus

@@ -10,11 +10,11 @@ import asyncio
 import pytest
 
 from exporter.config import ConfigError, from_mapping
-from exporter.daemon import Daemon
 from exporter.model import Model
-from exporter.offload import profile as P
-from exporter.offload.profile import build_profile
-from exporter.sampler import Sampler
+from exporter.recording import profile as P
+from exporter.recording.profile import build_profile
+from exporter.runtime.daemon import Daemon
+from exporter.runtime.sampler import Sampler
 from exporter.serve.web import status_json
 from exporter.sources.nvml import NvmlSource
 from tests.support import vllm_sim as sim

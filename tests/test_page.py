@@ -28,11 +28,11 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from exporter.daemon import Daemon
 from exporter.derive.collapse import CLASSIC, CONDITIONS, CollapseResult
 from exporter.figures import ServerFigures, Snapshot, WindowFigures
 from exporter.model import Model
-from exporter.sampler import Sampler
+from exporter.runtime.daemon import Daemon
+from exporter.runtime.sampler import Sampler
 from exporter.samples import SourceStatus
 from exporter.serve import page
 from exporter.serve.web import start_web, status_json

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import io
 
-from exporter import progress as P
+from exporter.runtime import progress as P
 
 
 class Terminal(io.StringIO):

@@ -16,9 +16,9 @@ import aiohttp
 import pytest
 
 from exporter.config import from_mapping
-from exporter.daemon import Daemon
 from exporter.model import Model
-from exporter.sampler import Sampler
+from exporter.runtime.daemon import Daemon
+from exporter.runtime.sampler import Sampler
 from exporter.samples import ServerRead, Tick
 from exporter.serve import page
 from exporter.serve.web import status_json
@@ -48,7 +48,7 @@ def run(tmp_path, urls: dict[str, str], frames: dict[str, object], ticks: int) -
         "windows": ["30s"], "min_load_duration": "5s", "collapse_reference_window": "30s",
         "threshold_window": "10s", "state_dir": str(tmp_path / "state"),
         "powercap_root": str(tmp_path / "no-powercap"), "nvml": False,
-        "metrics_opt_in": ["kvwatt_kv_pools_above_threshold"],  # opt-in since issue 39 (exporter/optin.py)
+        "metrics_opt_in": ["kvwatt_kv_pools_above_threshold"],  # opt-in since issue 39 (exporter/rules/optin.py)
     })
     daemon = Daemon(cfg, sampler=Sampler(cfg, energy=False), model=Model(cfg, wall_clock=lambda: WALL))
     sources = {s.name: EngineSource(s.name, s.url, 2.0, 1 << 24) for s in cfg.servers}

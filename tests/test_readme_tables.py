@@ -2,17 +2,18 @@
 
 import re
 
-from exporter import catalog, config, readme_tables, rules
+from exporter import catalog, config, rules
+from exporter.tooling import readme_tables
 from tests.conftest import REPO
 
 
 def test_readme_reference_sections_are_current():
     readme = (REPO / "README.md").read_text()
-    assert readme_tables.render(readme) == readme, "run: python -m exporter.readme_tables --write"
+    assert readme_tables.render(readme) == readme, "run: python -m exporter.tooling.readme_tables --write"
 
 
 def test_every_config_key_is_documented_and_nothing_else():
-    # each key documented once: a shared rule in exporter/rules.py, any other key in CONFIG_DOCS
+    # each key documented once: a shared rule in exporter/rules/__init__.py, any other key in CONFIG_DOCS
     # (a rule may be the alerts' only, e.g. recompute_tax_threshold: not a configuration key)
     assert set(readme_tables.CONFIG_DOCS) | (set(rules.RULES) & set(config.KEYS)) == set(config.KEYS)
     assert set(readme_tables.CONFIG_DOCS) <= set(config.KEYS)

@@ -1,4 +1,4 @@
-"""Declared relations between figures (exporter/bounds.py RELATIONS, methods.md s13; issue 37 item 2): checked
+"""Declared relations between figures (exporter/catalog/bounds.py RELATIONS, methods.md s13; issue 37 item 2): checked
 once per tick beside the bounds, the derived figure of a broken relation served as unknown with an
 "inconsistent: ..." reason, counted (kvwatt_figures_rejected_total{reason="relation"}) and logged once per change.
 The NVML source reads the enforced power limit the GPU relation rests on (on the fake pynvml)."""
@@ -10,8 +10,9 @@ import logging
 
 import pytest
 
-from exporter import bounds, catalog
-from exporter.bounds import BoundsCheck
+from exporter import catalog
+from exporter.catalog import bounds
+from exporter.catalog.bounds import BoundsCheck
 from exporter.derive.phase_energy import PhaseCosts
 from exporter.figures import Advice, BufferFigures, DeviceFigures, SavingFigure
 from exporter.samples import DeviceReading, EngineInfo

@@ -39,7 +39,7 @@ def session(url: str, i: int) -> None:
 def test_small_cache_shows_pressure_evidence(engines):
     engine = engines.get(blocks=128, flags=KV_CACHE_METRICS)
     server = {"url": engine.url, "kv_cache_metrics_sample": 1.0}
-    # the residency evidence is opt-in on /metrics since issue 39 (exporter/optin.py)
+    # the residency evidence is opt-in on /metrics since issue 39 (exporter/rules/optin.py)
     with KvwattDaemon(servers={"local": server}, interval="250ms",
                       config={"windows": ["5m"],
                               "metrics_opt_in": ["kvwatt_kv_block_residency_pressure_evidence"]}) as d:

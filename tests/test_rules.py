@@ -1,5 +1,5 @@
-"""exporter/rules.py is the one definition of every shared threshold, window and rate: the daemon's Config, the
-alert settings, the dashboards and the lab read it, and exporter/rulecopies.py (each generator's --check)
+"""exporter/rules/__init__.py is the one definition of every shared threshold, window and rate: the daemon's Config, the
+alert settings, the dashboards and the lab read it, and exporter/tooling/rulecopies.py (each generator's --check)
 refuses a literal copy of a rule in the modules that use them."""
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from exporter import config, rulecopies, rules
+from exporter import config, rules
+from exporter.tooling import rulecopies
 
 REPO = Path(__file__).resolve().parents[1]
 

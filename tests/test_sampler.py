@@ -16,7 +16,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from exporter.config import from_mapping
-from exporter.sampler import DEADLINE_REASON, Sampler, missed_deadline, read_deadline
+from exporter.runtime.sampler import DEADLINE_REASON, Sampler, missed_deadline, read_deadline
 from exporter.samples import DeviceReading, SourceStatus
 
 

@@ -2,7 +2,7 @@
 with the default configuration, measured on the golden scenario (tests/test_golden.py: every figure kvwatt can
 give is known there, so its fullest server is the most one server exports), against the numbers docs/fleet.md
 states. A change that exports more by default fails here until the budget in docs/fleet.md says so; an opt-in
-family (exporter/optin.py) must not be one that an alert rule or a dashboard reads."""
+family (exporter/rules/optin.py) must not be one that an alert rule or a dashboard reads."""
 
 from __future__ import annotations
 
@@ -12,11 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from exporter import catalog, optin
+from exporter import catalog
 from exporter.config import ConfigError, from_mapping
-from exporter.daemon import Daemon
 from exporter.model import Model
-from exporter.sampler import Sampler
+from exporter.rules import optin
+from exporter.runtime.daemon import Daemon
+from exporter.runtime.sampler import Sampler
 from tests.test_golden import WALL, Scenario, config_mapping, samples
 
 REPO = Path(__file__).resolve().parents[1]
@@ -61,7 +62,7 @@ def test_the_fullest_server_exports_the_documented_budget(default_text):
     assert (own, per_window) == (own_budget, window_budget), (
         f"the default exposition's fullest server exports {own} series of its own and {per_window} per window "
         f"(golden scenario, {sorted(counts.items())}); docs/fleet.md says {own_budget} and {window_budget}: "
-        "update the budget there (and its fleet figures) or make the new family opt-in (exporter/optin.py)")
+        "update the budget there (and its fleet figures) or make the new family opt-in (exporter/rules/optin.py)")
     assert total == own_budget + 2 * window_budget  # two windows, the default configuration's
 
 

@@ -15,10 +15,10 @@ import math
 import time
 
 from exporter import catalog
-from exporter.bounds import BoundsCheck
+from exporter.catalog.bounds import BoundsCheck
 from exporter.config import from_mapping
-from exporter.daemon import Daemon
 from exporter.model import Model
+from exporter.runtime.daemon import Daemon
 from exporter.samples import ServerRead, SourceStatus, Tick
 from exporter.serve.collector import exposition
 from exporter.serve.page import render

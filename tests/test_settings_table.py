@@ -11,9 +11,10 @@ import dataclasses
 import re
 from pathlib import Path
 
-from exporter import config, readme_tables, rules
+from exporter import config, rules
 from exporter.commands import run
 from exporter.config import settings
+from exporter.tooling import readme_tables
 
 ROOT = Path(__file__).resolve().parents[1]
 NOT_SETTINGS = {"-h", "--help", "--version"}  # argparse's own and the build's version: no setting

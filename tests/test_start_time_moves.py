@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from exporter.offload import profile as P
+from exporter.recording import profile as P
 from exporter.samples import EngineInfo, EngineReading, ServerRead, SourceStatus, Tick
 from exporter.store import ServerHistory
 from tests.support import vllm_sim as sim

@@ -15,10 +15,10 @@ import time
 import pytest
 import requests
 
-from exporter import atomic
-from exporter.energy.baseline import STATE_FILE
+from exporter.idle.baseline import STATE_FILE
+from exporter.runtime import atomic
+from exporter.runtime.statedir import LOCK_FILE, open_state_dir, user_state_dir
 from exporter.samples import reason_code
-from exporter.statedir import LOCK_FILE, open_state_dir, user_state_dir
 from tests.support.daemon import REPO, KvwattDaemon
 from tests.support.fake_gpus import FakeGpus
 from tests.support.loopback import MetricsServer
@@ -182,8 +182,8 @@ def test_second_daemon_on_one_state_dir_warns_and_does_not_write(tmp_path):
 WRITER = """
 import sys, time
 sys.path.insert(0, {repo!r})
-from exporter import atomic
-from exporter.energy.baseline import BaselineBook, IdleEstimate
+from exporter.runtime import atomic
+from exporter.idle.baseline import BaselineBook, IdleEstimate
 book = BaselineBook({state!r})
 estimates = lambda i: [IdleEstimate(f"gpu:GPU-{{n}}", 50.0 + i % 7, float(i), 30.0) for n in range(400)]
 for i in range(3):  # whole writes first: the state file exists

@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from exporter import atomic
-from exporter.energy import baseline
+from exporter.idle import baseline
 from exporter.model import evidence_book, reference_book
+from exporter.runtime import atomic
 
 PARSERS = {
     baseline.STATE_FILE: baseline.parse_file,

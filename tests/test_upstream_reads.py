@@ -17,7 +17,7 @@ import aiohttp
 import pytest
 
 from exporter.config import from_mapping
-from exporter.sampler import Sampler
+from exporter.runtime.sampler import Sampler
 from exporter.samples import REASON_CODES, reason_code
 from exporter.serve.collector import MAX_LABEL_CHARS, TRUNCATION_MARKER, bounded_label
 from exporter.sources.endpoint import EngineSource

@@ -180,7 +180,7 @@ def test_malformed_requests_are_logged_once_per_interval_without_traceback():
 
 
 def test_repeat_filter_lets_one_identical_message_through_per_interval_with_a_count():
-    from exporter.logfilter import RepeatFilter
+    from exporter.runtime.logfilter import RepeatFilter
 
     now = [0.0]
     out = io.StringIO()

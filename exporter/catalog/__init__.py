@@ -10,7 +10,7 @@ the serialisers of its JSON blocks beside them; exporter.catalog.declare holds w
 Derived from these declarations, never copied by hand: the collector (exporter.serve.collector walks
 METRICS), /api/status's per-window and per-server figure keys (exporter.serve.web, in catalog order), the landing
 page's table of figures per window (exporter.serve.page), and the README's metric reference, one table per
-section (exporter.readme_tables). The alert/dashboard generators refuse a query naming a ``kvwatt_`` series
+section (exporter.tooling.readme_tables). The alert/dashboard generators refuse a query naming a ``kvwatt_`` series
 missing from it. To find a metric's formula: search its name under exporter/catalog/; ``computes`` is the dotted
 path of the formula under exporter. (each kind's, where there are several), or a NotDerived saying why there is
 none in exporter/derive/ (tests/test_catalog.py proves each is really called for its series;
@@ -32,7 +32,6 @@ names, help and labels are the library's, the same in every exporter.
 
 from __future__ import annotations
 
-from exporter.build import build_info
 from exporter.catalog import energy, health, money, offload, pressure
 from exporter.catalog.declare import (
     NOT_DERIVED,
@@ -60,6 +59,7 @@ from exporter.catalog.declare import (
 from exporter.catalog.energy import DEVICES
 from exporter.catalog.money import PRICES
 from exporter.catalog.pressure import STATES, VERDICTS
+from exporter.runtime.build import build_info
 
 __all__ = ["METRICS", "BY_NAME", "get", "build_info", "SECTIONS", "BLOCKS", "Block", "Section", "NOT_DERIVED", "SERVER",
            "WINDOW", "Elsewhere", "Fill", "MetricDef", "NotDerived", "Sample", "StatusKey", "Words", "formula",

@@ -12,7 +12,7 @@ import importlib
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator
 
-from exporter import bounds
+from exporter.catalog import bounds
 from exporter.figures import ServerFigures, Snapshot, WindowFigures
 
 Sample = tuple[tuple[str, ...], "float | bool | None"]
@@ -148,7 +148,7 @@ class MetricDef:
     # where the figure is in /api/status; None: a block of exporter.serve.web names it (the test checks that)
     status: StatusKey | Elsewhere | None = None
     words: tuple[Words, ...] = ()  # rows of the page's table of figures per window
-    # what physics and arithmetic allow its values (exporter/bounds.py); checked once per tick before serving
+    # what physics and arithmetic allow its values (exporter/catalog/bounds.py); checked once per tick before serving
     bounds: "bounds.Bound | None" = None
     # the family that replaces this one (kube-state-metrics marks deprecated families in the declaration): still
     # served for one release, its HELP says so first (deprecation_help)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import math
 from typing import Iterator
 
-from exporter import bounds, rules
+from exporter import rules
+from exporter.catalog import bounds
 from exporter.catalog.declare import (
     Elsewhere,
     Fill,
@@ -124,7 +125,7 @@ ENERGY: tuple[MetricDef, ...] = (
     MetricDef(
         name="kvwatt_gpu_idle_power_watts", type="gauge", labels=("gpu", "uuid"),
         help="Idle baseline P_idle of this GPU (learned, measured or configured).",
-        computes=learned("energy.baseline.BaselineBook.get",
+        computes=learned("idle.baseline.BaselineBook.get",
                          why="P_idle learned across ticks, measured or configured, kept in the state directory "
                              "(docs/energy.md)"),
         section=ENERGY_SECTION,
@@ -135,7 +136,7 @@ ENERGY: tuple[MetricDef, ...] = (
     MetricDef(
         name="kvwatt_host_idle_power_watts", type="gauge", labels=("zone", "domain"),
         help="Idle baseline P_idle of this RAPL zone.",
-        computes=learned("energy.baseline.BaselineBook.get",
+        computes=learned("idle.baseline.BaselineBook.get",
                          why="P_idle learned across ticks, measured or configured, kept in the state directory "
                              "(docs/energy.md)"),
         section=ENERGY_SECTION,
@@ -146,7 +147,7 @@ ENERGY: tuple[MetricDef, ...] = (
     MetricDef(
         name="kvwatt_idle_baseline_age_seconds", type="gauge", labels=("device",),
         help="Seconds since that device's idle baseline was measured.",
-        computes=bookkeeping("energy.baseline.Baseline.age_seconds",
+        computes=bookkeeping("idle.baseline.Baseline.age_seconds",
                              why="the age of a stored idle baseline (docs/energy.md)"),
         section=ENERGY_SECTION,
         fill=_idle_age,

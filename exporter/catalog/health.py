@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Iterator
 
-from exporter import bounds, rules
-from exporter.build import build_info
+from exporter import rules
+from exporter.catalog import bounds
 from exporter.catalog.declare import (
     Elsewhere,
     MetricDef,
@@ -20,6 +20,7 @@ from exporter.catalog.declare import (
     window_key,
 )
 from exporter.figures import ServerFigures, Snapshot
+from exporter.runtime.build import build_info
 
 EXPORTER_SECTION = "Exporter"
 SOURCES_SECTION = "Sources"
@@ -73,7 +74,7 @@ EXPORTER: tuple[MetricDef, ...] = (
         name="kvwatt_build_info", type="info", labels=("version", "revision", "python_version"),
         help="The running kvwatt: version, source revision (git commit, or unknown) and Python version; value 1 (as "
              "`kvwatt --version` prints them).",
-        computes=info("build.build_info"),
+        computes=info("runtime.build.build_info"),
         section=EXPORTER_SECTION,
         fill=_build_info,
         status=Elsewhere("the running kvwatt, not a server's figure: /api/status's top-level version"),
@@ -82,11 +83,12 @@ EXPORTER: tuple[MetricDef, ...] = (
     MetricDef(
         name="kvwatt_figures_rejected_total", type="counter", labels=("figure", "reason"),
         help="Figures served as unknown because they broke their family's declared bound (reason: the bound's kind: "
-             "share, power_part, saving, token_rate, priced, ...; exporter/bounds.py), were computed from counts "
+             "share, power_part, saving, token_rate, priced, ...; exporter/catalog/bounds.py), were computed from "
+             "counts "
              "another figure showed implausible (reason=dependent) or broke a declared relation with another figure "
              "(reason=relation; figure: the relation's name where the figure has no family), counted once per tick "
              "each; the figure and its inputs are in /api/status's implausible list and the log.",
-        computes=bookkeeping("bounds.BoundsCheck.apply",
+        computes=bookkeeping("catalog.bounds.BoundsCheck.apply",
                              why="a count of the figures the bounds check rejected, not a figure of a server"),
         section=EXPORTER_SECTION,
         fill=_rejected,
@@ -102,7 +104,7 @@ SOURCES: tuple[MetricDef, ...] = (
         name="kvwatt_source_up", type="gauge", labels=("source", "server"),
         help="1 if the last read of this source succeeded, 0 if not (see kvwatt_source_info for the reason). server "
              "is empty for host-wide sources (nvml, rapl, state_dir: where idle baselines persist).",
-        computes=reading("sampler.Sampler.tick"),
+        computes=reading("runtime.sampler.Sampler.tick"),
         section=SOURCES_SECTION,
         fill=_source_up,
         bounds=bounds.BOOLEAN,
@@ -112,7 +114,7 @@ SOURCES: tuple[MetricDef, ...] = (
         help="Why a source is down or degraded: one word from a fixed list (README, Metrics), e.g. timeout, "
              "unreachable, redirect, http_503, parse_error, deadline, permission, absent, gpu_lost, not_persisted; "
              "the details are in /api/status and the log; value 1.",
-        computes=info("sampler.Sampler.tick"),
+        computes=info("runtime.sampler.Sampler.tick"),
         section=SOURCES_SECTION,
         fill=_source_info,
         bounds=bounds.INFO,
@@ -120,7 +122,7 @@ SOURCES: tuple[MetricDef, ...] = (
     MetricDef(
         name="kvwatt_sample_duration_seconds", type="gauge", labels=("source", "server"),
         help="How long the last read of this source took.",
-        computes=bookkeeping("sampler.Sampler.tick", why="how long the last read took"),
+        computes=bookkeeping("runtime.sampler.Sampler.tick", why="how long the last read took"),
         section=SOURCES_SECTION,
         fill=_sample_duration,
         status=Elsewhere("a read timing: /metrics only"),

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Iterator
 
-from exporter import bounds
+from exporter.catalog import bounds
 from exporter.catalog.declare import (
     Elsewhere,
     Fill,

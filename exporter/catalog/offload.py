@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Iterator
 
-from exporter import bounds
+from exporter.catalog import bounds
 from exporter.catalog.declare import (
     Fill,
     MetricDef,
@@ -399,7 +399,7 @@ ECONOMICS: tuple[MetricDef, ...] = (
 # issue 41 items 2-3: a second tier (GPU -> CPU -> disk). The tiering failures apart (failed promotions and
 # cascades per tier) and each tier's reloads priced against a recompute (methods.md s14): the price of a
 # reloaded token per tier, the break-even, kappa per tier, the reload energy and the net saving per tier, and
-# dE of adding the second tier. One block, so it can move as a whole; all opt-in (exporter/optin.py: per tier
+# dE of adding the second tier. One block, so it can move as a whole; all opt-in (exporter/rules/optin.py: per tier
 # and window; the alerts read vLLM's own failure counters, /api/status carries them all).
 # --------------------------------------------------------------------------------------------------------------
 def _tier_energy(attr: str) -> Fill:

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from typing import Iterator
 
-from exporter import bounds, rules
+from exporter import rules
+from exporter.catalog import bounds
 from exporter.catalog.declare import (
     Elsewhere,
     MetricDef,

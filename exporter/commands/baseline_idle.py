@@ -25,9 +25,9 @@ from exporter.config import (
     resolve,
 )
 from exporter.config.settings import add_shared_flags
-from exporter.energy.baseline import BaselineBook
-from exporter.energy.idle import Busy, measure
-from exporter.statedir import resolve_dir
+from exporter.idle.baseline import BaselineBook
+from exporter.idle.measure import Busy, measure
+from exporter.runtime.statedir import resolve_dir
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -2,7 +2,7 @@
 
 Samples one vLLM server (offloading OFF) and its GPUs' energy every ``interval`` for ``duration``, with the
 daemon's own Sampler and Model, cuts the samples into non-overlapping
-``window`` windows and writes J/token and tokens/s per KV-pressure band (exporter/offload/profile.py).
+``window`` windows and writes J/token and tokens/s per KV-pressure band (exporter/recording/profile.py).
 The daemon then compares a live ON server to it (``servers[].recorded_baseline``, the `recorded` dE kind).
 
 J/token is marginal (idle-subtracted) when every GPU of the server has an idle baseline (`kvwatt baseline
@@ -29,9 +29,9 @@ from exporter.config import (
     resolve,
 )
 from exporter.config.settings import add_shared_flags
-from exporter.model.recording import record_intervals
-from exporter.offload import profile as profile_mod
-from exporter.progress import Progress
+from exporter.recording import profile as profile_mod
+from exporter.runtime.progress import Progress
+from exporter.runtime.recorder import record_intervals
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -10,12 +10,13 @@ import asyncio
 import logging
 import tempfile
 
-from exporter import logsetup, optin
 from exporter.config import Config, ConfigError, ServerConfig, listen_url, parse_listen
 from exporter.demo import gpus, story
 from exporter.demo.endpoint import Playback, start_engine
-from exporter.sampler import Sampler
-from exporter.service import CannotListen, serve
+from exporter.rules import optin
+from exporter.runtime import logsetup
+from exporter.runtime.sampler import Sampler
+from exporter.runtime.service import CannotListen, serve
 from exporter.sources.nvml import NvmlSource
 from exporter.sources.rapl import RaplSource
 

@@ -1,5 +1,5 @@
 """`kvwatt run`: the flags and the web settings; the service itself (state directory, model, web server, the
-daemon's loop) is exporter/service.py."""
+daemon's loop) is exporter/runtime/service.py."""
 
 from __future__ import annotations
 
@@ -7,8 +7,6 @@ import argparse
 import asyncio
 import logging
 
-from exporter import logsetup
-from exporter.build import VersionAction
 from exporter.config import (
     Config,
     ConfigError,
@@ -18,9 +16,11 @@ from exporter.config import (
     parse_telemetry_path,
     resolve,
 )
+from exporter.runtime import logsetup
+from exporter.runtime.build import VersionAction
+from exporter.runtime.service import CannotListen, serve
 from exporter.serve import connections, webconfig
 from exporter.serve.web import WebLimits
-from exporter.service import CannotListen, serve
 
 log = logging.getLogger("kvwatt")
 

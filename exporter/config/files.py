@@ -11,7 +11,7 @@ import yaml
 from exporter.config.schema import Config
 from exporter.config.settings import from_mapping
 from exporter.config.values import ConfigError, parse_str
-from exporter.limits import MAX_FILE_BYTES
+from exporter.rules.limits import MAX_FILE_BYTES
 
 
 def read_text(path: str) -> str:

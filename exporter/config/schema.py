@@ -84,10 +84,10 @@ class Config:
     phase_min_windows: int = rules.PHASE_MIN_WINDOWS.default
     phase_max_condition: float = rules.PHASE_MAX_CONDITION.default
     phase_history_seconds: float = rules.PHASE_HISTORY.default
-    # families exported only when named here (exporter/optin.py; "all": every one): docs/fleet.md "Series budget"
+    # families exported only when named here (exporter/rules/optin.py; "all": every one): docs/fleet.md "Series budget"
     metrics_opt_in: frozenset[str] = frozenset()
     web_config_path: str | None = None  # TLS / basic auth of the endpoints (exporter/serve/webconfig.py)
-    log_level: str = "info"  # debug | info | warn | error (exporter/logsetup.py)
+    log_level: str = "info"  # debug | info | warn | error (exporter/runtime/logsetup.py)
     log_format: str = "logfmt"  # logfmt | json
     # not a configuration key: a sentence every screen shows above the figures (`kvwatt demo` says it is one)
     notice: str = ""

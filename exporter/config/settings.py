@@ -1,7 +1,7 @@
 """The one table of settings: each setting's YAML key, Config attribute, parser, documentation, default where
 Config() cannot say it, environment variable and flag (``SETTINGS``); ``KEYS``, the environment
 (layers.apply_environment), the flags of `kvwatt run` (add_flags, flag_overrides) and the README's configuration
-table (exporter/readme_tables.py) are derived from it."""
+table (exporter/tooling/readme_tables.py) are derived from it."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ class Setting:
     key: str | None  # the YAML key; None: not a configuration key (a flag or variable of `kvwatt run` only)
     attribute: str | None  # the Config attribute it sets; None: read by the command itself
     parse: Callable[[Any, str], Any] | None  # (value, key) -> value, ConfigError on a bad one
-    meaning: str = ""  # the README's words (a shared rule's come from exporter/rules.py)
+    meaning: str = ""  # the README's words (a shared rule's come from exporter/rules/__init__.py)
     default: str | None = None  # the default as YAML writes it, where Config()'s value cannot say it
     env: str | None = None  # the environment variable (file < environment < flag)
     flags: tuple[str, ...] = ()  # the flag of `kvwatt run`, then its aliases; the first names it in errors
@@ -58,7 +58,7 @@ class Setting:
 
 
 def rule(r: rules.Rule, parse: Any, **more: Any) -> Setting:
-    """A shared rule's row: its YAML key, Config attribute and meaning come from exporter/rules.py."""
+    """A shared rule's row: its YAML key, Config attribute and meaning come from exporter/rules/__init__.py."""
     return Setting(r.key, r.attribute, parse, r.meaning, **more)
 
 

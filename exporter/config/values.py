@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlparse, urlsplit
 
-from exporter import optin
+from exporter.rules import optin
 
 DEFAULT_SERVER_URL = "http://127.0.0.1:8000"
 
@@ -21,7 +21,7 @@ DEFAULT_SERVER_URL = "http://127.0.0.1:8000"
 DEFAULT_LISTEN = "0.0.0.0:8492"
 
 
-DEFAULT_STATE_DIR = "/var/lib/kvwatt"  # not writable: the per-user directory (exporter.statedir)
+DEFAULT_STATE_DIR = "/var/lib/kvwatt"  # not writable: the per-user directory (exporter.runtime.statedir)
 
 
 class ConfigError(ValueError):
@@ -123,7 +123,7 @@ def duration_at_most(most: float, words: str):
         if seconds > most:
             raise ConfigError(f"{key}: must be at most {words}, got {shown(value)}")
         return seconds
-    parse.duration = True  # exporter/readme_tables.py writes its default as a duration
+    parse.duration = True  # exporter/tooling/readme_tables.py writes its default as a duration
     return parse
 
 

@@ -49,8 +49,8 @@ from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from exporter import rules
-from exporter.quantile import quantile
 from exporter.results import CLASSIC, CONDITION_SETS, CollapseResult
+from exporter.rules.quantile import quantile
 from exporter.store import Bucket, WindowAggregate
 
 CONDITIONS = CLASSIC + ("engine_steps_stopped",)  # every condition, each exported on its own

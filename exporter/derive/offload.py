@@ -22,8 +22,8 @@ from dataclasses import dataclass, replace
 from exporter import rules
 from exporter.derive import kappa
 from exporter.derive.pressure import rate_per_second
-from exporter.keys import labelled_key
 from exporter.results import TierFlows, TierState
+from exporter.rules.keys import labelled_key
 from exporter.store import WindowAggregate
 
 # native connector (0.24+ / 0.26+), and the SimpleCPU connector's stores dropped because its pool was full

@@ -13,7 +13,7 @@ exact active-set NNLS: with at most 3 regressors every subset is tried); SE from
 
 "Not identifiable" (with the reason) when there are too few windows or the prompt/generated mix does not vary
 enough to tell the costs apart: the condition number of the column-normalised X'X is above a rule
-(exporter/rules.py PHASE_MAX_CONDITION); a constant mix makes the columns proportional (condition -> inf).
+(exporter/rules/__init__.py PHASE_MAX_CONDITION); a constant mix makes the columns proportional (condition -> inf).
 Until then the configured attribution model (energy.prompt_attribution) is the documented ``prior``.
 The fit reads only X'X, X'y and y'y (and one pass over the rows for the chosen fit's residual): the learner
 keeps them as its windows come and go (PhaseSums), so a refit at a full history (720 windows of 30 s in 6 h)

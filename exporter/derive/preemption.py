@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 
-from exporter.keys import labelled
+from exporter.rules.keys import labelled
 from exporter.store import WindowAggregate
 
 QUANTILES = (0.5, 0.99)

@@ -6,7 +6,7 @@ from bisect import bisect_right
 from dataclasses import dataclass
 
 from exporter import rules
-from exporter.quantile import interpolate_sorted, quantile
+from exporter.rules.quantile import interpolate_sorted, quantile
 from exporter.store import WindowAggregate
 
 __all__ = ["quantile", "kv_usage_quantile", "pools_above_threshold", "above_threshold", "rate_per_second",

@@ -37,7 +37,7 @@ from typing import NamedTuple
 from exporter import rules
 from exporter.derive import compare
 from exporter.derive.pressure import rate_per_second
-from exporter.keys import labelled
+from exporter.rules.keys import labelled
 from exporter.store import WindowAggregate
 
 DEFAULT_SAMPLE_SHARE = rules.VLLM_KV_CACHE_METRICS_SAMPLE  # vLLM's --kv-cache-metrics-sample default

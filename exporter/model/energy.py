@@ -18,9 +18,9 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from exporter.config import Config
 from exporter.derive import phase_energy
-from exporter.energy.attribution import GpuAssignment, assign_gpus, host_shares
-from exporter.energy.baseline import BaselineBook, IdleLearner
 from exporter.figures import DeviceFigures
+from exporter.idle.baseline import BaselineBook, IdleLearner
+from exporter.model.attribution import GpuAssignment, assign_gpus, host_shares
 from exporter.samples import DeviceReading, Interval, SourceStatus, Tick
 from exporter.store import DeviceTracker
 

@@ -1,5 +1,5 @@
 """Persistence of the evidence windows and their epoch (model/pressure/learner.py, model/epoch.py), beside the reference
-shares (model/reference_book.py): ``<state_dir>/evidence-windows.json``, written atomically (exporter.atomic)
+shares (model/reference_book.py): ``<state_dir>/evidence-windows.json``, written atomically (exporter.runtime.atomic)
 when a server added or set aside a window (at most once per threshold window), read back at start, so a
 restarted daemon has its located threshold, and the regime resting on it, at once: within its epoch only (the
 first reading whose engine facts differ from the stored ones sets them aside, model/pressure/learner.py).
@@ -20,12 +20,12 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Mapping
 
-from exporter import atomic
 from exporter.derive.pressure_evidence import recorded_evidence
 from exporter.derive.threshold import PressurePoint
-from exporter.energy.baseline import bounded_number, entry_at
+from exporter.idle.baseline import bounded_number, entry_at
 from exporter.model.epoch import FACTS, Epoch
 from exporter.model.pressure import MAX_EVIDENCE_WEIGHT
+from exporter.runtime import atomic
 
 log = logging.getLogger("kvwatt.evidence")
 

@@ -5,7 +5,7 @@ typed figures of the tick once (exporter.figures.Snapshot). Scrapes only read th
     model.ingest(tick)          # energy attribution, histories, windows, learners
     snap = model.snapshot()     # ServerFigures per server, device figures, source health
 
-Used by `kvwatt run` (exporter.daemon), `kvwatt baseline record` and the experiment's measurement; importable as
+Used by `kvwatt run` (exporter.runtime.daemon), `kvwatt baseline record` and the experiment's measurement; importable as
 ``exporter.model.Model``.
 """
 
@@ -17,8 +17,8 @@ from dataclasses import replace
 from typing import Callable
 
 from exporter.config import Config
-from exporter.energy.baseline import BaselineBook
 from exporter.figures import Snapshot
+from exporter.idle.baseline import BaselineBook
 from exporter.model.cost import Prices
 from exporter.model.energy import EnergyLedger, is_idle
 from exporter.model.evidence_book import EvidenceBook

@@ -13,7 +13,7 @@ from exporter.derive import compare, economics, kappa, offload
 from exporter.derive.energy import prompt_attribution
 from exporter.derive.phase_energy import PhaseCosts
 from exporter.figures import BufferFigures, KappaFigures, SavingFigure, WindowFigures
-from exporter.offload import profile as profile_mod
+from exporter.recording import profile as profile_mod
 from exporter.samples import EngineInfo
 from exporter.sources import model_config
 

@@ -1,9 +1,11 @@
 """Counts no server can produce: the intervals whose counter deltas imply more than the server can be
-(exporter/bounds.py ``implausible_counts``: generated tokens/s above ``token_rate_ceiling``), kept while a window or
+(exporter/catalog/bounds.py ``implausible_counts``: generated tokens/s above ``token_rate_ceiling``), kept while a
+window or
 a learner's bucket can still hold them (docs/methods.md s13 "Rejected counts take their dependents with them").
 
 A window that holds one serves every figure computed from those counts as unknown (``WindowFigures.implausible_counts``,
-which the one check reads with ``bounds.DEPENDENCIES``), however long the window (a one-off jump averaged over an hour
+which the one check reads with ``catalog.bounds.DEPENDENCIES``), however long the window (a one-off jump averaged over
+an hour
 may look plausible; it is not); a learner's bucket that holds one is not learned from: the per-phase costs, the
 evidence windows (and with them the located threshold and the reference share) and the write model's check."""
 
@@ -13,7 +15,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
-from exporter import bounds
+from exporter.catalog import bounds
 
 
 @dataclass(frozen=True, kw_only=True)

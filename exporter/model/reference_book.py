@@ -1,5 +1,5 @@
 """Persistence of the learned low-pressure reference shares (model/pressure/reference.py), like the idle baselines
-(energy/baseline.py BaselineBook): ``<state_dir>/reference-share.json``, written atomically (exporter.atomic)
+(energy/baseline.py BaselineBook): ``<state_dir>/reference-share.json``, written atomically (exporter.runtime.atomic)
 when a server learned a window, read back at start, so a restarted daemon has its reference (and its tax)
 at once.
 
@@ -18,10 +18,10 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Iterable, Mapping
 
-from exporter import atomic
-from exporter.energy.baseline import bounded_number, entry_at
+from exporter.idle.baseline import bounded_number, entry_at
 from exporter.model.evidence_book import CLOCK_SLACK_SECONDS
 from exporter.model.pressure import ReferenceSample
+from exporter.runtime import atomic
 
 log = logging.getLogger("kvwatt.reference")
 

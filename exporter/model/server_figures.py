@@ -11,10 +11,10 @@ from typing import Mapping
 from exporter.config import redacted_url
 from exporter.derive import offload
 from exporter.figures import ServerFigures
-from exporter.keys import labelled
 from exporter.model import advice as advice_model
 from exporter.model import offload as offload_figures
 from exporter.model.cost import Prices
+from exporter.rules.keys import labelled
 
 
 def build(sm, now: float, peers: Mapping, prices: Prices | None) -> ServerFigures:

@@ -12,8 +12,9 @@ from prometheus_client import GCCollector, PlatformCollector, ProcessCollector, 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from exporter import catalog, optin
+from exporter import catalog
 from exporter.figures import Snapshot
+from exporter.rules import optin
 from exporter.serve.exposition import Exposition, sample_lines, text_format
 
 
@@ -59,7 +60,7 @@ def _bounded_labels(raw_labels) -> tuple[str, ...]:
 
 
 def samples(d: catalog.MetricDef, snap: Snapshot) -> Samples:
-    """One definition's samples for this snapshot: unknown (None, NaN) and rejected values (exporter/bounds.py)
+    """One definition's samples for this snapshot: unknown (None, NaN) and rejected values (exporter/catalog/bounds.py)
     left out, label values bounded (empty: the family is not exported)."""
     out: Samples = []
     seen: set[tuple[str, ...]] = set()

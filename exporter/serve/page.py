@@ -155,7 +155,7 @@ def implausible_list(rejected: list[dict]) -> str:
         return ""
     items = "".join(f'<li data-figure="{_e(r["figure"])}">{_e(r["reason"])} '
                     f'({_e(", ".join(f"{k}={v}" for k, v in r["labels"].items()))})</li>' for r in rejected)
-    inconsistent = sum(r.get("bound") == "relation" for r in rejected)  # broke a relation (exporter/bounds.py)
+    inconsistent = sum(r.get("bound") == "relation" for r in rejected)  # broke a relation (exporter/catalog/bounds.py)
     why = ", ".join(w for n, w in ((len(rejected) - inconsistent, "outside what physics allows"),
                                    (inconsistent, "inconsistent with another figure")) if n)
     return (f'<details class="banner" id="implausible"><summary>{len(rejected)} figure(s) shown as unknown: '

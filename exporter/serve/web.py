@@ -2,7 +2,7 @@
 /runbook (the alert runbook shipped with this version, exporter.serve.runbook).
 
 Each serialises the daemon's latest Snapshot and nothing else: no figure is computed here, and a request
-cannot change state. The metric families are collected once per tick, with the snapshot (exporter.daemon),
+cannot change state. The metric families are collected once per tick, with the snapshot (exporter.runtime.daemon),
 and each form of the exposition (text or OpenMetrics, plain or gzipped: negotiated as prometheus_client does,
 exporter/serve/exposition.py) is serialised at most once per tick, the text format with the tick. A scrape of a
 form already serialised costs the loop a dict lookup and a memory copy; a form not yet serialised, or a
@@ -133,7 +133,8 @@ def status_json(snap: Snapshot | None) -> dict:
         out["notice"] = snap.notice  # `kvwatt demo` says it is one
     if snap is not None:
         out["prices"] = prices_json(snap)
-        # the figures served as unknown this tick for breaking their declared bounds, with why (exporter/bounds.py)
+        # the figures served as unknown this tick for breaking their declared bounds, with why
+        # (exporter/catalog/bounds.py)
         out["implausible"] = [r.as_json() for r in snap.implausible]
     return _finite(out)
 

@@ -18,7 +18,7 @@ import math
 import threading
 from typing import Protocol, runtime_checkable
 
-from exporter.keys import labelled, labelled_key  # noqa: F401  (the seam's names for adapters)
+from exporter.rules.keys import labelled, labelled_key  # noqa: F401  (the seam's names for adapters)
 from exporter.samples import EngineInfo, EngineReading
 
 

@@ -24,7 +24,7 @@ from bisect import bisect_left, insort
 from collections import deque
 from typing import Iterable, Iterator
 
-from exporter.quantile import interpolate_sorted
+from exporter.rules.quantile import interpolate_sorted
 from exporter.samples import Interval
 from exporter.store.columns import IntervalColumns, Span, gauge_values  # noqa: F401 (gauge_values: re-exported)
 
@@ -465,7 +465,7 @@ class WindowAggregate(_Sums):
         return sorted(gauge_values(q, key))
 
     def quantile(self, gauge_key: str, q: float) -> float | None:
-        """exporter.quantile.quantile over the gauge's values (PromQL quantile_over_time)."""
+        """exporter.rules.quantile.quantile over the gauge's values (PromQL quantile_over_time)."""
         return interpolate_sorted(self.sorted_gauge(gauge_key), q)
 
     def pools(self) -> list[str]:

@@ -21,7 +21,7 @@ from __future__ import annotations
 from array import array
 from typing import TYPE_CHECKING, Iterator
 
-from exporter.quantile import interpolate_sorted
+from exporter.rules.quantile import interpolate_sorted
 from exporter.store.aggregate import SCOPE_KEYS, ScopeKeyed
 from exporter.store.columns import IntervalColumns, Span
 

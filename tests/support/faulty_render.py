@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import os
 
-from exporter import daemon
 from exporter.cli import main
+from exporter.runtime import daemon
 
 _real_exposition = daemon.exposition
 

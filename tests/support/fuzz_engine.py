@@ -1,7 +1,7 @@
 """Generated engine sequences for the bounds fuzzer (tests/test_fuzz_bounds.py, bench/fuzz_bounds.py): each tick a
 vLLM 0.32 exposition (a real capture's text with its counters and gauges rewritten) decoded by the real vLLM
 adapter (EngineSource.decode), a GPU energy reading, and the real Model; after every tick every family of the
-checked snapshot is held to its declared bound (exporter/bounds.py).
+checked snapshot is held to its declared bound (exporter/catalog/bounds.py).
 
 What a sequence may do, tick by tick: counters that reset, jump, go back or stall; a second process behind the same
 URL (its own counters and start time); a start time that moves (forward, into the future, back); GPU energy
@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 
 from hypothesis import strategies as st
 
-from exporter import bounds, catalog
+from exporter import catalog
+from exporter.catalog import bounds
 from exporter.config import from_mapping
 from exporter.model import Model
 from exporter.samples import DeviceReading, ServerRead, SourceStatus, Tick

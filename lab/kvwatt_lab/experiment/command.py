@@ -14,8 +14,8 @@ import os
 import signal
 import sys
 
-from exporter import atomic
 from exporter.config import ConfigError, check_writable
+from exporter.runtime import atomic
 from kvwatt_lab.experiment import plots, report
 from kvwatt_lab.experiment.dryrun import dry_run
 from kvwatt_lab.experiment.plan import Plan, load_plan, run_order

@@ -1,6 +1,6 @@
 """Measurement of one run with the daemon's own machinery and arithmetic.
 
-``RunSampler`` runs the daemon's Sampler and Model (exporter.sampler, exporter.model) over one server, in its
+``RunSampler`` runs the daemon's Sampler and Model (exporter.runtime.sampler, exporter.model) over one server, in its
 own thread and event loop: every tick reads NVML, RAPL and the server's /metrics on one monotonic clock, each
 with its own deadline, and the Model attributes the devices' energy to the server and appends an Interval to
 its ServerHistory, which keeps the whole run. Over the idle phase it measures P_idle per device with
@@ -28,10 +28,10 @@ from exporter.derive.offload import store_failures, transfer_rates
 from exporter.derive.pressure import rate_per_second
 from exporter.derive.pressure_evidence import window_evidence
 from exporter.derive.recompute import mfu_view, token_counts, token_shares
-from exporter.energy.baseline import IdleAccumulator
+from exporter.idle.baseline import IdleAccumulator
 from exporter.model import Model
 from exporter.model.energy import SCOPES, is_idle
-from exporter.sampler import MIN_DEADLINE_SECONDS, Sampler
+from exporter.runtime.sampler import MIN_DEADLINE_SECONDS, Sampler
 from exporter.samples import Interval, Tick
 from exporter.store import WindowAggregate, aggregate_of, gauge_values
 from kvwatt_lab.experiment import tiers

@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 from exporter import rules
 from exporter.config import ConfigError, finite_number, parse_url, read_yaml, shown
-from exporter.limits import MAX_CONCURRENCY, MAX_CONTEXT_TOKENS, MAX_RUNS
+from exporter.rules.limits import MAX_CONCURRENCY, MAX_CONTEXT_TOKENS, MAX_RUNS
 from kvwatt_lab.cpu_engine import DISK_PRESETS, LINK_PRESETS
 from kvwatt_lab.experiment import sweep, template, values
 from kvwatt_lab.experiment.power_double import PowerModel
@@ -523,5 +523,5 @@ def _check_traces(plan: Plan, base: Workload) -> None:
             key = "workload" if w.max_context == base.max_context else f"conditions[{i}].workload"
             raise ConfigError(f"{key}.max_context: no session's first turn fits in "
                               f"{w.max_context} tokens (condition {c.name})") from None
-        except ConfigError as e:  # a session or system prompt beyond the limits (exporter/limits.py)
+        except ConfigError as e:  # a session or system prompt beyond the limits (exporter/rules/limits.py)
             raise ConfigError(f"conditions[{i}].workload: {e} (condition {c.name})") from None

@@ -27,8 +27,8 @@ import os
 import sys
 from typing import Callable
 
-from exporter import atomic
 from exporter.config import ConfigError
+from exporter.runtime import atomic
 
 REQUIREMENT = "matplotlib>=3.8,<4"
 OFF_COLOR, ON_COLOR, PAY_COLOR, NOISE_COLOR, BAND_COLOR = "#6b6b6b", "#1f6fb4", "#1f6fb4", "#9a9a9a", "#d62728"

@@ -18,9 +18,9 @@ import sys
 import time
 from typing import Any, Callable
 
-from exporter import atomic
 from exporter.config import ConfigError
 from exporter.derive.recompute import SOURCES
+from exporter.runtime import atomic
 from kvwatt_lab.experiment import analysis, plots, stats, tables, tiers
 from kvwatt_lab.experiment.power_double import PowerModel
 from kvwatt_lab.experiment.tables import NA, num, pct_unit

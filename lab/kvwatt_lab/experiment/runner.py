@@ -18,8 +18,8 @@ from typing import Callable
 
 import aiohttp
 
-from exporter import atomic
 from exporter.config import redacted_url
+from exporter.runtime import atomic
 from kvwatt_lab import cpu_engine
 from kvwatt_lab.experiment import report
 from kvwatt_lab.experiment.measure import RunSampler, interval_rows, window_figures

@@ -1,7 +1,7 @@
 """The experiment's state file, ``OUT/state.json``: the plan it belongs to, the run order, the finished runs
 with their results, the run in progress and the failure that stopped the experiment, if any.
 
-Every change rewrites the whole file with exporter.atomic (temporary file, fsync, rename), so a kill at any
+Every change rewrites the whole file with exporter.runtime.atomic (temporary file, fsync, rename), so a kill at any
 moment leaves the previous state or the new one. A run is listed as finished only after its results are on
 disk; a run found ``in_progress`` on resume was interrupted and is redone from the start.
 """
@@ -14,8 +14,8 @@ import os
 import time
 from typing import Any
 
-from exporter import atomic
 from exporter.config import ConfigError
+from exporter.runtime import atomic
 from kvwatt_lab.experiment.plan import Plan, RunSpec
 from kvwatt_lab.experiment.server import ServerProcess, process_start_ticks
 

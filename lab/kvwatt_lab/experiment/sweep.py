@@ -22,7 +22,7 @@ from itertools import product
 from typing import Any
 
 from exporter.config import ConfigError, shown
-from exporter.limits import MAX_CONCURRENCY, MAX_RUNS
+from exporter.rules.limits import MAX_CONCURRENCY, MAX_RUNS
 from kvwatt_lab.experiment import template, values
 
 KV_FLAGS = {  # KV-size axis -> the vLLM flag that sets it, and its short tag in condition names

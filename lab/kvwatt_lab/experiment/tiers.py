@@ -37,7 +37,7 @@ from exporter import rules
 from exporter.derive import offload
 from exporter.derive.phase_energy import PhaseWindow, estimate
 from exporter.derive.recompute import CACHE_TIERS, token_counts
-from exporter.keys import labelled
+from exporter.rules.keys import labelled
 from exporter.samples import Interval
 from exporter.store import WindowAggregate, aggregate_of
 from kvwatt_lab.experiment import stats

@@ -23,7 +23,7 @@ from exporter.config import (
     redacted_url,
     url_problem,
 )
-from exporter.limits import MAX_CONCURRENCY, MAX_CONTEXT_TOKENS, MAX_TOKEN_ID
+from exporter.rules.limits import MAX_CONCURRENCY, MAX_CONTEXT_TOKENS, MAX_TOKEN_ID
 from kvwatt_lab.replay.client import CompletionClient
 from kvwatt_lab.replay.progress import show_progress
 from kvwatt_lab.replay.records import RecordSink, summary_line, write_summary

@@ -8,7 +8,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import IO
 
-from exporter.atomic import write_text
+from exporter.runtime.atomic import write_text
 
 STATUSES = ("ok", "retried", "error", "cancelled")  # ok/retried succeeded; error/cancelled did not
 

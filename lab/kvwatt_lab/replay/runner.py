@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from exporter.config import ConfigError, redacted_url
-from exporter.limits import MAX_CONTEXT_TOKENS
+from exporter.rules.limits import MAX_CONTEXT_TOKENS
 from kvwatt_lab.replay.client import CompletionClient, Outcome
 from kvwatt_lab.replay.records import RecordSink, TurnRecord
 from kvwatt_lab.replay.session import Conversation, context_needed, fits

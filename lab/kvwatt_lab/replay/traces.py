@@ -5,7 +5,7 @@ tokens (the user prompt on turn 0, the previous tool call's output after that), 
 ``output_tokens``, then waiting ``tool_latency_seconds`` before the next turn. Any problem raises ConfigError
 naming the file and line.
 
-A trace is read the way kvwatt reads its state files (exporter.atomic.open_regular): only a regular file (a link
+A trace is read the way kvwatt reads its state files (exporter.runtime.atomic.open_regular): only a regular file (a link
 to one is followed; a FIFO, a device such as /dev/zero or a directory is refused at once, never waited on or read
 forever), streamed line by line, each line at most TRACE_LINE_MAX_BYTES, JSON nested too deeply refused. The
 file as a whole has no size limit of its own: MAX_TRACE_TURNS ends a too-large trace early.
@@ -19,9 +19,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, BinaryIO, Iterable, Iterator
 
-from exporter.atomic import open_regular
 from exporter.config import ConfigError, finite_number, shown
-from exporter.limits import MAX_CONTEXT_TOKENS, MAX_TRACE_TURNS
+from exporter.rules.limits import MAX_CONTEXT_TOKENS, MAX_TRACE_TURNS
+from exporter.runtime.atomic import open_regular
 
 FORMATS = ("auto", "applied-compute", "sessions")
 _AC_KEYS = ("num_turns", "input_prompt_length", "assistant_response_length", "tool_call_output_length",

@@ -68,7 +68,7 @@ def read_state_json(path: str, parse: Callable[[Any, float], tuple[Any, list[str
         text = _read_regular(path, max_bytes)
         data = json.loads(text)
         good, bad = parse(data, now_wall)
-    except (FileNotFoundError, NotADirectoryError):  # a directory that is not one: exporter.statedir says it
+    except (FileNotFoundError, NotADirectoryError):  # a directory that is not one: exporter.runtime.statedir says it
         return None, ""
     except (OSError, ValueError) as e:  # ValueError: JSONDecodeError, UnicodeDecodeError, parse's own
         return None, f"ignored: {path} ({e})"
@@ -166,7 +166,7 @@ def _writer_gone(pid: int) -> bool:
 
 
 def is_orphan(name: str, age_seconds: float) -> bool:
-    """Whether ``name`` is a temporary file of exporter.atomic left by a killed write."""
+    """Whether ``name`` is a temporary file of exporter.runtime.atomic left by a killed write."""
     if age_seconds < FRESH_SECONDS:
         return False
     ours = _OURS.match(name)
@@ -176,7 +176,7 @@ def is_orphan(name: str, age_seconds: float) -> bool:
 
 
 def remove_orphans(directory: str, now_wall: float | None = None) -> int:
-    """Remove the orphaned temporary files of exporter.atomic in ``directory`` (not below it); how many.
+    """Remove the orphaned temporary files of exporter.runtime.atomic in ``directory`` (not below it); how many.
     Call it only where no other kvwatt daemon writes (the caller holds the directory's lock)."""
     now_wall = time.time() if now_wall is None else now_wall
     removed = 0

@@ -6,7 +6,7 @@ refreshed in later idle stretches, persisted, with its age and temperature; a co
 
 ``IdleLearner`` is a pure state machine fed (t, idle, per-device joules of the interval ending at t): no clock,
 no I/O, so tests drive it without time passing. ``BaselineBook`` holds the current baselines, applies the
-configured overrides and persists ``<state_dir>/idle-baseline.json`` atomically (exporter.atomic: a kill -9
+configured overrides and persists ``<state_dir>/idle-baseline.json`` atomically (exporter.runtime.atomic: a kill -9
 mid-write leaves the old file or the new one).
 """
 
@@ -19,7 +19,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
-from exporter import atomic
+from exporter.runtime import atomic
 from exporter.samples import SourceStatus
 
 log = logging.getLogger("kvwatt.baseline")
@@ -174,7 +174,7 @@ class BaselineBook:
     Persistence never stops the daemon: a state file that cannot be read, entries that fail validation
     (``parse_entry``) and a write that fails are each logged once and reported by ``status()``
     (kvwatt_source_info{source="state_dir"}); the baselines in memory keep working. ``read_only_reason``
-    (exporter.statedir: directory not writable, or locked by another daemon) turns writing off."""
+    (exporter.runtime.statedir: directory not writable, or locked by another daemon) turns writing off."""
 
     def __init__(self, state_dir: str | None, overrides: Mapping[str, float] | None = None,
                  wall_clock: Callable[[], float] = time.time, read_only_reason: str = "") -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from exporter import __version__
 
-SOURCE_ROOT = Path(__file__).resolve().parents[1]
+SOURCE_ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass(frozen=True)

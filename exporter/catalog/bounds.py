@@ -6,7 +6,7 @@ A share lies in [0, 1]; dE <= 1 (a saving of more than all the energy is impossi
 marginal power (the recomputation tax) is no larger than that power; J/token >= 0; generated tokens/s no larger
 than an engine can produce; money and CO2 per day finite and equal to the watts they price at the price in force.
 
-``BoundsCheck.apply(snapshot)`` runs once per tick in exporter.daemon.Daemon.step, on the model's snapshot and
+``BoundsCheck.apply(snapshot)`` runs once per tick in exporter.runtime.daemon.Daemon.step, on the model's snapshot and
 before it is published (so before /metrics, /api/status and the page read it): every sample of every family is
 checked against its family's bound; a figure outside it is replaced by None in the typed figures (unknown: absent
 from /metrics, null in the JSON, "unknown" on the page), and so are the figures computed from the same counts

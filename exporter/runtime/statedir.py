@@ -10,10 +10,10 @@
 - ``<dir>/kvwatt.lock`` is locked (flock) for the daemon's life. A second daemon on the same directory gets a
   warning and runs without persisting: it still reads the file (and follows the first daemon's baselines),
   it never writes it. Its metrics go on; only persistence is given up.
-- Holding the lock, the orphaned temporary files of killed writes are removed (exporter.atomic).
+- Holding the lock, the orphaned temporary files of killed writes are removed (exporter.runtime.atomic).
 
 The one-shot commands (`kvwatt baseline idle`) use ``resolve_dir``: same directory, no lock (their write is
-merged with the daemon's, exporter.energy.baseline.BaselineBook.record).
+merged with the daemon's, exporter.idle.baseline.BaselineBook.record).
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ import stat
 from dataclasses import dataclass
 from typing import Mapping
 
-from exporter import atomic
 from exporter.config import DEFAULT_STATE_DIR
+from exporter.runtime import atomic
 
 log = logging.getLogger("kvwatt.state")
 

@@ -1,5 +1,5 @@
 """Recording one server for `kvwatt baseline record`: the daemon's own Sampler and Model, every interval kept,
-for a fixed duration. The profile is then built from the intervals (exporter/offload/profile.py)."""
+for a fixed duration. The profile is then built from the intervals (exporter/recording/profile.py)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import time
 
 from exporter.config import Config, ConfigError, ServerConfig
 from exporter.model import Model
-from exporter.progress import Progress
-from exporter.sampler import Sampler
+from exporter.runtime.progress import Progress
+from exporter.runtime.sampler import Sampler
 
 
 async def record_intervals(cfg: Config, server: ServerConfig, duration_seconds: float, energy: bool = True,

@@ -1,4 +1,4 @@
-"""Finds literal copies of a shared rule (exporter/rules.py) in the modules that use the rules.
+"""Finds literal copies of a shared rule (exporter/rules/__init__.py) in the modules that use the rules.
 
 A copy is a number written in the source where a rule belongs: a numeric literal assigned to, passed as, given
 as the default of, keyed by or compared with a name that names a rule (its key or Config attribute, or a
@@ -24,9 +24,10 @@ from pathlib import Path
 
 from exporter import rules
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SCANNED = ("alerts/generate.py", "dashboards/generate.py", "deploy/kubernetes/generate.py", "exporter/config/*.py",
-           "exporter/readme_tables.py", "exporter/derive/*.py", "exporter/model/*.py", "exporter/model/pressure/*.py",
+           "exporter/tooling/readme_tables.py", "exporter/derive/*.py", "exporter/model/*.py",
+           "exporter/model/pressure/*.py",
            "lab/kvwatt_lab/experiment/plan.py", "lab/kvwatt_lab/experiment/measure.py",
            "lab/kvwatt_lab/experiment/analysis.py")
 TEXTS_SCANNED = ("exporter/catalog/*.py",)  # where a ratio typed in prose is a copy (HELP, words)
@@ -49,11 +50,11 @@ class Copy:
             return (f"{self.path}:{self.line}: {self.name} is a literal copy of rule {self.rule!r} "
                     f"({self.value:g}): format rules.{_python_name(self.rule)}.default instead")
         return (f"{self.path}:{self.line}: {self.name} = {self.value!r} is a literal copy of rule {self.rule!r}: "
-                f"read exporter/rules.py instead")
+                f"read exporter/rules/__init__.py instead")
 
 
 def _python_name(key: str) -> str:
-    """The name exporter/rules.py gives the rule (or method constant) ``key``."""
+    """The name exporter/rules/__init__.py gives the rule (or method constant) ``key``."""
     rule = rules.RULES.get(key) or rules.METHODS[key]
     return next(n for n, v in vars(rules).items() if v is rule)
 

@@ -1,5 +1,5 @@
 """The daemon as a service (`kvwatt run`): the state directory, the idle and reference books, the model, the
-signal handlers, the web server and the daemon's loop (exporter.daemon), for the life of the process."""
+signal handlers, the web server and the daemon's loop (exporter.runtime.daemon), for the life of the process."""
 
 from __future__ import annotations
 
@@ -12,17 +12,17 @@ import sys
 import time
 from dataclasses import replace
 
-from exporter.build import build_info
 from exporter.config import Config, is_unconfigured_default, shown_server
-from exporter.daemon import Daemon
-from exporter.energy.baseline import BaselineBook
-from exporter.gcpolicy import FreezePolicy
+from exporter.idle.baseline import BaselineBook
 from exporter.model import Model
 from exporter.model.reference_book import ReferenceBook
-from exporter.sampler import Sampler
+from exporter.runtime.build import build_info
+from exporter.runtime.daemon import Daemon
+from exporter.runtime.gcpolicy import FreezePolicy
+from exporter.runtime.sampler import Sampler
+from exporter.runtime.statedir import open_state_dir
 from exporter.serve.web import WebLimits, start_web
 from exporter.serve.webconfig import WebConfig
-from exporter.statedir import open_state_dir
 
 log = logging.getLogger("kvwatt")
 
@@ -42,7 +42,7 @@ def tune_runtime(daemon: Daemon | None = None) -> None:
     process: frozen out of the collector's walks, a full collection's pause fell from 23-96 ms to 11-14 ms; a
     0.5 ms switch interval put /metrics' p99 at 2.2 ms instead of 12.4 ms while ticks are derived (bench/soak.py,
     8 servers x 8 GPUs at 0.25 s, windows [1m, 1h], load 0.6-0.8; docs/architecture.md "Windows"). The hour's
-    history is frozen as it ages by the ``daemon``'s FreezePolicy (exporter/gcpolicy.py), one span of history
+    history is frozen as it ages by the ``daemon``'s FreezePolicy (exporter/runtime/gcpolicy.py), one span of history
     between the checks for a leak."""
     gc.collect()
     gc.freeze()
@@ -59,7 +59,7 @@ async def serve(cfg: Config, limits: WebLimits | None = None, web_config: WebCon
     daemon's loop until SIGTERM or SIGINT. CannotListen when the address cannot be bound. ``sampler``: the
     daemon's own by default (`kvwatt demo` gives one with its simulated GPUs). ``notes``: what start-up changed
     (the open-file limit), logged once kvwatt listens."""
-    state = open_state_dir(cfg.state_dir)  # locked for the daemon's life; never fatal (exporter.statedir)
+    state = open_state_dir(cfg.state_dir)  # locked for the daemon's life; never fatal (exporter.runtime.statedir)
     try:
         cfg = replace(cfg, state_dir=state.path)
         book = BaselineBook(state.path, cfg.idle_power_watts, read_only_reason=state.reason)

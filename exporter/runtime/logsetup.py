@@ -4,7 +4,7 @@ exporters write it) or JSON, at the level of ``--log.level`` / ``log_level`` / `
 Every line carries ``ts`` (RFC 3339, UTC, milliseconds), ``level`` (debug, info, warn, error), ``logger``,
 ``caller`` (file:line), ``msg``, then the record's structured fields (``log.info("...", extra={"server": "a"})``)
 and, for an exception, ``exc`` (the traceback, its newlines escaped: still one line). Repeated identical lines
-are folded by exporter/logfilter.py (installed here on the one handler).
+are folded by exporter/runtime/logfilter.py (installed here on the one handler).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import sys
 from datetime import datetime, timezone
 from typing import Any, TextIO
 
-from exporter import logfilter
+from exporter.runtime import logfilter
 
 LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warn": logging.WARNING, "error": logging.ERROR}
 _NAMES = {logging.DEBUG: "debug", logging.INFO: "info", logging.WARNING: "warn", logging.ERROR: "error",

@@ -2,9 +2,10 @@
 
 The daemon's Config defaults (exporter/config/), the alert rules' settings (alerts/generate.py), the dashboards
 (dashboards/generate.py), the experiment plan's default (kvwatt_lab) and the README's configuration table
-(exporter/readme_tables.py) all read the entries below; none types a value of its own. ``key`` is the YAML key of
+(exporter/tooling/readme_tables.py) all read the entries below; none types a value of its own. ``key`` is the YAML key
+of
 the daemon's configuration (and the alert setting of the same name); ``field`` the Config attribute where it
-differs. exporter/rulecopies.py (run by each generator's ``--check`` and tests/test_rules.py) refuses a
+differs. exporter/tooling/rulecopies.py (run by each generator's ``--check`` and tests/test_rules.py) refuses a
 literal copy of a rule in the modules that use them.
 """
 
@@ -190,7 +191,7 @@ def offload_buffer_size_ok(n_bytes: float) -> bool:
 
 # Method constants (docs/methods.md): not configuration keys (not in RULES), each named here once because more
 # than one module, or a metric's HELP, states it; every use reads the entry (``rules.X.default``) and the HELP
-# texts format it. ``words``: what a name holding a literal copy of it would contain (exporter/rulecopies.py).
+# texts format it. ``words``: what a name holding a literal copy of it would contain (exporter/tooling/rulecopies.py).
 SUSTAINED_MIN_COVERED = Rule(key="sustained_min_covered", default=0.8, unit="ratio",
                              meaning="share of a window its samples must cover for what it shows to count as "
                              "sustained: the preemption onset (methods.md s3), a known recomputation tax (s4), an "

@@ -1,7 +1,7 @@
 """Measuring P_idle per device now (`kvwatt baseline idle`): sample the energy sources with the daemon's
 Sampler while checking, through each server's /metrics, that it stays idle with its model loaded (a baseline
 without the CUDA context understates idle by 26-66 W: docs/energy-measurement.md, "Idle baseline"). The
-arithmetic is IdleAccumulator's (exporter/energy/baseline.py)."""
+arithmetic is IdleAccumulator's (exporter/idle/baseline.py)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import time
 from dataclasses import replace
 
 from exporter.config import Config, ServerConfig, redacted_url
-from exporter.energy.attribution import assign_gpus
-from exporter.energy.baseline import IdleAccumulator, IdleEstimate
-from exporter.progress import Progress
-from exporter.sampler import Sampler, missed_deadline
+from exporter.idle.baseline import IdleAccumulator, IdleEstimate
+from exporter.model.attribution import assign_gpus
+from exporter.runtime.progress import Progress
+from exporter.runtime.sampler import Sampler, missed_deadline
 from exporter.samples import DeviceReading, SourceStatus, Tick
 from exporter.sources.endpoint import metrics_url
 from exporter.store import DeviceTracker

@@ -1,10 +1,10 @@
 """Generates the README's configuration and metric reference from the code (config.SETTINGS with its defaults
-from Config() and the shared rules' meanings from exporter/rules.py, catalog.METRICS).
+from Config() and the shared rules' meanings from exporter/rules/__init__.py, catalog.METRICS).
 
 The metric reference also says where /api/status carries each figure (exporter.serve.web.status_paths).
 
-    python -m exporter.readme_tables --write   # rewrite the README sections between the markers
-    python -m exporter.readme_tables --check   # exit 1 when the README is stale (tests/test_readme_tables.py)
+    python -m exporter.tooling.readme_tables --write   # rewrite the README sections between the markers
+    python -m exporter.tooling.readme_tables --check   # exit 1 when the README is stale (tests/test_readme_tables.py)
 """
 
 from __future__ import annotations
@@ -13,13 +13,15 @@ import argparse
 import sys
 from pathlib import Path
 
-from exporter import catalog, config, optin, rules
+from exporter import catalog, config, rules
+from exporter.rules import optin
 from exporter.serve import web
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 
 # Keys that are not shared rules: (default as written in YAML where Config's cannot say it, meaning), from the
-# settings table (exporter/config/settings.py). The shared rules' defaults and meanings come from exporter/rules.py,
+# settings table (exporter/config/settings.py). The shared rules' defaults and meanings come from
+# exporter/rules/__init__.py,
 # every other default from Config() itself.
 CONFIG_DOCS: dict[str, tuple[str | None, str]] = {s.key: (s.default, s.meaning) for s in config.SETTINGS
                                                   if s.key is not None and s.key not in rules.RULES}
@@ -105,7 +107,7 @@ def main(argv=None) -> int:
     new = render(current)
     if args.check:
         if new != current:
-            print("README.md reference is stale: run python -m exporter.readme_tables --write", file=sys.stderr)
+            print("README.md reference is stale: run python -m exporter.tooling.readme_tables --write", file=sys.stderr)
             return 1
         return 0
     if args.write:

@@ -1,6 +1,6 @@
 """The recorded OFF-condition profile (`kvwatt baseline record`, read by the `recorded` dE kind).
 
-JSON, versioned, written atomically (exporter.atomic). Example:
+JSON, versioned, written atomically (exporter.runtime.atomic). Example:
 
     {"format": "kvwatt-offload-profile", "version": 1,
      "server": "llama-off", "model_name": "meta-llama/Llama-3.1-8B-Instruct", "offload_enabled": false,
@@ -20,9 +20,9 @@ import datetime as dt
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from exporter import atomic
 from exporter.config import ConfigError, ServerConfig, is_finite, read_json, shown
 from exporter.derive.economics import DEFAULT_BANDS, BandProfile, build_bands, window_stats
+from exporter.runtime import atomic
 from exporter.samples import EngineInfo, Interval
 from exporter.store import buckets_of
 

@@ -1,4 +1,4 @@
-"""The daemon's loop (`kvwatt run` starts it through exporter/service.py). It only orchestrates: each tick
+"""The daemon's loop (`kvwatt run` starts it through exporter/runtime/service.py). It only orchestrates: each tick
 the Sampler reads every source (each with its own deadline, off the loop), the Model ingests the Tick and derives
 the figures once, and the daemon publishes the Snapshot. /metrics, /api/status and / only serialise the latest snapshot
 (docs/architecture.md).
@@ -12,12 +12,12 @@ import time
 from dataclasses import dataclass
 
 from exporter import catalog
-from exporter.bounds import BoundsCheck
+from exporter.catalog.bounds import BoundsCheck
 from exporter.config import Config
 from exporter.figures import Snapshot
-from exporter.gcpolicy import FreezePolicy
 from exporter.model import Model
-from exporter.sampler import Sampler
+from exporter.runtime.gcpolicy import FreezePolicy
+from exporter.runtime.sampler import Sampler
 from exporter.samples import Tick
 from exporter.serve.collector import exposition
 from exporter.serve.exposition import Exposition
@@ -43,7 +43,8 @@ class Daemon:
     def __init__(self, cfg: Config, sampler: Sampler | None = None, model: Model | None = None):
         self.cfg = cfg
         self.model = model if model is not None else Model(cfg)
-        self.bounds = BoundsCheck(catalog.METRICS)  # every figure held to its declared bound (exporter/bounds.py)
+        # every figure held to its declared bound (exporter/catalog/bounds.py)
+        self.bounds = BoundsCheck(catalog.METRICS)
         self.sampler = sampler if sampler is not None else Sampler(cfg)
         self.published: Published | None = None  # replaced whole at each tick, never mutated
         self.last_tick_t: float | None = None
