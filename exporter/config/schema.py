@@ -89,6 +89,9 @@ class Config:
     web_config_path: str | None = None  # TLS / basic auth of the endpoints (exporter/serve/webconfig.py)
     log_level: str = "info"  # debug | info | warn | error (exporter/runtime/logsetup.py)
     log_format: str = "logfmt"  # logfmt | json
+    # worker processes of `kvwatt run`: "auto" (rules.SERVERS_PER_PROCESS servers each) or a number
+    # (exporter/runtime/workers.py)
+    processes: int | str = "auto"
     # not a configuration key: a sentence every screen shows above the figures (`kvwatt demo` says it is one)
     notice: str = ""
 

@@ -204,6 +204,17 @@ def parse_positive_int(value: Any, key: str) -> int:
     return value
 
 
+def parse_processes(value: Any, key: str) -> int | str:
+    """``auto`` or a positive integer (a digit string from the environment or a flag)."""
+    if value == "auto":
+        return value
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"{key}: expected auto or a positive integer, got {shown(value)}")
+    return value
+
+
 def parse_bool(value: Any, key: str) -> bool:
     if not isinstance(value, bool):
         raise ConfigError(f"{key}: expected true or false, got {shown(value)}")

@@ -78,6 +78,9 @@ class EnergyLedger:
         self.shared_learner = self._learner()  # host zones and unassigned GPUs: idle when every server is
         self.last: TickEnergy | None = None
         self._prev_t: float | None = None
+        # False in a worker of several (exporter/runtime/workers.py): the host's energy is split by every server's
+        # GPU energy, which one worker does not know; its servers then have no host scope
+        self.split_host = True
 
     def _learner(self) -> IdleLearner:
         return IdleLearner(self.cfg.idle_settle_seconds, self.cfg.idle_min_seconds)
@@ -122,7 +125,7 @@ class EnergyLedger:
             gpu = self._sum(self.assignment.by_server.get(n, ()), energy)
             if gpu is not None:
                 out[n]["gpu"] = gpu
-        host = self._sum(host_devices, energy)
+        host = self._sum(host_devices, energy) if self.split_host else None
         if host is not None:
             shares = host_shares(names, {n: out[n]["gpu"][0] if "gpu" in out[n] else None for n in names})
             j, i = host

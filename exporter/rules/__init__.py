@@ -172,6 +172,11 @@ MAX_LABEL_VALUES = Rule(key="max_label_values", default=64, unit="count",
 LONG_WINDOWS_BUILT_PER_TICK = Rule(key="long_windows_built_per_tick", default=16, unit="count",
                                    meaning="servers whose longer windows' figures are rebuilt each tick (the others "
                                            "serve theirs with their age, kvwatt_window_age_seconds)", section="")
+# `kvwatt run` with processes=auto: one process up to this many servers, else ceil(servers / this), each on a core of
+# its own (exporter/runtime/workers.py). A server costs ~1.5 ms of CPU a tick (bench/soak.py, 64 servers x 1 GPU at
+# 1 s): 32 servers keep a worker's tick near 50 ms, half the 100 ms budget of a 1 s interval.
+SERVERS_PER_PROCESS = Rule(key="servers_per_process", default=32, unit="count",
+                           meaning="servers per worker process when `processes` is auto", section="")
 # The host offload buffer's size as the engine states it (vllm:cache_config_info kv_offloading_size,
 # vllm:kv_offload_config_info cpu_kv_cache_size_bytes): at least one KV block of the smallest model (16 tokens x
 # K and V x 64 dimensions x 2 bytes = 4 KiB), at most 1 PiB (2**50 B, hundreds of times the host memory of the

@@ -10,6 +10,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 from exporter import catalog
 from exporter.catalog.bounds import BoundsCheck
@@ -51,6 +52,8 @@ class Daemon:
         self.ticks = 0
         self.error = ""  # the last tick's failure, '' when it succeeded
         self.gc_policy: FreezePolicy | None = None  # `kvwatt run` sets it (service.tune_runtime)
+        # a worker of several (exporter/runtime/workers.py) hands each published tick to the parent
+        self.on_publish: Callable[[Published], None] | None = None
         self._stop = asyncio.Event()
 
     @property
@@ -66,6 +69,8 @@ class Daemon:
         snap = self.bounds.apply(self.model.snapshot())  # the one check, before anything is served
         self.published = Published(snap, exposition(snap, self.cfg.metrics_opt_in))
         self.last_tick_t, self.ticks = tick.t, self.ticks + 1
+        if self.on_publish is not None:
+            self.on_publish(self.published)
         if self.gc_policy is not None:
             self.gc_policy.after_tick(tick.t)
         return snap

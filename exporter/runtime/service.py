@@ -21,6 +21,7 @@ from exporter.runtime.daemon import Daemon
 from exporter.runtime.gcpolicy import FreezePolicy
 from exporter.runtime.sampler import Sampler
 from exporter.runtime.statedir import open_state_dir
+from exporter.runtime.workers import Supervisor, processes_for
 from exporter.serve.web import WebLimits, start_web
 from exporter.serve.webconfig import WebConfig
 
@@ -62,6 +63,10 @@ async def serve(cfg: Config, limits: WebLimits | None = None, web_config: WebCon
     state = open_state_dir(cfg.state_dir)  # locked for the daemon's life; never fatal (exporter.runtime.statedir)
     try:
         cfg = replace(cfg, state_dir=state.path)
+        processes = processes_for(cfg)
+        if processes > 1:
+            await _serve_workers(cfg, processes, limits, web_config, telemetry_path, notes)
+            return
         book = BaselineBook(state.path, cfg.idle_power_watts, read_only_reason=state.reason)
         refs = ReferenceBook(state.path, time.time, read_only_reason=state.reason)
         daemon = Daemon(cfg, sampler=sampler, model=Model(cfg, book=book, references=refs))
@@ -90,3 +95,30 @@ async def serve(cfg: Config, limits: WebLimits | None = None, web_config: WebCon
     finally:
         state.close()
     log.info("kvwatt stopped")
+
+
+async def _serve_workers(cfg: Config, processes: int, limits: WebLimits | None, web_config: WebConfig | None,
+                         telemetry_path: str, notes: tuple[str, ...]) -> None:
+    """`kvwatt run` with several processes (exporter/runtime/workers.py): the workers derive, this process serves
+    their merged /metrics and /api/status until SIGTERM or SIGINT, then stops them (no orphan)."""
+    sup = Supervisor(cfg, processes)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        runner = await start_web(sup, cfg.host, cfg.port, limits or WebLimits(), web_config, telemetry_path)
+    except OSError as e:
+        raise CannotListen(e.strerror or str(e)) from e
+    log.info("%s listening on %s%s (%s), watching %s", build_info().line(), cfg.listen, telemetry_path,
+             web_config.describe() if web_config else "http, no auth",
+             ", ".join(shown_server(s) for s in cfg.servers))
+    for note in notes:
+        log.info("%s", note)
+    sup.start()
+    log.info("%d worker processes: %s", len(sup.workers), sup.describe())
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+        await loop.run_in_executor(None, sup.stop)

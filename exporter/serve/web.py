@@ -227,7 +227,9 @@ class Views:
             body = self.body.get(which)
             if body is None:
                 if self._status is None:
-                    self._status = status_json(self.snapshot)
+                    # several worker processes (exporter/runtime/workers.py): their own /api/status, merged
+                    merged = getattr(self.snapshot, "merged_status", None)
+                    self._status = status_json(self.snapshot) if merged is None else merged()
                 text = (json.dumps(self._status, indent=2, allow_nan=False) if which == "status"
                         else page.render(self._status, self.telemetry_path))
                 body = self.body[which] = text.encode("utf-8")

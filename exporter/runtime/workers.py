@@ -1,0 +1,454 @@
+"""A process per group of servers (the setting ``processes``; docs/architecture.md "Ticks", "Serving").
+
+A node watching many servers costs ~1.5 ms of CPU per server and tick, under the GIL: 64 servers at 1 s took
+105-118 ms p50 of one core (bench/soak.py). With K > 1 processes, `kvwatt run` starts K workers, each a whole
+Daemon (sources -> store -> derive -> figures -> its own text exposition) over its group of servers, on a core of
+its own; the parent only serves. After each tick a worker hands the parent its rendered /metrics text and its
+/api/status JSON through a pipe; the parent merges them (``merge_texts``, ``merge_status``), never recomputes.
+
+- Groups (``groups``): contiguous in the configured order, balanced by count; a server and its
+  ``pair_off_server`` peer are one unit (paired dE reads the peer's history), never split.
+- Host-wide sources: RAPL and the GPUs no server lists are read by group 0 only; every other GPU by the group
+  of the server that lists it (``GroupGpus``), so no device series is doubled. The host's (RAPL) energy is split
+  across servers by their GPUs' energy in the tick, which no worker knows for the others' servers: with K > 1
+  it is attributed to no server (the host scope of the per-server figures is absent) rather than to group 0's.
+- Merge: families by name, HELP/TYPE once, samples in group order; the same label set from several workers is
+  summed for a counter (kvwatt_figures_rejected_total, process_cpu_seconds_total) and taken from the first
+  worker (group 0, the host-wide sources' owner) for anything else.
+- A worker that dies, or sends nothing for ``stall_seconds``: its servers read kvwatt_source_up 0 with
+  kvwatt_source_info reason ``worker_down`` (never a frozen copy of its last figures), logged once; the worker is
+  started again (killed first when it stalled).
+- Spawn, not fork: the parent runs an event loop with threads (the render pool, aiohttp's resolver, the pipe
+  readers); a fork copies whatever locks those threads held, and a worker is restarted from that running
+  parent. A spawned worker imports kvwatt afresh (~0.5 s, ~40 MiB).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import multiprocessing
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass, replace
+from typing import Any, Sequence
+
+from exporter import rules
+from exporter.config import Config, ServerConfig
+from exporter.model.attribution import assign_gpus
+
+log = logging.getLogger("kvwatt.workers")
+
+SPAWN = multiprocessing.get_context("spawn")
+WORKER_DOWN = "worker_down"
+RESTART_DELAY_SECONDS = 1.0
+
+
+def processes_for(cfg: Config) -> int:
+    """How many processes `kvwatt run` uses: the configured number (at most one per server), or with
+    ``auto`` one up to rules.SERVERS_PER_PROCESS servers, else ceil(servers / that)."""
+    n = len(cfg.servers)
+    if cfg.processes == "auto":
+        per = int(rules.SERVERS_PER_PROCESS.default)
+        k = 1 if n <= per else math.ceil(n / per)
+    else:
+        k = int(cfg.processes)
+    return max(1, min(k, len(units(cfg.servers))))
+
+
+def units(servers: Sequence[ServerConfig]) -> list[list[ServerConfig]]:
+    """The servers in configured order, a server and its pair_off_server peer (transitively) in one unit."""
+    index = {s.name: i for i, s in enumerate(servers)}
+    parent = list(range(len(servers)))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    for i, s in enumerate(servers):
+        if s.pair_off_server in index:
+            a, b = root(i), root(index[s.pair_off_server])
+            parent[max(a, b)] = min(a, b)
+    out: dict[int, list[ServerConfig]] = {}
+    for i, s in enumerate(servers):
+        out.setdefault(root(i), []).append(s)
+    return list(out.values())
+
+
+def groups(servers: Sequence[ServerConfig], k: int) -> list[tuple[ServerConfig, ...]]:
+    """At most ``k`` groups (one per unit at most), contiguous in configured order, balanced by count: a unit
+    opens the next group once the current one holds its share of the servers (or the groups after it need
+    every unit left)."""
+    us = units(servers)
+    k = max(1, min(k, len(us)))
+    n = len(servers)
+    out: list[list[ServerConfig]] = [[] for _ in range(k)]
+    g = placed = 0
+    for i, unit in enumerate(us):
+        if out[g] and g < k - 1 and (placed + len(unit) / 2 > n * (g + 1) / k or len(us) - i <= k - 1 - g):
+            g += 1
+        out[g] += unit
+        placed += len(unit)
+    return [tuple(x) for x in out]
+
+
+class GroupGpus:
+    """An NVML source seen by one group: the readings of the GPUs its servers list (over every configured
+    server's lists, exporter.model.attribution.assign_gpus), and those no server lists when ``shared``."""
+
+    def __init__(self, source: Any, servers: Sequence[ServerConfig], mine: Sequence[str], shared: bool) -> None:
+        self.source, self.servers, self.mine, self.shared = source, tuple(servers), set(mine), shared
+
+    def read(self, t: float, deadline_seconds: float | None = None):
+        status, readings = self.source.read(t, deadline_seconds=deadline_seconds)
+        a = assign_gpus(self.servers, readings)
+        keep = {d for name, devs in a.by_server.items() if name in self.mine for d in devs}
+        if self.shared:
+            keep |= set(a.unassigned)
+        return status, [r for r in readings if r.kind != "gpu" or r.device in keep]
+
+    def close(self) -> None:
+        close = getattr(self.source, "close", None)
+        if close:
+            close()
+
+
+class NotRead:
+    """RAPL in a worker other than group 0: not read here (group 0 reads it), no device."""
+
+    def read(self, t: float):
+        from exporter.samples import SourceStatus
+
+        return SourceStatus(source="rapl", server="", up=False, reason="absent: read by worker 0", duration_seconds=0.0,
+                            state="down"), []
+
+
+# --- the worker -------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerSpec:
+    """What a worker needs: the whole configuration, its group's server names, its index, how many there are."""
+
+    cfg: Config
+    names: tuple[str, ...]
+    index: int
+    count: int
+
+
+def worker_state_dir(state_dir: str, index: int, count: int) -> str:
+    return os.path.join(state_dir, "workers", f"{index + 1}-of-{count}")
+
+
+def worker_main(spec: WorkerSpec, conn) -> None:
+    """The worker process' entry (spawned): a Daemon over its group until SIGTERM or the parent is gone."""
+    from exporter.runtime import logsetup
+
+    logsetup.setup(spec.cfg.log_level, spec.cfg.log_format)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C reaches the whole group: the parent stops the workers
+    try:
+        asyncio.run(_worker(spec, conn))
+    except KeyboardInterrupt:
+        pass
+
+
+async def _worker(spec: WorkerSpec, conn) -> None:
+    from exporter.idle.baseline import BaselineBook
+    from exporter.model import Model
+    from exporter.model.reference_book import ReferenceBook
+    from exporter.runtime.daemon import Daemon
+    from exporter.runtime.sampler import Sampler
+    from exporter.runtime.service import tune_runtime
+    from exporter.runtime.statedir import open_state_dir
+    from exporter.serve.web import status_json
+    from exporter.sources.nvml import NvmlSource
+    from exporter.sources.rapl import RaplSource
+
+    full = spec.cfg
+    mine = [s for s in full.servers if s.name in spec.names]
+    state = open_state_dir(worker_state_dir(full.state_dir, spec.index, spec.count))
+    try:
+        cfg = replace(full, servers=tuple(mine), state_dir=state.path)
+        nvml = GroupGpus(NvmlSource(cfg.nvml_enabled), full.servers, spec.names, shared=spec.index == 0)
+        rapl = RaplSource(cfg.powercap_root) if spec.index == 0 else NotRead()
+        book = BaselineBook(state.path, cfg.idle_power_watts, read_only_reason=state.reason)
+        refs = ReferenceBook(state.path, time.time, read_only_reason=state.reason)
+        model = Model(cfg, book=book, references=refs)
+        model.energy.split_host = False  # no worker knows the others' GPU energy (module docstring)
+        daemon = Daemon(cfg, sampler=Sampler(cfg, nvml=nvml, rapl=rapl), model=model)
+        lock = threading.Lock()
+
+        def hand_over(published) -> None:
+            status = json.dumps(status_json(published.snapshot), separators=(",", ":")).encode("utf-8")
+            with lock:
+                conn.send((spec.index, published.rendered.text, status, daemon.ticks))
+
+        daemon.on_publish = hand_over
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, daemon.stop)
+        threading.Thread(target=_watch_parent, args=(conn, loop, daemon), daemon=True).start()
+        tune_runtime(daemon)
+        await daemon.run_loop()
+    finally:
+        state.close()
+
+
+def _watch_parent(conn, loop, daemon) -> None:
+    """The parent never writes to the pipe: a read returns only when it is closed (the parent is gone)."""
+    try:
+        conn.recv()
+    except (EOFError, OSError):
+        pass
+    loop.call_soon_threadsafe(daemon.stop)
+
+
+# --- the merge --------------------------------------------------------------------------------------------
+
+def _families(text: str) -> list[tuple[str, str, str, list[str]]]:
+    """(name, HELP line, TYPE line, sample lines) of a text exposition written family by family."""
+    out = []
+    for block in ("\n" + text).split("\n# HELP ")[1:]:
+        lines = block.rstrip("\n").split("\n")
+        name = lines[0].split(" ", 1)[0]
+        out.append((name, "# HELP " + lines[0], lines[1], lines[2:]))
+    return out
+
+
+def merge_texts(texts: Sequence[str]) -> str:
+    """One exposition of several workers' (in group order): families by name in first appearance, HELP and
+    TYPE once, samples concatenated; one label set from several workers summed for a counter, else the
+    first worker's."""
+    merged: dict[str, tuple[str, str, list[list[str]]]] = {}
+    for text in texts:
+        for name, help_line, type_line, samples in _families(text):
+            got = merged.get(name)
+            if got is None:
+                merged[name] = (help_line, type_line, [samples])
+            else:
+                got[2].append(samples)
+    out: list[str] = []
+    for name, (help_line, type_line, parts) in merged.items():
+        out += [help_line, type_line]
+        if len(parts) == 1:
+            out += parts[0]
+            continue
+        counter = type_line.endswith(" counter")
+        rows: dict[str, list] = {}
+        for samples in parts:
+            for line in samples:
+                key, _, value = line.rpartition(" ")
+                row = rows.get(key)
+                if row is None:
+                    rows[key] = [value, None]
+                elif counter:
+                    row[1] = (float(row[0]) if row[1] is None else row[1]) + float(value)
+        out += [f"{k} {v if s is None else repr(float(s))}" for k, (v, s) in rows.items()]
+    return "\n".join(out) + "\n" if out else ""
+
+
+def _escape(v: str) -> str:
+    return v.replace("\\", r"\\").replace("\n", r"\n").replace('"', r'\"')
+
+
+def down_text(names: Sequence[str], reason: str) -> str:
+    """What a dead or stalled worker's servers read: source down, with the reason word ``worker_down``."""
+    up = [f'kvwatt_source_up{{server="{_escape(n)}",source="vllm"}} 0.0' for n in names]
+    info = [f'kvwatt_source_info{{reason="{WORKER_DOWN}",server="{_escape(n)}",source="vllm",state="down"}} 1.0'
+            for n in names]
+    return ("# HELP kvwatt_source_up 1 if the last read of this source succeeded, 0 if not (see kvwatt_source_info "
+            "for the reason). server is empty for host-wide sources (nvml, rapl, state_dir: where idle baselines "
+            "persist).\n# TYPE kvwatt_source_up gauge\n" + "\n".join(up) + "\n"
+            "# HELP kvwatt_source_info Why a source is down or degraded: " + reason.replace("\n", " ") + "\n"
+            "# TYPE kvwatt_source_info gauge\n" + "\n".join(info) + "\n")
+
+
+def down_status(names: Sequence[str], reason: str) -> list[dict]:
+    return [{"server": n, "up": False, "state": "down", "reason_code": WORKER_DOWN, "reason": reason, "windows": {}}
+            for n in names]
+
+
+def merge_status(statuses: Sequence[dict | None], downs: Sequence[list[dict] | None], order: Sequence[str]) -> dict:
+    """One /api/status of the workers' (group order): servers in configured order, the rest from group 0."""
+    first = next((s for s in statuses if s is not None), None)
+    out = dict(first) if first is not None else {"servers": [], "sources": []}
+    by_name: dict[str, dict] = {}
+    implausible: list = []
+    for st, down in zip(statuses, downs):
+        for server in (down or []) + ([] if st is None else st.get("servers", [])):
+            by_name.setdefault(server.get("server"), server)
+        if st is not None and down is None:
+            implausible += st.get("implausible", [])
+    out["servers"] = [by_name[n] for n in order if n in by_name]
+    if "implausible" in out:
+        out["implausible"] = implausible
+    return out
+
+
+# --- the parent -------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class MergedView:
+    """What the parent serves until a worker hands over its next tick: the merged text (as an Exposition) and
+    the workers' /api/status, merged on the first request that asks (exporter/serve/web.py, Views)."""
+
+    rendered: Any  # exporter.serve.exposition.Exposition
+    statuses: tuple
+    downs: tuple
+    order: tuple[str, ...]
+
+    @property
+    def snapshot(self) -> "MergedView":
+        return self
+
+    def merged_status(self) -> dict:
+        return merge_status([None if s is None else json.loads(s) for s in self.statuses], self.downs, self.order)
+
+
+class _Worker:
+    def __init__(self, spec: WorkerSpec) -> None:
+        self.spec = spec
+        self.process: Any = None
+        self.conn: Any = None
+        self.text = ""
+        self.status: bytes | None = None
+        self.last_at = 0.0  # monotonic time of its last hand-over (or start)
+        self.down_reason = ""  # '' while it hands over its ticks
+        self.generation = 0
+
+
+class Supervisor:
+    """The parent's side: starts the workers, reads their hand-overs (a thread per pipe), merges, restarts a
+    worker that died or stalled. Its ``published`` and ``healthy`` are what exporter.serve.web reads."""
+
+    def __init__(self, cfg: Config, k: int, stall_seconds: float | None = None) -> None:
+        self.cfg = cfg
+        parts = groups(cfg.servers, k)
+        self.workers = [_Worker(WorkerSpec(cfg=cfg, names=tuple(s.name for s in g), index=i, count=len(parts)))
+                        for i, g in enumerate(parts)]
+        self.order = tuple(s.name for s in cfg.servers)
+        self.stall_seconds = stall_seconds if stall_seconds is not None else max(5 * cfg.interval_seconds, 10.0)
+        self.published: MergedView | None = None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.restarts = 0
+
+    @property
+    def snapshot(self):
+        p = self.published
+        return None if p is None else p.snapshot
+
+    def describe(self) -> str:
+        return "; ".join(f"worker {w.spec.index + 1}: {', '.join(w.spec.names)}" for w in self.workers)
+
+    def start(self) -> None:
+        for w in self.workers:
+            self._start(w)
+        threading.Thread(target=self._watch, name="kvwatt-workers", daemon=True).start()
+
+    def _start(self, w: _Worker) -> None:
+        parent_end, child_end = SPAWN.Pipe()
+        w.process = SPAWN.Process(target=worker_main, args=(w.spec, child_end), daemon=True,
+                                  name=f"kvwatt-worker-{w.spec.index + 1}")
+        w.process.start()
+        child_end.close()
+        w.conn, w.last_at, w.generation = parent_end, time.monotonic(), w.generation + 1
+        log.info("worker %d started (pid %d): %s", w.spec.index + 1, w.process.pid, ", ".join(w.spec.names))
+        threading.Thread(target=self._read, args=(w, parent_end, w.generation), daemon=True,
+                         name=f"kvwatt-worker-{w.spec.index + 1}-pipe").start()
+
+    def _read(self, w: _Worker, conn, generation: int) -> None:
+        while not self._stop.is_set():
+            try:
+                _, text, status, _ticks = conn.recv()
+            except (EOFError, OSError):
+                return
+            with self._lock:
+                if w.generation != generation:
+                    return
+                w.text, w.status, w.last_at = text.decode("utf-8"), status, time.monotonic()
+                if w.down_reason:
+                    log.info("worker %d (%s) is back", w.spec.index + 1, ", ".join(w.spec.names))
+                    w.down_reason = ""
+                self._merge()
+
+    def _merge(self) -> None:
+        """Called holding the lock, after any worker's hand-over or change of health."""
+        from exporter.serve.exposition import Exposition
+
+        texts = [down_text(w.spec.names, w.down_reason) if w.down_reason else w.text for w in self.workers]
+        text = merge_texts([t for t in texts if t])
+        self.published = MergedView(
+            rendered=Exposition.lazy(text.encode("utf-8"), lambda: _parse(text)),
+            statuses=tuple(None if w.down_reason else w.status for w in self.workers),
+            downs=tuple(down_status(w.spec.names, w.down_reason) if w.down_reason else None for w in self.workers),
+            order=self.order)
+
+    def _watch(self) -> None:
+        """Once a second: a worker that exited or handed nothing over for stall_seconds is down (logged once,
+        its servers read down) and started again."""
+        while not self._stop.wait(RESTART_DELAY_SECONDS):
+            for w in self.workers:
+                self.check(w)
+
+    def check(self, w: _Worker) -> None:
+        now = time.monotonic()
+        dead = not w.process.is_alive()
+        stalled = now - w.last_at > self.stall_seconds
+        if not (dead or stalled) or self._stop.is_set():
+            return
+        why = (f"worker process {w.spec.index + 1} exited ({_exit(w.process.exitcode)})" if dead else
+               f"worker process {w.spec.index + 1} handed over no tick for {now - w.last_at:.0f}s")
+        with self._lock:
+            log.warning("%s: its servers (%s) read down; starting it again", why, ", ".join(w.spec.names))
+            w.down_reason = why
+            w.generation += 1  # its pipe reader stops
+            self._merge()
+        self._end(w)
+        self.restarts += 1
+        self._start(w)
+
+    def _end(self, w: _Worker, grace_seconds: float = 5.0) -> None:
+        p = w.process
+        if p.is_alive():
+            p.terminate()
+            p.join(grace_seconds)
+            if p.is_alive():
+                p.kill()
+        p.join(grace_seconds)
+        try:
+            w.conn.close()
+        except OSError:
+            pass
+
+    def stop(self) -> None:
+        """SIGTERM to every worker, a kill after 5 s, and wait for them: no orphan."""
+        self._stop.set()
+        for w in self.workers:
+            if w.process is not None and w.process.is_alive():
+                w.process.terminate()
+        for w in self.workers:
+            if w.process is not None:
+                self._end(w)
+
+    def healthy(self) -> bool:
+        p = self.published
+        return p is not None and not any(w.down_reason for w in self.workers) and \
+            all(time.monotonic() - w.last_at < self.stall_seconds for w in self.workers)
+
+
+def _exit(code: int | None) -> str:
+    if code is None:
+        return "exit status unknown"
+    return f"killed by signal {-code}" if code < 0 else f"exit status {code}"
+
+
+def _parse(text: str) -> list:
+    """The families of a merged text (only for the forms other than the text format, or a name[] subset)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return list(text_string_to_metric_families(text))
