@@ -48,11 +48,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _support import percentile, rss_mib, start_scrape, summary  # noqa: E402
+from _support import cpu_seconds, percentile, rss_mib, start_scrape, summary  # noqa: E402
 from bench_derive import T0, WALL0, Workload  # noqa: E402
 
 from exporter.config import Config, ServerConfig  # noqa: E402
 from exporter.model import Model  # noqa: E402
+from exporter.runtime import workers  # noqa: E402
 from exporter.runtime.daemon import Daemon  # noqa: E402
 from exporter.runtime.service import tune_runtime  # noqa: E402
 from exporter.samples import DeviceReading, SourceStatus, Tick  # noqa: E402
@@ -103,15 +104,17 @@ class GcTimer:
 class SoakWorkload(Workload):
     """bench_derive's load pattern, ``gpus`` counter GPUs per server, at ``interval`` seconds per tick."""
 
-    def __init__(self, servers: int, gpus: int, interval: float) -> None:
+    def __init__(self, servers: int, gpus: int, interval: float, indices: list[int] | None = None) -> None:
         super().__init__(servers)
         self.gpus, self.interval = gpus, interval
+        self.indices = list(range(servers)) if indices is None else indices  # a worker's group (--processes)
         self.gpu_joules = [[1000.0 * (i * gpus + g + 1) for g in range(gpus)] for i in range(servers)]
 
     def tick(self, t: float) -> Tick:
         servers, devices = {}, []
         dt = self.interval
-        for i, name in enumerate(self.names):
+        for i in self.indices:
+            name = self.names[i]
             servers[name], x = self.server_read(i, t, dt)
             watts = 80.0 + 500.0 * x
             for g in range(self.gpus):
@@ -127,13 +130,18 @@ class SoakWorkload(Workload):
         return Tick(t, servers, statuses, tuple(devices))
 
 
-def build(args, tmp: str) -> tuple[Daemon, list[float]]:
+def soak_config(args, tmp: str, indices: list[int] | None = None) -> Config:
+    indices = range(args.servers) if indices is None else indices
+    return Config(servers=tuple(ServerConfig(f"s{i}", f"http://127.0.0.1:{9000 + i}",
+                                             gpus=tuple(str(i * args.gpus + g) for g in range(args.gpus)))
+                                for i in indices),
+                  windows_seconds=args.windows, interval_seconds=args.interval,
+                  state_dir=str(Path(tmp) / "state"), powercap_root=str(Path(tmp) / "no-powercap"))
+
+
+def build(args, tmp: str, indices: list[int] | None = None) -> tuple[Daemon, list[float]]:
     clock = [T0]
-    cfg = Config(servers=tuple(ServerConfig(f"s{i}", f"http://127.0.0.1:{9000 + i}",
-                                            gpus=tuple(str(i * args.gpus + g) for g in range(args.gpus)))
-                               for i in range(args.servers)),
-                 windows_seconds=args.windows, interval_seconds=args.interval,
-                 state_dir=str(Path(tmp) / "state"), powercap_root=str(Path(tmp) / "no-powercap"))
+    cfg = soak_config(args, tmp, indices)
     model = Model(cfg, wall_clock=lambda: WALL0 + clock[0] - T0)
     return Daemon(cfg, sampler=_NoSampler(), model=model), clock
 
@@ -142,11 +150,13 @@ class _NoSampler:
     """The ticks come from the workload; the daemon's own Sampler is never started."""
 
 
-def fill(daemon: Daemon, clock: list[float], work: SoakWorkload, ticks: int, args, gct: GcTimer) -> float:
+def fill(daemon: Daemon, clock: list[float], work: SoakWorkload, ticks: int, args, gct: GcTimer,
+         quiet: bool = False) -> float:
     every5 = max(1, int(round(300 / args.interval)))
     start = time.perf_counter()
-    print(f"fill: {ticks} ticks of {args.interval} s ({ticks * args.interval / 60:.0f} simulated minutes)")
-    print(f"  {'minutes':>7}  {'intervals/server':>16}  {'RSS MiB':>8}  {'GC max ms':>9}  load")
+    if not quiet:
+        print(f"fill: {ticks} ticks of {args.interval} s ({ticks * args.interval / 60:.0f} simulated minutes)")
+        print(f"  {'minutes':>7}  {'intervals/server':>16}  {'RSS MiB':>8}  {'GC max ms':>9}  load")
     for k in range(ticks):
         clock[0] = T0 + k * args.interval
         tick = work.tick(clock[0])
@@ -154,7 +164,7 @@ def fill(daemon: Daemon, clock: list[float], work: SoakWorkload, ticks: int, arg
             daemon.step(tick)
         else:
             daemon.model.ingest(tick)
-        if (k + 1) % every5 == 0 or k + 1 == ticks:
+        if not quiet and ((k + 1) % every5 == 0 or k + 1 == ticks):
             n = len(daemon.model.servers["s0"].history.intervals)
             print(f"  {(k + 1) * args.interval / 60:7.0f}  {n:16d}  {rss_mib(os.getpid()):8.1f}  "
                   f"{gct.longest():9.1f}  {load()}", flush=True)
@@ -207,6 +217,134 @@ def cyclic_garbage() -> int:
     return n
 
 
+# --- --processes K > 1: a worker process per group of servers (exporter/runtime/workers.py) ------------------
+
+def soak_worker(spec, conn) -> None:
+    """A worker's soak (spawned by exporter.runtime.workers.Supervisor): its group's Daemon filled with the hour,
+    then ticks at the real pace handing each one to the parent (workers.hand_over, as `kvwatt run` does) until the
+    parent's stop file; its tick times, collections and RSS written to result-<index>.json."""
+    import json
+    import logging
+
+    logging.getLogger("kvwatt").setLevel(logging.ERROR)  # the synthetic load's findings, as in the one-process soak
+    tmp = str(Path(spec.cfg.state_dir).parent)
+    args = argparse.Namespace(**json.loads((Path(tmp) / "args.json").read_text()))
+    args.windows = tuple(args.windows)
+    indices = [int(n[1:]) for n in spec.names]
+    wtmp = Path(tmp) / f"worker-{spec.index}"
+    wtmp.mkdir(exist_ok=True)
+    daemon, clock = build(args, str(wtmp), indices)
+    daemon.model.energy.split_host = False
+    if not args.untuned:
+        tune_runtime(daemon)
+    gct = GcTimer()
+    gc.callbacks.append(gct)
+    work = SoakWorkload(args.servers, args.gpus, args.interval, indices)
+    keep = daemon.model.servers[spec.names[0]].history.max_age_seconds
+    seconds = args.fill_seconds if args.fill_seconds is not None else keep + 300
+    ticks = int(math.ceil(seconds / args.interval))
+    fill_s = fill(daemon, clock, work, ticks, args, gct, quiet=True)
+    rss_plateau, fill_gc = rss_mib(os.getpid()), gct.longest()
+    print(f"worker {spec.index + 1} ({len(indices)} servers): fill {fill_s:.0f} s, RSS at the plateau "
+          f"{rss_plateau:.1f} MiB ({load()})", flush=True)
+    gct.reset()
+    daemon.on_publish = workers.hand_over(conn, spec.index, daemon)
+    steps, cpu = [], []
+    stop, k, t_start = Path(tmp) / "stop", ticks, time.perf_counter()
+    while not stop.exists() and time.perf_counter() - t_start < 4 * args.measure + 300:
+        due = t_start + (k - ticks) * args.interval
+        time.sleep(max(0.0, due - time.perf_counter()))
+        clock[0] = T0 + k * args.interval
+        tick = work.tick(clock[0])
+        a = time.perf_counter()
+        cpu.append(_timed_step(daemon, tick))  # on_publish included: the hand-over is the worker's work
+        steps.append((time.perf_counter() - a) * 1e3)
+        k += 1
+    out = {"index": spec.index, "servers": len(indices), "ticks": len(steps), "step": summary(steps),
+           "step_cpu": summary(cpu), "gc_pause_max_ms": round(max(fill_gc, gct.longest()), 2),
+           "gc_pause_max_cpu_ms": round(gct.longest_cpu(), 2), "gc_measure": gct.report(),
+           "rss_plateau_mib": round(rss_plateau, 1), "rss_end_mib": round(rss_mib(os.getpid()), 1)}
+    atomic_text(Path(tmp) / f"result-{spec.index}.json", json.dumps(out))
+
+
+def atomic_text(path: Path, text: str) -> None:
+    part = path.with_suffix(".part")
+    part.write_text(text)
+    os.replace(part, path)
+
+
+async def measure_processes(args, k: int, tmp: str) -> dict:
+    """The parent: the workers (Supervisor with soak_worker), the real web app serving their merged /metrics,
+    scraped at 10 Hz for --measure seconds once every worker hands over its ticks."""
+    import json
+
+    cfg = soak_config(args, tmp)
+    (Path(tmp) / "args.json").write_text(json.dumps({**vars(args), "windows": list(args.windows)}))
+    sup = workers.Supervisor(cfg, k, stall_seconds=1e9, target=soak_worker)
+    gct = GcTimer()
+    gc.callbacks.append(gct)
+    runner = await start_web(sup, "127.0.0.1", 0)
+    port = runner.addresses[0][1]
+    sup.start()
+    print(f"{len(sup.workers)} worker processes: {sup.describe()}", flush=True)
+    while not all(w.text for w in sup.workers):
+        await asyncio.sleep(0.5)
+        dead = [w for w in sup.workers if not w.process.is_alive()]
+        if dead:
+            raise SystemExit(f"worker {dead[0].spec.index + 1} exited ({dead[0].process.exitcode})")
+    gct.reset()
+    cpu0 = cpu_seconds(os.getpid())
+    scraper = start_scrape(f"http://127.0.0.1:{port}", args.measure, 10.0, 1.0)
+    out, _ = await asyncio.get_running_loop().run_in_executor(None, scraper.communicate)
+    parent_cpu = cpu_seconds(os.getpid()) - cpu0
+    rss = {"parent": round(rss_mib(os.getpid()), 1)}
+    rss.update({f"worker{w.spec.index + 1}": round(rss_mib(w.process.pid), 1) for w in sup.workers})
+    (Path(tmp) / "stop").write_text("")
+    results = []
+    for w in sup.workers:
+        path = Path(tmp) / f"result-{w.spec.index}.json"
+        while not path.exists() and w.process.is_alive():
+            await asyncio.sleep(0.2)
+        results.append(json.loads(path.read_text()))
+    gc.callbacks.remove(gct)
+    await runner.cleanup()
+    await asyncio.get_running_loop().run_in_executor(None, sup.stop)
+    scraped = json.loads(out)
+    return {"metrics": summary(scraped["/metrics"]), "metrics_bytes": scraped["metrics_bytes"],
+            "errors": scraped["errors"], "workers": results, "rss_mib": rss,
+            "rss_sum_mib": round(sum(rss.values()), 1), "parent_cpu_ms_per_second": round(
+                parent_cpu * 1e3 / args.measure, 1), "parent_gc_pause_max_ms": round(gct.longest(), 2)}
+
+
+def main_processes(args, k: int) -> dict:
+    with tempfile.TemporaryDirectory(prefix="kvwatt-soak-") as tmp:
+        (Path(tmp) / "state").mkdir()
+        print(f"{args.servers} servers x {args.gpus} GPUs, interval {args.interval} s, windows {args.windows}, "
+              f"{k} worker processes; {load()}", flush=True)
+        got = asyncio.run(measure_processes(args, k, tmp))
+    for w in got["workers"]:
+        print(f"  worker {w['index'] + 1} ({w['servers']} servers, {w['ticks']} ticks): tick CPU {w['step_cpu']}, "
+              f"wall {w['step']}; GC max {w['gc_pause_max_ms']} ms (CPU {w['gc_pause_max_cpu_ms']} ms); RSS "
+              f"plateau {w['rss_plateau_mib']} MiB, end {w['rss_end_mib']} MiB")
+    print(f"  parent: merged /metrics {got['metrics']} ({got['metrics_bytes']} bytes, {got['errors']} errors); "
+          f"CPU {got['parent_cpu_ms_per_second']} ms/s; GC max {got['parent_gc_pause_max_ms']} ms; "
+          f"RSS {got['rss_mib']} (sum {got['rss_sum_mib']} MiB); {load()}")
+    result = {**got, "step_cpu_p99_ms": max(w["step_cpu"]["p99_ms"] for w in got["workers"]),
+              "step_p99_ms": max(w["step"]["p99_ms"] for w in got["workers"]),
+              "gc_pause_max_ms": max([w["gc_pause_max_ms"] for w in got["workers"]] + [got["parent_gc_pause_max_ms"]]),
+              "metrics_p99_ms": got["metrics"]["p99_ms"],
+              "rss_plateau_mib": max(w["rss_end_mib"] for w in got["workers"])}
+    targets = dict(TARGETS_64 if args.servers >= 64 else TARGETS)
+    targets.pop("step_p99_ms", None)
+    targets["step_cpu_p99_ms"] = 100.0
+    for key, target in targets.items():
+        v = result[key]
+        print(f"  {key}: {v} (target < {target:g}{'; the largest process' if key == 'rss_plateau_mib' else ''}) "
+              f"{'ok' if v < target else 'OVER'}")
+    print(f"  RSS of every process together: {result['rss_sum_mib']} MiB")
+    return result
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--servers", type=int, default=8)
@@ -225,8 +363,15 @@ def main(argv=None) -> dict:
     ap.add_argument("--no-freeze-policy", action="store_true",
                     help="tune_runtime() without the daemon's FreezePolicy (the start-up objects frozen only, as "
                          "before the policy): to compare")
+    ap.add_argument("--processes", type=int, default=None,
+                    help="worker processes, each a group of servers (exporter/runtime/workers.py); default: what "
+                         "`kvwatt run` would choose (processes: auto)")
     args = ap.parse_args(argv)
     args.windows = tuple(float(w) for w in args.windows.split(","))
+    k = args.processes if args.processes is not None else \
+        workers.processes_for(soak_config(args, tempfile.gettempdir()))
+    if k > 1:
+        return main_processes(args, k)
     gct = GcTimer()
     rss0 = rss_mib(os.getpid())
     with tempfile.TemporaryDirectory(prefix="kvwatt-soak-") as tmp:

@@ -165,7 +165,6 @@ async def _worker(spec: WorkerSpec, conn) -> None:
     from exporter.runtime.sampler import Sampler
     from exporter.runtime.service import tune_runtime
     from exporter.runtime.statedir import open_state_dir
-    from exporter.serve.web import status_json
     from exporter.sources.nvml import NvmlSource
     from exporter.sources.rapl import RaplSource
 
@@ -181,14 +180,7 @@ async def _worker(spec: WorkerSpec, conn) -> None:
         model = Model(cfg, book=book, references=refs)
         model.energy.split_host = False  # no worker knows the others' GPU energy (module docstring)
         daemon = Daemon(cfg, sampler=Sampler(cfg, nvml=nvml, rapl=rapl), model=model)
-        lock = threading.Lock()
-
-        def hand_over(published) -> None:
-            status = json.dumps(status_json(published.snapshot), separators=(",", ":")).encode("utf-8")
-            with lock:
-                conn.send((spec.index, published.rendered.text, status, daemon.ticks))
-
-        daemon.on_publish = hand_over
+        daemon.on_publish = hand_over(conn, spec.index, daemon)
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGTERM, daemon.stop)
         threading.Thread(target=_watch_parent, args=(conn, loop, daemon), daemon=True).start()
@@ -196,6 +188,21 @@ async def _worker(spec: WorkerSpec, conn) -> None:
         await daemon.run_loop()
     finally:
         state.close()
+
+
+def hand_over(conn, index: int, daemon):
+    """Daemon.on_publish of a worker: its text exposition (as rendered for its own scrape) and its /api/status JSON,
+    sent to the parent at each tick (~1 MB for 32 servers: a memory copy through the pipe)."""
+    from exporter.serve.web import status_json
+
+    lock = threading.Lock()
+
+    def send(published) -> None:
+        status = json.dumps(status_json(published.snapshot), separators=(",", ":")).encode("utf-8")
+        with lock:
+            conn.send((index, published.rendered.text, status, daemon.ticks))
+
+    return send
 
 
 def _watch_parent(conn, loop, daemon) -> None:
@@ -325,8 +332,10 @@ class Supervisor:
     """The parent's side: starts the workers, reads their hand-overs (a thread per pipe), merges, restarts a
     worker that died or stalled. Its ``published`` and ``healthy`` are what exporter.serve.web reads."""
 
-    def __init__(self, cfg: Config, k: int, stall_seconds: float | None = None) -> None:
+    def __init__(self, cfg: Config, k: int, stall_seconds: float | None = None, target=None) -> None:
+        """``target``: the workers' entry, worker_main (bench/soak.py gives its own, fed synthetic ticks)."""
         self.cfg = cfg
+        self.target = target if target is not None else worker_main
         parts = groups(cfg.servers, k)
         self.workers = [_Worker(WorkerSpec(cfg=cfg, names=tuple(s.name for s in g), index=i, count=len(parts)))
                         for i, g in enumerate(parts)]
@@ -352,7 +361,7 @@ class Supervisor:
 
     def _start(self, w: _Worker) -> None:
         parent_end, child_end = SPAWN.Pipe()
-        w.process = SPAWN.Process(target=worker_main, args=(w.spec, child_end), daemon=True,
+        w.process = SPAWN.Process(target=self.target, args=(w.spec, child_end), daemon=True,
                                   name=f"kvwatt-worker-{w.spec.index + 1}")
         w.process.start()
         child_end.close()
