@@ -280,7 +280,7 @@ async def measure_processes(args, k: int, tmp: str) -> dict:
 
     cfg = soak_config(args, tmp)
     (Path(tmp) / "args.json").write_text(json.dumps({**vars(args), "windows": list(args.windows)}))
-    sup = workers.Supervisor(cfg, k, stall_seconds=1e9, target=soak_worker)
+    sup = workers.Supervisor(cfg, k, soak_worker, stall_seconds=1e9)
     gct = GcTimer()
     gc.callbacks.append(gct)
     runner = await start_web(sup, "127.0.0.1", 0)

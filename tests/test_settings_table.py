@@ -61,7 +61,7 @@ def test_the_environment_sets_what_the_table_says():
     not in the table: the layer iterates the table)."""
     values = {"listen": "127.0.0.1:1234", "interval_seconds": "2s", "state_dir": "/tmp/x", "powercap_root": "/tmp/p",
               "log_level": "debug", "log_format": "json", "electricity_price": "0.3", "electricity_currency": "eur",
-              "carbon_intensity": "200", "servers": "a=http://127.0.0.1:9"}
+              "carbon_intensity": "200", "servers": "a=http://127.0.0.1:9", "processes": "3"}
     rows = [s for s in settings.ENVIRONMENT if s.attribute is not None]
     assert {s.attribute for s in rows} == set(values)
     for s in rows:

@@ -19,11 +19,23 @@ from exporter.model.reference_book import ReferenceBook
 from exporter.runtime.build import build_info
 from exporter.runtime.daemon import Daemon
 from exporter.runtime.gcpolicy import FreezePolicy
+from exporter.runtime.logsetup import setup as setup_logging
 from exporter.runtime.sampler import Sampler
 from exporter.runtime.statedir import open_state_dir
-from exporter.runtime.workers import Supervisor, processes_for
+from exporter.runtime.workers import (
+    GroupGpus,
+    NotRead,
+    Supervisor,
+    WorkerSpec,
+    hand_over,
+    processes_for,
+    watch_parent,
+    worker_state_dir,
+)
 from exporter.serve.web import WebLimits, start_web
 from exporter.serve.webconfig import WebConfig
+from exporter.sources.nvml import NvmlSource
+from exporter.sources.rapl import RaplSource
 
 log = logging.getLogger("kvwatt")
 
@@ -101,7 +113,7 @@ async def _serve_workers(cfg: Config, processes: int, limits: WebLimits | None, 
                          telemetry_path: str, notes: tuple[str, ...]) -> None:
     """`kvwatt run` with several processes (exporter/runtime/workers.py): the workers derive, this process serves
     their merged /metrics and /api/status until SIGTERM or SIGINT, then stops them (no orphan)."""
-    sup = Supervisor(cfg, processes)
+    sup = Supervisor(cfg, processes, worker_main)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -122,3 +134,36 @@ async def _serve_workers(cfg: Config, processes: int, limits: WebLimits | None, 
     finally:
         await runner.cleanup()
         await loop.run_in_executor(None, sup.stop)
+
+
+def worker_main(spec: WorkerSpec, conn) -> None:
+    """A worker process' entry (spawned by exporter.runtime.workers.Supervisor): a Daemon over its group of
+    servers, handing each tick to the parent, until SIGTERM or the parent is gone."""
+    setup_logging(spec.cfg.log_level, spec.cfg.log_format)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C reaches the whole group: the parent stops the workers
+    try:
+        asyncio.run(_worker(spec, conn))
+    except KeyboardInterrupt:
+        pass
+
+
+async def _worker(spec: WorkerSpec, conn) -> None:
+    full = spec.cfg
+    state = open_state_dir(worker_state_dir(full.state_dir, spec.index, spec.count))
+    try:
+        cfg = replace(full, servers=tuple(s for s in full.servers if s.name in spec.names), state_dir=state.path)
+        nvml = GroupGpus(NvmlSource(cfg.nvml_enabled), full.servers, spec.names, shared=spec.index == 0)
+        rapl = RaplSource(cfg.powercap_root) if spec.index == 0 else NotRead()
+        book = BaselineBook(state.path, cfg.idle_power_watts, read_only_reason=state.reason)
+        refs = ReferenceBook(state.path, time.time, read_only_reason=state.reason)
+        model = Model(cfg, book=book, references=refs)
+        model.energy.split_host = False  # no worker knows the others' GPU energy (exporter/runtime/workers.py)
+        daemon = Daemon(cfg, sampler=Sampler(cfg, nvml=nvml, rapl=rapl), model=model)
+        daemon.on_publish = hand_over(conn, spec.index, daemon)
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, daemon.stop)
+        watch_parent(conn, loop, daemon.stop)
+        tune_runtime(daemon)
+        await daemon.run_loop()
+    finally:
+        state.close()

@@ -25,16 +25,14 @@ its own; the parent only serves. After each tick a worker hands the parent its r
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import math
 import multiprocessing
 import os
-import signal
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 from exporter import rules
@@ -145,51 +143,6 @@ def worker_state_dir(state_dir: str, index: int, count: int) -> str:
     return os.path.join(state_dir, "workers", f"{index + 1}-of-{count}")
 
 
-def worker_main(spec: WorkerSpec, conn) -> None:
-    """The worker process' entry (spawned): a Daemon over its group until SIGTERM or the parent is gone."""
-    from exporter.runtime import logsetup
-
-    logsetup.setup(spec.cfg.log_level, spec.cfg.log_format)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C reaches the whole group: the parent stops the workers
-    try:
-        asyncio.run(_worker(spec, conn))
-    except KeyboardInterrupt:
-        pass
-
-
-async def _worker(spec: WorkerSpec, conn) -> None:
-    from exporter.idle.baseline import BaselineBook
-    from exporter.model import Model
-    from exporter.model.reference_book import ReferenceBook
-    from exporter.runtime.daemon import Daemon
-    from exporter.runtime.sampler import Sampler
-    from exporter.runtime.service import tune_runtime
-    from exporter.runtime.statedir import open_state_dir
-    from exporter.sources.nvml import NvmlSource
-    from exporter.sources.rapl import RaplSource
-
-    full = spec.cfg
-    mine = [s for s in full.servers if s.name in spec.names]
-    state = open_state_dir(worker_state_dir(full.state_dir, spec.index, spec.count))
-    try:
-        cfg = replace(full, servers=tuple(mine), state_dir=state.path)
-        nvml = GroupGpus(NvmlSource(cfg.nvml_enabled), full.servers, spec.names, shared=spec.index == 0)
-        rapl = RaplSource(cfg.powercap_root) if spec.index == 0 else NotRead()
-        book = BaselineBook(state.path, cfg.idle_power_watts, read_only_reason=state.reason)
-        refs = ReferenceBook(state.path, time.time, read_only_reason=state.reason)
-        model = Model(cfg, book=book, references=refs)
-        model.energy.split_host = False  # no worker knows the others' GPU energy (module docstring)
-        daemon = Daemon(cfg, sampler=Sampler(cfg, nvml=nvml, rapl=rapl), model=model)
-        daemon.on_publish = hand_over(conn, spec.index, daemon)
-        loop = asyncio.get_running_loop()
-        loop.add_signal_handler(signal.SIGTERM, daemon.stop)
-        threading.Thread(target=_watch_parent, args=(conn, loop, daemon), daemon=True).start()
-        tune_runtime(daemon)
-        await daemon.run_loop()
-    finally:
-        state.close()
-
-
 def hand_over(conn, index: int, daemon):
     """Daemon.on_publish of a worker: its text exposition (as rendered for its own scrape) and its /api/status JSON,
     sent to the parent at each tick (~1 MB for 32 servers: a memory copy through the pipe)."""
@@ -205,13 +158,18 @@ def hand_over(conn, index: int, daemon):
     return send
 
 
-def _watch_parent(conn, loop, daemon) -> None:
-    """The parent never writes to the pipe: a read returns only when it is closed (the parent is gone)."""
-    try:
-        conn.recv()
-    except (EOFError, OSError):
-        pass
-    loop.call_soon_threadsafe(daemon.stop)
+def watch_parent(conn, loop, stop) -> None:
+    """A worker's thread that calls ``stop`` on ``loop`` once the parent is gone: the parent never writes to the
+    pipe, so a read returns only when it is closed."""
+
+    def wait() -> None:
+        try:
+            conn.recv()
+        except (EOFError, OSError):
+            pass
+        loop.call_soon_threadsafe(stop)
+
+    threading.Thread(target=wait, name="kvwatt-parent", daemon=True).start()
 
 
 # --- the merge --------------------------------------------------------------------------------------------
@@ -332,10 +290,11 @@ class Supervisor:
     """The parent's side: starts the workers, reads their hand-overs (a thread per pipe), merges, restarts a
     worker that died or stalled. Its ``published`` and ``healthy`` are what exporter.serve.web reads."""
 
-    def __init__(self, cfg: Config, k: int, stall_seconds: float | None = None, target=None) -> None:
-        """``target``: the workers' entry, worker_main (bench/soak.py gives its own, fed synthetic ticks)."""
+    def __init__(self, cfg: Config, k: int, target, stall_seconds: float | None = None) -> None:
+        """``target(spec, conn)``: the workers' entry, exporter.runtime.service.worker_main (bench/soak.py gives
+        its own, fed synthetic ticks)."""
         self.cfg = cfg
-        self.target = target if target is not None else worker_main
+        self.target = target
         parts = groups(cfg.servers, k)
         self.workers = [_Worker(WorkerSpec(cfg=cfg, names=tuple(s.name for s in g), index=i, count=len(parts)))
                         for i, g in enumerate(parts)]
