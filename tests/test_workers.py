@@ -14,7 +14,7 @@ import pytest
 
 from exporter.config import Config, ConfigError, ServerConfig
 from exporter.config.values import parse_processes
-from exporter.runtime.workers import down_text, groups, merge_status, merge_texts, processes_for
+from exporter.runtime.workers import Supervisor, down_text, groups, merge_status, merge_texts, processes_for
 from tests.support import vllm_sim as sim
 from tests.support.daemon import KvwattDaemon, parse_exposition
 from tests.support.loopback import FakeVllm
@@ -142,6 +142,9 @@ def test_two_processes_serve_what_one_does_and_a_killed_worker_comes_back(tmp_pa
             assert set(s2) == set(s1) and s2["sources"] == s1["sources"]
             assert set(s2["servers"][2]) == set(s1["servers"][2])
             assert "worker 1: s0, s1, s2; worker 2: s3" in two.log()  # the pair s1-s2 in one group
+            om = two.get("/metrics", headers={"Accept": "application/openmetrics-text; version=1.0.0"})
+            assert om.status_code == 200 and om.text.endswith("# EOF\n") and 'server="s3"' in om.text
+            assert two.get("/healthz").status_code == 200 and 's3' in two.get("/").text
 
             pid = int(re.search(r"worker 2 started \(pid (\d+)\): s3", two.log()).group(1))
             log_before = len(two.log())
@@ -174,3 +177,30 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def _silent_worker(spec, conn) -> None:
+    """A worker that starts and never hands over a tick (a stalled one)."""
+    time.sleep(120)
+
+
+@pytest.mark.slow
+def test_a_stalled_worker_reads_down_with_a_reason_and_is_started_again():
+    sup = Supervisor(Config(servers=_servers(2)), 2, _silent_worker, stall_seconds=1.0)
+    sup.start()
+    first = [w.process for w in sup.workers]
+    try:
+        deadline = time.monotonic() + 20
+        while sup.restarts < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert sup.restarts >= 2
+        got = parse_exposition(sup.published.rendered.text.decode())
+        assert got[("kvwatt_source_up", frozenset({"server": "s1", "source": "vllm"}.items()))] == 0.0
+        status = sup.published.merged_status()
+        assert [s["server"] for s in status["servers"]] == ["s0", "s1"]
+        assert all("handed over no tick" in s["reason"] and not s["up"] for s in status["servers"])
+        assert not sup.healthy()
+        assert not any(p.is_alive() for p in first)  # a stalled worker is ended before its successor starts
+    finally:
+        sup.stop()
+    assert not any(w.process.is_alive() for w in sup.workers)
