@@ -287,6 +287,8 @@ async def measure_processes(args, k: int, tmp: str) -> dict:
     port = runner.addresses[0][1]
     sup.start()
     print(f"{len(sup.workers)} worker processes: {sup.describe()}", flush=True)
+    if not args.untuned:
+        tune_runtime()  # as `kvwatt run`'s parent (exporter/runtime/service.py _serve_workers)
     while not all(w.text for w in sup.workers):
         await asyncio.sleep(0.5)
         dead = [w for w in sup.workers if not w.process.is_alive()]

@@ -129,6 +129,7 @@ async def _serve_workers(cfg: Config, processes: int, limits: WebLimits | None, 
         log.info("%s", note)
     sup.start()
     log.info("%d worker processes: %s", len(sup.workers), sup.describe())
+    tune_runtime()  # the merge runs in the pipe readers' threads: the loop's scrapes wait 0.5 ms for the GIL at most
     try:
         await stop.wait()
     finally:
