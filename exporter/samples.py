@@ -26,6 +26,8 @@ REASON_CODES = frozenset({
     "derivation_failed",
     # the sampler (exporter/runtime/sampler.py)
     "deadline", "error",
+    # the parent of several worker processes (exporter/runtime/workers.py): the worker of this server exited or stalled
+    "worker_down",
     # nvml, rapl
     "disabled", "absent", "permission", "masked", "unreadable", "gpu_lost", "busy",
     # the state directory (exporter/idle/baseline.py, exporter/runtime/statedir.py)

@@ -75,7 +75,7 @@ async def serve(cfg: Config, limits: WebLimits | None = None, web_config: WebCon
     state = open_state_dir(cfg.state_dir)  # locked for the daemon's life; never fatal (exporter.runtime.statedir)
     try:
         cfg = replace(cfg, state_dir=state.path)
-        processes = processes_for(cfg)
+        processes = 1 if sampler is not None else processes_for(cfg)  # `kvwatt demo` brings its own sampler
         if processes > 1:
             await _serve_workers(cfg, processes, limits, web_config, telemetry_path, notes)
             return

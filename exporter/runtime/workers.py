@@ -221,15 +221,16 @@ def _escape(v: str) -> str:
 
 
 def down_text(names: Sequence[str], reason: str) -> str:
-    """What a dead or stalled worker's servers read: source down, with the reason word ``worker_down``."""
+    """What a dead or stalled worker's servers read: source down, with the reason word ``worker_down`` (the
+    details, ``reason``, are in /api/status and the log)."""
+    from exporter import catalog
+
+    helps = {d.name: d.help.replace("\\", r"\\").replace("\n", r"\n") for d in catalog.METRICS}
     up = [f'kvwatt_source_up{{server="{_escape(n)}",source="vllm"}} 0.0' for n in names]
     info = [f'kvwatt_source_info{{reason="{WORKER_DOWN}",server="{_escape(n)}",source="vllm",state="down"}} 1.0'
             for n in names]
-    return ("# HELP kvwatt_source_up 1 if the last read of this source succeeded, 0 if not (see kvwatt_source_info "
-            "for the reason). server is empty for host-wide sources (nvml, rapl, state_dir: where idle baselines "
-            "persist).\n# TYPE kvwatt_source_up gauge\n" + "\n".join(up) + "\n"
-            "# HELP kvwatt_source_info Why a source is down or degraded: " + reason.replace("\n", " ") + "\n"
-            "# TYPE kvwatt_source_info gauge\n" + "\n".join(info) + "\n")
+    return "".join(f"# HELP {name} {helps[name]}\n# TYPE {name} gauge\n" + "\n".join(lines) + "\n"
+                   for name, lines in (("kvwatt_source_up", up), ("kvwatt_source_info", info)))
 
 
 def down_status(names: Sequence[str], reason: str) -> list[dict]:
