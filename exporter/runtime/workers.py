@@ -35,6 +35,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from prometheus_client.utils import floatToGoString
+
 from exporter import rules
 from exporter.config import Config, ServerConfig
 from exporter.model.attribution import assign_gpus
@@ -212,7 +214,7 @@ def merge_texts(texts: Sequence[str]) -> str:
                     rows[key] = [value, None]
                 elif counter:
                     row[1] = (float(row[0]) if row[1] is None else row[1]) + float(value)
-        out += [f"{k} {v if s is None else repr(float(s))}" for k, (v, s) in rows.items()]
+        out += [f"{k} {v if s is None else floatToGoString(s)}" for k, (v, s) in rows.items()]
     return "\n".join(out) + "\n" if out else ""
 
 
