@@ -17,6 +17,7 @@ from exporter.config.values import parse_processes
 from exporter.runtime.workers import Supervisor, down_text, groups, merge_status, merge_texts, processes_for
 from tests.support import vllm_sim as sim
 from tests.support.daemon import KvwattDaemon, parse_exposition
+from tests.support.fake_gpus import FakeGpus
 from tests.support.loopback import FakeVllm
 
 
@@ -108,12 +109,12 @@ def _families(metrics) -> dict[str, set]:
     return out
 
 
-def _run(urls, processes: int, tmp, tag: str) -> KvwattDaemon:
-    config = {"servers": [{"name": n, "url": u, **({"pair_off_server": "s1"} if n == "s2" else {})}
-                          for n, u in urls.items()],
-              "windows": ["30s"], "nvml": False, "state_dir": str(tmp / f"state-{tag}"),
-              "powercap_root": str(tmp / "no-powercap")}
-    return KvwattDaemon(config=config, args=("--processes", str(processes)))
+def _run(urls, processes: int, tmp, tag: str, env: dict) -> KvwattDaemon:
+    gpus = {"s0": ["0"], "s3": ["1"]}  # GPU 2 is no server's: read by group 0 only
+    config = {"servers": [{"name": n, "url": u, **({"pair_off_server": "s1"} if n == "s2" else {}),
+                           **({"gpus": gpus[n]} if n in gpus else {})} for n, u in urls.items()],
+              "windows": ["30s"], "state_dir": str(tmp / f"state-{tag}"), "powercap_root": str(tmp / "no-powercap")}
+    return KvwattDaemon(config=config, args=("--processes", str(processes)), env=env)
 
 
 def _all_up(d: KvwattDaemon, names) -> bool:
@@ -124,16 +125,22 @@ def _all_up(d: KvwattDaemon, names) -> bool:
 def test_two_processes_serve_what_one_does_and_a_killed_worker_comes_back(tmp_path):
     names = ["s0", "s1", "s2", "s3"]
     fakes = [FakeVllm(sim.stable_high_pressure_on(seed=i)) for i in range(4)]
+    gpus = FakeGpus(tmp_path / "gpus.json")
     for f in fakes:
         f.start()
+    fakes[0].attach_gpu(gpus, "GPU-w-0")
+    fakes[3].attach_gpu(gpus, "GPU-w-1")
+    gpus.add("GPU-w-2")
     try:
         urls = {n: f.url for n, f in zip(names, fakes)}
-        with _run(urls, 1, tmp_path, "one") as one, _run(urls, 2, tmp_path, "two") as two:
+        with _run(urls, 1, tmp_path, "one", gpus.env()) as one, _run(urls, 2, tmp_path, "two", gpus.env()) as two:
             for d in (one, two):
                 d.wait_for(lambda d: _all_up(d, names), timeout=40, what="every server up")
             time.sleep(2.5)
             m1, m2 = one.metrics(), two.metrics()
             assert _families(m1) == _families(m2)  # the same families, the same label sets
+            uuids = {dict(lab).get("uuid") for _, lab in m2} - {None}
+            assert uuids == {"GPU-w-0", "GPU-w-1", "GPU-w-2"}  # every GPU once (parse_exposition: no duplicate)
             for key in m1:
                 if key[0] in ("kvwatt_source_up", "kvwatt_figures_rejected_total", "kvwatt_build_info"):
                     assert m2[key] == m1[key], key  # summed over the workers: equal to the one process'
@@ -165,7 +172,11 @@ def test_two_processes_serve_what_one_does_and_a_killed_worker_comes_back(tmp_pa
             children = _children(two.proc.pid)
             assert len(children) >= 2
             assert two.stop() == 0
-            assert not [p for p in children if _alive(p)], "a worker outlived kvwatt"
+            cmdlines = {p: _cmdline(p) for p in children}
+            deadline = time.monotonic() + 5  # multiprocessing's resource tracker ends on its pipe's EOF
+            while [p for p in children if _alive(p)] and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert not [cmdlines[p] for p in children if _alive(p)], "a child outlived kvwatt"
     finally:
         for f in fakes:
             f.close()
@@ -204,3 +215,11 @@ def test_a_stalled_worker_reads_down_with_a_reason_and_is_started_again():
     finally:
         sup.stop()
     assert not any(w.process.is_alive() for w in sup.workers)
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
