@@ -287,6 +287,7 @@ class _Worker:
         self.last_at = 0.0  # monotonic time of its last hand-over (or start)
         self.down_reason = ""  # '' while it hands over its ticks
         self.generation = 0
+        self.failures = 0  # exits or stalls since its last hand-over
 
 
 class Supervisor:
@@ -328,7 +329,8 @@ class Supervisor:
         w.process.start()
         child_end.close()
         w.conn, w.last_at, w.generation = parent_end, time.monotonic(), w.generation + 1
-        log.info("worker %d started (pid %d): %s", w.spec.index + 1, w.process.pid, ", ".join(w.spec.names))
+        (log.debug if w.failures > 1 else log.info)("worker %d started (pid %d): %s", w.spec.index + 1,
+                                                    w.process.pid, ", ".join(w.spec.names))
         threading.Thread(target=self._read, args=(w, parent_end, w.generation), daemon=True,
                          name=f"kvwatt-worker-{w.spec.index + 1}-pipe").start()
 
@@ -345,6 +347,7 @@ class Supervisor:
                 if w.down_reason:
                     log.info("worker %d (%s) is back", w.spec.index + 1, ", ".join(w.spec.names))
                     w.down_reason = ""
+                w.failures = 0
                 self._merge()
 
     def _merge(self) -> None:
@@ -375,8 +378,10 @@ class Supervisor:
         why = (f"worker process {w.spec.index + 1} exited ({_exit(w.process.exitcode)})" if dead else
                f"worker process {w.spec.index + 1} handed over no tick for {now - w.last_at:.0f}s")
         with self._lock:
-            log.warning("%s: its servers (%s) read down; starting it again", why, ", ".join(w.spec.names))
-            w.down_reason = why
+            # once when it goes down; a worker that fails again before handing over a tick is not logged again
+            (log.debug if w.down_reason else log.warning)("%s: its servers (%s) read down; starting it again", why,
+                                                          ", ".join(w.spec.names))
+            w.down_reason, w.failures = why, w.failures + 1
             w.generation += 1  # its pipe reader stops
             self._merge()
         self._end(w)
