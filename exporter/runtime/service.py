@@ -160,10 +160,10 @@ async def _worker(spec: WorkerSpec, conn) -> None:
         model = Model(cfg, book=book, references=refs)
         model.energy.split_host = False  # no worker knows the others' GPU energy (exporter/runtime/workers.py)
         daemon = Daemon(cfg, sampler=Sampler(cfg, nvml=nvml, rapl=rapl), model=model)
-        daemon.on_publish = hand_over(conn, spec.index, daemon)
+        daemon.on_publish = send = hand_over(conn, spec.index, daemon)
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGTERM, daemon.stop)
-        watch_parent(conn, loop, daemon.stop)
+        watch_parent(conn, loop, daemon.stop, send.answer_status)
         tune_runtime(daemon)
         await daemon.run_loop()
     finally:

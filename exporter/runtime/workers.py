@@ -3,8 +3,10 @@
 A node watching many servers costs ~1.5 ms of CPU per server and tick, under the GIL: 64 servers at 1 s took
 105-118 ms p50 of one core (bench/soak.py). With K > 1 processes, `kvwatt run` starts K workers, each a whole
 Daemon (sources -> store -> derive -> figures -> its own text exposition) over its group of servers, on a core of
-its own; the parent only serves. After each tick a worker hands the parent its rendered /metrics text and its
-/api/status JSON through a pipe; the parent merges them (``merge_texts``, ``merge_status``), never recomputes.
+its own; the parent only serves. After each tick a worker hands the parent its rendered /metrics text through a
+pipe, and its /api/status JSON when the parent asks for it (a request for /api/status or the page: ~8 ms of a
+32-server worker's CPU, a quarter of its tick, not spent every tick); the parent merges them (``merge_texts``,
+``merge_status``), never recomputes.
 
 - Groups (``groups``): contiguous in the configured order, balanced by count; a server and its
   ``pair_off_server`` peer are one unit (paired dE reads the peer's history), never split.
@@ -46,6 +48,7 @@ log = logging.getLogger("kvwatt.workers")
 SPAWN = multiprocessing.get_context("spawn")
 WORKER_DOWN = "worker_down"
 RESTART_DELAY_SECONDS = 1.0
+STATUS_TIMEOUT_SECONDS = 2.0  # a worker's answer to a request for its /api/status
 
 
 def processes_for(cfg: Config) -> int:
@@ -145,28 +148,37 @@ def worker_state_dir(state_dir: str, index: int, count: int) -> str:
     return os.path.join(state_dir, "workers", f"{index + 1}-of-{count}")
 
 
-def hand_over(conn, index: int, daemon):
-    """Daemon.on_publish of a worker: its text exposition (as rendered for its own scrape) and its /api/status JSON,
-    sent to the parent at each tick (~1 MB for 32 servers: a memory copy through the pipe)."""
-    from exporter.serve.web import status_json
+class hand_over:  # noqa: N801 (used as a function: Daemon.on_publish)
+    """Daemon.on_publish of a worker: its text exposition (as rendered for its own scrape) sent to the parent at each
+    tick (~150 KB for 32 servers: a memory copy through the pipe). Its /api/status JSON (~330 KB, ~8 ms of CPU for 32
+    servers: a quarter of the tick's) only when the parent asks (``answer_status``, a request for /api/status or the
+    page), from the worker's latest snapshot."""
 
-    lock = threading.Lock()
+    def __init__(self, conn, index: int, daemon) -> None:
+        self.conn, self.index, self.daemon = conn, index, daemon
+        self.lock = threading.Lock()  # the tick's thread and the parent's watcher both send
 
-    def send(published) -> None:
-        status = json.dumps(status_json(published.snapshot), separators=(",", ":")).encode("utf-8")
-        with lock:
-            conn.send((index, published.rendered.text, status, daemon.ticks))
+    def __call__(self, published) -> None:
+        with self.lock:
+            self.conn.send(("tick", self.index, published.rendered.text))
 
-    return send
+    def answer_status(self) -> None:
+        from exporter.serve.web import status_json
+
+        body = json.dumps(status_json(self.daemon.snapshot), separators=(",", ":")).encode("utf-8")
+        with self.lock:
+            self.conn.send(("status", self.index, body))
 
 
-def watch_parent(conn, loop, stop) -> None:
-    """A worker's thread that calls ``stop`` on ``loop`` once the parent is gone: the parent never writes to the
-    pipe, so a read returns only when it is closed."""
+def watch_parent(conn, loop, stop, answer_status=None) -> None:
+    """A worker's thread that answers the parent's requests for its /api/status and calls ``stop`` on ``loop`` once
+    the parent is gone (its end of the pipe closed)."""
 
     def wait() -> None:
         try:
-            conn.recv()
+            while True:
+                if conn.recv() == "status" and answer_status is not None:
+                    answer_status()
         except (EOFError, OSError):
             pass
         loop.call_soon_threadsafe(stop)
@@ -265,8 +277,7 @@ class MergedView:
     the workers' /api/status, merged on the first request that asks (exporter/serve/web.py, Views)."""
 
     rendered: Any  # exporter.serve.exposition.Exposition
-    statuses: tuple
-    downs: tuple
+    fetch: Any  # () -> (each worker's /api/status dict or None, each down worker's server entries or None)
     order: tuple[str, ...]
 
     @property
@@ -274,7 +285,8 @@ class MergedView:
         return self
 
     def merged_status(self) -> dict:
-        return merge_status([None if s is None else json.loads(s) for s in self.statuses], self.downs, self.order)
+        statuses, downs = self.fetch()
+        return merge_status(statuses, downs, self.order)
 
 
 class _Worker:
@@ -283,7 +295,9 @@ class _Worker:
         self.process: Any = None
         self.conn: Any = None
         self.text = ""
-        self.status: bytes | None = None
+        self.status: bytes | None = None  # its answer to the last request for its /api/status
+        self.answered = threading.Event()
+        self.send_lock = threading.Lock()
         self.last_at = 0.0  # monotonic time of its last hand-over (or start)
         self.down_reason = ""  # '' while it hands over its ticks
         self.generation = 0
@@ -337,13 +351,17 @@ class Supervisor:
     def _read(self, w: _Worker, conn, generation: int) -> None:
         while not self._stop.is_set():
             try:
-                _, text, status, _ticks = conn.recv()
+                kind, _, body = conn.recv()
             except (EOFError, OSError):
                 return
+            if kind == "status":
+                w.status = body
+                w.answered.set()
+                continue
             with self._lock:
                 if w.generation != generation:
                     return
-                w.text, w.status, w.last_at = text.decode("utf-8"), status, time.monotonic()
+                w.text, w.last_at = body.decode("utf-8"), time.monotonic()
                 if w.down_reason:
                     log.info("worker %d (%s) is back", w.spec.index + 1, ", ".join(w.spec.names))
                     w.down_reason = ""
@@ -358,9 +376,33 @@ class Supervisor:
         text = merge_texts([t for t in texts if t])
         self.published = MergedView(
             rendered=Exposition.lazy(text.encode("utf-8"), lambda: _parse(text)),
-            statuses=tuple(None if w.down_reason else w.status for w in self.workers),
-            downs=tuple(down_status(w.spec.names, w.down_reason) if w.down_reason else None for w in self.workers),
-            order=self.order)
+            fetch=self.statuses, order=self.order)
+
+    def statuses(self, timeout_seconds: float = STATUS_TIMEOUT_SECONDS) -> tuple[list, list]:
+        """Each worker's /api/status, asked for now (in the render thread, never on the loop): (its dict or None,
+        its servers' entries as down or None). A worker down, or not answering within ``timeout_seconds``: its
+        servers down with the reason."""
+        asked = []
+        for w in self.workers:
+            if w.down_reason:
+                continue
+            w.answered.clear()
+            try:
+                with w.send_lock:
+                    w.conn.send("status")
+                asked.append(w)
+            except OSError:
+                pass
+        deadline = time.monotonic() + timeout_seconds
+        for w in asked:
+            w.answered.wait(max(0.0, deadline - time.monotonic()))
+        statuses, downs = [], []
+        for w in self.workers:
+            ok = w in asked and w.answered.is_set() and w.status is not None
+            why = w.down_reason or f"worker process {w.spec.index + 1} did not answer within {timeout_seconds:g}s"
+            statuses.append(json.loads(w.status) if ok else None)
+            downs.append(None if ok else down_status(w.spec.names, why))
+        return statuses, downs
 
     def _watch(self) -> None:
         """Once a second: a worker that exited or handed nothing over for stall_seconds is down (logged once,
