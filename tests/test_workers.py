@@ -14,7 +14,9 @@ import pytest
 
 from exporter.config import Config, ConfigError, ServerConfig
 from exporter.config.values import parse_processes
-from exporter.runtime.workers import Supervisor, down_text, groups, merge_status, merge_texts, processes_for
+from exporter.model.energy import EnergyLedger
+from exporter.runtime.workers import GroupGpus, Supervisor, down_text, groups, merge_status, merge_texts, processes_for
+from exporter.samples import Tick
 from tests.support import vllm_sim as sim
 from tests.support.daemon import KvwattDaemon, parse_exposition
 from tests.support.fake_gpus import FakeGpus
@@ -223,3 +225,32 @@ def _cmdline(pid: int) -> str:
             return f.read().replace(b"\0", b" ").decode(errors="replace")
     except OSError:
         return ""
+
+
+class _Gpus:
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def read(self, t: float, deadline_seconds: float | None = None):
+        from exporter.samples import DeviceReading, SourceStatus
+
+        return (SourceStatus(source="nvml", server="", up=True, reason="", duration_seconds=0.0, state="ok"),
+                [DeviceReading(device=f"gpu:G{i}", kind="gpu", labels={"gpu": str(i), "uuid": f"G{i}"},
+                               joules_total=1.0, continuous=True, power_watts=1.0, method="counter")
+                 for i in range(self.n)])
+
+
+def test_each_gpu_is_read_by_one_group_and_a_lone_server_without_a_list_gets_none_of_the_others(tmp_path):
+    servers = (ServerConfig("a", "http://x"), ServerConfig("b", "http://y", gpus=("1",)))
+    first = GroupGpus(_Gpus(3), servers, ["a"], shared=True)
+    second = GroupGpus(_Gpus(3), servers, ["b"], shared=False)
+    got = [sorted(r.device for r in g.read(0.0)[1]) for g in (first, second)]
+    assert got == [["gpu:G0", "gpu:G2"], ["gpu:G1"]]  # no server lists G0, G2: group 0's, as shared devices
+    # group 0's ledger: "a" alone in its group, without a list, would take every GPU it reads (one server); over
+    # every server's lists (as service._worker sets it) it has none, G0 and G2 stay shared
+    status, readings = first.read(0.0)
+    for assign_servers, want in ((servers[:1], ("gpu:G0", "gpu:G2")), (servers, ())):
+        ledger = EnergyLedger(Config(servers=servers[:1], state_dir=str(tmp_path)))
+        ledger.assign_servers = assign_servers
+        ledger.ingest(Tick(1.0, {}, (status,), tuple(readings)))
+        assert ledger.assignment.by_server["a"] == want

@@ -81,6 +81,9 @@ class EnergyLedger:
         # False in a worker of several (exporter/runtime/workers.py): the host's energy is split by every server's
         # GPU energy, which one worker does not know; its servers then have no host scope
         self.split_host = True
+        # whose lists assign the GPUs: every configured server's in a worker of several, so that a group of one
+        # server without a list is not given the GPUs no server lists (exporter/model/attribution.py)
+        self.assign_servers = cfg.servers
 
     def _learner(self) -> IdleLearner:
         return IdleLearner(self.cfg.idle_settle_seconds, self.cfg.idle_min_seconds)
@@ -93,7 +96,7 @@ class EnergyLedger:
         self.members |= {r.device for r in readings if r.joules_total is not None}
         gpus = [r for r in readings if r.kind == "gpu"]
         if {r.device for r in gpus} != set(self._assigned_gpus()):
-            self.assignment = assign_gpus(self.cfg.servers, gpus)
+            self.assignment = assign_gpus(self.assign_servers, gpus)
         seconds = None if self._prev_t is None else t - self._prev_t
         self._prev_t = t
         before = dict(self.tracker.last_read_at)

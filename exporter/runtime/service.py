@@ -159,6 +159,7 @@ async def _worker(spec: WorkerSpec, conn) -> None:
         refs = ReferenceBook(state.path, time.time, read_only_reason=state.reason)
         model = Model(cfg, book=book, references=refs)
         model.energy.split_host = False  # no worker knows the others' GPU energy (exporter/runtime/workers.py)
+        model.energy.assign_servers = full.servers
         daemon = Daemon(cfg, sampler=Sampler(cfg, nvml=nvml, rapl=rapl), model=model)
         daemon.on_publish = send = hand_over(conn, spec.index, daemon)
         loop = asyncio.get_running_loop()

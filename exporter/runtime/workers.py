@@ -107,14 +107,19 @@ class GroupGpus:
 
     def __init__(self, source: Any, servers: Sequence[ServerConfig], mine: Sequence[str], shared: bool) -> None:
         self.source, self.servers, self.mine, self.shared = source, tuple(servers), set(mine), shared
+        self._gpus: frozenset[str] | None = None  # the GPUs of the last assignment (redone when they change)
+        self._keep: set[str] = set()
 
     def read(self, t: float, deadline_seconds: float | None = None):
         status, readings = self.source.read(t, deadline_seconds=deadline_seconds)
-        a = assign_gpus(self.servers, readings)
-        keep = {d for name, devs in a.by_server.items() if name in self.mine for d in devs}
-        if self.shared:
-            keep |= set(a.unassigned)
-        return status, [r for r in readings if r.kind != "gpu" or r.device in keep]
+        gpus = frozenset(r.device for r in readings if r.kind == "gpu")
+        if gpus != self._gpus:  # assign_gpus warns of a GPU two servers list: once per change, not per tick
+            a = assign_gpus(self.servers, readings)
+            self._keep = {d for name, devs in a.by_server.items() if name in self.mine for d in devs}
+            if self.shared:
+                self._keep |= set(a.unassigned)
+            self._gpus = gpus
+        return status, [r for r in readings if r.kind != "gpu" or r.device in self._keep]
 
     def close(self) -> None:
         close = getattr(self.source, "close", None)
