@@ -3,6 +3,13 @@ latency of the daemon holding a full hour of history (docs/architecture.md "Wind
 
     .venv/bin/python bench/soak.py [--servers 8] [--gpus 8] [--interval 0.25] [--windows 60,3600]
                                    [--fill-seconds auto] [--measure 60] [--derive-every 16] [--untuned]
+                                   [--processes auto]
+
+With more than one process (``--processes``, by default what `kvwatt run` chooses: one per 32 servers), each
+worker process (exporter.runtime.workers.Supervisor, ``soak_worker``) fills and ticks its group's Daemon and hands
+each tick over as `kvwatt run`'s workers do; the parent serves their merged /metrics to the scraper. Printed: each
+worker's tick CPU and wall p50/p99, longest collection and RSS, the parent's /metrics latency, CPU, collections
+and RSS, and the RSS of every process together.
 
 Configuration (defaults): 8 servers x 8 GPUs, a 0.25 s interval, windows [1m, 1h]: the history keeps
 max(1h, collapse reference + recent) + 60 s, i.e. ~14,700 intervals per server at the plateau.
