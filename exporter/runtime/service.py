@@ -66,6 +66,22 @@ def tune_runtime(daemon: Daemon | None = None) -> None:
         daemon.gc_policy = FreezePolicy(refresh_seconds=span)
 
 
+async def _listen(source, cfg: Config, limits: WebLimits | None, web_config: WebConfig | None,
+                  telemetry_path: str, notes: tuple[str, ...]):
+    """Serve the web endpoints of ``source`` (the daemon, or the workers' supervisor) and say so once, with what
+    start-up changed. CannotListen when the address cannot be bound."""
+    try:
+        runner = await start_web(source, cfg.host, cfg.port, limits or WebLimits(), web_config, telemetry_path)
+    except OSError as e:  # only here: an OSError elsewhere (e.g. the state dir) is not about serving
+        raise CannotListen(e.strerror or str(e)) from e
+    log.info("%s listening on %s%s (%s), watching %s", build_info().line(), cfg.listen, telemetry_path,
+             web_config.describe() if web_config else "http, no auth",
+             ", ".join(shown_server(s) for s in cfg.servers))
+    for note in notes:
+        log.info("%s", note)
+    return runner
+
+
 async def serve(cfg: Config, limits: WebLimits | None = None, web_config: WebConfig | None = None,
                 telemetry_path: str = "/metrics", sampler: Sampler | None = None, notes: tuple[str, ...] = ()) -> None:
     """Open the state directory, build the model with its books, serve the web endpoints and run the
@@ -85,16 +101,7 @@ async def serve(cfg: Config, limits: WebLimits | None = None, web_config: WebCon
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, daemon.stop)
-        try:
-            runner = await start_web(daemon, cfg.host, cfg.port, limits or WebLimits(), web_config,
-                                     telemetry_path)
-        except OSError as e:  # only here: an OSError elsewhere (e.g. the state dir) is not about serving
-            raise CannotListen(e.strerror or str(e)) from e
-        log.info("%s listening on %s%s (%s), watching %s", build_info().line(), cfg.listen, telemetry_path,
-                 web_config.describe() if web_config else "http, no auth",
-                 ", ".join(shown_server(s) for s in cfg.servers))
-        for note in notes:
-            log.info("%s", note)
+        runner = await _listen(daemon, cfg, limits, web_config, telemetry_path, notes)
         tune_runtime(daemon)
         if any(is_unconfigured_default(s) for s in cfg.servers):
             log.info("no server configured: watching %s; if nothing answers there, start vLLM on it, pass "
@@ -118,15 +125,7 @@ async def _serve_workers(cfg: Config, processes: int, limits: WebLimits | None, 
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    try:
-        runner = await start_web(sup, cfg.host, cfg.port, limits or WebLimits(), web_config, telemetry_path)
-    except OSError as e:
-        raise CannotListen(e.strerror or str(e)) from e
-    log.info("%s listening on %s%s (%s), watching %s", build_info().line(), cfg.listen, telemetry_path,
-             web_config.describe() if web_config else "http, no auth",
-             ", ".join(shown_server(s) for s in cfg.servers))
-    for note in notes:
-        log.info("%s", note)
+    runner = await _listen(sup, cfg, limits, web_config, telemetry_path, notes)
     sup.start()
     log.info("%d worker processes: %s", len(sup.workers), sup.describe())
     tune_runtime()  # the merge runs in the pipe readers' threads: the loop's scrapes wait 0.5 ms for the GIL at most
