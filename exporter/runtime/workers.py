@@ -235,21 +235,18 @@ def merge_texts(texts: Sequence[str]) -> str:
     return "\n".join(out) + "\n" if out else ""
 
 
-def _escape(v: str) -> str:
-    return v.replace("\\", r"\\").replace("\n", r"\n").replace('"', r'\"')
-
-
 def down_text(names: Sequence[str], reason: str) -> str:
     """What a dead or stalled worker's servers read: source down, with the reason word ``worker_down`` (the
-    details, ``reason``, are in /api/status and the log)."""
+    details, ``reason``, are in /api/status and the log), written as the daemon writes its own lines."""
     from exporter import catalog
+    from exporter.serve.exposition import sample_lines
 
-    helps = {d.name: d.help.replace("\\", r"\\").replace("\n", r"\n") for d in catalog.METRICS}
-    up = [f'kvwatt_source_up{{server="{_escape(n)}",source="vllm"}} 0.0' for n in names]
-    info = [f'kvwatt_source_info{{reason="{WORKER_DOWN}",server="{_escape(n)}",source="vllm",state="down"}} 1.0'
-            for n in names]
-    return "".join(f"# HELP {name} {helps[name]}\n# TYPE {name} gauge\n" + "\n".join(lines) + "\n"
-                   for name, lines in (("kvwatt_source_up", up), ("kvwatt_source_info", info)))
+    up = sample_lines("kvwatt_source_up", "gauge", catalog.get("kvwatt_source_up").help, ("server", "source"),
+                      [((n, "vllm"), 0.0) for n in names])
+    info = sample_lines("kvwatt_source_info", "gauge", catalog.get("kvwatt_source_info").help,
+                        ("reason", "server", "source", "state"),
+                        [((WORKER_DOWN, n, "vllm", "down"), 1.0) for n in names])
+    return "".join(up + info)
 
 
 def down_status(names: Sequence[str], reason: str) -> list[dict]:
