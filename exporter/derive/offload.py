@@ -17,7 +17,7 @@ vllm:kv_offload_total_bytes_total{transfer_type="GPU_to_CPU"}; sources/vllm.py m
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from exporter import rules
 from exporter.derive import kappa
@@ -244,34 +244,33 @@ def tier_flows(agg: WindowAggregate, capacities: dict[str, float] | None = None,
                           dropped_blocks_per_second=_dropped(agg, keys, "tier_dropped_blocks", tier),
                           failed_promotions_per_second=_failed(agg, "tier_promotion_failures", tier, moved),
                           failed_cascades_per_second=_failed(agg, "tier_cascade_failures", tier, moved),
-                          capacity_bytes=cap, capacity_reason="" if cap is not None else capacity_unknown(tier))
-        flows = _with_transfer_times(agg, flows, critical)
+                          capacity_bytes=cap, capacity_reason="" if cap is not None else capacity_unknown(tier),
+                          **_transfer_times(agg, tier, critical))
         if any(v is not None for v in (flows.write_bytes_per_second, flows.read_bytes_per_second,
                                        flows.chunk_hit_ratio, flows.job_failures, flows.dropped_blocks_per_second)):
             out.append(flows)  # a tier whose samples all left the window is gone from it
     return tuple(out)
 
 
-def _with_transfer_times(agg: WindowAggregate, flows: TierFlows,
-                         critical: tuple[float, float] | None) -> TierFlows:
-    """The tier's read and write bandwidth and busy seconds per second (vLLM's transfer-time counters), and the
-    critical cached-to-prefill ratio of a reload from it (methods.md s14)."""
-    read, read_busy, read_why = _bandwidth(agg, "read", flows.tier)
-    write, write_busy, write_why = _bandwidth(agg, "write", flows.tier)
+def _transfer_times(agg: WindowAggregate, tier: str, critical: tuple[float, float] | None) -> dict:
+    """The tier's read and write bandwidth and busy seconds per second (vLLM's transfer-time counters), the
+    critical cached-to-prefill ratio of a reload from it (methods.md s14) and its lookup delay: TierFlows' fields."""
+    read, read_busy, read_why = _bandwidth(agg, "read", tier)
+    write, write_busy, write_why = _bandwidth(agg, "write", tier)
     if critical is None:
         crit, crit_why = None, "kappa_crit needs the model's config.json and the hardware (methods.md s7)"
     elif read is None:
         crit, crit_why = None, f"no measured read bandwidth: {read_why}"
     else:
         crit, crit_why = kappa.tier_critical(critical[0], critical[1], read), ""
-    lookup, lookup_why = _mean(agg, "tier_lookup_seconds", flows.tier, "no chunk lookups resolved by the tier")
-    wait, wait_why = _mean(agg, "tier_lookup_wait_seconds", flows.tier, "no lookup waited on the tier")
-    flows = replace(flows, lookup_seconds=lookup, lookup_wait_seconds=wait,
-                    lookup_reason="; ".join(w for w in (lookup_why, wait_why) if w))
-    return replace(flows, read_bandwidth_bytes_per_second=read, write_bandwidth_bytes_per_second=write,
-                   read_seconds_per_second=read_busy, write_seconds_per_second=write_busy,
-                   transfer_time_reason="; ".join(w for w in (read_why, write_why) if w),
-                   critical_cached_to_prefill=crit, critical_reason=crit_why)
+    lookup, lookup_why = _mean(agg, "tier_lookup_seconds", tier, "no chunk lookups resolved by the tier")
+    wait, wait_why = _mean(agg, "tier_lookup_wait_seconds", tier, "no lookup waited on the tier")
+    return {"read_bandwidth_bytes_per_second": read, "write_bandwidth_bytes_per_second": write,
+            "read_seconds_per_second": read_busy, "write_seconds_per_second": write_busy,
+            "transfer_time_reason": "; ".join(w for w in (read_why, write_why) if w),
+            "critical_cached_to_prefill": crit, "critical_reason": crit_why,
+            "lookup_seconds": lookup, "lookup_wait_seconds": wait,
+            "lookup_reason": "; ".join(w for w in (lookup_why, wait_why) if w)}
 
 
 def _mean(agg: WindowAggregate, prefix: str, tier: str, none: str) -> tuple[float | None, str]:
