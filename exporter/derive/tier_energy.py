@@ -37,6 +37,7 @@ from exporter.results import TierEnergy
 from exporter.store import WindowAggregate
 
 SECONDARY_READ_PREFIX = "tier_read_bytes@"  # vLLM tiering: bytes read from a secondary tier into the CPU tier
+# vLLM tiering's CPU tier (TieringOffloadingSpec: kv_connector_extra_config.cpu_bytes_to_use)
 PRIMARY_TIER = "0:primary"
 
 

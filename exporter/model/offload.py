@@ -12,6 +12,7 @@ from exporter.config import Config, ServerConfig
 from exporter.derive import compare, economics, kappa, offload
 from exporter.derive.energy import prompt_attribution
 from exporter.derive.phase_energy import PhaseCosts
+from exporter.derive.tier_energy import PRIMARY_TIER
 from exporter.figures import BufferFigures, KappaFigures, SavingFigure, WindowFigures
 from exporter.recording import profile as profile_mod
 from exporter.samples import EngineInfo
@@ -99,8 +100,6 @@ def _noted(est: economics.Estimate, how: str) -> economics.Estimate:
                               kind=est.kind, note=note)
 
 
-# vLLM tiering's CPU tier (TieringOffloadingSpec: kv_connector_extra_config.cpu_bytes_to_use)
-PRIMARY_TIER = "0:primary"
 FLAG_SETTING = "--kv-offloading-size"
 TIER_SETTING = "cpu_bytes_to_use"
 
