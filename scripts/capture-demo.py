@@ -48,6 +48,7 @@ sys.path[:0] = [str(REPO), str(REPO / "lab")]
 
 from kvwatt_lab.cpu_engine import build_tiny_model  # noqa: E402
 
+from exporter.demo import story  # noqa: E402
 from tests.support.engine import VllmEngine, free_port  # noqa: E402
 from tests.test_engine_stall import engine_core_pid  # noqa: E402
 
@@ -57,7 +58,7 @@ OUT = {"off": REPO / "exporter" / "demo" / "story.jsonl.xz",
        "tiered": REPO / "exporter" / "demo" / "story-tiered.jsonl.xz"}
 ACTS = (("quiet", 1, 40), ("pressure", 8, 70), ("stalled", 8, 25), ("recovered", 0, 15))  # (act, sessions, s)
 HOST_POOL_GIB = 0.0625   # 64 MiB: 32 times the engine's 128 x 32-token blocks (512 bytes per token)
-TIERED_CPU_MIB = 4       # 256 blocks: under the eight sessions' ~4-8 MiB of KV, so the CPU tier cascades to disk
+TIERED_CPU_MIB = story.TIERED_CPU_TIER_BYTES // 2**20  # the demo configures the same size
 TIERED_DISK = "nvme-pcie4x4"   # the lab's disk model (kvwatt_lab/cpu_tiering.py DISK_PRESETS)
 
 

@@ -210,6 +210,8 @@ def test_make_demo_fills_the_page_within_30_seconds(tmp_path):
     assert "DEMO" in status["notice"] and "simulated" in status["notice"] and "kvwatt run --server" in status["notice"]
     names = {s["server"]: s for s in status["servers"]}
     assert names["demo-offload"]["offload_enabled"] is True and names["demo-no-offload"]["offload_enabled"] is False
+    # the tiered twin's CPU tier, configured as its capture set it, sizes its buffer (vLLM exports no size)
+    assert names["demo-tiered"]["offload_buffer"]["size_setting"] == "cpu_bytes_to_use"
     samples = parse_exposition(metrics)
     assert any(n == "kvwatt_generation_tokens_per_second" and dict(lb).get("server") == "demo-no-offload" and v > 0
                for (n, lb), v in samples.items()), "no generated tokens/s of the demo server on /metrics"

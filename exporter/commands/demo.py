@@ -13,6 +13,7 @@ import tempfile
 from exporter.config import Config, ConfigError, ServerConfig, listen_url, parse_listen
 from exporter.demo import gpus, story
 from exporter.demo.endpoint import Playback, start_engine
+from exporter.derive.tier_energy import PRIMARY_TIER
 from exporter.rules import optin
 from exporter.runtime import logsetup
 from exporter.runtime.sampler import Sampler
@@ -49,7 +50,8 @@ def config(listen: str, off_url: str, on_url: str, length_seconds: float, state_
     servers = (ServerConfig(OFF, off_url, gpus=(GPU_OFF,)),
                ServerConfig(ON, on_url, gpus=(GPU_ON,), pair_off_server=OFF))
     if tiered_url is not None:
-        servers += (ServerConfig(TIERED, tiered_url, gpus=(GPU_TIERED,), pair_off_server=OFF),)
+        servers += (ServerConfig(TIERED, tiered_url, gpus=(GPU_TIERED,), pair_off_server=OFF,
+                                 offload_tier_bytes={PRIMARY_TIER: story.TIERED_CPU_TIER_BYTES}),)
     return Config(servers=servers, listen=listen, interval_seconds=0.5, windows_seconds=WINDOWS_SECONDS,
                   state_dir=state_dir, powercap_root=state_dir + "/no-powercap", threshold_window_seconds=10.0,
                   min_load_seconds=MIN_LOAD_SECONDS, metrics_opt_in=TIER_FAMILIES,

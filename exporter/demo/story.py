@@ -23,6 +23,9 @@ from importlib import resources
 STORY_FILE = "story.jsonl.xz"                   # the engine without offloading
 OFFLOAD_STORY_FILE = "story-offload.jsonl.xz"   # its offloading twin
 TIERED_STORY_FILE = "story-tiered.jsonl.xz"     # its tiered twin (a CPU tier and a disk tier)
+# the tiered twin's CPU tier (kv_connector_extra_config.cpu_bytes_to_use, which vLLM exports nowhere): the capture
+# sets it (scripts/capture-demo.py), the demo configures it (servers[].offload_tier_bytes["0:primary"])
+TIERED_CPU_TIER_BYTES = 4 * 2**20  # 256 blocks: under the eight sessions' ~4-8 MiB of KV, so it cascades to disk
 _COUNTER = {name: re.compile(r'^vllm:prompt_tokens_by_source_total\{[^}]*source="' + name + r'"[^}]*\} (\S+)$', re.M)
             for name in ("local_compute", "external_kv_transfer")}
 _COUNTER["generation_tokens"] = re.compile(r"^vllm:generation_tokens_total(?:\{[^}]*\})? (\S+)$", re.M)
