@@ -182,3 +182,23 @@ def test_every_kind_in_use_is_proven_by_a_case():
     assert bounds.UNBOUNDED_RATIO.violation(float("inf"), where) is None  # kappa's documented +Inf
     assert bounds.NON_NEGATIVE.violation(float("inf"), where)
     assert all(m.bounds.violation(float("nan"), where) for m in catalog.METRICS)
+
+
+
+def test_a_value_within_by_its_value_alone_is_never_one_the_bound_rejects_or_clamps():
+    """Bound.within skips the full check of a sample (issue 39: the tick's cost): whatever it passes, the full
+    check passes too and clamps nothing; the edges (ulps outside a range, -0.0, NaN, the infinities) included."""
+    import math
+
+    from exporter.catalog import bounds as b
+
+    edges = [0.0, -0.0, 1.0, -1.0, 0.5, -0.5, 2.0, 1e300, -1e-300, math.inf, -math.inf, math.nan,
+             math.nextafter(1.0, 2.0), math.nextafter(0.0, -1.0), math.nextafter(-1.0, -2.0), 1.0 + 1e-12]
+    fast = [x for x in vars(b).values() if isinstance(x, b.Bound) and x.within is not None]
+    assert {x.kind for x in fast} >= {"share", "share_difference", "boolean", "info", "non_negative"}
+    for bound in fast:
+        for v in edges:
+            if bound.within(v):
+                assert bound.violation(v, None) is None and bound.clamped(v) is None, (bound.kind, v)
+    assert not b.NON_NEGATIVE.within(math.inf) and b.UNBOUNDED_RATIO.within(math.inf)
+    assert not b.SHARE.within(math.nextafter(1.0, 2.0))  # a few ulps outside: the full check clamps it

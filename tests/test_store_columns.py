@@ -76,6 +76,65 @@ def test_columns_cut_their_dead_prefix_often():
     assert all(len(chunks) == len(store._t0) for cols in store._cols for chunks in cols.values())
 
 
+
+def _quiet_stream(n: int, dt: float = 1.0) -> list[Interval]:
+    """A quiet engine's rows: counters that do not move (0), one constant gauge, a moving one."""
+    return [Interval(t0=1000.0 + k * dt, t1=1000.0 + (k + 1) * dt,
+                     deltas={"preemptions": 0.0, "generation_tokens": float(k % 7)},
+                     gauges={"waiting": 0.0, "kv_usage": (k % 100) / 100.0}, energy_joules={"gpu": 80.0 * dt},
+                     idle_joules={}) for k in range(n)]
+
+
+def test_a_full_chunk_of_one_value_is_one_shared_chunk_and_reads_the_same():
+    """A counter that did not move for a chunk of rows holds no chunk of its own (issue 39: the memory of a
+    64-server node): its full chunks are one shared object, in this store and another, and every row reads
+    back as it went in; a chunk of moving values keeps its own."""
+    from exporter.store.columns import CHUNK, IntervalColumns
+    ivs = _quiet_stream(3 * CHUNK + 10)
+    a, b = IntervalColumns(), IntervalColumns()
+    for iv in ivs:
+        a.append(iv)
+        b.append(iv)
+    d, g = a._cols[0], a._cols[1]
+    assert d["preemptions"][0] is d["preemptions"][1] is b._cols[0]["preemptions"][2]
+    assert g["waiting"][0] is b._cols[1]["waiting"][1] and a._cols[2]["gpu"][0] is b._cols[2]["gpu"][0]
+    assert d["preemptions"][0] is g["waiting"][0]  # one shared chunk per value, whatever the column
+    assert len({id(c) for c in d["generation_tokens"]}) == len(d["generation_tokens"])  # moving: its own
+    assert len({id(c) for c in g["kv_usage"]}) == len(g["kv_usage"])
+    assert d["preemptions"][-1] is not d["preemptions"][0]  # the chunk being written is never shared
+    assert [a.interval(i) for i in range(a.first, a.end)] == ivs
+
+
+def test_a_key_that_appears_late_shares_its_absent_past():
+    """A key first seen after several full chunks: its past is the shared NaN chunk (absent), not a copy each."""
+    from exporter.store.columns import CHUNK, IntervalColumns
+    ivs = _quiet_stream(3 * CHUNK)
+    late = Interval(t0=ivs[-1].t1, t1=ivs[-1].t1 + 1.0, deltas={"prefix_hits": 5.0}, gauges={}, energy_joules={},
+                    idle_joules={})
+    s = IntervalColumns()
+    for iv in ivs + [late]:
+        s.append(iv)
+    chunks = s._cols[0]["prefix_hits"]
+    assert len(chunks) == 4 and chunks[0] is chunks[1] is chunks[2] and all(x != x for x in chunks[0])
+    assert s.interval(s.end - 2).deltas == ivs[-1].deltas and s.interval(s.end - 1) is late
+
+
+def test_voiding_a_row_in_a_shared_chunk_copies_it_first():
+    """void_deltas writes NaN into an old row: a shared chunk is copied first, so another store's rows that
+    share it read as before."""
+    from exporter.store.columns import CHUNK, IntervalColumns
+    ivs = _quiet_stream(2 * CHUNK + 5)
+    a, b = IntervalColumns(), IntervalColumns()
+    for iv in ivs:
+        a.append(iv)
+        b.append(iv)
+    shared = b._cols[0]["preemptions"][0]
+    assert a._cols[0]["preemptions"][0] is shared
+    voided = a.void_deltas(10)
+    assert voided.deltas == {} and a.interval(10).deltas == {} and a.interval(11).deltas == ivs[11].deltas
+    assert b.interval(10) == ivs[10] and all(x == 0.0 for x in shared)
+    assert a._cols[0]["preemptions"][0] is not shared
+
 def _history_of(n: int) -> ServerHistory:
     h = ServerHistory(math.inf, windows=(60.0, 3600.0), grids=(30.0, 60.0))
     feed(h, stream(n))
@@ -168,6 +227,32 @@ def test_a_store_keeps_completed_buckets_packed_and_they_read_as_the_live_ones(s
     shared = [p.agg._layout.scopes["gpu"][1] is p.agg._layout.keys for p in packed]
     assert not any(shared) if sparse else all(shared)
 
+
+
+def test_a_packed_bucket_holds_one_block_for_every_counter_that_did_not_move():
+    """A counter carried by every interval with no delta in the bucket (a quiet engine's preemptions, histogram
+    buckets) points at the bucket's one still keys' block (issue 39: memory): it reads as the live aggregate's
+    own sums, a counter that moved keeps its own, and the array is shorter by four values a still key."""
+    from exporter.store.packed import _HEAD, _PER_KEY
+    rng = random.Random(3)
+    ivs = [Interval(t0=1000.0 + k, t1=1001.0 + k, deltas={**{f"still_{i}": 0.0 for i in range(10)},
+                                                          "generation_tokens": float(rng.randint(1, 9))},
+                    gauges={"kv_usage": rng.random()}, energy_joules={"gpu": 90.0}, idle_joules={})
+           for k in range(95)]
+    ivs[40] = Interval(t0=ivs[40].t0, t1=ivs[40].t1, deltas={**ivs[40].deltas, "still_3": 2.0},
+                       gauges=ivs[40].gauges, energy_joules=ivs[40].energy_joules, idle_joules={})
+    h = ServerHistory(math.inf, grids=(30.0,))
+    feed(h, ivs)
+    packed, live = h.buckets(30.0, -math.inf, math.inf), buckets_of(ivs, 30.0, end=ivs[-1].t1)
+    assert len(packed) == len(live) == 3
+    for p, lv in zip(packed, live):
+        assert _bucket_readings(p.agg) == _bucket_readings(lv.agg)
+        keys = p.agg._layout.keys
+        moved = {"generation_tokens"} | ({"still_3"} if p.t0 <= ivs[40].t0 < p.t1 else set())
+        assert {k for k, at in keys.items() if at == _HEAD} == {f"still_{i}" for i in range(10)} - moved
+        assert len({at for k, at in keys.items() if k in moved}) == len(moved)  # each its own values
+    assert packed[1].agg.n == packed[2].agg.n == 30  # the same intervals; the second has one more still key
+    assert len(packed[2].agg._v) == len(packed[1].agg._v) - _PER_KEY
 
 def test_a_late_interval_unpacks_a_packed_bucket_and_keeps_it_exact():
     from exporter.store.packed import PackedAggregate

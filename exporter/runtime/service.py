@@ -118,22 +118,29 @@ async def serve(cfg: Config, limits: WebLimits | None = None, web_config: WebCon
 
 async def _serve_workers(cfg: Config, processes: int, limits: WebLimits | None, web_config: WebConfig | None,
                          telemetry_path: str, notes: tuple[str, ...]) -> None:
-    """`kvwatt run` with several processes (exporter/runtime/workers.py): the workers derive, this process serves
-    their merged /metrics and /api/status until SIGTERM or SIGINT, then stops them (no orphan)."""
-    sup = Supervisor(cfg, processes, worker_main)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    runner = await _listen(sup, cfg, limits, web_config, telemetry_path, notes)
-    sup.start()
-    log.info("%d worker processes: %s", len(sup.workers), sup.describe())
-    tune_runtime()  # the merge runs in the pipe readers' threads: the loop's scrapes wait 0.5 ms for the GIL at most
+    """`kvwatt run` with several processes (exporter/runtime/workers.py): group 0 is derived here, every other
+    group in a worker process; this process serves their merged /metrics and /api/status until SIGTERM or SIGINT,
+    then stops the workers (no orphan)."""
+    sup = Supervisor(cfg, processes, worker_main, in_process=True)
+    spec = sup.workers[0].spec
+    state = open_state_dir(worker_state_dir(cfg.state_dir, spec.index, spec.count))
     try:
-        await stop.wait()
+        daemon = _group_daemon(spec, state)
+        daemon.on_publish = sup.local_hand_over(daemon)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, daemon.stop)
+        runner = await _listen(sup, cfg, limits, web_config, telemetry_path, notes)
+        sup.start()
+        log.info("%d processes: %s", len(sup.workers), sup.describe())
+        tune_runtime(daemon)  # the merge runs in the pipe readers' threads, the tick in its own: scrapes wait 0.5 ms
+        try:
+            await daemon.run_loop()
+        finally:
+            await runner.cleanup()
+            await loop.run_in_executor(None, sup.stop)
     finally:
-        await runner.cleanup()
-        await loop.run_in_executor(None, sup.stop)
+        state.close()
 
 
 def worker_main(spec: WorkerSpec, conn) -> None:
@@ -147,19 +154,25 @@ def worker_main(spec: WorkerSpec, conn) -> None:
         pass
 
 
-async def _worker(spec: WorkerSpec, conn) -> None:
+def _group_daemon(spec: WorkerSpec, state) -> Daemon:
+    """The Daemon of one group of servers (a worker's, or group 0's in the parent), its state in ``state``: its
+    servers' GPUs only, RAPL and the GPUs no server lists in group 0 only."""
     full = spec.cfg
-    state = open_state_dir(worker_state_dir(full.state_dir, spec.index, spec.count))
+    cfg = replace(full, servers=tuple(s for s in full.servers if s.name in spec.names), state_dir=state.path)
+    nvml = GroupGpus(NvmlSource(cfg.nvml_enabled), full.servers, spec.names, shared=spec.index == 0)
+    rapl = RaplSource(cfg.powercap_root) if spec.index == 0 else NotRead()
+    book = BaselineBook(state.path, cfg.idle_power_watts, read_only_reason=state.reason)
+    refs = ReferenceBook(state.path, time.time, read_only_reason=state.reason)
+    model = Model(cfg, book=book, references=refs)
+    model.energy.split_host = False  # no group knows the others' GPU energy (exporter/runtime/workers.py)
+    model.energy.assign_servers = full.servers
+    return Daemon(cfg, sampler=Sampler(cfg, nvml=nvml, rapl=rapl), model=model)
+
+
+async def _worker(spec: WorkerSpec, conn) -> None:
+    state = open_state_dir(worker_state_dir(spec.cfg.state_dir, spec.index, spec.count))
     try:
-        cfg = replace(full, servers=tuple(s for s in full.servers if s.name in spec.names), state_dir=state.path)
-        nvml = GroupGpus(NvmlSource(cfg.nvml_enabled), full.servers, spec.names, shared=spec.index == 0)
-        rapl = RaplSource(cfg.powercap_root) if spec.index == 0 else NotRead()
-        book = BaselineBook(state.path, cfg.idle_power_watts, read_only_reason=state.reason)
-        refs = ReferenceBook(state.path, time.time, read_only_reason=state.reason)
-        model = Model(cfg, book=book, references=refs)
-        model.energy.split_host = False  # no worker knows the others' GPU energy (exporter/runtime/workers.py)
-        model.energy.assign_servers = full.servers
-        daemon = Daemon(cfg, sampler=Sampler(cfg, nvml=nvml, rapl=rapl), model=model)
+        daemon = _group_daemon(spec, state)
         daemon.on_publish = send = hand_over(conn, spec.index, daemon)
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGTERM, daemon.stop)

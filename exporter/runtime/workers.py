@@ -1,12 +1,15 @@
 """A process per group of servers (the setting ``processes``; docs/architecture.md "Ticks", "Serving").
 
 A node watching many servers costs ~1.5 ms of CPU per server and tick, under the GIL: 64 servers at 1 s took
-105-118 ms p50 of one core (bench/soak.py). With K > 1 processes, `kvwatt run` starts K workers, each a whole
-Daemon (sources -> store -> derive -> figures -> its own text exposition) over its group of servers, on a core of
-its own; the parent only serves. After each tick a worker hands the parent its rendered /metrics text through a
-pipe, and its /api/status JSON when the parent asks for it (a request for /api/status or the page: ~8 ms of a
-32-server worker's CPU, a quarter of its tick, not spent every tick); the parent merges them (``merge_texts``,
-``merge_status``), never recomputes.
+105-118 ms p50 of one core (bench/soak.py). With K > 1 processes, `kvwatt run` splits its servers into K groups,
+each derived by a whole Daemon (sources -> store -> derive -> figures -> its own text exposition) on a core of
+its own: group 0 in the parent itself (``in_process``), each other group in a worker process. After each tick a
+worker hands the parent its rendered /metrics text through a pipe, and its /api/status JSON when the parent asks
+for it (a request for /api/status or the page: ~8 ms of a 32-server worker's CPU, a quarter of its tick, not spent
+every tick); the parent merges them with its own group's (``merge_texts``, ``merge_status``), never recomputes.
+Group 0 in the parent, not in a worker of its own: one interpreter fewer (its modules, catalog and configuration,
+~47 MiB), which kept a 64-server node under 200 MiB in all (issue 39, bench/soak.py); the parent's scrapes wait
+for its tick's thread 0.5 ms at most (the switch interval), as in one process.
 
 - Groups (``groups``): contiguous in the configured order, balanced by count; a server and its
   ``pair_off_server`` peer are one unit (paired dE reads the peer's history), never split.
@@ -19,7 +22,8 @@ pipe, and its /api/status JSON when the parent asks for it (a request for /api/s
   worker (group 0, the host-wide sources' owner) for anything else.
 - A worker that dies, or sends nothing for ``stall_seconds``: its servers read kvwatt_source_up 0 with
   kvwatt_source_info reason ``worker_down`` (never a frozen copy of its last figures), logged once; the worker is
-  started again (killed first when it stalled).
+  started again (killed first when it stalled). The parent's own group stalled reads down the same way until its
+  next tick (nothing to restart: the parent is the process).
 - Spawn, not fork: the parent runs an event loop with threads (the render pool, aiohttp's resolver, the pipe
   readers); a fork copies whatever locks those threads held, and a worker is restarted from that running
   parent. A spawned worker imports kvwatt afresh (~0.5 s, ~40 MiB).
@@ -128,12 +132,13 @@ class GroupGpus:
 
 
 class NotRead:
-    """RAPL in a worker other than group 0: not read here (group 0 reads it), no device."""
+    """RAPL in a group other than group 0 (worker 1: the parent with several processes): not read here, no
+    device."""
 
     def read(self, t: float):
         from exporter.samples import SourceStatus
 
-        return SourceStatus(source="rapl", server="", up=False, reason="absent: read by worker 0", duration_seconds=0.0,
+        return SourceStatus(source="rapl", server="", up=False, reason="absent: read by worker 1", duration_seconds=0.0,
                             state="down"), []
 
 
@@ -292,8 +297,10 @@ class MergedView:
 
 
 class _Worker:
-    def __init__(self, spec: WorkerSpec) -> None:
+    def __init__(self, spec: WorkerSpec, local: bool = False) -> None:
         self.spec = spec
+        self.local = local  # derived in the parent (group 0 with ``in_process``): no process, no pipe
+        self.daemon: Any = None  # the parent's own group's Daemon (``local``), for its /api/status
         self.process: Any = None
         self.conn: Any = None
         self.text = ""
@@ -310,14 +317,16 @@ class Supervisor:
     """The parent's side: starts the workers, reads their hand-overs (a thread per pipe), merges, restarts a
     worker that died or stalled. Its ``published`` and ``healthy`` are what exporter.serve.web reads."""
 
-    def __init__(self, cfg: Config, k: int, target, stall_seconds: float | None = None) -> None:
+    def __init__(self, cfg: Config, k: int, target, stall_seconds: float | None = None,
+                 in_process: bool = False) -> None:
         """``target(spec, conn)``: the workers' entry, exporter.runtime.service.worker_main (bench/soak.py gives
-        its own, fed synthetic ticks)."""
+        its own, fed synthetic ticks). ``in_process``: group 0 is derived by the caller, in this process, which
+        hands its ticks over through ``local_hand_over`` (`kvwatt run`); else every group is a worker process."""
         self.cfg = cfg
         self.target = target
         parts = groups(cfg.servers, k)
-        self.workers = [_Worker(WorkerSpec(cfg=cfg, names=tuple(s.name for s in g), index=i, count=len(parts)))
-                        for i, g in enumerate(parts)]
+        self.workers = [_Worker(WorkerSpec(cfg=cfg, names=tuple(s.name for s in g), index=i, count=len(parts)),
+                                local=in_process and i == 0) for i, g in enumerate(parts)]
         self.order = tuple(s.name for s in cfg.servers)
         self.stall_seconds = stall_seconds if stall_seconds is not None else max(5 * cfg.interval_seconds, 10.0)
         self.published: MergedView | None = None
@@ -331,11 +340,25 @@ class Supervisor:
         return None if p is None else p.snapshot
 
     def describe(self) -> str:
-        return "; ".join(f"worker {w.spec.index + 1}: {', '.join(w.spec.names)}" for w in self.workers)
+        return "; ".join(f"worker {w.spec.index + 1}{' (this process)' if w.local else ''}: {', '.join(w.spec.names)}"
+                         for w in self.workers)
+
+    @property
+    def local(self) -> _Worker | None:
+        """The group derived in this process (``in_process``), or None."""
+        return self.workers[0] if self.workers[0].local else None
+
+    def local_hand_over(self, daemon):
+        """Daemon.on_publish of the parent's own group: its text taken as a worker's hand-over is."""
+        w = self.local
+        assert w is not None, "no group is derived in this process"
+        w.daemon, w.last_at = daemon, time.monotonic()
+        return lambda published: self._take(w, w.generation, published.rendered.text)
 
     def start(self) -> None:
         for w in self.workers:
-            self._start(w)
+            if not w.local:
+                self._start(w)
         threading.Thread(target=self._watch, name="kvwatt-workers", daemon=True).start()
 
     def _start(self, w: _Worker) -> None:
@@ -360,15 +383,21 @@ class Supervisor:
                 w.status = body
                 w.answered.set()
                 continue
-            with self._lock:
-                if w.generation != generation:
-                    return
-                w.text, w.last_at = body.decode("utf-8"), time.monotonic()
-                if w.down_reason:
-                    log.info("worker %d (%s) is back", w.spec.index + 1, ", ".join(w.spec.names))
-                    w.down_reason = ""
-                w.failures = 0
-                self._merge()
+            if not self._take(w, generation, body):
+                return
+
+    def _take(self, w: _Worker, generation: int, text: bytes) -> bool:
+        """A group's tick handed over: merged at once. False when it is from a generation since replaced."""
+        with self._lock:
+            if w.generation != generation:
+                return False
+            w.text, w.last_at = text.decode("utf-8"), time.monotonic()
+            if w.down_reason:
+                log.info("worker %d (%s) is back", w.spec.index + 1, ", ".join(w.spec.names))
+                w.down_reason = ""
+            w.failures = 0
+            self._merge()
+        return True
 
     def _merge(self) -> None:
         """Called holding the lock, after any worker's hand-over or change of health."""
@@ -389,6 +418,15 @@ class Supervisor:
             if w.down_reason:
                 continue
             w.answered.clear()
+            if w.local:  # the parent's own group: its latest snapshot, here (the render thread)
+                from exporter.serve.web import status_json
+
+                w.status = json.dumps(status_json(w.daemon.snapshot), separators=(",", ":")).encode("utf-8")
+                w.answered.set()
+                asked.append(w)
+                continue
+            if w.conn is None:  # not started yet
+                continue
             try:
                 with w.send_lock:
                     w.conn.send("status")
@@ -415,12 +453,19 @@ class Supervisor:
 
     def check(self, w: _Worker) -> None:
         now = time.monotonic()
-        dead = not w.process.is_alive()
+        dead = not w.local and not w.process.is_alive()
         stalled = now - w.last_at > self.stall_seconds
-        if not (dead or stalled) or self._stop.is_set():
+        if not (dead or stalled) or self._stop.is_set() or (w.local and w.down_reason):
             return
-        why = (f"worker process {w.spec.index + 1} exited ({_exit(w.process.exitcode)})" if dead else
-               f"worker process {w.spec.index + 1} handed over no tick for {now - w.last_at:.0f}s")
+        who = f"worker {w.spec.index + 1} (this process)" if w.local else f"worker process {w.spec.index + 1}"
+        why = (f"{who} exited ({_exit(w.process.exitcode)})" if dead else
+               f"{who} handed over no tick for {now - w.last_at:.0f}s")
+        if w.local:  # nothing to restart: read down until its next tick clears it (``_take``)
+            with self._lock:
+                log.warning("%s: its servers (%s) read down", why, ", ".join(w.spec.names))
+                w.down_reason = why
+                self._merge()
+            return
         with self._lock:
             # once when it goes down; a worker that fails again before handing over a tick is not logged again
             (log.debug if w.down_reason else log.warning)("%s: its servers (%s) read down; starting it again", why,

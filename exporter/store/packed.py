@@ -10,14 +10,21 @@ shared by every bucket with the same keys (the key sets seen are few), and answe
 
 Values, in order (``Layout`` holds the offsets):
     n, covered seconds, loaded seconds, first row, end row
+    the still keys' block: n, 0, 0.0, covered seconds
     per counter key: intervals carrying it, those with a nonzero delta, its delta sum, its seconds
     per energy scope: n, covered, loaded, energy, idle n, idle, idle-subset energy, idle-subset seconds,
                       then its counter keys as above
     per sorted gauge: its length; then the gauges' sorted values one after the other
+
+A counter that did not move in the bucket and is carried by every interval (preemptions, failed transfers, a
+quiet engine's histogram buckets: most of a server's keys) reads n, 0, 0.0, covered seconds: every such key
+points at the one still keys' block instead of four values of its own (issue 39: ~20 of bench/soak.py's 35 keys,
+a fifth of a bucket). The layout names them, so the reads are the same numbers.
 """
 
 from __future__ import annotations
 
+import math
 from array import array
 from typing import TYPE_CHECKING, Iterator
 
@@ -29,7 +36,7 @@ if TYPE_CHECKING:
     from exporter.samples import Interval
     from exporter.store.aggregate import WindowAggregate
 
-_HEAD = 5            # n, covered, loaded, first row, end row
+_HEAD = 5            # n, covered, loaded, first row, end row; then the still keys' block (_PER_KEY values)
 _SCOPE_HEAD = 8      # n, covered, loaded, energy, idle n, idle, idle-subset energy, idle-subset seconds
 _PER_KEY = 4         # count, nonzero count, delta, seconds
 POOL_PREFIX = "kv_pool_usage@"
@@ -41,9 +48,14 @@ class Layout:
     __slots__ = ("keys", "scopes", "gauges", "gauge_at")
 
     def __init__(self, keys: tuple[str, ...], scopes: tuple[tuple[str, tuple[str, ...] | None], ...],
-                 gauges: tuple[str, ...]) -> None:
-        self.keys = {k: _HEAD + i * _PER_KEY for i, k in enumerate(keys)}
-        at = _HEAD + len(keys) * _PER_KEY
+                 gauges: tuple[str, ...], still: frozenset[str] = frozenset()) -> None:
+        at = _HEAD + _PER_KEY
+        self.keys = {}
+        for k in keys:  # in the bucket's key order; a still key at the shared block
+            if k in still:
+                self.keys[k] = _HEAD
+            else:
+                self.keys[k], at = at, at + _PER_KEY
         self.scopes: dict[str, tuple[int, dict[str, int]]] = {}
         for name, skeys in scopes:
             base = at + _SCOPE_HEAD
@@ -59,13 +71,13 @@ class Layout:
 _LAYOUTS: dict[tuple, Layout] = {}
 
 
-def _layout(keys: tuple[str, ...], scopes: tuple, gauges: tuple[str, ...]) -> Layout:
-    sig = (keys, scopes, gauges)
+def _layout(keys: tuple[str, ...], scopes: tuple, gauges: tuple[str, ...], still: frozenset[str]) -> Layout:
+    sig = (keys, scopes, gauges, still)
     found = _LAYOUTS.get(sig)
     if found is None:
         if len(_LAYOUTS) > 256:  # key sets seen are few (engines, versions); bound them anyway
             _LAYOUTS.clear()
-        found = _LAYOUTS[sig] = Layout(keys, scopes, gauges)
+        found = _LAYOUTS[sig] = Layout(keys, scopes, gauges, still)
     return found
 
 
@@ -83,10 +95,12 @@ def pack(agg: "WindowAggregate") -> "PackedAggregate":
     added in the same order give the same sums) shares them instead of a copy (~1 KB a bucket)."""
     span = agg.intervals
     keys = tuple(agg.keys())
-    out = [float(agg.n), agg.covered_seconds, agg.loaded_seconds, float(span.lo), float(span.hi)]
+    block = [float(agg.n), 0.0, 0.0, agg.covered_seconds]  # a still key's values, read as its own
+    out = [float(agg.n), agg.covered_seconds, agg.loaded_seconds, float(span.lo), float(span.hi)] + block
     main = _key_values(agg)
-    out += main
     by_key = {k: main[i * _PER_KEY:(i + 1) * _PER_KEY] for i, k in enumerate(keys)}
+    still = frozenset(k for k, v in by_key.items() if v == block and math.copysign(1.0, v[2]) > 0)  # not -0.0
+    out += [x for k in keys if k not in still for x in by_key[k]]
     scopes = []
     for name, sc in agg._scopes.items():
         if sc.n == 0:
@@ -101,7 +115,7 @@ def pack(agg: "WindowAggregate") -> "PackedAggregate":
         if not shared:
             out += svalues
     gauges = tuple(k for k, s in agg._sorted.items() if s)
-    layout = _layout(keys, tuple(scopes), gauges)
+    layout = _layout(keys, tuple(scopes), gauges, still)
     values = array("d", out)
     values.extend(float(len(agg._sorted[k])) for k in gauges)
     for k in gauges:
