@@ -5,11 +5,13 @@ latency of the daemon holding a full hour of history (docs/architecture.md "Wind
                                    [--fill-seconds auto] [--measure 60] [--derive-every 16] [--untuned]
                                    [--processes auto]
 
-With more than one process (``--processes``, by default what `kvwatt run` chooses: one per 32 servers), each
-worker process (exporter.runtime.workers.Supervisor, ``soak_worker``) fills and ticks its group's Daemon and hands
-each tick over as `kvwatt run`'s workers do; the parent serves their merged /metrics to the scraper. Printed: each
-worker's tick CPU and wall p50/p99, longest collection and RSS, the parent's /metrics latency, CPU, collections
-and RSS, and the RSS of every process together.
+With more than one process (``--processes``, by default what `kvwatt run` chooses: one per 32 servers), the parent
+fills and ticks group 0's Daemon itself (in a thread, as `kvwatt run` derives group 0 in its own process), then
+each worker process (exporter.runtime.workers.Supervisor, ``soak_worker``) fills and ticks its group's and hands
+each tick over as `kvwatt run`'s workers do; the parent serves the merged /metrics to the scraper. Printed: each
+group's tick CPU and wall p50/p99, longest collection (in the fill and at the real pace) and RSS, the parent's
+/metrics latency, CPU, collections, and the RSS and PSS of every process, with their sums (judged: the RSS sum,
+the tick CPU, the collections at the real pace).
 
 Configuration (defaults): 8 servers x 8 GPUs, a 0.25 s interval, windows [1m, 1h]: the history keeps
 max(1h, collapse reference + recent) + 60 s, i.e. ~14,700 intervals per server at the plateau.
@@ -243,11 +245,12 @@ class Group:
         keep = self.daemon.model.servers[spec.names[0]].history.max_age_seconds
         seconds = args.fill_seconds if args.fill_seconds is not None else keep + 300
         self.ticks = int(math.ceil(seconds / args.interval))
-        self.fill_s = self.rss_plateau = self.fill_gc = 0.0
+        self.fill_s = self.rss_plateau = self.fill_gc = self.fill_gc_cpu = 0.0
 
     def fill(self) -> None:
         self.fill_s = fill(self.daemon, self.clock, self.work, self.ticks, self.args, self.gct, quiet=True)
-        self.rss_plateau, self.fill_gc = rss_mib(os.getpid()), self.gct.longest()
+        self.rss_plateau, self.fill_gc, self.fill_gc_cpu = rss_mib(os.getpid()), self.gct.longest(), \
+            self.gct.longest_cpu()
         print(f"worker {self.spec.index + 1} ({len(self.indices)} servers): fill {self.fill_s:.0f} s, RSS of its "
               f"process at the plateau {self.rss_plateau:.1f} MiB ({load()})", flush=True)
 
@@ -269,6 +272,8 @@ class Group:
         return {"index": self.spec.index, "servers": len(self.indices), "ticks": len(steps),
                 "step": summary(steps), "step_cpu": summary(cpu),
                 "gc_pause_max_ms": round(max(self.fill_gc, self.gct.longest()), 2),
+                "gc_pause_fill_max_ms": round(self.fill_gc, 2), "gc_pause_fill_max_cpu_ms": round(self.fill_gc_cpu, 2),
+                "gc_pause_measure_max_ms": round(self.gct.longest(), 2),
                 "gc_pause_max_cpu_ms": round(self.gct.longest_cpu(), 2), "gc_measure": self.gct.report(),
                 "rss_plateau_mib": round(self.rss_plateau, 1), "rss_end_mib": round(rss_mib(os.getpid()), 1)}
 
@@ -325,11 +330,13 @@ async def measure_processes(args, k: int, tmp: str) -> dict:
     gc.callbacks.append(gct)
     runner = await start_web(sup, "127.0.0.1", 0)
     port = runner.addresses[0][1]
-    sup.start()
     print(f"{len(sup.workers)} processes: {sup.describe()}", flush=True)
+    # group 0 filled first, then the workers: a fill is the hour compressed, a process flat out; two at once on
+    # two cores made a collection's wall clock the scheduler's (28 ms of wall for 4.6 ms of CPU)
     own = Group(sup.workers[0].spec, args, tmp, gct, tune=not args.untuned)
     await asyncio.to_thread(own.fill)
     own.daemon.on_publish = sup.local_hand_over(own.daemon)
+    sup.start()
     stopping = threading.Event()
     ticking = asyncio.ensure_future(asyncio.to_thread(own.run, stopping.is_set))
     while not all(w.text for w in sup.workers):
@@ -371,7 +378,8 @@ def main_processes(args, k: int) -> dict:
         got = asyncio.run(measure_processes(args, k, tmp))
     for w in got["workers"]:
         print(f"  worker {w['index'] + 1} ({w['servers']} servers, {w['ticks']} ticks): tick CPU {w['step_cpu']}, "
-              f"wall {w['step']}; GC max {w['gc_pause_max_ms']} ms (CPU {w['gc_pause_max_cpu_ms']} ms); RSS "
+              f"wall {w['step']}; GC max {w['gc_pause_max_ms']} ms (fill {w['gc_pause_fill_max_ms']}, at the real pace "
+              f"{w['gc_pause_measure_max_ms']}; CPU {w['gc_pause_max_cpu_ms']} ms); RSS "
               f"plateau {w['rss_plateau_mib']} MiB, end {w['rss_end_mib']} MiB")
     print(f"  parent: merged /metrics {got['metrics']} ({got['metrics_bytes']} bytes, {got['errors']} errors); "
           f"CPU {got['parent_cpu_ms_per_second']} ms/s, its group's tick included; GC max "
@@ -379,7 +387,10 @@ def main_processes(args, k: int) -> dict:
           f"{got['pss_mib']} (sum {got['pss_sum_mib']} MiB); {load()}")
     result = {**got, "step_cpu_p99_ms": max(w["step_cpu"]["p99_ms"] for w in got["workers"]),
               "step_p99_ms": max(w["step"]["p99_ms"] for w in got["workers"]),
-              "gc_pause_max_ms": max([w["gc_pause_max_ms"] for w in got["workers"]] + [got["parent_gc_pause_max_ms"]]),
+              # at the real pace (the daemon's life); the fill's, time-compressed and flat out, is printed apart
+              "gc_pause_max_ms": max([w["gc_pause_measure_max_ms"] for w in got["workers"]]
+                                     + [got["parent_gc_pause_max_ms"]]),
+              "gc_pause_fill_max_ms": max(w["gc_pause_fill_max_ms"] for w in got["workers"]),
               "metrics_p99_ms": got["metrics"]["p99_ms"],
               "rss_plateau_mib": got["rss_sum_mib"]}
     targets = dict(TARGETS_64 if args.servers >= 64 else TARGETS)
@@ -390,6 +401,8 @@ def main_processes(args, k: int) -> dict:
         print(f"  {key}: {v} (target < {target:g}{'; every process together' if key == 'rss_plateau_mib' else ''}) "
               f"{'ok' if v < target else 'OVER'}")
     print(f"  PSS of every process together: {result['pss_sum_mib']} MiB (a page two processes share counted once)")
+    print(f"  longest collection during the time-compressed fill: {result['gc_pause_fill_max_ms']} ms of wall clock "
+          f"(the longest in CPU: {max(w['gc_pause_fill_max_cpu_ms'] for w in got['workers'])} ms)")
     return result
 
 

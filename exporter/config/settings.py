@@ -179,11 +179,12 @@ SETTINGS: tuple[Setting, ...] = (
             env="KVWATT_LOG_FORMAT", flags=("--log.format",), dest="log_format", metavar="FORMAT",
             help="logfmt or json, one line per record (default logfmt; also log_format, $KVWATT_LOG_FORMAT)"),
     Setting("processes", "processes", parse_processes,
-            "worker processes of `kvwatt run`, each deriving a group of servers on a core of its own, merged at "
+            "processes of `kvwatt run`, each deriving a group of servers on a core of its own (the first group in "
+            "`kvwatt run` itself, each other in a worker process), merged at "
             f"the scrape: `auto` (one up to {rules.SERVERS_PER_PROCESS.default:g} servers, else one per "
             f"{rules.SERVERS_PER_PROCESS.default:g}) or a number (docs/fleet.md \"One kvwatt per node\")",
             default="`auto`", env="KVWATT_PROCESSES", flags=("--processes",), dest="processes", metavar="N|auto",
-            help="worker processes, each deriving a group of servers (default auto: one per "
+            help="processes, each deriving a group of servers (default auto: one per "
                  f"{rules.SERVERS_PER_PROCESS.default:g} servers; also processes, $KVWATT_PROCESSES)"),
     Setting("servers", "servers", None, SERVERS_MEANING,  # parsed by schema.parse_servers (a list of mappings)
             default="`[{name: default, url: http://127.0.0.1:8000}]`",
