@@ -116,6 +116,8 @@ def test_a_key_that_appears_late_shares_its_absent_past():
         s.append(iv)
     chunks = s._cols[0]["prefix_hits"]
     assert len(chunks) == 4 and chunks[0] is chunks[1] is chunks[2] and all(x != x for x in chunks[0])
+    from exporter.store import columns
+    assert chunks[0] is not columns._NAN_CHUNK  # never the template new chunks are copied from
     assert s.interval(s.end - 2).deltas == ivs[-1].deltas and s.interval(s.end - 1) is late
 
 

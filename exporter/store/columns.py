@@ -36,6 +36,9 @@ _SECTIONS = 4  # deltas, gauges, energy_joules, idle_joules
 _SHARED: dict[bytes, array] = {}  # a value's 8 bytes -> the shared chunk of it (never freed, never written)
 _SHARED_IDS: set[int] = set()  # their ids: ``is shared`` by identity
 _SHARED_MAX = 256  # distinct shared values (1 MiB at most); past it a constant chunk stays its own
+_NAN_SHARED = _NAN_CHUNK[:]  # absent throughout: shared from the start, whatever the table holds
+_SHARED[_NAN_SHARED[:1].tobytes()] = _NAN_SHARED
+_SHARED_IDS.add(id(_NAN_SHARED))
 
 
 def _maps(iv: Interval) -> tuple[dict, dict, dict, dict]:
@@ -89,7 +92,7 @@ class IntervalColumns:
                 chunks = cols.get(key)
                 if chunks is None:
                     key = sys.intern(key)
-                    chunks = cols[key] = [_sealed(_NAN_CHUNK)] * c + [_chunk()]  # absent before: NaN
+                    chunks = cols[key] = [_NAN_SHARED] * c + [_chunk()]  # absent before: NaN
                 chunks[c][j] = v
                 last[key] = index
                 odd = odd or v != v
