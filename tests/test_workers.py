@@ -94,6 +94,13 @@ def test_a_dead_workers_servers_read_down_with_a_reason_never_its_last_figures()
 
 
 
+def _until(ok, seconds: float = 5.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not ok() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert ok()
+
+
 class _Published:
     def __init__(self, text: str) -> None:
         self.rendered = type("R", (), {"text": text.encode()})()
@@ -114,6 +121,7 @@ def test_the_parents_own_group_hands_over_in_process_and_reads_down_when_it_stal
     assert own is sup.workers[0] and own.process is None and not sup.workers[1].local
     hand = sup.local_hand_over(_OwnGroup())
     hand(_Published(A))
+    _until(lambda: sup.published is not None)  # taken by its own thread, off the tick's
     got = parse_exposition(sup.published.rendered.text.decode())
     assert got[("kvwatt_source_up", frozenset({"server": "a", "source": "vllm"}.items()))] == 1.0
     assert sup.statuses(timeout_seconds=0.1)[0][0]["servers"] == []  # its own status_json, asked in-process
@@ -124,6 +132,8 @@ def test_the_parents_own_group_hands_over_in_process_and_reads_down_when_it_stal
     assert "this process" in own.down_reason and "handed over no tick" in own.down_reason
     assert sup.restarts == 0 and own.process is None
     hand(_Published(A))
+    _until(lambda: own.down_reason == "")
+    sup.stop()
     assert own.down_reason == "" and ("kvwatt_source_up", frozenset({"server": "a", "source": "vllm"}.items())) in \
         parse_exposition(sup.published.rendered.text.decode())
 

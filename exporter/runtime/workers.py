@@ -36,6 +36,7 @@ import logging
 import math
 import multiprocessing
 import os
+import queue
 import threading
 import time
 from dataclasses import dataclass
@@ -332,6 +333,7 @@ class Supervisor:
         self.published: MergedView | None = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._own_ticks: queue.SimpleQueue | None = None  # the parent's own group's texts (local_hand_over)
         self.restarts = 0
 
     @property
@@ -349,11 +351,24 @@ class Supervisor:
         return self.workers[0] if self.workers[0].local else None
 
     def local_hand_over(self, daemon):
-        """Daemon.on_publish of the parent's own group: its text taken as a worker's hand-over is."""
+        """Daemon.on_publish of the parent's own group: its text taken as a worker's hand-over is, by a thread of
+        its own (``_take_own``), as a worker's is by its pipe reader: the merge (~5-7 ms for 64 servers) is not
+        part of the parent's tick."""
         w = self.local
         assert w is not None, "no group is derived in this process"
         w.daemon, w.last_at = daemon, time.monotonic()
-        return lambda published: self._take(w, w.generation, published.rendered.text)
+        handed = self._own_ticks = queue.SimpleQueue()
+        threading.Thread(target=self._take_own, args=(w, handed), name="kvwatt-own-group", daemon=True).start()
+        return lambda published: handed.put(published.rendered.text)
+
+    def _take_own(self, w: _Worker, handed: "queue.SimpleQueue") -> None:
+        while not self._stop.is_set():
+            text = handed.get()
+            while not handed.empty():  # only the latest tick counts
+                text = handed.get_nowait()
+            if text is None:
+                return
+            self._take(w, w.generation, text)
 
     def start(self) -> None:
         for w in self.workers:
@@ -493,6 +508,8 @@ class Supervisor:
     def stop(self) -> None:
         """SIGTERM to every worker, a kill after 5 s, and wait for them: no orphan."""
         self._stop.set()
+        if self._own_ticks is not None:
+            self._own_ticks.put(None)  # its thread ends
         for w in self.workers:
             if w.process is not None and w.process.is_alive():
                 w.process.terminate()
