@@ -269,8 +269,10 @@ class Group:
             cpu.append(_timed_step(self.daemon, tick))  # on_publish included: the hand-over is the group's work
             steps.append((time.perf_counter() - a) * 1e3)
             k += 1
+        slowest = sorted(range(len(cpu)), key=cpu.__getitem__)[-3:][::-1]
         return {"index": self.spec.index, "servers": len(self.indices), "ticks": len(steps),
                 "step": summary(steps), "step_cpu": summary(cpu),
+                "slowest_ticks": [(i, round(cpu[i], 1)) for i in slowest],  # (tick after the fill, CPU ms)
                 "gc_pause_max_ms": round(max(self.fill_gc, self.gct.longest()), 2),
                 "gc_pause_fill_max_ms": round(self.fill_gc, 2), "gc_pause_fill_max_cpu_ms": round(self.fill_gc_cpu, 2),
                 "gc_pause_measure_max_ms": round(self.gct.longest(), 2),
@@ -379,7 +381,9 @@ def main_processes(args, k: int) -> dict:
     for w in got["workers"]:
         print(f"  worker {w['index'] + 1} ({w['servers']} servers, {w['ticks']} ticks): tick CPU {w['step_cpu']}, "
               f"wall {w['step']}; GC max {w['gc_pause_max_ms']} ms (fill {w['gc_pause_fill_max_ms']}, at the real pace "
-              f"{w['gc_pause_measure_max_ms']}; CPU {w['gc_pause_max_cpu_ms']} ms); RSS "
+              f"{w['gc_pause_measure_max_ms']}; CPU {w['gc_pause_max_cpu_ms']} ms; gen 2 at the real pace "
+              f"{w['gc_measure']['gen2']['n']}x, max {w['gc_measure']['gen2']['max_ms']} ms); slowest ticks (index "
+              f"after the fill, CPU ms) {w['slowest_ticks']}; RSS "
               f"plateau {w['rss_plateau_mib']} MiB, end {w['rss_end_mib']} MiB")
     print(f"  parent: merged /metrics {got['metrics']} ({got['metrics_bytes']} bytes, {got['errors']} errors); "
           f"CPU {got['parent_cpu_ms_per_second']} ms/s, its group's tick included; GC max "
