@@ -65,6 +65,7 @@ from exporter.config import Config, ServerConfig  # noqa: E402
 from exporter.model import Model  # noqa: E402
 from exporter.runtime import workers  # noqa: E402
 from exporter.runtime.daemon import Daemon  # noqa: E402
+from exporter.runtime.gcpolicy import limit_malloc  # noqa: E402
 from exporter.runtime.service import tune_runtime  # noqa: E402
 from exporter.samples import DeviceReading, SourceStatus, Tick  # noqa: E402
 from exporter.serve.web import start_web  # noqa: E402
@@ -287,6 +288,7 @@ def soak_worker(spec, conn) -> None:
     import json
     import logging
 
+    limit_malloc()  # as exporter.runtime.service.worker_main
     logging.getLogger("kvwatt").setLevel(logging.ERROR)  # the synthetic load's findings, as in the one-process soak
     tmp = str(Path(spec.cfg.state_dir).parent)
     args = argparse.Namespace(**json.loads((Path(tmp) / "args.json").read_text()))
@@ -411,6 +413,7 @@ def main_processes(args, k: int) -> dict:
 
 
 def main(argv=None) -> dict:
+    limit_malloc()  # as exporter.runtime.service.serve, before any thread
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--servers", type=int, default=8)
     ap.add_argument("--gpus", type=int, default=8, help="GPUs per server")

@@ -79,3 +79,36 @@ def test_no_refresh_while_the_frozen_count_stays_on_its_plateau():
     for t in range(0, 3600 * 3, 60):
         policy.after_tick(float(t))
     assert policy.refreshes == 0 and policy.freezes == 3600 * 3 // 60 - 1
+
+
+def test_the_c_heap_is_held_to_what_it_uses_where_glibc_allows():
+    """limit_malloc (called first by `kvwatt run` and its workers): on glibc both settings are accepted; a block of
+    the exposition's size is then mmapped, so freeing it gives its pages back (RSS falls), which glibc's raised
+    threshold did not do once such blocks had been freed (issue 39: the parent's growth)."""
+    import ctypes
+    import os
+    import platform
+
+    from exporter.runtime.gcpolicy import limit_malloc
+
+    if platform.libc_ver()[0] != "glibc":
+        assert limit_malloc() is False
+        return
+    assert limit_malloc() is True
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+
+    def rss_kib() -> int:
+        with open(f"/proc/{os.getpid()}/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+
+    for _ in range(3):  # what raised glibc's threshold before: big blocks made and freed
+        p = libc.malloc(8 << 20)
+        libc.free(p)
+    before = rss_kib()
+    p = libc.malloc(8 << 20)
+    ctypes.memset(p, 1, 8 << 20)  # touched: resident
+    touched = rss_kib()
+    libc.free(p)
+    assert touched - before > 7000 and touched - rss_kib() > 7000  # 8 MiB in, then given back

@@ -18,6 +18,7 @@ a leak is thus bounded to that growth. bench/soak.py measures both and counts th
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import time
 
@@ -63,3 +64,23 @@ class FreezePolicy:
 
     def _grown(self) -> bool:
         return self._plateau is not None and gc.get_freeze_count() > self._plateau * (1.0 + REFRESH_GROWTH)
+
+
+# glibc's mallopt parameters (malloc.h)
+_M_MMAP_THRESHOLD, _M_ARENA_MAX = -3, -8
+MMAP_THRESHOLD_BYTES = 128 * 1024  # glibc's default, held: not raised as big blocks are freed
+ARENA_MAX = 2
+
+
+def limit_malloc() -> bool:
+    """Hold the process' C heap to what it uses (glibc; elsewhere nothing is changed: False). A tick makes and drops
+    texts of 0.1-0.4 MB (a group's exposition, the merged one, the lines of a merge) in several threads (the tick's,
+    the merge's, the pipe readers'); glibc raises its mmap threshold as such blocks are freed, after which they come
+    from the heap of the arena of the thread that made them and stay there: the parent of a 64-server node grew
+    15.5 MiB in 6 minutes at the real pace (bench/soak.py --measure 300, issue 39). Blocks of 128 KiB and more stay
+    mmapped (given back to the system when freed), and threads share at most two arenas."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    return bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) and bool(mallopt(_M_ARENA_MAX, ARENA_MAX))

@@ -18,7 +18,7 @@ from exporter.model import Model
 from exporter.model.reference_book import ReferenceBook
 from exporter.runtime.build import build_info
 from exporter.runtime.daemon import Daemon
-from exporter.runtime.gcpolicy import FreezePolicy
+from exporter.runtime.gcpolicy import FreezePolicy, limit_malloc
 from exporter.runtime.logsetup import setup as setup_logging
 from exporter.runtime.sampler import Sampler
 from exporter.runtime.statedir import open_state_dir
@@ -88,6 +88,7 @@ async def serve(cfg: Config, limits: WebLimits | None = None, web_config: WebCon
     daemon's loop until SIGTERM or SIGINT. CannotListen when the address cannot be bound. ``sampler``: the
     daemon's own by default (`kvwatt demo` gives one with its simulated GPUs). ``notes``: what start-up changed
     (the open-file limit), logged once kvwatt listens."""
+    limit_malloc()  # before the threads (exporter.runtime.gcpolicy)
     state = open_state_dir(cfg.state_dir)  # locked for the daemon's life; never fatal (exporter.runtime.statedir)
     try:
         cfg = replace(cfg, state_dir=state.path)
@@ -146,6 +147,7 @@ async def _serve_workers(cfg: Config, processes: int, limits: WebLimits | None, 
 def worker_main(spec: WorkerSpec, conn) -> None:
     """A worker process' entry (spawned by exporter.runtime.workers.Supervisor): a Daemon over its group of
     servers, handing each tick to the parent, until SIGTERM or the parent is gone."""
+    limit_malloc()
     setup_logging(spec.cfg.log_level, spec.cfg.log_format)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C reaches the whole group: the parent stops the workers
     try:
