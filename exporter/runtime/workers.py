@@ -433,14 +433,7 @@ class Supervisor:
             if w.down_reason:
                 continue
             w.answered.clear()
-            if w.local:  # the parent's own group: its latest snapshot, here (the render thread)
-                from exporter.serve.web import status_json
-
-                w.status = json.dumps(status_json(w.daemon.snapshot), separators=(",", ":")).encode("utf-8")
-                w.answered.set()
-                asked.append(w)
-                continue
-            if w.conn is None:  # not started yet
+            if w.local or w.conn is None:  # the parent's own group: read below; a worker not started yet
                 continue
             try:
                 with w.send_lock:
@@ -453,6 +446,12 @@ class Supervisor:
             w.answered.wait(max(0.0, deadline - time.monotonic()))
         statuses, downs = [], []
         for w in self.workers:
+            if w.local and not w.down_reason:  # the parent's own group: its latest snapshot, as a dict (no JSON)
+                from exporter.serve.web import status_json
+
+                statuses.append(status_json(w.daemon.snapshot))
+                downs.append(None)
+                continue
             ok = w in asked and w.answered.is_set() and w.status is not None
             why = w.down_reason or f"worker process {w.spec.index + 1} did not answer within {timeout_seconds:g}s"
             statuses.append(json.loads(w.status) if ok else None)
