@@ -46,6 +46,16 @@ def rss_mib(pid: int) -> float:
     return float("nan")
 
 
+def pss_mib(pid: int) -> float:
+    """Proportional set size: the process' private pages plus its share of the pages it shares (the shared
+    libraries' code, mapped by every process): summed over processes, what they take of the node's memory
+    without counting a shared page twice, as the RSS' sum does."""
+    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+        if line.startswith("Pss:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
 class FixtureServers:
     """``count`` healthy servers + ``blackholes`` TCP listeners that accept and never answer, in a child."""
 

@@ -58,7 +58,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _support import cpu_seconds, percentile, rss_mib, start_scrape, summary  # noqa: E402
+from _support import cpu_seconds, percentile, pss_mib, rss_mib, start_scrape, summary  # noqa: E402
 from bench_derive import T0, WALL0, Workload  # noqa: E402
 
 from exporter.config import Config, ServerConfig  # noqa: E402
@@ -307,16 +307,6 @@ def atomic_text(path: Path, text: str) -> None:
     part = path.with_suffix(".part")
     part.write_text(text)
     os.replace(part, path)
-
-
-def pss_mib(pid: int) -> float:
-    """Proportional set size: the process' private pages plus its share of the pages it shares (the shared
-    libraries' code, mapped by every process): summed over processes, what they take of the node's memory
-    without counting a shared page twice, as the RSS' sum does."""
-    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-        if line.startswith("Pss:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
 
 
 async def measure_processes(args, k: int, tmp: str) -> dict:
