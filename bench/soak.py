@@ -375,7 +375,7 @@ def main_processes(args, k: int) -> dict:
               f"wall {w['step']}; GC max {w['gc_pause_max_ms']} ms (fill {w['gc_pause_fill_max_ms']}, at the real pace "
               f"{w['gc_pause_measure_max_ms']}; CPU {w['gc_pause_max_cpu_ms']} ms; gen 2 at the real pace "
               f"{w['gc_measure']['gen2']['n']}x, max {w['gc_measure']['gen2']['max_ms']} ms); slowest ticks (index "
-              f"after the fill, CPU ms) {w['slowest_ticks']}; RSS "
+              f"after the fill, CPU ms) {[tuple(x) for x in w['slowest_ticks']]}; RSS "
               f"plateau {w['rss_plateau_mib']} MiB, end {w['rss_end_mib']} MiB")
     print(f"  parent: merged /metrics {got['metrics']} ({got['metrics_bytes']} bytes, {got['errors']} errors); "
           f"CPU {got['parent_cpu_ms_per_second']} ms/s, its group's tick included; GC max "

@@ -22,11 +22,11 @@ import requests
 
 from exporter import catalog
 from exporter.catalog import bounds
+from exporter.commands.demo import OFF  # the demo's server without offloading: the one a potential dE prices
 from tests.support.daemon import ADDRESS_IN_USE, BIND_TRIES, parse_exposition
 from tests.support.engine import free_port
 from tests.support.fuzz_engine import PENDING_RELATIONS
 from tests.test_demo import REPO
-from exporter.commands.demo import OFF  # the demo's server without offloading: the one a potential dE prices
 
 SPEED = 3
 STORY_SECONDS = 150 / SPEED + 15  # the capture's length at --speed SPEED, and a margin for the last windows

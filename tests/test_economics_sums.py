@@ -116,6 +116,24 @@ def test_the_potential_de_is_the_tax_share_it_prices(costs):
         assert est.stderr >= jack * (1 - 1e-9)  # the measured cost's SE on top
 
 
+def test_a_window_holding_no_whole_repeat_window_still_has_the_potential_its_tax_share_prices():
+    """A 30 s window often holds no whole repeat window (the grid's are 10 s here; at 1 s ticks its first second
+    cuts one): the potential is priced on the window's own sums all the same, as the tax share beside it is, with
+    no SE (the jackknife needs two windows). Before, it was unknown there while the share read 0.9 (the demo's
+    demo-no-offload at the end of its story)."""
+    costs = pe.PhaseCosts(scope="gpu", prompt_computed_j=0.05, prompt_computed_se=None, generated_j=0.25,
+                          generated_se=None, reloaded_j=0.005, reloaded_se=None, windows=30, state="unknown", reason="",
+                          source="prior")
+    ivs = [iv for iv in _load_starts() if 10.5 <= iv.t0 < 19.5]  # 9 s: no 10 s bucket lies wholly inside
+    agg = aggregate_of(ivs)
+    assert not [w for w in _windows(ivs) if w.covered_seconds >= WIDTH]
+    share = derive_energy.tax_in_energy(agg, 0.3, [costs], False, RATIO)["recompute_energy_share"]["gpu"]
+    est = E.potential([], 0.3, None, RATIO, costs, E.scope_stat(agg, "gpu"))
+    assert share > 0.01 and est.value == pytest.approx((1 - 0.005 / 0.05) * share, rel=1e-9)
+    assert est.stderr is None and est.windows == 0
+    assert E.potential([], 0.3, None, RATIO, costs, None).value is None  # nothing to price: unknown
+
+
 def test_the_estimated_de_is_the_saving_over_the_energy_it_would_have_taken():
     costs = pe.PhaseCosts(scope="gpu", prompt_computed_j=0.05, prompt_computed_se=0.002, generated_j=0.3,
                           generated_se=0.01, reloaded_j=0.01, reloaded_se=0.001, windows=60, state="known", reason="",

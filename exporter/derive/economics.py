@@ -431,9 +431,12 @@ def _priced(windows: Sequence[WindowStat], whole: WindowStat | None, saving: Sav
     if (costs is None or not costs.usable) and price is None:
         return Estimate(value=None, stderr=None, windows=0, reference_windows=0, kind="estimated",
                         note="no J per computed prompt token (needs GPU energy and P_idle)")
-    if not windows:
+    if not windows and whole is None:
         return Estimate(value=None, stderr=None, windows=0, reference_windows=0, kind="estimated",
                         note="no comparable windows")
+    # With ``whole`` the value needs no repeat window: it is priced on the window's own sums, as the tax share
+    # beside it is (a 30 s window often holds no whole repeat window; dE unknown beside a tax shown broke the
+    # relation dE = (1 - J_r/J_c) x share). The SE needs two (the jackknife), so it is unknown below that.
     if whole is None and len(windows) == 1:
         whole = windows[0]
     elif whole is None:  # the windows' sum, field by field in their order
