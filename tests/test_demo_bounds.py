@@ -165,11 +165,12 @@ def test_the_demo_shows_no_figure_outside_its_bounds_over_its_whole_story(tmp_pa
     # issue 37: no read shows the potential dE under half of the tax share it prices; no simulated GPU above
     # 1,000 W (its enforced limit 700 W) over any 10 s, nor in its power reading (on the code before: no read had
     # a reference share in one run on this loaded machine; the unit test is tests/test_economics_sums.py)
-    # Read whenever the server without offloading showed a tax: the potential is its dE (the offloading
+    # Read beside every tax the server without offloading showed: the potential is its dE (the offloading
     # servers' dE is paired or estimated, never potential, so their shares are no premise here; counting them
     # failed the test on a loaded runner where the no-offload server's reference stayed unknown all story).
     ratios, off_taxed = seen["de_over_share"], seen["off_taxed"]
-    assert not off_taxed or any(beside for *_, beside in off_taxed), (off_taxed[:5], seen["reference_of"])
+    # every such read, not one: a 30 s window holding no whole repeat window once showed the tax alone (3 of 64)
+    assert all(beside for *_, beside in off_taxed), ([t for t in off_taxed if not t[2]][:5], seen["reference_of"])
     assert all(r >= 0.5 for r, *_ in ratios), min(ratios)
     watts = _gpu_watts_over_windows(seen["gpu"])
     assert 0 < watts <= 1000.0 and 0 < max(seen["gpu_watts"]) <= 1000.0, (watts, max(seen["gpu_watts"]))
