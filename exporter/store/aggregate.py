@@ -15,7 +15,8 @@ stream runs. Afresh without a pause: a shadow aggregate then sums every interval
 tick), and once every interval held when it started has left, it holds exactly the held intervals, summed from
 zero in order: its sums are adopted (``_adopt``; what ``resum()`` would give at that moment). Summing the
 held intervals at once took a tick of 32 servers from ~60 to ~300 ms each time their 60 s windows reached the
-count together (every 1000 ticks), and would take ~0.1 s a server for a 1 h window (issue 39: the tick's p99).
+count together (every 1000 ticks), and 63-87 ms a server for a 1 h window (bench/bench_window_slide.py; issue
+39: the tick's p99).
 
 Every derivation in ``derive/`` takes an aggregate (or a scope's sums); a one-off list of intervals becomes
 one through ``aggregate_of``.
