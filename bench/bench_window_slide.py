@@ -48,7 +48,6 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     store = IntervalColumns()
     agg = WindowAggregate(store=store)
-    k = 0
     for k in range(args.seconds):
         iv = interval(k)
         store.append(iv)

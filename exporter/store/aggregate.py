@@ -347,7 +347,7 @@ class WindowAggregate(_Sums):
     interval when it is read or leaves. The sorted gauge values are ``array('d')`` (8 bytes a value, nothing
     for the garbage collector to walk)."""
 
-    __slots__ = ("intervals", "_scopes", "_sorted", "_removals", "_frozen", "_shadow", "_pending")
+    __slots__ = ("intervals", "_scopes", "_sorted", "_removals", "_frozen", "_shadow")
 
     def __init__(self, intervals: Iterable[Interval] = (), store: IntervalColumns | None = None) -> None:
         super().__init__()
@@ -356,8 +356,9 @@ class WindowAggregate(_Sums):
         self._sorted: dict[str, array] = {k: array("d") for k in ORDERED_GAUGES}
         self._removals = 0
         self._frozen = False
-        self._shadow: WindowAggregate | None = None  # the fresh sums being made (class docstring)
-        self._pending = 0  # the intervals held when the shadow started that have not left yet
+        # the fresh sums being made (module docstring): the shadow has summed every interval added since it
+        # started, so it holds the window once its count is the window's (all held at its start have left)
+        self._shadow: WindowAggregate | None = None
         for iv in intervals:
             self.add(iv)
 
@@ -429,21 +430,17 @@ class WindowAggregate(_Sums):
             if not s and key.startswith(POOL_PREFIX):
                 del self._sorted[key]  # a pool no interval holds any more: gone
         self._removals += 1
-        if self._shadow is not None:
-            self._pending -= 1
-            if self._pending <= 0:
-                self._adopt(self._shadow)
-        elif self._removals >= max(self.n, RESUM_MIN_REMOVALS):
-            self._shadow, self._pending = WindowAggregate(), len(self.intervals)
-            if self._pending == 0:
-                self._adopt(self._shadow)
+        if self._shadow is None and self._removals >= max(self.n, RESUM_MIN_REMOVALS):
+            self._shadow = WindowAggregate()
+        if self._shadow is not None and self._shadow.n == self.n:
+            self._adopt(self._shadow)
         return head
 
     def _adopt(self, fresh: "WindowAggregate") -> None:
         """The shadow's sums, made from zero over exactly the intervals held now, replace the running ones."""
         self.n, self._cov, self._loaded, self._keys, self._scopes = \
             fresh.n, fresh._cov, fresh._loaded, fresh._keys, fresh._scopes
-        self._shadow, self._pending, self._removals = None, 0, 0
+        self._shadow, self._removals = None, 0
 
     def amend(self, old: Interval, new: Interval) -> None:
         """A held interval's counter deltas changed (``old`` -> ``new``, same times, gauges and energy): the
@@ -461,7 +458,7 @@ class WindowAggregate(_Sums):
 
     def resum(self) -> None:
         """Recompute every running sum from the held intervals (bounds add/subtract drift). O(n)."""
-        self._removals, self._shadow, self._pending = 0, None, 0
+        self._removals, self._shadow = 0, None
         self._frozen = False
         self.n = 0
         self._keys = {}
